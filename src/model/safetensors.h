@@ -1,0 +1,87 @@
+// Reading Hugging Face safetensors checkpoints: one file or shards through model.safetensors.index.json.
+//
+// Files are mmapped read-only; a TensorView points into the mapping, so loading copies nothing until
+// a backend converts or uploads the data. The header is validated in full before any tensor is used:
+// the JSON shape, dtypes, that every data range lies inside the file and ranges do not overlap, and
+// that byte sizes equal shape x dtype size. Every error names the file and the tensor.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace relay {
+
+struct TensorView {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;  // points into the mapped file
+  size_t nbytes = 0;
+  std::string file;  // the shard it lives in, for error messages
+
+  int64_t numel() const;
+};
+
+// One mmapped .safetensors file.
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::filesystem::path& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const std::filesystem::path& path() const { return path_; }
+
+  // Parses and validates a header (the JSON text) for a file whose data section has
+  // `data_bytes` bytes; exposed for the fuzzer and tests. `data` may be null when only validating.
+  static std::map<std::string, TensorView> parse_header(std::string_view header_json,
+                                                        const uint8_t* data, size_t data_bytes,
+                                                        const std::string& file,
+                                                        std::map<std::string, std::string>* metadata);
+
+ private:
+  std::filesystem::path path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  std::map<std::string, TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// All tensors of a checkpoint directory (single file or sharded).
+class Checkpoint {
+ public:
+  explicit Checkpoint(const std::filesystem::path& dir);
+
+  bool has(const std::string& name) const;
+  // The tensor `name`; throws naming the checkpoint and the tensor when it is missing.
+  const TensorView& get(const std::string& name) const;
+  // Like get, and checks the shape: the error names the tensor, the file and both shapes.
+  const TensorView& get(const std::string& name, const std::vector<int64_t>& expected_shape) const;
+  std::vector<std::string> names() const;
+  const std::filesystem::path& dir() const { return dir_; }
+
+ private:
+  std::filesystem::path dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const TensorView*> index_;
+};
+
+// Writes tensors to one safetensors file (used by make-model and quantize).
+struct TensorToWrite {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+
+}  // namespace relay
