@@ -1,0 +1,64 @@
+// The interface between the scheduler and a compute backend (CPU now, CUDA next).
+//
+// The scheduler decides, each step, which sequences run and how many of their tokens (a prompt
+// chunk, or the one token generated last); the block manager has already given each sequence the KV
+// blocks it needs. The backend runs the model over that flattened batch, writes K/V into the paged
+// cache, and samples a token for each sequence that asks for one. Backends own the KV pool; block
+// ids are indices into it, shared by every layer (a block id names the same slot in each layer).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "model/config.h"
+
+namespace relay {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0 -> greedy (argmax)
+  int top_k = 0;             // 0 -> off
+  float top_p = 1.0f;        // 1 -> off
+  float min_p = 0.0f;        // 0 -> off
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float repetition_penalty = 1.0f;
+  // Sampling is a pure function of (seed, sample_index): a preempted and recomputed sequence draws
+  // the same tokens again. The server picks a random seed when the request gives none.
+  uint64_t seed = 0;
+  int num_logprobs = -1;  // -1: none; 0: the chosen token's logprob; k: and the top k
+};
+
+// One sequence's part of a step.
+struct StepSequence {
+  int64_t seq_id = 0;
+  std::span<const int32_t> tokens;           // the tokens to compute now
+  int32_t num_computed = 0;                  // tokens already in the KV cache (position of tokens[0])
+  std::span<const int32_t> block_table;      // KV blocks covering num_computed + tokens.size()
+  bool sample = false;                       // sample after the last token of `tokens`
+  const SamplingParams* sampling = nullptr;  // when sample
+  std::span<const int32_t> output_tokens;    // generated so far, for penalties
+  uint64_t sample_index = 0;                 // how many tokens this sequence sampled before
+};
+
+struct SampledToken {
+  int64_t seq_id = 0;
+  int32_t token = 0;
+  float logprob = 0.0f;                           // log-softmax of the raw logits (vLLM's default)
+  std::vector<std::pair<int32_t, float>> top;     // the num_logprobs most likely, best first
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual int block_size() const = 0;    // tokens per KV block
+  virtual int num_kv_blocks() const = 0;  // blocks in the pool
+  // Runs one forward pass over `batch` and returns one SampledToken per sequence with sample=true,
+  // in batch order.
+  virtual std::vector<SampledToken> step(std::span<const StepSequence> batch) = 0;
+};
+
+}  // namespace relay
