@@ -1,0 +1,208 @@
+// The model's compute operations: one params struct and one launch function per op.
+//
+// Every op is described by a params struct templated on the element type T of its activations and
+// weights, so the CPU reference (T = float, src/kernels/cpu/) and the CUDA backend (T = bf16, its own
+// launch overloads taking a stream) share one description of shapes and semantics. Every pointer
+// field carries its shape; shapes are row-major and "[a, b]" means b is contiguous. Index tensors are
+// int32 (row counts and block ids fit), slot mappings int64 (num_blocks * block_size may not).
+//
+// The ops follow one decoder layer of Qwen3 / Qwen3-MoE over a flattened batch of T tokens:
+//   embedding -> [rms_norm(+residual) -> matmul(qkv) -> qk_norm_rope_kv_write -> paged_attention
+//   -> matmul(o) -> rms_norm(+residual) -> (dense: matmul(gate_up) -> swiglu -> matmul(down))
+//   | (moe: matmul(router) -> moe_router_topk -> moe_permute -> moe_grouped_matmul(gate_up) -> swiglu
+//   -> moe_grouped_matmul(down) -> moe_unpermute_combine)] x layers -> rms_norm(+residual) -> lm_head.
+//
+// The KV cache is paged and HND: for one layer, K and V are each
+// [num_blocks, num_kv_heads, block_size, head_dim] (see kvcache/kv_cache.h); a token's "slot" is
+// block_id * block_size + offset_in_block.
+//
+// CPU launches take the thread pool they may use (the CUDA ones take a stream); ops that are cheap
+// next to the matmuls still split rows over it so nothing single-threaded dominates a step.
+#pragma once
+
+#include <cstdint>
+
+namespace relay {
+class ThreadPool;
+}
+
+namespace relay::kernels {
+
+// out[t] = table[token_ids[t]].
+template <typename T>
+struct EmbeddingParams {
+  const int32_t* token_ids = nullptr;  // [num_tokens], each in [0, vocab_size)
+  const T* table = nullptr;            // [vocab_size, hidden]
+  T* out = nullptr;                    // [num_tokens, hidden]
+  int num_tokens = 0;
+  int hidden = 0;
+  int vocab_size = 0;
+};
+
+// RMSNorm as Hugging Face computes it: y = weight * (x / sqrt(mean(x^2) + eps)), statistics in fp32.
+// With `residual` set, the residual stream is updated first (residual += x) and the norm is taken of
+// the updated residual — the pre-norm block's "h = h + sublayer(x); x = norm(h)" in one pass.
+template <typename T>
+struct RmsNormParams {
+  const T* x = nullptr;      // [num_tokens, hidden]
+  T* residual = nullptr;     // [num_tokens, hidden] or null; updated in place to residual + x
+  const T* weight = nullptr; // [hidden]
+  T* out = nullptr;          // [num_tokens, hidden]; may alias x
+  int num_tokens = 0;
+  int hidden = 0;
+  float eps = 1e-6f;
+};
+
+// out = x @ w^T (+ bias): every linear layer (qkv, o, dense MLP, router).
+template <typename T>
+struct MatmulParams {
+  const T* x = nullptr;     // [m, k]
+  const T* w = nullptr;     // [n, k] (the nn.Linear weight layout)
+  const T* bias = nullptr;  // [n] or null
+  T* out = nullptr;         // [m, n]; must not alias x
+  int m = 0;
+  int n = 0;
+  int k = 0;
+};
+
+// Qwen3 attention's pre-attention work for every token, fused:
+//   q_h = rope(rms_norm(q_h) * q_norm_weight), k_h = rope(rms_norm(k_h) * k_norm_weight) per head,
+//   then K and V are written to the paged cache at slot_mapping[t]. RoPE is the rotate-half (NeoX)
+// form over the full head_dim: angle_i = position * inv_freq[i] (fp32 product, as HF), and cos/sin are
+// multiplied by attention_scaling (YaRN's mscale; 1 for plain RoPE) before use. inv_freq and
+// attention_scaling come from relay::compute_rope (model/rope.h), which follows transformers exactly.
+template <typename T>
+struct QkNormRopeKvWriteParams {
+  const T* qkv = nullptr;            // [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]: q | k | v
+  const T* q_norm_weight = nullptr;  // [head_dim]
+  const T* k_norm_weight = nullptr;  // [head_dim]
+  const int32_t* positions = nullptr;     // [num_tokens]
+  const float* inv_freq = nullptr;        // [head_dim / 2]
+  float attention_scaling = 1.0f;
+  const int64_t* slot_mapping = nullptr;  // [num_tokens]; slot = block * block_size + offset, -1 = don't store
+  T* q_out = nullptr;    // [num_tokens, num_q_heads, head_dim]
+  T* k_cache = nullptr;  // [num_blocks, num_kv_heads, block_size, head_dim] (this layer)
+  T* v_cache = nullptr;  // [num_blocks, num_kv_heads, block_size, head_dim] (this layer)
+  int num_tokens = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  float eps = 1e-6f;
+};
+
+// Paged GQA attention for a flattened batch of sequences (prefill chunks and decode alike).
+// Sequence s owns query rows [query_starts[s], query_starts[s+1]) and has context_lens[s] tokens in
+// the cache, its new tokens included (they were written by qk_norm_rope_kv_write). Its new token j
+// (of n_s) sits at position context_lens[s] - n_s + j and attends to cache positions
+// [0, context_lens[s] - n_s + j]: causal among the new tokens, full over earlier context. Cache
+// position p lives in block block_tables[s * max_blocks_per_seq + p / block_size] at offset
+// p % block_size. Query head h reads KV head h / (num_q_heads / num_kv_heads).
+template <typename T>
+struct PagedAttentionParams {
+  const T* q = nullptr;                // [num_tokens, num_q_heads, head_dim]
+  const T* k_cache = nullptr;          // [num_blocks, num_kv_heads, block_size, head_dim]
+  const T* v_cache = nullptr;          // [num_blocks, num_kv_heads, block_size, head_dim]
+  const int32_t* query_starts = nullptr;  // [num_seqs + 1], query_starts[0] = 0, last = num_tokens
+  const int32_t* context_lens = nullptr;  // [num_seqs]
+  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
+  T* out = nullptr;                    // [num_tokens, num_q_heads, head_dim]
+  int num_seqs = 0;
+  int num_tokens = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;
+  float scale = 1.0f;  // 1 / sqrt(head_dim) for Qwen3
+};
+
+// out = silu(gate) * up over rows whose first half is gate and second half up (HF's gate_up layout).
+template <typename T>
+struct SwigluParams {
+  const T* gate_up = nullptr;  // [num_rows, 2 * width]
+  T* out = nullptr;            // [num_rows, width]
+  int num_rows = 0;
+  int width = 0;
+};
+
+// The MoE router after its matmul: probabilities = softmax(logits) in fp32, the top_k largest (ties
+// to the lower expert id, as torch.topk on CPU), optionally renormalised to sum to one.
+template <typename T>
+struct MoeRouterTopkParams {
+  const T* logits = nullptr;     // [num_tokens, num_experts]
+  int32_t* topk_ids = nullptr;   // [num_tokens, top_k], best first
+  float* topk_weights = nullptr; // [num_tokens, top_k]
+  int num_tokens = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  bool renormalize = false;  // norm_topk_prob
+};
+
+// Groups the (token, k) assignments by expert: row r = t * top_k + k goes to permuted row
+// permuted_index[r]; rows of expert e are [expert_offsets[e], expert_offsets[e+1]), in (t, k) order
+// inside an expert. Experts with no tokens get an empty range.
+template <typename T>
+struct MoePermuteParams {
+  const T* x = nullptr;                  // [num_tokens, hidden]
+  const int32_t* topk_ids = nullptr;     // [num_tokens, top_k]
+  T* permuted_x = nullptr;               // [num_tokens * top_k, hidden]
+  int32_t* permuted_index = nullptr;     // [num_tokens * top_k]: (t, k) row -> permuted row
+  int32_t* expert_offsets = nullptr;     // [num_experts + 1]
+  int num_tokens = 0;
+  int hidden = 0;
+  int num_experts = 0;
+  int top_k = 0;
+};
+
+// out[r] = x[r] @ w[e]^T for every permuted row r of expert e (the experts' gate_up or down).
+template <typename T>
+struct MoeGroupedMatmulParams {
+  const T* x = nullptr;                     // [num_rows, k]
+  const T* w = nullptr;                     // [num_experts, n, k]
+  const int32_t* expert_offsets = nullptr;  // [num_experts + 1], expert_offsets[num_experts] = num_rows
+  T* out = nullptr;                         // [num_rows, n]
+  int num_rows = 0;
+  int num_experts = 0;
+  int n = 0;
+  int k = 0;
+};
+
+// out[t] = sum_k topk_weights[t, k] * expert_out[permuted_index[t * top_k + k]] (k ascending).
+template <typename T>
+struct MoeUnpermuteCombineParams {
+  const T* expert_out = nullptr;          // [num_tokens * top_k, hidden]
+  const int32_t* permuted_index = nullptr;// [num_tokens * top_k]
+  const float* topk_weights = nullptr;    // [num_tokens, top_k]
+  T* out = nullptr;                       // [num_tokens, hidden]
+  int num_tokens = 0;
+  int hidden = 0;
+  int top_k = 0;
+};
+
+// logits[i] = x[rows[i]] @ w^T in fp32: the LM head over only the rows that sample.
+template <typename T>
+struct LmHeadParams {
+  const T* x = nullptr;          // [num_tokens, hidden] (already final-normed)
+  const int32_t* rows = nullptr; // [num_rows], indices into x
+  const T* w = nullptr;          // [vocab_size, hidden]
+  float* logits = nullptr;       // [num_rows, vocab_size]
+  int num_rows = 0;
+  int hidden = 0;
+  int vocab_size = 0;
+};
+
+// CPU reference implementations (fp32), src/kernels/cpu/*.cpp.
+void launch_embedding(const EmbeddingParams<float>& p, ThreadPool& pool);
+void launch_rms_norm(const RmsNormParams<float>& p, ThreadPool& pool);
+void launch_matmul(const MatmulParams<float>& p, ThreadPool& pool);
+void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<float>& p, ThreadPool& pool);
+void launch_paged_attention(const PagedAttentionParams<float>& p, ThreadPool& pool);
+void launch_swiglu(const SwigluParams<float>& p, ThreadPool& pool);
+void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& pool);
+void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool);
+void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<float>& p, ThreadPool& pool);
+void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, ThreadPool& pool);
+void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool);
+
+}  // namespace relay::kernels
