@@ -15,16 +15,19 @@
 
 namespace relay {
 
+// RoPE scaling as transformers computes it. Parsing resolves every derived value, so for YaRN
+// `attention_factor` is always set (> 0) and the rotary layer only applies the formulas.
 struct RopeScaling {
   enum class Type { None, Yarn, Linear, Dynamic };
   Type type = Type::None;
-  double factor = 1.0;
-  int64_t original_max_position_embeddings = 0;  // YaRN: context the model was trained on
-  double beta_fast = 32.0;                        // YaRN
-  double beta_slow = 1.0;                         // YaRN
-  double mscale = 1.0;                            // YaRN (attention_factor override when > 0)
-  double attention_factor = 0.0;                  // YaRN: 0 -> 0.1 * ln(factor) + 1
-  bool truncate = true;                           // YaRN: floor/ceil the correction range
+  double factor = 1.0;                           // context extension (positions / factor for Linear)
+  int64_t original_max_position_embeddings = 0;  // context the model was trained on
+  double beta_fast = 32.0;                       // YaRN: rotations where extrapolation starts
+  double beta_slow = 1.0;                        // YaRN: rotations where interpolation ends
+  double mscale = 0.0;                           // YaRN: as written in the config (0 = absent)
+  double mscale_all_dim = 0.0;                   // YaRN: as written in the config (0 = absent)
+  double attention_factor = 0.0;                 // YaRN: cos/sin multiplier, resolved at parse time
+  bool truncate = true;                          // YaRN: floor/ceil the correction range
 };
 
 struct ModelConfig {
@@ -36,7 +39,7 @@ struct ModelConfig {
   int64_t num_hidden_layers = 0;
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;
-  int64_t head_dim = 0;  // defaults to hidden_size / num_attention_heads
+  int64_t head_dim = 0;  // absent: 128 for Qwen3 (transformers' default), hidden/heads for Qwen3-MoE
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;

@@ -8,8 +8,10 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,10 @@ struct TensorView {
 
   int64_t numel() const;
 };
+
+// Widens an F32/F16/BF16 tensor to fp32 (the CPU backend's compute type); other dtypes throw,
+// naming the tensor and its file.
+std::vector<float> tensor_to_f32(const TensorView& t);
 
 // One mmapped .safetensors file.
 class SafetensorsFile {
@@ -83,5 +89,18 @@ struct TensorToWrite {
 };
 void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+
+// The streaming form, for files larger than memory: the header is written from `specs`, then
+// `fill(i, out)` is called once per tensor, in order, to produce tensor i's bytes into `out`
+// (exactly shape x dtype-size bytes). Only one tensor is held in memory at a time.
+struct TensorSpec {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+};
+size_t tensor_bytes(const TensorSpec& spec);
+void write_safetensors_streamed(const std::filesystem::path& path, const std::vector<TensorSpec>& specs,
+                                const std::function<void(size_t index, std::span<uint8_t> out)>& fill,
+                                const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
 
 }  // namespace relay
