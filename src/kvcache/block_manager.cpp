@@ -1,0 +1,238 @@
+// The block manager's free list, reference counts and prefix cache (see block_manager.h).
+#include "kvcache/block_manager.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace relay {
+
+namespace {
+
+// splitmix64's finaliser: a cheap, well-mixed 64-bit permutation.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching)
+    : num_blocks_(num_blocks), block_size_(block_size), enable_prefix_caching_(enable_prefix_caching) {
+  RELAY_CHECK(num_blocks > 0, "the KV pool needs at least one block, got ", num_blocks);
+  RELAY_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
+  blocks_.resize(num_blocks);
+  for (int32_t b = 0; b < num_blocks; ++b) push_free_back(b);
+}
+
+uint64_t BlockManager::chain_hash(uint64_t parent, std::span<const int32_t> tokens) {
+  uint64_t h = mix64(parent);
+  for (int32_t t : tokens) h = mix64(h ^ static_cast<uint32_t>(t));
+  return h;
+}
+
+bool BlockManager::matches(const Block& b, uint64_t parent, std::span<const int32_t> tokens) const {
+  return b.cached && b.parent_hash == parent && std::equal(tokens.begin(), tokens.end(),
+                                                           b.tokens.begin(), b.tokens.end());
+}
+
+PrefixHit BlockManager::find_cached_prefix(std::span<const int32_t> tokens) const {
+  PrefixHit hit;
+  hit.last_hash = kRootHash;
+  if (!enable_prefix_caching_ || tokens.empty()) return hit;
+  const size_t max_blocks = (tokens.size() - 1) / block_size_;
+  for (size_t i = 0; i < max_blocks; ++i) {
+    const auto chunk = tokens.subspan(i * block_size_, block_size_);
+    const uint64_t h = chain_hash(hit.last_hash, chunk);
+    const auto it = cached_.find(h);
+    if (it == cached_.end() || !matches(blocks_[it->second], hit.last_hash, chunk)) break;
+    hit.blocks.push_back(it->second);
+    hit.hashes.push_back(h);
+    hit.last_hash = h;
+  }
+  return hit;
+}
+
+int BlockManager::num_hit_blocks_now_free(const PrefixHit* hit) const {
+  int n = 0;
+  if (hit == nullptr) return 0;
+  for (size_t i = 0; i < hit->blocks.size(); ++i) {
+    const Block& b = blocks_[hit->blocks[i]];
+    RELAY_CHECK(b.cached && b.hash == hit->hashes[i], "prefix hit block ", hit->blocks[i],
+                " was evicted between find_cached_prefix and allocate");
+    if (b.ref_count == 0) ++n;
+  }
+  return n;
+}
+
+bool BlockManager::can_allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit) const {
+  const auto it = seqs_.find(seq_id);
+  const bool is_new = it == seqs_.end();
+  RELAY_CHECK(is_new || hit == nullptr || hit->blocks.empty(),
+              "a prefix hit can only start a new sequence (sequence ", seq_id, ")");
+  const int have = is_new ? (hit ? static_cast<int>(hit->blocks.size()) : 0)
+                          : static_cast<int>(it->second.table.size());
+  const int fresh = std::max(0, blocks_for_tokens(num_tokens) - have);
+  // Hit blocks sitting in the free list leave it when taken, so they count against it too.
+  return fresh + num_hit_blocks_now_free(is_new ? hit : nullptr) <= num_free_;
+}
+
+bool BlockManager::allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit) {
+  if (!can_allocate(seq_id, num_tokens, hit)) return false;
+  auto [it, is_new] = seqs_.try_emplace(seq_id);
+  SeqBlocks& seq = it->second;
+  if (is_new) {
+    seq.last_hash = kRootHash;
+    if (hit != nullptr) {
+      for (int32_t b : hit->blocks) {
+        if (blocks_[b].ref_count++ == 0) unlink_free(b);
+        seq.table.push_back(b);
+      }
+      seq.num_hashed = static_cast<int>(hit->blocks.size());
+      seq.last_hash = hit->last_hash;
+    }
+  }
+  while (static_cast<int>(seq.table.size()) < blocks_for_tokens(num_tokens)) {
+    const int32_t b = pop_free();
+    blocks_[b].ref_count = 1;
+    seq.table.push_back(b);
+  }
+  return true;
+}
+
+void BlockManager::cache_full_blocks(int64_t seq_id, std::span<const int32_t> tokens,
+                                     int64_t num_computed_tokens) {
+  if (!enable_prefix_caching_) return;
+  const auto it = seqs_.find(seq_id);
+  RELAY_CHECK(it != seqs_.end(), "cache_full_blocks: unknown sequence ", seq_id);
+  RELAY_CHECK(num_computed_tokens <= static_cast<int64_t>(tokens.size()),
+              "cache_full_blocks: ", num_computed_tokens, " computed tokens but the sequence has ",
+              tokens.size());
+  SeqBlocks& seq = it->second;
+  const int num_full = static_cast<int>(
+      std::min<int64_t>(num_computed_tokens / block_size_, static_cast<int64_t>(seq.table.size())));
+  for (; seq.num_hashed < num_full; ++seq.num_hashed) {
+    const auto chunk = tokens.subspan(static_cast<size_t>(seq.num_hashed) * block_size_, block_size_);
+    const uint64_t h = chain_hash(seq.last_hash, chunk);
+    Block& b = blocks_[seq.table[seq.num_hashed]];
+    // NOTE: when another sequence already cached this prefix (both computed it in the same step),
+    // the first copy stays the cached one and this block remains private.
+    if (!b.cached && cached_.count(h) == 0) {
+      b.cached = true;
+      b.hash = h;
+      b.parent_hash = seq.last_hash;
+      b.tokens.assign(chunk.begin(), chunk.end());
+      cached_.emplace(h, seq.table[seq.num_hashed]);
+    }
+    seq.last_hash = h;
+  }
+}
+
+void BlockManager::free(int64_t seq_id) {
+  const auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  const std::vector<int32_t>& table = it->second.table;
+  for (auto b = table.rbegin(); b != table.rend(); ++b) {
+    Block& block = blocks_[*b];
+    RELAY_CHECK(block.ref_count > 0, "block ", *b, " of sequence ", seq_id, " is already free");
+    if (--block.ref_count == 0) {
+      if (block.cached) {
+        push_free_back(*b);
+      } else {
+        push_free_front(*b);
+      }
+    }
+  }
+  seqs_.erase(it);
+}
+
+std::span<const int32_t> BlockManager::block_table(int64_t seq_id) const {
+  const auto it = seqs_.find(seq_id);
+  RELAY_CHECK(it != seqs_.end(), "block_table: unknown sequence ", seq_id);
+  return it->second.table;
+}
+
+void BlockManager::unlink_free(int32_t block) {
+  Block& b = blocks_[block];
+  if (b.prev != kNone) blocks_[b.prev].next = b.next; else free_head_ = b.next;
+  if (b.next != kNone) blocks_[b.next].prev = b.prev; else free_tail_ = b.prev;
+  b.prev = b.next = kNone;
+  --num_free_;
+}
+
+void BlockManager::push_free_front(int32_t block) {
+  Block& b = blocks_[block];
+  b.prev = kNone;
+  b.next = free_head_;
+  if (free_head_ != kNone) blocks_[free_head_].prev = block; else free_tail_ = block;
+  free_head_ = block;
+  ++num_free_;
+}
+
+void BlockManager::push_free_back(int32_t block) {
+  Block& b = blocks_[block];
+  b.next = kNone;
+  b.prev = free_tail_;
+  if (free_tail_ != kNone) blocks_[free_tail_].next = block; else free_head_ = block;
+  free_tail_ = block;
+  ++num_free_;
+}
+
+int32_t BlockManager::pop_free() {
+  RELAY_CHECK(free_head_ != kNone, "the KV pool has no free block");
+  const int32_t block = free_head_;
+  unlink_free(block);
+  Block& b = blocks_[block];
+  if (b.cached) {
+    cached_.erase(b.hash);
+    b.cached = false;
+    b.tokens.clear();
+  }
+  return block;
+}
+
+void BlockManager::check_invariants() const {
+  std::vector<int> refs(num_blocks_, 0);
+  for (const auto& [id, seq] : seqs_) {
+    RELAY_CHECK(seq.num_hashed <= static_cast<int>(seq.table.size()), "sequence ", id, " hashed ",
+                seq.num_hashed, " blocks of ", seq.table.size());
+    for (int32_t b : seq.table) {
+      RELAY_CHECK(b >= 0 && b < num_blocks_, "sequence ", id, " holds block id ", b, " outside the pool");
+      ++refs[b];
+    }
+  }
+  std::vector<bool> in_free(num_blocks_, false);
+  int n = 0;
+  int32_t prev = kNone;
+  for (int32_t b = free_head_; b != kNone; b = blocks_[b].next) {
+    RELAY_CHECK(!in_free[b], "block ", b, " appears twice in the free list");
+    RELAY_CHECK(blocks_[b].prev == prev, "free list back link of block ", b, " is broken");
+    in_free[b] = true;
+    prev = b;
+    ++n;
+  }
+  RELAY_CHECK(prev == free_tail_, "free list tail is ", free_tail_, " but the walk ends at ", prev);
+  RELAY_CHECK(n == num_free_, "free list holds ", n, " blocks but num_free is ", num_free_);
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    const Block& block = blocks_[b];
+    RELAY_CHECK(block.ref_count == refs[b], "block ", b, " has ref_count ", block.ref_count,
+                " but appears in ", refs[b], " block tables");
+    RELAY_CHECK(in_free[b] == (block.ref_count == 0), "block ", b, " with ref_count ",
+                block.ref_count, (in_free[b] ? " is" : " is not"), " in the free list");
+    if (block.cached) {
+      const auto it = cached_.find(block.hash);
+      RELAY_CHECK(it != cached_.end() && it->second == b, "cached block ", b,
+                  " is missing from the cache index");
+      RELAY_CHECK(static_cast<int>(block.tokens.size()) == block_size_, "cached block ", b,
+                  " holds ", block.tokens.size(), " tokens");
+    }
+  }
+  for (const auto& [h, b] : cached_) {
+    RELAY_CHECK(blocks_[b].cached && blocks_[b].hash == h, "cache index entry for block ", b,
+                " is stale");
+  }
+}
+
+}  // namespace relay

@@ -1,0 +1,275 @@
+// Block manager: allocation, reference counts, prefix caching and LRU eviction, plus a randomized
+// run of operations checked against the invariants after every step.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "core/error.h"
+#include "kvcache/block_manager.h"
+
+namespace relay {
+namespace {
+
+std::vector<int32_t> iota_tokens(int n, int32_t start = 0) {
+  std::vector<int32_t> t(n);
+  std::iota(t.begin(), t.end(), start);
+  return t;
+}
+
+TEST(BlockManager, AllocateGrowsAndFreeReturnsEverything) {
+  BlockManager bm(8, 4);
+  EXPECT_EQ(bm.num_free_blocks(), 8);
+  ASSERT_TRUE(bm.allocate(1, 5));  // 2 blocks
+  EXPECT_EQ(bm.block_table(1).size(), 2u);
+  ASSERT_TRUE(bm.allocate(1, 8));  // still 2
+  EXPECT_EQ(bm.block_table(1).size(), 2u);
+  ASSERT_TRUE(bm.allocate(1, 9));  // 3
+  EXPECT_EQ(bm.block_table(1).size(), 3u);
+  EXPECT_DOUBLE_EQ(bm.usage(), 3.0 / 8.0);
+  bm.check_invariants();
+  bm.free(1);
+  EXPECT_EQ(bm.num_free_blocks(), 8);
+  EXPECT_DOUBLE_EQ(bm.usage(), 0.0);
+  EXPECT_FALSE(bm.has_sequence(1));
+  bm.free(1);  // unknown id: no-op
+  bm.check_invariants();
+}
+
+TEST(BlockManager, AllocationIsAllOrNothing) {
+  BlockManager bm(4, 4);
+  ASSERT_TRUE(bm.allocate(1, 12));
+  EXPECT_FALSE(bm.can_allocate(2, 8));
+  EXPECT_FALSE(bm.allocate(2, 8));
+  EXPECT_FALSE(bm.has_sequence(2));
+  EXPECT_EQ(bm.num_free_blocks(), 1);
+  EXPECT_FALSE(bm.allocate(1, 20));  // needs 2 more
+  EXPECT_EQ(bm.block_table(1).size(), 3u);
+  EXPECT_TRUE(bm.allocate(2, 4));
+  EXPECT_EQ(bm.num_free_blocks(), 0);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, PrefixHitSharesFullBlocksOnly) {
+  BlockManager bm(16, 4);
+  const auto prompt = iota_tokens(10);  // 2 full blocks + 2 tokens
+  ASSERT_TRUE(bm.allocate(1, 10));
+  EXPECT_TRUE(bm.find_cached_prefix(prompt).blocks.empty());  // nothing computed yet
+  bm.cache_full_blocks(1, prompt, 10);
+  EXPECT_EQ(bm.num_cached_blocks(), 2);
+
+  const PrefixHit hit = bm.find_cached_prefix(prompt);
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  EXPECT_EQ(hit.num_tokens(4), 8);
+  EXPECT_EQ(hit.blocks[0], bm.block_table(1)[0]);
+  EXPECT_EQ(hit.blocks[1], bm.block_table(1)[1]);
+  ASSERT_TRUE(bm.allocate(2, 10, &hit));
+  EXPECT_EQ(bm.ref_count(hit.blocks[0]), 2);
+  EXPECT_EQ(bm.ref_count(hit.blocks[1]), 2);
+  EXPECT_NE(bm.block_table(2)[2], bm.block_table(1)[2]);  // the partial block is private
+  bm.check_invariants();
+
+  // A prompt that differs in the second block shares only the first.
+  auto other = prompt;
+  other[5] = 999;
+  EXPECT_EQ(bm.find_cached_prefix(other).blocks.size(), 1u);
+  // A prompt that differs in the first block shares nothing (the hash is chained).
+  other = prompt;
+  other[0] = 999;
+  EXPECT_TRUE(bm.find_cached_prefix(other).blocks.empty());
+}
+
+TEST(BlockManager, LastTokenIsNeverAHit) {
+  BlockManager bm(16, 4);
+  const auto prompt = iota_tokens(8);  // exactly 2 blocks
+  ASSERT_TRUE(bm.allocate(1, 8));
+  bm.cache_full_blocks(1, prompt, 8);
+  // The same 8 tokens: only the first block may be reused, the last token must be computed.
+  EXPECT_EQ(bm.find_cached_prefix(prompt).blocks.size(), 1u);
+  auto longer = iota_tokens(9);
+  EXPECT_EQ(bm.find_cached_prefix(longer).blocks.size(), 2u);
+}
+
+TEST(BlockManager, CachedBlocksSurviveFreeAndAreReused) {
+  BlockManager bm(4, 4);
+  const auto prompt = iota_tokens(9);
+  ASSERT_TRUE(bm.allocate(1, 9));
+  bm.cache_full_blocks(1, prompt, 9);
+  bm.free(1);
+  EXPECT_EQ(bm.num_free_blocks(), 4);
+  EXPECT_EQ(bm.num_cached_blocks(), 2);
+  const PrefixHit hit = bm.find_cached_prefix(prompt);
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  // Taking 2 cached free blocks + 1 fresh = 3 of the 4 free blocks.
+  ASSERT_TRUE(bm.allocate(2, 9, &hit));
+  EXPECT_EQ(bm.num_free_blocks(), 1);
+  EXPECT_EQ(bm.block_table(2)[0], hit.blocks[0]);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, HitBlocksInFreeListCountAgainstCapacity) {
+  BlockManager bm(3, 4);
+  const auto prompt = iota_tokens(9);
+  ASSERT_TRUE(bm.allocate(1, 9));
+  bm.cache_full_blocks(1, prompt, 9);
+  bm.free(1);
+  const PrefixHit hit = bm.find_cached_prefix(iota_tokens(13));
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  // 13 tokens = 4 blocks: 2 hits + 2 fresh, but only 1 block is free besides the hits.
+  EXPECT_FALSE(bm.can_allocate(2, 13, &hit));
+  EXPECT_FALSE(bm.allocate(2, 13, &hit));
+  EXPECT_EQ(bm.num_cached_blocks(), 2);  // the failed call evicted nothing
+  EXPECT_TRUE(bm.allocate(2, 12, &hit));
+  bm.check_invariants();
+}
+
+TEST(BlockManager, EvictionIsLeastRecentlyUsedAndTailFirst) {
+  BlockManager bm(4, 2);
+  const auto a = iota_tokens(5, 100);  // 2 full blocks
+  ASSERT_TRUE(bm.allocate(1, 5));
+  bm.cache_full_blocks(1, a, 5);
+  const auto a_blocks = std::vector<int32_t>(bm.block_table(1).begin(), bm.block_table(1).end());
+  bm.free(1);
+  // The uncached third block went to the front; taking 2 blocks now takes it and then a's tail.
+  ASSERT_TRUE(bm.allocate(2, 4));
+  EXPECT_EQ(bm.num_cached_blocks(), 2);  // it took the uncached block and a never-used one
+  ASSERT_TRUE(bm.allocate(3, 2));
+  // Now one cached block had to go: the tail of `a`, so `a`'s first block is still a hit.
+  const PrefixHit hit = bm.find_cached_prefix(a);
+  ASSERT_EQ(hit.blocks.size(), 1u);
+  EXPECT_EQ(hit.blocks[0], a_blocks[0]);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, DuplicateComputationKeepsFirstCopyCached) {
+  BlockManager bm(8, 4);
+  const auto p = iota_tokens(6);
+  ASSERT_TRUE(bm.allocate(1, 6));
+  ASSERT_TRUE(bm.allocate(2, 6));  // admitted in the same step: no hit yet
+  bm.cache_full_blocks(1, p, 6);
+  bm.cache_full_blocks(2, p, 6);
+  EXPECT_EQ(bm.num_cached_blocks(), 1);
+  EXPECT_EQ(bm.find_cached_prefix(p).blocks[0], bm.block_table(1)[0]);
+  bm.free(1);
+  bm.free(2);
+  EXPECT_EQ(bm.num_free_blocks(), 8);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, DecodeBlocksBecomeCachedAsTheyFill) {
+  BlockManager bm(8, 4);
+  std::vector<int32_t> tokens = iota_tokens(3);
+  ASSERT_TRUE(bm.allocate(1, 3));
+  bm.cache_full_blocks(1, tokens, 3);
+  EXPECT_EQ(bm.num_cached_blocks(), 0);
+  for (int32_t t = 50; t < 56; ++t) {
+    tokens.push_back(t);
+    ASSERT_TRUE(bm.allocate(1, static_cast<int64_t>(tokens.size())));
+    bm.cache_full_blocks(1, tokens, static_cast<int64_t>(tokens.size()));
+  }
+  EXPECT_EQ(tokens.size(), 9u);
+  EXPECT_EQ(bm.num_cached_blocks(), 2);
+  EXPECT_EQ(bm.find_cached_prefix(tokens).blocks.size(), 2u);
+}
+
+TEST(BlockManager, PrefixCachingCanBeDisabled) {
+  BlockManager bm(8, 4, /*enable_prefix_caching=*/false);
+  const auto p = iota_tokens(9);
+  ASSERT_TRUE(bm.allocate(1, 9));
+  bm.cache_full_blocks(1, p, 9);
+  EXPECT_EQ(bm.num_cached_blocks(), 0);
+  EXPECT_TRUE(bm.find_cached_prefix(p).blocks.empty());
+}
+
+TEST(BlockManager, RejectsBadArguments) {
+  EXPECT_THROW(BlockManager(0, 16), Error);
+  EXPECT_THROW(BlockManager(4, 0), Error);
+  BlockManager bm(4, 4);
+  EXPECT_THROW(bm.block_table(7), Error);
+  const std::vector<int32_t> t = iota_tokens(4);
+  EXPECT_THROW(bm.cache_full_blocks(7, t, 4), Error);
+}
+
+// Random allocate / grow / cache / free sequences over a small pool, from several seeds. A shadow
+// model tracks what each sequence's tokens are; after every operation the invariants hold, every
+// hit block really holds the tokens it claims, and freeing everything returns usage to 0.
+TEST(BlockManager, RandomOperationsKeepInvariants) {
+  for (uint32_t seed = 1; seed <= 20; ++seed) {
+    std::mt19937 rng(seed);
+    const int block_size = 1 + static_cast<int>(rng() % 4);
+    BlockManager bm(24, block_size);
+    std::map<int64_t, std::vector<int32_t>> live;  // seq -> tokens (all computed)
+    // The content each block holds, written when a sequence computes it.
+    std::vector<std::vector<int32_t>> content(24);
+    int64_t next_id = 0;
+    auto random_tokens = [&](int n) {
+      // A few shared prefixes so hits happen often.
+      std::vector<int32_t> t;
+      const int family = static_cast<int>(rng() % 3);
+      for (int i = 0; i < n; ++i) t.push_back(i < 6 ? family * 100 + i : static_cast<int32_t>(rng() % 5));
+      return t;
+    };
+    auto write_content = [&](int64_t id, const std::vector<int32_t>& tokens, size_t from) {
+      const auto table = bm.block_table(id);
+      for (size_t pos = from; pos < tokens.size(); ++pos) {
+        auto& c = content[table[pos / block_size]];
+        c.resize(block_size, -1);
+        c[pos % block_size] = tokens[pos];
+      }
+    };
+    for (int op = 0; op < 600; ++op) {
+      const int kind = static_cast<int>(rng() % 4);
+      if (kind == 0 || live.empty()) {  // new sequence, maybe with a prefix hit
+        const auto tokens = random_tokens(1 + static_cast<int>(rng() % 12));
+        const PrefixHit hit = bm.find_cached_prefix(tokens);
+        for (size_t i = 0; i < hit.blocks.size(); ++i) {
+          for (int j = 0; j < block_size; ++j) {
+            ASSERT_EQ(content[hit.blocks[i]][j], tokens[i * block_size + j]) << "seed " << seed;
+          }
+        }
+        const int64_t id = next_id++;
+        const bool ok = bm.allocate(id, static_cast<int64_t>(tokens.size()), &hit);
+        EXPECT_EQ(ok, bm.has_sequence(id));
+        if (ok) {
+          write_content(id, tokens, hit.blocks.size() * block_size);
+          bm.cache_full_blocks(id, tokens, static_cast<int64_t>(tokens.size()));
+          live[id] = tokens;
+        }
+      } else if (kind == 1) {  // grow (decode) a random sequence
+        auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+        auto tokens = it->second;
+        tokens.push_back(static_cast<int32_t>(rng() % 5));
+        if (bm.allocate(it->first, static_cast<int64_t>(tokens.size()))) {
+          write_content(it->first, tokens, tokens.size() - 1);
+          bm.cache_full_blocks(it->first, tokens, static_cast<int64_t>(tokens.size()));
+          it->second = tokens;
+        }
+      } else {  // free
+        auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+        bm.free(it->first);
+        live.erase(it);
+      }
+      ASSERT_NO_THROW(bm.check_invariants()) << "seed " << seed << " op " << op;
+      // A used block is never handed to two sequences unless it is a shared cached block.
+      std::map<int32_t, int> owners;
+      for (const auto& [id, tokens] : live) {
+        for (int32_t b : bm.block_table(id)) ++owners[b];
+      }
+      for (const auto& [b, n] : owners) {
+        if (n > 1) {
+          EXPECT_EQ(bm.ref_count(b), n);
+        }
+      }
+    }
+    for (const auto& [id, tokens] : live) bm.free(id);
+    EXPECT_DOUBLE_EQ(bm.usage(), 0.0) << "seed " << seed;
+    EXPECT_EQ(bm.num_free_blocks(), 24);
+    bm.check_invariants();
+  }
+}
+
+}  // namespace
+}  // namespace relay
