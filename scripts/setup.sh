@@ -28,6 +28,13 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# Optional (`scripts/setup.sh --fuzz`): clang 16 and its libFuzzer runtime for tests/fuzz. clang 14
+# cannot compile std::source_location against this libstdc++; CI does not fuzz, so it skips this.
+if [ "${1:-}" = "--fuzz" ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y -qq --no-install-recommends clang-16 libclang-rt-16-dev
+fi
+
 # Python packages for the test oracles and the end-to-end tests (pinned).
 python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
 
