@@ -1,0 +1,122 @@
+// Continuous batching, chunked prefill and preemption by recompute (see scheduler.h).
+#include "scheduler/scheduler.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace relay {
+
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks)
+    : config_(config), blocks_(blocks) {
+  RELAY_CHECK(config.max_num_seqs > 0, "max_num_seqs must be positive, got ", config.max_num_seqs);
+  // NOTE: each running decode needs one token of the budget, so the budget must cover a full batch.
+  RELAY_CHECK(config.max_num_batched_tokens >= config.max_num_seqs, "max_num_batched_tokens (",
+              config.max_num_batched_tokens, ") must be at least max_num_seqs (", config.max_num_seqs,
+              ")");
+}
+
+void Scheduler::add(std::unique_ptr<Sequence> seq) {
+  RELAY_CHECK(seq && !seq->tokens.empty(), "a sequence needs at least one prompt token");
+  RELAY_CHECK(seqs_.count(seq->id) == 0, "sequence id ", seq->id, " is already scheduled");
+  seq->num_prompt_tokens = static_cast<int>(seq->tokens.size());
+  seq->num_computed = 0;
+  waiting_.push_back(seq.get());
+  seqs_.emplace(seq->id, std::move(seq));
+}
+
+Sequence* Scheduler::find(int64_t id) {
+  const auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : it->second.get();
+}
+
+void Scheduler::preempt(Sequence* seq) {
+  blocks_.free(seq->id);
+  seq->num_computed = 0;
+  ++seq->num_preemptions;
+  ++stats_.num_preemptions;
+  waiting_.push_front(seq);
+}
+
+SchedulerOutput Scheduler::schedule() {
+  SchedulerOutput out;
+  int budget = config_.max_num_batched_tokens;
+  auto is_decode = [](const Sequence* s) {
+    return static_cast<int>(s->tokens.size()) - s->num_computed == 1;
+  };
+  int decodes_after = static_cast<int>(std::count_if(running_.begin(), running_.end(), is_decode));
+  bool preempted = false;
+
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Sequence* seq = running_[i];
+    const int left = static_cast<int>(seq->tokens.size()) - seq->num_computed;
+    if (is_decode(seq)) --decodes_after;
+    const int n = std::min(left, budget - decodes_after);
+    if (n <= 0) continue;
+    bool self_preempted = false;
+    while (!blocks_.allocate(seq->id, seq->num_computed + n)) {
+      Sequence* victim = running_.back();
+      running_.pop_back();
+      preempt(victim);
+      preempted = true;
+      if (victim == seq) {
+        self_preempted = true;
+        break;
+      }
+      if (is_decode(victim)) --decodes_after;
+    }
+    if (self_preempted) break;
+    out.chunks.push_back({seq, n, seq->num_computed + n == static_cast<int>(seq->tokens.size())});
+    budget -= n;
+  }
+
+  while (!preempted && !waiting_.empty() && budget > 0 &&
+         static_cast<int>(running_.size()) < config_.max_num_seqs) {
+    Sequence* seq = waiting_.front();
+    const PrefixHit hit = blocks_.find_cached_prefix(seq->tokens);
+    const int num_hit = static_cast<int>(hit.num_tokens(blocks_.block_size()));
+    const int n = std::min(static_cast<int>(seq->tokens.size()) - num_hit, budget);
+    if (!blocks_.allocate(seq->id, num_hit + n, &hit)) break;
+    waiting_.pop_front();
+    stats_.prefix_cache_queries += seq->tokens.size();
+    stats_.prefix_cache_hits += num_hit;
+    if (seq->num_cached_prompt_tokens < 0) seq->num_cached_prompt_tokens = num_hit;
+    seq->num_computed = num_hit;
+    running_.push_back(seq);
+    out.chunks.push_back({seq, n, num_hit + n == static_cast<int>(seq->tokens.size())});
+    budget -= n;
+  }
+  out.num_batched_tokens = config_.max_num_batched_tokens - budget;
+  return out;
+}
+
+void Scheduler::update(const SchedulerOutput& out, std::span<const SampledToken> sampled) {
+  size_t next = 0;
+  for (const ScheduledChunk& c : out.chunks) {
+    Sequence* seq = c.seq;
+    seq->num_computed += c.num_tokens;
+    blocks_.cache_full_blocks(seq->id, seq->tokens, seq->num_computed);
+    if (!c.sample) continue;
+    RELAY_CHECK(next < sampled.size() && sampled[next].seq_id == seq->id,
+                "the backend returned no sampled token for sequence ", seq->id);
+    seq->tokens.push_back(sampled[next++].token);
+  }
+  RELAY_CHECK(next == sampled.size(), "the backend returned ", sampled.size(),
+              " sampled tokens for ", next, " sampling sequences");
+}
+
+bool Scheduler::finish(int64_t id) {
+  const auto it = seqs_.find(id);
+  if (it == seqs_.end()) return false;
+  Sequence* seq = it->second.get();
+  if (auto r = std::find(running_.begin(), running_.end(), seq); r != running_.end()) {
+    running_.erase(r);
+  } else if (auto w = std::find(waiting_.begin(), waiting_.end(), seq); w != waiting_.end()) {
+    waiting_.erase(w);
+  }
+  blocks_.free(id);
+  seqs_.erase(it);
+  return true;
+}
+
+}  // namespace relay

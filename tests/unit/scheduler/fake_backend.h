@@ -1,0 +1,89 @@
+// A test double for Backend whose "model" really reads its paged KV cache.
+//
+// The cache stores, per slot, the token id written there. Computing a token writes it into the slot
+// its block table names; sampling hashes the whole context *read back from the cache* through the
+// block table. So a wrong block table, a prefix hit that points at other content, a block reused
+// while still in use, or a position read before it was written changes the output (or fails a
+// check): equal outputs between a constrained and an unconstrained run prove the KV bookkeeping.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/backend.h"
+
+namespace relay::testing {
+
+class FakeBackend : public Backend {
+ public:
+  static constexpr int32_t kVocab = 1000;
+
+  FakeBackend(int num_blocks, int block_size)
+      : num_blocks_(num_blocks), block_size_(block_size),
+        slots_(static_cast<size_t>(num_blocks) * block_size, -1) {
+    config_.vocab_size = kVocab;
+    config_.max_position_embeddings = 1 << 20;
+    config_.eos_token_ids = {kEos};
+  }
+  static constexpr int32_t kEos = 999;
+
+  const ModelConfig& config() const override { return config_; }
+  int block_size() const override { return block_size_; }
+  int num_kv_blocks() const override { return num_blocks_; }
+
+  std::vector<SampledToken> step(std::span<const StepSequence> batch) override {
+    std::vector<SampledToken> out;
+    StepRecord rec;
+    for (const StepSequence& s : batch) {
+      rec.tokens_per_seq.push_back(static_cast<int>(s.tokens.size()));
+      for (size_t i = 0; i < s.tokens.size(); ++i) {
+        slot(s, s.num_computed + static_cast<int>(i)) = s.tokens[i];
+      }
+      if (!s.sample) continue;
+      uint64_t h = 1469598103934665603ull;
+      const int context = s.num_computed + static_cast<int>(s.tokens.size());
+      for (int pos = 0; pos < context; ++pos) {
+        const int32_t t = slot(s, pos);
+        EXPECT_GE(t, 0) << "sequence " << s.seq_id << " reads unwritten position " << pos;
+        h = (h ^ static_cast<uint64_t>(t + 1)) * 1099511628211ull;
+      }
+      if (s.sampling->temperature > 0) {
+        h = (h ^ s.sampling->seed) * 1099511628211ull;
+        h = (h ^ s.sample_index) * 1099511628211ull;
+      }
+      SampledToken tok;
+      tok.seq_id = s.seq_id;
+      tok.token = static_cast<int32_t>((h >> 17) % kVocab);
+      tok.logprob = -static_cast<float>(tok.token % 7) / 8.0f;
+      for (int k = 0; k < s.sampling->num_logprobs; ++k) {
+        tok.top.emplace_back((tok.token + k) % kVocab, tok.logprob - static_cast<float>(k));
+      }
+      out.push_back(tok);
+    }
+    steps.push_back(rec);
+    return out;
+  }
+
+  struct StepRecord {
+    std::vector<int> tokens_per_seq;
+  };
+  std::vector<StepRecord> steps;
+
+ private:
+  int32_t& slot(const StepSequence& s, int pos) {
+    const size_t block = static_cast<size_t>(pos / block_size_);
+    EXPECT_LT(block, s.block_table.size()) << "sequence " << s.seq_id << " position " << pos
+                                           << " is past its block table";
+    const int32_t b = block < s.block_table.size() ? s.block_table[block] : 0;
+    return slots_[static_cast<size_t>(b) * block_size_ + pos % block_size_];
+  }
+
+  ModelConfig config_;
+  int num_blocks_;
+  int block_size_;
+  std::vector<int32_t> slots_;
+};
+
+}  // namespace relay::testing

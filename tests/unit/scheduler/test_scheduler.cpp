@@ -1,0 +1,285 @@
+// Scheduler: chunked prefill mixed with decodes, budgets and max_num_seqs, prefix hits, abort, and
+// preemption under tiny KV pools completing every request with the unconstrained run's output.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "core/error.h"
+#include "fake_backend.h"
+#include "scheduler/scheduler.h"
+
+namespace relay {
+namespace {
+
+using testing::FakeBackend;
+
+// Drives scheduler + fake backend the way LLMEngine does: schedule, build the batch, step, update,
+// finish sequences that reached max_tokens.
+struct Harness {
+  Harness(int num_blocks, int block_size, SchedulerConfig cfg)
+      : backend(num_blocks, block_size), blocks(num_blocks, block_size), sched(cfg, blocks) {}
+
+  void add(int64_t id, std::vector<int32_t> prompt, int max_tokens, float temperature = 0.0f) {
+    auto seq = std::make_unique<Sequence>();
+    seq->id = id;
+    seq->tokens = std::move(prompt);
+    seq->sampling.temperature = temperature;
+    seq->sampling.seed = static_cast<uint64_t>(id) * 7919;
+    max_tokens_[id] = max_tokens;
+    sched.add(std::move(seq));
+  }
+
+  // One engine step; returns the scheduler output's chunk count.
+  SchedulerOutput step() {
+    SchedulerOutput out = sched.schedule();
+    std::vector<StepSequence> batch;
+    for (const ScheduledChunk& c : out.chunks) {
+      StepSequence s;
+      s.seq_id = c.seq->id;
+      s.tokens = std::span<const int32_t>(c.seq->tokens).subspan(c.seq->num_computed, c.num_tokens);
+      s.num_computed = c.seq->num_computed;
+      s.block_table = blocks.block_table(c.seq->id);
+      s.sample = c.sample;
+      s.sampling = &c.seq->sampling;
+      s.output_tokens = c.seq->output_tokens();
+      s.sample_index = static_cast<uint64_t>(c.seq->num_output_tokens());
+      batch.push_back(s);
+    }
+    const auto sampled = backend.step(batch);
+    sched.update(out, sampled);
+    for (const ScheduledChunk& c : out.chunks) {
+      if (c.sample && c.seq->num_output_tokens() >= max_tokens_[c.seq->id]) {
+        const int64_t id = c.seq->id;
+        EXPECT_EQ(outputs.count(id), 0u) << "sequence " << id << " finished twice";
+        outputs[id] = std::vector<int32_t>(c.seq->output_tokens().begin(), c.seq->output_tokens().end());
+        sched.finish(id);
+      }
+    }
+    blocks.check_invariants();
+    return out;
+  }
+
+  void run_to_completion(int max_steps = 100000) {
+    for (int i = 0; i < max_steps && sched.has_work(); ++i) step();
+    ASSERT_FALSE(sched.has_work()) << "requests still pending after " << max_steps << " steps";
+  }
+
+  FakeBackend backend;
+  BlockManager blocks;
+  Scheduler sched;
+  std::map<int64_t, std::vector<int32_t>> outputs;
+  std::map<int64_t, int> max_tokens_;
+};
+
+std::vector<int32_t> prompt_of(int n, int32_t salt) {
+  std::vector<int32_t> p(n);
+  for (int i = 0; i < n; ++i) p[i] = (salt * 31 + i * 7) % 900;
+  return p;
+}
+
+TEST(Scheduler, ChunkedPrefillMixesWithDecodes) {
+  Harness h(64, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 8});
+  h.add(1, prompt_of(3, 1), 50);
+  h.step();  // 1 prefills its 3 tokens and samples
+  h.add(2, prompt_of(20, 2), 5);
+  SchedulerOutput out = h.step();
+  ASSERT_EQ(out.chunks.size(), 2u);
+  EXPECT_EQ(out.chunks[0].seq->id, 1);
+  EXPECT_EQ(out.chunks[0].num_tokens, 1);  // decode
+  EXPECT_TRUE(out.chunks[0].sample);
+  EXPECT_EQ(out.chunks[1].num_tokens, 7);  // the rest of the budget goes to the prefill chunk
+  EXPECT_FALSE(out.chunks[1].sample);
+  EXPECT_EQ(out.num_batched_tokens, 8);
+  out = h.step();  // 1 decode + 7 more prompt tokens (14 of 20)
+  EXPECT_EQ(out.chunks[1].num_tokens, 7);
+  out = h.step();  // 6 left: the chunk finishes the prompt and samples
+  EXPECT_EQ(out.chunks[1].num_tokens, 6);
+  EXPECT_TRUE(out.chunks[1].sample);
+  out = h.step();  // both decode now
+  ASSERT_EQ(out.chunks.size(), 2u);
+  EXPECT_EQ(out.num_batched_tokens, 2);
+  h.run_to_completion();
+  EXPECT_EQ(h.outputs.size(), 2u);
+}
+
+TEST(Scheduler, DecodesRunEveryStepWhileAPrefillFillsTheRest) {
+  Harness h(256, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 10});
+  for (int id = 2; id <= 5; ++id) h.add(id, prompt_of(1, id), 30);
+  h.step();
+  h.add(1, prompt_of(100, 1), 3);
+  // 1 prefills 100 tokens in chunks of 6 while 2..5 decode in every step.
+  for (int i = 0; i < 16; ++i) {
+    const SchedulerOutput out = h.step();
+    int decodes = 0, prefill = 0;
+    for (const auto& c : out.chunks) (c.seq->id == 1 ? prefill : decodes) += c.num_tokens;
+    EXPECT_EQ(decodes, 4);
+    EXPECT_EQ(prefill, 6);
+  }
+  const SchedulerOutput out = h.step();  // the last 4 prompt tokens, then 1 samples
+  EXPECT_EQ(out.chunks.back().num_tokens, 4);
+  EXPECT_TRUE(out.chunks.back().sample);
+  h.run_to_completion();
+  EXPECT_EQ(h.outputs.size(), 5u);
+}
+
+TEST(Scheduler, RespectsMaxNumSeqsAndFcfs) {
+  Harness h(256, 4, {.max_num_seqs = 2, .max_num_batched_tokens = 64});
+  for (int id = 0; id < 5; ++id) h.add(id, prompt_of(5, id), 4);
+  SchedulerOutput out = h.step();
+  ASSERT_EQ(out.chunks.size(), 2u);
+  EXPECT_EQ(out.chunks[0].seq->id, 0);
+  EXPECT_EQ(out.chunks[1].seq->id, 1);
+  EXPECT_EQ(h.sched.num_running(), 2);
+  EXPECT_EQ(h.sched.num_waiting(), 3);
+  while (h.sched.has_work()) {
+    EXPECT_LE(h.sched.num_running(), 2);
+    h.step();
+  }
+  EXPECT_EQ(h.outputs.size(), 5u);
+}
+
+TEST(Scheduler, PrefixHitSkipsComputation) {
+  Harness h(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 64});
+  auto system = prompt_of(16, 9);
+  auto a = system, b = system;
+  a.insert(a.end(), {1, 2, 3});
+  b.insert(b.end(), {4, 5});
+  h.add(1, a, 2);
+  h.step();
+  EXPECT_EQ(h.sched.stats().prefix_cache_hits, 0u);
+  h.add(2, b, 2);
+  const SchedulerOutput out = h.step();
+  ASSERT_EQ(out.chunks.size(), 2u);
+  EXPECT_EQ(out.chunks[1].seq->id, 2);
+  EXPECT_EQ(out.chunks[1].num_tokens, 2);  // only the 2 tokens after the shared 16
+  EXPECT_EQ(h.sched.find(2)->num_cached_prompt_tokens, 16);
+  EXPECT_EQ(h.sched.stats().prefix_cache_hits, 16u);
+  EXPECT_EQ(h.sched.stats().prefix_cache_queries, 19u + 18u);
+  h.run_to_completion();
+
+  // The same prompt without the cache gives the same tokens.
+  Harness cold(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 64});
+  cold.add(2, b, 2);
+  cold.run_to_completion();
+  EXPECT_EQ(h.outputs[2], cold.outputs[2]);
+}
+
+TEST(Scheduler, AbortFreesBlocksAtOnce) {
+  Harness h(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 16});
+  h.add(1, prompt_of(30, 1), 100);  // running (mid-prefill)
+  h.add(2, prompt_of(10, 2), 100);
+  h.step();
+  h.add(3, prompt_of(10, 3), 100);  // waiting or running
+  h.step();
+  EXPECT_GT(h.blocks.usage(), 0.0);
+  EXPECT_TRUE(h.sched.finish(1));
+  EXPECT_TRUE(h.sched.finish(3));
+  EXPECT_FALSE(h.sched.finish(3));
+  EXPECT_FALSE(h.sched.finish(42));
+  EXPECT_FALSE(h.blocks.has_sequence(1));
+  h.blocks.check_invariants();
+  EXPECT_TRUE(h.sched.finish(2));
+  EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+  EXPECT_FALSE(h.sched.has_work());
+}
+
+// Many requests through pools from roomy to barely-enough-for-one: every request completes exactly
+// once, with the output of the unconstrained run, and small pools really preempt.
+TEST(Scheduler, PreemptionUnderTinyPoolsKeepsEveryOutput) {
+  constexpr int kBlock = 4;
+  auto load = [](Harness& h) {
+    for (int id = 0; id < 12; ++id) {
+      h.add(id, prompt_of(3 + (id * 5) % 17, id), 6 + (id * 7) % 19, id % 3 == 0 ? 0.8f : 0.0f);
+    }
+  };
+  Harness reference(1024, kBlock, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
+  load(reference);
+  reference.run_to_completion();
+  ASSERT_EQ(reference.outputs.size(), 12u);
+  EXPECT_EQ(reference.sched.stats().num_preemptions, 0u);
+
+  // The largest request needs ceil((19 + 24) / 4) = 11 blocks.
+  for (int num_blocks : {11, 12, 16, 24, 40}) {
+    for (int budget : {8, 16, 64}) {
+      Harness h(num_blocks, kBlock, {.max_num_seqs = 8, .max_num_batched_tokens = budget});
+      load(h);
+      h.run_to_completion();
+      ASSERT_EQ(h.outputs.size(), 12u) << num_blocks << " blocks";
+      for (const auto& [id, out] : reference.outputs) {
+        EXPECT_EQ(h.outputs[id], out) << "request " << id << " with " << num_blocks << " blocks";
+      }
+      EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+      if (num_blocks <= 16) {
+        EXPECT_GT(h.sched.stats().num_preemptions, 0u) << num_blocks << " blocks";
+      }
+    }
+  }
+}
+
+// Random arrivals and aborts on a small pool; surviving requests match a roomy reference run.
+TEST(Scheduler, RandomArrivalsAndAbortsMatchReference) {
+  for (uint32_t seed = 1; seed <= 8; ++seed) {
+    std::mt19937 rng(seed);
+    struct Req {
+      std::vector<int32_t> prompt;
+      int max_tokens;
+      int arrive_step;
+      int abort_step;  // -1: never
+    };
+    std::vector<Req> reqs;
+    for (int i = 0; i < 24; ++i) {
+      // Half the requests share a 12-token prefix, so prefix hits mix with preemption.
+      auto prompt = (rng() % 2) ? prompt_of(12, 77) : std::vector<int32_t>{};
+      const auto tail = prompt_of(1 + static_cast<int>(rng() % 10), static_cast<int32_t>(i));
+      prompt.insert(prompt.end(), tail.begin(), tail.end());
+      reqs.push_back({prompt, 1 + static_cast<int>(rng() % 12), static_cast<int>(rng() % 30),
+                      (rng() % 4 == 0) ? static_cast<int>(rng() % 40) : -1});
+    }
+    Harness ref(4096, 4, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
+    for (size_t i = 0; i < reqs.size(); ++i) ref.add(static_cast<int64_t>(i), reqs[i].prompt, reqs[i].max_tokens);
+    ref.run_to_completion();
+
+    Harness h(9, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 6});
+    std::set<int64_t> aborted;
+    for (int step = 0; step < 5000; ++step) {
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        if (reqs[i].arrive_step == step) h.add(static_cast<int64_t>(i), reqs[i].prompt, reqs[i].max_tokens);
+        if (reqs[i].abort_step == step && h.sched.finish(static_cast<int64_t>(i))) {
+          aborted.insert(static_cast<int64_t>(i));
+        }
+      }
+      if (step > 40 && !h.sched.has_work()) break;
+      h.step();
+    }
+    EXPECT_FALSE(h.sched.has_work());
+    EXPECT_EQ(h.outputs.size() + aborted.size(), reqs.size()) << "seed " << seed;
+    for (const auto& [id, out] : h.outputs) {
+      EXPECT_EQ(out, ref.outputs[id]) << "seed " << seed << " request " << id;
+    }
+    EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+  }
+}
+
+TEST(Scheduler, RejectsBadConfigAndDuplicates) {
+  BlockManager bm(8, 4);
+  EXPECT_THROW((Scheduler({.max_num_seqs = 8, .max_num_batched_tokens = 4}, bm)), Error);
+  EXPECT_THROW((Scheduler({.max_num_seqs = 0, .max_num_batched_tokens = 4}, bm)), Error);
+  Scheduler s({.max_num_seqs = 2, .max_num_batched_tokens = 8}, bm);
+  auto a = std::make_unique<Sequence>();
+  a->id = 1;
+  a->tokens = {1, 2};
+  s.add(std::move(a));
+  auto b = std::make_unique<Sequence>();
+  b->id = 1;
+  b->tokens = {1};
+  EXPECT_THROW(s.add(std::move(b)), Error);
+  auto empty = std::make_unique<Sequence>();
+  empty->id = 2;
+  EXPECT_THROW(s.add(std::move(empty)), Error);
+}
+
+}  // namespace
+}  // namespace relay
