@@ -316,9 +316,10 @@ size_t tensor_bytes(const TensorSpec& spec) {
   return n;
 }
 
-void write_safetensors_streamed(const std::filesystem::path& path, const std::vector<TensorSpec>& specs,
-                                const std::function<void(size_t index, std::span<uint8_t> out)>& fill,
-                                const std::map<std::string, std::string>& metadata) {
+void write_safetensors_streamed(
+    const std::filesystem::path& path, const std::vector<TensorSpec>& specs,
+    const std::function<void(size_t index, size_t byte_offset, std::span<uint8_t> out)>& fill,
+    const std::map<std::string, std::string>& metadata) {
   const std::string file = path.string();
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -343,11 +344,13 @@ void write_safetensors_streamed(const std::filesystem::path& path, const std::ve
     out.write(reinterpret_cast<const char*>(len), 8);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     std::vector<uint8_t> buffer;
-    for (size_t i = 0; i < specs.size(); ++i) {
-      buffer.resize(tensor_bytes(specs[i]));
-      fill(i, std::span<uint8_t>(buffer));
-      out.write(reinterpret_cast<const char*>(buffer.data()), static_cast<std::streamsize>(buffer.size()));
-      if (!out) break;
+    for (size_t i = 0; i < specs.size() && out; ++i) {
+      const size_t total = tensor_bytes(specs[i]);
+      for (size_t offset = 0; offset < total && out; offset += kWriteChunkBytes) {
+        buffer.resize(std::min(kWriteChunkBytes, total - offset));
+        fill(i, offset, std::span<uint8_t>(buffer));
+        out.write(reinterpret_cast<const char*>(buffer.data()), static_cast<std::streamsize>(buffer.size()));
+      }
     }
     out.flush();
     if (!out) {
@@ -371,8 +374,8 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
                 " has ", t.bytes.size(), " bytes but shape ", shape_string(t.shape), " of ",
                 dtype_name(t.dtype), " needs ", tensor_bytes(specs.back()));
   }
-  write_safetensors_streamed(path, specs, [&](size_t i, std::span<uint8_t> out) {
-    std::memcpy(out.data(), tensors[i].bytes.data(), out.size());
+  write_safetensors_streamed(path, specs, [&](size_t i, size_t offset, std::span<uint8_t> out) {
+    std::memcpy(out.data(), tensors[i].bytes.data() + offset, out.size());
   }, metadata);
 }
 

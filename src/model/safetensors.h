@@ -91,16 +91,19 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
                        const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
 
 // The streaming form, for files larger than memory: the header is written from `specs`, then
-// `fill(i, out)` is called once per tensor, in order, to produce tensor i's bytes into `out`
-// (exactly shape x dtype-size bytes). Only one tensor is held in memory at a time.
+// `fill(i, offset, out)` is called for tensor i, in order, once per chunk of at most
+// kWriteChunkBytes, to produce bytes [offset, offset + out.size()) of that tensor. Memory stays
+// bounded by one chunk, whatever the tensor sizes.
 struct TensorSpec {
   std::string name;
   DType dtype;
   std::vector<int64_t> shape;
 };
+inline constexpr size_t kWriteChunkBytes = size_t{64} << 20;
 size_t tensor_bytes(const TensorSpec& spec);
-void write_safetensors_streamed(const std::filesystem::path& path, const std::vector<TensorSpec>& specs,
-                                const std::function<void(size_t index, std::span<uint8_t> out)>& fill,
-                                const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+void write_safetensors_streamed(
+    const std::filesystem::path& path, const std::vector<TensorSpec>& specs,
+    const std::function<void(size_t index, size_t byte_offset, std::span<uint8_t> out)>& fill,
+    const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
 
 }  // namespace relay

@@ -119,18 +119,24 @@ TEST_F(SafetensorsTest, ConvertsToF32) {
   expect_error([&] { tensor_to_f32(f.tensors().at("d")); }, {"d", "I32", p.string()});
 }
 
-TEST_F(SafetensorsTest, StreamedWriterCallsFillInOrder) {
-  std::vector<TensorSpec> specs = {{"x", DType::BF16, {2, 3}}, {"y", DType::F32, {4}}};
-  std::vector<size_t> calls;
+TEST_F(SafetensorsTest, StreamedWriterFillsInOrderAndInChunks) {
+  // The second tensor spans three chunks (64 MiB + 64 MiB + 8 bytes).
+  const int64_t big = static_cast<int64_t>(2 * kWriteChunkBytes / 4 + 2);
+  std::vector<TensorSpec> specs = {{"x", DType::BF16, {2, 3}}, {"y", DType::F32, {big}}};
+  std::vector<std::pair<size_t, size_t>> calls;
   const fs::path p = dir_ / "s.safetensors";
-  write_safetensors_streamed(p, specs, [&](size_t i, std::span<uint8_t> out) {
-    calls.push_back(i);
-    EXPECT_EQ(out.size(), tensor_bytes(specs[i]));
-    std::memset(out.data(), static_cast<int>(i + 1), out.size());
+  write_safetensors_streamed(p, specs, [&](size_t i, size_t offset, std::span<uint8_t> out) {
+    calls.emplace_back(i, offset);
+    for (size_t k = 0; k < out.size(); ++k) out[k] = static_cast<uint8_t>(i + (offset + k) / kWriteChunkBytes);
   });
-  EXPECT_EQ(calls, (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(calls, (std::vector<std::pair<size_t, size_t>>{
+                       {0, 0}, {1, 0}, {1, kWriteChunkBytes}, {1, 2 * kWriteChunkBytes}}));
   const SafetensorsFile f(p);
-  EXPECT_EQ(f.tensors().at("y").data[15], 2);
+  const TensorView& y = f.tensors().at("y");
+  ASSERT_EQ(y.nbytes, tensor_bytes(specs[1]));
+  EXPECT_EQ(y.data[0], 1);
+  EXPECT_EQ(y.data[kWriteChunkBytes], 2);
+  EXPECT_EQ(y.data[y.nbytes - 1], 3);
   EXPECT_FALSE(fs::exists(dir_ / "s.safetensors.tmp"));
   expect_error([&] { write_safetensors(dir_ / "bad.safetensors", {{"x", DType::F32, {3}, pattern(8, 0)}}); },
                {"x", "12"});
