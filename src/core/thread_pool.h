@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace relay {
@@ -56,7 +57,7 @@ class ThreadPool {
   int num_chunks_ = 0;
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_{0};
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
   std::mutex wake_mutex_;
   std::condition_variable wake_cv_;
 };

@@ -1,0 +1,177 @@
+// CPU matmuls: out = x @ w^T for the linear layers, the LM head and the MoE experts' grouped GEMMs.
+//
+// This is where the CPU backend spends its time. The output is cut into tiles of kTileRows rows of x
+// by kTileCols rows of w; tiles are the unit of parallel work. Inside a tile a register-blocked
+// micro-kernel computes kMr x kNr dot products at once with 8-lane accumulators (simd.h), so each
+// loaded x vector is reused kNr times and each w vector kMr times; the w rows of a column block are
+// reused for every row block of the tile while they sit in L1. Decode (m = 1) is a matrix-vector
+// product bound by reading w: the tile split over n keeps every core streaming its own slice.
+//
+// NOTE: the tile loop is compiled twice through target_clones — for x86-64-v3 (AVX2 + FMA) and the
+// baseline — and picked at load time from the CPU's features, so one binary is fast on modern CPUs
+// and still runs on any x86-64. This file alone is built with -ffp-contract=fast so the AVX2 clone
+// fuses multiply-adds (see src/CMakeLists.txt); per-lane summation order is unchanged.
+#include <algorithm>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "kernels/cpu/simd.h"
+#include "kernels/ops.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RELAY_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define RELAY_CPU_CLONES
+#endif
+
+namespace relay::kernels {
+
+namespace {
+
+using cpu::hsum8;
+using cpu::load8;
+using cpu::V8;
+
+constexpr int kMr = 4;
+constexpr int kNr = 3;
+constexpr int kTileRows = 64;
+constexpr int kTileCols = 48;
+
+// One output problem: x [m, k] (row stride ldx), w [n, k], out [m, n] (row stride ldo).
+struct Gemm {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  const float* bias;
+  float* out;
+  int64_t ldo;
+  int m, n, k;
+};
+
+template <int MR, int NR>
+[[gnu::always_inline]] inline void micro_kernel(const Gemm& g, int i0, int j0) {
+  V8 acc[MR][NR] = {};
+  const float* xr[MR];
+  const float* wr[NR];
+  for (int i = 0; i < MR; ++i) xr[i] = g.x + (i0 + i) * g.ldx;
+  for (int j = 0; j < NR; ++j) wr[j] = g.w + static_cast<int64_t>(j0 + j) * g.k;
+  int kk = 0;
+  for (; kk + 8 <= g.k; kk += 8) {
+    V8 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load8(wr[j] + kk);
+    for (int i = 0; i < MR; ++i) {
+      V8 xv = load8(xr[i] + kk);
+      for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int t = kk; t < g.k; ++t) s += xr[i][t] * wr[j][t];
+      if (g.bias != nullptr) s += g.bias[j0 + j];
+      g.out[(i0 + i) * g.ldo + j0 + j] = s;
+    }
+  }
+}
+
+template <int MR>
+[[gnu::always_inline]] inline void micro_row_block(const Gemm& g, int i0, int j0, int nr) {
+  switch (nr) {
+    case 3: micro_kernel<MR, 3>(g, i0, j0); break;
+    case 2: micro_kernel<MR, 2>(g, i0, j0); break;
+    default: micro_kernel<MR, 1>(g, i0, j0); break;
+  }
+}
+
+// Computes the tile rows [i0, i1) x columns [j0, j1) of g.
+RELAY_CPU_CLONES void gemm_tile(const Gemm& g, int i0, int i1, int j0, int j1) {
+  for (int j = j0; j < j1; j += kNr) {
+    int nr = std::min(kNr, j1 - j);
+    int i = i0;
+    for (; i + kMr <= i1; i += kMr) micro_row_block<kMr>(g, i, j, nr);
+    switch (i1 - i) {
+      case 3: micro_row_block<3>(g, i, j, nr); break;
+      case 2: micro_row_block<2>(g, i, j, nr); break;
+      case 1: micro_row_block<1>(g, i, j, nr); break;
+      default: break;
+    }
+  }
+}
+
+// Tiles of one problem, enumerated row-block-major so neighbouring tasks share x rows.
+struct TileGrid {
+  int row_tiles, col_tiles;
+  int64_t count() const { return static_cast<int64_t>(row_tiles) * col_tiles; }
+};
+
+TileGrid tile_grid(const Gemm& g) {
+  return {(g.m + kTileRows - 1) / kTileRows, (g.n + kTileCols - 1) / kTileCols};
+}
+
+void run_tile(const Gemm& g, const TileGrid& grid, int64_t tile) {
+  int rt = static_cast<int>(tile / grid.col_tiles);
+  int ct = static_cast<int>(tile % grid.col_tiles);
+  int i0 = rt * kTileRows, j0 = ct * kTileCols;
+  gemm_tile(g, i0, std::min(g.m, i0 + kTileRows), j0, std::min(g.n, j0 + kTileCols));
+}
+
+// Tiles per task: a tile of a decode GEMV is only kTileCols * k multiply-adds, so batch several.
+int64_t tile_grain(const Gemm& g) {
+  int64_t tile_flops = static_cast<int64_t>(std::min(g.m, kTileRows)) * kTileCols * g.k;
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, tile_flops));
+}
+
+void run_gemm(const Gemm& g, ThreadPool& pool) {
+  if (g.m == 0 || g.n == 0) return;
+  TileGrid grid = tile_grid(g);
+  pool.parallel_for(grid.count(), tile_grain(g), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) run_tile(g, grid, t);
+  });
+}
+
+}  // namespace
+
+void launch_matmul(const MatmulParams<float>& p, ThreadPool& pool) {
+  run_gemm(Gemm{p.x, p.k, p.w, p.bias, p.out, p.n, p.m, p.n, p.k}, pool);
+}
+
+void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool) {
+  // Gathering the sampled rows first lets the GEMM see them as one contiguous x.
+  thread_local std::vector<float> gathered;
+  gathered.resize(static_cast<size_t>(p.num_rows) * p.hidden);
+  for (int r = 0; r < p.num_rows; ++r) {
+    std::copy_n(p.x + static_cast<int64_t>(p.rows[r]) * p.hidden, p.hidden,
+                gathered.data() + static_cast<int64_t>(r) * p.hidden);
+  }
+  run_gemm(Gemm{gathered.data(), p.hidden, p.w, nullptr, p.logits, p.vocab_size, p.num_rows,
+                p.vocab_size, p.hidden},
+           pool);
+}
+
+void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<float>& p, ThreadPool& pool) {
+  // One task list across all experts, so a decode step with a handful of rows per expert still
+  // keeps every thread busy instead of running one small parallel_for per expert.
+  std::vector<Gemm> gemms;
+  std::vector<TileGrid> grids;
+  std::vector<int64_t> first_tile{0};
+  for (int e = 0; e < p.num_experts; ++e) {
+    int begin = p.expert_offsets[e], end = p.expert_offsets[e + 1];
+    if (begin == end) continue;
+    Gemm g{p.x + static_cast<int64_t>(begin) * p.k, p.k, p.w + static_cast<int64_t>(e) * p.n * p.k,
+           nullptr, p.out + static_cast<int64_t>(begin) * p.n, p.n, end - begin, p.n, p.k};
+    gemms.push_back(g);
+    grids.push_back(tile_grid(g));
+    first_tile.push_back(first_tile.back() + grids.back().count());
+  }
+  if (gemms.empty()) return;
+  int64_t grain = tile_grain(gemms.front());
+  pool.parallel_for(first_tile.back(), grain, [&](int64_t begin, int64_t end) {
+    size_t e = std::upper_bound(first_tile.begin(), first_tile.end(), begin) - first_tile.begin() - 1;
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= first_tile[e + 1]) ++e;
+      run_tile(gemms[e], grids[e], t - first_tile[e]);
+    }
+  });
+}
+
+}  // namespace relay::kernels

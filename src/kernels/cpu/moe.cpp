@@ -1,0 +1,75 @@
+// CPU reference for the MoE routing ops: router softmax + top-k, permute by expert, combine.
+//
+// The router matches HF's Qwen3MoeTopKRouter: softmax over all experts in fp32, top-k by
+// probability (ties to the lower expert id), then optional renormalisation. Permutation is a stable
+// counting sort by expert, so rows inside an expert stay in (token, k) order and the result is
+// deterministic; the GPU version computes the same offsets. The combine sums the k weighted expert
+// outputs of a token in k order.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "kernels/ops.h"
+
+namespace relay::kernels {
+
+void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& pool) {
+  pool.parallel_for(p.num_tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(p.num_experts);
+    std::vector<int32_t> order(p.num_experts);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* logits = p.logits + t * p.num_experts;
+      float max_logit = *std::max_element(logits, logits + p.num_experts);
+      float sum = 0.0f;
+      for (int e = 0; e < p.num_experts; ++e) {
+        probs[e] = std::exp(logits[e] - max_logit);
+        sum += probs[e];
+      }
+      for (int e = 0; e < p.num_experts; ++e) probs[e] /= sum;
+      for (int e = 0; e < p.num_experts; ++e) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + p.top_k, order.end(), [&](int32_t a, int32_t b) {
+        return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+      });
+      float top_sum = 0.0f;
+      for (int k = 0; k < p.top_k; ++k) top_sum += probs[order[k]];
+      for (int k = 0; k < p.top_k; ++k) {
+        p.topk_ids[t * p.top_k + k] = order[k];
+        p.topk_weights[t * p.top_k + k] = p.renormalize ? probs[order[k]] / top_sum : probs[order[k]];
+      }
+    }
+  });
+}
+
+void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool) {
+  const int64_t num_rows = static_cast<int64_t>(p.num_tokens) * p.top_k;
+  std::fill(p.expert_offsets, p.expert_offsets + p.num_experts + 1, 0);
+  for (int64_t r = 0; r < num_rows; ++r) ++p.expert_offsets[p.topk_ids[r] + 1];
+  for (int e = 0; e < p.num_experts; ++e) p.expert_offsets[e + 1] += p.expert_offsets[e];
+  std::vector<int32_t> next(p.expert_offsets, p.expert_offsets + p.num_experts);
+  for (int64_t r = 0; r < num_rows; ++r) p.permuted_index[r] = next[p.topk_ids[r]]++;
+  pool.parallel_for(num_rows, std::max(1, 16384 / std::max(1, p.hidden)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      std::memcpy(p.permuted_x + static_cast<int64_t>(p.permuted_index[r]) * p.hidden,
+                  p.x + (r / p.top_k) * p.hidden, sizeof(float) * p.hidden);
+    }
+  });
+}
+
+void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, ThreadPool& pool) {
+  pool.parallel_for(p.num_tokens, std::max(1, 16384 / std::max(1, p.hidden * p.top_k)),
+                    [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* out = p.out + t * p.hidden;
+      std::fill(out, out + p.hidden, 0.0f);
+      for (int k = 0; k < p.top_k; ++k) {
+        float w = p.topk_weights[t * p.top_k + k];
+        const float* row = p.expert_out + static_cast<int64_t>(p.permuted_index[t * p.top_k + k]) * p.hidden;
+        for (int i = 0; i < p.hidden; ++i) out[i] += row[i] * w;
+      }
+    }
+  });
+}
+
+}  // namespace relay::kernels

@@ -1,0 +1,144 @@
+// See model.h. The residual stream follows vLLM's fused form: each norm first adds the previous
+// block's output into the residual, then normalises it — the same sums HF computes as
+// "h = residual + sublayer(x)", in the same order.
+#include "model/model.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "kernels/ops.h"
+#include "model/rope.h"
+
+namespace relay {
+
+Model::Model(ModelConfig config, std::vector<float> embedding, std::vector<DecoderLayer> layers,
+             std::vector<float> final_norm, std::vector<float> lm_head)
+    : config_(std::move(config)),
+      embedding_(std::move(embedding)),
+      layers_(std::move(layers)),
+      final_norm_(std::move(final_norm)),
+      lm_head_(std::move(lm_head)) {}
+
+KvCacheLayout Model::kv_layout(int block_size, int num_blocks) const {
+  return KvCacheLayout{static_cast<int>(config_.num_hidden_layers), num_blocks,
+                       static_cast<int>(config_.num_key_value_heads), block_size,
+                       static_cast<int>(config_.head_dim), sizeof(float)};
+}
+
+void Model::check_batch(const ForwardBatch& b, const KvPool& kv) const {
+  const KvCacheLayout& l = kv.layout();
+  const int t = b.num_tokens(), s = b.num_seqs();
+  RELAY_CHECK(l.num_layers == config_.num_hidden_layers && l.num_kv_heads == config_.num_key_value_heads &&
+                  l.head_dim == config_.head_dim,
+              "KV pool shape (layers ", l.num_layers, ", kv heads ", l.num_kv_heads, ", head_dim ", l.head_dim,
+              ") does not match the model");
+  RELAY_CHECK(t > 0, "forward batch has no tokens");
+  RELAY_CHECK(b.positions.size() == static_cast<size_t>(t) && b.slot_mapping.size() == static_cast<size_t>(t),
+              "forward batch: ", t, " tokens but ", b.positions.size(), " positions and ", b.slot_mapping.size(),
+              " slots");
+  RELAY_CHECK(b.query_starts.size() == static_cast<size_t>(s) + 1 && b.query_starts[0] == 0 &&
+                  b.query_starts[s] == t,
+              "forward batch: query_starts must have num_seqs + 1 entries from 0 to num_tokens ", t);
+  RELAY_CHECK(b.max_blocks_per_seq > 0 && b.block_tables.size() == static_cast<size_t>(s) * b.max_blocks_per_seq,
+              "forward batch: block_tables has ", b.block_tables.size(), " entries, expected ", s, " x ",
+              b.max_blocks_per_seq);
+  for (int i = 0; i < s; ++i) {
+    const int n = b.query_starts[i + 1] - b.query_starts[i];
+    const int ctx = b.context_lens[i];
+    RELAY_CHECK(n >= 1 && ctx >= n, "forward batch: sequence ", i, " has ", n, " new tokens and context length ", ctx);
+    const int blocks = (ctx + l.block_size - 1) / l.block_size;
+    RELAY_CHECK(blocks <= b.max_blocks_per_seq, "forward batch: sequence ", i, " needs ", blocks,
+                " blocks, its table has ", b.max_blocks_per_seq);
+    for (int j = 0; j < blocks; ++j) {
+      const int32_t id = b.block_tables[static_cast<size_t>(i) * b.max_blocks_per_seq + j];
+      RELAY_CHECK(id >= 0 && id < l.num_blocks, "forward batch: sequence ", i, " block ", j, " is ", id,
+                  ", pool has ", l.num_blocks);
+    }
+  }
+  const int64_t num_slots = static_cast<int64_t>(l.num_blocks) * l.block_size;
+  for (int i = 0; i < t; ++i) {
+    RELAY_CHECK(b.token_ids[i] >= 0 && b.token_ids[i] < config_.vocab_size, "token id ", b.token_ids[i],
+                " out of the vocabulary [0, ", config_.vocab_size, ")");
+    RELAY_CHECK(b.slot_mapping[i] >= -1 && b.slot_mapping[i] < num_slots, "slot ", b.slot_mapping[i],
+                " of token ", i, " out of [-1, ", num_slots, ")");
+    RELAY_CHECK(b.positions[i] >= 0, "negative position ", b.positions[i], " for token ", i);
+  }
+  for (int32_t r : b.logit_rows) RELAY_CHECK(r >= 0 && r < t, "logit row ", r, " out of [0, ", t, ")");
+}
+
+void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool, std::vector<float>& logits) {
+  check_batch(b, kv);
+  const int t = b.num_tokens();
+  const int h = static_cast<int>(config_.hidden_size);
+  const size_t n = static_cast<size_t>(t) * h;
+  hidden_.resize(n);
+  normed_.resize(n);
+  residual_.assign(n, 0.0f);
+
+  kernels::EmbeddingParams<float> e;
+  e.token_ids = b.token_ids.data();
+  e.table = embedding_.data();
+  e.out = hidden_.data();
+  e.num_tokens = t;
+  e.hidden = h;
+  e.vocab_size = vocab_size();
+  kernels::launch_embedding(e, pool);
+
+  kernels::RmsNormParams<float> norm;
+  norm.x = hidden_.data();
+  norm.residual = residual_.data();
+  norm.out = normed_.data();
+  norm.num_tokens = t;
+  norm.hidden = h;
+  norm.eps = static_cast<float>(config_.rms_norm_eps);
+  for (DecoderLayer& layer : layers_) {
+    norm.weight = layer.input_norm.data();
+    kernels::launch_rms_norm(norm, pool);
+    layer.mixer->forward(normed_.data(), b, kv, pool, hidden_.data());
+    norm.weight = layer.post_attention_norm.data();
+    kernels::launch_rms_norm(norm, pool);
+    layer.ffn->forward(normed_.data(), t, pool, hidden_.data());
+  }
+  norm.weight = final_norm_.data();
+  kernels::launch_rms_norm(norm, pool);
+
+  logits.resize(b.logit_rows.size() * static_cast<size_t>(vocab_size()));
+  if (b.logit_rows.empty()) return;
+  kernels::LmHeadParams<float> lm;
+  lm.x = normed_.data();
+  lm.rows = b.logit_rows.data();
+  lm.w = lm_head_.empty() ? embedding_.data() : lm_head_.data();
+  lm.logits = logits.data();
+  lm.num_rows = static_cast<int>(b.logit_rows.size());
+  lm.hidden = h;
+  lm.vocab_size = vocab_size();
+  kernels::launch_lm_head(lm, pool);
+}
+
+std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt,
+                                    const std::function<std::unique_ptr<FeedForward>(int layer)>& make_ffn) {
+  RELAY_CHECK(c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads == 0,
+              "num_attention_heads ", c.num_attention_heads, " must be a multiple of num_key_value_heads ",
+              c.num_key_value_heads);
+  const RopeTables rope = compute_rope(c);
+  std::vector<float> embedding = load_f32(ckpt, "model.embed_tokens.weight", {c.vocab_size, c.hidden_size});
+  std::vector<DecoderLayer> layers;
+  layers.reserve(c.num_hidden_layers);
+  for (int i = 0; i < c.num_hidden_layers; ++i) {
+    DecoderLayer layer;
+    const std::string p = str("model.layers.", i, ".");
+    layer.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {c.hidden_size});
+    layer.post_attention_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {c.hidden_size});
+    layer.mixer = std::make_unique<FullAttention>(c, ckpt, i, rope);
+    layer.ffn = make_ffn(i);
+    layers.push_back(std::move(layer));
+  }
+  std::vector<float> final_norm = load_f32(ckpt, "model.norm.weight", {c.hidden_size});
+  std::vector<float> lm_head;
+  if (!c.tie_word_embeddings) lm_head = load_f32(ckpt, "lm_head.weight", {c.vocab_size, c.hidden_size});
+  return std::make_unique<Model>(c, std::move(embedding), std::move(layers), std::move(final_norm),
+                                 std::move(lm_head));
+}
+
+}  // namespace relay

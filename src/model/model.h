@@ -1,0 +1,56 @@
+// A Qwen-family decoder-only language model on the CPU: embedding, decoder layers, final norm, LM head.
+//
+// One Model type serves every architecture: the per-architecture files (qwen3.cpp, qwen3_moe.cpp)
+// only decide which blocks each layer gets while loading, and registry.h maps the config's
+// `architecture` string to them. forward() runs one flattened batch (forward_batch.h) through the
+// stack, writing K/V into the caller's pool and returning logits only for the requested rows. The
+// batch is validated once here, at the boundary; the kernels trust it. A Model is not reentrant: its
+// layers keep scratch buffers between calls.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "kvcache/kv_cache.h"
+#include "model/config.h"
+#include "model/forward_batch.h"
+#include "model/layers.h"
+#include "model/safetensors.h"
+
+namespace relay {
+
+class ThreadPool;
+
+class Model {
+ public:
+  // lm_head empty means tied to the embedding (tie_word_embeddings).
+  Model(ModelConfig config, std::vector<float> embedding, std::vector<DecoderLayer> layers,
+        std::vector<float> final_norm, std::vector<float> lm_head);
+
+  const ModelConfig& config() const { return config_; }
+  int vocab_size() const { return static_cast<int>(config_.vocab_size); }
+
+  // The KV layout (fp32) a pool for this model needs.
+  KvCacheLayout kv_layout(int block_size, int num_blocks) const;
+
+  // Runs the batch; logits is resized to [batch.logit_rows.size(), vocab_size].
+  void forward(const ForwardBatch& batch, KvPool& kv, ThreadPool& pool, std::vector<float>& logits);
+
+ private:
+  void check_batch(const ForwardBatch& b, const KvPool& kv) const;
+
+  ModelConfig config_;
+  std::vector<float> embedding_;  // [vocab, hidden]
+  std::vector<DecoderLayer> layers_;
+  std::vector<float> final_norm_;  // [hidden]
+  std::vector<float> lm_head_;     // [vocab, hidden], or empty when tied
+  std::vector<float> hidden_, residual_, normed_;  // scratch, [num_tokens, hidden]
+};
+
+// Loads what every Qwen-family decoder shares (embedding, attention, norms, LM head) and asks
+// `make_ffn(layer)` for each layer's feed-forward block.
+std::unique_ptr<Model> load_decoder(const ModelConfig& config, const Checkpoint& ckpt,
+                                    const std::function<std::unique_ptr<FeedForward>(int layer)>& make_ffn);
+
+}  // namespace relay

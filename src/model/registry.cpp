@@ -1,0 +1,44 @@
+// See registry.h.
+#include "model/registry.h"
+
+#include "core/error.h"
+#include "model/architectures.h"
+
+namespace relay {
+
+namespace {
+
+struct Architecture {
+  const char* name;
+  std::unique_ptr<Model> (*build)(const ModelConfig&, const Checkpoint&);
+};
+
+constexpr Architecture kArchitectures[] = {
+    {"Qwen3ForCausalLM", build_qwen3},
+    {"Qwen3MoeForCausalLM", build_qwen3_moe},
+};
+
+}  // namespace
+
+std::vector<std::string> supported_architectures() {
+  std::vector<std::string> names;
+  for (const Architecture& a : kArchitectures) names.emplace_back(a.name);
+  return names;
+}
+
+std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt) {
+  for (const Architecture& a : kArchitectures) {
+    if (config.architecture == a.name) return a.build(config, ckpt);
+  }
+  std::string supported;
+  for (const Architecture& a : kArchitectures) supported += str(supported.empty() ? "" : ", ", a.name);
+  fail(str("architecture \"", config.architecture, "\" is not supported (supported: ", supported, ")"));
+}
+
+std::unique_ptr<Model> load_model(const std::filesystem::path& dir) {
+  ModelConfig config = ModelConfig::load(dir);
+  Checkpoint ckpt(dir);
+  return build_model(config, ckpt);
+}
+
+}  // namespace relay
