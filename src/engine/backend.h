@@ -41,6 +41,7 @@ struct StepSequence {
   const SamplingParams* sampling = nullptr;  // when sample
   std::span<const int32_t> output_tokens;    // generated so far, for penalties
   uint64_t sample_index = 0;                 // how many tokens this sequence sampled before
+  std::span<const int32_t> prompt_tokens;    // the prompt, for repetition_penalty (vLLM counts both)
 };
 
 struct SampledToken {
