@@ -1,0 +1,166 @@
+// See sampler.h.
+#include "engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <unordered_map>
+
+#include "core/error.h"
+
+namespace relay {
+
+namespace {
+
+constexpr float kMasked = -std::numeric_limits<float>::infinity();
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// softmax(logits) into probs, in double for stable sums over large vocabularies.
+void softmax(std::span<const float> logits, std::vector<double>& probs) {
+  float max_logit = *std::max_element(logits.begin(), logits.end());
+  probs.resize(logits.size());
+  double sum = 0.0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    probs[i] = logits[i] == kMasked ? 0.0 : std::exp(static_cast<double>(logits[i]) - max_logit);
+    sum += probs[i];
+  }
+  for (double& p : probs) p /= sum;
+}
+
+}  // namespace
+
+double sample_uniform(uint64_t seed, uint64_t index) {
+  uint64_t bits = splitmix64(splitmix64(seed) ^ index);
+  return static_cast<double>(bits >> 11) * 0x1.0p-53;
+}
+
+void log_softmax(std::span<const float> logits, std::span<float> out) {
+  float max_logit = *std::max_element(logits.begin(), logits.end());
+  double sum = 0.0;
+  for (float l : logits) sum += std::exp(static_cast<double>(l) - max_logit);
+  double log_sum = max_logit + std::log(sum);
+  for (size_t i = 0; i < logits.size(); ++i) out[i] = static_cast<float>(logits[i] - log_sum);
+}
+
+void apply_penalties(std::span<float> logits, std::span<const int32_t> prompt_tokens,
+                     std::span<const int32_t> output_tokens, const SamplingParams& p) {
+  const auto vocab = static_cast<int32_t>(logits.size());
+  auto check = [&](int32_t t) { RELAY_CHECK(t >= 0 && t < vocab, "penalty token ", t, " out of [0, ", vocab, ")"); };
+  if (p.repetition_penalty != 1.0f) {
+    RELAY_CHECK(p.repetition_penalty > 0.0f, "repetition_penalty must be > 0, got ", p.repetition_penalty);
+    std::vector<bool> seen(logits.size(), false);
+    for (int32_t t : prompt_tokens) check(t), seen[t] = true;
+    for (int32_t t : output_tokens) check(t), seen[t] = true;
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (!seen[i]) continue;
+      logits[i] = logits[i] > 0 ? logits[i] / p.repetition_penalty : logits[i] * p.repetition_penalty;
+    }
+  }
+  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
+    std::unordered_map<int32_t, int> counts;
+    for (int32_t t : output_tokens) check(t), ++counts[t];
+    for (auto [t, n] : counts) {
+      logits[t] -= p.frequency_penalty * static_cast<float>(n) + p.presence_penalty;
+    }
+  }
+}
+
+void apply_min_p(std::span<float> logits, float min_p) {
+  if (min_p <= 0.0f) return;
+  // p_i >= min_p * p_max  <=>  logit_i >= logit_max + ln(min_p)
+  float max_logit = *std::max_element(logits.begin(), logits.end());
+  float threshold = max_logit + std::log(min_p);
+  for (float& l : logits) {
+    if (l < threshold) l = kMasked;
+  }
+}
+
+void apply_top_k(std::span<float> logits, int top_k) {
+  if (top_k <= 0 || static_cast<size_t>(top_k) >= logits.size()) return;
+  std::vector<float> sorted(logits.begin(), logits.end());
+  std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<float>());
+  float kth = sorted[top_k - 1];
+  for (float& l : logits) {
+    if (l < kth) l = kMasked;
+  }
+}
+
+void apply_top_p(std::span<float> logits, float top_p) {
+  if (top_p >= 1.0f) return;
+  std::vector<double> probs;
+  softmax(logits, probs);
+  std::vector<int32_t> order;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (probs[i] > 0.0) order.push_back(static_cast<int32_t>(i));
+  }
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+  });
+  double cumulative = 0.0;
+  size_t keep = 0;
+  while (keep < order.size() && (keep == 0 || cumulative < top_p)) cumulative += probs[order[keep++]];
+  for (size_t i = keep; i < order.size(); ++i) logits[order[i]] = kMasked;
+}
+
+int32_t argmax(std::span<const float> logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+int32_t sample_categorical(std::span<const float> logits, double u) {
+  std::vector<double> probs;
+  softmax(logits, probs);
+  double cumulative = 0.0;
+  int32_t last_possible = 0;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] == 0.0) continue;
+    cumulative += probs[i];
+    last_possible = static_cast<int32_t>(i);
+    if (u < cumulative) return last_possible;
+  }
+  return last_possible;  // u within rounding of 1
+}
+
+SampledToken sample_token(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> prompt_tokens,
+                          std::span<const int32_t> output_tokens, uint64_t sample_index) {
+  RELAY_CHECK(!logits.empty(), "sampling an empty logits row");
+  RELAY_CHECK(p.temperature >= 0.0f, "temperature must be >= 0, got ", p.temperature);
+  RELAY_CHECK(p.top_p > 0.0f && p.top_p <= 1.0f, "top_p must be in (0, 1], got ", p.top_p);
+  RELAY_CHECK(p.min_p >= 0.0f && p.min_p <= 1.0f, "min_p must be in [0, 1], got ", p.min_p);
+  SampledToken out;
+  std::vector<float> logprobs;
+  if (p.num_logprobs >= 0) {
+    logprobs.resize(logits.size());
+    log_softmax(logits, logprobs);
+  }
+  apply_penalties(logits, prompt_tokens, output_tokens, p);
+  // NOTE: vLLM treats temperatures below 1e-5 as greedy too (dividing by them overflows).
+  if (p.temperature < 1e-5f) {
+    out.token = argmax(logits);
+  } else {
+    for (float& l : logits) l /= p.temperature;
+    apply_min_p(logits, p.min_p);
+    apply_top_k(logits, p.top_k);
+    apply_top_p(logits, p.top_p);
+    out.token = sample_categorical(logits, sample_uniform(p.seed, sample_index));
+  }
+  if (p.num_logprobs >= 0) {
+    out.logprob = logprobs[out.token];
+    size_t k = std::min(static_cast<size_t>(p.num_logprobs), logprobs.size());
+    std::vector<int32_t> ids(logprobs.size());
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+      return logprobs[a] > logprobs[b] || (logprobs[a] == logprobs[b] && a < b);
+    });
+    for (size_t i = 0; i < k; ++i) out.top.emplace_back(ids[i], logprobs[ids[i]]);
+  }
+  return out;
+}
+
+}  // namespace relay

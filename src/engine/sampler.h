@@ -1,0 +1,53 @@
+// Token sampling over one row of fp32 logits, with vLLM's semantics; shared by every backend.
+//
+// sample_token applies, in vLLM's order: logprobs of the raw logits (before any processing, vLLM's
+// default "raw_logprobs"), then repetition / frequency / presence penalties, then greedy argmax when
+// temperature is 0; otherwise logits / temperature, min-p, top-k, top-p, and a draw from the
+// remaining distribution. The draw uses one uniform number that is a pure function of (seed,
+// sample_index) — a splitmix64 hash — so a sequence recomputed after preemption, or run in another
+// batch or on another backend, draws the same token from the same logits. The building blocks are
+// exposed for tests and for backends that fuse some of them on the device.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "engine/backend.h"
+
+namespace relay {
+
+// A uniform double in [0, 1), a pure function of (seed, index).
+double sample_uniform(uint64_t seed, uint64_t index);
+
+// out[i] = logits[i] - logsumexp(logits), accumulated in double.
+void log_softmax(std::span<const float> logits, std::span<float> out);
+
+// vLLM's penalties: repetition_penalty r divides positive logits by r and multiplies negative ones by
+// r for every token seen in the prompt or the output; then logit -= frequency_penalty * count and
+// logit -= presence_penalty * (count > 0), counting output tokens only.
+void apply_penalties(std::span<float> logits, std::span<const int32_t> prompt_tokens,
+                     std::span<const int32_t> output_tokens, const SamplingParams& params);
+
+// Masks (sets to -inf) every token whose probability under softmax(logits) is below
+// min_p * the largest probability. 0 disables.
+void apply_min_p(std::span<float> logits, float min_p);
+// Keeps the top_k largest logits (ties at the k-th value are kept, as vLLM); 0 disables.
+void apply_top_k(std::span<float> logits, int top_k);
+// Keeps the smallest set of most likely tokens whose probability mass reaches top_p (at least one
+// token); 1 disables.
+void apply_top_p(std::span<float> logits, float top_p);
+
+// Index of the largest logit; the lowest index on ties (torch.argmax).
+int32_t argmax(std::span<const float> logits);
+// Draws from softmax(logits) by inverting its CDF (in token-id order) at u in [0, 1).
+int32_t sample_categorical(std::span<const float> logits, double u);
+
+// The whole pipeline. `logits` is scratch: it is modified. seq_id of the result is left 0.
+// logprob and top are filled only when params.num_logprobs >= 0 (they cost a pass over the vocabulary).
+SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
+                          std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,
+                          uint64_t sample_index);
+
+}  // namespace relay
