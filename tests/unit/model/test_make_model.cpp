@@ -1,0 +1,236 @@
+// make_model: the tiny presets load back through ModelConfig and Checkpoint with the HF names and
+// shapes; values are a pure function of (seed, tensor name) whatever the sharding, dtype or thread
+// count; the big presets have the published parameter counts of the real models.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "model/make_model.h"
+
+namespace relay {
+namespace {
+
+namespace fs = std::filesystem;
+
+class MakeModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() /
+            str("relay_test_mm_", ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  MakeModelOptions options(const std::string& preset, const std::string& subdir) const {
+    MakeModelOptions o;
+    o.preset = preset;
+    o.out_dir = root_ / subdir;
+    o.tokenizer_dir = fs::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
+    o.seed = 7;
+    return o;
+  }
+
+  fs::path root_;
+};
+
+std::vector<uint8_t> bytes_of(const TensorView& t) { return {t.data, t.data + t.nbytes}; }
+
+// Loads the checkpoint and checks it holds exactly the tensors the config calls for.
+void expect_complete(const fs::path& dir, const ModelConfig& c, DType dtype) {
+  const Checkpoint ck(dir);
+  const std::vector<TensorSpec> specs = checkpoint_tensor_specs(c, dtype);
+  EXPECT_EQ(ck.names().size(), specs.size());
+  for (const TensorSpec& s : specs) {
+    const TensorView& t = ck.get(s.name, s.shape);
+    EXPECT_EQ(t.dtype, dtype) << s.name;
+  }
+}
+
+TEST_F(MakeModelTest, TinyMoeLoadsBackWithHfNamesAndShapes) {
+  const MakeModelResult r = make_model(options("tiny-moe", "m"));
+  const fs::path dir = root_ / "m";
+  for (const char* f : {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                        "model.safetensors"}) {
+    EXPECT_TRUE(fs::exists(dir / f)) << f;
+  }
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
+  EXPECT_EQ(r.num_shards, 1);
+  const ModelConfig c = ModelConfig::load(dir);
+  EXPECT_EQ(c.architecture, "Qwen3MoeForCausalLM");
+  EXPECT_EQ(c.num_hidden_layers, 2);
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.vocab_size, 151936);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int32_t>{151645, 151643}));
+  expect_complete(dir, c, DType::BF16);
+
+  const Checkpoint ck(dir);
+  EXPECT_EQ(r.num_tensors, static_cast<int64_t>(ck.names().size()));
+  // The HF layout, spelled out for one layer.
+  ck.get("model.embed_tokens.weight", {151936, 64});
+  ck.get("lm_head.weight", {151936, 64});
+  ck.get("model.norm.weight", {64});
+  ck.get("model.layers.1.input_layernorm.weight", {64});
+  ck.get("model.layers.1.post_attention_layernorm.weight", {64});
+  ck.get("model.layers.1.self_attn.q_proj.weight", {64, 64});
+  ck.get("model.layers.1.self_attn.k_proj.weight", {32, 64});
+  ck.get("model.layers.1.self_attn.v_proj.weight", {32, 64});
+  ck.get("model.layers.1.self_attn.o_proj.weight", {64, 64});
+  ck.get("model.layers.1.self_attn.q_norm.weight", {16});
+  ck.get("model.layers.1.self_attn.k_norm.weight", {16});
+  ck.get("model.layers.1.mlp.gate.weight", {8, 64});
+  ck.get("model.layers.1.mlp.experts.7.gate_proj.weight", {32, 64});
+  ck.get("model.layers.1.mlp.experts.7.up_proj.weight", {32, 64});
+  ck.get("model.layers.1.mlp.experts.7.down_proj.weight", {64, 32});
+  EXPECT_FALSE(ck.has("model.layers.0.self_attn.q_proj.bias"));
+  EXPECT_FALSE(ck.has("model.layers.0.mlp.gate_proj.weight"));
+
+  // Norm weights are 1; other weights look like normal(0, 0.02).
+  for (float v : tensor_to_f32(ck.get("model.layers.0.self_attn.q_norm.weight"))) EXPECT_EQ(v, 1.0f);
+  const std::vector<float> w = tensor_to_f32(ck.get("model.embed_tokens.weight"));
+  double sum = 0, sum_sq = 0;
+  for (float v : w) {
+    sum += v;
+    sum_sq += static_cast<double>(v) * v;
+  }
+  const double mean = sum / w.size(), stddev = std::sqrt(sum_sq / w.size() - mean * mean);
+  EXPECT_NEAR(mean, 0.0, 1e-4);
+  EXPECT_NEAR(stddev, 0.02, 2e-4);
+}
+
+TEST_F(MakeModelTest, TinyDenseIsTiedAndShardsWithAnIndex) {
+  MakeModelOptions o = options("tiny-dense", "d");
+  o.shard_size_mb = 5;  // the 19 MB embedding gets a shard of its own, the layers another
+  const MakeModelResult r = make_model(o);
+  const fs::path dir = root_ / "d";
+  EXPECT_EQ(r.num_shards, 2);
+  EXPECT_TRUE(fs::exists(dir / "model-00001-of-00002.safetensors"));
+  EXPECT_TRUE(fs::exists(dir / "model-00002-of-00002.safetensors"));
+  EXPECT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors"));
+  const ModelConfig c = ModelConfig::load(dir);
+  EXPECT_EQ(c.architecture, "Qwen3ForCausalLM");
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.head_dim, 16);
+  expect_complete(dir, c, DType::BF16);
+  const Checkpoint ck(dir);
+  EXPECT_FALSE(ck.has("lm_head.weight"));
+  ck.get("model.layers.1.mlp.gate_proj.weight", {128, 64});
+  ck.get("model.layers.1.mlp.down_proj.weight", {64, 128});
+  EXPECT_EQ(r.total_bytes, 19596032u);
+
+  // Re-running with one shard replaces the old shards and index rather than mixing with them.
+  o.shard_size_mb = 5000;
+  make_model(o);
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir / "model-00001-of-00002.safetensors"));
+  expect_complete(dir, c, DType::BF16);
+}
+
+TEST_F(MakeModelTest, ValuesDependOnlyOnSeedAndName) {
+  MakeModelOptions a = options("tiny-moe", "a");
+  a.num_threads = 1;
+  make_model(a);
+  MakeModelOptions b = options("tiny-moe", "b");
+  b.num_threads = 3;
+  b.shard_size_mb = 1;  // many shards
+  make_model(b);
+  MakeModelOptions f = options("tiny-moe", "f");
+  f.dtype = DType::F32;
+  make_model(f);
+  MakeModelOptions s = options("tiny-moe", "s");
+  s.seed = 8;
+  make_model(s);
+
+  const Checkpoint ca(root_ / "a"), cb(root_ / "b"), cf(root_ / "f"), cs(root_ / "s");
+  ASSERT_EQ(ca.names(), cb.names());
+  for (const std::string& name : ca.names()) {
+    EXPECT_EQ(bytes_of(ca.get(name)), bytes_of(cb.get(name))) << name;
+    // bf16 weights are the f32 weights rounded.
+    const std::vector<float> f32 = tensor_to_f32(cf.get(name));
+    const TensorView& bf = ca.get(name);
+    for (size_t i = 0; i < f32.size(); i += 97) {
+      uint16_t v;
+      std::memcpy(&v, bf.data + 2 * i, 2);
+      ASSERT_EQ(v, f32_to_bf16(f32[i])) << name << "[" << i << "]";
+    }
+  }
+  EXPECT_NE(bytes_of(ca.get("lm_head.weight")), bytes_of(cs.get("lm_head.weight")));
+  EXPECT_EQ(bytes_of(ca.get("model.norm.weight")), bytes_of(cs.get("model.norm.weight")));
+  // Different tensors draw different values.
+  EXPECT_NE(bytes_of(ca.get("model.layers.0.mlp.experts.0.up_proj.weight")),
+            bytes_of(ca.get("model.layers.0.mlp.experts.0.gate_proj.weight")));
+}
+
+TEST_F(MakeModelTest, LayerOverride) {
+  MakeModelOptions o = options("tiny-moe", "l");
+  o.num_layers = 3;
+  make_model(o);
+  const ModelConfig c = ModelConfig::load(root_ / "l");
+  EXPECT_EQ(c.num_hidden_layers, 3);
+  expect_complete(root_ / "l", c, DType::BF16);
+}
+
+TEST_F(MakeModelTest, BigPresetsHaveThePublishedParameterCounts) {
+  auto count = [](const std::string& preset) {
+    const ModelConfig c = ModelConfig::from_json(model_preset_config(preset), preset);
+    uint64_t n = 0;
+    for (const TensorSpec& s : checkpoint_tensor_specs(c, DType::BF16)) n += tensor_bytes(s) / 2;
+    return std::make_pair(c, n);
+  };
+  const auto [c30, n30] = count("30b-a3b");
+  EXPECT_EQ(n30, 30532122624u);  // Qwen3-30B-A3B
+  EXPECT_EQ(c30.num_hidden_layers, 48);
+  EXPECT_EQ(c30.num_experts, 128);
+  EXPECT_EQ(c30.max_position_embeddings, 40960);
+  EXPECT_TRUE(c30.norm_topk_prob);
+  const auto [c235, n235] = count("235b-a22b");
+  EXPECT_EQ(n235, 235093634560u);  // Qwen3-235B-A22B
+  EXPECT_EQ(c235.num_hidden_layers, 94);
+  EXPECT_EQ(c235.num_attention_heads, 64);
+}
+
+TEST_F(MakeModelTest, AttentionBiasAndDenseLayersInSpecs) {
+  nlohmann::json j = model_preset_config("tiny-moe");
+  j["attention_bias"] = true;
+  j["mlp_only_layers"] = {0};
+  const ModelConfig c = ModelConfig::from_json(j, "x");
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const TensorSpec& s : checkpoint_tensor_specs(c, DType::BF16)) shapes[s.name] = s.shape;
+  EXPECT_EQ(shapes.at("model.layers.0.self_attn.q_proj.bias"), (std::vector<int64_t>{64}));
+  EXPECT_EQ(shapes.at("model.layers.0.self_attn.k_proj.bias"), (std::vector<int64_t>{32}));
+  EXPECT_EQ(shapes.at("model.layers.0.self_attn.o_proj.bias"), (std::vector<int64_t>{64}));
+  EXPECT_EQ(shapes.at("model.layers.0.mlp.up_proj.weight"), (std::vector<int64_t>{128, 64}));
+  EXPECT_FALSE(shapes.contains("model.layers.0.mlp.gate.weight"));
+  EXPECT_TRUE(shapes.contains("model.layers.1.mlp.gate.weight"));
+}
+
+TEST_F(MakeModelTest, RejectsBadOptions) {
+  EXPECT_THROW(make_model(options("tiny-llama", "x")), Error);
+  MakeModelOptions o = options("tiny-moe", "x");
+  o.dtype = DType::F16;
+  EXPECT_THROW(make_model(o), Error);
+  o = options("tiny-moe", "x");
+  o.tokenizer_dir = root_ / "nowhere";
+  try {
+    make_model(o);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tokenizer.json"), std::string::npos) << e.what();
+  }
+  try {
+    model_preset_config("huge");
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tiny-moe"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace relay
