@@ -1,0 +1,70 @@
+// Serving metrics in the Prometheus text format, with vLLM's names and meanings under "relay:".
+//
+// Counters and histograms are updated by the engine thread (per step and per finished request) and
+// by HTTP threads (requests rejected before the engine); gauges are sampled from the engine after
+// each step. One mutex guards everything: updates are a handful per step, far below contention.
+// Every series carries model_name, as vLLM's do, so dashboards built for vLLM work unchanged.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace relay::server {
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
+  void observe(double v);
+  // Appends the _bucket/_sum/_count lines for metric `name` with the label string `labels`.
+  void render(std::string& out, const std::string& name, const std::string& labels) const;
+  uint64_t count() const { return count_; }
+
+ private:
+  std::vector<double> bounds_;
+  std::vector<uint64_t> counts_;  // per bucket (not cumulative); the last is +Inf
+  double sum_ = 0.0;
+  uint64_t count_ = 0;
+};
+
+struct EngineGauges {
+  int num_running = 0;
+  int num_waiting = 0;
+  double kv_cache_usage = 0.0;  // 0..1
+  uint64_t num_preemptions = 0;
+  uint64_t prefix_cache_queries = 0;
+  uint64_t prefix_cache_hits = 0;
+};
+
+class Metrics {
+ public:
+  explicit Metrics(std::string model_name);
+
+  void set_engine(const EngineGauges& g);
+  void add_tokens(uint64_t prompt, uint64_t generation);
+  // One finished request; reason is "stop", "length", "abort" or "error".
+  void request_finished(const std::string& reason, double e2e_s, double queue_s);
+  void observe_ttft(double s);
+  void observe_itl(double s);
+  void request_rejected(int status);
+
+  EngineGauges engine() const;
+  std::string render() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::string model_name_;
+  EngineGauges engine_;
+  uint64_t prompt_tokens_ = 0;
+  uint64_t generation_tokens_ = 0;
+  std::map<std::string, uint64_t> finished_;  // by finished_reason
+  std::map<int, uint64_t> rejected_;          // by HTTP status
+  Histogram ttft_;
+  Histogram itl_;
+  Histogram e2e_;
+  Histogram queue_;
+};
+
+}  // namespace relay::server

@@ -1,0 +1,380 @@
+// Request validation for /v1/chat/completions and /v1/completions (see openai_protocol.h).
+#include "server/openai_protocol.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "core/error.h"
+
+namespace relay::server {
+
+using nlohmann::json;
+
+json ApiError::body() const {
+  return {{"error",
+           {{"message", message},
+            {"type", type},
+            {"param", param.empty() ? json(nullptr) : json(param)},
+            {"code", code.empty() ? json(nullptr) : json(code)}}}};
+}
+
+ApiError bad_param(const std::string& param, const std::string& message) {
+  return ApiError{400, message, "invalid_request_error", param, ""};
+}
+
+namespace {
+
+constexpr int64_t kMaxN = 16;
+constexpr int64_t kMaxTopLogprobs = 20;
+constexpr size_t kMaxStopStrings = 16;
+
+// Reads the fields of one JSON object, remembering which were read so that the rest can be
+// reported as unknown. A null value counts as absent (clients send "field": null for defaults).
+class Fields {
+ public:
+  explicit Fields(const json& obj) : obj_(obj) {}
+
+  const json* get(const std::string& name) {
+    seen_.insert(name);
+    const auto it = obj_.find(name);
+    return (it == obj_.end() || it->is_null()) ? nullptr : &*it;
+  }
+
+  std::optional<double> number(const std::string& name, double lo, double hi) {
+    const json* v = get(name);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_number()) throw bad_param(name, str("'", name, "' must be a number"));
+    const double x = v->get<double>();
+    if (!std::isfinite(x) || x < lo || x > hi) {
+      throw bad_param(name, str("'", name, "' must be between ", lo, " and ", hi, ", got ", v->dump()));
+    }
+    return x;
+  }
+
+  std::optional<int64_t> integer(const std::string& name, int64_t lo, int64_t hi) {
+    const json* v = get(name);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_number_integer()) throw bad_param(name, str("'", name, "' must be an integer"));
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      throw bad_param(name, str("'", name, "' is too large"));
+    }
+    const int64_t x = v->get<int64_t>();
+    if (x < lo || x > hi) {
+      throw bad_param(name, str("'", name, "' must be between ", lo, " and ", hi, ", got ", x));
+    }
+    return x;
+  }
+
+  std::optional<bool> boolean(const std::string& name) {
+    const json* v = get(name);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_boolean()) throw bad_param(name, str("'", name, "' must be a boolean"));
+    return v->get<bool>();
+  }
+
+  std::optional<std::string> string(const std::string& name) {
+    const json* v = get(name);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_string()) throw bad_param(name, str("'", name, "' must be a string"));
+    return v->get<std::string>();
+  }
+
+  // Unknown fields are errors, except those that never change what is generated.
+  void reject_unknown() const {
+    static const std::set<std::string> kIgnored = {"user", "metadata", "store", "service_tier",
+                                                   "parallel_tool_calls", "prompt_cache_key",
+                                                   "safety_identifier"};
+    for (const auto& [key, value] : obj_.items()) {
+      if (seen_.count(key) == 0 && kIgnored.count(key) == 0) {
+        throw bad_param(key, str("unrecognized request argument supplied: '", key, "'"));
+      }
+    }
+  }
+
+ private:
+  const json& obj_;
+  std::set<std::string> seen_;
+};
+
+json parse_object(std::string_view body) {
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    throw ApiError{400, str("the request body is not valid JSON: ", e.what()), "invalid_request_error",
+                   "", ""};
+  }
+  if (!j.is_object()) {
+    throw ApiError{400, "the request body must be a JSON object", "invalid_request_error", "", ""};
+  }
+  return j;
+}
+
+std::string read_model(Fields& f) {
+  const auto model = f.string("model");
+  if (!model) throw bad_param("model", "'model' is required");
+  return *model;
+}
+
+// Fields common to both endpoints; `max_tokens_names` lists the spellings of max_tokens.
+GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max_tokens_names) {
+  GenerationOptions o;
+  for (const char* name : max_tokens_names) {
+    if (auto v = f.integer(name, 1, INT32_MAX)) o.max_tokens = *v;
+  }
+  o.min_tokens = f.integer("min_tokens", 0, INT32_MAX).value_or(0);
+  o.temperature = f.number("temperature", 0.0, 2.0).value_or(1.0);
+  o.top_p = f.number("top_p", 0.0, 1.0).value_or(1.0);
+  if (o.top_p <= 0.0) throw bad_param("top_p", "'top_p' must be greater than 0");
+  o.top_k = f.integer("top_k", -1, INT32_MAX).value_or(0);
+  o.min_p = f.number("min_p", 0.0, 1.0).value_or(0.0);
+  o.presence_penalty = f.number("presence_penalty", -2.0, 2.0).value_or(0.0);
+  o.frequency_penalty = f.number("frequency_penalty", -2.0, 2.0).value_or(0.0);
+  o.repetition_penalty = f.number("repetition_penalty", 0.0, 10.0).value_or(1.0);
+  if (o.repetition_penalty <= 0.0) {
+    throw bad_param("repetition_penalty", "'repetition_penalty' must be greater than 0");
+  }
+  if (const json* v = f.get("seed")) {
+    if (!v->is_number_integer()) throw bad_param("seed", "'seed' must be an integer");
+    o.seed = v->is_number_unsigned() ? v->get<uint64_t>() : static_cast<uint64_t>(v->get<int64_t>());
+  }
+  o.n = f.integer("n", 1, kMaxN).value_or(1);
+  if (const json* v = f.get("stop")) {
+    if (v->is_string()) {
+      o.stop.push_back(v->get<std::string>());
+    } else if (v->is_array()) {
+      if (v->size() > kMaxStopStrings) {
+        throw bad_param("stop", str("'stop' takes at most ", kMaxStopStrings, " strings"));
+      }
+      for (const json& s : *v) {
+        if (!s.is_string()) throw bad_param("stop", "'stop' must be a string or a list of strings");
+        o.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      throw bad_param("stop", "'stop' must be a string or a list of strings");
+    }
+    for (const std::string& s : o.stop) {
+      if (s.empty()) throw bad_param("stop", "'stop' strings must not be empty");
+    }
+  }
+  if (const json* v = f.get("stop_token_ids")) {
+    if (!v->is_array()) throw bad_param("stop_token_ids", "'stop_token_ids' must be a list of integers");
+    for (const json& t : *v) {
+      if (!t.is_number_integer()) {
+        throw bad_param("stop_token_ids", "'stop_token_ids' must be a list of integers");
+      }
+      o.stop_token_ids.push_back(t.get<int64_t>());
+    }
+  }
+  o.ignore_eos = f.boolean("ignore_eos").value_or(false);
+  o.include_stop_str_in_output = f.boolean("include_stop_str_in_output").value_or(false);
+  o.skip_special_tokens = f.boolean("skip_special_tokens").value_or(true);
+  o.stream = f.boolean("stream").value_or(false);
+  if (const json* v = f.get("stream_options")) {
+    if (!o.stream) {
+      throw bad_param("stream_options", "'stream_options' is only allowed when 'stream' is true");
+    }
+    if (!v->is_object()) throw bad_param("stream_options", "'stream_options' must be an object");
+    Fields so(*v);
+    o.include_usage = so.boolean("include_usage").value_or(false);
+    so.boolean("continuous_usage_stats");
+    try {
+      so.reject_unknown();
+    } catch (const ApiError& e) {
+      throw bad_param("stream_options." + e.param,
+                      str("unrecognized request argument supplied: 'stream_options.", e.param, "'"));
+    }
+  }
+  if (const json* v = f.get("logit_bias"); v != nullptr && !(v->is_object() && v->empty())) {
+    throw bad_param("logit_bias", "'logit_bias' is not supported");
+  }
+  if (const json* v = f.get("response_format")) {
+    if (!v->is_object() || v->value("type", "") != "text") {
+      throw bad_param("response_format", "only 'response_format' {\"type\": \"text\"} is supported");
+    }
+  }
+  return o;
+}
+
+// Message content may be a string or a list of {"type": "text", "text": ...} parts; the template
+// takes a string.
+json normalize_content(const json& content, size_t index) {
+  const std::string param = str("messages[", index, "].content");
+  if (content.is_null() || content.is_string()) return content;
+  if (!content.is_array()) throw bad_param(param, str("'", param, "' must be a string or a list of parts"));
+  std::string text;
+  for (const json& part : content) {
+    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+        !part["text"].is_string()) {
+      throw bad_param(param, str("'", param, "' parts must be {\"type\": \"text\", \"text\": ...}"));
+    }
+    text += part["text"].get<std::string>();
+  }
+  return text;
+}
+
+json validate_messages(const json* messages) {
+  if (messages == nullptr) throw bad_param("messages", "'messages' is required");
+  if (!messages->is_array()) throw bad_param("messages", "'messages' must be a list");
+  if (messages->empty()) throw bad_param("messages", "'messages' must not be empty");
+  static const std::set<std::string> kRoles = {"system", "developer", "user", "assistant", "tool"};
+  json out = json::array();
+  for (size_t i = 0; i < messages->size(); ++i) {
+    const json& m = (*messages)[i];
+    const std::string where = str("messages[", i, "]");
+    if (!m.is_object()) throw bad_param(where, str("'", where, "' must be an object"));
+    const auto role = m.find("role");
+    if (role == m.end() || !role->is_string() || kRoles.count(role->get<std::string>()) == 0) {
+      throw bad_param(where + ".role", str("'", where, ".role' must be one of system, developer, user, "
+                                           "assistant, tool"));
+    }
+    json msg = m;
+    if (msg.contains("content")) msg["content"] = normalize_content(msg["content"], i);
+    const std::string r = role->get<std::string>();
+    if (r != "assistant" && (!msg.contains("content") || !msg["content"].is_string())) {
+      throw bad_param(where + ".content", str("'", where, ".content' is required for role ", r));
+    }
+    if (msg.contains("tool_calls") && !msg["tool_calls"].is_null()) {
+      if (!msg["tool_calls"].is_array()) {
+        throw bad_param(where + ".tool_calls", str("'", where, ".tool_calls' must be a list"));
+      }
+      // The template renders arguments as an object; OpenAI clients send them as a JSON string.
+      for (json& call : msg["tool_calls"]) {
+        if (!call.is_object() || !call.contains("function") || !call["function"].is_object()) {
+          throw bad_param(where + ".tool_calls", "each tool call needs a 'function' object");
+        }
+        json& args = call["function"]["arguments"];
+        if (args.is_string()) {
+          try {
+            args = json::parse(args.get<std::string>());
+          } catch (const json::parse_error&) {
+            throw bad_param(where + ".tool_calls",
+                            "tool call 'arguments' must be a JSON object encoded as a string");
+          }
+        }
+      }
+    }
+    out.push_back(std::move(msg));
+  }
+  return out;
+}
+
+json validate_tools(const json* tools) {
+  if (tools == nullptr) return nullptr;
+  if (!tools->is_array()) throw bad_param("tools", "'tools' must be a list");
+  for (size_t i = 0; i < tools->size(); ++i) {
+    const json& t = (*tools)[i];
+    const std::string where = str("tools[", i, "]");
+    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
+        !t["function"].is_object() || !t["function"].contains("name") ||
+        !t["function"]["name"].is_string()) {
+      throw bad_param(where, str("'", where,
+                                 "' must be {\"type\": \"function\", \"function\": {\"name\": ...}}"));
+    }
+  }
+  return tools->empty() ? json(nullptr) : *tools;
+}
+
+}  // namespace
+
+ChatRequest parse_chat_request(std::string_view body) {
+  const json j = parse_object(body);
+  Fields f(j);
+  ChatRequest r;
+  r.model = read_model(f);
+  r.messages = validate_messages(f.get("messages"));
+  r.tools = validate_tools(f.get("tools"));
+  if (const json* v = f.get("tool_choice")) {
+    if (v->is_string()) {
+      r.tool_choice = v->get<std::string>();
+      if (r.tool_choice != "auto" && r.tool_choice != "none" && r.tool_choice != "required") {
+        throw bad_param("tool_choice", "'tool_choice' must be auto, none, required or a function");
+      }
+    } else if (v->is_object() && v->value("type", "") == "function") {
+      r.tool_choice = "required";
+    } else {
+      throw bad_param("tool_choice", "'tool_choice' must be auto, none, required or a function");
+    }
+    if (r.tool_choice == "required" && r.tools.is_null()) {
+      throw bad_param("tool_choice", "'tool_choice' requires 'tools'");
+    }
+  }
+  if (const json* v = f.get("chat_template_kwargs")) {
+    if (!v->is_object()) throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    r.chat_template_kwargs = *v;
+  }
+  r.add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+  r.options = read_options(f, {"max_tokens", "max_completion_tokens"});
+  r.options.logprobs = f.boolean("logprobs").value_or(false);
+  if (auto k = f.integer("top_logprobs", 0, kMaxTopLogprobs)) {
+    if (!r.options.logprobs) throw bad_param("top_logprobs", "'top_logprobs' requires 'logprobs': true");
+    r.options.top_logprobs = *k;
+  }
+  f.reject_unknown();
+  return r;
+}
+
+CompletionRequest parse_completion_request(std::string_view body) {
+  const json j = parse_object(body);
+  Fields f(j);
+  CompletionRequest r;
+  r.model = read_model(f);
+  const json* prompt = f.get("prompt");
+  if (prompt == nullptr) throw bad_param("prompt", "'prompt' is required");
+  // A prompt is a string, a list of token ids, or a list holding exactly one of those.
+  const json* p = prompt;
+  if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
+  if (p->is_string()) {
+    r.prompt_text = p->get<std::string>();
+    if (r.prompt_text->empty()) throw bad_param("prompt", "'prompt' must not be empty");
+  } else if (p->is_array() && !p->empty() &&
+             std::all_of(p->begin(), p->end(), [](const json& t) { return t.is_number_integer(); })) {
+    for (const json& t : *p) r.prompt_ids.push_back(t.get<int64_t>());
+  } else if (p->is_array() && p->size() > 1) {
+    throw bad_param("prompt", "'prompt' must be one string or one list of token ids (batches of "
+                              "prompts are not supported; send one request per prompt)");
+  } else {
+    throw bad_param("prompt", "'prompt' must be a non-empty string or list of token ids");
+  }
+  r.echo = f.boolean("echo").value_or(false);
+  r.options = read_options(f, {"max_tokens"});
+  if (!r.options.max_tokens) r.options.max_tokens = 16;  // OpenAI's default for completions
+  if (auto k = f.integer("logprobs", 0, kMaxTopLogprobs)) {
+    r.options.logprobs = true;
+    r.options.top_logprobs = *k;
+  }
+  if (f.get("suffix") != nullptr) throw bad_param("suffix", "'suffix' is not supported");
+  if (const json* v = f.get("best_of"); v != nullptr && !(v->is_number_integer() && v->get<int64_t>() == 1)) {
+    throw bad_param("best_of", "'best_of' other than 1 is not supported");
+  }
+  f.reject_unknown();
+  return r;
+}
+
+int64_t check_context_length(int64_t num_prompt_tokens, const GenerationOptions& options,
+                             int64_t max_model_len, const std::string& prompt_param) {
+  const int64_t wanted = options.max_tokens.value_or(0);
+  if (num_prompt_tokens + std::max<int64_t>(wanted, 1) > max_model_len) {
+    ApiError e = bad_param(
+        prompt_param,
+        str("This model's maximum context length is ", max_model_len, " tokens. However, you requested ",
+            num_prompt_tokens + wanted, " tokens (", num_prompt_tokens, " in the ", prompt_param, ", ",
+            wanted, " in the completion). Please reduce the length of the ", prompt_param,
+            " or completion."));
+    e.code = "context_length_exceeded";
+    throw e;
+  }
+  return options.max_tokens ? wanted : max_model_len - num_prompt_tokens;
+}
+
+void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab_size, const std::string& param) {
+  for (int64_t id : ids) {
+    if (id < 0 || id >= vocab_size) {
+      throw bad_param(param, str("token id ", id, " in '", param, "' is outside the vocabulary [0, ",
+                                 vocab_size, ")"));
+    }
+  }
+}
+
+}  // namespace relay::server

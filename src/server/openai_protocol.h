@@ -1,0 +1,89 @@
+// Parsing and validating OpenAI-style request bodies, and the error bodies that answer bad ones.
+//
+// Everything a client can get wrong is caught here, before the request touches the engine: JSON
+// syntax, the type and range of every field, unknown fields (an unknown field is an error, as in
+// OpenAI's API, except a few that never change the output), and combinations that make no sense.
+// Each failure is an ApiError whose `param` names the offending field, so one bad request gets a
+// precise 400 and nothing else is disturbed. Checks that need the tokenizer or the model (context
+// length, token ids in range, the model name) are made by the server with the helpers at the end.
+// This file depends on JSON only, so it is unit-tested and fuzzed on its own.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace relay::server {
+
+// An error answered to the client as {"error": {"message", "type", "param", "code"}}.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // empty -> null
+  std::string code;   // empty -> null
+
+  nlohmann::json body() const;
+};
+
+ApiError bad_param(const std::string& param, const std::string& message);
+
+// Sampling and stopping options shared by chat and text completions.
+struct GenerationOptions {
+  std::optional<int64_t> max_tokens;  // unset: up to the context length
+  int64_t min_tokens = 0;
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;  // 0 or -1: off
+  double min_p = 0.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  double repetition_penalty = 1.0;
+  std::optional<uint64_t> seed;
+  int64_t n = 1;
+  bool logprobs = false;
+  int64_t top_logprobs = 0;
+  std::vector<std::string> stop;
+  std::vector<int64_t> stop_token_ids;
+  bool ignore_eos = false;
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+};
+
+struct ChatRequest {
+  std::string model;
+  nlohmann::json messages;  // array of {role, content (string), ...}: content parts are joined
+  nlohmann::json tools;     // array, or null when absent
+  std::string tool_choice = "auto";  // "auto", "none" or "required"; a named function is "required"
+  nlohmann::json chat_template_kwargs = nlohmann::json::object();
+  bool add_generation_prompt = true;
+  GenerationOptions options;
+};
+
+struct CompletionRequest {
+  std::string model;
+  std::optional<std::string> prompt_text;  // exactly one of these
+  std::vector<int64_t> prompt_ids;
+  bool echo = false;
+  GenerationOptions options;
+};
+
+// Parse and validate a body; throw ApiError (400) naming the parameter on any problem.
+ChatRequest parse_chat_request(std::string_view body);
+CompletionRequest parse_completion_request(std::string_view body);
+
+// Server-side checks with the numbers only the server knows.
+// 400 code "context_length_exceeded" when the prompt plus max_tokens does not fit; otherwise the
+// number of tokens that may be generated (max_tokens, or what is left of the context).
+int64_t check_context_length(int64_t num_prompt_tokens, const GenerationOptions& options,
+                             int64_t max_model_len, const std::string& prompt_param);
+// 400 naming `param` when a token id is outside [0, vocab_size).
+void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab_size, const std::string& param);
+
+}  // namespace relay::server
