@@ -1,0 +1,141 @@
+"""`relay make-model` end to end: the checkpoints it writes must read back with the reference
+`safetensors` library and match the Hugging Face layout (config, generation config, tokenizer,
+shards and index). transformers itself was checked once by hand (no torch in CI):
+  /opt/oracle/bin/python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained(DIR)"
+loads both tiny presets with no missing or unexpected keys."""
+import json
+import struct
+import subprocess
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from conftest import DEMO_MODEL
+
+
+def make_model(relay_bin, out, *args):
+    result = subprocess.run([str(relay_bin), "make-model", "--out", str(out), *args],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def raw_tensors(path):
+    """Parses a safetensors file by hand: {name: (dtype, shape, bytes)} plus the header length."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    base = 8 + n
+    return {k: (v["dtype"], v["shape"], data[base + v["data_offsets"][0]:base + v["data_offsets"][1]])
+            for k, v in header.items()}, n
+
+
+def bf16_to_f32(raw):
+    return (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_bits(x):
+    """Round to nearest even, as torch and Relay do (no NaNs in random weights)."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def test_tiny_moe_matches_hf_layout(relay_bin, tmp_path):
+    out = tmp_path / "tiny-moe"
+    make_model(relay_bin, out, "--preset", "tiny-moe", "--seed", "3")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["model_type"] == "qwen3_moe"
+    assert config["torch_dtype"] == "bfloat16"
+    assert config["num_hidden_layers"] == 2 and config["num_experts"] == 8
+    assert config["tie_word_embeddings"] is False
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [151645, 151643]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (DEMO_MODEL / name).read_bytes()
+    assert not (out / "model.safetensors.index.json").exists()
+
+    hidden, heads, kv_heads, head_dim = 64, 4, 2, 16
+    experts, moe_width, vocab = 8, 32, 151936
+    expected = {"model.embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden],
+                "model.norm.weight": [hidden]}
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        expected.update({
+            p + "input_layernorm.weight": [hidden],
+            p + "post_attention_layernorm.weight": [hidden],
+            p + "self_attn.q_proj.weight": [heads * head_dim, hidden],
+            p + "self_attn.k_proj.weight": [kv_heads * head_dim, hidden],
+            p + "self_attn.v_proj.weight": [kv_heads * head_dim, hidden],
+            p + "self_attn.o_proj.weight": [hidden, heads * head_dim],
+            p + "self_attn.q_norm.weight": [head_dim],
+            p + "self_attn.k_norm.weight": [head_dim],
+            p + "mlp.gate.weight": [experts, hidden],
+        })
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            expected.update({q + "gate_proj.weight": [moe_width, hidden],
+                             q + "up_proj.weight": [moe_width, hidden],
+                             q + "down_proj.weight": [hidden, moe_width]})
+
+    with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == set(expected)
+        for name, shape in expected.items():
+            sl = f.get_slice(name)
+            assert sl.get_shape() == shape, name
+            assert sl.get_dtype() == "BF16", name
+
+    tensors, header_len = raw_tensors(out / "model.safetensors")
+    assert header_len % 8 == 0  # padded like the Python library pads
+    for name in expected:
+        values = bf16_to_f32(tensors[name][2])
+        if name.endswith("norm.weight"):
+            assert np.all(values == 1.0), name
+    embed = bf16_to_f32(tensors["model.embed_tokens.weight"][2]).astype(np.float64)
+    assert abs(embed.mean()) < 1e-4
+    assert abs(embed.std() - 0.02) < 2e-4
+
+    # The same seed in f32 gives the unrounded values; the reference library loads them directly.
+    out32 = tmp_path / "tiny-moe-f32"
+    make_model(relay_bin, out32, "--preset", "tiny-moe", "--seed", "3", "--dtype", "f32")
+    assert json.loads((out32 / "config.json").read_text())["torch_dtype"] == "float32"
+    weights = load_file(str(out32 / "model.safetensors"))
+    assert set(weights) == set(expected)
+    for name, array in weights.items():
+        assert array.dtype == np.float32 and list(array.shape) == expected[name]
+        bits = np.frombuffer(tensors[name][2], dtype=np.uint16)
+        assert np.array_equal(bits, f32_to_bf16_bits(array.reshape(-1))), name
+
+
+def test_sharded_checkpoint_has_a_complete_index(relay_bin, tmp_path):
+    out = tmp_path / "tiny-dense"
+    result = make_model(relay_bin, out, "--preset", "tiny-dense", "--shard-size", "5", "--layers", "3")
+    assert "wrote" in result.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    total = 0
+    seen = {}
+    for shard in shards:
+        with safe_open(str(out / shard), framework="numpy") as f:
+            for name in f.keys():
+                seen[name] = shard
+                total += int(np.prod(f.get_slice(name).get_shape())) * 2
+    assert seen == index["weight_map"]
+    assert index["metadata"]["total_size"] == total
+    assert "lm_head.weight" not in seen  # tied
+    assert "model.layers.2.mlp.down_proj.weight" in seen
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
+
+
+def test_errors_are_reported(relay_bin, tmp_path):
+    bad = subprocess.run([str(relay_bin), "make-model", "--preset", "tiny-llama", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
+    assert "tiny-llama" in bad.stderr and "tiny-moe" in bad.stderr
+    bad = subprocess.run([str(relay_bin), "make-model", "--preset", "tiny-moe", "--out", str(tmp_path / "y"),
+                          "--dtype", "f16"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
