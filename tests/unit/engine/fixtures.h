@@ -1,0 +1,54 @@
+// Reading the model fixtures made by tests/fixtures/make_model_fixtures.py (HF transformers outputs).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/dtype.h"
+#include "model/safetensors.h"
+
+namespace relay::test {
+
+inline std::filesystem::path fixture_models_dir() { return std::filesystem::path(RELAY_FIXTURES_DIR) / "models"; }
+
+struct ModelFixture {
+  std::filesystem::path dir;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::vector<int32_t>> greedy;
+  int position_offset = 0;
+  std::vector<std::vector<float>> logits;  // per prompt [len, vocab] (demo: [1, vocab] of prompt 0)
+
+  static ModelFixture load(const std::filesystem::path& expected_dir, const std::filesystem::path& model_dir) {
+    ModelFixture f;
+    f.dir = model_dir;
+    std::ifstream in(expected_dir / "expected.json");
+    nlohmann::json j = nlohmann::json::parse(in);
+    f.prompts = j.at("prompts").get<std::vector<std::vector<int32_t>>>();
+    f.greedy = j.at("greedy").get<std::vector<std::vector<int32_t>>>();
+    f.position_offset = j.at("position_offset").get<int>();
+    SafetensorsFile st(expected_dir / "expected.safetensors");
+    for (size_t i = 0;; ++i) {
+      auto it = st.tensors().find("logits_" + std::to_string(i));
+      if (it == st.tensors().end()) it = st.tensors().find("last_logits_" + std::to_string(i));
+      if (it == st.tensors().end()) break;
+      const TensorView& t = it->second;
+      std::vector<float> v(t.numel());
+      std::memcpy(v.data(), t.data, t.nbytes);
+      f.logits.push_back(std::move(v));
+    }
+    return f;
+  }
+};
+
+// The tiny HF checkpoints, one per architecture variant.
+inline std::vector<std::string> tiny_fixture_names() {
+  return {"qwen3-dense", "qwen3-moe", "qwen3-moe-sparse-step", "qwen3-moe-no-norm-topk", "qwen3-yarn",
+          "qwen3-attention-bias"};
+}
+
+}  // namespace relay::test
