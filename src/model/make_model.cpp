@@ -3,7 +3,9 @@
 // Determinism: each tensor is cut into blocks of kRngBlockElems elements; block b of tensor `name`
 // draws from its own splitmix64 stream seeded by (seed, hash(name), b). Threads split a chunk by
 // whole blocks, so values never depend on the thread count, the chunk size or the sharding. Normal
-// variates come from the Box-Muller transform, two per 64-bit draw.
+// variates come from Marsaglia and Tsang's ziggurat (128 layers): one table compare and a multiply
+// for ~99% of samples, an exact normal distribution overall, and ~5x faster than Box-Muller's
+// log/sqrt/sin/cos — which matters when a benchmark checkpoint has tens of billions of weights.
 #include "model/make_model.h"
 
 #include <chrono>
@@ -11,7 +13,6 @@
 #include <cstring>
 #include <fstream>
 #include <iomanip>
-#include <numbers>
 #include <regex>
 #include <thread>
 
@@ -117,23 +118,72 @@ void store(float v, DType dtype, uint8_t* out) {
   }
 }
 
+// The ziggurat's tables: layer i covers |x| below x_i; `accept[i]` is the 31-bit threshold under
+// which a draw in layer i lands inside the next layer's rectangle and needs no density test.
+struct Ziggurat {
+  static constexpr int kLayers = 128;
+  static constexpr double kTail = 3.442619855899;         // x of the base layer's edge
+  static constexpr double kArea = 9.91256303526217e-3;    // area of every layer
+  uint32_t accept[kLayers];
+  double width[kLayers];    // x per unit of the 31-bit draw
+  double density[kLayers];  // exp(-x_i^2 / 2)
+
+  Ziggurat() {
+    constexpr double kScale = 2147483648.0;  // 2^31
+    double x = kTail, prev = kTail;
+    const double base = kArea / std::exp(-0.5 * x * x);
+    accept[0] = static_cast<uint32_t>(x / base * kScale);
+    accept[1] = 0;
+    width[0] = base / kScale;
+    width[kLayers - 1] = x / kScale;
+    density[0] = 1.0;
+    density[kLayers - 1] = std::exp(-0.5 * x * x);
+    for (int i = kLayers - 2; i >= 1; --i) {
+      x = std::sqrt(-2.0 * std::log(kArea / x + std::exp(-0.5 * x * x)));
+      accept[i + 1] = static_cast<uint32_t>(x / prev * kScale);
+      prev = x;
+      density[i] = std::exp(-0.5 * x * x);
+      width[i] = x / kScale;
+    }
+  }
+};
+
+// One standard normal variate from the stream `state`.
+double ziggurat_normal(const Ziggurat& z, uint64_t& state) {
+  auto uniform = [&] { return (static_cast<double>(splitmix64(state) >> 11) + 0.5) * 0x1p-53; };  // (0, 1)
+  for (;;) {
+    const uint64_t bits = splitmix64(state);
+    const int layer = static_cast<int>(bits & (Ziggurat::kLayers - 1));
+    const bool negative = (bits >> 7) & 1;
+    const uint32_t u = static_cast<uint32_t>(bits >> 33);  // 31 bits
+    const double x = u * z.width[layer];
+    if (u < z.accept[layer]) return negative ? -x : x;
+    if (layer == 0) {  // the tail beyond kTail, by Marsaglia's exponential method
+      double tx, ty;
+      do {
+        tx = -std::log(uniform()) / Ziggurat::kTail;
+        ty = -std::log(uniform());
+      } while (ty + ty < tx * tx);
+      return negative ? -(Ziggurat::kTail + tx) : Ziggurat::kTail + tx;
+    }
+    // The wedge between the rectangles and the curve: accept with the density's odds.
+    const double y = z.density[layer] + uniform() * (z.density[layer - 1] - z.density[layer]);
+    if (y < std::exp(-0.5 * x * x)) return negative ? -x : x;
+  }
+}
+
 // Writes elements [first, first + count) of tensor `name` (block-aligned `first`) into `out`.
 void fill_normal(uint64_t seed, uint64_t name_hash, DType dtype, int64_t first, int64_t count,
                  uint8_t* out) {
+  static const Ziggurat zig;
   const size_t esize = dtype_size(dtype);
-  constexpr float kTwoPi = 2.0f * std::numbers::pi_v<float>;
   for (int64_t block_start = first; block_start < first + count; block_start += kRngBlockElems) {
     uint64_t state = seed ^ (name_hash * 0x9e3779b97f4a7c15ull);
     state = splitmix64(state) ^ static_cast<uint64_t>(block_start / kRngBlockElems);
     splitmix64(state);
     const int64_t end = std::min(block_start + kRngBlockElems, first + count);
-    for (int64_t i = block_start; i < end; i += 2) {
-      const uint64_t bits = splitmix64(state);
-      const float u1 = static_cast<float>((bits >> 40) + 1) * 0x1p-24f;  // (0, 1]
-      const float u2 = static_cast<float>((bits >> 8) & 0xffffff) * 0x1p-24f;  // [0, 1)
-      const float r = kInitStd * std::sqrt(-2.0f * std::log(u1));
-      store(r * std::cos(kTwoPi * u2), dtype, out + (i - first) * esize);
-      if (i + 1 < end) store(r * std::sin(kTwoPi * u2), dtype, out + (i + 1 - first) * esize);
+    for (int64_t i = block_start; i < end; ++i) {
+      store(kInitStd * static_cast<float>(ziggurat_normal(zig, state)), dtype, out + (i - first) * esize);
     }
   }
 }
