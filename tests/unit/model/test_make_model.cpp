@@ -161,6 +161,18 @@ TEST_F(MakeModelTest, ValuesDependOnlyOnSeedAndName) {
       ASSERT_EQ(v, f32_to_bf16(f32[i])) << name << "[" << i << "]";
     }
   }
+  // The sampler is a true normal, tails included (9.7M samples: the fractions are tight).
+  const std::vector<float> head = tensor_to_f32(cf.get("lm_head.weight"));
+  size_t within_1 = 0, beyond_2 = 0, beyond_3 = 0;
+  for (float v : head) {
+    const float z = std::fabs(v) / 0.02f;
+    within_1 += z < 1.0f;
+    beyond_2 += z > 2.0f;
+    beyond_3 += z > 3.0f;
+  }
+  EXPECT_NEAR(static_cast<double>(within_1) / head.size(), 0.682689, 1e-3);
+  EXPECT_NEAR(static_cast<double>(beyond_2) / head.size(), 0.045500, 5e-4);
+  EXPECT_NEAR(static_cast<double>(beyond_3) / head.size(), 0.002700, 1e-4);
   EXPECT_NE(bytes_of(ca.get("lm_head.weight")), bytes_of(cs.get("lm_head.weight")));
   EXPECT_EQ(bytes_of(ca.get("model.norm.weight")), bytes_of(cs.get("model.norm.weight")));
   // Different tensors draw different values.
