@@ -1,0 +1,75 @@
+// `relay tokenize`: the tokenizer on the command line, for scripts and for the end-to-end tests that
+// compare Relay with Hugging Face `tokenizers`. Encoding reads raw bytes from stdin (so invalid
+// UTF-8 reaches the tokenizer unchanged) and prints a JSON list of ids; --decode does the reverse.
+#include <iostream>
+#include <iterator>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "tokenizer/tokenizer.h"
+
+namespace relay::cli {
+namespace {
+
+struct TokenizeOptions {
+  std::string model_dir = default_model_dir();
+  bool decode = false;
+  bool skip_special_tokens = false;
+  bool special_as_text = false;
+};
+
+int run_tokenize(const TokenizeOptions& o) {
+  const Tokenizer tokenizer = Tokenizer::from_model_dir(o.model_dir);
+  const std::string input{std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>()};
+  if (o.decode) {
+    nlohmann::json ids;
+    try {
+      ids = nlohmann::json::parse(input);
+    } catch (const nlohmann::json::exception& e) {
+      fail(str("--decode expects a JSON list of token ids on stdin: ", e.what()));
+    }
+    RELAY_CHECK(ids.is_array(), "--decode expects a JSON list of token ids on stdin");
+    std::vector<int32_t> values;
+    for (const auto& id : ids) {
+      RELAY_CHECK(id.is_number_integer(), "--decode: ", id.dump(), " is not an integer token id");
+      values.push_back(id.get<int32_t>());
+    }
+    std::cout << tokenizer.decode(values, o.skip_special_tokens) << std::flush;
+    return 0;
+  }
+  const std::vector<int32_t> ids = tokenizer.encode(input, !o.special_as_text);
+  std::string out = "[";
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i > 0) out += ",";
+    out += std::to_string(ids[i]);
+  }
+  out += "]\n";
+  std::cout << out << std::flush;
+  return 0;
+}
+
+const CommandRegistrar kRegistrar{Command{
+    "tokenize",
+    [](CLI::App& sub) -> std::function<int()> {
+      auto o = std::make_shared<TokenizeOptions>();
+      sub.add_option("--model", o->model_dir,
+                     "model directory holding tokenizer.json (default: the embedded demo model)");
+      sub.add_flag("--decode", o->decode,
+                   "read a JSON list of token ids on stdin and write their text to stdout");
+      sub.add_flag("--skip-special-tokens", o->skip_special_tokens,
+                   "with --decode: leave special tokens such as <|im_end|> out of the text");
+      sub.add_flag("--special-as-text", o->special_as_text,
+                   "encode special-token strings in the input as plain text instead of their ids");
+      sub.footer(
+          "Without --decode: reads text (raw bytes; invalid UTF-8 becomes U+FFFD) on stdin and prints "
+          "its token ids as one JSON list, exactly as Hugging Face tokenizers' encode(text, "
+          "add_special_tokens=False).");
+      return [o] { return run_tokenize(*o); };
+    },
+    "text on stdin -> JSON list of token ids (or back with --decode)"}};
+
+}  // namespace
+}  // namespace relay::cli
