@@ -1,0 +1,323 @@
+// Every CPU kernel against a straightforward reference computed in double precision on random
+// inputs: odd sizes, single tokens, experts that receive no tokens, shuffled block tables.
+//
+// Tolerances: a kernel's fp32 result may differ from the exact (double) value by its rounding
+// errors, which grow with the length of the sums: |err| <= n * 2^-24 * sum|terms| in the worst case.
+// We bound each dot product by 1e-5 * sum_i |a_i b_i| + 1e-6 — above the worst case for the lengths
+// used (<= 300 terms) and far below any indexing or formula mistake, which shows up as O(1) errors.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "kernels/ops.h"
+
+namespace relay::kernels {
+namespace {
+
+std::vector<float> random_vec(size_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+class CpuOps : public ::testing::Test {
+ protected:
+  ThreadPool pool{2};
+  std::mt19937 rng{1234};
+};
+
+TEST_F(CpuOps, EmbeddingCopiesRows) {
+  const int vocab = 11, hidden = 13;
+  auto table = random_vec(vocab * hidden, rng);
+  std::vector<int32_t> ids{10, 0, 3, 3, 7};
+  std::vector<float> out(ids.size() * hidden);
+  launch_embedding({ids.data(), table.data(), out.data(), static_cast<int>(ids.size()), hidden, vocab}, pool);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    for (int i = 0; i < hidden; ++i) EXPECT_EQ(out[t * hidden + i], table[ids[t] * hidden + i]);
+  }
+}
+
+TEST_F(CpuOps, RmsNormWithAndWithoutResidual) {
+  for (int hidden : {1, 37, 128, 129}) {
+    for (int tokens : {1, 5}) {
+      auto x = random_vec(tokens * hidden, rng, 3.0f);
+      auto residual = random_vec(tokens * hidden, rng);
+      auto weight = random_vec(hidden, rng);
+      for (bool with_residual : {false, true}) {
+        std::vector<float> res = residual, out(x.size());
+        RmsNormParams<float> p{x.data(), with_residual ? res.data() : nullptr, weight.data(), out.data(), tokens, hidden,
+                               1e-6f};
+        launch_rms_norm(p, pool);
+        for (int t = 0; t < tokens; ++t) {
+          std::vector<double> src(hidden);
+          double ss = 0;
+          for (int i = 0; i < hidden; ++i) {
+            src[i] = x[t * hidden + i] + (with_residual ? residual[t * hidden + i] : 0.0);
+            ss += src[i] * src[i];
+            if (with_residual) {
+              ASSERT_NEAR(res[t * hidden + i], src[i], 1e-6 * (1 + std::fabs(src[i])));
+            }
+          }
+          double inv = 1.0 / std::sqrt(ss / hidden + 1e-6);
+          for (int i = 0; i < hidden; ++i) {
+            double want = weight[i] * src[i] * inv;
+            ASSERT_NEAR(out[t * hidden + i], want, 1e-5 * (1 + std::fabs(want))) << "hidden " << hidden;
+          }
+        }
+      }
+    }
+  }
+}
+
+void expect_matmul(const std::vector<float>& x, const std::vector<float>& w, const float* bias, const float* out, int m,
+                   int n, int k) {
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < n; ++j) {
+      double s = bias ? bias[j] : 0.0, mag = bias ? std::fabs(bias[j]) : 0.0;
+      for (int t = 0; t < k; ++t) {
+        s += static_cast<double>(x[i * k + t]) * w[j * k + t];
+        mag += std::fabs(static_cast<double>(x[i * k + t]) * w[j * k + t]);
+      }
+      ASSERT_NEAR(out[i * n + j], s, 1e-5 * mag + 1e-6) << "m " << m << " n " << n << " k " << k << " at " << i << "," << j;
+    }
+  }
+}
+
+TEST_F(CpuOps, MatmulOddShapesWithAndWithoutBias) {
+  const int shapes[][3] = {{1, 1, 1}, {1, 7, 13}, {3, 5, 8}, {5, 97, 129}, {67, 50, 33}, {130, 49, 257}, {1, 1000, 64}};
+  for (auto [m, n, k] : shapes) {
+    auto x = random_vec(m * k, rng), w = random_vec(n * k, rng), bias = random_vec(n, rng);
+    std::vector<float> out(m * n);
+    for (bool with_bias : {false, true}) {
+      launch_matmul({x.data(), w.data(), with_bias ? bias.data() : nullptr, out.data(), m, n, k}, pool);
+      expect_matmul(x, w, with_bias ? bias.data() : nullptr, out.data(), m, n, k);
+    }
+  }
+}
+
+TEST_F(CpuOps, LmHeadComputesOnlyTheRequestedRows) {
+  const int tokens = 9, hidden = 37, vocab = 301;
+  auto x = random_vec(tokens * hidden, rng), w = random_vec(vocab * hidden, rng);
+  std::vector<int32_t> rows{8, 2, 2};
+  std::vector<float> logits(rows.size() * vocab);
+  launch_lm_head({x.data(), rows.data(), w.data(), logits.data(), static_cast<int>(rows.size()), hidden, vocab}, pool);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::vector<float> xr(x.begin() + rows[r] * hidden, x.begin() + (rows[r] + 1) * hidden);
+    expect_matmul(xr, w, nullptr, logits.data() + r * vocab, 1, vocab, hidden);
+  }
+}
+
+TEST_F(CpuOps, Swiglu) {
+  const int rows = 3, width = 19;
+  auto gu = random_vec(rows * 2 * width, rng, 4.0f);
+  std::vector<float> out(rows * width);
+  launch_swiglu({gu.data(), out.data(), rows, width}, pool);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < width; ++i) {
+      double g = gu[r * 2 * width + i], u = gu[r * 2 * width + width + i];
+      double want = g / (1 + std::exp(-g)) * u;
+      ASSERT_NEAR(out[r * width + i], want, 1e-5 * (1 + std::fabs(want)));
+    }
+  }
+}
+
+// Reference q/k norm + rotate-half RoPE of one head, in double from the fp32 angle.
+std::vector<double> ref_norm_rope(const float* v, const std::vector<float>& w, const std::vector<float>& inv_freq,
+                                  int pos, float scaling, int hd) {
+  double ss = 0;
+  for (int i = 0; i < hd; ++i) ss += static_cast<double>(v[i]) * v[i];
+  double inv = 1.0 / std::sqrt(ss / hd + 1e-6);
+  std::vector<double> n(hd), out(hd);
+  for (int i = 0; i < hd; ++i) n[i] = w[i] * v[i] * inv;
+  for (int i = 0; i < hd / 2; ++i) {
+    double angle = static_cast<float>(pos) * inv_freq[i];  // HF forms the angle in fp32
+    double c = std::cos(angle) * scaling, s = std::sin(angle) * scaling;
+    out[i] = n[i] * c - n[i + hd / 2] * s;
+    out[i + hd / 2] = n[i + hd / 2] * c + n[i] * s;
+  }
+  return out;
+}
+
+TEST_F(CpuOps, QkNormRopeWritesQAndThePagedCache) {
+  const int tokens = 5, qh = 4, kvh = 2, hd = 16, bs = 3, blocks = 6;
+  auto qkv = random_vec(tokens * (qh + 2 * kvh) * hd, rng);
+  auto qw = random_vec(hd, rng), kw = random_vec(hd, rng);
+  std::vector<float> inv_freq(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(10000.0f, -2.0f * i / hd);
+  std::vector<int32_t> positions{0, 1, 17, 700, 4095};
+  std::vector<int64_t> slots{4, -1, 0, 17, 9};  // token 1 is not stored
+  const float scaling = 1.13f;
+  std::vector<float> q(tokens * qh * hd), kc(blocks * kvh * bs * hd, -99.0f), vc(kc.size(), -99.0f);
+  QkNormRopeKvWriteParams<float> p{qkv.data(), qw.data(), kw.data(), positions.data(), inv_freq.data(), scaling,
+                                   slots.data(), q.data(), kc.data(), vc.data(), tokens, qh, kvh, hd, bs, 1e-6f};
+  launch_qk_norm_rope_kv_write(p, pool);
+  const int row = (qh + 2 * kvh) * hd;
+  for (int t = 0; t < tokens; ++t) {
+    for (int h = 0; h < qh; ++h) {
+      auto want = ref_norm_rope(&qkv[t * row + h * hd], qw, inv_freq, positions[t], scaling, hd);
+      for (int i = 0; i < hd; ++i) ASSERT_NEAR(q[(t * qh + h) * hd + i], want[i], 2e-5 * (1 + std::fabs(want[i])));
+    }
+    if (slots[t] < 0) continue;
+    int64_t block = slots[t] / bs, off = slots[t] % bs;
+    for (int h = 0; h < kvh; ++h) {
+      auto want = ref_norm_rope(&qkv[t * row + (qh + h) * hd], kw, inv_freq, positions[t], scaling, hd);
+      const float* kslot = &kc[((block * kvh + h) * bs + off) * hd];
+      const float* vslot = &vc[((block * kvh + h) * bs + off) * hd];
+      for (int i = 0; i < hd; ++i) {
+        ASSERT_NEAR(kslot[i], want[i], 2e-5 * (1 + std::fabs(want[i])));
+        ASSERT_EQ(vslot[i], qkv[t * row + (qh + kvh + h) * hd + i]);
+      }
+    }
+  }
+  // Exactly 4 tokens x 2 heads x hd elements were written to each cache.
+  EXPECT_EQ(std::count_if(kc.begin(), kc.end(), [](float v) { return v != -99.0f; }), 4 * kvh * hd);
+}
+
+// Paged attention for a mixed batch, against attention over the logical (unpaged) sequences.
+void check_paged_attention(int block_size, std::mt19937& rng, ThreadPool& pool) {
+  const int qh = 6, kvh = 2, hd = 12;
+  struct SeqSpec { int num_new, context; };
+  const std::vector<SeqSpec> specs{{1, 20}, {7, 7}, {5, 12}, {1, 1}, {3, 40}};
+  const int max_ctx = 40;
+  const int max_blocks = (max_ctx + block_size - 1) / block_size;
+  const int num_blocks = max_blocks * static_cast<int>(specs.size());
+  std::vector<int32_t> ids(num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<float> kc = random_vec(static_cast<size_t>(num_blocks) * kvh * block_size * hd, rng);
+  std::vector<float> vc = random_vec(kc.size(), rng);
+  std::vector<int32_t> starts{0}, ctx, tables(specs.size() * max_blocks, 0);
+  for (size_t s = 0; s < specs.size(); ++s) {
+    starts.push_back(starts.back() + specs[s].num_new);
+    ctx.push_back(specs[s].context);
+    for (int b = 0; b < max_blocks; ++b) tables[s * max_blocks + b] = ids[s * max_blocks + b];
+  }
+  const int tokens = starts.back();
+  auto q = random_vec(tokens * qh * hd, rng);
+  std::vector<float> out(q.size());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  PagedAttentionParams<float> p{q.data(), kc.data(), vc.data(), starts.data(), ctx.data(), tables.data(), out.data(),
+                                static_cast<int>(specs.size()), tokens, qh, kvh, hd, block_size, max_blocks, scale};
+  launch_paged_attention(p, pool);
+  for (size_t s = 0; s < specs.size(); ++s) {
+    auto at = [&](const std::vector<float>& cache, int pos, int h) {
+      int block = tables[s * max_blocks + pos / block_size];
+      return &cache[((static_cast<int64_t>(block) * kvh + h) * block_size + pos % block_size) * hd];
+    };
+    for (int j = 0; j < specs[s].num_new; ++j) {
+      const int t = starts[s] + j, visible = specs[s].context - specs[s].num_new + j + 1;
+      for (int h = 0; h < qh; ++h) {
+        const int kv = h / (qh / kvh);
+        std::vector<double> scores(visible);
+        double mx = -1e300;
+        for (int pos = 0; pos < visible; ++pos) {
+          double d = 0;
+          for (int i = 0; i < hd; ++i) d += static_cast<double>(q[(t * qh + h) * hd + i]) * at(kc, pos, kv)[i];
+          scores[pos] = d * scale;
+          mx = std::max(mx, scores[pos]);
+        }
+        double sum = 0;
+        for (double& sc : scores) sum += (sc = std::exp(sc - mx));
+        for (int i = 0; i < hd; ++i) {
+          double want = 0;
+          for (int pos = 0; pos < visible; ++pos) want += scores[pos] / sum * at(vc, pos, kv)[i];
+          ASSERT_NEAR(out[(t * qh + h) * hd + i], want, 2e-5) << "block_size " << block_size << " seq " << s
+                                                             << " token " << j << " head " << h;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CpuOps, PagedAttentionAcrossBlockSizesAndShuffledTables) {
+  for (int bs : {1, 3, 4, 16, 64}) check_paged_attention(bs, rng, pool);
+}
+
+TEST_F(CpuOps, RouterTopkSoftmaxAndRenormalisation) {
+  const int tokens = 4, experts = 9, k = 3;
+  auto logits = random_vec(tokens * experts, rng, 2.0f);
+  for (int e = 0; e < experts; ++e) logits[3 * experts + e] = 0.5f;  // all tied: lowest ids win
+  for (bool renorm : {false, true}) {
+    std::vector<int32_t> ids(tokens * k);
+    std::vector<float> w(tokens * k);
+    launch_moe_router_topk({logits.data(), ids.data(), w.data(), tokens, experts, k, renorm}, pool);
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<double> prob(experts);
+      double mx = *std::max_element(&logits[t * experts], &logits[t * experts] + experts), sum = 0;
+      for (int e = 0; e < experts; ++e) sum += (prob[e] = std::exp(logits[t * experts + e] - mx));
+      for (double& pr : prob) pr /= sum;
+      std::vector<int> order(experts);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return prob[a] > prob[b]; });
+      double top = 0;
+      for (int j = 0; j < k; ++j) top += prob[order[j]];
+      for (int j = 0; j < k; ++j) {
+        ASSERT_EQ(ids[t * k + j], order[j]) << "token " << t;
+        ASSERT_NEAR(w[t * k + j], renorm ? prob[order[j]] / top : prob[order[j]], 1e-6);
+      }
+    }
+  }
+}
+
+TEST_F(CpuOps, MoePermuteGroupedMatmulCombineWithEmptyExperts) {
+  const int tokens = 5, hidden = 13, experts = 7, k = 2, n = 11;
+  // Experts 0, 4 and 6 get nothing; expert 2 gets a row from every token.
+  std::vector<int32_t> topk{2, 5, 1, 2, 2, 3, 5, 2, 2, 1};
+  auto x = random_vec(tokens * hidden, rng);
+  auto weights = random_vec(tokens * k, rng);
+  std::vector<float> px(tokens * k * hidden);
+  std::vector<int32_t> pidx(tokens * k), offsets(experts + 1);
+  launch_moe_permute({x.data(), topk.data(), px.data(), pidx.data(), offsets.data(), tokens, hidden, experts, k}, pool);
+  EXPECT_EQ(offsets, (std::vector<int32_t>{0, 0, 2, 7, 8, 8, 10, 10}));
+  for (int r = 0; r < tokens * k; ++r) {
+    const int e = topk[r];
+    ASSERT_GE(pidx[r], offsets[e]);
+    ASSERT_LT(pidx[r], offsets[e + 1]);
+    for (int prev = 0; prev < r; ++prev) {
+      if (topk[prev] == e) {
+        ASSERT_LT(pidx[prev], pidx[r]) << "rows of one expert must stay in (token, k) order";
+      }
+    }
+    for (int i = 0; i < hidden; ++i) ASSERT_EQ(px[pidx[r] * hidden + i], x[(r / k) * hidden + i]);
+  }
+  std::vector<int32_t> sorted = pidx;
+  std::sort(sorted.begin(), sorted.end());
+  for (int r = 0; r < tokens * k; ++r) ASSERT_EQ(sorted[r], r) << "permutation is not a bijection";
+
+  auto w = random_vec(experts * n * hidden, rng);
+  std::vector<float> y(tokens * k * n);
+  launch_moe_grouped_matmul({px.data(), w.data(), offsets.data(), y.data(), tokens * k, experts, n, hidden}, pool);
+  for (int e = 0; e < experts; ++e) {
+    for (int r = offsets[e]; r < offsets[e + 1]; ++r) {
+      std::vector<float> xr(px.begin() + r * hidden, px.begin() + (r + 1) * hidden);
+      std::vector<float> we(w.begin() + e * n * hidden, w.begin() + (e + 1) * n * hidden);
+      expect_matmul(xr, we, nullptr, y.data() + r * n, 1, n, hidden);
+    }
+  }
+
+  std::vector<float> out(tokens * n);
+  launch_moe_unpermute_combine({y.data(), pidx.data(), weights.data(), out.data(), tokens, n, k}, pool);
+  for (int t = 0; t < tokens; ++t) {
+    for (int i = 0; i < n; ++i) {
+      double want = 0;
+      for (int j = 0; j < k; ++j) want += static_cast<double>(weights[t * k + j]) * y[pidx[t * k + j] * n + i];
+      ASSERT_NEAR(out[t * n + i], want, 1e-5 * (1 + std::fabs(want)));
+    }
+  }
+}
+
+TEST_F(CpuOps, GroupedMatmulWithNoRowsIsANoOp) {
+  std::vector<int32_t> offsets(5, 0);
+  float sentinel = 42.0f;
+  launch_moe_grouped_matmul({nullptr, nullptr, offsets.data(), &sentinel, 0, 4, 3, 2}, pool);
+  EXPECT_EQ(sentinel, 42.0f);
+}
+
+}  // namespace
+}  // namespace relay::kernels
