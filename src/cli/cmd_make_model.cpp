@@ -15,11 +15,14 @@ CommandRegistrar make_model_command({
       auto o = std::make_shared<MakeModelOptions>();
       auto dtype = std::make_shared<std::string>("bf16");
       std::string presets;
-      for (const std::string& n : model_preset_names()) presets += (presets.empty() ? "" : ", ") + n;
+      for (const std::string& n : model_preset_names())
+        presets += (presets.empty() ? "" : ", ") + n;
       sub.add_option("--preset", o->preset, "model shapes: " + presets)->required();
-      sub.add_option("--out", o->out_dir, "output directory (created; earlier shards there are replaced)")
+      sub.add_option("--out", o->out_dir,
+                     "output directory (created; earlier shards there are replaced)")
           ->required();
-      sub.add_option("--layers", o->num_layers, "override num_hidden_layers")->check(CLI::PositiveNumber);
+      sub.add_option("--layers", o->num_layers, "override num_hidden_layers")
+          ->check(CLI::PositiveNumber);
       sub.add_option("--seed", o->seed, "random seed (weights are a pure function of it)");
       sub.add_option("--dtype", *dtype, "weight dtype")->check(CLI::IsMember({"bf16", "f32"}));
       sub.add_option("--shard-size", o->shard_size_mb, "max shard size in MB (10^6 bytes)")

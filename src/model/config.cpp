@@ -2,12 +2,12 @@
 //
 // The rules follow transformers' Qwen3Config / Qwen3MoeConfig, because checkpoints are judged by
 // what transformers computes from them: a field that is absent takes the transformers default
-// (head_dim 128 for the dense model, hidden/heads for the MoE model; num_key_value_heads equal to the
-// heads for the dense model), except the sizes that define the tensors, which must be present. RoPE
-// parameters may sit in the legacy "rope_scaling" object ("type" or "rope_type" key, rope_theta at
-// the top level) or in transformers 5's "rope_parameters" object (rope_theta inside); both mean the
-// same. Derived YaRN values (attention_factor, original_max_position_embeddings, factor) are resolved
-// here so that the rotary layer never repeats transformers' defaulting logic.
+// (head_dim 128 for the dense model, hidden/heads for the MoE model; num_key_value_heads equal to
+// the heads for the dense model), except the sizes that define the tensors, which must be present.
+// RoPE parameters may sit in the legacy "rope_scaling" object ("type" or "rope_type" key,
+// rope_theta at the top level) or in transformers 5's "rope_parameters" object (rope_theta inside);
+// both mean the same. Derived YaRN values (attention_factor, original_max_position_embeddings,
+// factor) are resolved here so that the rotary layer never repeats transformers' defaulting logic.
 #include "model/config.h"
 
 #include <algorithm>
@@ -119,7 +119,8 @@ RopeScaling::Type parse_rope_type(const std::string& name, const Fields& f, cons
   if (name == "yarn") return RopeScaling::Type::Yarn;
   if (name == "linear") return RopeScaling::Type::Linear;
   if (name == "dynamic") return RopeScaling::Type::Dynamic;
-  f.bad(key, str("has unsupported rope type '", name, "' (supported: default, yarn, linear, dynamic)"));
+  f.bad(key,
+        str("has unsupported rope type '", name, "' (supported: default, yarn, linear, dynamic)"));
 }
 
 // transformers' get_mscale: the YaRN attention temperature for a context extension `scale`.
@@ -154,10 +155,10 @@ void parse_rope(const Fields& top, ModelConfig& c) {
   r.type = parse_rope_type(type_name, f, f.has("rope_type") ? "rope_type" : "type");
   if (r.type == RopeScaling::Type::None) return;
 
-  r.original_max_position_embeddings = top.has("original_max_position_embeddings")
-                                           ? top.positive("original_max_position_embeddings")
-                                           : f.positive("original_max_position_embeddings",
-                                                        c.max_position_embeddings);
+  r.original_max_position_embeddings =
+      top.has("original_max_position_embeddings")
+          ? top.positive("original_max_position_embeddings")
+          : f.positive("original_max_position_embeddings", c.max_position_embeddings);
   if (f.has("factor")) {
     r.factor = f.number("factor", 1.0);
   } else if (r.type == RopeScaling::Type::Yarn) {
@@ -196,7 +197,8 @@ void reject_sliding_window(const Fields& f, const ModelConfig& c) {
   const json& types = f.at("layer_types");
   if (!types.is_array()) f.bad("layer_types", "must be a list");
   if (static_cast<int64_t>(types.size()) != c.num_hidden_layers) {
-    f.bad("layer_types", str("has ", types.size(), " entries for ", c.num_hidden_layers, " layers"));
+    f.bad("layer_types",
+          str("has ", types.size(), " entries for ", c.num_hidden_layers, " layers"));
   }
   for (const json& t : types) {
     if (!t.is_string() || t.get<std::string>() != "full_attention") {
@@ -212,7 +214,8 @@ void check_token_ids(const ModelConfig& c, const std::string& source) {
     }
   }
   if (c.bos_token_id >= c.vocab_size) {
-    fail(str(source, ": bos_token_id ", c.bos_token_id, " is outside the vocabulary (", c.vocab_size, ")"));
+    fail(str(source, ": bos_token_id ", c.bos_token_id, " is outside the vocabulary (",
+             c.vocab_size, ")"));
   }
 }
 
@@ -254,9 +257,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
     moe = true;
     c.model_type = f.string("model_type", "qwen3_moe");
   } else {
-    f.bad("architectures",
-          str("names unsupported architecture '", c.architecture,
-              "' (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
+    f.bad("architectures", str("names unsupported architecture '", c.architecture,
+                               "' (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
   }
   if (c.model_type != (moe ? "qwen3_moe" : "qwen3")) {
     f.bad("model_type", str("is '", c.model_type, "', which does not match ", c.architecture));
@@ -269,20 +271,23 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
   c.hidden_size = f.positive("hidden_size");
   c.num_hidden_layers = f.positive("num_hidden_layers");
   c.num_attention_heads = f.positive("num_attention_heads");
-  c.num_key_value_heads =
-      moe ? f.positive("num_key_value_heads") : f.positive("num_key_value_heads", c.num_attention_heads);
+  c.num_key_value_heads = moe ? f.positive("num_key_value_heads")
+                              : f.positive("num_key_value_heads", c.num_attention_heads);
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
-    f.bad("num_key_value_heads", str("(", c.num_key_value_heads, ") must divide num_attention_heads (",
-                                     c.num_attention_heads, ")"));
+    f.bad("num_key_value_heads",
+          str("(", c.num_key_value_heads, ") must divide num_attention_heads (",
+              c.num_attention_heads, ")"));
   }
   // NOTE: transformers' Qwen3Config declares head_dim = 128 as its default; Qwen3MoeConfig has no
   // such field, so the attention layer falls back to hidden_size / num_attention_heads.
   if (moe && !f.has("head_dim") && c.hidden_size % c.num_attention_heads != 0) {
-    f.bad("head_dim", str("is missing and hidden_size (", c.hidden_size,
-                          ") is not divisible by num_attention_heads (", c.num_attention_heads, ")"));
+    f.bad("head_dim",
+          str("is missing and hidden_size (", c.hidden_size,
+              ") is not divisible by num_attention_heads (", c.num_attention_heads, ")"));
   }
   c.head_dim = f.positive("head_dim", moe ? c.hidden_size / c.num_attention_heads : 128);
-  if (c.head_dim % 2 != 0) f.bad("head_dim", str("must be even for rotary embeddings, got ", c.head_dim));
+  if (c.head_dim % 2 != 0)
+    f.bad("head_dim", str("must be even for rotary embeddings, got ", c.head_dim));
   c.max_position_embeddings = f.positive("max_position_embeddings", 32768);
   c.rms_norm_eps = f.number("rms_norm_eps", 1e-6);
   if (!(c.rms_norm_eps > 0)) f.bad("rms_norm_eps", str("must be positive, got ", c.rms_norm_eps));
@@ -295,8 +300,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
     c.num_experts = f.positive("num_experts");
     c.num_experts_per_tok = f.positive("num_experts_per_tok");
     if (c.num_experts_per_tok > c.num_experts) {
-      f.bad("num_experts_per_tok", str("(", c.num_experts_per_tok, ") exceeds num_experts (",
-                                       c.num_experts, ")"));
+      f.bad("num_experts_per_tok",
+            str("(", c.num_experts_per_tok, ") exceeds num_experts (", c.num_experts, ")"));
     }
     c.moe_intermediate_size = f.positive("moe_intermediate_size");
     c.norm_topk_prob = f.boolean("norm_topk_prob", false);
@@ -309,7 +314,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
         if (!l.is_number_integer()) f.bad("mlp_only_layers", str("holds non-integer ", l.dump()));
         const int64_t layer = l.get<int64_t>();
         if (layer < 0 || layer >= c.num_hidden_layers) {
-          f.bad("mlp_only_layers", str("holds layer ", layer, " outside [0, ", c.num_hidden_layers, ")"));
+          f.bad("mlp_only_layers",
+                str("holds layer ", layer, " outside [0, ", c.num_hidden_layers, ")"));
         }
         if (seen.insert(layer).second) c.mlp_only_layers.push_back(layer);
       }
@@ -321,7 +327,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
   }
   // The MoE model carries intermediate_size even when every layer is sparse; it only matters (and
   // must then be valid) when some layer uses the dense MLP.
-  c.intermediate_size = any_dense_layer ? f.positive("intermediate_size") : f.integer("intermediate_size", 0);
+  c.intermediate_size =
+      any_dense_layer ? f.positive("intermediate_size") : f.integer("intermediate_size", 0);
 
   c.eos_token_ids = f.token_ids("eos_token_id");
   const std::vector<int32_t> bos = f.token_ids("bos_token_id");

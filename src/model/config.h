@@ -20,7 +20,7 @@ namespace relay {
 struct RopeScaling {
   enum class Type { None, Yarn, Linear, Dynamic };
   Type type = Type::None;
-  double factor = 1.0;                           // context extension (positions / factor for Linear)
+  double factor = 1.0;  // context extension (positions / factor for Linear)
   int64_t original_max_position_embeddings = 0;  // context the model was trained on
   double beta_fast = 32.0;                       // YaRN: rotations where extrapolation starts
   double beta_slow = 1.0;                        // YaRN: rotations where interpolation ends
@@ -39,7 +39,8 @@ struct ModelConfig {
   int64_t num_hidden_layers = 0;
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;
-  int64_t head_dim = 0;  // absent: 128 for Qwen3 (transformers' default), hidden/heads for Qwen3-MoE
+  int64_t head_dim =
+      0;  // absent: 128 for Qwen3 (transformers' default), hidden/heads for Qwen3-MoE
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;

@@ -26,30 +26,23 @@ namespace {
 using nlohmann::json;
 
 constexpr int64_t kRngBlockElems = 4096;
-constexpr float kInitStd = 0.02f;  // transformers' initializer_range for Qwen3
-constexpr int32_t kBosToken = 151643;  // <|endoftext|>
+constexpr float kInitStd = 0.02f;        // transformers' initializer_range for Qwen3
+constexpr int32_t kBosToken = 151643;    // <|endoftext|>
 constexpr int32_t kImEndToken = 151645;  // <|im_end|>
 
 // The fields every Qwen3 config.json carries, as transformers writes them (sorted on output).
 json base_config() {
-  return {{"attention_bias", false},
-          {"attention_dropout", 0.0},
-          {"bos_token_id", kBosToken},
-          {"eos_token_id", kImEndToken},
-          {"hidden_act", "silu"},
-          {"initializer_range", 0.02},
-          {"max_position_embeddings", 40960},
-          {"rms_norm_eps", 1e-6},
-          {"rope_scaling", nullptr},
-          {"rope_theta", 1000000.0},
-          {"sliding_window", nullptr},
-          {"use_cache", true},
-          {"use_sliding_window", false},
-          {"vocab_size", 151936}};
+  return {
+      {"attention_bias", false},          {"attention_dropout", 0.0},  {"bos_token_id", kBosToken},
+      {"eos_token_id", kImEndToken},      {"hidden_act", "silu"},      {"initializer_range", 0.02},
+      {"max_position_embeddings", 40960}, {"rms_norm_eps", 1e-6},      {"rope_scaling", nullptr},
+      {"rope_theta", 1000000.0},          {"sliding_window", nullptr}, {"use_cache", true},
+      {"use_sliding_window", false},      {"vocab_size", 151936}};
 }
 
-json moe_config(int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads,
-                int64_t head_dim, int64_t experts, int64_t top_k, int64_t moe_width, bool tied) {
+json moe_config(int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads,
+                int64_t kv_heads, int64_t head_dim, int64_t experts, int64_t top_k,
+                int64_t moe_width, bool tied) {
   json j = base_config();
   j.update({{"architectures", {"Qwen3MoeForCausalLM"}},
             {"model_type", "qwen3_moe"},
@@ -72,8 +65,8 @@ json moe_config(int64_t hidden, int64_t intermediate, int64_t layers, int64_t he
   return j;
 }
 
-json dense_config(int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads,
-                  int64_t head_dim, bool tied) {
+json dense_config(int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads,
+                  int64_t kv_heads, int64_t head_dim, bool tied) {
   json j = base_config();
   j.update({{"architectures", {"Qwen3ForCausalLM"}},
             {"model_type", "qwen3"},
@@ -122,8 +115,8 @@ void store(float v, DType dtype, uint8_t* out) {
 // which a draw in layer i lands inside the next layer's rectangle and needs no density test.
 struct Ziggurat {
   static constexpr int kLayers = 128;
-  static constexpr double kTail = 3.442619855899;         // x of the base layer's edge
-  static constexpr double kArea = 9.91256303526217e-3;    // area of every layer
+  static constexpr double kTail = 3.442619855899;       // x of the base layer's edge
+  static constexpr double kArea = 9.91256303526217e-3;  // area of every layer
   uint32_t accept[kLayers];
   double width[kLayers];    // x per unit of the 31-bit draw
   double density[kLayers];  // exp(-x_i^2 / 2)
@@ -150,7 +143,9 @@ struct Ziggurat {
 
 // One standard normal variate from the stream `state`.
 double ziggurat_normal(const Ziggurat& z, uint64_t& state) {
-  auto uniform = [&] { return (static_cast<double>(splitmix64(state) >> 11) + 0.5) * 0x1p-53; };  // (0, 1)
+  auto uniform = [&] {
+    return (static_cast<double>(splitmix64(state) >> 11) + 0.5) * 0x1p-53;
+  };  // (0, 1)
   for (;;) {
     const uint64_t bits = splitmix64(state);
     const int layer = static_cast<int>(bits & (Ziggurat::kLayers - 1));
@@ -183,7 +178,8 @@ void fill_normal(uint64_t seed, uint64_t name_hash, DType dtype, int64_t first, 
     splitmix64(state);
     const int64_t end = std::min(block_start + kRngBlockElems, first + count);
     for (int64_t i = block_start; i < end; ++i) {
-      store(kInitStd * static_cast<float>(ziggurat_normal(zig, state)), dtype, out + (i - first) * esize);
+      store(kInitStd * static_cast<float>(ziggurat_normal(zig, state)), dtype,
+            out + (i - first) * esize);
     }
   }
 }
@@ -195,7 +191,8 @@ void fill_chunk(const TensorSpec& spec, uint64_t seed, int num_threads, size_t b
   const Init init = init_for(spec.name);
   if (init != Init::Normal) {
     const size_t n = out.size() / esize;
-    for (size_t i = 0; i < n; ++i) store(init == Init::Ones ? 1.0f : 0.0f, spec.dtype, out.data() + i * esize);
+    for (size_t i = 0; i < n; ++i)
+      store(init == Init::Ones ? 1.0f : 0.0f, spec.dtype, out.data() + i * esize);
     return;
   }
   const int64_t first = static_cast<int64_t>(byte_offset / esize);
@@ -212,7 +209,8 @@ void fill_chunk(const TensorSpec& spec, uint64_t seed, int num_threads, size_t b
     const int64_t b0 = num_blocks * w / workers, b1 = num_blocks * (w + 1) / workers;
     const int64_t begin = b0 * kRngBlockElems, end = std::min(b1 * kRngBlockElems, count);
     threads.emplace_back([=, &spec] {
-      fill_normal(seed, name_hash, spec.dtype, first + begin, end - begin, out.data() + begin * esize);
+      fill_normal(seed, name_hash, spec.dtype, first + begin, end - begin,
+                  out.data() + begin * esize);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -224,17 +222,23 @@ void write_json(const std::filesystem::path& path, const json& j) {
   if (!out) fail(str(path.string(), ": write failed"));
 }
 
-std::string gigabytes(uint64_t bytes) { return str(std::fixed, std::setprecision(2), bytes / 1e9, " GB"); }
+std::string gigabytes(uint64_t bytes) {
+  return str(std::fixed, std::setprecision(2), bytes / 1e9, " GB");
+}
 
 }  // namespace
 
-std::vector<std::string> model_preset_names() { return {"tiny-dense", "tiny-moe", "30b-a3b", "235b-a22b"}; }
+std::vector<std::string> model_preset_names() {
+  return {"tiny-dense", "tiny-moe", "30b-a3b", "235b-a22b"};
+}
 
 json model_preset_config(const std::string& preset) {
   if (preset == "tiny-dense") return dense_config(64, 128, 2, 4, 2, 16, /*tied=*/true);
   if (preset == "tiny-moe") return moe_config(64, 128, 2, 4, 2, 16, 8, 2, 32, /*tied=*/false);
-  if (preset == "30b-a3b") return moe_config(2048, 6144, 48, 32, 4, 128, 128, 8, 768, /*tied=*/false);
-  if (preset == "235b-a22b") return moe_config(4096, 12288, 94, 64, 4, 128, 128, 8, 1536, /*tied=*/false);
+  if (preset == "30b-a3b")
+    return moe_config(2048, 6144, 48, 32, 4, 128, 128, 8, 768, /*tied=*/false);
+  if (preset == "235b-a22b")
+    return moe_config(4096, 12288, 94, 64, 4, 128, 128, 8, 1536, /*tied=*/false);
   std::string names;
   for (const std::string& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
   fail(str("unknown model preset '", preset, "' (presets: ", names, ")"));
@@ -289,9 +293,10 @@ MakeModelResult make_model(const MakeModelOptions& o) {
   auto log = [&](const std::string& line) {
     if (o.log) o.log(line);
   };
-  RELAY_CHECK(o.dtype == DType::BF16 || o.dtype == DType::F32, "make-model: dtype must be bf16 or f32, got ",
-              dtype_name(o.dtype));
-  RELAY_CHECK(o.shard_size_mb > 0, "make-model: shard size must be positive, got ", o.shard_size_mb, " MB");
+  RELAY_CHECK(o.dtype == DType::BF16 || o.dtype == DType::F32,
+              "make-model: dtype must be bf16 or f32, got ", dtype_name(o.dtype));
+  RELAY_CHECK(o.shard_size_mb > 0, "make-model: shard size must be positive, got ", o.shard_size_mb,
+              " MB");
   RELAY_CHECK(o.num_layers >= 0, "make-model: layer count must be positive, got ", o.num_layers);
   RELAY_CHECK(!o.out_dir.empty(), "make-model: no output directory");
 
@@ -310,13 +315,16 @@ MakeModelResult make_model(const MakeModelOptions& o) {
   fs::create_directories(o.out_dir);
   // Earlier outputs of this command (shards of another size, a leftover index) would otherwise mix
   // with the new checkpoint; nothing else in the directory is touched.
-  const std::regex ours(R"(model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?|model\.safetensors\.index\.json)");
+  const std::regex ours(
+      R"(model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?|model\.safetensors\.index\.json)");
   for (const fs::directory_entry& e : fs::directory_iterator(o.out_dir)) {
-    if (e.is_regular_file() && std::regex_match(e.path().filename().string(), ours)) fs::remove(e.path());
+    if (e.is_regular_file() && std::regex_match(e.path().filename().string(), ours))
+      fs::remove(e.path());
   }
   write_json(o.out_dir / "config.json", config);
-  write_json(o.out_dir / "generation_config.json",
-             {{"bos_token_id", kBosToken}, {"eos_token_id", {kImEndToken, kBosToken}}, {"do_sample", false}});
+  write_json(o.out_dir / "generation_config.json", {{"bos_token_id", kBosToken},
+                                                    {"eos_token_id", {kImEndToken, kBosToken}},
+                                                    {"do_sample", false}});
   for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
     fs::copy_file(o.tokenizer_dir / f, o.out_dir / f, fs::copy_options::overwrite_existing);
   }
@@ -337,37 +345,37 @@ MakeModelResult make_model(const MakeModelOptions& o) {
     shard_bytes += n;
     total_bytes += n;
   }
-  const int num_threads = o.num_threads > 0 ? o.num_threads
-                                            : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  log(str("make-model: ", o.preset, " with ", c.num_hidden_layers, " layers, ", specs.size(), " tensors, ",
-          gigabytes(total_bytes), " in ", shards.size(), " file(s), ", num_threads, " threads -> ",
-          o.out_dir.string()));
+  const int num_threads = o.num_threads > 0
+                              ? o.num_threads
+                              : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  log(str("make-model: ", o.preset, " with ", c.num_hidden_layers, " layers, ", specs.size(),
+          " tensors, ", gigabytes(total_bytes), " in ", shards.size(), " file(s), ", num_threads,
+          " threads -> ", o.out_dir.string()));
 
   json weight_map = json::object();
   uint64_t written = 0, next_report = 1000000000ull;
   for (size_t s = 0; s < shards.size(); ++s) {
-    const std::string file = shards.size() == 1
-                                 ? std::string("model.safetensors")
-                                 : str("model-", std::setw(5), std::setfill('0'), s + 1, "-of-", std::setw(5),
-                                       std::setfill('0'), shards.size(), ".safetensors");
+    const std::string file =
+        shards.size() == 1 ? std::string("model.safetensors")
+                           : str("model-", std::setw(5), std::setfill('0'), s + 1, "-of-",
+                                 std::setw(5), std::setfill('0'), shards.size(), ".safetensors");
     std::vector<TensorSpec> shard_specs;
     for (size_t i : shards[s]) {
       shard_specs.push_back(specs[i]);
       weight_map[specs[i].name] = file;
     }
-    write_safetensors_streamed(o.out_dir / file, shard_specs,
-                               [&](size_t i, size_t offset, std::span<uint8_t> out) {
-                                 fill_chunk(shard_specs[i], o.seed, num_threads, offset, out);
-                                 written += out.size();
-                                 if (written >= next_report) {
-                                   const double secs = std::chrono::duration<double>(
-                                                           std::chrono::steady_clock::now() - start).count();
-                                   log(str("make-model: ", gigabytes(written), " / ", gigabytes(total_bytes),
-                                           " (", std::fixed, std::setprecision(2), written / 1e9 / secs,
-                                           " GB/s)"));
-                                   next_report += 1000000000ull;
-                                 }
-                               });
+    write_safetensors_streamed(
+        o.out_dir / file, shard_specs, [&](size_t i, size_t offset, std::span<uint8_t> out) {
+          fill_chunk(shard_specs[i], o.seed, num_threads, offset, out);
+          written += out.size();
+          if (written >= next_report) {
+            const double secs =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            log(str("make-model: ", gigabytes(written), " / ", gigabytes(total_bytes), " (",
+                    std::fixed, std::setprecision(2), written / 1e9 / secs, " GB/s)"));
+            next_report += 1000000000ull;
+          }
+        });
   }
   if (shards.size() > 1) {
     write_json(o.out_dir / "model.safetensors.index.json",
@@ -379,8 +387,8 @@ MakeModelResult make_model(const MakeModelOptions& o) {
   r.num_shards = static_cast<int64_t>(shards.size());
   r.total_bytes = total_bytes;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  log(str("make-model: wrote ", gigabytes(total_bytes), " in ", std::fixed, std::setprecision(1), r.seconds,
-          " s"));
+  log(str("make-model: wrote ", gigabytes(total_bytes), " in ", std::fixed, std::setprecision(1),
+          r.seconds, " s"));
   return r;
 }
 

@@ -1,8 +1,8 @@
 // Random-weight checkpoints in the exact Hugging Face layout, for tests and benchmarks.
 //
 // A preset is a canonical config.json (the real Qwen3-30B-A3B / Qwen3-235B-A22B shapes, or tiny
-// models for unit tests); make_model writes it with generation_config.json, the tokenizer files, and
-// safetensors shards named and indexed as transformers' save_pretrained names them. Weights are
+// models for unit tests); make_model writes it with generation_config.json, the tokenizer files,
+// and safetensors shards named and indexed as transformers' save_pretrained names them. Weights are
 // normal(0, 0.02) (norm weights 1, biases 0) and a pure function of (seed, tensor name, element
 // index): the thread count and the shard size never change a value. Writing streams in bounded
 // chunks, so a 16 GB checkpoint needs well under a gigabyte of memory.
@@ -37,12 +37,13 @@ std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, DType dtyp
 struct MakeModelOptions {
   std::string preset;
   std::filesystem::path out_dir;
-  std::filesystem::path tokenizer_dir;  // tokenizer.json and tokenizer_config.json are copied from here
-  int64_t num_layers = 0;               // 0: the preset's num_hidden_layers
+  std::filesystem::path
+      tokenizer_dir;       // tokenizer.json and tokenizer_config.json are copied from here
+  int64_t num_layers = 0;  // 0: the preset's num_hidden_layers
   uint64_t seed = 0;
-  DType dtype = DType::BF16;            // BF16 or F32
-  int64_t shard_size_mb = 5000;         // max shard size in 10^6 bytes, as transformers counts
-  int num_threads = 0;                  // random-number threads; 0: all cores
+  DType dtype = DType::BF16;     // BF16 or F32
+  int64_t shard_size_mb = 5000;  // max shard size in 10^6 bytes, as transformers counts
+  int num_threads = 0;           // random-number threads; 0: all cores
   std::function<void(const std::string&)> log;  // progress lines; may be empty
 };
 

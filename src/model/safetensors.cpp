@@ -8,9 +8,9 @@
 // never crash the process, which the fuzz target checks.
 //
 // Writing follows the Python library's layout (header padded with spaces to a multiple of 8 bytes,
-// so tensor data is 8-byte aligned in the file) and streams tensor by tensor, so a 16 GB shard needs
-// only one tensor in memory at a time. Files are written under a temporary name and renamed, so an
-// interrupted write never leaves a truncated checkpoint behind.
+// so tensor data is 8-byte aligned in the file) and streams tensor by tensor, so a 16 GB shard
+// needs only one tensor in memory at a time. Files are written under a temporary name and renamed,
+// so an interrupted write never leaves a truncated checkpoint behind.
 #include "model/safetensors.h"
 
 #include <fcntl.h>
@@ -77,14 +77,17 @@ std::map<std::string, TensorView> SafetensorsFile::parse_header(
   struct Range {
     uint64_t begin, end;
     const std::string* name;
-    bool operator<(const Range& o) const { return begin != o.begin ? begin < o.begin : end < o.end; }
+    bool operator<(const Range& o) const {
+      return begin != o.begin ? begin < o.begin : end < o.end;
+    }
   };
   std::vector<Range> ranges;  // [begin, end) per tensor, for the tiling check
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
       if (!entry.is_object()) fail(str(file, ": __metadata__ must be an object of strings"));
       for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) fail(str(file, ": __metadata__ value for '", key, "' is not a string"));
+        if (!value.is_string())
+          fail(str(file, ": __metadata__ value for '", key, "' is not a string"));
         if (metadata) (*metadata)[key] = value.get<std::string>();
       }
       continue;
@@ -142,13 +145,15 @@ std::map<std::string, TensorView> SafetensorsFile::parse_header(
   for (const Range& r : ranges) {
     if (r.begin != expected_begin) {
       fail(str(file, ": tensor ", *r.name, ": data_offsets [", r.begin, ", ", r.end, "] ",
-               r.begin < expected_begin ? "overlap the previous tensor" : "leave a gap after the previous tensor",
+               r.begin < expected_begin ? "overlap the previous tensor"
+                                        : "leave a gap after the previous tensor",
                " (which ends at ", expected_begin, ")"));
     }
     expected_begin = r.end;
   }
   if (expected_begin != data_bytes) {
-    fail(str(file, ": data section has ", data_bytes, " bytes but the tensors cover ", expected_begin));
+    fail(str(file, ": data section has ", data_bytes, " bytes but the tensors cover ",
+             expected_begin));
   }
   return tensors;
 }
@@ -157,7 +162,7 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
   const std::string file = path.string();
   const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(str(file, ": cannot open (", errno_text(), ")"));
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) {
     const std::string why = errno_text();
     ::close(fd);
@@ -166,7 +171,8 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
   const size_t file_bytes = static_cast<size_t>(st.st_size);
   if (file_bytes < 8) {
     ::close(fd);
-    fail(str(file, ": truncated (", file_bytes, " bytes; a safetensors file starts with an 8-byte header length)"));
+    fail(str(file, ": truncated (", file_bytes,
+             " bytes; a safetensors file starts with an 8-byte header length)"));
   }
   void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   const std::string map_error = map == MAP_FAILED ? errno_text() : std::string();
@@ -182,8 +188,8 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
       fail(str(file, ": corrupt header length ", header_bytes, " (limit ", kMaxHeaderBytes, ")"));
     }
     if (header_bytes > file_bytes - 8) {
-      fail(str(file, ": truncated (header needs ", header_bytes, " bytes, file has ", file_bytes - 8,
-               " after the length)"));
+      fail(str(file, ": truncated (header needs ", header_bytes, " bytes, file has ",
+               file_bytes - 8, " after the length)"));
     }
     const std::string_view header(reinterpret_cast<const char*>(bytes + 8), header_bytes);
     tensors_ = parse_header(header, bytes + 8 + header_bytes, file_bytes - 8 - header_bytes, file,
@@ -235,7 +241,8 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir) : dir_(dir) {
     for (const auto& [name, view] : files_.back()->tensors()) {
       const auto [it, inserted] = index_.emplace(name, &view);
       if (!inserted) {
-        fail(str(dir.string(), ": tensor ", name, " appears in both ", it->second->file, " and ", view.file));
+        fail(str(dir.string(), ": tensor ", name, " appears in both ", it->second->file, " and ",
+                 view.file));
       }
     }
     return *files_.back();
@@ -253,11 +260,13 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir) : dir_(dir) {
     std::map<std::string, std::string> shard_of;  // tensor -> shard file name
     std::set<std::string> shards;
     for (const auto& [name, shard] : index["weight_map"].items()) {
-      if (!shard.is_string()) fail(str(what, ": weight_map entry for ", name, " is not a file name"));
+      if (!shard.is_string())
+        fail(str(what, ": weight_map entry for ", name, " is not a file name"));
       const std::string s = shard.get<std::string>();
       // Shards live next to the index; a path could point anywhere on the machine.
       if (s.empty() || s.find('/') != std::string::npos || s == "." || s == "..") {
-        fail(str(what, ": weight_map entry for ", name, " names '", s, "', not a file in ", dir.string()));
+        fail(str(what, ": weight_map entry for ", name, " names '", s, "', not a file in ",
+                 dir.string()));
       }
       shard_of[name] = s;
       shards.insert(s);
@@ -266,7 +275,8 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir) : dir_(dir) {
     std::map<std::string, const SafetensorsFile*> loaded;
     for (const std::string& s : shards) {
       const fs::path p = dir / s;
-      if (!fs::exists(p)) fail(str(what, ": shard ", s, " is listed but ", p.string(), " does not exist"));
+      if (!fs::exists(p))
+        fail(str(what, ": shard ", s, " is listed but ", p.string(), " does not exist"));
       loaded[s] = &add_file(p);
     }
     for (const auto& [name, s] : shard_of) {
@@ -329,7 +339,8 @@ void write_safetensors_streamed(
     RELAY_CHECK(s.name != "__metadata__" && seen.insert(s.name).second, file,
                 ": duplicate or reserved tensor name ", s.name);
     const uint64_t n = tensor_bytes(s);
-    header[s.name] = {{"dtype", dtype_name(s.dtype)}, {"shape", s.shape}, {"data_offsets", {offset, offset + n}}};
+    header[s.name] = {
+        {"dtype", dtype_name(s.dtype)}, {"shape", s.shape}, {"data_offsets", {offset, offset + n}}};
     offset += n;
   }
   std::string text = header.dump();
@@ -340,7 +351,8 @@ void write_safetensors_streamed(
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) fail(str(tmp.string(), ": cannot create (", errno_text(), ")"));
     uint8_t len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+    for (int i = 0; i < 8; ++i)
+      len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
     out.write(reinterpret_cast<const char*>(len), 8);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     std::vector<uint8_t> buffer;
@@ -349,7 +361,8 @@ void write_safetensors_streamed(
       for (size_t offset = 0; offset < total && out; offset += kWriteChunkBytes) {
         buffer.resize(std::min(kWriteChunkBytes, total - offset));
         fill(i, offset, std::span<uint8_t>(buffer));
-        out.write(reinterpret_cast<const char*>(buffer.data()), static_cast<std::streamsize>(buffer.size()));
+        out.write(reinterpret_cast<const char*>(buffer.data()),
+                  static_cast<std::streamsize>(buffer.size()));
       }
     }
     out.flush();
@@ -374,9 +387,12 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
                 " has ", t.bytes.size(), " bytes but shape ", shape_string(t.shape), " of ",
                 dtype_name(t.dtype), " needs ", tensor_bytes(specs.back()));
   }
-  write_safetensors_streamed(path, specs, [&](size_t i, size_t offset, std::span<uint8_t> out) {
-    std::memcpy(out.data(), tensors[i].bytes.data() + offset, out.size());
-  }, metadata);
+  write_safetensors_streamed(
+      path, specs,
+      [&](size_t i, size_t offset, std::span<uint8_t> out) {
+        std::memcpy(out.data(), tensors[i].bytes.data() + offset, out.size());
+      },
+      metadata);
 }
 
 }  // namespace relay

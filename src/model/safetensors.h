@@ -1,9 +1,10 @@
-// Reading Hugging Face safetensors checkpoints: one file or shards through model.safetensors.index.json.
+// Reading Hugging Face safetensors checkpoints: one file or shards through
+// model.safetensors.index.json.
 //
-// Files are mmapped read-only; a TensorView points into the mapping, so loading copies nothing until
-// a backend converts or uploads the data. The header is validated in full before any tensor is used:
-// the JSON shape, dtypes, that every data range lies inside the file and ranges do not overlap, and
-// that byte sizes equal shape x dtype size. Every error names the file and the tensor.
+// Files are mmapped read-only; a TensorView points into the mapping, so loading copies nothing
+// until a backend converts or uploads the data. The header is validated in full before any tensor
+// is used: the JSON shape, dtypes, that every data range lies inside the file and ranges do not
+// overlap, and that byte sizes equal shape x dtype size. Every error names the file and the tensor.
 #pragma once
 
 #include <cstdint>
@@ -48,10 +49,9 @@ class SafetensorsFile {
 
   // Parses and validates a header (the JSON text) for a file whose data section has
   // `data_bytes` bytes; exposed for the fuzzer and tests. `data` may be null when only validating.
-  static std::map<std::string, TensorView> parse_header(std::string_view header_json,
-                                                        const uint8_t* data, size_t data_bytes,
-                                                        const std::string& file,
-                                                        std::map<std::string, std::string>* metadata);
+  static std::map<std::string, TensorView> parse_header(
+      std::string_view header_json, const uint8_t* data, size_t data_bytes, const std::string& file,
+      std::map<std::string, std::string>* metadata);
 
  private:
   std::filesystem::path path_;

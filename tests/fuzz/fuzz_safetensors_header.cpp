@@ -19,7 +19,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   const std::string_view header(reinterpret_cast<const char*>(bytes + 1), size - 1);
   try {
     std::map<std::string, std::string> metadata;
-    const auto tensors = relay::SafetensorsFile::parse_header(header, data.data(), data.size(), "fuzz", &metadata);
+    const auto tensors =
+        relay::SafetensorsFile::parse_header(header, data.data(), data.size(), "fuzz", &metadata);
     for (const auto& [name, t] : tensors) {
       const bool inside = t.data >= data.data() && t.data + t.nbytes <= data.data() + data.size();
       const bool sized = static_cast<size_t>(t.numel()) * relay::dtype_size(t.dtype) == t.nbytes;

@@ -44,12 +44,14 @@ void expect_error(const json& j, std::initializer_list<std::string> parts) {
   } catch (const Error& e) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("dir/config.json"), std::string::npos) << msg;
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg << " lacks " << p;
+    for (const std::string& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << msg << " lacks " << p;
   }
 }
 
 TEST(ModelConfig, LoadsTheDemoModel) {
-  const ModelConfig c = ModelConfig::load(std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe");
+  const ModelConfig c =
+      ModelConfig::load(std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe");
   EXPECT_EQ(c.architecture, "Qwen3MoeForCausalLM");
   EXPECT_EQ(c.model_type, "qwen3_moe");
   EXPECT_EQ(c.vocab_size, 151936);
@@ -124,7 +126,8 @@ TEST(ModelConfig, EosMayBeAListAndIntegralFloatsAreAccepted) {
 
 TEST(ModelConfig, YarnInLegacyRopeScaling) {
   json j = moe_config();
-  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
+  j["rope_scaling"] = {
+      {"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
   const ModelConfig c = ModelConfig::from_json(j, "x");
   const RopeScaling& r = c.rope_scaling;
   EXPECT_EQ(r.type, RopeScaling::Type::Yarn);
@@ -141,8 +144,8 @@ TEST(ModelConfig, YarnInRopeParametersWithMscaleAndDefaults) {
   json j = moe_config();
   j.erase("rope_theta");
   j.erase("rope_scaling");
-  j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 5e5}, {"mscale", 0.707},
-                          {"mscale_all_dim", 1.0}, {"beta_fast", 16}, {"truncate", false},
+  j["rope_parameters"] = {{"rope_type", "yarn"},   {"rope_theta", 5e5}, {"mscale", 0.707},
+                          {"mscale_all_dim", 1.0}, {"beta_fast", 16},   {"truncate", false},
                           {"factor", 2.0}};
   const ModelConfig c = ModelConfig::from_json(j, "x");
   const RopeScaling& r = c.rope_scaling;
@@ -156,8 +159,8 @@ TEST(ModelConfig, YarnInRopeParametersWithMscaleAndDefaults) {
   EXPECT_DOUBLE_EQ(r.attention_factor, expected);
 
   // An explicit attention_factor wins; a missing factor is max/original.
-  j["rope_parameters"] = {{"rope_type", "yarn"}, {"attention_factor", 1.5},
-                          {"original_max_position_embeddings", 512}};
+  j["rope_parameters"] = {
+      {"rope_type", "yarn"}, {"attention_factor", 1.5}, {"original_max_position_embeddings", 512}};
   const ModelConfig d = ModelConfig::from_json(j, "x");
   EXPECT_DOUBLE_EQ(d.rope_scaling.attention_factor, 1.5);
   EXPECT_DOUBLE_EQ(d.rope_scaling.factor, 4.0);
@@ -195,8 +198,8 @@ TEST(ModelConfig, RejectsWhatRelayCannotRun) {
   expect_error(with("model_type", "qwen3"), {"model_type"});
   expect_error(with("hidden_act", "gelu"), {"hidden_act", "gelu"});
   expect_error(with("use_sliding_window", true), {"use_sliding_window"});
-  expect_error(with("layer_types", {"full_attention", "sliding_attention", "full_attention",
-                                    "full_attention"}),
+  expect_error(with("layer_types",
+                    {"full_attention", "sliding_attention", "full_attention", "full_attention"}),
                {"layer_types", "sliding_attention"});
   expect_error(with("rope_scaling", {{"type", "longrope"}, {"factor", 2.0}}), {"type", "longrope"});
   expect_error(with("rope_scaling", {{"rope_type", "su"}}), {"rope_type", "su"});

@@ -54,8 +54,8 @@ void expect_complete(const fs::path& dir, const ModelConfig& c, DType dtype) {
 TEST_F(MakeModelTest, TinyMoeLoadsBackWithHfNamesAndShapes) {
   const MakeModelResult r = make_model(options("tiny-moe", "m"));
   const fs::path dir = root_ / "m";
-  for (const char* f : {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                        "model.safetensors"}) {
+  for (const char* f : {"config.json", "generation_config.json", "tokenizer.json",
+                        "tokenizer_config.json", "model.safetensors"}) {
     EXPECT_TRUE(fs::exists(dir / f)) << f;
   }
   EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
@@ -92,7 +92,8 @@ TEST_F(MakeModelTest, TinyMoeLoadsBackWithHfNamesAndShapes) {
   EXPECT_FALSE(ck.has("model.layers.0.mlp.gate_proj.weight"));
 
   // Norm weights are 1; other weights look like normal(0, 0.02).
-  for (float v : tensor_to_f32(ck.get("model.layers.0.self_attn.q_norm.weight"))) EXPECT_EQ(v, 1.0f);
+  for (float v : tensor_to_f32(ck.get("model.layers.0.self_attn.q_norm.weight")))
+    EXPECT_EQ(v, 1.0f);
   const std::vector<float> w = tensor_to_f32(ck.get("model.embed_tokens.weight"));
   double sum = 0, sum_sq = 0;
   for (float v : w) {

@@ -48,7 +48,8 @@ class SafetensorsTest : public ::testing::Test {
       ADD_FAILURE() << "no error";
     } catch (const Error& e) {
       const std::string msg = e.what();
-      for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg << " lacks " << p;
+      for (const std::string& p : parts)
+        EXPECT_NE(msg.find(p), std::string::npos) << msg << " lacks " << p;
     }
   }
 
@@ -63,8 +64,9 @@ std::vector<uint8_t> pattern(size_t n, uint8_t seed) {
 
 TEST_F(SafetensorsTest, RoundTripsEveryDtype) {
   std::vector<TensorToWrite> tensors;
-  const DType dtypes[] = {DType::F32, DType::F16, DType::BF16, DType::F8_E4M3, DType::F8_E8M0,
-                          DType::I32, DType::I64, DType::U8, DType::I8, DType::BOOL, DType::F64};
+  const DType dtypes[] = {DType::F32,     DType::F16,  DType::BF16, DType::F8_E4M3,
+                          DType::F8_E8M0, DType::I32,  DType::I64,  DType::U8,
+                          DType::I8,      DType::BOOL, DType::F64};
   uint8_t seed = 1;
   for (DType t : dtypes) {
     const std::vector<int64_t> shape = {3, 5};
@@ -112,10 +114,13 @@ TEST_F(SafetensorsTest, ConvertsToF32) {
     std::memcpy(f16.data() + 2 * i, &h, 2);
   }
   const fs::path p = dir_ / "f.safetensors";
-  write_safetensors(p, {{"a", DType::F32, {3}, f32}, {"b", DType::BF16, {3}, bf16},
-                        {"c", DType::F16, {3}, f16}, {"d", DType::I32, {3}, f32}});
+  write_safetensors(p, {{"a", DType::F32, {3}, f32},
+                        {"b", DType::BF16, {3}, bf16},
+                        {"c", DType::F16, {3}, f16},
+                        {"d", DType::I32, {3}, f32}});
   const SafetensorsFile f(p);
-  for (const char* name : {"a", "b", "c"}) EXPECT_EQ(tensor_to_f32(f.tensors().at(name)), values) << name;
+  for (const char* name : {"a", "b", "c"})
+    EXPECT_EQ(tensor_to_f32(f.tensors().at(name)), values) << name;
   expect_error([&] { tensor_to_f32(f.tensors().at("d")); }, {"d", "I32", p.string()});
 }
 
@@ -127,7 +132,8 @@ TEST_F(SafetensorsTest, StreamedWriterFillsInOrderAndInChunks) {
   const fs::path p = dir_ / "s.safetensors";
   write_safetensors_streamed(p, specs, [&](size_t i, size_t offset, std::span<uint8_t> out) {
     calls.emplace_back(i, offset);
-    for (size_t k = 0; k < out.size(); ++k) out[k] = static_cast<uint8_t>(i + (offset + k) / kWriteChunkBytes);
+    for (size_t k = 0; k < out.size(); ++k)
+      out[k] = static_cast<uint8_t>(i + (offset + k) / kWriteChunkBytes);
   });
   EXPECT_EQ(calls, (std::vector<std::pair<size_t, size_t>>{
                        {0, 0}, {1, 0}, {1, kWriteChunkBytes}, {1, 2 * kWriteChunkBytes}}));
@@ -138,19 +144,27 @@ TEST_F(SafetensorsTest, StreamedWriterFillsInOrderAndInChunks) {
   EXPECT_EQ(y.data[kWriteChunkBytes], 2);
   EXPECT_EQ(y.data[y.nbytes - 1], 3);
   EXPECT_FALSE(fs::exists(dir_ / "s.safetensors.tmp"));
-  expect_error([&] { write_safetensors(dir_ / "bad.safetensors", {{"x", DType::F32, {3}, pattern(8, 0)}}); },
-               {"x", "12"});
+  expect_error(
+      [&] {
+        write_safetensors(dir_ / "bad.safetensors", {{"x", DType::F32, {3}, pattern(8, 0)}});
+      },
+      {"x", "12"});
 }
 
 TEST_F(SafetensorsTest, ShardedCheckpoint) {
-  write_safetensors(dir_ / "model-00001-of-00002.safetensors",
-                    {{"a", DType::BF16, {2, 2}, pattern(8, 1)}, {"b", DType::F32, {3}, pattern(12, 2)}});
-  write_safetensors(dir_ / "model-00002-of-00002.safetensors", {{"c", DType::BF16, {4}, pattern(8, 3)}});
+  write_safetensors(
+      dir_ / "model-00001-of-00002.safetensors",
+      {{"a", DType::BF16, {2, 2}, pattern(8, 1)}, {"b", DType::F32, {3}, pattern(12, 2)}});
+  write_safetensors(dir_ / "model-00002-of-00002.safetensors",
+                    {{"c", DType::BF16, {4}, pattern(8, 3)}});
   json index = {{"metadata", {{"total_size", 28}}},
-                {"weight_map", {{"a", "model-00001-of-00002.safetensors"},
-                                {"b", "model-00001-of-00002.safetensors"},
-                                {"c", "model-00002-of-00002.safetensors"}}}};
-  auto write_index = [&](const json& j) { std::ofstream(dir_ / "model.safetensors.index.json") << j.dump(); };
+                {"weight_map",
+                 {{"a", "model-00001-of-00002.safetensors"},
+                  {"b", "model-00001-of-00002.safetensors"},
+                  {"c", "model-00002-of-00002.safetensors"}}}};
+  auto write_index = [&](const json& j) {
+    std::ofstream(dir_ / "model.safetensors.index.json") << j.dump();
+  };
   write_index(index);
 
   const Checkpoint ck(dir_);
@@ -160,7 +174,8 @@ TEST_F(SafetensorsTest, ShardedCheckpoint) {
   EXPECT_EQ(ck.get("c").file, (dir_ / "model-00002-of-00002.safetensors").string());
   EXPECT_EQ(ck.get("a", {2, 2}).data[0], 1);
   expect_error([&] { ck.get("d"); }, {dir_.string(), "d"});
-  expect_error([&] { ck.get("a", {4}); }, {"model-00001-of-00002.safetensors", "tensor a", "[2, 2]", "[4]"});
+  expect_error([&] { ck.get("a", {4}); },
+               {"model-00001-of-00002.safetensors", "tensor a", "[2, 2]", "[4]"});
 
   // The index names a tensor its shard does not hold.
   json bad = index;
@@ -182,7 +197,8 @@ TEST_F(SafetensorsTest, ShardedCheckpoint) {
   std::ofstream(dir_ / "model.safetensors.index.json") << "{";
   expect_error([&] { Checkpoint{dir_}; }, {"model.safetensors.index.json"});
   // A tensor in two shards is ambiguous.
-  write_safetensors(dir_ / "model-00002-of-00002.safetensors", {{"a", DType::BF16, {2, 2}, pattern(8, 3)}});
+  write_safetensors(dir_ / "model-00002-of-00002.safetensors",
+                    {{"a", DType::BF16, {2, 2}, pattern(8, 3)}});
   index["weight_map"].erase("c");
   index["weight_map"]["a"] = "model-00002-of-00002.safetensors";
   write_index(index);
@@ -222,23 +238,45 @@ TEST_F(SafetensorsTest, CorruptHeadersAreRejected) {
       {R"({"w": {"shape": [2], "data_offsets": [0, 8]}})", 8, {"tensor w", "dtype"}},
       {R"({"w": {"dtype": "F32", "data_offsets": [0, 8]}})", 8, {"tensor w", "shape"}},
       {R"({"w": {"dtype": "F32", "shape": [2]}})", 8, {"tensor w", "data_offsets"}},
-      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}})", 8, {"tensor w", "data_offsets"}},
+      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}})",
+       8,
+       {"tensor w", "data_offsets"}},
       {R"({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}})", 8, {"tensor w", "Q4"}},
-      {R"({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})", 8, {"tensor w", "non-negative"}},
-      {R"({"w": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}})", 8, {"tensor w", "shape"}},
-      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}})", 8, {"tensor w", "reversed"}},
-      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}})", 8, {"tensor w", "beyond"}},
-      {R"({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8, {"tensor w", "needs 12"}},
-      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "extra": 1}})", 8, {"tensor w", "extra"}},
-      {R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 8]}})", 8,
+      {R"({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})",
+       8,
+       {"tensor w", "non-negative"}},
+      {R"({"w": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}})",
+       8,
+       {"tensor w", "shape"}},
+      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}})",
+       8,
+       {"tensor w", "reversed"}},
+      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}})",
+       8,
+       {"tensor w", "beyond"}},
+      {R"({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})",
+       8,
+       {"tensor w", "needs 12"}},
+      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "extra": 1}})",
+       8,
+       {"tensor w", "extra"}},
+      {R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 8]}})",
+       8,
        {"tensor w", "too large"}},
-      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 18446744073709551615]}})", 8,
+      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 18446744073709551615]}})",
+       8,
        {"tensor w", "too large"}},
       {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-           "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12, {"tensor b", "overlap"}},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+       12,
+       {"tensor b", "overlap"}},
       {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-           "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}})", 20, {"tensor b", "gap"}},
-      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 12, {"12 bytes", "cover 8"}},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}})",
+       20,
+       {"tensor b", "gap"}},
+      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
+       12,
+       {"12 bytes", "cover 8"}},
       {R"({"__metadata__": {"k": 1}})", 0, {"__metadata__"}},
       {R"({"__metadata__": [1]})", 0, {"__metadata__"}},
   };
@@ -251,7 +289,8 @@ TEST_F(SafetensorsTest, CorruptHeadersAreRejected) {
     } catch (const Error& e) {
       const std::string msg = e.what();
       EXPECT_NE(msg.find(p.string()), std::string::npos) << msg;
-      for (const std::string& part : c.parts) EXPECT_NE(msg.find(part), std::string::npos) << msg << " lacks " << part;
+      for (const std::string& part : c.parts)
+        EXPECT_NE(msg.find(part), std::string::npos) << msg << " lacks " << part;
     }
   }
   // A length field pointing past the end of the file, and an absurd one.
@@ -279,11 +318,14 @@ TEST(SafetensorsFuzz, RandomHeadersOnlyThrowRelayErrors) {
   std::mt19937_64 rng(20261202);
   // Valid headers and the data-section size each needs.
   const std::vector<std::pair<std::string, size_t>> seeds = {
-      {R"({"__metadata__":{"format":"pt"},"a":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},"b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}})", 16},
+      {R"({"__metadata__":{"format":"pt"},"a":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},"b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}})",
+       16},
       {R"({"w":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[0,4]}})", 4},
-      {R"({"x":{"dtype":"I64","shape":[],"data_offsets":[0,8]},"y":{"dtype":"BOOL","shape":[0],"data_offsets":[8,8]}})", 8},
+      {R"({"x":{"dtype":"I64","shape":[],"data_offsets":[0,8]},"y":{"dtype":"BOOL","shape":[0],"data_offsets":[8,8]}})",
+       8},
   };
-  const std::string alphabet = "{}[]\":,0123456789-.eE abcdefghijklmnopqrstuvwxyzFBI_\\\x00\xff\xc3";
+  const std::string alphabet =
+      "{}[]\":,0123456789-.eE abcdefghijklmnopqrstuvwxyzFBI_\\\x00\xff\xc3";
   int parsed = 0;
   for (int iter = 0; iter < 20000; ++iter) {
     const auto& [seed, seed_bytes] = seeds[rng() % seeds.size()];
@@ -297,10 +339,18 @@ TEST(SafetensorsFuzz, RandomHeadersOnlyThrowRelayErrors) {
       for (int k = 0; k < n && !h.empty(); ++k) {
         const size_t pos = rng() % h.size();
         switch (rng() % 4) {
-          case 0: h[pos] = alphabet[rng() % alphabet.size()]; break;
-          case 1: h.insert(pos, 1, alphabet[rng() % alphabet.size()]); break;
-          case 2: h.erase(pos, 1); break;
-          default: h.insert(pos, std::to_string(static_cast<int64_t>(rng()))); break;
+          case 0:
+            h[pos] = alphabet[rng() % alphabet.size()];
+            break;
+          case 1:
+            h.insert(pos, 1, alphabet[rng() % alphabet.size()]);
+            break;
+          case 2:
+            h.erase(pos, 1);
+            break;
+          default:
+            h.insert(pos, std::to_string(static_cast<int64_t>(rng())));
+            break;
         }
       }
     }
