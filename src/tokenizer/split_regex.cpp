@@ -149,7 +149,8 @@ SplitRegex::SplitRegex(std::string_view pattern, bool literal, SplitBehavior beh
   compiled_pattern_ = literal ? std::string(pattern) : rewrite_pattern_for_pcre2(pattern, what);
   int error = 0;
   PCRE2_SIZE error_offset = 0;
-  const uint32_t options = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+  // PCRE2 refuses UCP together with LITERAL; a literal needs no character classes anyway.
+  const uint32_t options = literal ? PCRE2_UTF | PCRE2_LITERAL : PCRE2_UTF | PCRE2_UCP;
   code_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(compiled_pattern_.data()),
                               compiled_pattern_.size(), options, &error, &error_offset, nullptr);
   RELAY_CHECK(code_->code != nullptr, what, ": PCRE2 rejects the pattern at offset ", error_offset, ": ",
