@@ -1,0 +1,188 @@
+// The sampler's semantics (vLLM's): masks, penalties, greedy, determinism in (seed, sample_index),
+// and logprobs of the raw logits.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/sampler.h"
+
+namespace relay {
+namespace {
+
+const float kInf = std::numeric_limits<float>::infinity();
+
+std::vector<float> probs_of(const std::vector<float>& logits) {
+  double mx = -kInf, sum = 0;
+  for (float l : logits) mx = std::max<double>(mx, l);
+  std::vector<float> p(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) sum += (p[i] = std::exp(logits[i] - mx));
+  for (float& x : p) x /= sum;
+  return p;
+}
+
+TEST(Sampler, TopKKeepsTheKLargestAndTies) {
+  std::vector<float> l{1, 5, 3, 5, 2, 4};
+  apply_top_k(l, 2);
+  EXPECT_EQ(l, (std::vector<float>{-kInf, 5, -kInf, 5, -kInf, -kInf}));
+  std::vector<float> m{1, 5, 3, 4};
+  apply_top_k(m, 3);
+  EXPECT_EQ(m, (std::vector<float>{-kInf, 5, 3, 4}));
+  std::vector<float> n{1, 2};
+  apply_top_k(n, 0);  // off
+  EXPECT_EQ(n, (std::vector<float>{1, 2}));
+}
+
+TEST(Sampler, TopPKeepsTheSmallestSetReachingP) {
+  // probabilities 0.5, 0.25, 0.125, 0.125
+  std::vector<float> base{std::log(0.5f), std::log(0.25f), std::log(0.125f), std::log(0.125f)};
+  auto l = base;
+  apply_top_p(l, 0.7f);  // 0.5 < 0.7 <= 0.75
+  EXPECT_TRUE(std::isfinite(l[0]) && std::isfinite(l[1]));
+  EXPECT_TRUE(std::isinf(l[2]) && std::isinf(l[3]));
+  l = base;
+  apply_top_p(l, 0.4f);  // the top token alone
+  EXPECT_TRUE(std::isfinite(l[0]) && std::isinf(l[1]));
+  l = base;
+  apply_top_p(l, 1e-6f);  // never empty
+  EXPECT_TRUE(std::isfinite(l[0]));
+  l = base;
+  apply_top_p(l, 1.0f);  // off
+  EXPECT_EQ(l, base);
+}
+
+TEST(Sampler, MinPMasksRelativeToTheMostLikelyToken) {
+  std::vector<float> l{std::log(0.5f), std::log(0.3f), std::log(0.15f), std::log(0.05f)};
+  apply_min_p(l, 0.2f);  // threshold 0.1: drops only the 0.05 token
+  EXPECT_TRUE(std::isfinite(l[2]));
+  EXPECT_TRUE(std::isinf(l[3]));
+  apply_min_p(l, 0.5f);  // threshold 0.25
+  EXPECT_TRUE(std::isfinite(l[1]));
+  EXPECT_TRUE(std::isinf(l[2]));
+}
+
+TEST(Sampler, PenaltiesFollowVllm) {
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  p.frequency_penalty = 0.5f;
+  p.presence_penalty = 0.25f;
+  std::vector<float> l{4, -4, 4, -4, 4};
+  std::vector<int32_t> prompt{0, 1}, output{2, 2, 3};
+  apply_penalties(l, prompt, output, p);
+  EXPECT_FLOAT_EQ(l[0], 2.0f);                       // prompt only: repetition
+  EXPECT_FLOAT_EQ(l[1], -8.0f);                      // negative: multiplied
+  EXPECT_FLOAT_EQ(l[2], 2.0f - 2 * 0.5f - 0.25f);    // output twice: all three
+  EXPECT_FLOAT_EQ(l[3], -8.0f - 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(l[4], 4.0f);                       // unseen
+}
+
+TEST(Sampler, GreedyIsArgmaxOfPenalisedLogitsWithLowestIndexOnTies) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  std::vector<float> l{1, 3, 3, 2};
+  EXPECT_EQ(sample_token(l, p, {}, {}, 0).token, 1);
+  p.presence_penalty = 5.0f;
+  std::vector<int32_t> out{1};
+  std::vector<float> m{1, 3, 3, 2};
+  EXPECT_EQ(sample_token(m, p, {}, out, 0).token, 2);
+}
+
+TEST(Sampler, DrawsAreAPureFunctionOfSeedAndIndex) {
+  SamplingParams p;
+  p.temperature = 1.0f;
+  std::vector<float> base(50);
+  for (size_t i = 0; i < base.size(); ++i) base[i] = std::sin(static_cast<float>(i)) * 2;
+  auto draw = [&](uint64_t seed, uint64_t index) {
+    auto l = base;
+    p.seed = seed;
+    return sample_token(l, p, {}, {}, index).token;
+  };
+  std::vector<int32_t> a, b, c;
+  for (uint64_t i = 0; i < 64; ++i) {
+    a.push_back(draw(7, i));
+    b.push_back(draw(7, i));
+    c.push_back(draw(8, i));
+  }
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  EXPECT_EQ(sample_uniform(1, 2), sample_uniform(1, 2));
+  EXPECT_NE(sample_uniform(1, 2), sample_uniform(1, 3));
+}
+
+TEST(Sampler, SampledFrequenciesFollowTheDistribution) {
+  std::vector<float> base{0.0f, std::log(2.0f), std::log(3.0f), std::log(4.0f)};  // 0.1 0.2 0.3 0.4
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.seed = 99;
+  const int n = 20000;
+  std::vector<int> counts(4, 0);
+  for (int i = 0; i < n; ++i) {
+    auto l = base;
+    ++counts[sample_token(l, p, {}, {}, i).token];
+  }
+  for (int t = 0; t < 4; ++t) EXPECT_NEAR(counts[t] / static_cast<double>(n), 0.1 * (t + 1), 0.015) << "token " << t;
+  // temperature sharpens: at 0.25 the probabilities go as (t+1)^4
+  p.temperature = 0.25f;
+  std::fill(counts.begin(), counts.end(), 0);
+  for (int i = 0; i < n; ++i) {
+    auto l = base;
+    ++counts[sample_token(l, p, {}, {}, i).token];
+  }
+  EXPECT_NEAR(counts[3] / static_cast<double>(n), 256.0 / (1 + 16 + 81 + 256), 0.015);
+}
+
+TEST(Sampler, MasksRestrictWhatCanBeSampled) {
+  std::vector<float> base{2.0f, 1.9f, 1.8f, 0.0f, -1.0f};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = 2;
+  for (uint64_t i = 0; i < 500; ++i) {
+    auto l = base;
+    int32_t t = sample_token(l, p, {}, {}, i).token;
+    ASSERT_TRUE(t == 0 || t == 1);
+  }
+}
+
+TEST(Sampler, LogprobsAreOfTheRawLogitsAndSumToOne) {
+  std::vector<float> base{0.3f, -1.0f, 2.5f, 2.5f, 0.0f, 1.0f};
+  SamplingParams p;
+  p.temperature = 0.7f;
+  p.top_k = 2;
+  p.repetition_penalty = 1.5f;
+  p.num_logprobs = 3;
+  std::vector<int32_t> out{2};
+  auto l = base;
+  SampledToken s = sample_token(l, p, {}, out, 5);
+  std::vector<float> lp(base.size());
+  log_softmax(base, lp);
+  double total = 0;
+  for (float v : lp) total += std::exp(v);
+  EXPECT_NEAR(total, 1.0, 1e-6);
+  EXPECT_FLOAT_EQ(s.logprob, lp[s.token]);
+  ASSERT_EQ(s.top.size(), 3u);
+  EXPECT_EQ(s.top[0].first, 2);  // tie with 3 broken by the lower id
+  EXPECT_EQ(s.top[1].first, 3);
+  EXPECT_EQ(s.top[2].first, 5);
+  EXPECT_FLOAT_EQ(s.top[2].second, lp[5]);
+  auto probs = probs_of(base);
+  EXPECT_NEAR(std::exp(s.top[0].second), probs[2], 1e-6);
+}
+
+TEST(Sampler, RejectsInvalidParameters) {
+  std::vector<float> l{1, 2};
+  SamplingParams p;
+  p.top_p = 0.0f;
+  EXPECT_THROW(sample_token(l, p, {}, {}, 0), Error);
+  p = {};
+  p.temperature = -1.0f;
+  EXPECT_THROW(sample_token(l, p, {}, {}, 0), Error);
+  p = {};
+  std::vector<int32_t> bad{7};
+  p.presence_penalty = 1.0f;
+  EXPECT_THROW(sample_token(l, p, {}, bad, 0), Error);
+}
+
+}  // namespace
+}  // namespace relay
