@@ -44,7 +44,7 @@ class InProcessTransport final : public Transport {
       src = bases_.at(copy.src_region);
       dst = bases_.at(copy.dst_region);
     }
-    std::memcpy(dst + copy.dst_offset, src + copy.src_offset, copy.bytes);
+    std::memcpy(dst + copy.dst_offset_bytes, src + copy.src_offset_bytes, copy.bytes);
   }
 
   void wait_posted() override {}
@@ -56,15 +56,15 @@ class InProcessTransport final : public Transport {
     const size_t colon = a.find(":0x");
     long pid = 0;
     uintptr_t pointer = 0;
-    const bool ok =
-        colon != std::string::npos &&
-        std::from_chars(a.data(), a.data() + colon, pid).ptr == a.data() + colon &&
-        std::from_chars(a.data() + colon + 3, a.data() + a.size(), pointer, 16).ptr ==
-            a.data() + a.size() &&
-        pointer != 0;
+    const bool ok = colon != std::string::npos &&
+                    std::from_chars(a.data(), a.data() + colon, pid).ptr == a.data() + colon &&
+                    std::from_chars(a.data() + colon + 3, a.data() + a.size(), pointer, 16).ptr ==
+                        a.data() + a.size() &&
+                    pointer != 0;
     RELAY_CHECK(ok, "region ", desc.id, " has a malformed in-process address '", a, "'");
     RELAY_CHECK(pid == ::getpid(), "region ", desc.id, " belongs to process ", pid,
                 "; the in-process transport only reaches process ", ::getpid());
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): the text is a pointer this process exported.
     return reinterpret_cast<std::byte*>(pointer);
   }
 

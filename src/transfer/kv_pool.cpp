@@ -55,8 +55,8 @@ KvHeadRange tp_kv_head_range(int num_kv_heads, int tp_size, int tp_rank) {
     const int per_rank = num_kv_heads / tp_size;
     return {tp_rank * per_rank, per_rank};
   }
-  RELAY_CHECK(tp_size % num_kv_heads == 0, "TP ", tp_size, " is not a multiple of the ", num_kv_heads,
-              " KV heads it replicates");
+  RELAY_CHECK(tp_size % num_kv_heads == 0, "TP ", tp_size, " is not a multiple of the ",
+              num_kv_heads, " KV heads it replicates");
   return {tp_rank / (tp_size / num_kv_heads), 1};
 }
 
@@ -70,13 +70,13 @@ void validate_kv_pool(const KvPoolDesc& pool, std::string_view what) {
               pool.heads.first, ", ", pool.heads.end(), ") is empty or negative");
   RELAY_CHECK(pool.k.size() == static_cast<size_t>(pool.num_layers) &&
                   pool.v.size() == static_cast<size_t>(pool.num_layers),
-              what, ": KV pool has ", pool.k.size(), " K and ", pool.v.size(),
-              " V placements for ", pool.num_layers, " layers");
+              what, ": KV pool has ", pool.k.size(), " K and ", pool.v.size(), " V placements for ",
+              pool.num_layers, " layers");
   // NOTE: sizes are ints, so these products fit in 64 bits; only the offsets need overflow checks.
   const uint64_t heads_bytes = static_cast<uint64_t>(pool.heads.count) * pool.head_bytes();
   RELAY_CHECK(pool.block_stride_bytes >= heads_bytes, what, ": KV pool block stride ",
-              pool.block_stride_bytes, " bytes is smaller than its ", pool.heads.count,
-              " heads' ", heads_bytes, " bytes");
+              pool.block_stride_bytes, " bytes is smaller than its ", pool.heads.count, " heads' ",
+              heads_bytes, " bytes");
   RELAY_CHECK(pool.block_stride_bytes <= kMaxU64 / static_cast<uint64_t>(pool.num_blocks), what,
               ": KV pool block stride ", pool.block_stride_bytes, " times ", pool.num_blocks,
               " blocks overflows 64 bits");
@@ -104,7 +104,8 @@ KvPoolDesc contiguous_kv_pool(int num_layers, int num_blocks, int block_size, in
   pool.block_stride_bytes = static_cast<uint64_t>(heads.count) * pool.head_bytes();
   const uint64_t tensor_bytes = static_cast<uint64_t>(num_blocks) * pool.block_stride_bytes;
   for (int layer = 0; layer < num_layers; ++layer) {
-    pool.k.push_back({region, base_offset_bytes + (2 * static_cast<uint64_t>(layer)) * tensor_bytes});
+    pool.k.push_back(
+        {region, base_offset_bytes + (2 * static_cast<uint64_t>(layer)) * tensor_bytes});
     pool.v.push_back(
         {region, base_offset_bytes + (2 * static_cast<uint64_t>(layer) + 1) * tensor_bytes});
   }
@@ -125,19 +126,16 @@ uint64_t kv_pool_region_bytes(const KvPoolDesc& pool, RegionId region) {
 void to_json(nlohmann::json& j, const KvPoolDesc& pool) {
   auto placements = [](const std::vector<KvTensorPlacement>& ts) {
     nlohmann::json out = nlohmann::json::array();
-    for (const auto& t : ts) out.push_back({{"region", t.region}, {"offset_bytes", t.offset_bytes}});
+    for (const auto& t : ts)
+      out.push_back({{"region", t.region}, {"offset_bytes", t.offset_bytes}});
     return out;
   };
-  j = nlohmann::json{{"num_layers", pool.num_layers},
-                     {"num_blocks", pool.num_blocks},
-                     {"block_size", pool.block_size},
-                     {"head_dim", pool.head_dim},
-                     {"elem_bytes", pool.elem_bytes},
-                     {"first_kv_head", pool.heads.first},
-                     {"num_kv_heads", pool.heads.count},
-                     {"block_stride_bytes", pool.block_stride_bytes},
-                     {"k", placements(pool.k)},
-                     {"v", placements(pool.v)}};
+  j = nlohmann::json{
+      {"num_layers", pool.num_layers},    {"num_blocks", pool.num_blocks},
+      {"block_size", pool.block_size},    {"head_dim", pool.head_dim},
+      {"elem_bytes", pool.elem_bytes},    {"first_kv_head", pool.heads.first},
+      {"num_kv_heads", pool.heads.count}, {"block_stride_bytes", pool.block_stride_bytes},
+      {"k", placements(pool.k)},          {"v", placements(pool.v)}};
 }
 
 void from_json(const nlohmann::json& j, KvPoolDesc& pool) {

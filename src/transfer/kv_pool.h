@@ -2,12 +2,13 @@
 // lives inside registered memory regions, so a peer can address a pool it cannot see.
 //
 // Relay's KV cache is HND (kvcache/kv_cache.h): per layer, K and V are each
-// [num_blocks][num_kv_heads][block_size][head_dim], so within one block the slice of heads [a, b) is
-// one contiguous range — the unit the layout mapper moves. A descriptor generalises that layout just
-// enough for every pool the transfer engine meets:
+// [num_blocks][num_kv_heads][block_size][head_dim], so within one block the slice of heads [a, b)
+// is one contiguous range — the unit the layout mapper moves. A descriptor generalises that layout
+// just enough for every pool the transfer engine meets:
 //  - a pool may hold a subset of the model's KV heads (a tensor-parallel rank: `heads`) or all of
 //    them (a data-parallel decode rank);
-//  - each layer's K and V tensor is placed independently (region id + byte offset of block 0), so one
+//  - each layer's K and V tensor is placed independently (region id + byte offset of block 0), so
+//  one
 //    allocation for the whole pool, one per layer, or K and V interleaved are all describable;
 //  - `block_stride_bytes` separates consecutive blocks of one tensor; it exceeds the heads' bytes
 //    when another tensor is interleaved per block ([num_blocks][2][num_kv_heads][block_size][dim]).
@@ -54,8 +55,8 @@ struct KvPoolDesc {
   int num_blocks = 0;  // valid block ids are [0, num_blocks)
   int block_size = 0;  // tokens per block
   int head_dim = 0;
-  int elem_bytes = 0;  // bytes per element (2 for bf16)
-  KvHeadRange heads;   // the model's KV heads this pool holds, in this order
+  int elem_bytes = 0;               // bytes per element (2 for bf16)
+  KvHeadRange heads;                // the model's KV heads this pool holds, in this order
   uint64_t block_stride_bytes = 0;  // block b -> b + 1 in one tensor; >= heads.count * head_bytes()
   std::vector<KvTensorPlacement> k;  // [num_layers]
   std::vector<KvTensorPlacement> v;  // [num_layers]
@@ -70,7 +71,8 @@ struct KvPoolDesc {
   // Arguments are trusted: validate the descriptor and the block ids at the boundary.
   uint64_t offset_bytes(int layer, KvPart part, int32_t block, int head, int token_in_block) const {
     return tensor(layer, part).offset_bytes + static_cast<uint64_t>(block) * block_stride_bytes +
-           (static_cast<uint64_t>(head - heads.first) * block_size + token_in_block) * token_bytes();
+           (static_cast<uint64_t>(head - heads.first) * block_size + token_in_block) *
+               token_bytes();
   }
 };
 

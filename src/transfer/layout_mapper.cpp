@@ -51,8 +51,8 @@ void append_merged(std::vector<KvCopy>& out, const KvCopy& c) {
     KvCopy& last = out.back();
     if (last.src_rank == c.src_rank && last.dst_rank == c.dst_rank &&
         last.src_region == c.src_region && last.dst_region == c.dst_region &&
-        last.src_offset + last.bytes == c.src_offset &&
-        last.dst_offset + last.bytes == c.dst_offset) {
+        last.src_offset_bytes + last.bytes == c.src_offset_bytes &&
+        last.dst_offset_bytes + last.bytes == c.dst_offset_bytes) {
       last.bytes += c.bytes;
       return;
     }
@@ -78,10 +78,10 @@ std::vector<KvCopy> plan_kv_copies(const KvTransferSide& src, const KvTransferSi
               src0.elem_bytes, ") does not match destination (", dst0.num_layers, ", ",
               dst0.head_dim, ", ", dst0.elem_bytes, ")");
   const int layer_end = scope.layer_end < 0 ? src0.num_layers : scope.layer_end;
-  RELAY_CHECK(scope.layer_begin >= 0 && scope.layer_begin <= layer_end &&
-                  layer_end <= src0.num_layers,
-              "KV copy layer range [", scope.layer_begin, ", ", layer_end, ") is outside ",
-              src0.num_layers, " layers");
+  RELAY_CHECK(
+      scope.layer_begin >= 0 && scope.layer_begin <= layer_end && layer_end <= src0.num_layers,
+      "KV copy layer range [", scope.layer_begin, ", ", layer_end, ") is outside ", src0.num_layers,
+      " layers");
 
   // replicas[h]: the source ranks holding head h, in rank order.
   std::vector<std::vector<int>> replicas(src.num_kv_heads);
@@ -124,14 +124,14 @@ std::vector<KvCopy> plan_kv_copies(const KvTransferSide& src, const KvTransferSi
               for (int h = head_lo; h < head_hi; ++h) {
                 const std::vector<int>& reps = replicas[h];
                 if (reps[(j + d) % static_cast<int64_t>(reps.size())] != s) continue;
-                append_merged(
-                    out, KvCopy{s, d, src_region,
-                                sp.offset_bytes(layer, part, src.block_table[j], h,
-                                                static_cast<int>(t0 - j * src_block_size)),
-                                dst_region,
-                                dp.offset_bytes(layer, part, dst.block_table[k], h,
-                                                static_cast<int>(t0 - k * dst_block_size)),
-                                static_cast<uint64_t>(t1 - t0) * token_bytes});
+                append_merged(out,
+                              KvCopy{s, d, src_region,
+                                     sp.offset_bytes(layer, part, src.block_table[j], h,
+                                                     static_cast<int>(t0 - j * src_block_size)),
+                                     dst_region,
+                                     dp.offset_bytes(layer, part, dst.block_table[k], h,
+                                                     static_cast<int>(t0 - k * dst_block_size)),
+                                     static_cast<uint64_t>(t1 - t0) * token_bytes});
               }
             }
           }
@@ -146,7 +146,7 @@ std::vector<TransferCopy> transfer_copies(std::span<const KvCopy> copies, int sr
   std::vector<TransferCopy> out;
   for (const KvCopy& c : copies) {
     if (src_rank >= 0 && c.src_rank != src_rank) continue;
-    out.push_back({c.src_region, c.src_offset, c.dst_region, c.dst_offset, c.bytes});
+    out.push_back({c.src_region, c.src_offset_bytes, c.dst_region, c.dst_offset_bytes, c.bytes});
   }
   return out;
 }

@@ -5,9 +5,9 @@
 // owner. Ids must be unique across every engine that will exchange copies (the control plane hands
 // them out, e.g. a worker index in the high bits), because copies name regions by id and byte
 // offset — never by pointer — so a copy list computed on one machine means the same thing on
-// another. The owner exports a RegionDescriptor (id, size, the transport that reaches the region and
-// that transport's opaque address: a pointer in-process, a CUDA IPC handle, a UCX remote key), which
-// travels as JSON to peers, who import it.
+// another. The owner exports a RegionDescriptor (id, size, the transport that reaches the region
+// and that transport's opaque address: a pointer in-process, a CUDA IPC handle, a UCX remote key),
+// which travels as JSON to peers, who import it.
 #pragma once
 
 #include <cstdint>
@@ -35,13 +35,14 @@ void from_json(const nlohmann::json& j, RegionDescriptor& desc);
 // signed and parsed non-negative ones as unsigned; descriptors accept both).
 bool is_json_u64(const nlohmann::json& value);
 
-// One contiguous copy: bytes [src_offset, src_offset + bytes) of src_region land at dst_offset of
-// dst_region. The source is always local to the engine that executes the copy (writes are pushed).
+// One contiguous copy: bytes [src_offset_bytes, src_offset_bytes + bytes) of src_region land at
+// dst_offset_bytes of dst_region. The source is always local to the engine that executes the copy
+// (writes are pushed).
 struct TransferCopy {
   RegionId src_region = 0;
-  uint64_t src_offset = 0;
+  uint64_t src_offset_bytes = 0;
   RegionId dst_region = 0;
-  uint64_t dst_offset = 0;
+  uint64_t dst_offset_bytes = 0;
   uint64_t bytes = 0;
 };
 

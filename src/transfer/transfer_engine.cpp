@@ -3,8 +3,8 @@
 // One mutex guards the region table, the queue, the completions waiting for delivery and the
 // counters; the worker holds it only between copies' bookkeeping, never while a transport moves
 // bytes or a callback runs. Three atomics let the worker notice, between copies and without the
-// lock, that the running request was cancelled, that completions wait for delivery, or that a queued
-// request's deadline has passed.
+// lock, that the running request was cancelled, that completions wait for delivery, or that a
+// queued request's deadline has passed.
 #include "transfer/transfer_engine.h"
 
 #include <algorithm>
@@ -84,22 +84,23 @@ struct TransferEngine::Impl {
         return str(where, "source region ", c.src_region,
                    src == regions.end() ? " is not registered" : " is not local to this engine");
       }
-      if (dst == regions.end()) return str(where, "destination region ", c.dst_region, " is unknown");
+      if (dst == regions.end())
+        return str(where, "destination region ", c.dst_region, " is unknown");
       if (c.bytes == 0) return str(where, "copies 0 bytes");
       const uint64_t src_size = src->second.desc.bytes;
       const uint64_t dst_size = dst->second.desc.bytes;
-      if (!in_bounds(c.src_offset, c.bytes, src_size)) {
-        return str(where, "source range [", c.src_offset, ", +", c.bytes, ") exceeds region ",
+      if (!in_bounds(c.src_offset_bytes, c.bytes, src_size)) {
+        return str(where, "source range [", c.src_offset_bytes, ", +", c.bytes, ") exceeds region ",
                    c.src_region, "'s ", src_size, " bytes");
       }
-      if (!in_bounds(c.dst_offset, c.bytes, dst_size)) {
-        return str(where, "destination range [", c.dst_offset, ", +", c.bytes,
+      if (!in_bounds(c.dst_offset_bytes, c.bytes, dst_size)) {
+        return str(where, "destination range [", c.dst_offset_bytes, ", +", c.bytes,
                    ") exceeds region ", c.dst_region, "'s ", dst_size, " bytes");
       }
-      if (c.src_region == c.dst_region && c.src_offset < c.dst_offset + c.bytes &&
-          c.dst_offset < c.src_offset + c.bytes) {
-        return str(where, "source [", c.src_offset, ", +", c.bytes, ") and destination [",
-                   c.dst_offset, ", +", c.bytes, ") overlap in region ", c.src_region);
+      if (c.src_region == c.dst_region && c.src_offset_bytes < c.dst_offset_bytes + c.bytes &&
+          c.dst_offset_bytes < c.src_offset_bytes + c.bytes) {
+        return str(where, "source [", c.src_offset_bytes, ", +", c.bytes, ") and destination [",
+                   c.dst_offset_bytes, ", +", c.bytes, ") overlap in region ", c.src_region);
       }
       note_used(c.src_region);
       note_used(c.dst_region);
@@ -287,9 +288,8 @@ TransferEngine::~TransferEngine() {
     impl_->stopping = true;
     for (auto& p : impl_->queue) {
       impl_->release(*p);
-      impl_->finalize(std::move(p->on_done),
-                      {p->request.request_id, TransferStatus::Cancelled,
-                       "transfer engine shut down", 0, 0});
+      impl_->finalize(std::move(p->on_done), {p->request.request_id, TransferStatus::Cancelled,
+                                              "transfer engine shut down", 0, 0});
     }
     impl_->queue.clear();
     impl_->cancel_running.store(true, std::memory_order_release);
@@ -305,15 +305,17 @@ RegionDescriptor TransferEngine::register_region(RegionId id, void* base, uint64
               " bytes)");
   std::lock_guard lock(impl_->mutex);
   RELAY_CHECK(!impl_->regions.contains(id), "region id ", id, " is already registered");
-  std::string address = impl_->transport->add_local_region(id, static_cast<std::byte*>(base), bytes);
+  std::string address =
+      impl_->transport->add_local_region(id, static_cast<std::byte*>(base), bytes);
   RegionDescriptor desc{id, bytes, std::string(impl_->transport->name()), std::move(address)};
   impl_->regions[id] = {desc, true, 0};
   return desc;
 }
 
 void TransferEngine::import_region(const RegionDescriptor& desc) {
-  RELAY_CHECK(desc.transport == impl_->transport->name(), "region ", desc.id, " is reached by the '",
-              desc.transport, "' transport; this engine uses '", impl_->transport->name(), "'");
+  RELAY_CHECK(desc.transport == impl_->transport->name(), "region ", desc.id,
+              " is reached by the '", desc.transport, "' transport; this engine uses '",
+              impl_->transport->name(), "'");
   RELAY_CHECK(desc.bytes > 0, "imported region ", desc.id, " is empty");
   std::lock_guard lock(impl_->mutex);
   RELAY_CHECK(!impl_->regions.contains(desc.id), "region id ", desc.id, " is already registered");
@@ -381,9 +383,8 @@ bool TransferEngine::cancel(int64_t request_id) {
     m.cancel_running.store(true, std::memory_order_release);
     return true;
   }
-  const auto it = std::find_if(m.queue.begin(), m.queue.end(), [&](const auto& p) {
-    return p->request.request_id == request_id;
-  });
+  const auto it = std::find_if(m.queue.begin(), m.queue.end(),
+                               [&](const auto& p) { return p->request.request_id == request_id; });
   if (it == m.queue.end()) return false;
   m.release(**it);
   m.finalize(std::move((*it)->on_done),

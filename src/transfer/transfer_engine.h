@@ -1,11 +1,11 @@
 // The transfer engine: moves lists of contiguous copies between registered memory regions, one
 // request at a time, with a completion per request, deadlines and cancellation.
 //
-// This is the "how" of KV transfer (the layout mapper is the "what"). The engine does the work every
-// transport shares — region bookkeeping, bounds checks, a queue, deadlines, cancellation, counters —
-// and a Transport does only the moving (in_process_transport.h now; CUDA IPC and UCX implement the
-// same interface). Writes are pushed: a copy's source is a region registered here, its destination a
-// region registered here or imported from a peer's exported RegionDescriptor.
+// This is the "how" of KV transfer (the layout mapper is the "what"). The engine does the work
+// every transport shares — region bookkeeping, bounds checks, a queue, deadlines, cancellation,
+// counters — and a Transport does only the moving (in_process_transport.h now; CUDA IPC and UCX
+// implement the same interface). Writes are pushed: a copy's source is a region registered here,
+// its destination a region registered here or imported from a peer's exported RegionDescriptor.
 //
 // Requests run in submission order on one worker thread. Before a request is queued every copy is
 // checked against its regions, so an out-of-range copy fails its request (with a message naming the
@@ -70,7 +70,7 @@ struct TransferRequest {
 struct TransferResult {
   int64_t request_id = 0;
   TransferStatus status = TransferStatus::Ok;
-  std::string reason;         // why it did not succeed; empty when ok
+  std::string reason;            // why it did not succeed; empty when ok
   uint64_t num_copies_done = 0;  // copies that landed before the request ended
   uint64_t bytes_copied = 0;     // their bytes
 };

@@ -6,7 +6,7 @@
 
 namespace relay::test {
 
-std::string run_copies(std::vector<PoolMemory*> pools, std::span<const KvCopy> copies) {
+std::string run_copies(const std::vector<PoolMemory*>& pools, std::span<const KvCopy> copies) {
   TransferEngine engine(make_in_process_transport());
   for (PoolMemory* pool : pools) {
     for (auto& [id, mem] : pool->regions) engine.register_region(id, mem.data(), mem.size());

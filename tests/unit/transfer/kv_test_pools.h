@@ -4,8 +4,8 @@
 // Source pools are filled with kSourceJunk and then the pattern for the tokens they hold, so a copy
 // that reads a byte it should not (a token past the end, another block) writes junk the check sees;
 // destination pools start zeroed, and the expected destination is built independently by writing
-// the pattern straight into a zeroed copy through the destination's descriptor. Pattern bytes lie in
-// [1, 0x7f], so they are never 0 (untouched) nor kSourceJunk.
+// the pattern straight into a zeroed copy through the destination's descriptor. Pattern bytes lie
+// in [1, 0x7f], so they are never 0 (untouched) nor kSourceJunk.
 #pragma once
 
 #include <cstddef>
@@ -58,8 +58,8 @@ struct PoolMemory {
         for (int64_t t = token_begin; t < token_end; ++t) {
           const int32_t block = block_table[t / desc.block_size];
           for (int h = desc.heads.first; h < desc.heads.end(); ++h) {
-            const uint64_t at = desc.offset_bytes(layer, part, block, h,
-                                                  static_cast<int>(t % desc.block_size));
+            const uint64_t at =
+                desc.offset_bytes(layer, part, block, h, static_cast<int>(t % desc.block_size));
             for (int dim = 0; dim < desc.head_dim; ++dim) {
               const uint16_t value = kv_pattern(layer, part, h, t, dim);
               std::memcpy(mem.data() + at + 2 * dim, &value, 2);
@@ -71,8 +71,8 @@ struct PoolMemory {
   }
 };
 
-// Registers every region of `pools` with a fresh in-process engine, runs `copies` as one request and
-// returns its status name ("ok" on success).
-std::string run_copies(std::vector<PoolMemory*> pools, std::span<const KvCopy> copies);
+// Registers every region of `pools` with a fresh in-process engine, runs `copies` as one request
+// and returns "ok", or the reason it did not succeed.
+std::string run_copies(const std::vector<PoolMemory*>& pools, std::span<const KvCopy> copies);
 
 }  // namespace relay::test

@@ -2,10 +2,10 @@
 // checked, so a wrong offset, a missed token, a stray byte or a duplicated head shows up.
 //
 // The sweep covers prefill TP 1/2/4/8 over 4 KV heads (TP 8 replicates each head on two ranks) into
-// one data-parallel decode rank holding all heads, for equal and different block sizes, token counts
-// that fill and do not fill the last block, and random block tables. Block ids are even numbers of a
-// pool with an even block count, so no two table entries are adjacent in memory and the number of
-// copies is exactly the per-block minimum computed independently below.
+// one data-parallel decode rank holding all heads, for equal and different block sizes, token
+// counts that fill and do not fill the last block, and random block tables. Block ids are even
+// numbers of a pool with an even block count, so no two table entries are adjacent in memory and
+// the number of copies is exactly the per-block minimum computed independently below.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -32,7 +32,9 @@ constexpr int kHeadDim = 8;
 constexpr int kElemBytes = 2;
 constexpr uint64_t kTokenBytes = kHeadDim * kElemBytes;
 
-int64_t blocks_for(int64_t tokens, int block_size) { return (tokens + block_size - 1) / block_size; }
+int64_t blocks_for(int64_t tokens, int block_size) {
+  return (tokens + block_size - 1) / block_size;
+}
 
 // `num_entries` distinct even block ids of a pool of `num_blocks` (even), in random order.
 std::vector<int32_t> random_block_table(int64_t num_entries, int num_blocks, std::mt19937& rng) {
@@ -63,8 +65,8 @@ int64_t count_mismatches(const PoolMemory& actual, const PoolMemory& expected) {
     const std::vector<std::byte>& want = expected.regions.at(id);
     for (size_t i = 0; i < mem.size(); ++i) {
       if (mem[i] != want[i] && ++mismatches <= 3) {
-        ADD_FAILURE() << "region " << id << " byte " << i << ": got "
-                      << static_cast<int>(mem[i]) << ", want " << static_cast<int>(want[i]);
+        ADD_FAILURE() << "region " << id << " byte " << i << ": got " << static_cast<int>(mem[i])
+                      << ", want " << static_cast<int>(want[i]);
       }
     }
   }
@@ -77,7 +79,7 @@ void expect_disjoint_destinations(std::span<const KvCopy> copies, uint64_t expec
   std::vector<std::tuple<int, RegionId, uint64_t, uint64_t>> ranges;
   uint64_t total = 0;
   for (const KvCopy& c : copies) {
-    ranges.emplace_back(c.dst_rank, c.dst_region, c.dst_offset, c.bytes);
+    ranges.emplace_back(c.dst_rank, c.dst_region, c.dst_offset_bytes, c.bytes);
     total += c.bytes;
   }
   std::sort(ranges.begin(), ranges.end());
@@ -85,8 +87,8 @@ void expect_disjoint_destinations(std::span<const KvCopy> copies, uint64_t expec
     const auto& [rank0, region0, offset0, bytes0] = ranges[i - 1];
     const auto& [rank1, region1, offset1, bytes1] = ranges[i];
     if (rank0 == rank1 && region0 == region1) {
-      ASSERT_LE(offset0 + bytes0, offset1) << "two copies write destination region " << region0
-                                           << " byte " << offset1;
+      ASSERT_LE(offset0 + bytes0, offset1)
+          << "two copies write destination region " << region0 << " byte " << offset1;
     }
   }
   EXPECT_EQ(total, expected_bytes);
@@ -97,6 +99,7 @@ struct BlockSizes {
   int dst;
 };
 
+// NOLINTNEXTLINE(readability-identifier-naming): GoogleTest looks this name up.
 void PrintTo(const BlockSizes& sizes, std::ostream* os) {
   *os << "blocks " << sizes.src << " -> " << sizes.dst;
 }
@@ -108,7 +111,7 @@ TEST_P(MapperSweep, PrefillTpToOneDecodeRank) {
   const int src_bs = sizes.src;
   const int dst_bs = sizes.dst;
   const int lcm = std::lcm(src_bs, dst_bs);
-  std::set<int64_t> token_counts = {1,       src_bs,      dst_bs,         2 * lcm,
+  std::set<int64_t> token_counts = {1,           src_bs,      dst_bs,        2 * lcm,
                                     2 * lcm + 1, 3 * lcm - 1, 5 * src_bs + 3};
   if (src_bs > 1) token_counts.insert(src_bs - 1);
 
@@ -133,9 +136,9 @@ TEST_P(MapperSweep, PrefillTpToOneDecodeRank) {
         src_pools.emplace_back(src_descs.back(), test::kSourceJunk);
         src_pools.back().write_pattern(src_table, 0, n, 0, kNumLayers);
       }
-      const std::vector<KvPoolDesc> dst_descs = {contiguous_kv_pool(
-          kNumLayers, pool_blocks_for(dst_entries), dst_bs, kHeadDim, kElemBytes,
-          {0, kNumKvHeads}, 200)};
+      const std::vector<KvPoolDesc> dst_descs = {
+          contiguous_kv_pool(kNumLayers, pool_blocks_for(dst_entries), dst_bs, kHeadDim, kElemBytes,
+                             {0, kNumKvHeads}, 200)};
       PoolMemory dst_pool(dst_descs[0], std::byte{0});
 
       const KvCopyScope scope{.token_begin = 0, .token_end = n};
@@ -148,8 +151,8 @@ TEST_P(MapperSweep, PrefillTpToOneDecodeRank) {
       ASSERT_EQ(test::run_copies(all, copies), "ok");
       EXPECT_EQ(count_mismatches(dst_pool, expected_destination(dst_descs[0], dst_table, scope)),
                 0);
-      expect_disjoint_destinations(copies, static_cast<uint64_t>(n) * kNumKvHeads * kNumLayers *
-                                               2 * kTokenBytes);
+      expect_disjoint_destinations(
+          copies, static_cast<uint64_t>(n) * kNumKvHeads * kNumLayers * 2 * kTokenBytes);
 
       // The minimum: a whole block (equal sizes) is one copy per sending rank, since its heads
       // are contiguous on both sides; anything else is one copy per head per run of tokens that
@@ -188,9 +191,9 @@ TEST_P(MapperSweep, PrefillTpToOneDecodeRank) {
 INSTANTIATE_TEST_SUITE_P(
     AllShardings, MapperSweep,
     ::testing::Combine(::testing::Values(1, 2, 4, 8),
-                       ::testing::Values(BlockSizes{16, 16}, BlockSizes{16, 32},
-                                         BlockSizes{32, 16}, BlockSizes{16, 64},
-                                         BlockSizes{64, 16}, BlockSizes{8, 24})),
+                       ::testing::Values(BlockSizes{16, 16}, BlockSizes{16, 32}, BlockSizes{32, 16},
+                                         BlockSizes{16, 64}, BlockSizes{64, 16},
+                                         BlockSizes{8, 24})),
     [](const auto& info) {
       const BlockSizes sizes = std::get<1>(info.param);
       return "tp" + std::to_string(std::get<0>(info.param)) + "_bs" + std::to_string(sizes.src) +
@@ -266,8 +269,8 @@ TEST(LayoutMapper, PartialLastBlockIsCopiedPerHead) {
 }
 
 TEST(LayoutMapper, TokenAndLayerSubrange) {
-  // Only tokens [21, 70) of layer 1 move (a decode rank holding a cached prefix, one layer streamed):
-  // everything else at the destination stays zero.
+  // Only tokens [21, 70) of layer 1 move (a decode rank holding a cached prefix, one layer
+  // streamed): everything else at the destination stays zero.
   std::mt19937 rng(5);
   const std::vector<int32_t> src_table = random_block_table(5, 12, rng);
   const std::vector<int32_t> dst_table = random_block_table(3, 8, rng);
@@ -355,17 +358,20 @@ TEST(LayoutMapper, ReplicaChoiceIsDeterministic) {
   const std::vector<KvPoolDesc> src = tp_pools(8, 14, 16, 100);
   const std::vector<KvPoolDesc> dst = tp_pools(1, 14, 16, 200);
   const KvCopyScope scope{.token_begin = 0, .token_end = 90};
-  const std::vector<KvCopy> a = plan_kv_copies({kNumKvHeads, src, table}, {kNumKvHeads, dst, table}, scope);
-  const std::vector<KvCopy> b = plan_kv_copies({kNumKvHeads, src, table}, {kNumKvHeads, dst, table}, scope);
+  const std::vector<KvCopy> a =
+      plan_kv_copies({kNumKvHeads, src, table}, {kNumKvHeads, dst, table}, scope);
+  const std::vector<KvCopy> b =
+      plan_kv_copies({kNumKvHeads, src, table}, {kNumKvHeads, dst, table}, scope);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_EQ(a[i].src_rank, b[i].src_rank);
-    EXPECT_EQ(a[i].src_offset, b[i].src_offset);
-    EXPECT_EQ(a[i].dst_offset, b[i].dst_offset);
+    EXPECT_EQ(a[i].src_offset_bytes, b[i].src_offset_bytes);
+    EXPECT_EQ(a[i].dst_offset_bytes, b[i].dst_offset_bytes);
   }
   // Copies come grouped by source rank, and transfer_copies picks one rank's share.
-  EXPECT_TRUE(std::is_sorted(a.begin(), a.end(),
-                             [](const KvCopy& x, const KvCopy& y) { return x.src_rank < y.src_rank; }));
+  EXPECT_TRUE(std::is_sorted(a.begin(), a.end(), [](const KvCopy& x, const KvCopy& y) {
+    return x.src_rank < y.src_rank;
+  }));
   size_t total = 0;
   for (int r = 0; r < 8; ++r) total += transfer_copies(a, r).size();
   EXPECT_EQ(total, a.size());
@@ -389,33 +395,50 @@ TEST(LayoutMapper, RejectsInconsistentInputs) {
   const KvCopyScope scope{.token_begin = 0, .token_end = 20};
   // Ranks 0 and 1 of TP 4 hold heads 0 and 1 only.
   const std::vector<KvPoolDesc> missing = {tp_pools(4, 4, 16, 100)[0], tp_pools(4, 4, 16, 100)[1]};
-  expect_error([&] { plan_kv_copies({kNumKvHeads, missing, table}, {kNumKvHeads, dst, table}, scope); },
-               "needs KV head 2");
+  expect_error(
+      [&] {
+        plan_kv_copies({kNumKvHeads, missing, table}, {kNumKvHeads, dst, table}, scope);
+      },
+      "needs KV head 2");
   const std::vector<int32_t> short_table = {0};
-  expect_error([&] {
-    plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), short_table}, {kNumKvHeads, dst, table}, scope);
-  }, "block table has 1 blocks");
+  expect_error(
+      [&] {
+        plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), short_table},
+                       {kNumKvHeads, dst, table}, scope);
+      },
+      "block table has 1 blocks");
   const std::vector<int32_t> bad_id = {0, 4};
-  expect_error([&] {
-    plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), bad_id}, {kNumKvHeads, dst, table}, scope);
-  }, "is block 4, outside rank 0's pool of 4 blocks");
+  expect_error(
+      [&] {
+        plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), bad_id}, {kNumKvHeads, dst, table},
+                       scope);
+      },
+      "is block 4, outside rank 0's pool of 4 blocks");
   std::vector<KvPoolDesc> wide = {contiguous_kv_pool(kNumLayers, 4, 16, 16, kElemBytes, {0, 4}, 1)};
-  expect_error([&] {
-    plan_kv_copies({kNumKvHeads, wide, table}, {kNumKvHeads, dst, table}, scope);
-  }, "does not match destination");
-  expect_error([&] {
-    plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), table}, {kNumKvHeads, dst, table},
-                   {.token_begin = 5, .token_end = 3});
-  }, "token range");
-  expect_error([&] {
-    plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), table}, {kNumKvHeads, dst, table},
-                   {.token_begin = 0, .token_end = 3, .layer_begin = 0, .layer_end = 3});
-  }, "layer range");
+  expect_error(
+      [&] {
+        plan_kv_copies({kNumKvHeads, wide, table}, {kNumKvHeads, dst, table}, scope);
+      },
+      "does not match destination");
+  expect_error(
+      [&] {
+        plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), table}, {kNumKvHeads, dst, table},
+                       {.token_begin = 5, .token_end = 3});
+      },
+      "token range");
+  expect_error(
+      [&] {
+        plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), table}, {kNumKvHeads, dst, table},
+                       {.token_begin = 0, .token_end = 3, .layer_begin = 0, .layer_end = 3});
+      },
+      "layer range");
   std::vector<KvPoolDesc> mixed = tp_pools(2, 4, 16, 100);
   mixed[1] = contiguous_kv_pool(kNumLayers, 4, 32, kHeadDim, kElemBytes, {2, 2}, 101);
-  expect_error([&] {
-    plan_kv_copies({kNumKvHeads, mixed, table}, {kNumKvHeads, dst, table}, scope);
-  }, "source rank 1 (block_size 32");
+  expect_error(
+      [&] {
+        plan_kv_copies({kNumKvHeads, mixed, table}, {kNumKvHeads, dst, table}, scope);
+      },
+      "source rank 1 (block_size 32");
 }
 
 TEST(KvPool, TpHeadRanges) {

@@ -111,8 +111,8 @@ std::vector<TransferCopy> chunks(int n) {
 
 TEST(TransferEngine, CopiesAndCounts) {
   Fixture f;
-  std::vector<TransferCopy> copies = {{kSrc, 0, kDst, 1000, 100}, {kSrc, 100, kDst, 0, 900},
-                                      {kSrc, 4000, kDst, 4000, 96}};
+  std::vector<TransferCopy> copies = {
+      {kSrc, 0, kDst, 1000, 100}, {kSrc, 100, kDst, 0, 900}, {kSrc, 4000, kDst, 4000, 96}};
   const TransferResult r = f.engine.submit(request(7, copies)).get();
   EXPECT_EQ(r.request_id, 7);
   EXPECT_EQ(r.status, TransferStatus::Ok);
@@ -158,8 +158,7 @@ TEST(TransferEngine, CallbackMaySubmitAgain) {
   Fixture f;
   std::promise<TransferResult> second;
   f.engine.submit(request(1, chunks(1)), [&](const TransferResult&) {
-    f.engine.submit(request(2, chunks(2)),
-                    [&](const TransferResult& r) { second.set_value(r); });
+    f.engine.submit(request(2, chunks(2)), [&](const TransferResult& r) { second.set_value(r); });
   });
   EXPECT_EQ(second.get_future().get().status, TransferStatus::Ok);
 }
@@ -196,13 +195,15 @@ TEST(TransferEngine, ExportedDescriptorReachesAnotherEngine) {
   // Imported regions are destinations only, and bounds come from the descriptor.
   EXPECT_EQ(prefill.submit(request(2, {{20, 0, 10, 0, 8}})).get().reason,
             "copy 0 of transfer request 2: source region 20 is not local to this engine");
-  EXPECT_NE(prefill.submit(request(3, {{10, 0, 20, kBytes - 8, 16}})).get().reason.find(
-                "exceeds region 20's 4096 bytes"),
+  EXPECT_NE(prefill.submit(request(3, {{10, 0, 20, kBytes - 8, 16}}))
+                .get()
+                .reason.find("exceeds region 20's 4096 bytes"),
             std::string::npos);
   EXPECT_THROW(prefill.descriptor(20), Error);
   prefill.unregister_region(20);
-  EXPECT_NE(prefill.submit(request(4, {{10, 0, 20, 0, 8}})).get().reason.find(
-                "destination region 20 is unknown"),
+  EXPECT_NE(prefill.submit(request(4, {{10, 0, 20, 0, 8}}))
+                .get()
+                .reason.find("destination region 20 is unknown"),
             std::string::npos);
 }
 
@@ -327,7 +328,8 @@ TEST(TransferEngine, CancelRunningAndQueued) {
   EXPECT_FALSE(f.engine.cancel(1));
   // Only request 1's first copy landed.
   EXPECT_EQ(std::memcmp(f.dst.data(), f.src.data(), 256), 0);
-  EXPECT_TRUE(std::all_of(f.dst.begin() + 256, f.dst.end(), [](std::byte b) { return b == std::byte{0}; }));
+  EXPECT_TRUE(
+      std::all_of(f.dst.begin() + 256, f.dst.end(), [](std::byte b) { return b == std::byte{0}; }));
   EXPECT_EQ(f.engine.counters().requests_cancelled, 2u);
   // A cancelled id can be used again.
   EXPECT_EQ(f.engine.submit(request(1, chunks(1))).get().status, TransferStatus::Ok);
@@ -384,7 +386,8 @@ TEST(TransferEngine, ImportRejectsUnreachableRegions) {
   }
   nlohmann::json missing = {{"id", 1}, {"bytes", 2}, {"transport", "in_process"}};
   EXPECT_THROW((void)missing.get<RegionDescriptor>(), Error);
-  nlohmann::json negative = {{"id", -1}, {"bytes", 2}, {"transport", "in_process"}, {"address", ""}};
+  nlohmann::json negative = {
+      {"id", -1}, {"bytes", 2}, {"transport", "in_process"}, {"address", ""}};
   EXPECT_THROW((void)negative.get<RegionDescriptor>(), Error);
 }
 
