@@ -27,6 +27,9 @@ CommandRegistrar make_model_command({
       sub.add_option("--dtype", *dtype, "weight dtype")->check(CLI::IsMember({"bf16", "f32"}));
       sub.add_option("--shard-size", o->shard_size_mb, "max shard size in MB (10^6 bytes)")
           ->check(CLI::PositiveNumber);
+      sub.add_option(
+          "--config-patch", o->config_patch,
+          "JSON merged into the preset's config.json, e.g. '{\"norm_topk_prob\": false}'");
       sub.add_option("--threads", o->num_threads, "random-number threads (default: all cores)");
       return [o, dtype] {
         o->dtype = *dtype == "f32" ? DType::F32 : DType::BF16;

@@ -301,12 +301,19 @@ MakeModelResult make_model(const MakeModelOptions& o) {
   RELAY_CHECK(!o.out_dir.empty(), "make-model: no output directory");
 
   json config = model_preset_config(o.preset);
+  if (!o.config_patch.empty()) {
+    const json patch = json::parse(o.config_patch, nullptr, /*allow_exceptions=*/false);
+    RELAY_CHECK(!patch.is_discarded() && patch.is_object(),
+                "make-model: the config patch is not a JSON object: ", o.config_patch);
+    config.merge_patch(patch);
+  }
   if (o.num_layers > 0) {
     config["num_hidden_layers"] = o.num_layers;
     config["max_window_layers"] = o.num_layers;
   }
   config["torch_dtype"] = o.dtype == DType::BF16 ? "bfloat16" : "float32";
-  const ModelConfig c = ModelConfig::from_json(config, str("preset ", o.preset));
+  const ModelConfig c = ModelConfig::from_json(
+      config, str("preset ", o.preset, o.config_patch.empty() ? "" : " with the config patch"));
 
   for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
     RELAY_CHECK(fs::exists(o.tokenizer_dir / f), "make-model: ", (o.tokenizer_dir / f).string(),

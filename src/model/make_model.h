@@ -40,6 +40,9 @@ struct MakeModelOptions {
   std::filesystem::path
       tokenizer_dir;       // tokenizer.json and tokenizer_config.json are copied from here
   int64_t num_layers = 0;  // 0: the preset's num_hidden_layers
+  // A JSON merge patch (RFC 7386) applied to the preset's config.json before --layers, for variants
+  // such as {"norm_topk_prob": false, "mlp_only_layers": [1]}; the result must still parse.
+  std::string config_patch;
   uint64_t seed = 0;
   DType dtype = DType::BF16;     // BF16 or F32
   int64_t shard_size_mb = 5000;  // max shard size in 10^6 bytes, as transformers counts

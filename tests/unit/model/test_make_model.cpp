@@ -190,6 +190,33 @@ TEST_F(MakeModelTest, LayerOverride) {
   expect_complete(root_ / "l", c, DType::BF16);
 }
 
+TEST_F(MakeModelTest, ConfigPatchMakesVariants) {
+  MakeModelOptions o = options("tiny-moe", "v");
+  o.config_patch = R"({"norm_topk_prob": false, "mlp_only_layers": [1], "attention_bias": true,
+                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 10240}})";
+  make_model(o);
+  const ModelConfig c = ModelConfig::load(root_ / "v");
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_TRUE(c.layer_is_moe(0));
+  EXPECT_FALSE(c.layer_is_moe(1));
+  EXPECT_EQ(c.rope_scaling.type, RopeScaling::Type::Yarn);
+  expect_complete(root_ / "v", c, DType::BF16);
+  const Checkpoint ck(root_ / "v");
+  ck.get("model.layers.1.mlp.gate_proj.weight", {128, 64});
+  for (float v : tensor_to_f32(ck.get("model.layers.0.self_attn.q_proj.bias"))) EXPECT_EQ(v, 0.0f);
+
+  o.config_patch = R"({"num_experts_per_tok": 9})";
+  try {
+    make_model(o);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_experts_per_tok"), std::string::npos) << e.what();
+  }
+  o.config_patch = "[1]";
+  EXPECT_THROW(make_model(o), Error);
+}
+
 TEST_F(MakeModelTest, BigPresetsHaveThePublishedParameterCounts) {
   auto count = [](const std::string& preset) {
     const ModelConfig c = ModelConfig::from_json(model_preset_config(preset), preset);
