@@ -1,0 +1,218 @@
+// One engine step: schedule, run the backend, turn sampled ids into text and stop decisions
+// (see llm_engine.h).
+#include "engine/llm_engine.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace relay {
+
+using Clock = std::chrono::steady_clock;
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kNone: break;
+  }
+  return "";
+}
+
+struct LLMEngine::Request {
+  Request(int64_t id, StopConditions stop_conditions, const Tokenizer& tokenizer, bool logprobs)
+      : id(id),
+        stop(std::move(stop_conditions)),
+        want_logprobs(logprobs),
+        detokenizer(tokenizer, stop.skip_special_tokens) {
+    for (const std::string& s : stop.stop_strings) max_stop_len = std::max(max_stop_len, s.size());
+  }
+
+  int64_t id;
+  StopConditions stop;
+  bool want_logprobs;
+  IncrementalDetokenizer detokenizer;
+  std::string text;  // the output text so far
+  size_t num_sent = 0;  // bytes of `text` already returned
+  size_t max_stop_len = 0;
+  Clock::time_point arrival = Clock::now();
+  std::optional<Clock::time_point> first_scheduled;
+};
+
+LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, const EngineConfig& config)
+    : backend_(std::move(backend)),
+      tokenizer_(std::move(tokenizer)),
+      max_model_len_(0),
+      blocks_(backend_->num_kv_blocks(), backend_->block_size(), config.enable_prefix_caching),
+      scheduler_({.max_num_seqs = config.max_num_seqs, .max_num_batched_tokens = config.max_num_batched_tokens},
+                 blocks_) {
+  const int64_t model_len = backend_->config().max_position_embeddings;
+  int64_t len = config.max_model_len > 0 ? config.max_model_len : model_len;
+  RELAY_CHECK(model_len <= 0 || len <= model_len, "max_model_len ", len,
+              " exceeds the model's max_position_embeddings ", model_len);
+  // NOTE: one request must always fit in the pool on its own (the scheduler's progress guarantee),
+  // so the context is capped by the pool's capacity.
+  len = std::min<int64_t>(len, static_cast<int64_t>(blocks_.num_blocks()) * blocks_.block_size());
+  max_model_len_ = static_cast<int>(len);
+  RELAY_CHECK(max_model_len_ >= 2, "max_model_len ", max_model_len_, " leaves no room to generate");
+}
+
+LLMEngine::~LLMEngine() = default;
+
+void LLMEngine::add_request(int64_t id, EngineRequest request) {
+  RELAY_CHECK(!request.prompt.empty(), "request ", id, " has an empty prompt");
+  RELAY_CHECK(requests_.count(id) == 0, "request id ", id, " is already in use");
+  const int64_t vocab = backend_->config().vocab_size;
+  for (int32_t t : request.prompt) {
+    RELAY_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
+  }
+  for (const std::string& s : request.stop.stop_strings) {
+    RELAY_CHECK(!s.empty(), "request ", id, " has an empty stop string");
+  }
+  RELAY_CHECK(request.stop.max_tokens >= 1, "max_tokens must be at least 1, got ", request.stop.max_tokens);
+  const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.stop.max_tokens;
+  RELAY_CHECK(total <= max_model_len_, "prompt (", request.prompt.size(), " tokens) plus max_tokens (",
+              request.stop.max_tokens, ") exceeds max_model_len ", max_model_len_);
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->tokens = std::move(request.prompt);
+  seq->sampling = request.sampling;
+  requests_.emplace(id, std::make_unique<Request>(id, std::move(request.stop), tokenizer_,
+                                                  request.sampling.num_logprobs >= 0));
+  scheduler_.add(std::move(seq));
+}
+
+std::optional<RequestOutput> LLMEngine::abort(int64_t id) {
+  const auto it = requests_.find(id);
+  if (it == requests_.end()) return std::nullopt;
+  RequestOutput out;
+  out.id = id;
+  if (const Sequence* seq = scheduler_.find(id)) {
+    out.num_prompt_tokens = seq->num_prompt_tokens;
+    out.num_output_tokens = seq->num_output_tokens();
+    out.num_cached_tokens = std::max(0, seq->num_cached_prompt_tokens);
+  }
+  out.finish = FinishReason::kAbort;
+  scheduler_.finish(id);
+  requests_.erase(it);
+  return out;
+}
+
+EngineStats LLMEngine::stats() const {
+  return {scheduler_.num_running(), scheduler_.num_waiting(), blocks_.usage(), scheduler_.stats()};
+}
+
+std::vector<RequestOutput> LLMEngine::step() {
+  if (!scheduler_.has_work()) return {};
+  const SchedulerOutput plan = scheduler_.schedule();
+  if (plan.empty()) return {};
+  const Clock::time_point now = Clock::now();
+  std::vector<StepSequence> batch;
+  batch.reserve(plan.chunks.size());
+  for (const ScheduledChunk& c : plan.chunks) {
+    Request& r = *requests_.at(c.seq->id);
+    if (!r.first_scheduled) r.first_scheduled = now;
+    StepSequence s;
+    s.seq_id = c.seq->id;
+    s.tokens = std::span<const int32_t>(c.seq->tokens).subspan(c.seq->num_computed, c.num_tokens);
+    s.num_computed = c.seq->num_computed;
+    s.block_table = blocks_.block_table(c.seq->id);
+    s.sample = c.sample;
+    s.sampling = &c.seq->sampling;
+    s.output_tokens = c.seq->output_tokens();
+    s.prompt_tokens = std::span<const int32_t>(c.seq->tokens).first(c.seq->num_prompt_tokens);
+    s.sample_index = static_cast<uint64_t>(c.seq->num_output_tokens());
+    batch.push_back(s);
+  }
+  const std::vector<SampledToken> sampled = backend_->step(batch);
+  scheduler_.update(plan, sampled);
+
+  std::vector<RequestOutput> outputs;
+  outputs.reserve(sampled.size());
+  for (const SampledToken& tok : sampled) {
+    Request& r = *requests_.at(tok.seq_id);
+    RequestOutput out;
+    out.id = r.id;
+    on_token(r, tok, out);
+    outputs.push_back(std::move(out));
+  }
+  for (const RequestOutput& out : outputs) {
+    if (out.finish != FinishReason::kNone) {
+      scheduler_.finish(out.id);
+      requests_.erase(out.id);
+    }
+  }
+  return outputs;
+}
+
+void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput& out) {
+  const Sequence& seq = *scheduler_.find(r.id);
+  out.new_tokens.push_back(sampled.token);
+  if (r.want_logprobs) out.logprobs.push_back({sampled.token, sampled.logprob, sampled.top});
+  out.num_prompt_tokens = seq.num_prompt_tokens;
+  out.num_output_tokens = seq.num_output_tokens();
+  out.num_cached_tokens = std::max(0, seq.num_cached_prompt_tokens);
+
+  const StopConditions& stop = r.stop;
+  if (out.num_output_tokens > stop.min_tokens) {
+    const auto& eos = backend_->config().eos_token_ids;
+    const bool is_eos = !stop.ignore_eos && std::find(eos.begin(), eos.end(), sampled.token) != eos.end();
+    const bool is_stop = std::find(stop.stop_token_ids.begin(), stop.stop_token_ids.end(), sampled.token) !=
+                         stop.stop_token_ids.end();
+    if (is_eos || is_stop) {
+      r.text += r.detokenizer.flush();
+      finish(r, FinishReason::kStop, out);
+      return;
+    }
+  }
+
+  const size_t old_size = r.text.size();
+  r.text += r.detokenizer.push(sampled.token);
+  if (r.max_stop_len > 0) {
+    // Only a match overlapping the new text can be new; find the earliest one.
+    const size_t from = old_size >= r.max_stop_len ? old_size - r.max_stop_len + 1 : 0;
+    size_t best = std::string::npos, best_len = 0;
+    for (const std::string& s : stop.stop_strings) {
+      const size_t pos = r.text.find(s, from);
+      if (pos < best) {
+        best = pos;
+        best_len = s.size();
+      }
+    }
+    if (best != std::string::npos) {
+      r.text.resize(best + (stop.include_stop_str_in_output ? best_len : 0));
+      r.num_sent = std::min(r.num_sent, r.text.size());
+      finish(r, FinishReason::kStop, out);
+      return;
+    }
+  }
+  if (out.num_output_tokens >= stop.max_tokens || static_cast<int64_t>(seq.tokens.size()) >= max_model_len_) {
+    r.text += r.detokenizer.flush();
+    finish(r, FinishReason::kLength, out);
+    return;
+  }
+  // Hold back the longest tail that could still grow into a stop string.
+  size_t hold = 0;
+  for (const std::string& s : stop.stop_strings) {
+    for (size_t k = std::min(s.size() - 1, r.text.size() - r.num_sent); k > hold; --k) {
+      if (std::string_view(r.text).substr(r.text.size() - k) == std::string_view(s).substr(0, k)) {
+        hold = k;
+        break;
+      }
+    }
+  }
+  out.text = r.text.substr(r.num_sent, r.text.size() - hold - r.num_sent);
+  r.num_sent = r.text.size() - hold;
+}
+
+void LLMEngine::finish(Request& r, FinishReason reason, RequestOutput& out) {
+  out.text = r.text.substr(r.num_sent);
+  r.num_sent = r.text.size();
+  out.finish = reason;
+  if (r.first_scheduled) {
+    out.queue_time_s = std::chrono::duration<double>(*r.first_scheduled - r.arrival).count();
+  }
+}
+
+}  // namespace relay

@@ -1,0 +1,121 @@
+// LLMEngine: requests in, tokens and text out, one step at a time.
+//
+// It owns a Backend (the compute and the KV memory), a BlockManager over the backend's pool and a
+// Scheduler, and turns each request's generated ids into text with an IncrementalDetokenizer.
+// step() runs one scheduler step and returns, per request that progressed, the new token ids, the
+// text that became final, logprobs when asked, and a finish reason once it is done.
+//
+// Stopping: max_tokens and the context length give "length"; an EOS id (unless ignore_eos), a
+// stop_token_id or a stop string gives "stop". Stop strings are matched on the decoded text; text
+// that could still be the beginning of a stop string is held back until it cannot (so a stop string
+// never leaks to the client in pieces), and the match is cut out of the text (kept with
+// include_stop_str_in_output). Stop tokens are counted as generated but add no text.
+//
+// The engine is single-threaded: one thread calls add_request/abort/step (the server's engine
+// loop). A request that could never fit in the KV pool is refused by add_request with an Error.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/backend.h"
+#include "kvcache/block_manager.h"
+#include "scheduler/scheduler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace relay {
+
+struct EngineConfig {
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 2048;
+  int max_model_len = 0;  // 0: the model's max_position_embeddings (capped by the KV pool)
+  bool enable_prefix_caching = true;
+};
+
+struct StopConditions {
+  int64_t max_tokens = 16;
+  int64_t min_tokens = 0;  // EOS and stop tokens are ignored before this many tokens
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::string> stop_strings;
+  bool ignore_eos = false;
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;
+};
+
+struct EngineRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  StopConditions stop;
+};
+
+enum class FinishReason { kNone, kStop, kLength, kAbort };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "abort" ("" for kNone)
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
+struct RequestOutput {
+  int64_t id = 0;
+  std::vector<int32_t> new_tokens;
+  std::string text;                    // text that became final this step
+  std::vector<TokenLogprob> logprobs;  // one per new token, when the request asked for logprobs
+  FinishReason finish = FinishReason::kNone;
+  int num_prompt_tokens = 0;
+  int num_output_tokens = 0;  // generated so far
+  int num_cached_tokens = 0;  // prompt tokens served from the prefix cache
+  double queue_time_s = 0.0;  // arrival to first scheduled; set once finished
+};
+
+struct EngineStats {
+  int num_running = 0;
+  int num_waiting = 0;
+  double kv_cache_usage = 0.0;
+  SchedulerStats scheduler;
+};
+
+class LLMEngine {
+ public:
+  LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, const EngineConfig& config);
+  ~LLMEngine();
+
+  // Queues a request under a caller-chosen id (unique among live requests). Throws relay::Error when
+  // the prompt is empty, a token is out of the vocabulary, or prompt + max_tokens exceeds
+  // max_model_len().
+  void add_request(int64_t id, EngineRequest request);
+  // Drops a request and frees its KV blocks now. Returns its final output (finish kAbort), or
+  // nothing for an unknown id.
+  std::optional<RequestOutput> abort(int64_t id);
+  // Runs one step; returns an output for every request that produced a token or finished.
+  std::vector<RequestOutput> step();
+
+  bool has_work() const { return scheduler_.has_work(); }
+  EngineStats stats() const;
+  int max_model_len() const { return max_model_len_; }
+  const ModelConfig& model_config() const { return backend_->config(); }
+  const Tokenizer& tokenizer() const { return tokenizer_; }
+  Backend& backend() { return *backend_; }
+
+ private:
+  struct Request;
+  // Appends the text of new token `token` and decides whether the request stops.
+  void on_token(Request& r, const SampledToken& sampled, RequestOutput& out);
+  void finish(Request& r, FinishReason reason, RequestOutput& out);
+
+  std::unique_ptr<Backend> backend_;
+  Tokenizer tokenizer_;
+  int max_model_len_;
+  BlockManager blocks_;
+  Scheduler scheduler_;
+  std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
+};
+
+}  // namespace relay
