@@ -180,12 +180,21 @@ struct MoeUnpermuteCombineParams {
   int top_k = 0;
 };
 
-// logits[i] = x[rows[i]] @ w^T in fp32: the LM head over only the rows that sample.
-template <typename T>
+// bf16 weights kept in their checkpoint encoding on the CPU (the raw bits). Widening bf16 to fp32 is
+// exact, so a kernel that widens in registers computes exactly what it would on pre-widened weights
+// while reading half the bytes.
+struct Bf16Bits {
+  uint16_t bits;
+};
+
+// logits[i] = x[rows[i]] @ w^T in fp32: the LM head over only the rows that sample. W is the stored
+// weight type (T by default; Bf16Bits for the CPU's bf16 checkpoints: the LM head is the largest
+// weight a decode step reads).
+template <typename T, typename W = T>
 struct LmHeadParams {
   const T* x = nullptr;          // [num_tokens, hidden] (already final-normed)
   const int32_t* rows = nullptr; // [num_rows], indices into x
-  const T* w = nullptr;          // [vocab_size, hidden]
+  const W* w = nullptr;          // [vocab_size, hidden]
   float* logits = nullptr;       // [num_rows, vocab_size]
   int num_rows = 0;
   int hidden = 0;
@@ -204,5 +213,6 @@ void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool);
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<float>& p, ThreadPool& pool);
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, ThreadPool& pool);
 void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool);
+void launch_lm_head(const LmHeadParams<float, Bf16Bits>& p, ThreadPool& pool);
 
 }  // namespace relay::kernels

@@ -4,6 +4,7 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -13,7 +14,7 @@
 namespace relay {
 
 Model::Model(ModelConfig config, std::vector<float> embedding, std::vector<DecoderLayer> layers,
-             std::vector<float> final_norm, std::vector<float> lm_head)
+             std::vector<float> final_norm, LmHeadWeights lm_head)
     : config_(std::move(config)),
       embedding_(std::move(embedding)),
       layers_(std::move(layers)),
@@ -105,15 +106,21 @@ void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool, std::ve
 
   logits.resize(b.logit_rows.size() * static_cast<size_t>(vocab_size()));
   if (b.logit_rows.empty()) return;
-  kernels::LmHeadParams<float> lm;
-  lm.x = normed_.data();
-  lm.rows = b.logit_rows.data();
-  lm.w = lm_head_.empty() ? embedding_.data() : lm_head_.data();
-  lm.logits = logits.data();
-  lm.num_rows = static_cast<int>(b.logit_rows.size());
-  lm.hidden = h;
-  lm.vocab_size = vocab_size();
-  kernels::launch_lm_head(lm, pool);
+  auto run_lm_head = [&](auto params, const auto* w) {
+    params.x = normed_.data();
+    params.rows = b.logit_rows.data();
+    params.w = w;
+    params.logits = logits.data();
+    params.num_rows = static_cast<int>(b.logit_rows.size());
+    params.hidden = h;
+    params.vocab_size = vocab_size();
+    kernels::launch_lm_head(params, pool);
+  };
+  if (!lm_head_.bf16.empty()) {
+    run_lm_head(kernels::LmHeadParams<float, kernels::Bf16Bits>{}, lm_head_.bf16.data());
+  } else {
+    run_lm_head(kernels::LmHeadParams<float>{}, lm_head_.f32.empty() ? embedding_.data() : lm_head_.f32.data());
+  }
 }
 
 std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt,
@@ -135,8 +142,15 @@ std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt
     layers.push_back(std::move(layer));
   }
   std::vector<float> final_norm = load_f32(ckpt, "model.norm.weight", {c.hidden_size});
-  std::vector<float> lm_head;
-  if (!c.tie_word_embeddings) lm_head = load_f32(ckpt, "lm_head.weight", {c.vocab_size, c.hidden_size});
+  LmHeadWeights lm_head;
+  const std::string lm_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+  const TensorView& lm = ckpt.get(lm_name, {c.vocab_size, c.hidden_size});
+  if (lm.dtype == DType::BF16) {
+    lm_head.bf16.resize(lm.numel());
+    std::memcpy(lm_head.bf16.data(), lm.data, lm.nbytes);
+  } else if (!c.tie_word_embeddings) {
+    lm_head.f32 = load_f32(ckpt, lm_name, {c.vocab_size, c.hidden_size});
+  }
   return std::make_unique<Model>(c, std::move(embedding), std::move(layers), std::move(final_norm),
                                  std::move(lm_head));
 }

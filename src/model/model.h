@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/ops.h"
 #include "kvcache/kv_cache.h"
 #include "model/config.h"
 #include "model/forward_batch.h"
@@ -22,11 +23,18 @@ namespace relay {
 
 class ThreadPool;
 
+// The LM head's weight [vocab, hidden]: bf16 bits when the checkpoint stores it in bf16 (the kernel
+// widens exactly, reading half the bytes: this is most of a small model's decode traffic), else fp32;
+// both empty means tied to the fp32 embedding.
+struct LmHeadWeights {
+  std::vector<float> f32;
+  std::vector<kernels::Bf16Bits> bf16;
+};
+
 class Model {
  public:
-  // lm_head empty means tied to the embedding (tie_word_embeddings).
   Model(ModelConfig config, std::vector<float> embedding, std::vector<DecoderLayer> layers,
-        std::vector<float> final_norm, std::vector<float> lm_head);
+        std::vector<float> final_norm, LmHeadWeights lm_head);
 
   const ModelConfig& config() const { return config_; }
   int vocab_size() const { return static_cast<int>(config_.vocab_size); }
@@ -44,7 +52,7 @@ class Model {
   std::vector<float> embedding_;  // [vocab, hidden]
   std::vector<DecoderLayer> layers_;
   std::vector<float> final_norm_;  // [hidden]
-  std::vector<float> lm_head_;     // [vocab, hidden], or empty when tied
+  LmHeadWeights lm_head_;
   std::vector<float> hidden_, residual_, normed_;  // scratch, [num_tokens, hidden]
 };
 

@@ -12,6 +12,7 @@
 // and still runs on any x86-64. This file alone is built with -ffp-contract=fast so the AVX2 clone
 // fuses multiply-adds (see src/CMakeLists.txt); per-lane summation order is unchanged.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "core/thread_pool.h"
@@ -37,28 +38,49 @@ constexpr int kNr = 3;
 constexpr int kTileRows = 64;
 constexpr int kTileCols = 48;
 
+// Eight weights widened to fp32: a plain load, or bf16 bits shifted into the high half (exact).
+inline V8 load_w8(const float* p) { return load8(p); }
+inline V8 load_w8(const Bf16Bits* p) {
+  typedef uint16_t U16x8 __attribute__((vector_size(16)));
+  typedef uint32_t U32x8 __attribute__((vector_size(32)));
+  U16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  U32x8 wide = __builtin_convertvector(h, U32x8) << 16;
+  V8 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+inline float widen(float v) { return v; }
+inline float widen(Bf16Bits v) {
+  uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // One output problem: x [m, k] (row stride ldx), w [n, k], out [m, n] (row stride ldo).
+template <typename W>
 struct Gemm {
   const float* x;
   int64_t ldx;
-  const float* w;
+  const W* w;
   const float* bias;
   float* out;
   int64_t ldo;
   int m, n, k;
 };
 
-template <int MR, int NR>
-[[gnu::always_inline]] inline void micro_kernel(const Gemm& g, int i0, int j0) {
+template <int MR, int NR, typename W>
+[[gnu::always_inline]] inline void micro_kernel(const Gemm<W>& g, int i0, int j0) {
   V8 acc[MR][NR] = {};
   const float* xr[MR];
-  const float* wr[NR];
+  const W* wr[NR];
   for (int i = 0; i < MR; ++i) xr[i] = g.x + (i0 + i) * g.ldx;
   for (int j = 0; j < NR; ++j) wr[j] = g.w + static_cast<int64_t>(j0 + j) * g.k;
   int kk = 0;
   for (; kk + 8 <= g.k; kk += 8) {
     V8 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load8(wr[j] + kk);
+    for (int j = 0; j < NR; ++j) wv[j] = load_w8(wr[j] + kk);
     for (int i = 0; i < MR; ++i) {
       V8 xv = load8(xr[i] + kk);
       for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
@@ -67,15 +89,15 @@ template <int MR, int NR>
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = hsum8(acc[i][j]);
-      for (int t = kk; t < g.k; ++t) s += xr[i][t] * wr[j][t];
+      for (int t = kk; t < g.k; ++t) s += xr[i][t] * widen(wr[j][t]);
       if (g.bias != nullptr) s += g.bias[j0 + j];
       g.out[(i0 + i) * g.ldo + j0 + j] = s;
     }
   }
 }
 
-template <int MR>
-[[gnu::always_inline]] inline void micro_row_block(const Gemm& g, int i0, int j0, int nr) {
+template <int MR, typename W>
+[[gnu::always_inline]] inline void micro_row_block(const Gemm<W>& g, int i0, int j0, int nr) {
   switch (nr) {
     case 3: micro_kernel<MR, 3>(g, i0, j0); break;
     case 2: micro_kernel<MR, 2>(g, i0, j0); break;
@@ -83,8 +105,10 @@ template <int MR>
   }
 }
 
-// Computes the tile rows [i0, i1) x columns [j0, j1) of g.
-RELAY_CPU_CLONES void gemm_tile(const Gemm& g, int i0, int i1, int j0, int j1) {
+// Computes the tile rows [i0, i1) x columns [j0, j1) of g (one clone set per weight type; target
+// clones cannot be templates).
+template <typename W>
+[[gnu::always_inline]] inline void gemm_tile_body(const Gemm<W>& g, int i0, int i1, int j0, int j1) {
   for (int j = j0; j < j1; j += kNr) {
     int nr = std::min(kNr, j1 - j);
     int i = i0;
@@ -98,17 +122,26 @@ RELAY_CPU_CLONES void gemm_tile(const Gemm& g, int i0, int i1, int j0, int j1) {
   }
 }
 
+RELAY_CPU_CLONES void gemm_tile(const Gemm<float>& g, int i0, int i1, int j0, int j1) {
+  gemm_tile_body(g, i0, i1, j0, j1);
+}
+RELAY_CPU_CLONES void gemm_tile(const Gemm<Bf16Bits>& g, int i0, int i1, int j0, int j1) {
+  gemm_tile_body(g, i0, i1, j0, j1);
+}
+
 // Tiles of one problem, enumerated row-block-major so neighbouring tasks share x rows.
 struct TileGrid {
   int row_tiles, col_tiles;
   int64_t count() const { return static_cast<int64_t>(row_tiles) * col_tiles; }
 };
 
-TileGrid tile_grid(const Gemm& g) {
+template <typename W>
+TileGrid tile_grid(const Gemm<W>& g) {
   return {(g.m + kTileRows - 1) / kTileRows, (g.n + kTileCols - 1) / kTileCols};
 }
 
-void run_tile(const Gemm& g, const TileGrid& grid, int64_t tile) {
+template <typename W>
+void run_tile(const Gemm<W>& g, const TileGrid& grid, int64_t tile) {
   int rt = static_cast<int>(tile / grid.col_tiles);
   int ct = static_cast<int>(tile % grid.col_tiles);
   int i0 = rt * kTileRows, j0 = ct * kTileCols;
@@ -116,12 +149,14 @@ void run_tile(const Gemm& g, const TileGrid& grid, int64_t tile) {
 }
 
 // Tiles per task: a tile of a decode GEMV is only kTileCols * k multiply-adds, so batch several.
-int64_t tile_grain(const Gemm& g) {
+template <typename W>
+int64_t tile_grain(const Gemm<W>& g) {
   int64_t tile_flops = static_cast<int64_t>(std::min(g.m, kTileRows)) * kTileCols * g.k;
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, tile_flops));
 }
 
-void run_gemm(const Gemm& g, ThreadPool& pool) {
+template <typename W>
+void run_gemm(const Gemm<W>& g, ThreadPool& pool) {
   if (g.m == 0 || g.n == 0) return;
   TileGrid grid = tile_grid(g);
   pool.parallel_for(grid.count(), tile_grain(g), [&](int64_t begin, int64_t end) {
@@ -132,10 +167,12 @@ void run_gemm(const Gemm& g, ThreadPool& pool) {
 }  // namespace
 
 void launch_matmul(const MatmulParams<float>& p, ThreadPool& pool) {
-  run_gemm(Gemm{p.x, p.k, p.w, p.bias, p.out, p.n, p.m, p.n, p.k}, pool);
+  run_gemm(Gemm<float>{p.x, p.k, p.w, p.bias, p.out, p.n, p.m, p.n, p.k}, pool);
 }
 
-void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool) {
+namespace {
+template <typename W>
+void lm_head(const LmHeadParams<float, W>& p, ThreadPool& pool) {
   // Gathering the sampled rows first lets the GEMM see them as one contiguous x.
   thread_local std::vector<float> gathered;
   gathered.resize(static_cast<size_t>(p.num_rows) * p.hidden);
@@ -143,21 +180,25 @@ void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool) {
     std::copy_n(p.x + static_cast<int64_t>(p.rows[r]) * p.hidden, p.hidden,
                 gathered.data() + static_cast<int64_t>(r) * p.hidden);
   }
-  run_gemm(Gemm{gathered.data(), p.hidden, p.w, nullptr, p.logits, p.vocab_size, p.num_rows,
-                p.vocab_size, p.hidden},
+  run_gemm(Gemm<W>{gathered.data(), p.hidden, p.w, nullptr, p.logits, p.vocab_size, p.num_rows, p.vocab_size,
+                   p.hidden},
            pool);
 }
+}  // namespace
+
+void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool) { lm_head(p, pool); }
+void launch_lm_head(const LmHeadParams<float, Bf16Bits>& p, ThreadPool& pool) { lm_head(p, pool); }
 
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<float>& p, ThreadPool& pool) {
   // One task list across all experts, so a decode step with a handful of rows per expert still
   // keeps every thread busy instead of running one small parallel_for per expert.
-  std::vector<Gemm> gemms;
+  std::vector<Gemm<float>> gemms;
   std::vector<TileGrid> grids;
   std::vector<int64_t> first_tile{0};
   for (int e = 0; e < p.num_experts; ++e) {
     int begin = p.expert_offsets[e], end = p.expert_offsets[e + 1];
     if (begin == end) continue;
-    Gemm g{p.x + static_cast<int64_t>(begin) * p.k, p.k, p.w + static_cast<int64_t>(e) * p.n * p.k,
+    Gemm<float> g{p.x + static_cast<int64_t>(begin) * p.k, p.k, p.w + static_cast<int64_t>(e) * p.n * p.k,
            nullptr, p.out + static_cast<int64_t>(begin) * p.n, p.n, end - begin, p.n, p.k};
     gemms.push_back(g);
     grids.push_back(tile_grid(g));

@@ -25,7 +25,7 @@ TEST(ThreadPool, CoversTheRangeExactlyOnce) {
           for (int64_t i = b; i < e; ++i) ++hits[i];
         });
         for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "n " << n << " grain " << grain;
-        EXPECT_LE(chunks.load(), threads);
+        EXPECT_LE(chunks.load(), 4 * threads);  // a few chunks per thread, claimed dynamically
         if (n > 0 && grain >= n) {
           EXPECT_EQ(chunks.load(), 1);
         }
