@@ -5,13 +5,15 @@
 // micro-kernel computes kMr x kNr dot products at once with 8-lane accumulators (simd.h), so each
 // loaded x vector is reused kNr times and each w vector kMr times; the w rows of a column block are
 // reused for every row block of the tile while they sit in L1. Decode (m = 1) is a matrix-vector
-// product bound by reading w: the tile split over n keeps every core streaming its own slice.
+// product bound by reading w: the tile split over n keeps every core streaming its own slice. Weights
+// may be fp32 or bf16 bits (the LM head of a bf16 checkpoint), widened exactly in registers.
 //
 // NOTE: the tile loop is compiled twice through target_clones — for x86-64-v3 (AVX2 + FMA) and the
 // baseline — and picked at load time from the CPU's features, so one binary is fast on modern CPUs
 // and still runs on any x86-64. This file alone is built with -ffp-contract=fast so the AVX2 clone
 // fuses multiply-adds (see src/CMakeLists.txt); per-lane summation order is unchanged.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -89,7 +91,9 @@ template <int MR, int NR, typename W>
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = hsum8(acc[i][j]);
-      for (int t = kk; t < g.k; ++t) s += xr[i][t] * widen(wr[j][t]);
+      // std::fma: the tail rounds the same way in every clone and weight type (contraction of a
+      // plain multiply-add is up to the compiler, per instantiation).
+      for (int t = kk; t < g.k; ++t) s = std::fma(xr[i][t], widen(wr[j][t]), s);
       if (g.bias != nullptr) s += g.bias[j0 + j];
       g.out[(i0 + i) * g.ldo + j0 + j] = s;
     }

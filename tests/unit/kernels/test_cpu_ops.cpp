@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -111,6 +112,25 @@ TEST_F(CpuOps, LmHeadComputesOnlyTheRequestedRows) {
     std::vector<float> xr(x.begin() + rows[r] * hidden, x.begin() + (rows[r] + 1) * hidden);
     expect_matmul(xr, w, nullptr, logits.data() + r * vocab, 1, vocab, hidden);
   }
+}
+
+TEST_F(CpuOps, LmHeadOnBf16WeightsEqualsFp32OnTheWidenedWeights) {
+  const int tokens = 3, hidden = 45, vocab = 157;
+  auto x = random_vec(tokens * hidden, rng);
+  auto w = random_vec(vocab * hidden, rng);
+  std::vector<Bf16Bits> w16(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &w[i], 4);
+    w16[i].bits = static_cast<uint16_t>(bits >> 16);  // truncate: any bf16 value will do
+    bits &= 0xffff0000u;
+    std::memcpy(&w[i], &bits, 4);  // w now holds exactly the widened bf16 weights
+  }
+  std::vector<int32_t> rows{0, 2};
+  std::vector<float> a(rows.size() * vocab), b(a.size());
+  launch_lm_head({x.data(), rows.data(), w.data(), a.data(), 2, hidden, vocab}, pool);
+  launch_lm_head(LmHeadParams<float, Bf16Bits>{x.data(), rows.data(), w16.data(), b.data(), 2, hidden, vocab}, pool);
+  EXPECT_EQ(a, b);  // widening is exact and the arithmetic is the same
 }
 
 TEST_F(CpuOps, Swiglu) {
