@@ -204,6 +204,63 @@ TEST(CpuBackendDemoModel, GreedyAndLogitsMatchTransformers) {
   for (size_t i = 0; i < fx.prompts.size(); ++i) EXPECT_EQ(got[i], fx.greedy[i]) << "prompt " << i;
 }
 
+// Seeded sampling depends only on (seed, sample_index) and the logits: the same request decoded
+// alone, or next to another sequence, or recomputed from scratch after a "preemption", draws the
+// same tokens; another seed draws different ones.
+TEST(CpuBackend, SeededSamplingSurvivesBatchingAndRecompute) {
+  auto dir = test::fixture_models_dir() / "qwen3-moe";
+  auto fx = test::ModelFixture::load(dir, dir);
+  CpuBackendOptions o;
+  o.block_size = 8;
+  o.num_blocks = 64;
+  o.num_threads = 2;
+  CpuBackend backend(dir, o);
+  SamplingParams p;
+  p.temperature = 1.3f;
+  p.top_p = 0.9f;
+  p.top_k = 50;
+  p.seed = 1234;
+  p.num_logprobs = 2;
+  auto decode = [&](const SamplingParams& params, bool with_neighbour, int preempt_at) {
+    Seq s, other;
+    s.id = 1;
+    s.prompt = s.tokens = fx.prompts[2];
+    s.blocks = {3, 17, 40, 8, 22, 51};
+    other.id = 2;
+    other.prompt = other.tokens = fx.prompts[3];
+    other.blocks = {0, 1, 2, 4, 5, 6, 7};
+    std::vector<int32_t> out;
+    for (int step = 0; step < 12; ++step) {
+      if (step == preempt_at) s.num_computed = 0;  // KV dropped: recompute prompt + outputs
+      std::vector<StepSequence> batch{make_step(s, static_cast<int>(s.tokens.size()) - s.num_computed, true, &params)};
+      if (with_neighbour) {
+        batch.insert(batch.begin(), make_step(other, static_cast<int>(other.tokens.size()) - other.num_computed, true,
+                                              &params));
+      }
+      std::vector<SampledToken> got = backend.step(batch);
+      const SampledToken& mine = got.back();
+      EXPECT_EQ(mine.seq_id, 1);
+      EXPECT_EQ(mine.top.size(), 2u);
+      EXPECT_LE(mine.logprob, 0.0f);
+      s.num_computed = static_cast<int>(s.tokens.size());
+      s.tokens.push_back(mine.token);
+      s.output.push_back(mine.token);
+      if (with_neighbour) {
+        other.num_computed = static_cast<int>(other.tokens.size());
+        other.tokens.push_back(got.front().token);
+        other.output.push_back(got.front().token);
+      }
+    }
+    return s.output;
+  };
+  std::vector<int32_t> alone = decode(p, false, -1);
+  EXPECT_EQ(decode(p, true, -1), alone);
+  EXPECT_EQ(decode(p, false, 6), alone);
+  SamplingParams q = p;
+  q.seed = 4321;
+  EXPECT_NE(decode(q, false, -1), alone);
+}
+
 TEST(CpuBackend, RejectsBlockTablesTooShortForTheContext) {
   auto dir = test::fixture_models_dir() / "qwen3-dense";
   CpuBackendOptions o;
