@@ -9,7 +9,7 @@
 
 namespace relay::server {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 json ApiError::body() const {
   return {{"error",

@@ -6,7 +6,8 @@
 // Each failure is an ApiError whose `param` names the offending field, so one bad request gets a
 // precise 400 and nothing else is disturbed. Checks that need the tokenizer or the model (context
 // length, token ids in range, the model name) are made by the server with the helpers at the end.
-// This file depends on JSON only, so it is unit-tested and fuzzed on its own.
+// JSON is kept in order (ordered_json), as Python keeps dicts: tool schemas reach the prompt through
+// the template's tojson and must appear as the client wrote them. This file depends on JSON only, so it is unit-tested and fuzzed on its own.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +28,7 @@ struct ApiError {
   std::string param;  // empty -> null
   std::string code;   // empty -> null
 
-  nlohmann::json body() const;
+  nlohmann::ordered_json body() const;
 };
 
 ApiError bad_param(const std::string& param, const std::string& message);
@@ -58,10 +59,10 @@ struct GenerationOptions {
 
 struct ChatRequest {
   std::string model;
-  nlohmann::json messages;  // array of {role, content (string), ...}: content parts are joined
-  nlohmann::json tools;     // array, or null when absent
+  nlohmann::ordered_json messages;  // array of {role, content (string), ...}: content parts are joined
+  nlohmann::ordered_json tools;     // array, or null when absent
   std::string tool_choice = "auto";  // "auto", "none" or "required"; a named function is "required"
-  nlohmann::json chat_template_kwargs = nlohmann::json::object();
+  nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
   GenerationOptions options;
 };

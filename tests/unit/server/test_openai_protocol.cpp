@@ -152,7 +152,7 @@ TEST(OpenAIProtocol, BadChatInputsNameTheParameter) {
     EXPECT_EQ(e.param, c.param) << c.body.dump() << " -> " << e.message;
     EXPECT_NE(e.message.find(c.param.substr(0, c.param.find_first_of(".["))), std::string::npos)
         << "message does not name the parameter: " << e.message;
-    const json body = e.body();
+    const auto body = e.body();
     EXPECT_EQ(body["error"]["type"], "invalid_request_error");
     EXPECT_EQ(body["error"]["param"], c.param);
     EXPECT_TRUE(body["error"]["code"].is_null());

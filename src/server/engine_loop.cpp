@@ -1,0 +1,162 @@
+// The engine thread and the per-request output queues (see engine_loop.h).
+#include "server/engine_loop.h"
+
+#include "core/error.h"
+
+namespace relay::server {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<RequestOutput> RequestHandle::next(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  if (outputs_.empty() && !finished_) cv_.wait_for(lock, timeout, [&] { return !outputs_.empty() || finished_; });
+  std::vector<RequestOutput> out(std::make_move_iterator(outputs_.begin()),
+                                 std::make_move_iterator(outputs_.end()));
+  outputs_.clear();
+  return out;
+}
+
+bool RequestHandle::done() const {
+  std::lock_guard lock(mu_);
+  return finished_ && outputs_.empty();
+}
+
+std::string RequestHandle::error() const {
+  std::lock_guard lock(mu_);
+  return error_;
+}
+
+void RequestHandle::push(RequestOutput out) {
+  {
+    std::lock_guard lock(mu_);
+    if (out.finish != FinishReason::kNone) finished_ = true;
+    outputs_.push_back(std::move(out));
+  }
+  cv_.notify_all();
+}
+
+void RequestHandle::fail(const std::string& message) {
+  {
+    std::lock_guard lock(mu_);
+    finished_ = true;
+    error_ = message;
+  }
+  cv_.notify_all();
+}
+
+EngineLoop::EngineLoop(LLMEngine& engine, Metrics& metrics)
+    : engine_(engine), metrics_(metrics), thread_([this] { run(); }) {}
+
+EngineLoop::~EngineLoop() { stop(); }
+
+std::shared_ptr<RequestHandle> EngineLoop::submit(EngineRequest request) {
+  auto handle = std::make_shared<RequestHandle>(next_id_++);
+  ++num_unfinished_;
+  {
+    std::lock_guard lock(mu_);
+    inbox_.emplace_back(handle, std::move(request));
+  }
+  cv_.notify_one();
+  return handle;
+}
+
+void EngineLoop::abort(int64_t id) {
+  {
+    std::lock_guard lock(mu_);
+    aborts_.push_back(id);
+  }
+  cv_.notify_one();
+}
+
+void EngineLoop::stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+void EngineLoop::deliver(const RequestOutput& out) {
+  const auto it = live_.find(out.id);
+  if (it == live_.end()) return;
+  RequestHandle& h = *it->second;
+  const Clock::time_point now = Clock::now();
+  if (!out.new_tokens.empty()) {
+    if (!h.has_token_) {
+      metrics_.observe_ttft(std::chrono::duration<double>(now - h.arrival_).count());
+      metrics_.add_tokens(static_cast<uint64_t>(out.num_prompt_tokens), 0);
+      h.has_token_ = true;
+    } else {
+      metrics_.observe_itl(std::chrono::duration<double>(now - h.last_token_).count());
+    }
+    h.last_token_ = now;
+    metrics_.add_tokens(0, out.new_tokens.size());
+  }
+  if (out.finish != FinishReason::kNone) {
+    metrics_.request_finished(finish_reason_name(out.finish),
+                              std::chrono::duration<double>(now - h.arrival_).count(), out.queue_time_s);
+    --num_unfinished_;
+    h.push(out);
+    live_.erase(it);
+    return;
+  }
+  h.push(out);
+}
+
+void EngineLoop::fail_all(const std::string& message) {
+  for (auto& [id, handle] : live_) {
+    engine_.abort(id);
+    metrics_.request_finished("error", std::chrono::duration<double>(Clock::now() - handle->arrival_).count(), 0.0);
+    --num_unfinished_;
+    handle->fail(message);
+  }
+  live_.clear();
+}
+
+void EngineLoop::run() {
+  for (;;) {
+    std::vector<std::pair<std::shared_ptr<RequestHandle>, EngineRequest>> inbox;
+    std::vector<int64_t> aborts;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !inbox_.empty() || !aborts_.empty() || engine_.has_work(); });
+      if (stopping_) break;
+      inbox.swap(inbox_);
+      aborts.swap(aborts_);
+    }
+    for (auto& [handle, request] : inbox) {
+      try {
+        engine_.add_request(handle->id(), std::move(request));
+        live_.emplace(handle->id(), handle);
+      } catch (const Error& e) {
+        metrics_.request_finished("error", 0.0, 0.0);
+        --num_unfinished_;
+        handle->fail(e.what());
+      }
+    }
+    for (int64_t id : aborts) {
+      if (auto out = engine_.abort(id)) deliver(*out);
+    }
+    try {
+      for (const RequestOutput& out : engine_.step()) deliver(out);
+    } catch (const std::exception& e) {
+      // NOTE: a failed step leaves the batch half-applied; every live request is failed and freed
+      // so the engine starts clean.
+      fail_all(str("engine step failed: ", e.what()));
+    }
+    const EngineStats s = engine_.stats();
+    metrics_.set_engine({s.num_running, s.num_waiting, s.kv_cache_usage, s.scheduler.num_preemptions,
+                         s.scheduler.prefix_cache_queries, s.scheduler.prefix_cache_hits});
+  }
+  fail_all("the server is shutting down");
+  std::lock_guard lock(mu_);
+  for (auto& [handle, request] : inbox_) {
+    --num_unfinished_;
+    handle->fail("the server is shutting down");
+  }
+  inbox_.clear();
+}
+
+}  // namespace relay::server
