@@ -31,7 +31,7 @@ std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& 
     if (config.architecture == a.name) return a.build(config, ckpt);
   }
   std::string supported;
-  for (const Architecture& a : kArchitectures) supported += str(supported.empty() ? "" : ", ", a.name);
+  for (const std::string& name : supported_architectures()) supported += str(supported.empty() ? "" : ", ", name);
   fail(str("architecture \"", config.architecture, "\" is not supported (supported: ", supported, ")"));
 }
 
