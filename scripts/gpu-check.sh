@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU machine's one command: build (or take a prebuilt CUDA build), run every GPU test, then a
+# benchmark — ceilings, kernels, PyTorch's peers, and prefill/decode on the 12-layer benchmark model
+# (made on the machine with `relay make-model --preset 30b-a3b --layers 12`).
+#
+#   scripts/gpu-check.sh --pack DIR     (here, with nvcc and Relay's -dev packages) builds build-cuda/
+#                                       for sm_90a and copies relay, test_gpu and the shared libraries
+#                                       the GPU machine lacks into DIR
+#   scripts/gpu-check.sh [--prebuilt DIR] [--full] [--no-model] [--results FILE]
+#                                       (on the GPU machine) without --prebuilt it builds build-gpu/;
+#                                       --full runs every bench shape (default --quick); --no-model
+#                                       skips the model benchmark; results are appended to FILE
+#                                       (default bench/results/<date>-h200.jsonl) and, when $OUT is set,
+#                                       copied there with the logs.
+# The GPU machine has no network and lacks Relay's Debian -dev packages, so the usual route is
+# --pack here and --prebuilt DIR there (DIR travels with the device call's `carry`).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+export PATH=/usr/local/cuda/bin:$PATH
+
+if [ "${1:-}" = "--pack" ]; then
+  dir="${2:?--pack needs a directory}"
+  cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
+  cmake --build build-cuda --target relay test_gpu -j "${RELAY_BUILD_JOBS:-$(nproc)}"
+  rm -rf "$dir" && mkdir -p "$dir/lib"
+  cp build-cuda/relay build-cuda/tests/test_gpu "$dir/"
+  # Libraries outside the CUDA toolkit and the C runtime that Ubuntu 24.04 may lack.
+  ldd build-cuda/relay | awk '/=>/ {print $3}' | grep -E 'httplib|pcre2|utf8proc|brotli' | xargs -r cp -L -t "$dir/lib/"
+  echo "$root" > "$dir/source_dir"  # the tests' compiled-in RELAY_SOURCE_DIR
+  echo "packed into $dir"
+  exit 0
+fi
+
+prebuilt="" full=0 model=1 results=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prebuilt) prebuilt="$2"; shift 2 ;;
+    --full) full=1; shift ;;
+    --no-model) model=0; shift ;;
+    --results) results="$2"; shift 2 ;;
+    *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+logs="${OUT:-$root/build-gpu-logs}"
+mkdir -p "$logs"
+results="${results:-bench/results/$(date -u +%Y-%m-%d)-h200.jsonl}"
+mkdir -p "$(dirname "$results")"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+bash scripts/unpack-models.sh
+
+if [ -n "$prebuilt" ]; then
+  bin="$(cd "$prebuilt" && pwd)"
+  export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  # The test binary reads fixtures from the source path it was built in; point that path here.
+  built_in="$(cat "$bin/source_dir")"
+  if [ "$built_in" != "$root" ] && [ ! -e "$built_in" ]; then
+    mkdir -p "$(dirname "$built_in")" && ln -s "$root" "$built_in"
+  fi
+else
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
+  cmake --build build-gpu --target relay test_gpu -j "$(nproc)"
+  bin="$root/build-gpu"
+  cp build-gpu/tests/test_gpu "$bin/test_gpu" 2>/dev/null || true
+fi
+
+echo "== GPU tests"
+set +e
+"$bin/test_gpu" --gtest_brief=1 2>&1 | tee "$logs/gpu-tests.log"
+tests_rc=${PIPESTATUS[0]}
+set -e
+echo "== GPU tests exit code $tests_rc"
+
+quick="--quick"; [ "$full" = 1 ] && quick=""
+echo "== relay bench (ceilings, kernels)"
+"$bin/relay" bench --mode kernels $quick --out "$results" 2>&1 | tee "$logs/bench-kernels.log"
+echo "== PyTorch peers"
+PYTHONUNBUFFERED=1 python3 bench/torch_peers.py $quick --out "$results" 2>&1 | tee "$logs/torch-peers.log" || true
+
+if [ "$model" = 1 ]; then
+  mdir=/tmp/relay-bench-30b-a3b-12l
+  if [ ! -f "$mdir/config.json" ]; then
+    echo "== make-model"
+    /usr/bin/time -f "make-model %e s" "$bin/relay" make-model --preset 30b-a3b --layers 12 --out "$mdir" 2>&1 | tail -3
+  fi
+  # Load speed is compared with reading the same files with cat, both from a cold page cache.
+  sync; echo 3 > /proc/sys/vm/drop_caches || true
+  python3 - "$mdir" "$results" <<'PY'
+import glob, json, os, subprocess, sys, time
+files = sorted(glob.glob(os.path.join(sys.argv[1], "*.safetensors")))
+t0 = time.time(); subprocess.run(["cat"] + files, stdout=subprocess.DEVNULL, check=True); dt = time.time() - t0
+nbytes = sum(os.path.getsize(f) for f in files)
+line = json.dumps({"mode": "cat", "bytes": nbytes, "seconds": dt, "gbps": nbytes / dt / 1e9})
+print(line); open(sys.argv[2], "a").write(line + "\n")
+PY
+  sync; echo 3 > /proc/sys/vm/drop_caches || true
+  echo "== relay bench (model)"
+  "$bin/relay" bench --mode model $quick --model "$mdir" --out "$results" 2>&1 | tee "$logs/bench-model.log"
+fi
+cp "$results" "$logs/" 2>/dev/null || true
+echo "== done: GPU tests exit code $tests_rc; results in $results"
+exit "$tests_rc"

@@ -1,0 +1,45 @@
+// `relay bench`: ceilings, kernel figures and end-to-end prefill/decode on the GPU (engine/cuda_bench.h).
+// A build without CUDA keeps the command so scripts get a clear message instead of "unknown command".
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "cli/command.h"
+#if RELAY_HAVE_CUDA
+#include "engine/cuda_bench.h"
+#endif
+
+namespace relay::cli {
+namespace {
+
+struct BenchArgs {
+  std::string mode = "all";
+  std::string model;
+  std::string out;
+  bool quick = false;
+};
+
+CommandRegistrar bench_command({
+    "bench",
+    [](CLI::App& sub) -> std::function<int()> {
+      auto a = std::make_shared<BenchArgs>();
+      sub.add_option("--mode", a->mode, "ceilings | kernels | model | all")
+          ->check(CLI::IsMember({"ceilings", "kernels", "model", "all"}));
+      sub.add_option("--model", a->model, "checkpoint directory for prefill/decode (e.g. from make-model)");
+      sub.add_option("--out", a->out, "append the JSON lines to this file too");
+      sub.add_flag("--quick", a->quick, "fewer shapes and repetitions");
+      return [a]() -> int {
+#if RELAY_HAVE_CUDA
+        return run_cuda_bench({a->mode, a->model, a->out, a->quick});
+#else
+        std::cerr << "relay bench measures the GPU and needs the CUDA build; this binary was built without "
+                     "CUDA (configure with nvcc available and -DRELAY_CUDA=ON)\n";
+        return 2;
+#endif
+      };
+    },
+    "measure ceilings, kernels and prefill/decode throughput on the GPU (JSON lines)",
+});
+
+}  // namespace
+}  // namespace relay::cli

@@ -1,0 +1,710 @@
+// See cuda_backend.h.
+#include "engine/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "engine/sampler.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops_cuda.h"
+#include "kvcache/kv_cache.h"
+#include "model/rope.h"
+#include "model/safetensors.h"
+
+namespace relay {
+
+using kernels::bf16;
+
+namespace {
+
+constexpr int kMaxLogprobs = 20;
+constexpr size_t kStagingBytes = size_t{64} << 20;
+// Decode graph buckets: batch sizes a step is padded up to.
+constexpr int kBatchBuckets[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512};
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Bump allocation inside one device allocation (weights, activations).
+class Arena {
+ public:
+  void reserve(size_t bytes) {
+    RELAY_CUDA_CHECK(cudaMalloc(&base_, bytes));
+    capacity_ = bytes;
+  }
+  template <typename T>
+  T* take(size_t count) {
+    const size_t bytes = align_up(count * sizeof(T), 256);
+    RELAY_CHECK(used_ + bytes <= capacity_, "device arena overflow: ", used_ + bytes, " > ", capacity_);
+    T* p = reinterpret_cast<T*>(static_cast<uint8_t*>(base_) + used_);
+    used_ += bytes;
+    return p;
+  }
+  void release() {
+    if (base_) cudaFree(base_);
+    base_ = nullptr;
+  }
+
+ private:
+  void* base_ = nullptr;
+  size_t capacity_ = 0, used_ = 0;
+};
+
+struct LayerWeights {
+  bf16* input_norm = nullptr;  // [hidden]
+  bf16* post_norm = nullptr;   // [hidden]
+  bf16* qkv = nullptr;         // [(q_heads + 2 kv_heads) * head_dim, hidden]
+  bf16* qkv_bias = nullptr;    // [(q_heads + 2 kv_heads) * head_dim] or null
+  bf16* o = nullptr;           // [hidden, q_heads * head_dim]
+  bf16* o_bias = nullptr;      // [hidden] or null
+  bf16* q_norm = nullptr;      // [head_dim]
+  bf16* k_norm = nullptr;      // [head_dim]
+  bool moe = false;
+  bf16* router = nullptr;      // [experts, hidden]
+  bf16* gate_up = nullptr;     // moe: [experts, 2 width, hidden]; dense: [2 width, hidden]
+  bf16* down = nullptr;        // moe: [experts, hidden, width]; dense: [hidden, width]
+  int width = 0;
+};
+
+// The per-step metadata, packed contiguously so one copy moves it to the device. Offsets depend
+// only on (tokens, seqs, logit rows, table width), so a graph bucket always sees the same addresses.
+struct MetaLayout {
+  size_t token_ids, positions, logit_rows, query_starts, context_lens, slot_mapping, block_tables, bytes;
+  static MetaLayout make(int tokens, int seqs, int rows, int width) {
+    MetaLayout m{};
+    size_t at = 0;
+    auto put = [&](size_t bytes) {
+      const size_t off = at;
+      at = align_up(at + bytes, 16);
+      return off;
+    };
+    m.slot_mapping = put(sizeof(int64_t) * tokens);
+    m.token_ids = put(sizeof(int32_t) * tokens);
+    m.positions = put(sizeof(int32_t) * tokens);
+    m.logit_rows = put(sizeof(int32_t) * rows);
+    m.query_starts = put(sizeof(int32_t) * (seqs + 1));
+    m.context_lens = put(sizeof(int32_t) * seqs);
+    m.block_tables = put(sizeof(int32_t) * static_cast<size_t>(seqs) * width);
+    m.bytes = at;
+    return m;
+  }
+};
+
+bool needs_host_sampling(const SamplingParams& p) {
+  return p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
+}
+
+}  // namespace
+
+struct CudaBackend::Impl {
+  CudaBackendOptions opt;
+  ModelConfig cfg;
+  CudaLoadStats stats;
+  cudaStream_t stream = nullptr;
+  Arena weights, acts;
+  int hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, experts = 0, top_k = 0;
+  int qkv_dim = 0, max_ffn_width = 0, max_blocks = 0;
+  bf16* embedding = nullptr;   // [vocab, hidden]
+  bf16* final_norm = nullptr;  // [hidden]
+  bf16* lm_head = nullptr;     // [vocab, hidden] (the embedding when tied)
+  float* inv_freq = nullptr;   // [head_dim / 2]
+  float attention_scaling = 1.0f;
+  std::vector<LayerWeights> layers;
+
+  // KV pool: one allocation, kvcache/kv_cache.h layout with bf16 elements.
+  KvCacheLayout kv_layout;
+  bf16* kv_pool = nullptr;
+
+  // Activations, sized for max_num_tokens.
+  bf16 *residual, *normed, *mix, *qkv, *q, *attn, *router_logits, *permuted_x, *gate_up, *act, *expert_out;
+  int32_t *topk_ids, *permuted_index, *expert_offsets;
+  float *topk_weights, *logits;
+  uint8_t* meta_dev = nullptr;   // packed metadata (MetaLayout)
+  uint8_t* meta_host = nullptr;  // pinned mirror
+  size_t meta_capacity = 0;
+  // Sampling in/out (pinned host mirrors of the device arrays).
+  kernels::SampleRowParams *sample_rows_dev, *sample_rows_host;
+  int32_t *tokens_dev, *tokens_host, *top_ids_dev, *top_ids_host;
+  float *logprobs_dev, *logprobs_host, *top_lp_dev, *top_lp_host;
+
+  std::map<std::pair<int, int>, cudaGraphExec_t> graphs;  // (batch bucket, table width) -> graph
+
+  ~Impl() {
+    for (auto& [key, g] : graphs) cudaGraphExecDestroy(g);
+    if (meta_host) cudaFreeHost(meta_host);
+    if (sample_rows_host) cudaFreeHost(sample_rows_host);  // owns the other sampling mirrors too
+    if (kv_pool) cudaFree(kv_pool);
+    weights.release();
+    acts.release();
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  // ---------------------------------------------------------------- loading
+  void load(const std::filesystem::path& dir) {
+    const auto t0 = std::chrono::steady_clock::now();
+    cfg = ModelConfig::load(dir);
+    RELAY_CHECK(cfg.architecture == "Qwen3ForCausalLM" || cfg.architecture == "Qwen3MoeForCausalLM",
+                "the CUDA backend runs Qwen3ForCausalLM and Qwen3MoeForCausalLM, not ", cfg.architecture);
+    Checkpoint ckpt(dir);
+    hidden = static_cast<int>(cfg.hidden_size);
+    q_heads = static_cast<int>(cfg.num_attention_heads);
+    kv_heads = static_cast<int>(cfg.num_key_value_heads);
+    head_dim = static_cast<int>(cfg.head_dim);
+    vocab = static_cast<int>(cfg.vocab_size);
+    experts = static_cast<int>(cfg.num_experts);
+    top_k = static_cast<int>(cfg.num_experts_per_tok);
+    qkv_dim = (q_heads + 2 * kv_heads) * head_dim;
+    const int64_t H = hidden, q_dim = int64_t{q_heads} * head_dim, kv_dim = int64_t{kv_heads} * head_dim;
+
+    // Size every tensor first, so the weights are one allocation.
+    size_t total = 0;
+    auto count = [&](int64_t n) { total += align_up(static_cast<size_t>(n) * 2, 256); };
+    count(int64_t{vocab} * H);
+    count(H);
+    if (!cfg.tie_word_embeddings) count(int64_t{vocab} * H);
+    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      count(H), count(H), count(qkv_dim * H), count(q_dim * H), count(head_dim), count(head_dim);
+      if (cfg.attention_bias) count(qkv_dim), count(H);
+      if (cfg.layer_is_moe(l)) {
+        count(int64_t{experts} * H);
+        count(int64_t{experts} * 2 * cfg.moe_intermediate_size * H);
+        count(int64_t{experts} * H * cfg.moe_intermediate_size);
+      } else {
+        count(2 * cfg.intermediate_size * H);
+        count(H * cfg.intermediate_size);
+      }
+    }
+    total += static_cast<size_t>(head_dim) * 4 + 256;
+    weights.reserve(total);
+
+    Uploader up(stream);
+    auto tensor = [&](const std::string& name, std::vector<int64_t> shape) -> const TensorView& {
+      return ckpt.get(name, shape);
+    };
+    embedding = weights.take<bf16>(size_t(vocab) * H);
+    up.put(embedding, tensor("model.embed_tokens.weight", {vocab, H}));
+    final_norm = weights.take<bf16>(H);
+    up.put(final_norm, tensor("model.norm.weight", {H}));
+    if (cfg.tie_word_embeddings) {
+      lm_head = embedding;
+    } else {
+      lm_head = weights.take<bf16>(size_t(vocab) * H);
+      up.put(lm_head, tensor("lm_head.weight", {vocab, H}));
+    }
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      const std::string p = str("model.layers.", l, ".");
+      LayerWeights w;
+      w.input_norm = weights.take<bf16>(H);
+      up.put(w.input_norm, tensor(p + "input_layernorm.weight", {H}));
+      w.post_norm = weights.take<bf16>(H);
+      up.put(w.post_norm, tensor(p + "post_attention_layernorm.weight", {H}));
+      w.qkv = weights.take<bf16>(qkv_dim * H);
+      up.put(w.qkv, tensor(p + "self_attn.q_proj.weight", {q_dim, H}));
+      up.put(w.qkv + q_dim * H, tensor(p + "self_attn.k_proj.weight", {kv_dim, H}));
+      up.put(w.qkv + (q_dim + kv_dim) * H, tensor(p + "self_attn.v_proj.weight", {kv_dim, H}));
+      w.o = weights.take<bf16>(q_dim * H);
+      up.put(w.o, tensor(p + "self_attn.o_proj.weight", {H, q_dim}));
+      w.q_norm = weights.take<bf16>(head_dim);
+      up.put(w.q_norm, tensor(p + "self_attn.q_norm.weight", {head_dim}));
+      w.k_norm = weights.take<bf16>(head_dim);
+      up.put(w.k_norm, tensor(p + "self_attn.k_norm.weight", {head_dim}));
+      if (cfg.attention_bias) {
+        w.qkv_bias = weights.take<bf16>(qkv_dim);
+        up.put(w.qkv_bias, tensor(p + "self_attn.q_proj.bias", {q_dim}));
+        up.put(w.qkv_bias + q_dim, tensor(p + "self_attn.k_proj.bias", {kv_dim}));
+        up.put(w.qkv_bias + q_dim + kv_dim, tensor(p + "self_attn.v_proj.bias", {kv_dim}));
+        w.o_bias = weights.take<bf16>(H);
+        up.put(w.o_bias, tensor(p + "self_attn.o_proj.bias", {H}));
+      }
+      w.moe = cfg.layer_is_moe(l);
+      if (w.moe) {
+        const int64_t W = cfg.moe_intermediate_size;
+        w.width = static_cast<int>(W);
+        w.router = weights.take<bf16>(size_t(experts) * H);
+        up.put(w.router, tensor(p + "mlp.gate.weight", {experts, H}));
+        w.gate_up = weights.take<bf16>(size_t(experts) * 2 * W * H);
+        w.down = weights.take<bf16>(size_t(experts) * H * W);
+        for (int e = 0; e < experts; ++e) {
+          const std::string ep = str(p, "mlp.experts.", e, ".");
+          bf16* gu = w.gate_up + int64_t{e} * 2 * W * H;
+          up.put(gu, tensor(ep + "gate_proj.weight", {W, H}));
+          up.put(gu + W * H, tensor(ep + "up_proj.weight", {W, H}));
+          up.put(w.down + int64_t{e} * H * W, tensor(ep + "down_proj.weight", {H, W}));
+        }
+      } else {
+        const int64_t W = cfg.intermediate_size;
+        w.width = static_cast<int>(W);
+        w.gate_up = weights.take<bf16>(2 * W * H);
+        up.put(w.gate_up, tensor(p + "mlp.gate_proj.weight", {W, H}));
+        up.put(w.gate_up + W * H, tensor(p + "mlp.up_proj.weight", {W, H}));
+        w.down = weights.take<bf16>(H * W);
+        up.put(w.down, tensor(p + "mlp.down_proj.weight", {H, W}));
+      }
+      max_ffn_width = std::max(max_ffn_width, w.width);
+      layers.push_back(w);
+    }
+    RopeTables rope = compute_rope(cfg);
+    inv_freq = weights.take<float>(rope.inv_freq.size());
+    RELAY_CUDA_CHECK(cudaMemcpy(inv_freq, rope.inv_freq.data(), rope.inv_freq.size() * 4, cudaMemcpyHostToDevice));
+    attention_scaling = rope.attention_scaling;
+    up.finish();
+    stats.weight_bytes = up.bytes();
+    stats.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  // Copies host tensors to the device through two pinned staging buffers: while one chunk crosses
+  // PCIe, threads fill the other from the (mmapped) file, so reading the file and the transfer overlap.
+  class Uploader {
+   public:
+    explicit Uploader(cudaStream_t s) : stream_(s), pool_(8) {
+      for (int i = 0; i < 2; ++i) {
+        RELAY_CUDA_CHECK(cudaMallocHost(&staging_[i], kStagingBytes));
+        RELAY_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
+      }
+    }
+    ~Uploader() {
+      for (int i = 0; i < 2; ++i) {
+        cudaFreeHost(staging_[i]);
+        cudaEventDestroy(done_[i]);
+      }
+    }
+    void put(bf16* dst, const TensorView& t) {
+      const size_t n = static_cast<size_t>(t.numel());
+      RELAY_CHECK(t.dtype == DType::BF16 || t.dtype == DType::F32 || t.dtype == DType::F16, "tensor ", t.name,
+                  " in ", t.file, " has dtype ", dtype_name(t.dtype), "; the CUDA backend loads BF16/F16/F32");
+      const size_t per_chunk = kStagingBytes / 2;  // bf16 elements per staging buffer
+      for (size_t begin = 0; begin < n; begin += per_chunk) {
+        const size_t count = std::min(per_chunk, n - begin);
+        uint8_t* stage = staging_[next_];
+        RELAY_CUDA_CHECK(cudaEventSynchronize(done_[next_]));
+        const int64_t pieces = static_cast<int64_t>((count + (1 << 18) - 1) >> 18);
+        pool_.parallel_for(pieces, 1, [&](int64_t b, int64_t e) {
+          const size_t lo = static_cast<size_t>(b) << 18, hi = std::min(count, static_cast<size_t>(e) << 18);
+          if (t.dtype == DType::BF16) {
+            std::memcpy(stage + lo * 2, t.data + (begin + lo) * 2, (hi - lo) * 2);
+            return;
+          }
+          auto* out = reinterpret_cast<uint16_t*>(stage);
+          for (size_t i = lo; i < hi; ++i) {
+            float f;
+            if (t.dtype == DType::F32) {
+              std::memcpy(&f, t.data + (begin + i) * 4, 4);
+            } else {
+              uint16_t h;
+              std::memcpy(&h, t.data + (begin + i) * 2, 2);
+              f = f16_to_f32(h);
+            }
+            out[i] = f32_to_bf16(f);
+          }
+        });
+        RELAY_CUDA_CHECK(cudaMemcpyAsync(dst + begin, stage, count * 2, cudaMemcpyHostToDevice, stream_));
+        RELAY_CUDA_CHECK(cudaEventRecord(done_[next_], stream_));
+        next_ ^= 1;
+        bytes_ += count * 2;
+      }
+    }
+    void finish() { RELAY_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+    size_t bytes() const { return bytes_; }
+
+   private:
+    cudaStream_t stream_;
+    ThreadPool pool_;
+    uint8_t* staging_[2] = {};
+    cudaEvent_t done_[2] = {};
+    int next_ = 0;
+    size_t bytes_ = 0;
+  };
+
+  // ---------------------------------------------------------------- memory plan
+  void allocate_activations() {
+    const size_t T = opt.max_num_tokens, S = opt.max_num_seqs;
+    const size_t rows = T * std::max(top_k, 1);
+    const int64_t max_context = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
+    max_blocks = static_cast<int>((max_context + opt.block_size - 1) / opt.block_size);
+    const MetaLayout meta = MetaLayout::make(static_cast<int>(T), static_cast<int>(S), static_cast<int>(T), max_blocks);
+    meta_capacity = meta.bytes;
+    const size_t W = max_ffn_width;
+    size_t bytes = 0;
+    auto add = [&](size_t n, size_t elem) { bytes += align_up(n * elem, 256); };
+    add(T * hidden, 2), add(T * hidden, 2), add(T * hidden, 2), add(T * qkv_dim, 2);
+    add(T * q_heads * head_dim, 2), add(T * q_heads * head_dim, 2);
+    add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2), add(rows * hidden, 2);
+    add(rows, 4), add(rows, 4), add(experts + 1, 4), add(rows, 4);
+    add(S * size_t(vocab), 4);
+    add(meta.bytes, 1);
+    add(S * sizeof(kernels::SampleRowParams), 1), add(S, 4), add(S, 4), add(S * kMaxLogprobs, 4), add(S * kMaxLogprobs, 4);
+    acts.reserve(bytes + 4096);
+    residual = acts.take<bf16>(T * hidden);
+    normed = acts.take<bf16>(T * hidden);
+    mix = acts.take<bf16>(T * hidden);
+    qkv = acts.take<bf16>(T * qkv_dim);
+    q = acts.take<bf16>(T * q_heads * head_dim);
+    attn = acts.take<bf16>(T * q_heads * head_dim);
+    router_logits = acts.take<bf16>(T * std::max(experts, 1));
+    permuted_x = acts.take<bf16>(rows * hidden);
+    gate_up = acts.take<bf16>(rows * 2 * W);
+    act = acts.take<bf16>(rows * W);
+    expert_out = acts.take<bf16>(rows * hidden);
+    topk_ids = acts.take<int32_t>(rows);
+    permuted_index = acts.take<int32_t>(rows);
+    expert_offsets = acts.take<int32_t>(experts + 1);
+    topk_weights = acts.take<float>(rows);
+    logits = acts.take<float>(S * size_t(vocab));
+    meta_dev = acts.take<uint8_t>(meta.bytes);
+    sample_rows_dev = acts.take<kernels::SampleRowParams>(S);
+    tokens_dev = acts.take<int32_t>(S);
+    logprobs_dev = acts.take<float>(S);
+    top_ids_dev = acts.take<int32_t>(S * kMaxLogprobs);
+    top_lp_dev = acts.take<float>(S * kMaxLogprobs);
+    RELAY_CUDA_CHECK(cudaMallocHost(&meta_host, meta.bytes));
+    // One pinned block for the sampling mirrors.
+    const size_t host_bytes = S * (sizeof(kernels::SampleRowParams) + 8 + 8 * kMaxLogprobs) + 1024;
+    uint8_t* h = nullptr;
+    RELAY_CUDA_CHECK(cudaMallocHost(&h, host_bytes));
+    sample_rows_host = reinterpret_cast<kernels::SampleRowParams*>(h);
+    h += align_up(S * sizeof(kernels::SampleRowParams), 16);
+    tokens_host = reinterpret_cast<int32_t*>(h);
+    h += align_up(S * 4, 16);
+    logprobs_host = reinterpret_cast<float*>(h);
+    h += align_up(S * 4, 16);
+    top_ids_host = reinterpret_cast<int32_t*>(h);
+    h += align_up(S * kMaxLogprobs * 4, 16);
+    top_lp_host = reinterpret_cast<float*>(h);
+  }
+
+  void allocate_kv() {
+    kv_layout.num_layers = static_cast<int>(cfg.num_hidden_layers);
+    kv_layout.num_kv_heads = kv_heads;
+    kv_layout.block_size = opt.block_size;
+    kv_layout.head_dim = head_dim;
+    kv_layout.element_bytes = 2;
+    kv_layout.num_blocks = 1;
+    const size_t per_block = kv_layout.bytes_per_block();
+    size_t free_bytes = 0, total_bytes = 0;
+    RELAY_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    stats.free_bytes_before_kv = free_bytes;
+    if (opt.num_kv_blocks > 0) {
+      kv_layout.num_blocks = opt.num_kv_blocks;
+    } else {
+      RELAY_CHECK(free_bytes > opt.memory_reserve_bytes + per_block, "only ", free_bytes,
+                  " bytes of device memory left for the KV cache (reserve ", opt.memory_reserve_bytes, ")");
+      kv_layout.num_blocks = static_cast<int>(
+          std::min<size_t>((free_bytes - opt.memory_reserve_bytes) / per_block, size_t{INT32_MAX} / 2));
+    }
+    stats.kv_pool_bytes = kv_layout.total_bytes();
+    RELAY_CUDA_CHECK(cudaMalloc(&kv_pool, kv_layout.total_bytes()));
+    // NOTE: zeroed so a never-written page (a padded decode row) holds numbers, not NaN patterns.
+    RELAY_CUDA_CHECK(cudaMemsetAsync(kv_pool, 0, kv_layout.total_bytes(), stream));
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  // ---------------------------------------------------------------- forward
+  struct Shape {
+    int tokens, seqs, rows, width;
+  };
+
+  // Enqueues the forward pass of the batch whose metadata is in meta_dev (laid out for `sh`); the
+  // logits of the `sh.rows` requested rows land in `logits`. No host synchronisation.
+  void enqueue_forward(const Shape& sh) {
+    const MetaLayout m = MetaLayout::make(sh.tokens, sh.seqs, sh.rows, sh.width);
+    auto at = [&](size_t off) { return meta_dev + off; };
+    const auto* token_ids = reinterpret_cast<const int32_t*>(at(m.token_ids));
+    const auto* positions = reinterpret_cast<const int32_t*>(at(m.positions));
+    const auto* logit_rows = reinterpret_cast<const int32_t*>(at(m.logit_rows));
+    const auto* query_starts = reinterpret_cast<const int32_t*>(at(m.query_starts));
+    const auto* context_lens = reinterpret_cast<const int32_t*>(at(m.context_lens));
+    const auto* slots = reinterpret_cast<const int64_t*>(at(m.slot_mapping));
+    const auto* tables = reinterpret_cast<const int32_t*>(at(m.block_tables));
+    const int T = sh.tokens;
+    const float eps = static_cast<float>(cfg.rms_norm_eps);
+    kernels::launch_embedding({token_ids, embedding, residual, T, hidden, vocab}, stream);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const LayerWeights& w = layers[l];
+      if (l == 0) {
+        kernels::launch_rms_norm({residual, nullptr, w.input_norm, normed, T, hidden, eps}, stream);
+      } else {
+        kernels::launch_rms_norm({mix, residual, w.input_norm, normed, T, hidden, eps}, stream);
+      }
+      kernels::launch_matmul({normed, w.qkv, w.qkv_bias, qkv, T, qkv_dim, hidden}, stream);
+      bf16* k_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 0, 0, 0);
+      bf16* v_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 1, 0, 0);
+      kernels::launch_qk_norm_rope_kv_write({qkv, w.q_norm, w.k_norm, positions, inv_freq, attention_scaling, slots, q,
+                                             k_cache, v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps},
+                                            stream);
+      kernels::launch_paged_attention({q, k_cache, v_cache, query_starts, context_lens, tables, attn, sh.seqs, T, q_heads,
+                                       kv_heads, head_dim, opt.block_size, sh.width,
+                                       1.0f / std::sqrt(static_cast<float>(head_dim))},
+                                      stream);
+      kernels::launch_matmul({attn, w.o, w.o_bias, mix, T, hidden, q_heads * head_dim}, stream);
+      kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden, eps}, stream);
+      if (w.moe) {
+        const int R = T * top_k;
+        kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden}, stream);
+        kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob},
+                                        stream);
+        kernels::launch_moe_permute({normed, topk_ids, permuted_x, permuted_index, expert_offsets, T, hidden, experts,
+                                     top_k},
+                                    stream);
+        kernels::launch_moe_grouped_matmul({permuted_x, w.gate_up, expert_offsets, gate_up, R, experts, 2 * w.width, hidden},
+                                           stream);
+        kernels::launch_swiglu({gate_up, act, R, w.width}, stream);
+        kernels::launch_moe_grouped_matmul({act, w.down, expert_offsets, expert_out, R, experts, hidden, w.width}, stream);
+        kernels::launch_moe_unpermute_combine({expert_out, permuted_index, topk_weights, mix, T, hidden, top_k}, stream);
+      } else {
+        kernels::launch_matmul({normed, w.gate_up, nullptr, gate_up, T, 2 * w.width, hidden}, stream);
+        kernels::launch_swiglu({gate_up, act, T, w.width}, stream);
+        kernels::launch_matmul({act, w.down, nullptr, mix, T, hidden, w.width}, stream);
+      }
+    }
+    kernels::launch_rms_norm({mix, residual, final_norm, normed, T, hidden, eps}, stream);
+    kernels::launch_lm_head({normed, logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
+  }
+
+  // Fills meta_host for `batch` (padded to `pad_seqs` one-token dummy sequences when > batch size)
+  // and copies it to the device. Returns the shape.
+  Shape upload_batch(std::span<const StepSequence> batch, int pad_seqs, int width, const std::vector<int32_t>& rows) {
+    int tokens = 0;
+    for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
+    const int seqs = std::max<int>(pad_seqs, static_cast<int>(batch.size()));
+    tokens += seqs - static_cast<int>(batch.size());
+    const int num_rows = pad_seqs > 0 ? seqs : static_cast<int>(rows.size());
+    RELAY_CHECK(tokens <= opt.max_num_tokens, "step has ", tokens, " tokens; the CUDA backend was sized for ",
+                opt.max_num_tokens);
+    RELAY_CHECK(seqs <= opt.max_num_seqs && num_rows <= opt.max_num_seqs, "step has ", seqs, " sequences and ",
+                num_rows, " logit rows; the CUDA backend was sized for ", opt.max_num_seqs);
+    const MetaLayout m = MetaLayout::make(tokens, seqs, num_rows, width);
+    RELAY_CHECK(m.bytes <= meta_capacity, "batch metadata of ", m.bytes, " bytes exceeds ", meta_capacity);
+    auto* token_ids = reinterpret_cast<int32_t*>(meta_host + m.token_ids);
+    auto* positions = reinterpret_cast<int32_t*>(meta_host + m.positions);
+    auto* logit_rows = reinterpret_cast<int32_t*>(meta_host + m.logit_rows);
+    auto* query_starts = reinterpret_cast<int32_t*>(meta_host + m.query_starts);
+    auto* context_lens = reinterpret_cast<int32_t*>(meta_host + m.context_lens);
+    auto* slots = reinterpret_cast<int64_t*>(meta_host + m.slot_mapping);
+    auto* tables = reinterpret_cast<int32_t*>(meta_host + m.block_tables);
+    std::memset(tables, 0, sizeof(int32_t) * static_cast<size_t>(seqs) * width);
+    const int bs = opt.block_size;
+    int t = 0;
+    query_starts[0] = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const StepSequence& s = batch[i];
+      RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
+      const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
+      RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id, " needs ",
+                  context, " KV slots but its block table has ", s.block_table.size(), " blocks of ", bs);
+      RELAY_CHECK(static_cast<int>(s.block_table.size()) <= width, "sequence ", s.seq_id, " has ",
+                  s.block_table.size(), " blocks; the table width is ", width);
+      for (int32_t b : s.block_table) {
+        RELAY_CHECK(b >= 0 && b < kv_layout.num_blocks, "sequence ", s.seq_id, " uses block ", b, " outside the pool of ",
+                    kv_layout.num_blocks);
+      }
+      std::copy(s.block_table.begin(), s.block_table.end(), tables + i * width);
+      for (size_t j = 0; j < s.tokens.size(); ++j, ++t) {
+        const int32_t pos = s.num_computed + static_cast<int32_t>(j);
+        token_ids[t] = s.tokens[j];
+        RELAY_CHECK(s.tokens[j] >= 0 && s.tokens[j] < vocab, "token ", s.tokens[j], " of sequence ", s.seq_id,
+                    " is outside the vocabulary of ", vocab);
+        positions[t] = pos;
+        slots[t] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
+      }
+      query_starts[i + 1] = t;
+      context_lens[i] = static_cast<int32_t>(context);
+    }
+    for (int i = static_cast<int>(batch.size()); i < seqs; ++i, ++t) {  // padding: one token, writes nothing
+      token_ids[t] = 0;
+      positions[t] = 0;
+      slots[t] = -1;
+      query_starts[i + 1] = t + 1;
+      context_lens[i] = 1;
+    }
+    if (pad_seqs > 0) {
+      for (int i = 0; i < seqs; ++i) logit_rows[i] = i;
+    } else {
+      std::copy(rows.begin(), rows.end(), logit_rows);
+    }
+    RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev, meta_host, m.bytes, cudaMemcpyHostToDevice, stream));
+    return Shape{tokens, seqs, num_rows, width};
+  }
+
+  static int bucket_of(int n) {
+    for (int b : kBatchBuckets) {
+      if (b >= n) return b;
+    }
+    return n;
+  }
+  int width_of(std::span<const StepSequence> batch, bool pow2) const {
+    int w = 1;
+    for (const StepSequence& s : batch) w = std::max(w, static_cast<int>(s.block_table.size()));
+    if (!pow2) return w;
+    int p = 16;
+    while (p < w) p *= 2;
+    return std::min(p, std::max(w, max_blocks));
+  }
+
+  // Runs the forward for a step; decode batches through (and into) the graph cache.
+  Shape run(std::span<const StepSequence> batch, const std::vector<int32_t>& rows) {
+    bool decode = opt.cuda_graphs && static_cast<int>(batch.size()) <= opt.max_num_seqs;
+    for (const StepSequence& s : batch) decode = decode && s.tokens.size() == 1 && s.sample;
+    if (!decode) {
+      const Shape sh = upload_batch(batch, 0, width_of(batch, false), rows);
+      enqueue_forward(sh);
+      return sh;
+    }
+    const int padded = std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
+    const int width = width_of(batch, true);
+    const Shape sh = upload_batch(batch, padded, width, rows);
+    auto it = graphs.find({padded, width});
+    if (it != graphs.end()) {
+      RELAY_CUDA_CHECK(cudaGraphLaunch(it->second, stream));
+      return sh;
+    }
+    // First time for this bucket: run eagerly (which also grows any workspace), then capture.
+    enqueue_forward(sh);
+    cudaGraph_t graph = nullptr;
+    RELAY_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue_forward(sh);
+    } catch (...) {
+      cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    RELAY_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    RELAY_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    RELAY_CUDA_CHECK(cudaGraphDestroy(graph));
+    graphs.emplace(std::make_pair(padded, width), exec);
+    return sh;
+  }
+
+  std::vector<SampledToken> step(std::span<const StepSequence> batch) {
+    RELAY_CHECK(!batch.empty(), "step with an empty batch");
+    std::vector<int32_t> rows;
+    std::vector<const StepSequence*> samplers;
+    int t = 0;
+    for (const StepSequence& s : batch) {
+      t += static_cast<int>(s.tokens.size());
+      if (s.sample) {
+        RELAY_CHECK(s.sampling != nullptr, "sequence ", s.seq_id, " samples but has no SamplingParams");
+        rows.push_back(t - 1);
+        samplers.push_back(&s);
+      }
+    }
+    run(batch, rows);
+    if (samplers.empty()) {
+      RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return {};
+    }
+    // Logits row i belongs to samplers[i]: graph steps run only when every sequence samples, and
+    // their padding rows come after the real ones.
+    int max_logprobs = 0;
+    for (size_t i = 0; i < samplers.size(); ++i) {
+      const SamplingParams& sp = *samplers[i]->sampling;
+      sample_rows_host[i] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p, sample_uniform(sp.seed, samplers[i]->sample_index)};
+      max_logprobs = std::max(max_logprobs, std::min(sp.num_logprobs, kMaxLogprobs));
+    }
+    const int n = static_cast<int>(samplers.size());
+    RELAY_CUDA_CHECK(cudaMemcpyAsync(sample_rows_dev, sample_rows_host, n * sizeof(kernels::SampleRowParams),
+                                     cudaMemcpyHostToDevice, stream));
+    kernels::launch_sample({logits, sample_rows_dev, tokens_dev, logprobs_dev, top_ids_dev, top_lp_dev, n, vocab,
+                            max_logprobs},
+                           stream);
+    RELAY_CUDA_CHECK(cudaMemcpyAsync(tokens_host, tokens_dev, n * 4, cudaMemcpyDeviceToHost, stream));
+    RELAY_CUDA_CHECK(cudaMemcpyAsync(logprobs_host, logprobs_dev, n * 4, cudaMemcpyDeviceToHost, stream));
+    if (max_logprobs > 0) {
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(top_ids_host, top_ids_dev, size_t(n) * max_logprobs * 4, cudaMemcpyDeviceToHost, stream));
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(top_lp_host, top_lp_dev, size_t(n) * max_logprobs * 4, cudaMemcpyDeviceToHost, stream));
+    }
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<SampledToken> out(n);
+    std::vector<float> row;
+    for (int i = 0; i < n; ++i) {
+      const StepSequence& s = *samplers[i];
+      const SamplingParams& sp = *s.sampling;
+      if (needs_host_sampling(sp)) {  // penalties: the shared sampler on this row's logits
+        row.resize(vocab);
+        RELAY_CUDA_CHECK(cudaMemcpy(row.data(), logits + size_t(i) * vocab, size_t(vocab) * 4, cudaMemcpyDeviceToHost));
+        out[i] = sample_token(row, sp, s.prompt_tokens, s.output_tokens, s.sample_index);
+      } else {
+        out[i].token = tokens_host[i];
+        if (sp.num_logprobs >= 0) {
+          out[i].logprob = logprobs_host[i];
+          for (int k = 0; k < std::min(sp.num_logprobs, kMaxLogprobs); ++k) {
+            out[i].top.emplace_back(top_ids_host[i * max_logprobs + k], top_lp_host[i * max_logprobs + k]);
+          }
+        }
+      }
+      out[i].seq_id = s.seq_id;
+    }
+    return out;
+  }
+
+  std::vector<float> forward_logits(std::span<const StepSequence> batch, LogitRows which) {
+    std::vector<int32_t> all_rows;
+    int t = 0;
+    for (const StepSequence& s : batch) {
+      const int n = static_cast<int>(s.tokens.size());
+      if (which == LogitRows::kLastTokens) {
+        all_rows.push_back(t + n - 1);
+      } else {
+        for (int j = 0; j < n; ++j) all_rows.push_back(t + j);
+      }
+      t += n;
+    }
+    // The logits buffer holds max_num_seqs rows: run the LM head in chunks over the final hidden.
+    const int chunk = opt.max_num_seqs;
+    std::vector<int32_t> first(all_rows.begin(), all_rows.begin() + std::min<size_t>(chunk, all_rows.size()));
+    const Shape sh = upload_batch(batch, 0, width_of(batch, false), first);
+    enqueue_forward(sh);
+    std::vector<float> out(all_rows.size() * size_t(vocab));
+    for (size_t begin = 0; begin < all_rows.size(); begin += chunk) {
+      const int n = static_cast<int>(std::min<size_t>(chunk, all_rows.size() - begin));
+      if (begin > 0) {
+        const MetaLayout m = MetaLayout::make(sh.tokens, sh.seqs, sh.rows, sh.width);
+        RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));  // meta_host is reused
+        std::copy_n(all_rows.begin() + begin, n, reinterpret_cast<int32_t*>(meta_host + m.logit_rows));
+        RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev + m.logit_rows, meta_host + m.logit_rows, n * 4, cudaMemcpyHostToDevice,
+                                         stream));
+        kernels::launch_lm_head({normed, reinterpret_cast<const int32_t*>(meta_dev + m.logit_rows), lm_head, logits, n,
+                                 hidden, vocab},
+                                stream);
+      }
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(out.data() + begin * vocab, logits, size_t(n) * vocab * 4, cudaMemcpyDeviceToHost,
+                                       stream));
+    }
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return out;
+  }
+};
+
+CudaBackend::CudaBackend(const std::filesystem::path& model_dir, const CudaBackendOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  RELAY_CHECK(options.block_size > 0 && options.max_num_seqs > 0 && options.max_num_tokens >= options.max_num_seqs,
+              "CUDA backend options: block_size ", options.block_size, ", max_num_seqs ", options.max_num_seqs,
+              ", max_num_tokens ", options.max_num_tokens);
+  impl_->opt = options;
+  RELAY_CUDA_CHECK(cudaSetDevice(options.device));
+  RELAY_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
+  impl_->load(model_dir);
+  impl_->allocate_activations();
+  impl_->allocate_kv();
+}
+
+CudaBackend::~CudaBackend() = default;
+const ModelConfig& CudaBackend::config() const { return impl_->cfg; }
+int CudaBackend::block_size() const { return impl_->opt.block_size; }
+int CudaBackend::num_kv_blocks() const { return impl_->kv_layout.num_blocks; }
+std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch) { return impl_->step(batch); }
+std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> batch, LogitRows rows) {
+  return impl_->forward_logits(batch, rows);
+}
+const CudaLoadStats& CudaBackend::load_stats() const { return impl_->stats; }
+void CudaBackend::synchronize() { RELAY_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }
+
+}  // namespace relay

@@ -1,0 +1,425 @@
+// See cuda_bench.h. Definitions (shared/guide/targets.md):
+//   decode roofline  = (weights touched by the step + KV bytes read) / copy bandwidth, where the
+//                      experts touched are the expected union of the batch's routing,
+//                      128 * (1 - (1 - 8/128)^batch) for uniform routing;
+//   prefill roofline = max(matmul + attention FLOPs / bf16 GEMM peak, all weight bytes / copy bw);
+//   roofline_fraction = roofline time / measured time.
+// Kernel timings are medians of CUDA-event-timed repetitions after a warm-up; inputs are random
+// (never zeros) and rotate where the data would otherwise sit in L2.
+#include "engine/cuda_bench.h"
+
+#include <cuda_runtime.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/cuda_backend.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops_cuda.h"
+
+namespace relay {
+
+using kernels::bf16;
+
+namespace {
+
+__global__ void fill_random_kernel(bf16* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    p[i] = __float2bfloat16((static_cast<float>(x >> 40) / 16777216.0f * 2.0f - 1.0f) * scale);
+  }
+}
+
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  explicit DevBuf(size_t n) { RELAY_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T))); }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+};
+
+void fill_random(bf16* p, size_t n, uint64_t seed, float scale = 1.0f) {
+  fill_random_kernel<<<1024, 256>>>(p, n, seed, scale);
+  RELAY_CUDA_CHECK_LAUNCH("fill_random_kernel");
+}
+
+template <typename T>
+T* upload(DevBuf<T>& buf, const std::vector<T>& v) {
+  RELAY_CUDA_CHECK(cudaMemcpy(buf.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return buf.p;
+}
+
+// Median milliseconds of `reps` event-timed runs of fn(rep) after `warmup` runs.
+double time_ms(const std::function<void(int)>& fn, int reps, int warmup = 2) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  cudaEvent_t a, b;
+  RELAY_CUDA_CHECK(cudaEventCreate(&a));
+  RELAY_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    RELAY_CUDA_CHECK(cudaEventRecord(a));
+    fn(i);
+    RELAY_CUDA_CHECK(cudaEventRecord(b));
+    RELAY_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    RELAY_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+struct Ceilings {
+  double copy_gbps = 0, gemm_tflops = 0;
+  std::string device;
+};
+
+class Reporter {
+ public:
+  Reporter(const CudaBenchOptions& o, const Ceilings& c) : ceilings_(c) {
+    if (!o.out_path.empty()) file_.open(o.out_path, std::ios::app);
+  }
+  void emit(nlohmann::json j) {
+    j["device"] = ceilings_.device;
+    j["ceiling_copy_gbps"] = ceilings_.copy_gbps;
+    j["ceiling_gemm_tflops"] = ceilings_.gemm_tflops;
+    const std::string line = j.dump();
+    std::cout << line << std::endl;
+    if (file_) file_ << line << "\n" << std::flush;
+  }
+
+ private:
+  Ceilings ceilings_;
+  std::ofstream file_;
+};
+
+Ceilings measure_ceilings(bool quick) {
+  Ceilings c;
+  cudaDeviceProp prop{};
+  RELAY_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  c.device = prop.name;
+  const size_t copy_bytes = size_t{4} << 30;
+  {
+    DevBuf<uint8_t> src(copy_bytes), dst(copy_bytes);
+    RELAY_CUDA_CHECK(cudaMemset(src.p, 1, copy_bytes));
+    const double ms = time_ms([&](int) { RELAY_CUDA_CHECK(cudaMemcpyAsync(dst.p, src.p, copy_bytes, cudaMemcpyDeviceToDevice)); },
+                              quick ? 5 : 10);
+    c.copy_gbps = 2.0 * copy_bytes / (ms * 1e6);  // read + written
+  }
+  {
+    const int n = 8192;
+    DevBuf<bf16> a(size_t{n} * n), b(size_t{n} * n), out(size_t{n} * n);
+    fill_random(a.p, size_t{n} * n, 1), fill_random(b.p, size_t{n} * n, 2);
+    const double ms = time_ms([&](int) { kernels::launch_matmul({a.p, b.p, nullptr, out.p, n, n, n}, nullptr); }, quick ? 5 : 10);
+    c.gemm_tflops = 2.0 * n * double(n) * n / (ms * 1e9);
+  }
+  return c;
+}
+
+// Uniform random routing of `tokens` tokens to top_k distinct experts -> expert_offsets.
+std::vector<int32_t> random_offsets(int tokens, int experts, int top_k, std::mt19937& rng) {
+  std::vector<int32_t> counts(experts + 1, 0);
+  std::vector<int> ids(experts);
+  for (int t = 0; t < tokens; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int k = 0; k < top_k; ++k) {
+      std::uniform_int_distribution<int> d(k, experts - 1);
+      std::swap(ids[k], ids[d(rng)]);
+      ++counts[ids[k] + 1];
+    }
+  }
+  for (int e = 0; e < experts; ++e) counts[e + 1] += counts[e];
+  return counts;
+}
+
+void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
+  std::mt19937 rng(5);
+  const int experts = 128;
+  struct Shape { const char* name; int n, k; };
+  // Prefill: 4096 tokens routed top-8 over 128 experts, Qwen3-30B-A3B shapes, vs dense at equal FLOPs.
+  for (Shape s : {Shape{"gate_up", 1536, 2048}, Shape{"down", 2048, 768}}) {
+    const int tokens = 4096, rows = tokens * 8;
+    auto offsets = random_offsets(tokens, experts, 8, rng);
+    DevBuf<bf16> x(size_t(rows) * s.k), w(size_t(experts) * s.n * s.k), out(size_t(rows) * s.n), dense_w(size_t(s.n) * s.k);
+    DevBuf<int32_t> off(offsets.size());
+    fill_random(x.p, size_t(rows) * s.k, 3), fill_random(w.p, size_t(experts) * s.n * s.k, 4, 0.05f);
+    fill_random(dense_w.p, size_t(s.n) * s.k, 5, 0.05f);
+    upload(off, offsets);
+    kernels::MoeGroupedMatmulParams<bf16> p{x.p, w.p, off.p, out.p, rows, experts, s.n, s.k};
+    const double ms = time_ms([&](int) { kernels::launch_moe_grouped_matmul(p, kernels::GroupedGemmKind::Tiled, nullptr); },
+                              quick ? 5 : 20);
+    const double dense_ms =
+        time_ms([&](int) { kernels::launch_matmul({x.p, dense_w.p, nullptr, out.p, rows, s.n, s.k}, nullptr); }, quick ? 5 : 20);
+    const double flops = 2.0 * rows * double(s.n) * s.k;
+    rep.emit({{"mode", "kernel"}, {"kernel", "moe_grouped_gemm_prefill"}, {"shape", s.name}, {"tokens", tokens},
+              {"rows", rows}, {"n", s.n}, {"k", s.k}, {"ms", ms}, {"tflops", flops / (ms * 1e9)},
+              {"dense_cublas_tflops", flops / (dense_ms * 1e9)}, {"fraction_of_dense", dense_ms / ms},
+              {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+  }
+  // Decode: a few rows per expert; bytes are the active experts' weights.
+  struct Decode { const char* name; int n, k, active, rows_per_expert; };
+  for (Decode d : {Decode{"235b_gate_up_128x1", 3072, 4096, 128, 1}, Decode{"235b_gate_up_16x1", 3072, 4096, 16, 1},
+                   Decode{"235b_gate_up_8x1", 3072, 4096, 8, 1}, Decode{"30b_gate_up_8x1", 1536, 2048, 8, 1},
+                   Decode{"30b_gate_up_128x4", 1536, 2048, 128, 4}, Decode{"30b_gate_up_128x16", 1536, 2048, 128, 16},
+                   Decode{"30b_down_128x16", 2048, 768, 128, 16}}) {
+    std::vector<int32_t> offsets(experts + 1, 0);
+    // The active experts spread evenly over the ids.
+    for (int i = 0; i < d.active; ++i) offsets[i * (experts / d.active) + 1] = d.rows_per_expert;
+    for (int e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+    const int rows = offsets[experts];
+    // Several weight copies rotate so the 8-16 expert cases do not run from L2.
+    const int copies = d.active <= 16 ? 4 : 1;
+    const size_t wn = size_t(experts) * d.n * d.k;
+    DevBuf<bf16> x(size_t(rows) * d.k), w(wn * copies), out(size_t(rows) * d.n);
+    DevBuf<int32_t> off(offsets.size());
+    fill_random(x.p, size_t(rows) * d.k, 6), fill_random(w.p, wn * copies, 7, 0.05f);
+    upload(off, offsets);
+    for (auto kind : {kernels::GroupedGemmKind::Streaming, kernels::GroupedGemmKind::Tiled}) {
+      const double ms = time_ms(
+          [&](int i) {
+            kernels::launch_moe_grouped_matmul({x.p, w.p + (i % copies) * wn, off.p, out.p, rows, experts, d.n, d.k}, kind,
+                                               nullptr);
+          },
+          quick ? 10 : 50);
+      const double bytes = double(d.active) * d.n * d.k * 2;
+      rep.emit({{"mode", "kernel"}, {"kernel", "moe_grouped_gemm_decode"}, {"shape", d.name},
+                {"variant", kind == kernels::GroupedGemmKind::Streaming ? "streaming" : "tiled"}, {"rows", rows},
+                {"n", d.n}, {"k", d.k}, {"active_experts", d.active}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)},
+                {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
+    }
+  }
+}
+
+struct AttnSetup {
+  DevBuf<bf16> q, k, v, out;
+  DevBuf<int32_t> qs, cl, bt;
+  kernels::PagedAttentionParams<bf16> p{};
+  AttnSetup(const std::vector<std::pair<int, int>>& seqs, int nq, int nkv, int hd, int bs, std::mt19937& rng)
+      : q(count_tokens(seqs) * size_t(nq) * hd),
+        k(blocks(seqs, bs) * size_t(nkv) * bs * hd),
+        v(blocks(seqs, bs) * size_t(nkv) * bs * hd),
+        out(count_tokens(seqs) * size_t(nq) * hd),
+        qs(seqs.size() + 1),
+        cl(seqs.size()),
+        bt(table_size(seqs, bs)) {
+    std::vector<int32_t> query_starts{0}, context_lens, tables;
+    int max_blocks = 0;
+    for (auto [n, c] : seqs) max_blocks = std::max(max_blocks, (c + bs - 1) / bs);
+    const int total_blocks = static_cast<int>(blocks(seqs, bs));
+    std::vector<int32_t> ids(total_blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    int next = 0;
+    tables.assign(seqs.size() * size_t(max_blocks), 0);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      query_starts.push_back(query_starts.back() + seqs[i].first);
+      context_lens.push_back(seqs[i].second);
+      for (int b = 0; b < (seqs[i].second + bs - 1) / bs; ++b) tables[i * max_blocks + b] = ids[next++];
+    }
+    fill_random(q.p, count_tokens(seqs) * size_t(nq) * hd, 8);
+    fill_random(k.p, blocks(seqs, bs) * size_t(nkv) * bs * hd, 9);
+    fill_random(v.p, blocks(seqs, bs) * size_t(nkv) * bs * hd, 10);
+    upload(qs, query_starts), upload(cl, context_lens), upload(bt, tables);
+    p = {q.p, k.p, v.p, qs.p, cl.p, bt.p, out.p, static_cast<int>(seqs.size()), static_cast<int>(count_tokens(seqs)), nq, nkv,
+         hd, bs, max_blocks, 1.0f / std::sqrt(float(hd))};
+  }
+  static size_t count_tokens(const std::vector<std::pair<int, int>>& s) {
+    size_t n = 0;
+    for (auto [t, c] : s) n += t;
+    return n;
+  }
+  static size_t table_size(const std::vector<std::pair<int, int>>& s, int bs) {
+    size_t w = 0;
+    for (auto [t, c] : s) w = std::max<size_t>(w, (c + bs - 1) / bs);
+    return s.size() * w;
+  }
+  static size_t blocks(const std::vector<std::pair<int, int>>& s, int bs) {
+    size_t n = 0;
+    for (auto [t, c] : s) n += (c + bs - 1) / bs;
+    return n;
+  }
+};
+
+void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
+  std::mt19937 rng(6);
+  for (int len : quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}) {
+    AttnSetup a({{len, len}}, 32, 4, 128, 16, rng);
+    const double ms = time_ms([&](int) { kernels::launch_paged_attention(a.p, nullptr); }, quick ? 3 : 10);
+    const double flops = 4.0 * 32 * 128 * (double(len) * len / 2);  // causal: half the square
+    rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"tokens", len}, {"q_heads", 32}, {"kv_heads", 4},
+              {"head_dim", 128}, {"ms", ms}, {"tflops", flops / (ms * 1e9)},
+              {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+  }
+  for (auto [batch, ctx] : quick ? std::vector<std::pair<int, int>>{{64, 4096}}
+                                 : std::vector<std::pair<int, int>>{{1, 4096}, {64, 4096}, {256, 4096}, {64, 16384}}) {
+    std::vector<std::pair<int, int>> seqs(batch, {1, ctx});
+    AttnSetup a(seqs, 32, 4, 128, 16, rng);
+    const double ms = time_ms([&](int) { kernels::launch_paged_attention(a.p, nullptr); }, quick ? 5 : 20);
+    const double bytes = double(batch) * ctx * 4 * 128 * 2 * 2;
+    rep.emit({{"mode", "kernel"}, {"kernel", "decode_attention"}, {"batch", batch}, {"context", ctx}, {"q_heads", 32},
+              {"kv_heads", 4}, {"head_dim", 128}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)},
+              {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
+  }
+}
+
+// ---------------------------------------------------------------- end to end
+struct ModelCosts {
+  double attn_weight_bytes = 0;   // per step, all layers: projections, norms, router
+  double expert_bytes = 0;        // one expert, all layers
+  double lm_head_bytes = 0;
+  double all_weight_bytes = 0;
+  double kv_bytes_per_token = 0;  // all layers, K and V
+  double matmul_flops_per_token = 0;
+  double attn_flops_per_token_pair = 0;  // per (query, key) pair, all layers
+  int experts = 0, top_k = 0;
+};
+
+ModelCosts model_costs(const ModelConfig& c) {
+  ModelCosts m;
+  const double H = c.hidden_size, hd = c.head_dim, nq = c.num_attention_heads, nkv = c.num_key_value_heads;
+  const double L = c.num_hidden_layers, W = c.moe_intermediate_size;
+  const double attn_params = (nq + 2 * nkv) * hd * H + nq * hd * H + 2 * H + 2 * hd;
+  m.experts = static_cast<int>(c.num_experts);
+  m.top_k = static_cast<int>(c.num_experts_per_tok);
+  m.attn_weight_bytes = L * (attn_params + m.experts * H) * 2;
+  m.expert_bytes = L * 3 * W * H * 2;
+  m.lm_head_bytes = double(c.vocab_size) * H * 2;
+  m.all_weight_bytes = m.attn_weight_bytes + m.experts * m.expert_bytes + m.lm_head_bytes + double(c.vocab_size) * H * 2;
+  m.kv_bytes_per_token = L * 2 * nkv * hd * 2;
+  m.matmul_flops_per_token = 2 * L * (attn_params + m.experts * H + m.top_k * 3 * W * H);
+  m.attn_flops_per_token_pair = L * 4 * nq * hd;
+  return m;
+}
+
+void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
+  CudaBackendOptions bo;
+  bo.max_num_seqs = 256;
+  bo.max_num_tokens = 16384;
+  CudaBackend backend(o.model_dir, bo);
+  const ModelConfig& cfg = backend.config();
+  RELAY_CHECK(cfg.is_moe(), "relay bench's model mode expects a Qwen3-MoE checkpoint, got ", cfg.architecture);
+  const CudaLoadStats& ls = backend.load_stats();
+  rep.emit({{"mode", "load"}, {"weight_bytes", ls.weight_bytes}, {"seconds", ls.load_seconds},
+            {"gbps", ls.weight_bytes / ls.load_seconds / 1e9}, {"kv_pool_bytes", ls.kv_pool_bytes},
+            {"free_bytes_before_kv", ls.free_bytes_before_kv},
+            {"kv_fraction_of_free", double(ls.kv_pool_bytes) / ls.free_bytes_before_kv}, {"kv_blocks", backend.num_kv_blocks()}});
+  const ModelCosts mc = model_costs(cfg);
+  const int bs = backend.block_size();
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int32_t> token_dist(0, static_cast<int32_t>(cfg.vocab_size) - 1);
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+
+  for (int len : o.quick ? std::vector<int>{512, 4096} : std::vector<int>{512, 4096, 16384}) {
+    std::vector<int32_t> tokens(len), blocks((len + bs - 1) / bs);
+    for (auto& t : tokens) t = token_dist(rng);
+    std::iota(blocks.begin(), blocks.end(), 0);
+    StepSequence s;
+    s.seq_id = 1;
+    s.tokens = tokens;
+    s.block_table = blocks;
+    s.sample = true;
+    s.sampling = &greedy;
+    std::vector<StepSequence> batch{s};
+    backend.step(batch);  // warm-up (plans, workspaces)
+    std::vector<double> ms;
+    for (int r = 0; r < (o.quick ? 2 : 3); ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      backend.step(batch);
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    const double t = ms[ms.size() / 2];
+    const double flops = mc.matmul_flops_per_token * len + mc.attn_flops_per_token_pair * (double(len) * (len + 1) / 2);
+    const double roof_ms = std::max(flops / (c.gemm_tflops * 1e9), mc.all_weight_bytes / (c.copy_gbps * 1e6));
+    rep.emit({{"mode", "prefill"}, {"batch", 1}, {"tokens", len}, {"context", len}, {"ms_per_step", t},
+              {"tok_per_s", len / (t / 1e3)}, {"tflops", flops / (t * 1e9)}, {"roofline_ms", roof_ms},
+              {"roofline_fraction", roof_ms / t}});
+  }
+
+  for (int ctx : {512, 4096}) {
+    for (int batch_size : o.quick ? std::vector<int>{1, 64} : std::vector<int>{1, 8, 64, 256}) {
+      const int warmup = 3, steps = o.quick ? 10 : 30;
+      const int blocks_per_seq = (ctx + warmup + steps + bs) / bs;
+      RELAY_CHECK(batch_size * blocks_per_seq <= backend.num_kv_blocks(), "KV pool too small for decode batch ", batch_size,
+                  " at context ", ctx);
+      std::vector<std::vector<int32_t>> tables(batch_size), toks(batch_size);
+      std::vector<int> computed(batch_size, ctx - 1);
+      for (int i = 0; i < batch_size; ++i) {
+        tables[i].resize(blocks_per_seq);
+        std::iota(tables[i].begin(), tables[i].end(), i * blocks_per_seq);
+        toks[i] = {token_dist(rng)};
+      }
+      auto one_step = [&] {
+        std::vector<StepSequence> batch(batch_size);
+        for (int i = 0; i < batch_size; ++i) {
+          batch[i].seq_id = i;
+          batch[i].tokens = toks[i];
+          batch[i].num_computed = computed[i];
+          batch[i].block_table = tables[i];
+          batch[i].sample = true;
+          batch[i].sampling = &greedy;
+        }
+        auto out = backend.step(batch);
+        for (int i = 0; i < batch_size; ++i) {
+          toks[i] = {out[i].token};
+          ++computed[i];
+        }
+      };
+      for (int i = 0; i < warmup; ++i) one_step();
+      const int ctx_start = computed[0] + 1;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < steps; ++i) one_step();
+      const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
+      const double active = mc.experts * (1.0 - std::pow(1.0 - double(mc.top_k) / mc.experts, batch_size));
+      const double avg_ctx = ctx_start + (steps - 1) / 2.0;
+      const double bytes = mc.attn_weight_bytes + active * mc.expert_bytes + mc.lm_head_bytes +
+                           batch_size * avg_ctx * mc.kv_bytes_per_token;
+      const double roof_ms = bytes / (c.copy_gbps * 1e6);
+      rep.emit({{"mode", "decode"}, {"batch", batch_size}, {"tokens", batch_size}, {"context", ctx}, {"ms_per_step", t},
+                {"tok_per_s", batch_size / (t / 1e3)}, {"bytes_per_step", bytes}, {"experts_touched", active},
+                {"roofline_ms", roof_ms}, {"roofline_fraction", roof_ms / t}});
+    }
+  }
+}
+
+}  // namespace
+
+int run_cuda_bench(const CudaBenchOptions& o) {
+  RELAY_CHECK(o.mode == "all" || o.mode == "ceilings" || o.mode == "kernels" || o.mode == "model", "bench mode '", o.mode,
+              "' is not one of all, ceilings, kernels, model");
+  const Ceilings c = measure_ceilings(o.quick);
+  Reporter rep(o, c);
+  rep.emit({{"mode", "ceilings"}});
+  if (o.mode == "all" || o.mode == "kernels") {
+    bench_grouped_gemm(rep, c, o.quick);
+    bench_attention(rep, c, o.quick);
+  }
+  if (o.mode == "all" || o.mode == "model") {
+    if (o.model_dir.empty()) {
+      RELAY_CHECK(o.mode != "model", "bench --mode model needs --model DIR");
+      std::cerr << "relay bench: no --model given; skipping prefill/decode\n";
+    } else {
+      bench_model(rep, c, o);
+    }
+  }
+  return 0;
+}
+
+}  // namespace relay

@@ -1,0 +1,150 @@
+// Helpers shared by the CUDA kernel files: error checks, bf16 vector types, warp reductions and the
+// inline-PTX wrappers for tensor-core loads (ldmatrix), async copies (cp.async) and mma.sync.
+//
+// Kept header-only and small so each .cu file compiles on its own in a few seconds.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/error.h"
+
+// Throws relay::Error naming the CUDA call and the error string.
+#define RELAY_CUDA_CHECK(call)                                                              \
+  do {                                                                                      \
+    cudaError_t relay_cuda_err_ = (call);                                                   \
+    RELAY_CHECK(relay_cuda_err_ == cudaSuccess, #call, ": ", cudaGetErrorString(relay_cuda_err_)); \
+  } while (0)
+
+// After a launch: throws naming the kernel when the launch failed (bad config, missing image).
+#define RELAY_CUDA_CHECK_LAUNCH(kernel_name)                                               \
+  do {                                                                                      \
+    cudaError_t relay_cuda_err_ = cudaGetLastError();                                       \
+    RELAY_CHECK(relay_cuda_err_ == cudaSuccess, "launch of ", kernel_name, " failed: ",     \
+                cudaGetErrorString(relay_cuda_err_));                                       \
+  } while (0)
+
+namespace relay::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// 8 bf16 values in one 16-byte load.
+struct alignas(16) Bf16x8 {
+  __nv_bfloat162 v[4];
+};
+
+__device__ __forceinline__ void bf16x8_to_f32(const Bf16x8& in, float* out) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __bfloat1622float2(in.v[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ Bf16x8 f32_to_bf16x8(const float* in) {
+  Bf16x8 r;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r.v[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+  return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); `scratch` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int num_warps = blockDim.x >> 5;
+  v = lane < num_warps ? scratch[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; `valid` false writes zeros (the tail of a tile).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+
+// d += a (16x16, row) * b (16x8, col), bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Whether the calling thread's stream is capturing a CUDA graph (workspaces must not grow then).
+inline bool stream_is_capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  RELAY_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// A device buffer that grows to the largest size asked for. A CUDA graph captured earlier may still
+// point at the old buffer, so growing retires it instead of freeing it (growth is geometric, so the
+// retired buffers cost at most as much as the live one); it never grows during capture.
+class DeviceWorkspace {
+ public:
+  void* get(size_t bytes, cudaStream_t s, const char* what) {
+    if (bytes > bytes_) {
+      RELAY_CHECK(!stream_is_capturing(s), "workspace of ", what, " must grow to ", bytes,
+                  " bytes during CUDA graph capture; warm up with the same shapes first");
+      const size_t grown = std::max(bytes, 2 * bytes_);
+      RELAY_CUDA_CHECK(cudaMalloc(&ptr_, grown));
+      bytes_ = grown;
+    }
+    return ptr_;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace relay::kernels::cuda

@@ -1,0 +1,265 @@
+// MoE grouped GEMM: out[r] = x[r] @ w[e]^T for the rows r of each expert e, in two regimes.
+//
+// Tiled (prefill, hundreds of rows per expert): 128x128x32 CTA tiles on mma.sync m16n8k16 (bf16 in,
+// fp32 accumulate), 8 warps of 64x32, a 4-stage cp.async pipeline and XOR-swizzled shared memory
+// for conflict-free ldmatrix. The grid is (n tiles, an upper bound on the m tiles summed over
+// experts); each CTA finds its expert and m tile with a warp scan over expert_offsets, so the
+// host never reads the routing and CTAs past the real tile count exit at once. n tiles vary
+// fastest so the CTAs resident together share one x tile in L2.
+// Streaming (decode, a few rows per expert): the weights dominate the bytes, so each CTA streams a
+// 64-column slice of one *active* expert's weight with 16-byte loads, several in flight per lane,
+// and multiplies it with that expert's rows (staged in shared memory, 8 at a time). Only experts
+// that received rows are visited, so batch 1 reads 8 experts' weights, not 128.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops_cuda.h"
+
+namespace relay::kernels {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kBm = 128, kBn = 128, kBk = 32, kStages = 4, kGemmThreads = 256;
+constexpr int kTileBytes = kBm * kBk * 2;  // one operand tile in one stage (kBm == kBn)
+
+__device__ __forceinline__ int gemm_swizzle(int row, int chunk) {  // 4 chunks of 16 bytes per row
+  return (row * 4 + (chunk ^ ((row >> 1) & 3))) * 16;
+}
+
+// Finds the expert owning global tile `target` when expert e spans ceil(rows_e / rows_per_tile)
+// tiles (active_only: one "tile" per non-empty expert). Run by one full warp; returns -1 past the end.
+__device__ int find_expert_tile(const int32_t* offsets, int num_experts, int target, int rows_per_tile,
+                                bool active_only, int* tile_in_expert) {
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < num_experts; base += 32) {
+    const int e = base + lane;
+    int count = 0;
+    if (e < num_experts) {
+      const int rows = offsets[e + 1] - offsets[e];
+      count = active_only ? (rows > 0) : (rows + rows_per_tile - 1) / rows_per_tile;
+    }
+    int inclusive = count;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+      if (lane >= o) inclusive += v;
+    }
+    const unsigned hit = __ballot_sync(0xffffffffu, inclusive > target && e < num_experts);
+    if (hit) {
+      const int first = __ffs(hit) - 1;
+      *tile_in_expert = target - (__shfl_sync(0xffffffffu, inclusive, first) - __shfl_sync(0xffffffffu, count, first));
+      return base + first;
+    }
+    target -= __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+  return -1;
+}
+
+__global__ void __launch_bounds__(kGemmThreads) grouped_gemm_tiled_kernel(MoeGroupedMatmulParams<bf16> p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int cta_expert, cta_tile;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp == 0) {
+    int tile = 0;
+    const int e = find_expert_tile(p.expert_offsets, p.num_experts, blockIdx.y, kBm, false, &tile);
+    if (lane == 0) {
+      cta_expert = e;
+      cta_tile = tile;
+    }
+  }
+  __syncthreads();
+  const int expert = cta_expert;
+  if (expert < 0) return;
+  const int row_begin = p.expert_offsets[expert] + cta_tile * kBm;
+  const int rows = min(kBm, p.expert_offsets[expert + 1] - row_begin);
+  const int n0 = blockIdx.x * kBn;
+  const bf16* x = p.x + static_cast<int64_t>(row_begin) * p.k;
+  const bf16* w = p.w + (static_cast<int64_t>(expert) * p.n + n0) * p.k;
+  uint8_t* a_smem = smem;
+  uint8_t* b_smem = smem + kStages * kTileBytes;
+
+  auto load_stage = [&](int k_tile, int stage) {
+    const int k0 = k_tile * kBk;
+#pragma unroll
+    for (int i = 0; i < (kBm * 4) / kGemmThreads; ++i) {
+      const int c = threadIdx.x + i * kGemmThreads;
+      const int r = c >> 2, chunk = c & 3;
+      const int kk = k0 + chunk * 8;
+      const bool k_ok = kk < p.k;
+      cp_async_16(a_smem + stage * kTileBytes + gemm_swizzle(r, chunk), x + static_cast<int64_t>(r) * p.k + kk,
+                  k_ok && r < rows);
+      cp_async_16(b_smem + stage * kTileBytes + gemm_swizzle(r, chunk), w + static_cast<int64_t>(r) * p.k + kk,
+                  k_ok && n0 + r < p.n);
+    }
+  };
+
+  const int num_k_tiles = (p.k + kBk - 1) / kBk;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+  const int warp_m = warp >> 2, warp_n = warp & 3;
+  float acc[4][4][4] = {};
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int next = kt + kStages - 1;
+    if (next < num_k_tiles) load_stage(next, next % kStages);
+    cp_async_commit();
+    const uint8_t* as = a_smem + (kt % kStages) * kTileBytes;
+    const uint8_t* bs = b_smem + (kt % kStages) * kTileBytes;
+#pragma unroll
+    for (int ks = 0; ks < kBk / 16; ++ks) {
+      uint32_t a[4][4], b[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const int r = warp_m * 64 + mt * 16 + (lane & 15);
+        ldmatrix_x4(a[mt], as + gemm_swizzle(r, ks * 2 + (lane >> 4)));
+      }
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        const int r = warp_n * 32 + nb * 16 + (lane & 7) + ((lane >> 4) << 3);
+        ldmatrix_x4(b[nb], bs + gemm_swizzle(r, ks * 2 + ((lane >> 3) & 1)));
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) mma_bf16_16816(acc[mt][nt], a[mt], &b[nt >> 1][(nt & 1) * 2]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp_m * 64 + mt * 16 + (lane >> 2) + half * 8;
+      if (r >= rows) continue;
+      bf16* out = p.out + static_cast<int64_t>(row_begin + r) * p.n;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = n0 + warp_n * 32 + nt * 8 + (lane & 3) * 2;
+        if (col < p.n) {
+          *reinterpret_cast<__nv_bfloat162*>(out + col) =
+              __floats2bfloat162_rn(acc[mt][nt][half * 2], acc[mt][nt][half * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+constexpr int kStreamRows = 8;       // rows of one expert multiplied per pass over its weights
+constexpr int kStreamCols = 64;      // output columns per CTA
+constexpr int kStreamWarps = 4;
+constexpr int kColsPerStep = 4;      // weight rows each warp streams at once
+
+__global__ void __launch_bounds__(kStreamWarps * 32) grouped_gemm_streaming_kernel(MoeGroupedMatmulParams<bf16> p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int cta_expert;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp == 0) {
+    int unused = 0;
+    const int e = find_expert_tile(p.expert_offsets, p.num_experts, blockIdx.y, 1, true, &unused);
+    if (lane == 0) cta_expert = e;
+  }
+  __syncthreads();
+  const int expert = cta_expert;
+  if (expert < 0) return;
+  const int begin = p.expert_offsets[expert], end = p.expert_offsets[expert + 1];
+  const int n0 = blockIdx.x * kStreamCols;
+  const int k_vecs = p.k / 8;
+  Bf16x8* xs = reinterpret_cast<Bf16x8*>(smem);  // [kStreamRows][k_vecs]
+  const bf16* w = p.w + static_cast<int64_t>(expert) * p.n * p.k;
+
+  for (int row0 = begin; row0 < end; row0 += kStreamRows) {
+    const int rows = min(kStreamRows, end - row0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * k_vecs; i += blockDim.x) {
+      xs[i] = reinterpret_cast<const Bf16x8*>(p.x + static_cast<int64_t>(row0) * p.k)[i];
+    }
+    __syncthreads();
+    for (int c0 = n0 + warp * kColsPerStep; c0 < min(n0 + kStreamCols, p.n); c0 += kStreamWarps * kColsPerStep) {
+      float acc[kStreamRows][kColsPerStep] = {};
+      const Bf16x8* wrow[kColsPerStep];
+#pragma unroll
+      for (int c = 0; c < kColsPerStep; ++c) {
+        wrow[c] = reinterpret_cast<const Bf16x8*>(w + static_cast<int64_t>(min(c0 + c, p.n - 1)) * p.k);
+      }
+#pragma unroll 2
+      for (int v = lane; v < k_vecs; v += 32) {
+        float wf[kColsPerStep][8];
+#pragma unroll
+        for (int c = 0; c < kColsPerStep; ++c) {
+          Bf16x8 raw;
+          asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(*reinterpret_cast<uint32_t*>(&raw.v[0])), "=r"(*reinterpret_cast<uint32_t*>(&raw.v[1])),
+                         "=r"(*reinterpret_cast<uint32_t*>(&raw.v[2])), "=r"(*reinterpret_cast<uint32_t*>(&raw.v[3]))
+                       : "l"(wrow[c] + v));
+          bf16x8_to_f32(raw, wf[c]);
+        }
+#pragma unroll
+        for (int r = 0; r < kStreamRows; ++r) {
+          if (r < rows) {
+            float xf[8];
+            bf16x8_to_f32(xs[r * k_vecs + v], xf);
+#pragma unroll
+            for (int c = 0; c < kColsPerStep; ++c) {
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[r][c] += xf[e] * wf[c][e];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kStreamRows; ++r) {
+        if (r < rows) {
+#pragma unroll
+          for (int c = 0; c < kColsPerStep; ++c) {
+            const float sum = warp_sum(acc[r][c]);
+            if (lane == c && c0 + c < p.n) p.out[static_cast<int64_t>(row0 + r) * p.n + c0 + c] = __float2bfloat16(sum);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGemmKind kind, cudaStream_t s) {
+  RELAY_CHECK(p.k % 8 == 0 && p.n % 8 == 0, "moe_grouped_matmul: n ", p.n, " and k ", p.k,
+              " must be multiples of 8");
+  if (p.num_rows == 0) return;
+  if (kind == GroupedGemmKind::Auto) {
+    kind = p.num_rows <= 8 * p.num_experts ? GroupedGemmKind::Streaming : GroupedGemmKind::Tiled;
+  }
+  if (kind == GroupedGemmKind::Tiled) {
+    constexpr int kSmem = 2 * kStages * kTileBytes;
+    static bool configured = false;
+    if (!configured) {
+      RELAY_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tiled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+      configured = true;
+    }
+    dim3 grid(ceil_div(p.n, kBn), ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts));
+    grouped_gemm_tiled_kernel<<<grid, kGemmThreads, kSmem, s>>>(p);
+    RELAY_CUDA_CHECK_LAUNCH("grouped_gemm_tiled_kernel");
+  } else {
+    const int smem = kStreamRows * p.k * 2;
+    RELAY_CHECK(smem <= 200 * 1024, "moe_grouped_matmul: k ", p.k, " too large for the streaming kernel");
+    static int configured_smem = 0;
+    if (smem > configured_smem) {
+      RELAY_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_streaming_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      configured_smem = smem;
+    }
+    dim3 grid(ceil_div(p.n, kStreamCols), std::min(p.num_rows, p.num_experts));
+    grouped_gemm_streaming_kernel<<<grid, kStreamWarps * 32, smem, s>>>(p);
+    RELAY_CUDA_CHECK_LAUNCH("grouped_gemm_streaming_kernel");
+  }
+}
+
+void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
+  launch_moe_grouped_matmul(p, GroupedGemmKind::Auto, s);
+}
+
+}  // namespace relay::kernels

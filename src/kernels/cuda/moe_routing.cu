@@ -1,0 +1,170 @@
+// MoE routing on the GPU: router softmax + top-k, the stable permutation of (token, k) rows by
+// expert, and the weighted un-permute/combine.
+//
+// Router: one warp per token, experts spread over lanes; softmax in fp32 and k rounds of a warp
+// arg-max (ties to the lower expert id, as the CPU reference and torch.topk).
+// Permute: one CTA per expert scans the top-k ids twice — counting the rows of lower experts (its
+// offset), then ranking its own rows in (token, k) order with a block-wide ballot scan — so the
+// result equals the CPU's stable counting sort exactly and needs no global atomics or second launch
+// for the offsets. A second kernel copies the rows. Both read only device data, so a decode step
+// that routes on the GPU can be captured in a graph.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops_cuda.h"
+
+namespace relay::kernels {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kMaxExpertsPerLane = 16;  // 512 experts
+constexpr int kPermuteThreads = 1024;
+
+__global__ void router_topk_kernel(MoeRouterTopkParams<bf16> p) {
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= p.num_tokens) return;
+  const bf16* logits = p.logits + static_cast<int64_t>(t) * p.num_experts;
+  float prob[kMaxExpertsPerLane];
+  float max_logit = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kMaxExpertsPerLane; ++j) {
+    const int e = lane + 32 * j;
+    prob[j] = e < p.num_experts ? __bfloat162float(logits[e]) : -INFINITY;
+    max_logit = fmaxf(max_logit, prob[j]);
+  }
+  max_logit = warp_max(max_logit);
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kMaxExpertsPerLane; ++j) {
+    prob[j] = lane + 32 * j < p.num_experts ? expf(prob[j] - max_logit) : 0.0f;
+    sum += prob[j];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < kMaxExpertsPerLane; ++j) prob[j] = lane + 32 * j < p.num_experts ? prob[j] / sum : -1.0f;
+  float top_sum = 0.0f, chosen_prob = 0.0f;
+  int chosen_id = 0;
+  for (int k = 0; k < p.top_k; ++k) {
+    float best = -1.0f;
+    int best_id = INT32_MAX;
+#pragma unroll
+    for (int j = 0; j < kMaxExpertsPerLane; ++j) {
+      if (prob[j] > best) {  // ascending ids within a lane: strict > keeps the lower id
+        best = prob[j];
+        best_id = lane + 32 * j;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, o);
+      const int other_id = __shfl_xor_sync(0xffffffffu, best_id, o);
+      if (other > best || (other == best && other_id < best_id)) {
+        best = other;
+        best_id = other_id;
+      }
+    }
+    if (best_id % 32 == lane) {
+#pragma unroll
+      for (int j = 0; j < kMaxExpertsPerLane; ++j) {
+        if (j == best_id / 32) prob[j] = -1.0f;
+      }
+    }
+    top_sum += best;
+    if (lane == k) {
+      chosen_prob = best;
+      chosen_id = best_id;
+    }
+  }
+  if (lane < p.top_k) {
+    p.topk_ids[static_cast<int64_t>(t) * p.top_k + lane] = chosen_id;
+    p.topk_weights[static_cast<int64_t>(t) * p.top_k + lane] = p.renormalize ? chosen_prob / top_sum : chosen_prob;
+  }
+}
+
+__global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermuteParams<bf16> p) {
+  __shared__ int warp_counts[32];
+  __shared__ float scratch[32];
+  const int e = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int num_rows = p.num_tokens * p.top_k;
+  int below = 0;
+  for (int r = threadIdx.x; r < num_rows; r += kPermuteThreads) below += p.topk_ids[r] < e;
+  // Counts stay far below 2^24, so the float block sum is exact.
+  const int offset = static_cast<int>(block_sum(static_cast<float>(below), scratch));
+  if (threadIdx.x == 0) {
+    p.expert_offsets[e] = offset;
+    if (e == p.num_experts - 1) p.expert_offsets[p.num_experts] = num_rows;
+  }
+  int rank_base = offset;
+  for (int base = 0; base < num_rows; base += kPermuteThreads) {
+    const int r = base + threadIdx.x;
+    const bool mine = r < num_rows && p.topk_ids[r] == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    __syncthreads();  // warp_counts of the previous round are consumed
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int w = 0; w < kPermuteThreads / 32; ++w) {
+      const int c = warp_counts[w];
+      before += w < warp ? c : 0;
+      total += c;
+    }
+    if (mine) p.permuted_index[r] = rank_base + before + __popc(ballot & ((1u << lane) - 1));
+    rank_base += total;
+  }
+}
+
+__global__ void permute_rows_kernel(MoePermuteParams<bf16> p) {
+  const int r = blockIdx.x;
+  const Bf16x8* src = reinterpret_cast<const Bf16x8*>(p.x + static_cast<int64_t>(r / p.top_k) * p.hidden);
+  Bf16x8* dst = reinterpret_cast<Bf16x8*>(p.permuted_x + static_cast<int64_t>(p.permuted_index[r]) * p.hidden);
+  for (int i = threadIdx.x; i < p.hidden / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+__global__ void unpermute_combine_kernel(MoeUnpermuteCombineParams<bf16> p) {
+  const int t = blockIdx.x;
+  const int num_vecs = p.hidden / 8;
+  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    float acc[8] = {};
+    for (int k = 0; k < p.top_k; ++k) {
+      const float w = p.topk_weights[static_cast<int64_t>(t) * p.top_k + k];
+      const int64_t row = p.permuted_index[static_cast<int64_t>(t) * p.top_k + k];
+      float v[8];
+      bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.expert_out + row * p.hidden)[i], v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] += v[j] * w;
+    }
+    reinterpret_cast<Bf16x8*>(p.out + static_cast<int64_t>(t) * p.hidden)[i] = f32_to_bf16x8(acc);
+  }
+}
+
+}  // namespace
+
+void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.num_experts <= 32 * kMaxExpertsPerLane && p.top_k >= 1 && p.top_k <= 32 &&
+                  p.top_k <= p.num_experts,
+              "moe_router_topk: ", p.num_experts, " experts, top_k ", p.top_k, " (at most ",
+              32 * kMaxExpertsPerLane, " experts, top_k in [1, 32])");
+  if (p.num_tokens == 0) return;
+  router_topk_kernel<<<ceil_div(p.num_tokens, 4), 128, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("router_topk_kernel");
+}
+
+void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.hidden % 8 == 0, "moe_permute: hidden ", p.hidden, " must be a multiple of 8");
+  permute_index_kernel<<<p.num_experts, kPermuteThreads, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("permute_index_kernel");
+  if (p.num_tokens == 0) return;
+  permute_rows_kernel<<<p.num_tokens * p.top_k, 128, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("permute_rows_kernel");
+}
+
+void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.hidden % 8 == 0, "moe_unpermute_combine: hidden ", p.hidden, " must be a multiple of 8");
+  if (p.num_tokens == 0) return;
+  unpermute_combine_kernel<<<p.num_tokens, 128, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("unpermute_combine_kernel");
+}
+
+}  // namespace relay::kernels

@@ -1,0 +1,107 @@
+// Row-wise memory-bound ops: embedding gather, RMSNorm (+ fused residual add) and SwiGLU.
+//
+// Each moves its bytes once with 16-byte accesses. RMSNorm runs one CTA per token and keeps the row
+// in registers between the sum of squares and the scaling (hidden <= kMaxHidden), so the row is read
+// once and written once (twice with the residual: residual out and normed out).
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/ops_cuda.h"
+
+namespace relay::kernels {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kNormThreads = 256;
+constexpr int kNormVecsPerThread = 4;
+constexpr int kMaxHidden = kNormThreads * kNormVecsPerThread * 8;  // 8192
+
+__global__ void embedding_kernel(EmbeddingParams<bf16> p) {
+  const int t = blockIdx.x;
+  const int64_t id = p.token_ids[t];
+  const Bf16x8* src = reinterpret_cast<const Bf16x8*>(p.table + id * p.hidden);
+  Bf16x8* dst = reinterpret_cast<Bf16x8*>(p.out + static_cast<int64_t>(t) * p.hidden);
+  for (int i = threadIdx.x; i < p.hidden / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+__global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<bf16> p) {
+  __shared__ float scratch[32];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * p.hidden;
+  const int num_vecs = p.hidden / 8;
+  float v[kNormVecsPerThread][8];
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormVecsPerThread; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i < num_vecs) {
+      bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x + row)[i], v[j]);
+      if (p.residual) {
+        float r[8];
+        Bf16x8* res = reinterpret_cast<Bf16x8*>(p.residual + row) + i;
+        bf16x8_to_f32(*res, r);
+        // NOTE: the sum is rounded to bf16 before the norm, as HF's bf16 residual stream is.
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[j][e] = __bfloat162float(__float2bfloat16(r[e] + v[j][e]));
+        *res = f32_to_bf16x8(v[j]);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum_sq += v[j][e] * v[j][e];
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / p.hidden + p.eps);
+#pragma unroll
+  for (int j = 0; j < kNormVecsPerThread; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i < num_vecs) {
+      float w[8];
+      bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.weight)[i], w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[j][e] = w[e] * (v[j][e] * inv_rms);
+      reinterpret_cast<Bf16x8*>(p.out + row)[i] = f32_to_bf16x8(v[j]);
+    }
+  }
+}
+
+__global__ void swiglu_kernel(SwigluParams<bf16> p) {
+  const int64_t vecs_per_row = p.width / 8;
+  const int64_t total = vecs_per_row * p.num_rows;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / vecs_per_row, c = i % vecs_per_row;
+    const Bf16x8* row = reinterpret_cast<const Bf16x8*>(p.gate_up + r * 2 * p.width);
+    float g[8], u[8];
+    bf16x8_to_f32(row[c], g);
+    bf16x8_to_f32(row[c + vecs_per_row], u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) g[e] = g[e] / (1.0f + __expf(-g[e])) * u[e];
+    reinterpret_cast<Bf16x8*>(p.out + r * p.width)[c] = f32_to_bf16x8(g);
+  }
+}
+
+}  // namespace
+
+void launch_embedding(const EmbeddingParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.hidden % 8 == 0, "embedding: hidden ", p.hidden, " must be a multiple of 8");
+  if (p.num_tokens == 0) return;
+  embedding_kernel<<<p.num_tokens, 128, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("embedding_kernel");
+}
+
+void launch_rms_norm(const RmsNormParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.hidden % 8 == 0 && p.hidden <= kMaxHidden, "rms_norm: hidden ", p.hidden,
+              " must be a multiple of 8 and at most ", kMaxHidden);
+  if (p.num_tokens == 0) return;
+  rms_norm_kernel<<<p.num_tokens, kNormThreads, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("rms_norm_kernel");
+}
+
+void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.width % 8 == 0, "swiglu: width ", p.width, " must be a multiple of 8");
+  if (p.num_rows == 0) return;
+  const int64_t total = static_cast<int64_t>(p.num_rows) * p.width / 8;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(total, 256), 132 * 16));
+  swiglu_kernel<<<blocks, 256, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("swiglu_kernel");
+}
+
+}  // namespace relay::kernels

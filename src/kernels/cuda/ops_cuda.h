@@ -1,0 +1,77 @@
+// The CUDA implementations of the ops in kernels/ops.h: bf16 storage, fp32 accumulation.
+//
+// Each op is an overload of the CPU launch taking the same params struct instantiated on
+// __nv_bfloat16 and a stream instead of a thread pool, so a model forward reads the same on both
+// backends. Launches are asynchronous, never synchronise and never allocate once warmed up (the few
+// that need scratch space grow a per-op workspace on first use and refuse to grow while a CUDA graph
+// is being captured), so a decode step can be captured into a graph. Launch errors are thrown as
+// relay::Error naming the kernel. Only files compiled for the CUDA build include this header; the
+// CPU-only parts of Relay never see a CUDA type.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/ops.h"
+
+namespace relay::kernels {
+
+using bf16 = __nv_bfloat16;
+
+void launch_embedding(const EmbeddingParams<bf16>& p, cudaStream_t s);
+void launch_rms_norm(const RmsNormParams<bf16>& p, cudaStream_t s);
+// Dense x @ w^T through cuBLASLt (bf16 in/out, fp32 accumulation); plans are cached per shape.
+void launch_matmul(const MatmulParams<bf16>& p, cudaStream_t s);
+void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaStream_t s);
+// Flash-style paged attention on tensor cores. A CTA owns one KV head and a tile of (token, q head)
+// rows of one sequence, so the q heads sharing a KV head read each K/V tile once. When every
+// sequence has exactly one new token (decode) the context is also split across CTAs (split-K) and
+// a second kernel combines the partial softmaxes.
+void launch_paged_attention(const PagedAttentionParams<bf16>& p, cudaStream_t s);
+void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s);
+void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s);
+void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s);
+// Grouped GEMM over experts: a tensor-core tile kernel when experts hold many rows (prefill), a
+// weight-streaming kernel when they hold a few (decode). Both read expert_offsets on the device.
+void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s);
+void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<bf16>& p, cudaStream_t s);
+// Gathers the sampled rows and runs one cuBLASLt GEMM with fp32 output.
+void launch_lm_head(const LmHeadParams<bf16>& p, cudaStream_t s);
+
+// Which grouped GEMM variant launch_moe_grouped_matmul picks (exposed so tests and the benchmark
+// can force each one).
+enum class GroupedGemmKind { Auto, Tiled, Streaming };
+void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGemmKind kind,
+                               cudaStream_t s);
+
+// Sampling on the GPU with the shared sampler's semantics (engine/sampler.h), one row of fp32 logits
+// per sequence and one CTA per row: the raw log-softmax logprob of the chosen token and the top
+// `max_logprobs` (token, logprob) pairs (best first, ties to the lower id); then greedy argmax when
+// temperature < 1e-5, else logits / temperature, min-p, top-k, top-p and an inverse-CDF draw in token
+// order at `uniform` (the caller passes sampler.h's sample_uniform(seed, sample_index), so both
+// backends draw the same token). Penalties are not applied here: the backend samples rows that need
+// them on the host. Thresholds are found by bisection over the ordered bit patterns of the logits,
+// which keeps every token tied at a top-k/top-p boundary (the CPU splits top-p ties by id).
+struct SampleRowParams {
+  float temperature = 0.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  double uniform = 0.0;  // in [0, 1)
+};
+struct SampleParams {
+  const float* logits = nullptr;            // [num_rows, vocab_size]
+  const SampleRowParams* rows = nullptr;    // [num_rows]
+  int32_t* tokens = nullptr;                // [num_rows]
+  float* logprobs = nullptr;                // [num_rows]
+  int32_t* top_ids = nullptr;               // [num_rows, max_logprobs] or null when max_logprobs == 0
+  float* top_logprobs = nullptr;            // [num_rows, max_logprobs]
+  int num_rows = 0;
+  int vocab_size = 0;
+  int max_logprobs = 0;
+};
+void launch_sample(const SampleParams& p, cudaStream_t s);
+
+}  // namespace relay::kernels

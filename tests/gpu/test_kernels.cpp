@@ -1,0 +1,362 @@
+// Every CUDA kernel against its fp32 CPU reference (kernels/cpu) over a sweep of shapes: one token,
+// odd sizes, experts with no tokens, large batches, decode with split-K. See gpu_test_util.h for the
+// tolerance and the poisoning of outputs.
+#include <algorithm>
+#include <numeric>
+
+#include "core/thread_pool.h"
+#include "engine/sampler.h"
+#include "kernels/cuda/ops_cuda.h"
+#include "kernels/ops.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace relay::gpu_test {
+namespace {
+
+using kernels::bf16;
+
+ThreadPool& pool() {
+  static ThreadPool p(0);
+  return p;
+}
+
+TEST(GpuKernels, Embedding) {
+  std::mt19937 rng(1);
+  for (int num_tokens : {1, 37}) {
+    const int vocab = 1000, hidden = 264;
+    auto table = random_bf16(static_cast<size_t>(vocab) * hidden, rng);
+    std::vector<int32_t> ids(num_tokens);
+    for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
+    std::vector<float> ref(static_cast<size_t>(num_tokens) * hidden);
+    kernels::launch_embedding({ids.data(), table.f32.data(), ref.data(), num_tokens, hidden, vocab}, pool());
+    DeviceBuffer<int32_t> d_ids(ids);
+    DeviceBuffer<bf16> d_table(table.bits), d_out(ref.size());
+    kernels::launch_embedding({d_ids.get(), d_table.get(), d_out.get(), num_tokens, hidden, vocab}, nullptr);
+    EXPECT_EQ(rel_error(to_f32(d_out.download()), ref), 0.0) << "tokens " << num_tokens;
+  }
+}
+
+TEST(GpuKernels, RmsNorm) {
+  std::mt19937 rng(2);
+  for (int num_tokens : {1, 7, 300}) {
+    for (int hidden : {128, 2048, 4104}) {
+      for (bool with_residual : {false, true}) {
+        const size_t n = static_cast<size_t>(num_tokens) * hidden;
+        auto x = random_bf16(n, rng), res = random_bf16(n, rng, 3.0f), w = random_bf16(hidden, rng);
+        std::vector<float> ref(n), ref_res = res.f32;
+        kernels::launch_rms_norm({x.f32.data(), with_residual ? ref_res.data() : nullptr, w.f32.data(), ref.data(),
+                                  num_tokens, hidden, 1e-6f},
+                                 pool());
+        DeviceBuffer<bf16> d_x(x.bits), d_res(res.bits), d_w(w.bits), d_out(n);
+        kernels::launch_rms_norm({d_x.get(), with_residual ? d_res.get() : nullptr, d_w.get(), d_out.get(), num_tokens,
+                                  hidden, 1e-6f},
+                                 nullptr);
+        EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance)
+            << "tokens " << num_tokens << " hidden " << hidden << " residual " << with_residual;
+        if (with_residual) {
+          EXPECT_LT(rel_error(to_f32(d_res.download()), ref_res), kBf16Tolerance);
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuKernels, Matmul) {
+  std::mt19937 rng(3);
+  for (int m : {1, 17, 300}) {
+    for (auto [n, k] : {std::pair{64, 128}, std::pair{264, 2056}, std::pair{4096, 2048}}) {
+      for (bool bias : {false, true}) {
+        auto x = random_bf16(static_cast<size_t>(m) * k, rng), w = random_bf16(static_cast<size_t>(n) * k, rng, 0.05f);
+        auto b = random_bf16(n, rng);
+        std::vector<float> ref(static_cast<size_t>(m) * n);
+        kernels::launch_matmul({x.f32.data(), w.f32.data(), bias ? b.f32.data() : nullptr, ref.data(), m, n, k}, pool());
+        DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits), d_b(b.bits), d_out(ref.size());
+        kernels::launch_matmul({d_x.get(), d_w.get(), bias ? d_b.get() : nullptr, d_out.get(), m, n, k}, nullptr);
+        EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance) << "m " << m << " n " << n << " k " << k;
+      }
+    }
+  }
+}
+
+TEST(GpuKernels, LmHead) {
+  std::mt19937 rng(4);
+  const int hidden = 256, vocab = 5003 - 3, num_tokens = 9;
+  auto x = random_bf16(static_cast<size_t>(num_tokens) * hidden, rng), w = random_bf16(static_cast<size_t>(vocab) * hidden, rng, 0.1f);
+  for (std::vector<int32_t> rows : {std::vector<int32_t>{8}, std::vector<int32_t>{0, 3, 4, 8}}) {
+    const int num_rows = static_cast<int>(rows.size());
+    std::vector<float> ref(static_cast<size_t>(num_rows) * vocab);
+    kernels::launch_lm_head({x.f32.data(), rows.data(), w.f32.data(), ref.data(), num_rows, hidden, vocab}, pool());
+    DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits);
+    DeviceBuffer<int32_t> d_rows(rows);
+    DeviceBuffer<float> d_logits(ref.size());
+    kernels::launch_lm_head({d_x.get(), d_rows.get(), d_w.get(), d_logits.get(), num_rows, hidden, vocab}, nullptr);
+    EXPECT_LT(rel_error(d_logits.download(), ref), kBf16Tolerance) << "rows " << num_rows;
+  }
+}
+
+TEST(GpuKernels, Swiglu) {
+  std::mt19937 rng(5);
+  for (int rows : {1, 33, 1000}) {
+    for (int width : {192, 768}) {
+      auto gu = random_bf16(static_cast<size_t>(rows) * 2 * width, rng, 2.0f);
+      std::vector<float> ref(static_cast<size_t>(rows) * width);
+      kernels::launch_swiglu({gu.f32.data(), ref.data(), rows, width}, pool());
+      DeviceBuffer<bf16> d_gu(gu.bits), d_out(ref.size());
+      kernels::launch_swiglu({d_gu.get(), d_out.get(), rows, width}, nullptr);
+      EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance) << "rows " << rows << " width " << width;
+    }
+  }
+}
+
+// A paged cache with a shuffled block pool, so logical order differs from physical order.
+struct PagedSetup {
+  int num_blocks, block_size, num_kv_heads, head_dim, max_blocks_per_seq;
+  std::vector<int32_t> block_tables;
+};
+
+PagedSetup make_tables(const std::vector<int>& contexts, int block_size, int num_kv_heads, int head_dim,
+                       std::mt19937& rng) {
+  PagedSetup s{0, block_size, num_kv_heads, head_dim, 0, {}};
+  for (int c : contexts) s.max_blocks_per_seq = std::max(s.max_blocks_per_seq, (c + block_size - 1) / block_size);
+  s.num_blocks = s.max_blocks_per_seq * static_cast<int>(contexts.size()) + 3;
+  std::vector<int32_t> ids(s.num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  s.block_tables.assign(contexts.size() * s.max_blocks_per_seq, 0);
+  int next = 0;
+  for (size_t q = 0; q < contexts.size(); ++q) {
+    const int used = (contexts[q] + block_size - 1) / block_size;
+    for (int b = 0; b < used; ++b) s.block_tables[q * s.max_blocks_per_seq + b] = ids[next++];
+  }
+  return s;
+}
+
+TEST(GpuKernels, QkNormRopeKvWrite) {
+  std::mt19937 rng(6);
+  struct Case { int tokens, q_heads, kv_heads, head_dim; };
+  for (Case c : {Case{1, 32, 4, 128}, Case{19, 32, 4, 128}, Case{5, 4, 2, 32}, Case{300, 16, 4, 64}}) {
+    const int block_size = 16;
+    PagedSetup s = make_tables({c.tokens + 40}, block_size, c.kv_heads, c.head_dim, rng);
+    const int row = (c.q_heads + 2 * c.kv_heads) * c.head_dim;
+    auto qkv = random_bf16(static_cast<size_t>(c.tokens) * row, rng, 2.0f);
+    auto qn = random_bf16(c.head_dim, rng), kn = random_bf16(c.head_dim, rng);
+    const size_t cache_n = static_cast<size_t>(s.num_blocks) * c.kv_heads * block_size * c.head_dim;
+    auto kc = random_bf16(cache_n, rng), vc = random_bf16(cache_n, rng);
+    std::vector<int32_t> positions(c.tokens);
+    std::vector<int64_t> slots(c.tokens);
+    for (int t = 0; t < c.tokens; ++t) {
+      positions[t] = 40 + t + (t == 0 ? 70000 : 0);  // one far position checks the precise angle
+      const int pos = 40 + t;
+      slots[t] = (t % 7 == 3) ? -1 : int64_t{s.block_tables[pos / block_size]} * block_size + pos % block_size;
+    }
+    std::vector<float> inv_freq(c.head_dim / 2);
+    for (int i = 0; i < c.head_dim / 2; ++i) inv_freq[i] = std::pow(1e6f, -2.0f * i / c.head_dim);
+    std::vector<float> q_ref(static_cast<size_t>(c.tokens) * c.q_heads * c.head_dim), k_ref = kc.f32, v_ref = vc.f32;
+    kernels::launch_qk_norm_rope_kv_write({qkv.f32.data(), qn.f32.data(), kn.f32.data(), positions.data(),
+                                           inv_freq.data(), 1.0f, slots.data(), q_ref.data(), k_ref.data(),
+                                           v_ref.data(), c.tokens, c.q_heads, c.kv_heads, c.head_dim, block_size, 1e-6f},
+                                          pool());
+    DeviceBuffer<bf16> d_qkv(qkv.bits), d_qn(qn.bits), d_kn(kn.bits), d_q(q_ref.size()), d_k(kc.bits), d_v(vc.bits);
+    DeviceBuffer<int32_t> d_pos(positions);
+    DeviceBuffer<float> d_freq(inv_freq);
+    DeviceBuffer<int64_t> d_slots(slots);
+    kernels::launch_qk_norm_rope_kv_write({d_qkv.get(), d_qn.get(), d_kn.get(), d_pos.get(), d_freq.get(), 1.0f,
+                                           d_slots.get(), d_q.get(), d_k.get(), d_v.get(), c.tokens, c.q_heads,
+                                           c.kv_heads, c.head_dim, block_size, 1e-6f},
+                                          nullptr);
+    EXPECT_LT(rel_error(to_f32(d_q.download()), q_ref), kBf16Tolerance) << "tokens " << c.tokens;
+    EXPECT_LT(rel_error(to_f32(d_k.download()), k_ref), kBf16Tolerance) << "tokens " << c.tokens;
+    EXPECT_EQ(rel_error(to_f32(d_v.download()), v_ref), 0.0) << "tokens " << c.tokens;
+  }
+}
+
+// seqs: (new tokens, context) pairs.
+void check_attention(const std::vector<std::pair<int, int>>& seqs, int q_heads, int kv_heads, int head_dim,
+                     int block_size, std::mt19937& rng) {
+  std::vector<int> contexts;
+  std::vector<int32_t> query_starts{0}, context_lens;
+  for (auto [n, ctx] : seqs) {
+    contexts.push_back(ctx);
+    context_lens.push_back(ctx);
+    query_starts.push_back(query_starts.back() + n);
+  }
+  PagedSetup s = make_tables(contexts, block_size, kv_heads, head_dim, rng);
+  const int num_tokens = query_starts.back(), num_seqs = static_cast<int>(seqs.size());
+  const size_t cache_n = static_cast<size_t>(s.num_blocks) * kv_heads * block_size * head_dim;
+  auto q = random_bf16(static_cast<size_t>(num_tokens) * q_heads * head_dim, rng);
+  auto kc = random_bf16(cache_n, rng), vc = random_bf16(cache_n, rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  std::vector<float> ref(q.f32.size());
+  kernels::launch_paged_attention({q.f32.data(), kc.f32.data(), vc.f32.data(), query_starts.data(), context_lens.data(),
+                                   s.block_tables.data(), ref.data(), num_seqs, num_tokens, q_heads, kv_heads, head_dim,
+                                   block_size, s.max_blocks_per_seq, scale},
+                                  pool());
+  DeviceBuffer<bf16> d_q(q.bits), d_k(kc.bits), d_v(vc.bits), d_out(ref.size());
+  DeviceBuffer<int32_t> d_qs(query_starts), d_cl(context_lens), d_bt(s.block_tables);
+  kernels::launch_paged_attention({d_q.get(), d_k.get(), d_v.get(), d_qs.get(), d_cl.get(), d_bt.get(), d_out.get(),
+                                   num_seqs, num_tokens, q_heads, kv_heads, head_dim, block_size, s.max_blocks_per_seq,
+                                   scale},
+                                  nullptr);
+  EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance)
+      << "seqs " << num_seqs << " tokens " << num_tokens << " heads " << q_heads << "/" << kv_heads << " hd " << head_dim;
+}
+
+TEST(GpuKernels, PagedAttentionPrefill) {
+  std::mt19937 rng(7);
+  check_attention({{1, 1}}, 32, 4, 128, 16, rng);
+  check_attention({{77, 77}}, 32, 4, 128, 16, rng);
+  check_attention({{50, 300}}, 32, 4, 128, 16, rng);  // chunked prefill over earlier context
+  check_attention({{13, 13}, {100, 260}, {1, 40}, {64, 64}}, 32, 4, 128, 32, rng);
+  check_attention({{37, 37}, {5, 90}}, 4, 2, 32, 16, rng);
+  check_attention({{129, 200}}, 64, 4, 64, 16, rng);
+}
+
+TEST(GpuKernels, PagedAttentionDecode) {
+  std::mt19937 rng(8);
+  check_attention({{1, 1}}, 32, 4, 128, 16, rng);
+  check_attention({{1, 2000}}, 32, 4, 128, 16, rng);  // split-K
+  std::vector<std::pair<int, int>> batch;
+  for (int i = 0; i < 64; ++i) batch.push_back({1, 1 + static_cast<int>(rng() % 1500)});
+  check_attention(batch, 32, 4, 128, 16, rng);
+  check_attention({{1, 700}, {1, 3}, {1, 64}}, 64, 4, 128, 16, rng);
+  check_attention({{1, 33}, {1, 300}}, 4, 2, 32, 16, rng);
+}
+
+TEST(GpuKernels, MoeRouterTopk) {
+  std::mt19937 rng(9);
+  for (int tokens : {1, 100}) {
+    for (auto [experts, k] : {std::pair{16, 4}, std::pair{128, 8}}) {
+      for (bool renorm : {false, true}) {
+        auto logits = random_bf16(static_cast<size_t>(tokens) * experts, rng, 2.0f);
+        std::vector<int32_t> ids_ref(static_cast<size_t>(tokens) * k);
+        std::vector<float> w_ref(ids_ref.size());
+        kernels::launch_moe_router_topk({logits.f32.data(), ids_ref.data(), w_ref.data(), tokens, experts, k, renorm}, pool());
+        DeviceBuffer<bf16> d_logits(logits.bits);
+        DeviceBuffer<int32_t> d_ids(ids_ref.size());
+        DeviceBuffer<float> d_w(w_ref.size());
+        kernels::launch_moe_router_topk({d_logits.get(), d_ids.get(), d_w.get(), tokens, experts, k, renorm}, nullptr);
+        EXPECT_EQ(d_ids.download(), ids_ref) << "tokens " << tokens << " experts " << experts;
+        EXPECT_LT(rel_error(d_w.download(), w_ref), 1e-5);
+      }
+    }
+  }
+}
+
+// Routing with a skew so some experts get many rows and others none.
+std::vector<int32_t> random_routing(int tokens, int experts, int k, std::mt19937& rng) {
+  std::vector<int32_t> ids(static_cast<size_t>(tokens) * k);
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<int32_t> pick(experts);
+    std::iota(pick.begin(), pick.end(), 0);
+    std::partial_sort(pick.begin(), pick.begin() + k, pick.end(), [&](int a, int b) {
+      return (a % 3 == 0 ? 0.5 : 1.0) * (a + 1) * (rng() % 1000) < (b % 3 == 0 ? 0.5 : 1.0) * (b + 1) * (rng() % 1000);
+    });
+    std::shuffle(pick.begin(), pick.begin() + k, rng);
+    std::copy_n(pick.begin(), k, ids.begin() + static_cast<size_t>(t) * k);
+  }
+  return ids;
+}
+
+TEST(GpuKernels, MoePermuteAndCombine) {
+  std::mt19937 rng(10);
+  for (int tokens : {1, 5, 1000}) {
+    const int experts = 128, k = 8, hidden = 64;
+    auto ids = random_routing(tokens, experts, k, rng);
+    auto x = random_bf16(static_cast<size_t>(tokens) * hidden, rng);
+    const size_t rows = ids.size();
+    std::vector<float> px_ref(rows * hidden);
+    std::vector<int32_t> pi_ref(rows), off_ref(experts + 1);
+    kernels::launch_moe_permute({x.f32.data(), ids.data(), px_ref.data(), pi_ref.data(), off_ref.data(), tokens, hidden,
+                                 experts, k},
+                                pool());
+    DeviceBuffer<bf16> d_x(x.bits), d_px(px_ref.size());
+    DeviceBuffer<int32_t> d_ids(ids), d_pi(rows), d_off(experts + 1);
+    kernels::launch_moe_permute({d_x.get(), d_ids.get(), d_px.get(), d_pi.get(), d_off.get(), tokens, hidden, experts, k},
+                                nullptr);
+    EXPECT_EQ(d_pi.download(), pi_ref) << "tokens " << tokens;
+    EXPECT_EQ(d_off.download(), off_ref) << "tokens " << tokens;
+    EXPECT_EQ(rel_error(to_f32(d_px.download()), px_ref), 0.0);
+
+    auto expert_out = random_bf16(rows * hidden, rng);
+    std::vector<float> weights(rows);
+    for (auto& w : weights) w = static_cast<float>(rng() % 1000) / 1000.0f;
+    std::vector<float> out_ref(static_cast<size_t>(tokens) * hidden);
+    kernels::launch_moe_unpermute_combine({expert_out.f32.data(), pi_ref.data(), weights.data(), out_ref.data(), tokens,
+                                           hidden, k},
+                                          pool());
+    DeviceBuffer<bf16> d_eo(expert_out.bits), d_out(out_ref.size());
+    DeviceBuffer<float> d_w(weights);
+    kernels::launch_moe_unpermute_combine({d_eo.get(), d_pi.get(), d_w.get(), d_out.get(), tokens, hidden, k}, nullptr);
+    EXPECT_LT(rel_error(to_f32(d_out.download()), out_ref), kBf16Tolerance) << "tokens " << tokens;
+  }
+}
+
+TEST(GpuKernels, MoeGroupedMatmul) {
+  std::mt19937 rng(11);
+  struct Case { int tokens, experts, k_top, n, k; };
+  for (Case c : {Case{1, 128, 8, 1536, 2048}, Case{3, 16, 4, 384, 128}, Case{64, 128, 8, 2048, 768},
+                 Case{600, 128, 8, 1536, 2048}, Case{257, 8, 2, 264, 136}}) {
+    auto ids = random_routing(c.tokens, c.experts, c.k_top, rng);
+    const int rows = static_cast<int>(ids.size());
+    std::vector<int32_t> offsets(c.experts + 1, 0);
+    for (int32_t e : ids) ++offsets[e + 1];
+    for (int e = 0; e < c.experts; ++e) offsets[e + 1] += offsets[e];
+    auto x = random_bf16(static_cast<size_t>(rows) * c.k, rng);
+    auto w = random_bf16(static_cast<size_t>(c.experts) * c.n * c.k, rng, 0.05f);
+    std::vector<float> ref(static_cast<size_t>(rows) * c.n);
+    kernels::launch_moe_grouped_matmul({x.f32.data(), w.f32.data(), offsets.data(), ref.data(), rows, c.experts, c.n, c.k},
+                                       pool());
+    DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits);
+    DeviceBuffer<int32_t> d_off(offsets);
+    for (auto kind : {kernels::GroupedGemmKind::Tiled, kernels::GroupedGemmKind::Streaming}) {
+      DeviceBuffer<bf16> d_out(ref.size());
+      kernels::launch_moe_grouped_matmul({d_x.get(), d_w.get(), d_off.get(), d_out.get(), rows, c.experts, c.n, c.k}, kind,
+                                         nullptr);
+      EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance)
+          << "tokens " << c.tokens << " n " << c.n << " k " << c.k << " kind " << static_cast<int>(kind);
+    }
+  }
+}
+
+TEST(GpuKernels, Sampling) {
+  std::mt19937 rng(12);
+  const int vocab = 5000, num_rows = 48, max_logprobs = 5;
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<float> logits(static_cast<size_t>(num_rows) * vocab);
+  for (auto& l : logits) l = dist(rng);
+  std::vector<kernels::SampleRowParams> rows(num_rows);
+  std::vector<SamplingParams> cpu(num_rows);
+  for (int r = 0; r < num_rows; ++r) {
+    SamplingParams& sp = cpu[r];
+    sp.temperature = r % 6 == 0 ? 0.0f : 0.3f + 0.1f * (r % 9);
+    sp.top_k = r % 4 == 1 ? 1 + r * 7 : 0;
+    sp.top_p = r % 3 == 2 ? 0.5f + 0.01f * r : 1.0f;
+    sp.min_p = r % 5 == 3 ? 0.05f : 0.0f;
+    sp.seed = 1234 + r;
+    sp.num_logprobs = max_logprobs;
+    rows[r] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p, sample_uniform(sp.seed, 7)};
+  }
+  DeviceBuffer<float> d_logits(logits), d_lp(num_rows), d_top_lp(static_cast<size_t>(num_rows) * max_logprobs);
+  DeviceBuffer<kernels::SampleRowParams> d_rows(rows);
+  DeviceBuffer<int32_t> d_tokens(num_rows), d_top(static_cast<size_t>(num_rows) * max_logprobs);
+  kernels::launch_sample({d_logits.get(), d_rows.get(), d_tokens.get(), d_lp.get(), d_top.get(), d_top_lp.get(),
+                          num_rows, vocab, max_logprobs},
+                         nullptr);
+  auto tokens = d_tokens.download();
+  auto lps = d_lp.download();
+  auto top = d_top.download();
+  auto top_lp = d_top_lp.download();
+  for (int r = 0; r < num_rows; ++r) {
+    std::vector<float> row(logits.begin() + static_cast<size_t>(r) * vocab, logits.begin() + static_cast<size_t>(r + 1) * vocab);
+    SampledToken want = sample_token(row, cpu[r], {}, {}, 7);
+    EXPECT_EQ(tokens[r], want.token) << "row " << r;
+    EXPECT_NEAR(lps[r], want.logprob, 1e-3) << "row " << r;
+    for (int k = 0; k < max_logprobs; ++k) {
+      EXPECT_EQ(top[r * max_logprobs + k], want.top[k].first) << "row " << r << " rank " << k;
+      EXPECT_NEAR(top_lp[r * max_logprobs + k], want.top[k].second, 1e-3);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace relay::gpu_test
