@@ -152,11 +152,12 @@ void run_tile(const Gemm<W>& g, const TileGrid& grid, int64_t tile) {
   gemm_tile(g, i0, std::min(g.m, i0 + kTileRows), j0, std::min(g.n, j0 + kTileCols));
 }
 
-// Tiles per task: a tile of a decode GEMV is only kTileCols * k multiply-adds, so batch several.
+// Tiles per task: at least ~256k multiply-adds (tens of microseconds), so waking a worker pays off
+// and a decode step's small projections stay on the calling thread; the LM head still splits.
 template <typename W>
 int64_t tile_grain(const Gemm<W>& g) {
-  int64_t tile_flops = static_cast<int64_t>(std::min(g.m, kTileRows)) * kTileCols * g.k;
-  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, tile_flops));
+  int64_t tile_macs = static_cast<int64_t>(std::min(g.m, kTileRows)) * kTileCols * g.k;
+  return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, tile_macs));
 }
 
 template <typename W>
