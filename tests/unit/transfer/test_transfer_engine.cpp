@@ -250,10 +250,12 @@ TEST(TransferEngine, InvalidCopiesFailOnlyTheirRequestAndTouchNothing) {
 TEST(TransferEngine, DeadlineExceededFailsOnlyThatRequest) {
   Fixture f;
   f.gate->set_open(false);
-  auto late = f.engine.submit(request(1, chunks(4), Clock::now() + 100ms));
+  // The deadline leaves the worker ample time to start request 1 even on a loaded machine.
+  const Clock::time_point deadline = Clock::now() + 500ms;
+  auto late = f.engine.submit(request(1, chunks(4), deadline));
   auto fine = f.engine.submit(request(2, chunks(4)));
   ASSERT_TRUE(f.gate->wait_posts(1));  // request 1 is inside its first copy
-  std::this_thread::sleep_for(150ms);
+  std::this_thread::sleep_until(deadline + 20ms);
   f.gate->set_open(true);
   const TransferResult r1 = late.get();
   EXPECT_EQ(r1.status, TransferStatus::DeadlineExceeded);
@@ -342,12 +344,15 @@ TEST(TransferEngine, DuplicateIdsAreRejected) {
   EXPECT_THROW(f.engine.register_region(5, nullptr, 16), Error);
   EXPECT_THROW(f.engine.register_region(5, other.data(), 0), Error);
   EXPECT_THROW(f.engine.import_region(f.engine.descriptor(kDst)), Error);
+  // Request 1 cannot finish while the gate is closed, so the second request 1 is a duplicate. Its
+  // rejection is delivered by the worker, which may be inside request 1's first copy: open first.
   f.gate->set_open(false);
   auto first = f.engine.submit(request(1, chunks(1)));
-  const TransferResult dup = f.engine.submit(request(1, chunks(1))).get();
-  EXPECT_EQ(dup.status, TransferStatus::Failed);
-  EXPECT_EQ(dup.reason, "transfer request 1 is already queued or running");
+  auto dup = f.engine.submit(request(1, chunks(1)));
   f.gate->set_open(true);
+  const TransferResult r = dup.get();
+  EXPECT_EQ(r.status, TransferStatus::Failed);
+  EXPECT_EQ(r.reason, "transfer request 1 is already queued or running");
   EXPECT_EQ(first.get().status, TransferStatus::Ok);
 }
 
