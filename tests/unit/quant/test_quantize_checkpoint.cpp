@@ -1,0 +1,165 @@
+// `relay quantize` (quantize_checkpoint) on a random tiny-moe checkpoint from make_model: the output
+// keeps the shards and the HF names, every linear weight becomes F8_E4M3 with scales of the right
+// dtype and shape, kept tensors are bf16 with their values, config.json's quantization_config parses
+// back and lists the kept modules, and the stored weights dequantise to the recipe's values within
+// the e4m3 bound of the originals.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "model/make_model.h"
+#include "model/safetensors.h"
+#include "quant/convert/quantize_checkpoint.h"
+#include "quant/fp8_format.h"
+#include "quant/weight_quant.h"
+
+namespace relay::quant {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("relay_quant_" + name);
+  fs::remove_all(dir);
+  return dir;
+}
+
+// A tiny-moe checkpoint split into several shards (embed and lm_head are ~19 MB each in bf16).
+fs::path make_tiny_moe(const std::string& name, DType dtype) {
+  MakeModelOptions o;
+  o.preset = "tiny-moe";
+  o.out_dir = temp_dir(name);
+  o.tokenizer_dir = fs::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
+  o.dtype = dtype;
+  o.shard_size_mb = 8;
+  o.num_threads = 2;
+  make_model(o);
+  return o.out_dir;
+}
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+
+StoredTensor stored(const TensorView& t) { return {t.name, t.file, t.dtype, t.shape, t.data}; }
+
+void check_converted(const fs::path& in_dir, const fs::path& out_dir, QuantMethod method) {
+  const Checkpoint in(in_dir), out(out_dir);
+  const QuantConfig config = QuantConfig::load(out_dir);
+  ASSERT_EQ(config.method, method);
+
+  // Same shard files, each tensor in the shard its source was in.
+  const nlohmann::json in_index = read_json(in_dir / "model.safetensors.index.json");
+  const nlohmann::json out_index = read_json(out_dir / "model.safetensors.index.json");
+  ASSERT_GT(in_index["weight_map"].size(), 0u);
+
+  int quantized = 0, kept = 0;
+  for (const std::string& name : in.names()) {
+    const TensorView& src = in.get(name);
+    const TensorView& dst = out.get(name);
+    EXPECT_EQ(dst.shape, src.shape) << name;
+    EXPECT_EQ(out_index["weight_map"][name], in_index["weight_map"][name]) << name;
+    const std::vector<float> original = tensor_to_f32(src);
+    if (!is_quantizable_weight(name, src.shape.size())) {
+      ++kept;
+      EXPECT_EQ(dst.dtype, DType::BF16) << name;
+      const std::vector<float> values = tensor_to_f32(dst);
+      for (size_t i = 0; i < values.size(); ++i) {
+        ASSERT_EQ(values[i], bf16_to_f32(f32_to_bf16(original[i]))) << name << "[" << i << "]";
+      }
+      continue;
+    }
+    ++quantized;
+    ASSERT_EQ(dst.dtype, DType::F8_E4M3) << name;
+    const std::string scale_name = scale_tensor_name(config, name);
+    EXPECT_EQ(out_index["weight_map"][scale_name], in_index["weight_map"][name]) << scale_name;
+    const TensorView& scale = out.get(scale_name);
+    const int64_t rows = src.shape[0], cols = src.shape[1];
+    std::vector<float> deq(rows * cols), expected(rows * cols);
+    dequantize_stored_weight(config, stored(dst), stored(scale), deq.data());
+    std::vector<uint8_t> q(rows * cols);
+    if (method == QuantMethod::Fp8Block) {
+      EXPECT_EQ(scale.dtype, DType::F32);
+      EXPECT_EQ(scale.shape, (std::vector<int64_t>{ceil_div(rows, 128), ceil_div(cols, 128)}));
+      std::vector<float> s(ceil_div(rows, 128) * ceil_div(cols, 128));
+      quantize_weight_fp8_block(original.data(), rows, cols, 128, 128, q.data(), s.data());
+      dequantize_weight_fp8_block(q.data(), s.data(), rows, cols, 128, 128, expected.data());
+    } else {
+      EXPECT_EQ(scale.dtype, DType::F8_E8M0);
+      EXPECT_EQ(scale.shape, (std::vector<int64_t>{rows, ceil_div(cols, 32)}));
+      std::vector<uint8_t> s(rows * ceil_div(cols, 32));
+      quantize_weight_mxfp8(original.data(), rows, cols, q.data(), s.data());
+      dequantize_weight_mxfp8(q.data(), s.data(), rows, cols, expected.data());
+    }
+    EXPECT_EQ(std::vector<uint8_t>(dst.data, dst.data + dst.nbytes), q) << name;
+    EXPECT_EQ(deq, expected) << name;
+    float amax = 0;
+    for (float v : original) amax = std::max(amax, std::fabs(v));
+    for (size_t i = 0; i < deq.size(); ++i) {
+      // 2^-4 relative (3 mantissa bits); subnormal steps of 2^-9 of a scale no larger than amax/224.
+      ASSERT_LE(std::fabs(deq[i] - original[i]), std::max(std::fabs(original[i]) * 0x1p-4f, amax * 0x1p-16f))
+          << name << "[" << i << "]";
+    }
+  }
+  // tiny-moe: 2 layers x (q, k, v, o + 8 experts x 3) linear weights.
+  EXPECT_EQ(quantized, 2 * (4 + 8 * 3));
+  EXPECT_GT(kept, 0);
+  EXPECT_EQ(out.names().size(), in.names().size() + quantized);
+
+  for (const char* module : {"lm_head", "model.embed_tokens", "model.norm", "model.layers.0.mlp.gate",
+                             "model.layers.1.input_layernorm", "model.layers.0.self_attn.q_norm"}) {
+    EXPECT_TRUE(config.keeps_unquantized(module)) << module;
+  }
+  for (const char* module : {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.7.down_proj"}) {
+    EXPECT_FALSE(config.keeps_unquantized(module)) << module;
+  }
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+    EXPECT_TRUE(fs::exists(out_dir / file)) << file;
+  }
+  // The rest of config.json is unchanged.
+  nlohmann::json in_config = read_json(in_dir / "config.json"), out_config = read_json(out_dir / "config.json");
+  out_config.erase("quantization_config");
+  EXPECT_EQ(out_config, in_config);
+}
+
+TEST(QuantizeCheckpoint, Fp8Block128FromBf16) {
+  const fs::path in = make_tiny_moe("in_bf16", DType::BF16), out = temp_dir("out_fp8");
+  const QuantizeResult r = quantize_checkpoint({in, out, QuantMethod::Fp8Block, {}});
+  EXPECT_GT(r.num_shards, 1);
+  EXPECT_EQ(r.num_quantized, 56);
+  EXPECT_LT(r.bytes_out, r.bytes_in);
+  check_converted(in, out, QuantMethod::Fp8Block);
+  const nlohmann::json qc = read_json(out / "config.json")["quantization_config"];
+  EXPECT_EQ(qc["quant_method"], "fp8");
+  EXPECT_EQ(qc["fmt"], "e4m3");
+  EXPECT_EQ(qc["activation_scheme"], "dynamic");
+  EXPECT_EQ(qc["weight_block_size"], nlohmann::json::parse("[128, 128]"));
+
+  // An FP8 checkpoint is not an input.
+  const std::string again = [&] {
+    try {
+      quantize_checkpoint({out, temp_dir("again"), QuantMethod::Fp8Block, {}});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  }();
+  EXPECT_NE(again.find("already has a quantization_config"), std::string::npos) << again;
+  EXPECT_THROW(quantize_checkpoint({in, in, QuantMethod::Fp8Block, {}}), Error);
+  EXPECT_THROW(parse_quant_format("fp8-block64"), Error);
+}
+
+TEST(QuantizeCheckpoint, MxFp8FromF32) {
+  const fs::path in = make_tiny_moe("in_f32", DType::F32), out = temp_dir("out_mx");
+  quantize_checkpoint({in, out, parse_quant_format("mxfp8"), {}});
+  check_converted(in, out, QuantMethod::Mxfp8);
+  EXPECT_EQ(read_json(out / "config.json")["quantization_config"]["quant_method"], "mxfp8");
+}
+
+}  // namespace
+}  // namespace relay::quant
