@@ -232,6 +232,8 @@ json validate_messages(const json* messages) {
     json msg = m;
     if (msg.contains("content")) msg["content"] = normalize_content(msg["content"], i);
     const std::string r = role->get<std::string>();
+    // An assistant turn that only calls tools has no content; templates expect a string.
+    if (r == "assistant" && (!msg.contains("content") || msg["content"].is_null())) msg["content"] = "";
     if (r != "assistant" && (!msg.contains("content") || !msg["content"].is_string())) {
       throw bad_param(where + ".content", str("'", where, ".content' is required for role ", r));
     }

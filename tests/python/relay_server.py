@@ -1,0 +1,115 @@
+"""Starting and driving a `relay serve` process for the end-to-end tests.
+
+Each RelayServer runs the real binary on a free loopback port with its log in a temporary file,
+waits for /health, and hands out `openai` clients (max_retries=0, so a 429/503 is seen as such).
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import openai
+import requests
+
+MODEL = "relay-demo-moe"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RelayServer:
+    def __init__(self, relay_bin, *args, api_key=None):
+        self.port = free_port()
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="relay-serve-", suffix=".log", delete=False)
+        cmd = [str(relay_bin), "serve", "--port", str(self.port), "--threads", "2", *map(str, args)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout=120):
+        """Polls /health; returns every status seen before it answered 200."""
+        seen = []
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"relay serve exited early:\n{self.log_text()}"
+            try:
+                r = requests.get(self.base + "/health", timeout=2)
+                seen.append(r.status_code)
+                if r.status_code == 200:
+                    return seen
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"relay serve not ready after {timeout}s:\n{self.log_text()}")
+
+    def client(self, api_key=None, timeout=120):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key or self.api_key or "unused",
+                             max_retries=0, timeout=timeout)
+
+    def metrics(self):
+        """The /metrics samples as {'name{labels}': value}."""
+        text = requests.get(self.base + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def metric(self, name, **labels):
+        label_text = ",".join([f'model_name="{MODEL}"'] + [f'{k}="{v}"' for k, v in labels.items()])
+        return self.metrics()[f"{name}{{{label_text}}}"]
+
+    def wait_idle(self, timeout=30):
+        """Waits until no request runs or waits and the KV pool is empty; returns the last sample."""
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            label = f'{{model_name="{MODEL}"}}'
+            idle = (m["relay:num_requests_running" + label] == 0 and m["relay:num_requests_waiting" + label] == 0
+                    and m["relay:kv_cache_usage_perc" + label] == 0)
+            if idle or time.time() > deadline:
+                return m
+            time.sleep(0.1)
+
+    def log_text(self):
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self, timeout=60):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def __del__(self):
+        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if getattr(self, "log", None) is not None:
+            try:
+                os.unlink(self.log.name)
+            except OSError:
+                pass
+
+
+def completion_text(client, prompt, max_tokens=16, **kw):
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
+    return r.choices[0].text
+
+
+def access_log_lines(server, route):
+    return [l for l in server.log_text().splitlines() if re.search(rf'"(GET|POST) {re.escape(route)}"', l)]
