@@ -7,9 +7,8 @@
 // just enough for every pool the transfer engine meets:
 //  - a pool may hold a subset of the model's KV heads (a tensor-parallel rank: `heads`) or all of
 //    them (a data-parallel decode rank);
-//  - each layer's K and V tensor is placed independently (region id + byte offset of block 0), so
-//  one
-//    allocation for the whole pool, one per layer, or K and V interleaved are all describable;
+//  - each layer's K and V tensor is placed independently (region id + byte offset of block 0),
+//    so one allocation for the whole pool, one per layer, or K and V interleaved all fit;
 //  - `block_stride_bytes` separates consecutive blocks of one tensor; it exceeds the heads' bytes
 //    when another tensor is interleaved per block ([num_blocks][2][num_kv_heads][block_size][dim]).
 // The head and token strides are fixed by HND: head_bytes() and token_bytes().

@@ -82,6 +82,9 @@ std::vector<KvCopy> plan_kv_copies(const KvTransferSide& src, const KvTransferSi
       scope.layer_begin >= 0 && scope.layer_begin <= layer_end && layer_end <= src0.num_layers,
       "KV copy layer range [", scope.layer_begin, ", ", layer_end, ") is outside ", src0.num_layers,
       " layers");
+  RELAY_CHECK(scope.src_rank >= -1 && scope.src_rank < static_cast<int>(src.ranks.size()),
+              "KV copy source rank ", scope.src_rank, " is outside the source side's ",
+              src.ranks.size(), " ranks");
 
   // replicas[h]: the source ranks holding head h, in rank order.
   std::vector<std::vector<int>> replicas(src.num_kv_heads);
@@ -103,6 +106,7 @@ std::vector<KvCopy> plan_kv_copies(const KvTransferSide& src, const KvTransferSi
   const int64_t dst_block_size = dst0.block_size;
   const uint64_t token_bytes = src0.token_bytes();
   for (int s = 0; s < static_cast<int>(src.ranks.size()); ++s) {
+    if (scope.src_rank >= 0 && s != scope.src_rank) continue;
     const KvPoolDesc& sp = src.ranks[s];
     for (int d = 0; d < static_cast<int>(dst.ranks.size()); ++d) {
       const KvPoolDesc& dp = dst.ranks[d];

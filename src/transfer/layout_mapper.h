@@ -7,22 +7,21 @@
 // is typically TP ranks, a decode side one data-parallel rank holding every head, but any pair of
 // shardings works: every destination rank receives every head it holds.
 //
-// Algorithm (docs/transfer.md has the picture):
+// Algorithm (docs/transfer.md has worked examples):
 //  1. Replica choice: for destination rank d, head h and logical source block j, the sender is
 //     replicas(h)[(j + d) % |replicas(h)|], where replicas(h) lists the source ranks holding h in
 //     rank order. Each head's bytes are sent exactly once per destination rank, the load alternates
 //     between replicas block by block, and heads with the same replica set pick the same sender, so
 //     they can still merge.
-//  2. Token runs: tokens [token_begin, token_end) are cut at source and destination block
-//  boundaries
-//     (the two block sizes may differ); within one run each head is one contiguous range on both
-//     sides: run_tokens * head_dim * elem_bytes bytes.
-//  3. Merging: copies are produced in order (source rank, destination rank, layer, K/V, source
-//  block,
-//     run, head) and each is appended to the previous one when both its source and destination
-//     bytes directly follow it. So heads merge when a run covers a whole block on both sides (equal
-//     block sizes: one copy per (layer, K/V, block, sending rank)), and consecutive block ids merge
-//     too. A partial block never merges across heads: the bytes between them must stay untouched.
+//  2. Token runs: tokens [token_begin, token_end) are cut at source and at destination block
+//     boundaries (the two block sizes may differ); within one run each head is one contiguous
+//     range on both sides: run_tokens * head_dim * elem_bytes bytes.
+//  3. Merging: copies are produced in the order (source rank, destination rank, layer, K/V, source
+//     block, run, head) and each is appended to the previous one when both its source and
+//     destination bytes directly follow it. So heads merge when a run covers a whole block on both
+//     sides (equal block sizes: one copy per (layer, K/V, block, sending rank)), and consecutive
+//     block ids merge too. A partial block never merges across heads: the bytes between them must
+//     stay untouched.
 #pragma once
 
 #include <cstdint>
@@ -44,11 +43,14 @@ struct KvTransferSide {
 // What to move: tokens [token_begin, token_end) of layers [layer_begin, layer_end). A whole prompt
 // is {0, prompt_tokens}; a decode rank that already holds a cached prefix starts at token_begin; a
 // prefill that streams chunk by chunk or layer by layer moves one chunk or layer range at a time.
+// Each prefill rank can plan only its own share (src_rank): the replica choice is deterministic, so
+// ranks planning separately agree on who sends what.
 struct KvCopyScope {
   int64_t token_begin = 0;
   int64_t token_end = 0;
   int layer_begin = 0;
   int layer_end = -1;  // -1: through the last layer
+  int src_rank = -1;   // only the copies this source rank executes; -1: every rank's
 };
 
 struct KvCopy {

@@ -67,43 +67,54 @@ struct TransferEngine::Impl {
   }
 
   // The first problem with `request`'s copies (empty when none); fills `used` with its regions.
-  // Called with the mutex held.
+  // Called with the mutex held. Runs once per copy on the submit path, so messages are only built
+  // for a failing copy and consecutive copies between the same regions reuse the lookups.
   std::string check_copies(const TransferRequest& request, std::vector<RegionId>& used) const {
-    auto note_used = [&used](RegionId id) {
-      if (std::find(used.begin(), used.end(), id) == used.end()) used.push_back(id);
-    };
     auto in_bounds = [](uint64_t offset, uint64_t bytes, uint64_t size) {
       return bytes <= size && offset <= size - bytes;
     };
+    const Region* src = nullptr;
+    const Region* dst = nullptr;
     for (size_t i = 0; i < request.copies.size(); ++i) {
       const TransferCopy& c = request.copies[i];
-      const std::string where = str("copy ", i, " of transfer request ", request.request_id, ": ");
-      const auto src = regions.find(c.src_region);
-      const auto dst = regions.find(c.dst_region);
-      if (src == regions.end() || !src->second.local) {
-        return str(where, "source region ", c.src_region,
-                   src == regions.end() ? " is not registered" : " is not local to this engine");
+      auto where = [&] {
+        return str("copy ", i, " of transfer request ", request.request_id, ": ");
+      };
+      if (src == nullptr || src->desc.id != c.src_region) {
+        const auto it = regions.find(c.src_region);
+        if (it == regions.end() || !it->second.local) {
+          return str(where(), "source region ", c.src_region,
+                     it == regions.end() ? " is not registered" : " is not local to this engine");
+        }
+        src = &it->second;
+        if (std::find(used.begin(), used.end(), c.src_region) == used.end()) {
+          used.push_back(c.src_region);
+        }
       }
-      if (dst == regions.end())
-        return str(where, "destination region ", c.dst_region, " is unknown");
-      if (c.bytes == 0) return str(where, "copies 0 bytes");
-      const uint64_t src_size = src->second.desc.bytes;
-      const uint64_t dst_size = dst->second.desc.bytes;
-      if (!in_bounds(c.src_offset_bytes, c.bytes, src_size)) {
-        return str(where, "source range [", c.src_offset_bytes, ", +", c.bytes, ") exceeds region ",
-                   c.src_region, "'s ", src_size, " bytes");
+      if (dst == nullptr || dst->desc.id != c.dst_region) {
+        const auto it = regions.find(c.dst_region);
+        if (it == regions.end()) {
+          return str(where(), "destination region ", c.dst_region, " is unknown");
+        }
+        dst = &it->second;
+        if (std::find(used.begin(), used.end(), c.dst_region) == used.end()) {
+          used.push_back(c.dst_region);
+        }
       }
-      if (!in_bounds(c.dst_offset_bytes, c.bytes, dst_size)) {
-        return str(where, "destination range [", c.dst_offset_bytes, ", +", c.bytes,
-                   ") exceeds region ", c.dst_region, "'s ", dst_size, " bytes");
+      if (c.bytes == 0) return str(where(), "copies 0 bytes");
+      if (!in_bounds(c.src_offset_bytes, c.bytes, src->desc.bytes)) {
+        return str(where(), "source range [", c.src_offset_bytes, ", +", c.bytes,
+                   ") exceeds region ", c.src_region, "'s ", src->desc.bytes, " bytes");
+      }
+      if (!in_bounds(c.dst_offset_bytes, c.bytes, dst->desc.bytes)) {
+        return str(where(), "destination range [", c.dst_offset_bytes, ", +", c.bytes,
+                   ") exceeds region ", c.dst_region, "'s ", dst->desc.bytes, " bytes");
       }
       if (c.src_region == c.dst_region && c.src_offset_bytes < c.dst_offset_bytes + c.bytes &&
           c.dst_offset_bytes < c.src_offset_bytes + c.bytes) {
-        return str(where, "source [", c.src_offset_bytes, ", +", c.bytes, ") and destination [",
+        return str(where(), "source [", c.src_offset_bytes, ", +", c.bytes, ") and destination [",
                    c.dst_offset_bytes, ", +", c.bytes, ") overlap in region ", c.src_region);
       }
-      note_used(c.src_region);
-      note_used(c.dst_region);
     }
     return {};
   }

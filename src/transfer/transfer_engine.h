@@ -3,9 +3,10 @@
 //
 // This is the "how" of KV transfer (the layout mapper is the "what"). The engine does the work
 // every transport shares — region bookkeeping, bounds checks, a queue, deadlines, cancellation,
-// counters — and a Transport does only the moving (in_process_transport.h now; CUDA IPC and UCX
-// implement the same interface). Writes are pushed: a copy's source is a region registered here,
-// its destination a region registered here or imported from a peer's exported RegionDescriptor.
+// counters — and a Transport does only the moving (in_process_transport.h; CUDA IPC and UCX
+// transports plug in the same way, see docs/transfer.md). Writes are pushed: a copy's source is a
+// region registered here, its destination a region registered here or imported from a peer's
+// exported RegionDescriptor.
 //
 // Requests run in submission order on one worker thread. Before a request is queued every copy is
 // checked against its regions, so an out-of-range copy fails its request (with a message naming the

@@ -376,6 +376,22 @@ TEST(LayoutMapper, ReplicaChoiceIsDeterministic) {
   for (int r = 0; r < 8; ++r) total += transfer_copies(a, r).size();
   EXPECT_EQ(total, a.size());
   EXPECT_EQ(transfer_copies(a).size(), a.size());
+  // Each rank planning only its own share gets exactly its part of the whole plan.
+  std::vector<KvCopy> joined;
+  for (int r = 0; r < 8; ++r) {
+    KvCopyScope own = scope;
+    own.src_rank = r;
+    const std::vector<KvCopy> part =
+        plan_kv_copies({kNumKvHeads, src, table}, {kNumKvHeads, dst, table}, own);
+    for (const KvCopy& c : part) EXPECT_EQ(c.src_rank, r);
+    joined.insert(joined.end(), part.begin(), part.end());
+  }
+  ASSERT_EQ(joined.size(), a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(joined[i].src_offset_bytes, a[i].src_offset_bytes);
+    EXPECT_EQ(joined[i].dst_offset_bytes, a[i].dst_offset_bytes);
+    EXPECT_EQ(joined[i].bytes, a[i].bytes);
+  }
 }
 
 // Expects plan_kv_copies to throw relay::Error whose message contains `needle`.
@@ -432,6 +448,12 @@ TEST(LayoutMapper, RejectsInconsistentInputs) {
                        {.token_begin = 0, .token_end = 3, .layer_begin = 0, .layer_end = 3});
       },
       "layer range");
+  expect_error(
+      [&] {
+        plan_kv_copies({kNumKvHeads, tp_pools(2, 4, 16, 100), table}, {kNumKvHeads, dst, table},
+                       {.token_begin = 0, .token_end = 3, .src_rank = 2});
+      },
+      "source rank 2 is outside the source side's 2 ranks");
   std::vector<KvPoolDesc> mixed = tp_pools(2, 4, 16, 100);
   mixed[1] = contiguous_kv_pool(kNumLayers, 4, 32, kHeadDim, kElemBytes, {2, 2}, 101);
   expect_error(
