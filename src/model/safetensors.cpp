@@ -8,9 +8,10 @@
 // never crash the process, which the fuzz target checks.
 //
 // Writing follows the Python library's layout (header padded with spaces to a multiple of 8 bytes,
-// so tensor data is 8-byte aligned in the file) and streams tensor by tensor, so a 16 GB shard
-// needs only one tensor in memory at a time. Files are written under a temporary name and renamed,
-// so an interrupted write never leaves a truncated checkpoint behind.
+// so tensor data is 8-byte aligned in the file) and streams in chunks of at most kWriteChunkBytes
+// through two buffers, so a 16 GB shard needs 128 MiB of memory and producing data overlaps the
+// disk writes. Files are written under a temporary name and renamed, so an interrupted write never
+// leaves a truncated checkpoint behind.
 #include "model/safetensors.h"
 
 #include <fcntl.h>
@@ -22,6 +23,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -355,16 +357,37 @@ void write_safetensors_streamed(
       len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
     out.write(reinterpret_cast<const char*>(len), 8);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    std::vector<uint8_t> buffer;
-    for (size_t i = 0; i < specs.size() && out; ++i) {
+    // Double buffering: tensors (small ones packed together) are produced into one buffer while a
+    // helper thread writes the other, so generation and disk I/O overlap. The future is declared
+    // after `out` and waited on before any buffer is reused; its destructor also waits, so an
+    // exception from `fill` never leaves a write running against freed memory.
+    std::vector<uint8_t> buffers[2];
+    for (std::vector<uint8_t>& b : buffers) b.reserve(std::min<uint64_t>(kWriteChunkBytes, offset));
+    int current = 0;
+    std::future<void> pending;
+    auto flush = [&] {
+      if (pending.valid()) pending.get();
+      const std::vector<uint8_t>* full = &buffers[current];
+      pending = std::async(std::launch::async, [&out, full] {
+        out.write(reinterpret_cast<const char*>(full->data()),
+                  static_cast<std::streamsize>(full->size()));
+      });
+      current ^= 1;
+      buffers[current].clear();
+    };
+    for (size_t i = 0; i < specs.size(); ++i) {
       const size_t total = tensor_bytes(specs[i]);
-      for (size_t offset = 0; offset < total && out; offset += kWriteChunkBytes) {
-        buffer.resize(std::min(kWriteChunkBytes, total - offset));
-        fill(i, offset, std::span<uint8_t>(buffer));
-        out.write(reinterpret_cast<const char*>(buffer.data()),
-                  static_cast<std::streamsize>(buffer.size()));
+      for (size_t offset = 0; offset < total; offset += kWriteChunkBytes) {
+        const size_t n = std::min(kWriteChunkBytes, total - offset);
+        std::vector<uint8_t>& buffer = buffers[current];
+        if (!buffer.empty() && buffer.size() + n > kWriteChunkBytes) flush();
+        const size_t start = buffers[current].size();
+        buffers[current].resize(start + n);
+        fill(i, offset, std::span<uint8_t>(buffers[current].data() + start, n));
       }
     }
+    if (!buffers[current].empty()) flush();
+    if (pending.valid()) pending.get();
     out.flush();
     if (!out) {
       std::error_code ec;

@@ -92,8 +92,9 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
 
 // The streaming form, for files larger than memory: the header is written from `specs`, then
 // `fill(i, offset, out)` is called for tensor i, in order, once per chunk of at most
-// kWriteChunkBytes, to produce bytes [offset, offset + out.size()) of that tensor. Memory stays
-// bounded by one chunk, whatever the tensor sizes.
+// kWriteChunkBytes, to produce bytes [offset, offset + out.size()) of that tensor. `fill` runs on
+// the calling thread while a helper thread writes the previous chunk; memory stays bounded by two
+// chunks, whatever the tensor sizes.
 struct TensorSpec {
   std::string name;
   DType dtype;
