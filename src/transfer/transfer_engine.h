@@ -39,7 +39,9 @@ namespace relay {
 
 // How a transport moves bytes. The engine calls add/remove from API threads and post/wait_posted
 // only from its worker thread, with copies already bounds-checked against live regions;
-// implementations synchronise their own region tables.
+// implementations synchronise their own region tables. Deadlines are checked between copies, so
+// post and wait_posted must return (or throw) within a bounded time: a transport that can stall
+// (a network peer) enforces its own timeout and fails instead of hanging the worker.
 class Transport {
  public:
   virtual ~Transport() = default;
