@@ -189,45 +189,6 @@ void parse_rope(const Fields& top, ModelConfig& c) {
   }
 }
 
-void parse_quantization(const Fields& top, ModelConfig& c) {
-  if (!top.has("quantization_config")) return;
-  const json& obj = top.at("quantization_config");
-  if (!obj.is_object()) top.bad("quantization_config", "must be an object");
-  const Fields f(obj, str(top.source(), ": quantization_config"));
-  const std::string method = f.string("quant_method", "");
-  if (method != "fp8") {
-    f.bad("quant_method", str("is '", method, "'; only fp8 block quantisation is supported"));
-  }
-  const std::string fmt = f.string("fmt", "e4m3");
-  if (fmt != "e4m3") f.bad("fmt", str("is '", fmt, "'; only e4m3 is supported"));
-  const std::string scheme = f.string("activation_scheme", "dynamic");
-  if (scheme != "dynamic") {
-    f.bad("activation_scheme",
-          str("is '", scheme, "'; only dynamic activation scaling is supported"));
-  }
-  if (!f.has("weight_block_size")) {
-    f.bad("weight_block_size", "is missing (per-tensor FP8 scales are not supported)");
-  }
-  const json& block = f.at("weight_block_size");
-  if (!block.is_array() || block.size() != 2 || !block[0].is_number_integer() ||
-      !block[1].is_number_integer() || block[0].get<int64_t>() <= 0 ||
-      block[1].get<int64_t>() <= 0) {
-    f.bad("weight_block_size", str("must be two positive integers, got ", block.dump()));
-  }
-  Fp8Quantization& q = c.quantization;
-  q.enabled = true;
-  q.block_rows = block[0].get<int64_t>();
-  q.block_cols = block[1].get<int64_t>();
-  if (f.has("modules_to_not_convert")) {
-    const json& modules = f.at("modules_to_not_convert");
-    if (!modules.is_array()) f.bad("modules_to_not_convert", "must be a list of module names");
-    for (const json& m : modules) {
-      if (!m.is_string()) f.bad("modules_to_not_convert", str("holds non-string ", m.dump()));
-      q.modules_to_not_convert.push_back(m.get<std::string>());
-    }
-  }
-}
-
 void reject_sliding_window(const Fields& f, const ModelConfig& c) {
   if (f.boolean("use_sliding_window", false)) {
     f.bad("use_sliding_window", "is true; sliding-window attention is not supported");
@@ -334,7 +295,6 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
   c.attention_bias = f.boolean("attention_bias", false);
   reject_sliding_window(f, c);
   parse_rope(f, c);
-  parse_quantization(f, c);
 
   if (moe) {
     c.num_experts = f.positive("num_experts");

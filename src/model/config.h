@@ -30,17 +30,6 @@ struct RopeScaling {
   bool truncate = true;                          // YaRN: floor/ceil the correction range
 };
 
-// FP8 block quantisation, as in the Qwen3-*-FP8 checkpoints (quantization_config with quant_method
-// "fp8", fmt "e4m3", dynamic activation scaling): each quantised weight is F8_E4M3 with a
-// `<name>_scale_inv` tensor holding one multiplier per weight_block_size block; the modules listed
-// in modules_to_not_convert (lm_head, routers, norms, ...) stay in the checkpoint's float dtype.
-struct Fp8Quantization {
-  bool enabled = false;
-  int64_t block_rows = 0;  // weight_block_size[0]: output rows per scale
-  int64_t block_cols = 0;  // weight_block_size[1]: input columns per scale
-  std::vector<std::string> modules_to_not_convert;
-};
-
 struct ModelConfig {
   std::string architecture;  // "Qwen3ForCausalLM" or "Qwen3MoeForCausalLM"
   std::string model_type;    // "qwen3" or "qwen3_moe"
@@ -70,8 +59,6 @@ struct ModelConfig {
   // Tokens that end generation (config.json and generation_config.json, merged).
   std::vector<int32_t> eos_token_ids;
   int32_t bos_token_id = -1;
-
-  Fp8Quantization quantization;  // absent: the weights are plain floats
 
   bool is_moe() const { return num_experts > 0; }
   // Whether layer `layer` uses the sparse MoE block (HF's rule: not in mlp_only_layers, experts

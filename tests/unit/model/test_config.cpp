@@ -181,39 +181,6 @@ TEST(ModelConfig, LinearScaling) {
   EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 2.0);
 }
 
-TEST(ModelConfig, Fp8BlockQuantization) {
-  json j = moe_config();
-  EXPECT_FALSE(ModelConfig::from_json(j, "x").quantization.enabled);
-  j["quantization_config"] = {{"activation_scheme", "dynamic"},
-                              {"fmt", "e4m3"},
-                              {"quant_method", "fp8"},
-                              {"weight_block_size", {128, 64}},
-                              {"modules_to_not_convert", {"lm_head", "model.layers.0.mlp.gate"}}};
-  const Fp8Quantization q = ModelConfig::from_json(j, "x").quantization;
-  EXPECT_TRUE(q.enabled);
-  EXPECT_EQ(q.block_rows, 128);
-  EXPECT_EQ(q.block_cols, 64);
-  EXPECT_EQ(q.modules_to_not_convert,
-            (std::vector<std::string>{"lm_head", "model.layers.0.mlp.gate"}));
-
-  auto with_quant = [&](const char* key, json v) {
-    json k = j;
-    if (v.is_null()) {
-      k["quantization_config"].erase(key);
-    } else {
-      k["quantization_config"][key] = std::move(v);
-    }
-    return k;
-  };
-  expect_error(with_quant("quant_method", "awq"), {"quantization_config", "quant_method", "awq"});
-  expect_error(with_quant("fmt", "e5m2"), {"fmt", "e5m2"});
-  expect_error(with_quant("activation_scheme", "static"), {"activation_scheme"});
-  expect_error(with_quant("weight_block_size", nullptr), {"weight_block_size", "missing"});
-  expect_error(with_quant("weight_block_size", {128}), {"weight_block_size"});
-  expect_error(with_quant("weight_block_size", {0, 128}), {"weight_block_size"});
-  expect_error(with_quant("modules_to_not_convert", {1}), {"modules_to_not_convert"});
-}
-
 TEST(ModelConfig, RejectsWhatRelayCannotRun) {
   auto with = [](const char* key, json v) {
     json j = moe_config();
