@@ -1,5 +1,4 @@
-// See normalizer.h. ASCII is already in NFC, so pure-ASCII text (most prompts and code) is copied
-// without calling utf8proc.
+// See normalizer.h.
 #include "tokenizer/normalizer.h"
 
 #include <algorithm>
@@ -32,15 +31,9 @@ bool unknown_to_oracle(uint32_t cp) {
   return std::binary_search(table.begin(), table.end(), cp);
 }
 
-}  // namespace
-
-void append_nfc(std::string_view text, std::string& out) {
-  const bool ascii = std::all_of(text.begin(), text.end(),
-                                 [](char c) { return static_cast<uint8_t>(c) < 0x80; });
-  if (ascii) {
-    out.append(text);
-    return;
-  }
+// NFC of a stretch that starts and ends at safe boundaries, cut further at the code points the
+// oracle does not know.
+void append_nfc_stretch(std::string_view text, std::string& out) {
   const uint32_t smallest_unknown = unicode_tables::nfc_unknown().front();
   size_t segment_begin = 0;
   size_t pos = 0;
@@ -57,6 +50,32 @@ void append_nfc(std::string_view text, std::string& out) {
     pos += std::max<size_t>(n, 1);
   }
   append_utf8proc_nfc(text.substr(segment_begin), out);
+}
+
+}  // namespace
+
+// NOTE: the position before an ASCII character is a safe place to cut text for NFC: ASCII is a
+// starter that never decomposes and is never the second half of a composition, so nothing reorders
+// or composes across it. ASCII runs are therefore copied as they are and only the stretches around
+// non-ASCII characters (with the ASCII base just before them, which a mark may compose with) go
+// through utf8proc; mostly-ASCII text such as source code costs almost nothing to normalise.
+void append_nfc(std::string_view text, std::string& out) {
+  const auto ascii = [&](size_t i) { return static_cast<uint8_t>(text[i]) < 0x80; };
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t first_non_ascii = pos;
+    while (first_non_ascii < text.size() && ascii(first_non_ascii)) ++first_non_ascii;
+    if (first_non_ascii == text.size()) {
+      out.append(text.substr(pos));
+      return;
+    }
+    const size_t begin = first_non_ascii > pos ? first_non_ascii - 1 : first_non_ascii;
+    out.append(text.substr(pos, begin - pos));
+    size_t end = first_non_ascii;
+    while (end < text.size() && !(ascii(end) && (end + 1 == text.size() || ascii(end + 1)))) ++end;
+    append_nfc_stretch(text.substr(begin, end - begin), out);
+    pos = end;
+  }
 }
 
 }  // namespace relay::tokenizer_detail
