@@ -55,6 +55,7 @@ struct TransferEngine::Impl {
     TransferRequest request;
     TransferCallback on_done;
     std::vector<RegionId> pinned;  // distinct regions the request uses
+    Clock::time_point deadline;    // request.deadline, or the far future when it has none
   };
   struct Finished {
     TransferCallback on_done;
@@ -151,14 +152,14 @@ struct TransferEngine::Impl {
   // Called with the mutex held, after the queue changed.
   void update_earliest_deadline() {
     int64_t earliest = std::numeric_limits<int64_t>::max();
-    for (const auto& p : queue) earliest = std::min(earliest, clock_ns(p->request.deadline));
+    for (const auto& p : queue) earliest = std::min(earliest, clock_ns(p->deadline));
     earliest_queued_deadline_ns.store(earliest, std::memory_order_release);
   }
 
   // Fails every queued request whose deadline has passed. Called with the mutex held.
   void expire_queued(Clock::time_point now) {
     for (auto it = queue.begin(); it != queue.end();) {
-      if ((*it)->request.deadline < now) {
+      if ((*it)->deadline < now) {
         release(**it);
         finalize(std::move((*it)->on_done),
                  {(*it)->request.request_id, TransferStatus::DeadlineExceeded,
@@ -196,12 +197,13 @@ struct TransferEngine::Impl {
     if (!finished.empty()) deliver_finished(lock);
   }
 
-  TransferResult execute(const TransferRequest& request) {
+  TransferResult execute(const Pending& pending) {
+    const TransferRequest& request = pending.request;
     TransferResult result{request.request_id, TransferStatus::Ok, {}, 0, 0};
     const size_t n = request.copies.size();
     uint64_t posted_copies = 0;
     uint64_t posted_bytes = 0;
-    if (Clock::now() > request.deadline) {
+    if (Clock::now() > pending.deadline) {
       result.status = TransferStatus::DeadlineExceeded;
       result.reason = "deadline passed before the transfer started";
       return result;
@@ -213,7 +215,7 @@ struct TransferEngine::Impl {
         break;
       }
       const Clock::time_point now = Clock::now();
-      if (now > request.deadline) {
+      if (now > pending.deadline) {
         result.status = TransferStatus::DeadlineExceeded;
         result.reason = str("deadline passed after ", i, " of ", n, " copies");
         break;
@@ -265,7 +267,7 @@ struct TransferEngine::Impl {
       running = true;
       cancel_running.store(stopping, std::memory_order_release);
       lock.unlock();
-      TransferResult result = execute(p->request);
+      TransferResult result = execute(*p);
       lock.lock();
       running = false;
       release(*p);
@@ -374,8 +376,9 @@ void TransferEngine::submit(TransferRequest request, TransferCallback on_done) {
   }
   for (RegionId id : used) ++m.regions.at(id).pins;
   m.active_ids.insert(request.request_id);
+  const Clock::time_point deadline = request.deadline.value_or(Clock::time_point::max());
   m.queue.push_back(std::make_unique<Impl::Pending>(
-      Impl::Pending{std::move(request), std::move(on_done), std::move(used)}));
+      Impl::Pending{std::move(request), std::move(on_done), std::move(used), deadline}));
   m.update_earliest_deadline();
   m.wake.notify_one();
 }

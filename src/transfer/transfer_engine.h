@@ -29,6 +29,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -67,7 +68,9 @@ std::string_view transfer_status_name(TransferStatus status);
 struct TransferRequest {
   int64_t request_id = 0;  // unique among the engine's queued and running requests
   std::vector<TransferCopy> copies;
-  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  // When the copies must have landed; none by default. (An optional rather than a far-future time
+  // point, so that `{id, copies, {}}` means "no deadline", not "already expired".)
+  std::optional<std::chrono::steady_clock::time_point> deadline;
 };
 
 struct TransferResult {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -98,7 +99,7 @@ struct Fixture {
 };
 
 TransferRequest request(int64_t id, std::vector<TransferCopy> copies,
-                        Clock::time_point deadline = Clock::time_point::max()) {
+                        std::optional<Clock::time_point> deadline = std::nullopt) {
   return TransferRequest{id, std::move(copies), deadline};
 }
 
