@@ -1,5 +1,5 @@
-// See fp8_format.h. The encoder works on the fp32 bit pattern so that rounding is decided by integer
-// arithmetic, not by the current floating-point rounding mode.
+// See fp8_format.h. The encoder works on the fp32 bit pattern so that rounding is decided by
+// integer arithmetic, not by the current floating-point rounding mode.
 #include "quant/fp8_format.h"
 
 #include <cmath>

@@ -3,22 +3,23 @@
 //
 // E4M3 (bias 7) has no infinities: 0x7F / 0xFF are NaN, the largest finite value is 448 (0x7E), the
 // smallest subnormal 2^-9. Encoding rounds to nearest, ties to even, and saturates finite values
-// beyond ±448 to ±448 — exactly what torch produces for `x.clamp(-448, 448).to(torch.float8_e4m3fn)`
-// (torch itself turns values above ~464 into NaN, which is why every quantiser clamps first). E8M0 is
-// a bare biased exponent: code e means 2^(e - 127), 0xFF is NaN; it has no sign, no zero.
+// beyond ±448 to ±448 — exactly what torch produces for `x.clamp(-448,
+// 448).to(torch.float8_e4m3fn)` (torch itself turns values above ~464 into NaN, which is why every
+// quantiser clamps first). E8M0 is a bare biased exponent: code e means 2^(e - 127), 0xFF is NaN;
+// it has no sign, no zero.
 //
 // These are the scalar definitions every other quant file and the tests build on; the GPU kernels
-// use the hardware conversions, which agree with them bit for bit (tests/fixtures/quant holds torch's
-// answers for all 256 codes and for thousands of random and tie values).
+// use the hardware conversions, which agree with them bit for bit (tests/fixtures/quant holds
+// torch's answers for all 256 codes and for thousands of random and tie values).
 #pragma once
 
 #include <cstdint>
 
 namespace relay::quant {
 
-inline constexpr float kE4m3Max = 448.0f;     // largest finite E4M3 value
-inline constexpr uint8_t kE4m3MaxCode = 0x7E; // its code
-inline constexpr uint8_t kE4m3NanCode = 0x7F; // canonical NaN (0xFF is NaN too)
+inline constexpr float kE4m3Max = 448.0f;      // largest finite E4M3 value
+inline constexpr uint8_t kE4m3MaxCode = 0x7E;  // its code
+inline constexpr uint8_t kE4m3NanCode = 0x7F;  // canonical NaN (0xFF is NaN too)
 inline constexpr int kE8m0Bias = 127;
 inline constexpr uint8_t kE8m0NanCode = 0xFF;
 

@@ -28,8 +28,8 @@ const std::array<float, 256>& e4m3_table() {
 // out[r, j] for r in [row_begin, row_end): sum over k-groups g of
 //   (sum_{c in g} dec(x[r, c]) * dec(w_rows(r)[j, c])) * (x_scale(r, g) * w_scale(r, j, g)).
 template <typename WRows, typename XScale, typename WScale>
-void scaled_rows(const uint8_t* x, float* out, int64_t row_begin, int64_t row_end, int n, int k, int group,
-                 WRows w_rows, XScale x_scale, WScale w_scale) {
+void scaled_rows(const uint8_t* x, float* out, int64_t row_begin, int64_t row_end, int n, int k,
+                 int group, WRows w_rows, XScale x_scale, WScale w_scale) {
   const std::array<float, 256>& dec = e4m3_table();
   const int num_groups = static_cast<int>(ceil_div(k, group));
   std::vector<float> x_row(k);
@@ -52,12 +52,15 @@ void scaled_rows(const uint8_t* x, float* out, int64_t row_begin, int64_t row_en
 
 // The expert that owns permuted row r.
 int expert_of_row(const int32_t* expert_offsets, int num_experts, int64_t r) {
-  return static_cast<int>(std::upper_bound(expert_offsets, expert_offsets + num_experts + 1, r) - expert_offsets) - 1;
+  return static_cast<int>(std::upper_bound(expert_offsets, expert_offsets + num_experts + 1, r) -
+                          expert_offsets) -
+         1;
 }
 
 void check_offsets(const int32_t* offsets, int num_experts, int num_rows, const char* op) {
-  RELAY_CHECK(offsets[0] == 0 && offsets[num_experts] == num_rows, op, ": expert_offsets must run from 0 to ",
-              num_rows, ", got ", offsets[0], " .. ", offsets[num_experts]);
+  RELAY_CHECK(offsets[0] == 0 && offsets[num_experts] == num_rows, op,
+              ": expert_offsets must run from 0 to ", num_rows, ", got ", offsets[0], " .. ",
+              offsets[num_experts]);
   for (int e = 0; e < num_experts; ++e) {
     RELAY_CHECK(offsets[e] <= offsets[e + 1], op, ": expert_offsets decrease at expert ", e);
   }
@@ -67,21 +70,25 @@ void quantize_rows_fp8(const Fp8ActQuantParams& p, int64_t r0, int64_t r1) {
   const int num_groups = static_cast<int>(ceil_div(p.k, p.group_size));
   for (int64_t r = r0; r < r1; ++r) {
     // A 1 x group_size block of the weight recipe, so weights and activations share one definition.
-    quantize_weight_fp8_block(p.x + r * p.k, 1, p.k, 1, p.group_size, p.q + r * p.k, p.scale + r * num_groups);
+    quantize_weight_fp8_block(p.x + r * p.k, 1, p.k, 1, p.group_size, p.q + r * p.k,
+                              p.scale + r * num_groups);
   }
 }
 
 }  // namespace
 
 void launch_fp8_act_quant(const Fp8ActQuantParams& p, ThreadPool& pool) {
-  RELAY_CHECK(p.num_tokens >= 0 && p.k > 0 && p.group_size > 0, "fp8_act_quant: bad shape num_tokens ",
-              p.num_tokens, ", k ", p.k, ", group_size ", p.group_size);
-  pool.parallel_for(p.num_tokens, 16, [&](int64_t r0, int64_t r1) { quantize_rows_fp8(p, r0, r1); });
+  RELAY_CHECK(p.num_tokens >= 0 && p.k > 0 && p.group_size > 0,
+              "fp8_act_quant: bad shape num_tokens ", p.num_tokens, ", k ", p.k, ", group_size ",
+              p.group_size);
+  pool.parallel_for(p.num_tokens, 16,
+                    [&](int64_t r0, int64_t r1) { quantize_rows_fp8(p, r0, r1); });
 }
 
 void launch_fp8_block_matmul(const Fp8BlockMatmulParams& p, ThreadPool& pool) {
-  RELAY_CHECK(p.m >= 0 && p.n > 0 && p.k > 0 && p.block_n > 0 && p.block_k > 0, "fp8_block_matmul: bad shape m ",
-              p.m, ", n ", p.n, ", k ", p.k, ", blocks ", p.block_n, "x", p.block_k);
+  RELAY_CHECK(p.m >= 0 && p.n > 0 && p.k > 0 && p.block_n > 0 && p.block_k > 0,
+              "fp8_block_matmul: bad shape m ", p.m, ", n ", p.n, ", k ", p.k, ", blocks ",
+              p.block_n, "x", p.block_k);
   const int64_t num_groups = ceil_div(p.k, p.block_k);
   pool.parallel_for(p.m, 1, [&](int64_t r0, int64_t r1) {
     scaled_rows(
@@ -92,9 +99,10 @@ void launch_fp8_block_matmul(const Fp8BlockMatmulParams& p, ThreadPool& pool) {
 }
 
 void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams& p, ThreadPool& pool) {
-  RELAY_CHECK(p.num_rows >= 0 && p.num_experts > 0 && p.n > 0 && p.k > 0 && p.block_n > 0 && p.block_k > 0,
-              "fp8_block_grouped_matmul: bad shape rows ", p.num_rows, ", experts ", p.num_experts, ", n ", p.n,
-              ", k ", p.k);
+  RELAY_CHECK(
+      p.num_rows >= 0 && p.num_experts > 0 && p.n > 0 && p.k > 0 && p.block_n > 0 && p.block_k > 0,
+      "fp8_block_grouped_matmul: bad shape rows ", p.num_rows, ", experts ", p.num_experts, ", n ",
+      p.n, ", k ", p.k);
   check_offsets(p.expert_offsets, p.num_experts, p.num_rows, "fp8_block_grouped_matmul");
   const int64_t num_groups = ceil_div(p.k, p.block_k);
   const int64_t scales_per_expert = ceil_div(p.n, p.block_n) * num_groups;
@@ -102,7 +110,9 @@ void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams& p, Threa
   pool.parallel_for(p.num_rows, 1, [&](int64_t r0, int64_t r1) {
     scaled_rows(
         p.x, p.out, r0, r1, p.n, p.k, p.block_k,
-        [&](int64_t r) { return p.w + expert_of_row(p.expert_offsets, p.num_experts, r) * weights_per_expert; },
+        [&](int64_t r) {
+          return p.w + expert_of_row(p.expert_offsets, p.num_experts, r) * weights_per_expert;
+        },
         [&](int64_t r, int g) { return p.x_scale[r * num_groups + g]; },
         [&](int64_t r, int j, int g) {
           const int64_t e = expert_of_row(p.expert_offsets, p.num_experts, r);
@@ -112,7 +122,8 @@ void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams& p, Threa
 }
 
 void launch_mxfp8_act_quant(const Mxfp8ActQuantParams& p, ThreadPool& pool) {
-  RELAY_CHECK(p.num_tokens >= 0 && p.k > 0, "mxfp8_act_quant: bad shape num_tokens ", p.num_tokens, ", k ", p.k);
+  RELAY_CHECK(p.num_tokens >= 0 && p.k > 0, "mxfp8_act_quant: bad shape num_tokens ", p.num_tokens,
+              ", k ", p.k);
   const int64_t num_groups = ceil_div(p.k, kMxGroupSize);
   pool.parallel_for(p.num_tokens, 16, [&](int64_t r0, int64_t r1) {
     quantize_weight_mxfp8(p.x + r0 * p.k, r1 - r0, p.k, p.q + r0 * p.k, p.scale + r0 * num_groups);
@@ -120,7 +131,8 @@ void launch_mxfp8_act_quant(const Mxfp8ActQuantParams& p, ThreadPool& pool) {
 }
 
 void launch_mxfp8_matmul(const Mxfp8MatmulParams& p, ThreadPool& pool) {
-  RELAY_CHECK(p.m >= 0 && p.n > 0 && p.k > 0, "mxfp8_matmul: bad shape m ", p.m, ", n ", p.n, ", k ", p.k);
+  RELAY_CHECK(p.m >= 0 && p.n > 0 && p.k > 0, "mxfp8_matmul: bad shape m ", p.m, ", n ", p.n,
+              ", k ", p.k);
   const int64_t num_groups = ceil_div(p.k, kMxGroupSize);
   pool.parallel_for(p.m, 1, [&](int64_t r0, int64_t r1) {
     scaled_rows(
@@ -131,8 +143,9 @@ void launch_mxfp8_matmul(const Mxfp8MatmulParams& p, ThreadPool& pool) {
 }
 
 void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams& p, ThreadPool& pool) {
-  RELAY_CHECK(p.num_rows >= 0 && p.num_experts > 0 && p.n > 0 && p.k > 0, "mxfp8_grouped_matmul: bad shape rows ",
-              p.num_rows, ", experts ", p.num_experts, ", n ", p.n, ", k ", p.k);
+  RELAY_CHECK(p.num_rows >= 0 && p.num_experts > 0 && p.n > 0 && p.k > 0,
+              "mxfp8_grouped_matmul: bad shape rows ", p.num_rows, ", experts ", p.num_experts,
+              ", n ", p.n, ", k ", p.k);
   check_offsets(p.expert_offsets, p.num_experts, p.num_rows, "mxfp8_grouped_matmul");
   const int64_t num_groups = ceil_div(p.k, kMxGroupSize);
   const int64_t weights_per_expert = static_cast<int64_t>(p.n) * p.k;
@@ -140,7 +153,9 @@ void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams& p, ThreadPool& 
   pool.parallel_for(p.num_rows, 1, [&](int64_t r0, int64_t r1) {
     scaled_rows(
         p.x, p.out, r0, r1, p.n, p.k, kMxGroupSize,
-        [&](int64_t r) { return p.w + expert_of_row(p.expert_offsets, p.num_experts, r) * weights_per_expert; },
+        [&](int64_t r) {
+          return p.w + expert_of_row(p.expert_offsets, p.num_experts, r) * weights_per_expert;
+        },
         [&](int64_t r, int g) { return e8m0_to_f32(p.x_scale[r * num_groups + g]); },
         [&](int64_t r, int j, int g) {
           const int64_t e = expert_of_row(p.expert_offsets, p.num_experts, r);

@@ -1,17 +1,18 @@
 // CPU references for the FP8 compute path: dynamic activation quantisation and scaled FP8 GEMMs.
 //
 // These define what the GPU FP8 kernels must compute (one params struct and one launch per op, in
-// the style of kernels/ops.h; a CUDA launch takes the same struct and a stream). Shapes are row-major,
+// the style of kernels/ops.h; a CUDA launch takes the same struct and a stream). Shapes are
+// row-major,
 // "[a, b]" means b is contiguous; e4m3 tensors are uint8_t codes (quant/fp8_format.h).
 //
 // Block-scaled FP8 (Hopper; the Qwen3-*-FP8 checkpoints):
-//   activations x [m, k] are quantised per token per group of 128 along k: scale = amax / 448 in fp32
-//   (1 for an all-zero group), q = e4m3(clamp(x / scale, ±448)) — the weight recipe on 1 x 128 blocks.
-//   Weights are [n, k] with one scale per 128 x 128 block. The GEMM accumulates, for each k-block b,
-//   the exact products q_x * q_w in fp32 (in k order), multiplies that partial sum by
-//   x_scale[i, b] * w_scale[j / 128, b] (one fp32 product, then one fp32 multiply) and adds it to an
-//   fp32 accumulator in b order — the "promote each k-block into fp32 with its scales" structure of
-//   DeepGEMM-style kernels. A GPU kernel's sums within a block may be ordered differently; tests
+//   activations x [m, k] are quantised per token per group of 128 along k: scale = amax / 448 in
+//   fp32 (1 for an all-zero group), q = e4m3(clamp(x / scale, ±448)) — the weight recipe on 1 x 128
+//   blocks. Weights are [n, k] with one scale per 128 x 128 block. The GEMM accumulates, for each
+//   k-block b, the exact products q_x * q_w in fp32 (in k order), multiplies that partial sum by
+//   x_scale[i, b] * w_scale[j / 128, b] (one fp32 product, then one fp32 multiply) and adds it to
+//   an fp32 accumulator in b order — the "promote each k-block into fp32 with its scales" structure
+//   of DeepGEMM-style kernels. A GPU kernel's sums within a block may be ordered differently; tests
 //   compare with a relative tolerance of a few fp32 ulps x sqrt(k).
 // MXFP8 (Blackwell-native, OCP MX): the same with groups of 32 along k and E8M0 (power-of-two)
 //   scales for both operands: activations [m, k/32] and weights [n, k/32].
@@ -46,8 +47,9 @@ struct Fp8BlockMatmulParams {
   const uint8_t* x = nullptr;      // [m, k] e4m3
   const float* x_scale = nullptr;  // [m, ceil(k / block_k)]
   const uint8_t* w = nullptr;      // [n, k] e4m3
-  const float* w_scale = nullptr;  // [ceil(n / block_n), ceil(k / block_k)] (the checkpoint's weight_scale_inv)
-  float* out = nullptr;            // [m, n]
+  const float* w_scale =
+      nullptr;  // [ceil(n / block_n), ceil(k / block_k)] (the checkpoint's weight_scale_inv)
+  float* out = nullptr;  // [m, n]
   int m = 0;
   int n = 0;
   int k = 0;
@@ -58,12 +60,13 @@ void launch_fp8_block_matmul(const Fp8BlockMatmulParams& p, ThreadPool& pool);
 
 // The MoE form: out[r] = x[r] @ w[e]^T for every permuted row r of expert e, block-scaled.
 struct Fp8BlockGroupedMatmulParams {
-  const uint8_t* x = nullptr;               // [num_rows, k] e4m3
-  const float* x_scale = nullptr;           // [num_rows, ceil(k / block_k)]
-  const uint8_t* w = nullptr;               // [num_experts, n, k] e4m3
-  const float* w_scale = nullptr;           // [num_experts, ceil(n / block_n), ceil(k / block_k)]
-  const int32_t* expert_offsets = nullptr;  // [num_experts + 1], expert_offsets[num_experts] = num_rows
-  float* out = nullptr;                     // [num_rows, n]
+  const uint8_t* x = nullptr;      // [num_rows, k] e4m3
+  const float* x_scale = nullptr;  // [num_rows, ceil(k / block_k)]
+  const uint8_t* w = nullptr;      // [num_experts, n, k] e4m3
+  const float* w_scale = nullptr;  // [num_experts, ceil(n / block_n), ceil(k / block_k)]
+  const int32_t* expert_offsets =
+      nullptr;           // [num_experts + 1], expert_offsets[num_experts] = num_rows
+  float* out = nullptr;  // [num_rows, n]
   int num_rows = 0;
   int num_experts = 0;
   int n = 0;
@@ -98,12 +101,13 @@ void launch_mxfp8_matmul(const Mxfp8MatmulParams& p, ThreadPool& pool);
 
 // The MoE form of the MX GEMM.
 struct Mxfp8GroupedMatmulParams {
-  const uint8_t* x = nullptr;               // [num_rows, k] e4m3
-  const uint8_t* x_scale = nullptr;         // [num_rows, ceil(k / 32)] E8M0
-  const uint8_t* w = nullptr;               // [num_experts, n, k] e4m3
-  const uint8_t* w_scale = nullptr;         // [num_experts, n, ceil(k / 32)] E8M0
-  const int32_t* expert_offsets = nullptr;  // [num_experts + 1], expert_offsets[num_experts] = num_rows
-  float* out = nullptr;                     // [num_rows, n]
+  const uint8_t* x = nullptr;        // [num_rows, k] e4m3
+  const uint8_t* x_scale = nullptr;  // [num_rows, ceil(k / 32)] E8M0
+  const uint8_t* w = nullptr;        // [num_experts, n, k] e4m3
+  const uint8_t* w_scale = nullptr;  // [num_experts, n, ceil(k / 32)] E8M0
+  const int32_t* expert_offsets =
+      nullptr;           // [num_experts + 1], expert_offsets[num_experts] = num_rows
+  float* out = nullptr;  // [num_rows, n]
   int num_rows = 0;
   int num_experts = 0;
   int n = 0;

@@ -21,7 +21,8 @@ const nlohmann::json& field(const nlohmann::json& j, const char* key, const std:
 
 std::string string_field(const nlohmann::json& j, const char* key, const std::string& source) {
   const nlohmann::json& v = field(j, key, source);
-  RELAY_CHECK(v.is_string(), source, ": quantization_config.", key, " must be a string, got ", v.dump());
+  RELAY_CHECK(v.is_string(), source, ": quantization_config.", key, " must be a string, got ",
+              v.dump());
   return v.get<std::string>();
 }
 
@@ -31,8 +32,8 @@ std::vector<std::string> module_list(const nlohmann::json& j, const std::string&
   const nlohmann::json& v = j.at("modules_to_not_convert");
   RELAY_CHECK(v.is_array(), source, ": quantization_config.modules_to_not_convert must be a list");
   for (const nlohmann::json& m : v) {
-    RELAY_CHECK(m.is_string(), source, ": quantization_config.modules_to_not_convert holds ", m.dump(),
-                ", not a module name");
+    RELAY_CHECK(m.is_string(), source, ": quantization_config.modules_to_not_convert holds ",
+                m.dump(), ", not a module name");
     out.push_back(m.get<std::string>());
   }
   return out;
@@ -63,15 +64,16 @@ QuantConfig QuantConfig::from_json(const nlohmann::json& j, const std::string& s
   }
   if (j.contains("fmt")) {
     const std::string fmt = string_field(j, "fmt", source);
-    RELAY_CHECK(fmt == "e4m3", source, ": quantization_config.fmt '", fmt, "' is not supported (only e4m3)");
+    RELAY_CHECK(fmt == "e4m3", source, ": quantization_config.fmt '", fmt,
+                "' is not supported (only e4m3)");
   }
   if (method == "fp8") {
     c.method = QuantMethod::Fp8Block;
     const nlohmann::json& block = field(j, "weight_block_size", source);
     RELAY_CHECK(block.is_array() && block.size() == 2 && block[0].is_number_integer() &&
                     block[1].is_number_integer(),
-                source, ": quantization_config.weight_block_size must be [rows, cols], got ", block.dump(),
-                " (per-tensor FP8 is not supported)");
+                source, ": quantization_config.weight_block_size must be [rows, cols], got ",
+                block.dump(), " (per-tensor FP8 is not supported)");
     c.block_out = block[0].get<int>();
     c.block_in = block[1].get<int>();
     RELAY_CHECK(c.block_out > 0 && c.block_in > 0, source,
@@ -81,7 +83,8 @@ QuantConfig QuantConfig::from_json(const nlohmann::json& j, const std::string& s
     if (j.contains("group_size")) {
       const nlohmann::json& g = j.at("group_size");
       RELAY_CHECK(g.is_number_integer() && g.get<int>() == kMxGroupSize, source,
-                  ": quantization_config.group_size must be ", kMxGroupSize, " for mxfp8, got ", g.dump());
+                  ": quantization_config.group_size must be ", kMxGroupSize, " for mxfp8, got ",
+                  g.dump());
     }
   } else {
     fail(str(source, ": quantization_config.quant_method '", method,
@@ -117,7 +120,8 @@ QuantConfig QuantConfig::load(const std::filesystem::path& dir) {
   } catch (const nlohmann::json::exception& e) {
     fail(str(path.string(), ": invalid JSON: ", e.what()));
   }
-  if (!j.contains("quantization_config") || j.at("quantization_config").is_null()) return QuantConfig{};
+  if (!j.contains("quantization_config") || j.at("quantization_config").is_null())
+    return QuantConfig{};
   return from_json(j.at("quantization_config"), path.string());
 }
 

@@ -2,9 +2,11 @@
 //
 // Two methods are understood:
 //   - "fp8": the format Qwen/Qwen3-*-FP8 and DeepSeek-V3 ship — E4M3 weights, one scale per
-//     weight_block_size = [block_out, block_in] block (128 x 128), stored as `<module>.weight_scale_inv`
-//     (a multiplier, despite the name: w = q * scale_inv); activations quantised dynamically.
-//   - "mxfp8": Relay's own layout for OCP MXFP8 (no Hugging Face standard exists): E4M3 weights with
+//     weight_block_size = [block_out, block_in] block (128 x 128), stored as
+//     `<module>.weight_scale_inv` (a multiplier, despite the name: w = q * scale_inv); activations
+//     quantised dynamically.
+//   - "mxfp8": Relay's own layout for OCP MXFP8 (no Hugging Face standard exists): E4M3 weights
+//   with
 //     one E8M0 scale per 32 consecutive input elements, stored as `<module>.weight_scale`.
 // `modules_to_not_convert` lists modules kept in bf16 (lm_head, the MoE router `mlp.gate`, norms,
 // embeddings). The parse checks every field Relay relies on and names it in errors; docs/fp8.md is
@@ -34,8 +36,8 @@ struct QuantConfig {
   std::vector<std::string> modules_to_not_convert;
 
   bool quantized() const { return method != QuantMethod::None; }
-  // Whether `module` (e.g. "model.layers.0.mlp.gate") stays unquantised: an entry equal to it, or an
-  // entry matching a whole dotted suffix of it ("lm_head", "mlp.gate"), as transformers matches.
+  // Whether `module` (e.g. "model.layers.0.mlp.gate") stays unquantised: an entry equal to it, or
+  // an entry matching a whole dotted suffix of it ("lm_head", "mlp.gate"), as transformers matches.
   bool keeps_unquantized(std::string_view module) const;
 
   // Parses the `quantization_config` object; `source` names the file in errors.

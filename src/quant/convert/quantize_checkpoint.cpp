@@ -1,6 +1,6 @@
 // See quantize_checkpoint.h. Each output shard is described up front (names, dtypes, shapes: the
-// safetensors header comes first), then filled chunk by chunk; a quantised weight is computed on its
-// first chunk and its codes and scales are served from that one cached result.
+// safetensors header comes first), then filled chunk by chunk; a quantised weight is computed on
+// its first chunk and its codes and scales are served from that one cached result.
 #include "quant/convert/quantize_checkpoint.h"
 
 #include <algorithm>
@@ -27,9 +27,9 @@ namespace {
 // Files besides the weights that a Hugging Face checkpoint directory carries and a converted one
 // needs unchanged.
 constexpr const char* kCopiedFiles[] = {
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "vocab.json",             "merges.txt",     "added_tokens.json",     "chat_template.jinja",
-    "chat_template.json",
+    "generation_config.json",  "tokenizer.json",      "tokenizer_config.json",
+    "special_tokens_map.json", "vocab.json",          "merges.txt",
+    "added_tokens.json",       "chat_template.jinja", "chat_template.json",
 };
 
 constexpr const char* kIndexName = "model.safetensors.index.json";
@@ -99,7 +99,8 @@ void quantize_weight(const QuantConfig& config, const TensorView& t, QuantizedWe
   out.source = &t;
   out.codes.resize(rows * cols);
   // Stripes of whole scale blocks bound the fp32 working set.
-  const int64_t stripe_rows = config.method == QuantMethod::Fp8Block ? config.block_out : kFp8BlockSize;
+  const int64_t stripe_rows =
+      config.method == QuantMethod::Fp8Block ? config.block_out : kFp8BlockSize;
   std::vector<float> stripe(stripe_rows * cols);
   if (config.method == QuantMethod::Fp8Block) {
     const int64_t scale_cols = ceil_div(cols, config.block_in);
@@ -108,7 +109,8 @@ void quantize_weight(const QuantConfig& config, const TensorView& t, QuantizedWe
       const int64_t n = std::min(stripe_rows, rows - r0);
       widen_range(t, r0 * cols, n * cols, stripe.data());
       quantize_weight_fp8_block(stripe.data(), n, cols, config.block_out, config.block_in,
-                                out.codes.data() + r0 * cols, scales.data() + (r0 / config.block_out) * scale_cols);
+                                out.codes.data() + r0 * cols,
+                                scales.data() + (r0 / config.block_out) * scale_cols);
     }
     out.scale_bytes.resize(scales.size() * sizeof(float));
     std::memcpy(out.scale_bytes.data(), scales.data(), out.scale_bytes.size());
@@ -118,7 +120,8 @@ void quantize_weight(const QuantConfig& config, const TensorView& t, QuantizedWe
     for (int64_t r0 = 0; r0 < rows; r0 += stripe_rows) {
       const int64_t n = std::min(stripe_rows, rows - r0);
       widen_range(t, r0 * cols, n * cols, stripe.data());
-      quantize_weight_mxfp8(stripe.data(), n, cols, out.codes.data() + r0 * cols, out.scale_bytes.data() + r0 * groups);
+      quantize_weight_mxfp8(stripe.data(), n, cols, out.codes.data() + r0 * cols,
+                            out.scale_bytes.data() + r0 * groups);
     }
   }
 }
@@ -129,7 +132,8 @@ void fill_kept(const TensorView& t, size_t offset, std::span<uint8_t> out) {
     std::memcpy(out.data(), t.data + offset, out.size());
     return;
   }
-  const int64_t first = static_cast<int64_t>(offset / 2), count = static_cast<int64_t>(out.size() / 2);
+  const int64_t first = static_cast<int64_t>(offset / 2),
+                count = static_cast<int64_t>(out.size() / 2);
   std::vector<float> values(count);
   widen_range(t, first, count, values.data());
   for (int64_t i = 0; i < count; ++i) {
@@ -146,12 +150,13 @@ std::vector<std::string> shard_names(const fs::path& dir) {
     return {"model.safetensors"};
   }
   const nlohmann::ordered_json index = read_json(dir / kIndexName);
-  RELAY_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), (dir / kIndexName).string(),
-              ": no weight_map object");
+  RELAY_CHECK(index.contains("weight_map") && index["weight_map"].is_object(),
+              (dir / kIndexName).string(), ": no weight_map object");
   std::vector<std::string> names;
   std::set<std::string> seen;
   for (const auto& [tensor, file] : index["weight_map"].items()) {
-    RELAY_CHECK(file.is_string(), (dir / kIndexName).string(), ": weight_map[", tensor, "] is not a file name");
+    RELAY_CHECK(file.is_string(), (dir / kIndexName).string(), ": weight_map[", tensor,
+                "] is not a file name");
     if (seen.insert(file.get<std::string>()).second) names.push_back(file.get<std::string>());
   }
   std::sort(names.begin(), names.end());
@@ -167,20 +172,23 @@ QuantMethod parse_quant_format(const std::string& name) {
 }
 
 bool is_quantizable_weight(const std::string& name, size_t rank) {
-  return rank == 2 && name.ends_with(".weight") && !kept_modules().keeps_unquantized(module_of(name));
+  return rank == 2 && name.ends_with(".weight") &&
+         !kept_modules().keeps_unquantized(module_of(name));
 }
 
 QuantizeResult quantize_checkpoint(const QuantizeOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   RELAY_CHECK(options.method != QuantMethod::None, "quantize: no format given");
-  RELAY_CHECK(fs::is_directory(options.in_dir), "quantize: input ", options.in_dir.string(), " is not a directory");
+  RELAY_CHECK(fs::is_directory(options.in_dir), "quantize: input ", options.in_dir.string(),
+              " is not a directory");
   fs::create_directories(options.out_dir);
-  RELAY_CHECK(!fs::equivalent(options.in_dir, options.out_dir), "quantize: --out must differ from --in (",
-              options.in_dir.string(), ")");
+  RELAY_CHECK(!fs::equivalent(options.in_dir, options.out_dir),
+              "quantize: --out must differ from --in (", options.in_dir.string(), ")");
 
   nlohmann::ordered_json config_json = read_json(options.in_dir / "config.json");
-  RELAY_CHECK(!config_json.contains("quantization_config") || config_json["quantization_config"].is_null(),
-              (options.in_dir / "config.json").string(), " already has a quantization_config");
+  RELAY_CHECK(
+      !config_json.contains("quantization_config") || config_json["quantization_config"].is_null(),
+      (options.in_dir / "config.json").string(), " already has a quantization_config");
 
   QuantConfig config;
   config.method = options.method;
@@ -201,17 +209,22 @@ QuantizeResult quantize_checkpoint(const QuantizeOptions& options) {
     std::vector<OutputItem> items;
     for (const auto& [name, t] : in.tensors()) {
       result.bytes_in += t.nbytes;
-      RELAY_CHECK(t.dtype == DType::F32 || t.dtype == DType::BF16 || t.dtype == DType::F16, "quantize: tensor ",
-                  name, " in ", t.file, " has dtype ", dtype_name(t.dtype), "; the input must be F32, BF16 or F16");
+      RELAY_CHECK(t.dtype == DType::F32 || t.dtype == DType::BF16 || t.dtype == DType::F16,
+                  "quantize: tensor ", name, " in ", t.file, " has dtype ", dtype_name(t.dtype),
+                  "; the input must be F32, BF16 or F16");
       if (is_quantizable_weight(name, t.shape.size())) {
         ++result.num_quantized;
         specs.push_back({name, DType::F8_E4M3, t.shape});
         items.push_back({OutputItem::Role::Codes, &t});
         if (config.method == QuantMethod::Fp8Block) {
-          specs.push_back({name + "_scale_inv", DType::F32,
-                           {ceil_div(t.shape[0], config.block_out), ceil_div(t.shape[1], config.block_in)}});
+          specs.push_back(
+              {name + "_scale_inv",
+               DType::F32,
+               {ceil_div(t.shape[0], config.block_out), ceil_div(t.shape[1], config.block_in)}});
         } else {
-          specs.push_back({name + "_scale", DType::F8_E8M0, {t.shape[0], ceil_div(t.shape[1], config.group_size)}});
+          specs.push_back({name + "_scale",
+                           DType::F8_E8M0,
+                           {t.shape[0], ceil_div(t.shape[1], config.group_size)}});
         }
         items.push_back({OutputItem::Role::Scales, &t});
       } else {
@@ -228,18 +241,22 @@ QuantizeResult quantize_checkpoint(const QuantizeOptions& options) {
     }
 
     QuantizedWeight current;
-    write_safetensors_streamed(options.out_dir / shard, specs, [&](size_t i, size_t offset, std::span<uint8_t> out) {
-      const OutputItem& item = items[i];
-      if (item.role == OutputItem::Role::Kept) {
-        fill_kept(*item.source, offset, out);
-        return;
-      }
-      if (current.source != item.source) quantize_weight(config, *item.source, current);
-      const std::vector<uint8_t>& bytes = item.role == OutputItem::Role::Codes ? current.codes : current.scale_bytes;
-      std::memcpy(out.data(), bytes.data() + offset, out.size());
-    });
+    write_safetensors_streamed(
+        options.out_dir / shard, specs, [&](size_t i, size_t offset, std::span<uint8_t> out) {
+          const OutputItem& item = items[i];
+          if (item.role == OutputItem::Role::Kept) {
+            fill_kept(*item.source, offset, out);
+            return;
+          }
+          if (current.source != item.source) quantize_weight(config, *item.source, current);
+          const std::vector<uint8_t>& bytes =
+              item.role == OutputItem::Role::Codes ? current.codes : current.scale_bytes;
+          std::memcpy(out.data(), bytes.data() + offset, out.size());
+        });
     ++result.num_shards;
-    if (options.log) options.log(str("wrote ", (options.out_dir / shard).string(), " (", specs.size(), " tensors)"));
+    if (options.log)
+      options.log(
+          str("wrote ", (options.out_dir / shard).string(), " (", specs.size(), " tensors)"));
   }
 
   if (fs::exists(options.in_dir / kIndexName)) {
@@ -253,7 +270,8 @@ QuantizeResult quantize_checkpoint(const QuantizeOptions& options) {
   write_json(options.out_dir / "config.json", config_json);
   for (const char* name : kCopiedFiles) {
     if (fs::exists(options.in_dir / name)) {
-      fs::copy_file(options.in_dir / name, options.out_dir / name, fs::copy_options::overwrite_existing);
+      fs::copy_file(options.in_dir / name, options.out_dir / name,
+                    fs::copy_options::overwrite_existing);
     }
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

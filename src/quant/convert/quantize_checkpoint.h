@@ -1,8 +1,9 @@
 // `relay quantize`: converts a bf16/f32 Hugging Face checkpoint into an FP8 one in the same layout.
 //
-// Output = input with every quantisable linear weight (2-D `*.weight` of a module not kept: lm_head,
-// embed_tokens, the MoE router `mlp.gate`, Qwen3.5's `shared_expert_gate`) replaced by F8_E4M3 codes
-// plus its scales — `<module>.weight_scale_inv` F32 [ceil(out/128), ceil(in/128)] for fp8-block128,
+// Output = input with every quantisable linear weight (2-D `*.weight` of a module not kept:
+// lm_head, embed_tokens, the MoE router `mlp.gate`, Qwen3.5's `shared_expert_gate`) replaced by
+// F8_E4M3 codes plus its scales — `<module>.weight_scale_inv` F32 [ceil(out/128), ceil(in/128)] for
+// fp8-block128,
 // `<module>.weight_scale` F8_E8M0 [out, ceil(in/32)] for mxfp8 — and every other tensor stored as
 // bf16. Shards keep their input names and contents (a scale lives next to its weight), the index is
 // rewritten with the new sizes, config.json gains a `quantization_config` (quant_config.h) whose

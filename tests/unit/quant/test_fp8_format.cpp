@@ -32,7 +32,8 @@ TEST_F(FormatFixture, DecodesEveryE4m3CodeAsTorch) {
       EXPECT_TRUE(std::isnan(got)) << "code " << c;
       ++nan_codes;
     } else {
-      EXPECT_EQ(bits_of(got), bits_of(expected[c])) << "code " << c << ": " << got << " vs " << expected[c];
+      EXPECT_EQ(bits_of(got), bits_of(expected[c]))
+          << "code " << c << ": " << got << " vs " << expected[c];
     }
   }
   EXPECT_EQ(nan_codes, 2);  // 0x7F and 0xFF
@@ -58,8 +59,8 @@ TEST_F(FormatFixture, EncodesLikeTorchClampThenCast) {
   for (size_t i = 0; i < inputs.size(); ++i) {
     const uint8_t got = f32_to_e4m3(inputs[i]);
     if (got != codes.data[i] && ++mismatches <= 10) {
-      ADD_FAILURE() << "input " << inputs[i] << " (bits 0x" << std::hex << bits_of(inputs[i]) << "): got 0x"
-                    << int(got) << ", torch 0x" << int(codes.data[i]);
+      ADD_FAILURE() << "input " << inputs[i] << " (bits 0x" << std::hex << bits_of(inputs[i])
+                    << "): got 0x" << int(got) << ", torch 0x" << int(codes.data[i]);
     }
   }
   EXPECT_EQ(mismatches, 0);

@@ -46,7 +46,8 @@ void expect_close(float got, const Reference& ref, int k, int group, const std::
 struct Shape {
   int m, n, k;
 };
-const Shape kShapes[] = {{1, 1, 1}, {1, 130, 300}, {3, 128, 128}, {17, 256, 7}, {5, 200, 129}, {2, 64, 384}};
+const Shape kShapes[] = {{1, 1, 1},    {1, 130, 300}, {3, 128, 128},
+                         {17, 256, 7}, {5, 200, 129}, {2, 64, 384}};
 
 TEST(Fp8ActQuant, IsTheWeightRecipeOnOneByGroupBlocks) {
   ThreadPool pool(2);
@@ -62,7 +63,8 @@ TEST(Fp8ActQuant, IsTheWeightRecipeOnOneByGroupBlocks) {
                                 scale_ref.data() + r * groups);
       for (int g = 0; g < groups; ++g) {
         float amax = 0;
-        for (int c = g * 128; c < std::min(s.k, (g + 1) * 128); ++c) amax = std::max(amax, std::fabs(x[r * s.k + c]));
+        for (int c = g * 128; c < std::min(s.k, (g + 1) * 128); ++c)
+          amax = std::max(amax, std::fabs(x[r * s.k + c]));
         EXPECT_EQ(scale[r * groups + g], amax / 448.0f) << "row " << r << " group " << g;
       }
     }
@@ -75,13 +77,15 @@ TEST(Fp8BlockMatmul, MatchesDoubleProductOfDequantisedOperands) {
   ThreadPool pool(2);
   std::mt19937 rng(2);
   for (const Shape& s : kShapes) {
-    const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f), w = random_matrix(s.n, s.k, rng, 0.02f);
+    const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f),
+                             w = random_matrix(s.n, s.k, rng, 0.02f);
     const int kg = static_cast<int>(ceil_div(s.k, 128)), ng = static_cast<int>(ceil_div(s.n, 128));
     std::vector<uint8_t> xq(x.size()), wq(w.size());
     std::vector<float> xs(s.m * kg), ws(ng * kg), out(s.m * s.n);
     launch_fp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k, 128}, pool);
     quantize_weight_fp8_block(w.data(), s.n, s.k, 128, 128, wq.data(), ws.data());
-    launch_fp8_block_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k}, pool);
+    launch_fp8_block_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
+                            pool);
 
     std::vector<float> xd(x.size()), wd(w.size());
     dequantize_weight_fp8_block(xq.data(), xs.data(), s.m, s.k, 1, 128, xd.data());
@@ -89,8 +93,9 @@ TEST(Fp8BlockMatmul, MatchesDoubleProductOfDequantisedOperands) {
     double err2 = 0, ref2 = 0;
     for (int r = 0; r < s.m; ++r) {
       for (int j = 0; j < s.n; ++j) {
-        expect_close(out[r * s.n + j], dot(&xd[r * s.k], &wd[j * s.k], s.k), s.k, 128,
-                     "m" + std::to_string(s.m) + " n" + std::to_string(s.n) + " k" + std::to_string(s.k));
+        expect_close(
+            out[r * s.n + j], dot(&xd[r * s.k], &wd[j * s.k], s.k), s.k, 128,
+            "m" + std::to_string(s.m) + " n" + std::to_string(s.n) + " k" + std::to_string(s.k));
         const double exact = dot(&x[r * s.k], &w[j * s.k], s.k).value;
         err2 += (out[r * s.n + j] - exact) * (out[r * s.n + j] - exact);
         ref2 += exact * exact;
@@ -119,7 +124,8 @@ TEST(Fp8BlockGroupedMatmul, EachRowUsesItsExpertsWeightsAndScales) {
   for (int num_rows : {1, 9, 40}) {
     const std::vector<int32_t> offsets = offsets_for(num_rows, num_experts, rng);
     ASSERT_EQ(offsets.back(), num_rows);
-    const std::vector<float> x = random_matrix(num_rows, k, rng, 1.0f), w = random_matrix(num_experts * n, k, rng, 0.02f);
+    const std::vector<float> x = random_matrix(num_rows, k, rng, 1.0f),
+                             w = random_matrix(num_experts * n, k, rng, 0.02f);
     const int kg = static_cast<int>(ceil_div(k, 128)), ng = static_cast<int>(ceil_div(n, 128));
     std::vector<uint8_t> xq(x.size()), wq(w.size());
     std::vector<float> xs(num_rows * kg), ws(num_experts * ng * kg), out(num_rows * n);
@@ -127,8 +133,9 @@ TEST(Fp8BlockGroupedMatmul, EachRowUsesItsExpertsWeightsAndScales) {
     for (int e = 0; e < num_experts; ++e) {
       quantize_weight_fp8_block(&w[e * n * k], n, k, 128, 128, &wq[e * n * k], &ws[e * ng * kg]);
     }
-    launch_fp8_block_grouped_matmul(
-        {xq.data(), xs.data(), wq.data(), ws.data(), offsets.data(), out.data(), num_rows, num_experts, n, k}, pool);
+    launch_fp8_block_grouped_matmul({xq.data(), xs.data(), wq.data(), ws.data(), offsets.data(),
+                                     out.data(), num_rows, num_experts, n, k},
+                                    pool);
     std::vector<float> xd(x.size()), wd(w.size());
     dequantize_weight_fp8_block(xq.data(), xs.data(), num_rows, k, 1, 128, xd.data());
     for (int e = 0; e < num_experts; ++e) {
@@ -147,18 +154,21 @@ TEST(Mxfp8Matmul, MatchesDoubleProductOfDequantisedOperands) {
   ThreadPool pool(2);
   std::mt19937 rng(4);
   for (const Shape& s : kShapes) {
-    const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f), w = random_matrix(s.n, s.k, rng, 0.02f);
+    const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f),
+                             w = random_matrix(s.n, s.k, rng, 0.02f);
     const int kg = static_cast<int>(ceil_div(s.k, 32));
     std::vector<uint8_t> xq(x.size()), wq(w.size()), xs(s.m * kg), ws(s.n * kg);
     std::vector<float> out(s.m * s.n), xd(x.size()), wd(w.size());
     launch_mxfp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k}, pool);
     quantize_weight_mxfp8(w.data(), s.n, s.k, wq.data(), ws.data());
-    launch_mxfp8_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k}, pool);
+    launch_mxfp8_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
+                        pool);
     dequantize_weight_mxfp8(xq.data(), xs.data(), s.m, s.k, xd.data());
     dequantize_weight_mxfp8(wq.data(), ws.data(), s.n, s.k, wd.data());
     for (int r = 0; r < s.m; ++r) {
       for (int j = 0; j < s.n; ++j) {
-        expect_close(out[r * s.n + j], dot(&xd[r * s.k], &wd[j * s.k], s.k), s.k, 32, "mx k" + std::to_string(s.k));
+        expect_close(out[r * s.n + j], dot(&xd[r * s.k], &wd[j * s.k], s.k), s.k, 32,
+                     "mx k" + std::to_string(s.k));
       }
     }
   }
@@ -169,20 +179,23 @@ TEST(Mxfp8GroupedMatmul, EachRowUsesItsExpertsWeightsAndScales) {
   std::mt19937 rng(6);
   const int num_experts = 4, n = 72, k = 100, num_rows = 23;
   const std::vector<int32_t> offsets = offsets_for(num_rows, num_experts, rng);
-  const std::vector<float> x = random_matrix(num_rows, k, rng, 1.0f), w = random_matrix(num_experts * n, k, rng, 0.02f);
+  const std::vector<float> x = random_matrix(num_rows, k, rng, 1.0f),
+                           w = random_matrix(num_experts * n, k, rng, 0.02f);
   const int kg = static_cast<int>(ceil_div(k, 32));
   std::vector<uint8_t> xq(x.size()), wq(w.size()), xs(num_rows * kg), ws(num_experts * n * kg);
   std::vector<float> out(num_rows * n), xd(x.size()), wd(w.size());
   launch_mxfp8_act_quant({x.data(), xq.data(), xs.data(), num_rows, k}, pool);
   quantize_weight_mxfp8(w.data(), num_experts * n, k, wq.data(), ws.data());
-  launch_mxfp8_grouped_matmul(
-      {xq.data(), xs.data(), wq.data(), ws.data(), offsets.data(), out.data(), num_rows, num_experts, n, k}, pool);
+  launch_mxfp8_grouped_matmul({xq.data(), xs.data(), wq.data(), ws.data(), offsets.data(),
+                               out.data(), num_rows, num_experts, n, k},
+                              pool);
   dequantize_weight_mxfp8(xq.data(), xs.data(), num_rows, k, xd.data());
   dequantize_weight_mxfp8(wq.data(), ws.data(), num_experts * n, k, wd.data());
   for (int e = 0; e < num_experts; ++e) {
     for (int r = offsets[e]; r < offsets[e + 1]; ++r) {
       for (int j = 0; j < n; ++j) {
-        expect_close(out[r * n + j], dot(&xd[r * k], &wd[(e * n + j) * k], k), k, 32, "mx expert " + std::to_string(e));
+        expect_close(out[r * n + j], dot(&xd[r * k], &wd[(e * n + j) * k], k), k, 32,
+                     "mx expert " + std::to_string(e));
       }
     }
   }
@@ -193,11 +206,13 @@ TEST(Fp8GroupedMatmul, RejectsOffsetsThatDoNotCoverTheRows) {
   std::vector<uint8_t> q(4 * 8);
   std::vector<float> s(4 * 8, 1.0f), out(4 * 8);
   const std::vector<int32_t> short_offsets = {0, 1, 3}, decreasing = {0, 3, 2};
-  EXPECT_THROW(launch_fp8_block_grouped_matmul(
-                   {q.data(), s.data(), q.data(), s.data(), short_offsets.data(), out.data(), 4, 2, 4, 8}, pool),
+  EXPECT_THROW(launch_fp8_block_grouped_matmul({q.data(), s.data(), q.data(), s.data(),
+                                                short_offsets.data(), out.data(), 4, 2, 4, 8},
+                                               pool),
                Error);
-  EXPECT_THROW(launch_fp8_block_grouped_matmul(
-                   {q.data(), s.data(), q.data(), s.data(), decreasing.data(), out.data(), 2, 2, 4, 8}, pool),
+  EXPECT_THROW(launch_fp8_block_grouped_matmul({q.data(), s.data(), q.data(), s.data(),
+                                                decreasing.data(), out.data(), 2, 2, 4, 8},
+                                               pool),
                Error);
 }
 

@@ -1,8 +1,8 @@
-// `relay quantize` (quantize_checkpoint) on a random tiny-moe checkpoint from make_model: the output
-// keeps the shards and the HF names, every linear weight becomes F8_E4M3 with scales of the right
-// dtype and shape, kept tensors are bf16 with their values, config.json's quantization_config parses
-// back and lists the kept modules, and the stored weights dequantise to the recipe's values within
-// the e4m3 bound of the originals.
+// `relay quantize` (quantize_checkpoint) on a random tiny-moe checkpoint from make_model: the
+// output keeps the shards and the HF names, every linear weight becomes F8_E4M3 with scales of the
+// right dtype and shape, kept tensors are bf16 with their values, config.json's quantization_config
+// parses back and lists the kept modules, and the stored weights dequantise to the recipe's values
+// within the e4m3 bound of the originals.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -101,8 +101,10 @@ void check_converted(const fs::path& in_dir, const fs::path& out_dir, QuantMetho
     float amax = 0;
     for (float v : original) amax = std::max(amax, std::fabs(v));
     for (size_t i = 0; i < deq.size(); ++i) {
-      // 2^-4 relative (3 mantissa bits); subnormal steps of 2^-9 of a scale no larger than amax/224.
-      ASSERT_LE(std::fabs(deq[i] - original[i]), std::max(std::fabs(original[i]) * 0x1p-4f, amax * 0x1p-16f))
+      // 2^-4 relative (3 mantissa bits); subnormal steps of 2^-9 of a scale no larger than
+      // amax/224.
+      ASSERT_LE(std::fabs(deq[i] - original[i]),
+                std::max(std::fabs(original[i]) * 0x1p-4f, amax * 0x1p-16f))
           << name << "[" << i << "]";
     }
   }
@@ -111,18 +113,21 @@ void check_converted(const fs::path& in_dir, const fs::path& out_dir, QuantMetho
   EXPECT_GT(kept, 0);
   EXPECT_EQ(out.names().size(), in.names().size() + quantized);
 
-  for (const char* module : {"lm_head", "model.embed_tokens", "model.norm", "model.layers.0.mlp.gate",
-                             "model.layers.1.input_layernorm", "model.layers.0.self_attn.q_norm"}) {
+  for (const char* module :
+       {"lm_head", "model.embed_tokens", "model.norm", "model.layers.0.mlp.gate",
+        "model.layers.1.input_layernorm", "model.layers.0.self_attn.q_norm"}) {
     EXPECT_TRUE(config.keeps_unquantized(module)) << module;
   }
-  for (const char* module : {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.7.down_proj"}) {
+  for (const char* module :
+       {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.7.down_proj"}) {
     EXPECT_FALSE(config.keeps_unquantized(module)) << module;
   }
   for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
     EXPECT_TRUE(fs::exists(out_dir / file)) << file;
   }
   // The rest of config.json is unchanged.
-  nlohmann::json in_config = read_json(in_dir / "config.json"), out_config = read_json(out_dir / "config.json");
+  nlohmann::json in_config = read_json(in_dir / "config.json"),
+                 out_config = read_json(out_dir / "config.json");
   out_config.erase("quantization_config");
   EXPECT_EQ(out_config, in_config);
 }

@@ -40,7 +40,8 @@ class WeightFixture : public ::testing::Test {
   int64_t rows = get("w").shape[0], cols = get("w").shape[1];
 };
 
-void expect_bitwise_equal(const std::vector<float>& got, const std::vector<float>& expected, const char* what) {
+void expect_bitwise_equal(const std::vector<float>& got, const std::vector<float>& expected,
+                          const char* what) {
   ASSERT_EQ(got.size(), expected.size()) << what;
   int mismatches = 0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -127,44 +128,56 @@ TEST(StoredWeight, RejectsBadScalesNamingFileTensorAndBothShapes) {
   std::vector<uint8_t> q(300 * 200);
   std::vector<float> scale(3 * 2), out(300 * 200);
   const std::vector<int64_t> w_shape = {300, 200}, good = {3, 2}, bad = {2, 2}, mx_shape = {300, 7};
-  const StoredTensor weight{"model.layers.0.mlp.down_proj.weight", "model-00001.safetensors", DType::F8_E4M3,
-                            w_shape, q.data()};
+  const StoredTensor weight{"model.layers.0.mlp.down_proj.weight", "model-00001.safetensors",
+                            DType::F8_E4M3, w_shape, q.data()};
   const auto scale_of = [&](DType d, const std::vector<int64_t>& s) {
-    return StoredTensor{"model.layers.0.mlp.down_proj.weight_scale_inv", "model-00002.safetensors", d, s,
-                        reinterpret_cast<const uint8_t*>(scale.data())};
+    return StoredTensor{"model.layers.0.mlp.down_proj.weight_scale_inv", "model-00002.safetensors",
+                        d, s, reinterpret_cast<const uint8_t*>(scale.data())};
   };
   dequantize_stored_weight(fp8_config(), weight, scale_of(DType::F32, good), out.data());
 
-  const std::string shape_error =
-      error_of([&] { dequantize_stored_weight(fp8_config(), weight, scale_of(DType::F32, bad), out.data()); });
-  for (const char* part : {"model.layers.0.mlp.down_proj.weight_scale_inv", "model-00002.safetensors", "[2, 2]",
-                           "[3, 2]", "[300, 200]"}) {
-    EXPECT_NE(shape_error.find(part), std::string::npos) << part << " missing from: " << shape_error;
+  const std::string shape_error = error_of([&] {
+    dequantize_stored_weight(fp8_config(), weight, scale_of(DType::F32, bad), out.data());
+  });
+  for (const char* part : {"model.layers.0.mlp.down_proj.weight_scale_inv",
+                           "model-00002.safetensors", "[2, 2]", "[3, 2]", "[300, 200]"}) {
+    EXPECT_NE(shape_error.find(part), std::string::npos)
+        << part << " missing from: " << shape_error;
   }
-  EXPECT_NE(error_of([&] { dequantize_stored_weight(fp8_config(), weight, scale_of(DType::I32, good), out.data()); })
-                .find("has dtype I32"),
+  EXPECT_NE(error_of([&] {
+              dequantize_stored_weight(fp8_config(), weight, scale_of(DType::I32, good),
+                                       out.data());
+            }).find("has dtype I32"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { dequantize_stored_weight(QuantConfig{}, weight, scale_of(DType::F32, good), out.data()); })
-                .find("no quantization_config"),
+  EXPECT_NE(error_of([&] {
+              dequantize_stored_weight(QuantConfig{}, weight, scale_of(DType::F32, good),
+                                       out.data());
+            }).find("no quantization_config"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { dequantize_stored_weight(mx_config(), weight, scale_of(DType::F32, mx_shape), out.data()); })
-                .find("mxfp8 scales are U8 or F8_E8M0"),
+  EXPECT_NE(error_of([&] {
+              dequantize_stored_weight(mx_config(), weight, scale_of(DType::F32, mx_shape),
+                                       out.data());
+            }).find("mxfp8 scales are U8 or F8_E8M0"),
             std::string::npos);
   StoredTensor wrong = weight;
   wrong.dtype = DType::BF16;
-  EXPECT_NE(error_of([&] { dequantize_stored_weight(fp8_config(), wrong, scale_of(DType::F32, good), out.data()); })
-                .find("quantised weights are F8_E4M3"),
+  EXPECT_NE(error_of([&] {
+              dequantize_stored_weight(fp8_config(), wrong, scale_of(DType::F32, good), out.data());
+            }).find("quantised weights are F8_E4M3"),
             std::string::npos);
 }
 
 // |w - dequant(quant(w))| <= max(|w| * 2^-4, scale * 2^-10) * (1 + 2^-20): e4m3 keeps 3 mantissa
 // bits (a relative half-step of 2^-4) down to its smallest normal, and the subnormal grid has step
-// 2^-9 (half-step 2^-10) in units of the scale; the slack covers the one fp32 rounding of w / scale.
+// 2^-9 (half-step 2^-10) in units of the scale; the slack covers the one fp32 rounding of w /
+// scale.
 void expect_within_e4m3_bound(const std::vector<float>& w, const std::vector<float>& deq,
-                              const std::function<float(int64_t)>& scale_of_index, const char* what) {
+                              const std::function<float(int64_t)>& scale_of_index,
+                              const char* what) {
   int failures = 0;
   for (size_t i = 0; i < w.size(); ++i) {
-    const double bound = std::max(std::fabs(w[i]) * 0x1p-4, scale_of_index(i) * 0x1p-10) * (1 + 0x1p-20);
+    const double bound =
+        std::max(std::fabs(w[i]) * 0x1p-4, scale_of_index(i) * 0x1p-10) * (1 + 0x1p-20);
     if (std::fabs(static_cast<double>(w[i]) - deq[i]) > bound && ++failures <= 5) {
       ADD_FAILURE() << what << "[" << i << "]: " << w[i] << " -> " << deq[i] << ", bound " << bound;
     }
@@ -184,19 +197,22 @@ TEST(WeightQuant, QuantiseDequantiseErrorIsWithinTheE4m3Bound) {
     quantize_weight_fp8_block(w.data(), rows, cols, 128, 128, q.data(), scale.data());
     dequantize_weight_fp8_block(q.data(), scale.data(), rows, cols, 128, 128, deq.data());
     expect_within_e4m3_bound(
-        w, deq, [&](int64_t i) { return scale[(i / cols / 128) * sc + (i % cols) / 128]; }, "fp8 block");
+        w, deq, [&](int64_t i) { return scale[(i / cols / 128) * sc + (i % cols) / 128]; },
+        "fp8 block");
 
     const int64_t groups = ceil_div(cols, 32);
     std::vector<uint8_t> mq(w.size()), ms(rows * groups);
     quantize_weight_mxfp8(w.data(), rows, cols, mq.data(), ms.data());
     dequantize_weight_mxfp8(mq.data(), ms.data(), rows, cols, deq.data());
     expect_within_e4m3_bound(
-        w, deq, [&](int64_t i) { return e8m0_to_f32(ms[(i / cols) * groups + (i % cols) / 32]); }, "mxfp8");
+        w, deq, [&](int64_t i) { return e8m0_to_f32(ms[(i / cols) * groups + (i % cols) / 32]); },
+        "mxfp8");
   }
 }
 
 TEST(WeightQuant, BlockMaximumIsRepresentedExactly) {
-  // scale = amax / 448, so the largest element maps to 448 (code 0x7E) up to the division's rounding.
+  // scale = amax / 448, so the largest element maps to 448 (code 0x7E) up to the division's
+  // rounding.
   std::vector<float> w = {0.1f, -0.7f, 0.3f, 0.25f};
   std::vector<uint8_t> q(4);
   float scale = 0;
@@ -220,7 +236,8 @@ TEST(QuantConfig, ParsesTheQwenFp8Config) {
   EXPECT_FALSE(c.keeps_unquantized("model.layers.1.mlp.gate"));
   EXPECT_FALSE(c.keeps_unquantized("model.layers.0.mlp.gate_proj"));
   EXPECT_FALSE(c.keeps_unquantized("model.layers.0.mlp.experts.0.gate_proj"));
-  EXPECT_EQ(QuantConfig::from_json(c.to_json(), "round trip").modules_to_not_convert, c.modules_to_not_convert);
+  EXPECT_EQ(QuantConfig::from_json(c.to_json(), "round trip").modules_to_not_convert,
+            c.modules_to_not_convert);
 
   QuantConfig suffixes;
   suffixes.modules_to_not_convert = {"mlp.gate"};
@@ -230,21 +247,25 @@ TEST(QuantConfig, ParsesTheQwenFp8Config) {
 
 TEST(QuantConfig, RejectsWhatRelayCannotRunNamingTheField) {
   const auto reject = [](const char* text, const char* part) {
-    const std::string e = error_of([&] { QuantConfig::from_json(nlohmann::json::parse(text), "cfg.json"); });
+    const std::string e =
+        error_of([&] { QuantConfig::from_json(nlohmann::json::parse(text), "cfg.json"); });
     EXPECT_NE(e.find(part), std::string::npos) << text << " -> " << e;
   };
   reject(R"({"quant_method": "fp8", "fmt": "e4m3"})", "weight_block_size");
   reject(R"({"quant_method": "fp8", "weight_block_size": [128]})", "weight_block_size");
   reject(R"({"quant_method": "fp8", "weight_block_size": [0, 128]})", "positive");
-  reject(R"({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"})",
-         "activation_scheme");
+  reject(
+      R"({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"})",
+      "activation_scheme");
   reject(R"({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"})", "fmt");
   reject(R"({"quant_method": "awq"})", "quant_method 'awq'");
   reject(R"({"fmt": "e4m3"})", "quant_method");
   reject(R"({"quant_method": "mxfp8", "group_size": 16})", "group_size");
-  reject(R"({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": [1]})",
-         "modules_to_not_convert");
-  const QuantConfig mx = QuantConfig::from_json(nlohmann::json::parse(R"({"quant_method": "mxfp8"})"), "x");
+  reject(
+      R"({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": [1]})",
+      "modules_to_not_convert");
+  const QuantConfig mx =
+      QuantConfig::from_json(nlohmann::json::parse(R"({"quant_method": "mxfp8"})"), "x");
   EXPECT_EQ(mx.method, QuantMethod::Mxfp8);
   EXPECT_EQ(QuantConfig::from_json(mx.to_json(), "y").method, QuantMethod::Mxfp8);
 }
