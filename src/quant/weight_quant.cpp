@@ -158,4 +158,12 @@ void dequantize_stored_weight(const QuantConfig& config, const StoredTensor& wei
   }
 }
 
+void dequantize_stored_weight(const QuantConfig& config, const StoredTensor& weight,
+                              const std::function<StoredTensor(const std::string&)>& find_tensor,
+                              float* w) {
+  RELAY_CHECK(config.quantized(), "tensor ", weight.name, " in ", weight.file, " is ",
+              dtype_name(weight.dtype), " but config.json has no quantization_config");
+  dequantize_stored_weight(config, weight, find_tensor(scale_tensor_name(config, weight.name)), w);
+}
+
 }  // namespace relay::quant

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -63,5 +64,11 @@ std::string scale_tensor_name(const QuantConfig& config, std::string_view weight
 // tensor and both shapes.
 void dequantize_stored_weight(const QuantConfig& config, const StoredTensor& weight,
                               const StoredTensor& scale, float* w);
+// The loader's form: checks that the checkpoint is quantised before asking `find_tensor` for the
+// scale tensor (scale_tensor_name), so an F8 weight in an unquantised checkpoint is reported as
+// such rather than as a missing scale.
+void dequantize_stored_weight(const QuantConfig& config, const StoredTensor& weight,
+                              const std::function<StoredTensor(const std::string&)>& find_tensor,
+                              float* w);
 
 }  // namespace relay::quant

@@ -159,6 +159,20 @@ TEST(StoredWeight, RejectsBadScalesNamingFileTensorAndBothShapes) {
                                        out.data());
             }).find("mxfp8 scales are U8 or F8_E8M0"),
             std::string::npos);
+  // The loader's form asks for the scale by name, and only once the config says it is quantised.
+  std::vector<std::string> asked;
+  const auto find = [&](const std::string& name) {
+    asked.push_back(name);
+    return scale_of(DType::F32, good);
+  };
+  dequantize_stored_weight(fp8_config(), weight, find, out.data());
+  EXPECT_EQ(asked, std::vector<std::string>{"model.layers.0.mlp.down_proj.weight_scale_inv"});
+  EXPECT_NE(error_of([&] {
+              dequantize_stored_weight(QuantConfig{}, weight, find, out.data());
+            }).find("no quantization_config"),
+            std::string::npos);
+  EXPECT_EQ(asked.size(), 1u);
+  EXPECT_EQ(scale_tensor_name(mx_config(), "a.weight"), "a.weight_scale");
   StoredTensor wrong = weight;
   wrong.dtype = DType::BF16;
   EXPECT_NE(error_of([&] {
