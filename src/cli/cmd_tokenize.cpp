@@ -1,11 +1,12 @@
-// `relay tokenize`: the tokenizer on the command line, for scripts and for the end-to-end tests that
-// compare Relay with Hugging Face `tokenizers`. Encoding reads raw bytes from stdin (so invalid
-// UTF-8 reaches the tokenizer unchanged) and prints a JSON list of ids; --decode does the reverse.
+// `relay tokenize`: the tokenizer on the command line, for scripts and for the end-to-end tests
+// that compare Relay with Hugging Face `tokenizers`. Encoding reads raw bytes from stdin (so
+// invalid UTF-8 reaches the tokenizer unchanged) and prints a JSON list of ids; --decode does the
+// reverse.
 // --batch handles one JSON value per line, so a script pays the tokenizer's load time once.
 #include <chrono>
-#include <iostream>
 #include <cstdio>
 #include <ctime>
+#include <iostream>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -27,7 +28,8 @@ struct TokenizeOptions {
 };
 
 double ms_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
 }
 
 // CPU time of this thread: encode throughput that does not depend on how busy the machine is.
@@ -38,9 +40,9 @@ double thread_cpu_ms() {
 }
 
 void print_stats(double load_ms, size_t num_bytes, size_t num_tokens, double encode_ms) {
-  std::cerr << "relay tokenize: load " << load_ms << " ms; encoded " << num_bytes << " bytes into " << num_tokens
-            << " tokens in " << encode_ms << " ms of CPU time (" << double(num_bytes) / 1e6 / (encode_ms / 1e3)
-            << " MB/s)\n";
+  std::cerr << "relay tokenize: load " << load_ms << " ms; encoded " << num_bytes << " bytes into "
+            << num_tokens << " tokens in " << encode_ms << " ms of CPU time ("
+            << double(num_bytes) / 1e6 / (encode_ms / 1e3) << " MB/s)\n";
 }
 
 // All of stdin, in large reads (istreambuf_iterator on a stdio-synced cin reads byte by byte).
@@ -77,7 +79,8 @@ std::vector<int32_t> json_to_ids(const std::string& text) {
   return values;
 }
 
-// One JSON value per input line: strings to encode, or id lists to decode (printed as JSON strings).
+// One JSON value per input line: strings to encode, or id lists to decode (printed as JSON
+// strings).
 int run_batch(const Tokenizer& tokenizer, const TokenizeOptions& o, double load_ms) {
   std::string line;
   std::string out;
@@ -95,7 +98,8 @@ int run_batch(const Tokenizer& tokenizer, const TokenizeOptions& o, double load_
       } catch (const nlohmann::json::exception& e) {
         fail(str("--batch expects one JSON string per line: ", e.what()));
       }
-      RELAY_CHECK(text.is_string(), "--batch expects one JSON string per line, got ", text.type_name());
+      RELAY_CHECK(text.is_string(), "--batch expects one JSON string per line, got ",
+                  text.type_name());
       const std::string& input = text.get_ref<const std::string&>();
       const double encode_start_ms = thread_cpu_ms();
       const std::vector<int32_t> ids = tokenizer.encode(input, !o.special_as_text);
@@ -143,11 +147,13 @@ const CommandRegistrar kRegistrar{Command{
                    "encode special-token strings in the input as plain text instead of their ids");
       sub.add_flag("--stats", o->stats,
                    "when encoding: print load time and encode throughput (CPU time) to stderr");
-      sub.add_flag("--batch", o->batch,
-                   "one JSON value per stdin line (a string to encode, or with --decode an id list); "
-                   "one JSON result per stdout line");
+      sub.add_flag(
+          "--batch", o->batch,
+          "one JSON value per stdin line (a string to encode, or with --decode an id list); "
+          "one JSON result per stdout line");
       sub.footer(
-          "Without --decode: reads text (raw bytes; invalid UTF-8 becomes U+FFFD) on stdin and prints "
+          "Without --decode: reads text (raw bytes; invalid UTF-8 becomes U+FFFD) on stdin and "
+          "prints "
           "its token ids as one JSON list, exactly as Hugging Face tokenizers' encode(text, "
           "add_special_tokens=False).");
       return [o] { return run_tokenize(*o); };

@@ -33,8 +33,8 @@ bool is_word_character(std::string_view character) {
     return c;
   }();
   pcre2_match_data* data = pcre2_match_data_create(1, nullptr);
-  const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(character.data()), character.size(), 0,
-                             PCRE2_NO_UTF_CHECK, data, nullptr);
+  const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(character.data()), character.size(),
+                             0, PCRE2_NO_UTF_CHECK, data, nullptr);
   pcre2_match_data_free(data);
   return rc > 0;
 }
@@ -72,7 +72,8 @@ size_t white_space_after(std::string_view text, size_t begin) {
 
 }  // namespace
 
-AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedToken> tokens, const std::vector<std::string>& patterns)
+AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedToken> tokens,
+                                     const std::vector<std::string>& patterns)
     : tokens_(std::move(tokens)) {
   trie_.emplace_back();
   for (size_t t = 0; t < patterns.size(); ++t) {
@@ -86,12 +87,14 @@ AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedToken> tokens, const std::
         next = int32_t(trie_.size());
         trie_.emplace_back();
         auto& children = trie_[size_t(node)].children;
-        children.insert(std::lower_bound(children.begin(), children.end(), std::pair<uint8_t, int32_t>{byte, 0}),
+        children.insert(std::lower_bound(children.begin(), children.end(),
+                                         std::pair<uint8_t, int32_t>{byte, 0}),
                         {byte, next});
       }
       node = next;
     }
-    // Equal strings (a token listed twice) keep the first, as the automaton reports the first pattern.
+    // Equal strings (a token listed twice) keep the first, as the automaton reports the first
+    // pattern.
     if (trie_[size_t(node)].token < 0) trie_[size_t(node)].token = int32_t(t);
     first_byte_[static_cast<uint8_t>(pattern[0])] = true;
   }
@@ -99,11 +102,13 @@ AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedToken> tokens, const std::
 
 int32_t AddedTokenMatcher::child(int32_t node, uint8_t byte) const {
   const auto& children = trie_[size_t(node)].children;
-  const auto it = std::lower_bound(children.begin(), children.end(), std::pair<uint8_t, int32_t>{byte, 0});
+  const auto it =
+      std::lower_bound(children.begin(), children.end(), std::pair<uint8_t, int32_t>{byte, 0});
   return it != children.end() && it->first == byte ? it->second : -1;
 }
 
-void AddedTokenMatcher::split(std::string_view text, bool skip_special, std::vector<Segment>& out) const {
+void AddedTokenMatcher::split(std::string_view text, bool skip_special,
+                              std::vector<Segment>& out) const {
   size_t done = 0;  // end of the last emitted segment
   size_t pos = 0;
   while (pos < text.size()) {
@@ -135,7 +140,8 @@ void AddedTokenMatcher::split(std::string_view text, bool skip_special, std::vec
     if (token.single_word) {
       const std::string_view before = last_character(text.substr(0, start));
       const std::string_view after = first_character(text.substr(stop));
-      if ((!before.empty() && is_word_character(before)) || (!after.empty() && is_word_character(after))) {
+      if ((!before.empty() && is_word_character(before)) ||
+          (!after.empty() && is_word_character(after))) {
         continue;
       }
     }

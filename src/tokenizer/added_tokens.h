@@ -42,7 +42,7 @@ class AddedTokenMatcher {
 
  private:
   struct Node {
-    int32_t token = -1;              // index into tokens_ when a pattern ends here
+    int32_t token = -1;  // index into tokens_ when a pattern ends here
     std::vector<std::pair<uint8_t, int32_t>> children;  // (byte, node), sorted by byte
   };
   int32_t child(int32_t node, uint8_t byte) const;

@@ -109,7 +109,8 @@ struct BpeModel::State {
   WordCache cache{kCacheCapacityWords};
   std::unordered_map<std::string, int32_t> whole_words;
 
-  State(const std::array<int32_t, 256>& ids, size_t num_merges) : byte_ids(ids), merges(num_merges) {}
+  State(const std::array<int32_t, 256>& ids, size_t num_merges)
+      : byte_ids(ids), merges(num_merges) {}
 };
 
 BpeModel::BpeModel(const std::array<int32_t, 256>& byte_ids,
@@ -158,18 +159,21 @@ void BpeModel::merge(std::string_view word, std::vector<int32_t>& out) const {
     int32_t rank;
     int32_t pos;  // index of the left symbol
     int32_t id;   // the merged token this entry was queued for
-    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
+    }
   };
   const MergeTable& table = state_->merges;
   const int32_t n = int32_t(word.size());
   std::vector<Symbol> symbols(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) {
-    symbols[size_t(i)] = {state_->byte_ids[uint8_t(word[size_t(i)])], i - 1, i + 1 < n ? i + 1 : -1, true};
+    symbols[size_t(i)] = {state_->byte_ids[uint8_t(word[size_t(i)])], i - 1, i + 1 < n ? i + 1 : -1,
+                          true};
   }
   std::vector<Candidate> storage;
   storage.reserve(size_t(n));
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> queue(std::greater<>{},
-                                                                              std::move(storage));
+                                                                               std::move(storage));
   for (int32_t i = 0; i + 1 < n; ++i) {
     if (const MergeResult* m = table.find(symbols[size_t(i)].id, symbols[size_t(i + 1)].id)) {
       queue.push({m->rank, i, m->id});

@@ -28,7 +28,8 @@ class BpeModel {
   // `byte_ids[b]`: the token of the single byte b. `merges`: (left id, right id, merged id) in
   // rank order (a later duplicate pair takes the later rank, as in the oracle). `whole_words`
   // (ignore_merges only; empty otherwise): tokens by their bytes, a word that is one skips merging.
-  BpeModel(const std::array<int32_t, 256>& byte_ids, const std::vector<std::array<int32_t, 3>>& merges,
+  BpeModel(const std::array<int32_t, 256>& byte_ids,
+           const std::vector<std::array<int32_t, 3>>& merges,
            std::vector<std::pair<std::string, int32_t>> whole_words);
   ~BpeModel();
   BpeModel(const BpeModel&) = delete;

@@ -1,5 +1,6 @@
 // See split_regex.h. Matches are collected as (span, is_match) over the whole text, flipped when
-// inverted, then folded by the behaviour exactly as the oracle folds them; empty pieces are dropped.
+// inverted, then folded by the behaviour exactly as the oracle folds them; empty pieces are
+// dropped.
 #include "tokenizer/split_regex.h"
 
 #include <algorithm>
@@ -70,7 +71,8 @@ std::string rewrite_pattern_for_pcre2(std::string_view pattern, const std::strin
     if (c == '\\' && i + 1 < pattern.size()) {
       const char e = pattern[i + 1];
       if (e == 's' || e == 'S') {
-        RELAY_CHECK(!(in_class && e == 'S'), what, ": \\S inside a character class is not supported");
+        RELAY_CHECK(!(in_class && e == 'S'), what,
+                    ": \\S inside a character class is not supported");
         if (in_class) {
           out += white_space_items();
         } else {
@@ -99,7 +101,8 @@ std::string rewrite_pattern_for_pcre2(std::string_view pattern, const std::strin
         if (name == "L" || name == "N") {
           const std::string& items = name == "L" ? letter_items() : number_items();
           if (in_class) {
-            RELAY_CHECK(!negated, what, ": a negated \\P{", name, "} inside a character class is not supported");
+            RELAY_CHECK(!negated, what, ": a negated \\P{", name,
+                        "} inside a character class is not supported");
             out += items;
           } else {
             out += (negated ? "[^" : "[") + items + "]";
@@ -116,7 +119,8 @@ std::string rewrite_pattern_for_pcre2(std::string_view pattern, const std::strin
     if (in_class) {
       if (c == '[' && i + 1 < pattern.size() && pattern[i + 1] == ':') {
         const size_t close = pattern.find(":]", i + 2);
-        RELAY_CHECK(close != std::string_view::npos, what, ": unterminated POSIX class in the pattern");
+        RELAY_CHECK(close != std::string_view::npos, what,
+                    ": unterminated POSIX class in the pattern");
         out.append(pattern.substr(i, close + 2 - i));
         i = close + 1;
         continue;
@@ -153,8 +157,8 @@ SplitRegex::SplitRegex(std::string_view pattern, bool literal, SplitBehavior beh
   const uint32_t options = literal ? PCRE2_UTF | PCRE2_LITERAL : PCRE2_UTF | PCRE2_UCP;
   code_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(compiled_pattern_.data()),
                               compiled_pattern_.size(), options, &error, &error_offset, nullptr);
-  RELAY_CHECK(code_->code != nullptr, what, ": PCRE2 rejects the pattern at offset ", error_offset, ": ",
-              pcre2_message(error));
+  RELAY_CHECK(code_->code != nullptr, what, ": PCRE2 rejects the pattern at offset ", error_offset,
+              ": ", pcre2_message(error));
   const int jit = pcre2_jit_compile(code_->code, PCRE2_JIT_COMPLETE);
   RELAY_CHECK(jit == 0, what, ": PCRE2 JIT compilation failed: ", pcre2_message(jit));
 }
@@ -194,7 +198,8 @@ void SplitRegex::split(std::string_view text, std::vector<Span>& out) const {
     have_previous = true;
     search_from = end;
   }
-  if (previous_end < text.size()) pieces.push_back({{uint32_t(previous_end), uint32_t(text.size())}, false});
+  if (previous_end < text.size())
+    pieces.push_back({{uint32_t(previous_end), uint32_t(text.size())}, false});
   if (invert_) {
     for (Piece& p : pieces) p.is_match = !p.is_match;
   }

@@ -49,8 +49,8 @@ class SplitRegex {
 };
 
 // Rewrites \s, \S, \p{L}, \p{N} (and \P{..} outside classes) of an Oniguruma-style pattern into
-// PCRE2 syntax carrying the oracle's Unicode sets. Throws relay::Error naming `what` for a construct
-// the rewrite cannot express (\S or \P{..} inside a character class).
+// PCRE2 syntax carrying the oracle's Unicode sets. Throws relay::Error naming `what` for a
+// construct the rewrite cannot express (\S or \P{..} inside a character class).
 std::string rewrite_pattern_for_pcre2(std::string_view pattern, const std::string& what);
 
 }  // namespace relay::tokenizer_detail

@@ -1,9 +1,10 @@
 // Loading tokenizer.json and running the encode / decode pipelines (see tokenizer.h).
 //
 // Loading checks every field that changes token ids and refuses what Relay does not implement, so a
-// tokenizer that loads is one Relay encodes exactly. The ByteLevel alphabet (GPT-2's bytes_to_unicode:
-// printable Latin-1 bytes stand for themselves, the other 68 bytes take U+0100..U+0143 in order) is
-// undone once at load: BPE runs on raw bytes and every id keeps the bytes it decodes to.
+// tokenizer that loads is one Relay encodes exactly. The ByteLevel alphabet (GPT-2's
+// bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes take
+// U+0100..U+0143 in order) is undone once at load: BPE runs on raw bytes and every id keeps the
+// bytes it decodes to.
 #include "tokenizer/tokenizer.h"
 
 #include <algorithm>
@@ -42,7 +43,8 @@ std::array<uint32_t, 256> byte_level_alphabet() {
 
 // The bytes a token stands for, as the oracle's ByteLevel decoder computes them: every character
 // mapped back through the alphabet, or the token's own UTF-8 when any character is outside it.
-std::string token_to_bytes(std::string_view token, const std::unordered_map<uint32_t, uint8_t>& alphabet) {
+std::string token_to_bytes(std::string_view token,
+                           const std::unordered_map<uint32_t, uint8_t>& alphabet) {
   std::string bytes;
   size_t pos = 0;
   while (pos < token.size()) {
@@ -87,7 +89,8 @@ class Fields {
   // A string option that must be null, absent or one of `allowed`.
   void require_empty_string(const json& object, const char* key, const std::string& field) const {
     if (!object.contains(key) || object.at(key).is_null()) return;
-    if (string_of(object.at(key), field) != "") fail_at(field, "must be empty or null (Relay does not implement it)");
+    if (string_of(object.at(key), field) != "")
+      fail_at(field, "must be empty or null (Relay does not implement it)");
   }
 
   const std::string& path() const { return path_; }
@@ -156,7 +159,8 @@ void Tokenizer::Impl::encode_normalized(std::string_view text, std::vector<int32
     pieces.swap(next);
   }
   for (const Span& piece : pieces) {
-    if (piece.end > piece.begin) bpe->encode_word(text.substr(piece.begin, piece.end - piece.begin), ids);
+    if (piece.end > piece.begin)
+      bpe->encode_word(text.substr(piece.begin, piece.end - piece.begin), ids);
   }
 }
 
@@ -207,13 +211,15 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   for (uint32_t b = 0; b < 256; ++b) alphabet[alphabet_cps[b]] = uint8_t(b);
 
   for (const char* key : {"truncation", "padding"}) {
-    if (root.contains(key) && !root.at(key).is_null()) f.fail_at(key, "must be null (Relay does not truncate or pad)");
+    if (root.contains(key) && !root.at(key).is_null())
+      f.fail_at(key, "must be null (Relay does not truncate or pad)");
   }
 
   // The model: BPE over the byte-level alphabet.
   const json& model = f.get(root, "model", "model");
   const std::string model_type = f.type_of(model, "model");
-  if (model_type != "BPE") f.fail_at("model.type", str("'", model_type, "' is not supported (Relay implements BPE)"));
+  if (model_type != "BPE")
+    f.fail_at("model.type", str("'", model_type, "' is not supported (Relay implements BPE)"));
   if (model.contains("dropout") && !model.at("dropout").is_null()) {
     f.fail_at("model.dropout", "must be null (BPE dropout is random)");
   }
@@ -224,7 +230,8 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   if (!vocab.is_object()) f.fail_at("model.vocab", "expected an object of token -> id");
   impl->model_vocab.reserve(vocab.size());
   for (const auto& [token, id_value] : vocab.items()) {
-    if (!id_value.is_number_integer() || id_value.get<int64_t>() < 0 || id_value.get<int64_t>() > INT32_MAX) {
+    if (!id_value.is_number_integer() || id_value.get<int64_t>() < 0 ||
+        id_value.get<int64_t>() > INT32_MAX) {
       f.fail_at(str("model.vocab[\"", token, "\"]"), "expected a non-negative 32-bit id");
     }
     const auto id = id_value.get<int32_t>();
@@ -237,7 +244,8 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
     utf8::append(ch, alphabet_cps[b]);
     const auto it = impl->model_vocab.find(ch);
     if (it == impl->model_vocab.end()) {
-      f.fail_at("model.vocab", str("lacks the byte-level token '", ch, "' for byte ", b, " (not a byte-level BPE vocab)"));
+      f.fail_at("model.vocab", str("lacks the byte-level token '", ch, "' for byte ", b,
+                                   " (not a byte-level BPE vocab)"));
     }
     byte_ids[b] = it->second;
   }
@@ -247,7 +255,8 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   merges.reserve(merges_json.size());
   const auto vocab_id = [&](const std::string& token, const std::string& field) {
     const auto it = impl->model_vocab.find(token);
-    if (it == impl->model_vocab.end()) f.fail_at(field, str("token '", token, "' is not in model.vocab"));
+    if (it == impl->model_vocab.end())
+      f.fail_at(field, str("token '", token, "' is not in model.vocab"));
     return it->second;
   };
   for (size_t i = 0; i < merges_json.size(); ++i) {
@@ -269,11 +278,13 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
     } else {
       f.fail_at(field, "expected \"left right\" or [left, right]");
     }
-    merges.push_back({vocab_id(left, field), vocab_id(right, field), vocab_id(left + right, field)});
+    merges.push_back(
+        {vocab_id(left, field), vocab_id(right, field), vocab_id(left + right, field)});
   }
   std::vector<std::pair<std::string, int32_t>> whole_words;
   if (ignore_merges) {
-    for (const auto& [token, id] : impl->model_vocab) whole_words.emplace_back(token_to_bytes(token, alphabet), id);
+    for (const auto& [token, id] : impl->model_vocab)
+      whole_words.emplace_back(token_to_bytes(token, alphabet), id);
   }
   impl->bpe = std::make_unique<BpeModel>(byte_ids, merges, std::move(whole_words));
 
@@ -291,7 +302,8 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
       AddedToken token;
       token.content = f.string_of(f.get(t, "content", field + ".content"), field + ".content");
       const json& id_value = f.get(t, "id", field + ".id");
-      if (!id_value.is_number_integer() || id_value.get<int64_t>() < 0 || id_value.get<int64_t>() > INT32_MAX) {
+      if (!id_value.is_number_integer() || id_value.get<int64_t>() < 0 ||
+          id_value.get<int64_t>() > INT32_MAX) {
         f.fail_at(field + ".id", "expected a non-negative 32-bit id");
       }
       token.id = id_value.get<int32_t>();
@@ -304,7 +316,8 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
       if (!utf8::is_valid(token.content)) f.fail_at(field + ".content", "is not valid UTF-8");
       if (const auto it = impl->added_ids.find(token.content); it != impl->added_ids.end()) {
         // The oracle ignores a repeated token (its first flags stay); the id must still agree.
-        if (token.id != it->second) f.fail_at(field + ".id", str("repeats '", token.content, "' with another id"));
+        if (token.id != it->second)
+          f.fail_at(field + ".id", str("repeats '", token.content, "' with another id"));
         continue;
       }
       int32_t expected = -1;
@@ -315,16 +328,19 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
         next_new_id = expected + 1;
       }
       if (token.id != expected) {
-        f.fail_at(field + ".id", str(token.id, " for '", token.content, "' differs from the id ", expected,
-                                     " Hugging Face assigns (vocab size ", vocab.size(), ", added in order)"));
+        f.fail_at(field + ".id",
+                  str(token.id, " for '", token.content, "' differs from the id ", expected,
+                      " Hugging Face assigns (vocab size ", vocab.size(), ", added in order)"));
       }
       impl->added_ids.emplace(token.content, token.id);
-      impl->set_id(token.id, token.content, token.special ? Impl::Kind::Special : Impl::Kind::Added, alphabet);
+      impl->set_id(token.id, token.content, token.special ? Impl::Kind::Special : Impl::Kind::Added,
+                   alphabet);
       added.push_back(std::move(token));
     }
   }
   impl->vocab_size = int32_t(impl->model_vocab.size());
-  for (const auto& [token, id] : impl->added_ids) impl->vocab_size += impl->model_vocab.contains(token) ? 0 : 1;
+  for (const auto& [token, id] : impl->added_ids)
+    impl->vocab_size += impl->model_vocab.contains(token) ? 0 : 1;
 
   // Normalizer: NFC or nothing.
   if (root.contains("normalizer") && !root.at("normalizer").is_null()) {
@@ -337,7 +353,8 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
       for (size_t i = 0; i < list.size(); ++i) {
         const std::string field = str("normalizer.normalizers[", i, "]");
         const std::string t = f.type_of(list[i], field);
-        if (t != "NFC") f.fail_at(field + ".type", str("'", t, "' is not supported (Relay implements NFC)"));
+        if (t != "NFC")
+          f.fail_at(field + ".type", str("'", t, "' is not supported (Relay implements NFC)"));
         impl->nfc = true;
       }
     } else {
@@ -351,7 +368,8 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
     std::vector<AddedToken> raw, norm;
     std::vector<std::string> raw_patterns, norm_patterns;
     // The oracle lists special tokens before the other added tokens.
-    std::stable_partition(added.begin(), added.end(), [](const AddedToken& t) { return t.special; });
+    std::stable_partition(added.begin(), added.end(),
+                          [](const AddedToken& t) { return t.special; });
     for (AddedToken& t : added) {
       if (t.normalized) {
         std::string pattern;
@@ -367,28 +385,34 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
         raw.push_back(std::move(t));
       }
     }
-    if (!raw.empty()) impl->raw_added = std::make_unique<AddedTokenMatcher>(std::move(raw), raw_patterns);
-    if (!norm.empty()) impl->normalized_added = std::make_unique<AddedTokenMatcher>(std::move(norm), norm_patterns);
+    if (!raw.empty())
+      impl->raw_added = std::make_unique<AddedTokenMatcher>(std::move(raw), raw_patterns);
+    if (!norm.empty())
+      impl->normalized_added = std::make_unique<AddedTokenMatcher>(std::move(norm), norm_patterns);
   }
 
   // Pre-tokenizer: Split steps, then ByteLevel (which only maps bytes, done implicitly).
   {
     const json* pre = root.contains("pre_tokenizer") ? &root.at("pre_tokenizer") : nullptr;
-    if (pre == nullptr || pre->is_null()) f.fail_at("pre_tokenizer", "missing (Relay needs a ByteLevel pre-tokenizer)");
+    if (pre == nullptr || pre->is_null())
+      f.fail_at("pre_tokenizer", "missing (Relay needs a ByteLevel pre-tokenizer)");
     std::vector<std::pair<const json*, std::string>> steps;
     if (f.type_of(*pre, "pre_tokenizer") == "Sequence") {
       const json& list = f.get(*pre, "pretokenizers", "pre_tokenizer.pretokenizers");
-      for (size_t i = 0; i < list.size(); ++i) steps.emplace_back(&list[i], str("pre_tokenizer.pretokenizers[", i, "]"));
+      for (size_t i = 0; i < list.size(); ++i)
+        steps.emplace_back(&list[i], str("pre_tokenizer.pretokenizers[", i, "]"));
     } else {
       steps.emplace_back(pre, "pre_tokenizer");
     }
     bool byte_level = false;
     for (const auto& [step, field] : steps) {
       const std::string type = f.type_of(*step, field);
-      if (byte_level) f.fail_at(field, "must not follow ByteLevel (Relay runs splits on the original text)");
+      if (byte_level)
+        f.fail_at(field, "must not follow ByteLevel (Relay runs splits on the original text)");
       if (type == "ByteLevel") {
         if (f.bool_of(*step, "add_prefix_space", field + ".add_prefix_space", true)) {
-          f.fail_at(field + ".add_prefix_space", "must be false (Relay does not add a prefix space)");
+          f.fail_at(field + ".add_prefix_space",
+                    "must be false (Relay does not add a prefix space)");
         }
         if (f.bool_of(*step, "use_regex", field + ".use_regex", true)) {
           f.fail_at(field + ".use_regex", "must be false (give the regex as a Split step)");
@@ -407,21 +431,26 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
           f.fail_at(field + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
         }
         const SplitBehavior behavior = parse_behavior(
-            f.string_of(f.get(*step, "behavior", field + ".behavior"), field + ".behavior"), f, field + ".behavior");
+            f.string_of(f.get(*step, "behavior", field + ".behavior"), field + ".behavior"), f,
+            field + ".behavior");
         const bool invert = f.bool_of(*step, "invert", field + ".invert", false);
         impl->splits.push_back(std::make_unique<SplitRegex>(text, literal, behavior, invert,
                                                             str(path, ": ", field, ".pattern")));
       } else {
-        f.fail_at(field + ".type", str("'", type, "' is not supported (Relay implements Split and ByteLevel)"));
+        f.fail_at(field + ".type",
+                  str("'", type, "' is not supported (Relay implements Split and ByteLevel)"));
       }
     }
-    if (!byte_level) f.fail_at("pre_tokenizer", "has no ByteLevel step (Relay implements byte-level BPE)");
+    if (!byte_level)
+      f.fail_at("pre_tokenizer", "has no ByteLevel step (Relay implements byte-level BPE)");
   }
 
   if (root.contains("post_processor") && !root.at("post_processor").is_null()) {
     const std::string type = f.type_of(root.at("post_processor"), "post_processor");
     if (type != "ByteLevel") {
-      f.fail_at("post_processor.type", str("'", type, "' is not supported (Relay implements ByteLevel, which adds no tokens)"));
+      f.fail_at(
+          "post_processor.type",
+          str("'", type, "' is not supported (Relay implements ByteLevel, which adds no tokens)"));
     }
   }
   const json& decoder = f.get(root, "decoder", "decoder");
@@ -467,12 +496,14 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
 std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
   const std::string key(token);
   if (const auto it = impl_->added_ids.find(key); it != impl_->added_ids.end()) return it->second;
-  if (const auto it = impl_->model_vocab.find(key); it != impl_->model_vocab.end()) return it->second;
+  if (const auto it = impl_->model_vocab.find(key); it != impl_->model_vocab.end())
+    return it->second;
   return std::nullopt;
 }
 
 std::optional<std::string_view> Tokenizer::id_to_token(int32_t id) const {
-  if (id < 0 || size_t(id) >= impl_->id_kind.size() || impl_->id_kind[size_t(id)] == Impl::Kind::None) {
+  if (id < 0 || size_t(id) >= impl_->id_kind.size() ||
+      impl_->id_kind[size_t(id)] == Impl::Kind::None) {
     return std::nullopt;
   }
   return impl_->id_token[size_t(id)];
@@ -486,7 +517,8 @@ std::string_view Tokenizer::token_bytes(int32_t id) const {
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
 
 bool Tokenizer::is_special(int32_t id) const {
-  return id >= 0 && size_t(id) < impl_->id_kind.size() && impl_->id_kind[size_t(id)] == Impl::Kind::Special;
+  return id >= 0 && size_t(id) < impl_->id_kind.size() &&
+         impl_->id_kind[size_t(id)] == Impl::Kind::Special;
 }
 
 std::vector<int32_t> Tokenizer::special_token_ids() const {

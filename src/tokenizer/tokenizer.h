@@ -1,11 +1,12 @@
 // Relay's tokenizer: the byte-level BPE of Qwen3's tokenizer.json, exact against Hugging Face
 // `tokenizers` (encode with add_special_tokens=False, decode), plus a streaming detokenizer.
 //
-// Encoding follows the oracle's pipeline: added tokens are cut out first (leftmost-longest, honouring
-// special / normalized / lstrip / rstrip / single_word), the rest is NFC-normalised, split by the
-// pre-tokenizer regex and BPE-merged per piece. Invalid UTF-8 input is first repaired to U+FFFD per
-// ill-formed subsequence (as Python's bytes.decode(errors='replace')). Only the configurations
-// Relay implements exactly are accepted; anything else fails at load with the file and field named.
+// Encoding follows the oracle's pipeline: added tokens are cut out first (leftmost-longest,
+// honouring special / normalized / lstrip / rstrip / single_word), the rest is NFC-normalised,
+// split by the pre-tokenizer regex and BPE-merged per piece. Invalid UTF-8 input is first repaired
+// to U+FFFD per ill-formed subsequence (as Python's bytes.decode(errors='replace')). Only the
+// configurations Relay implements exactly are accepted; anything else fails at load with the file
+// and field named.
 //
 // A Tokenizer is immutable after loading and safe to use from many threads; copies are cheap and
 // share the loaded tables. This header is included by the server and the engine, so it stays small:
@@ -31,8 +32,9 @@ class Tokenizer {
   static Tokenizer from_model_dir(const std::string& model_dir);
 
   // Token ids of `text` (any bytes; invalid UTF-8 is repaired first). With allow_special false,
-  // special added tokens in the text are encoded as plain text (the oracle's encode_special_tokens);
-  // non-special added tokens such as <think> are still recognised, as in the oracle.
+  // special added tokens in the text are encoded as plain text (the oracle's
+  // encode_special_tokens); non-special added tokens such as <think> are still recognised, as in
+  // the oracle.
   std::vector<int32_t> encode(std::string_view text, bool allow_special = true) const;
 
   // The text of `ids`, as the oracle's decode: ids without a token are skipped, byte sequences that

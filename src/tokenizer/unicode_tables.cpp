@@ -7,6 +7,7 @@
 namespace relay::unicode_tables {
 namespace {
 
+// clang-format off
 const CodepointRange kExtraLetters[] = {
     {0x1C89, 0x1C8A},
     {0xA7CB, 0xA7CD},
@@ -87,6 +88,7 @@ const uint32_t kNfcUnknown[] = {
     0x1E131, 0x1E132, 0x1E133, 0x1E134, 0x1E135, 0x1E136, 0x1E2AE, 0x1E2EC,
     0x1E2ED, 0x1E2EE, 0x1E2EF, 0x1E4EC, 0x1E4ED, 0x1E4EE, 0x1E4EF,
 };
+// clang-format on
 
 }  // namespace
 

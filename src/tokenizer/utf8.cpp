@@ -20,11 +20,16 @@ size_t expected_length(uint8_t lead) {
 bool valid_continuation(uint8_t lead, size_t index, uint8_t byte) {
   if (index == 1) {
     switch (lead) {
-      case 0xE0: return byte >= 0xA0 && byte <= 0xBF;
-      case 0xED: return byte >= 0x80 && byte <= 0x9F;
-      case 0xF0: return byte >= 0x90 && byte <= 0xBF;
-      case 0xF4: return byte >= 0x80 && byte <= 0x8F;
-      default: break;
+      case 0xE0:
+        return byte >= 0xA0 && byte <= 0xBF;
+      case 0xED:
+        return byte >= 0x80 && byte <= 0x9F;
+      case 0xF0:
+        return byte >= 0x90 && byte <= 0xBF;
+      case 0xF4:
+        return byte >= 0x80 && byte <= 0x8F;
+      default:
+        break;
     }
   }
   return byte >= 0x80 && byte <= 0xBF;
@@ -115,11 +120,16 @@ void append(std::string& out, uint32_t cp) {
 }
 
 uint32_t decode_at(std::string_view text, size_t pos, size_t length) {
-  const auto byte = [&](size_t i) { return static_cast<uint32_t>(static_cast<uint8_t>(text[pos + i])); };
+  const auto byte = [&](size_t i) {
+    return static_cast<uint32_t>(static_cast<uint8_t>(text[pos + i]));
+  };
   switch (length) {
-    case 1: return byte(0);
-    case 2: return ((byte(0) & 0x1F) << 6) | (byte(1) & 0x3F);
-    case 3: return ((byte(0) & 0x0F) << 12) | ((byte(1) & 0x3F) << 6) | (byte(2) & 0x3F);
+    case 1:
+      return byte(0);
+    case 2:
+      return ((byte(0) & 0x1F) << 6) | (byte(1) & 0x3F);
+    case 3:
+      return ((byte(0) & 0x0F) << 12) | ((byte(1) & 0x3F) << 6) | (byte(2) & 0x3F);
     default:
       return ((byte(0) & 0x07) << 18) | ((byte(1) & 0x3F) << 12) | ((byte(2) & 0x3F) << 6) |
              (byte(3) & 0x3F);

@@ -20,10 +20,12 @@ namespace {
 
 using json = nlohmann::json;
 
-const std::string kTokenizerPath = std::string(RELAY_SOURCE_DIR) + "/models/relay-demo-moe/tokenizer.json";
+const std::string kTokenizerPath =
+    std::string(RELAY_SOURCE_DIR) + "/models/relay-demo-moe/tokenizer.json";
 
 std::string base64_decode(const std::string& in) {
-  static const std::string kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  static const std::string kAlphabet =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   std::string out;
   uint32_t bits = 0;
   int num_bits = 0;
@@ -47,7 +49,8 @@ std::string describe(const std::string& text) {
 }
 
 std::string ids_string(const std::vector<int32_t>& ids) {
-  return json(std::vector<int32_t>(ids.begin(), ids.begin() + std::min<size_t>(ids.size(), 40))).dump();
+  return json(std::vector<int32_t>(ids.begin(), ids.begin() + std::min<size_t>(ids.size(), 40)))
+      .dump();
 }
 
 class CorpusTest : public ::testing::Test {
@@ -71,7 +74,8 @@ class CorpusTest : public ::testing::Test {
   }
 
   // Streams `ids` through the detokenizer; checks every chunk is valid UTF-8 and returns the text.
-  static std::string stream(const std::vector<int32_t>& ids, bool skip_special, std::string& problem) {
+  static std::string stream(const std::vector<int32_t>& ids, bool skip_special,
+                            std::string& problem) {
     IncrementalDetokenizer detok(*tokenizer_, skip_special);
     std::string text;
     for (const int32_t id : ids) {
@@ -111,7 +115,8 @@ TEST_F(CorpusTest, EncodeMatchesOracle) {
     }
     if (got_text != expected_text && ++mismatches <= 5) {
       ADD_FAILURE() << "case " << i << " (special tokens as text) " << describe(input)
-                    << "\n  relay: " << ids_string(got_text) << "\n  hf:    " << ids_string(expected_text);
+                    << "\n  relay: " << ids_string(got_text)
+                    << "\n  hf:    " << ids_string(expected_text);
     }
   }
   EXPECT_EQ(mismatches, 0u);
@@ -123,13 +128,16 @@ TEST_F(CorpusTest, DecodeMatchesOracleAndRoundTrips) {
     const json& c = (*corpus_)["cases"][i];
     const auto ids = c["ids"].get<std::vector<int32_t>>();
     // Without "d" the oracle's decode gave back the input itself: a round trip.
-    const std::string expected = c.contains("d") ? c["d"].get<std::string>() : c["t"].get<std::string>();
+    const std::string expected =
+        c.contains("d") ? c["d"].get<std::string>() : c["t"].get<std::string>();
     const std::string expected_skip = c.value("ds", expected);
     if (tokenizer_->decode(ids) != expected && ++mismatches <= 5) {
-      ADD_FAILURE() << "case " << i << " decode: " << describe(tokenizer_->decode(ids)) << " vs " << describe(expected);
+      ADD_FAILURE() << "case " << i << " decode: " << describe(tokenizer_->decode(ids)) << " vs "
+                    << describe(expected);
     }
     if (tokenizer_->decode(ids, true) != expected_skip && ++mismatches <= 5) {
-      ADD_FAILURE() << "case " << i << " decode(skip special): " << describe(tokenizer_->decode(ids, true))
+      ADD_FAILURE() << "case " << i
+                    << " decode(skip special): " << describe(tokenizer_->decode(ids, true))
                     << " vs " << describe(expected_skip);
     }
   }
@@ -140,7 +148,8 @@ TEST_F(CorpusTest, DecodeMatchesOracleAndRoundTrips) {
       ADD_FAILURE() << "random ids " << i << ": " << describe(tokenizer_->decode(ids));
     }
     if (tokenizer_->decode(ids, true) != c["ds"].get<std::string>() && ++mismatches <= 5) {
-      ADD_FAILURE() << "random ids " << i << " (skip special): " << describe(tokenizer_->decode(ids, true));
+      ADD_FAILURE() << "random ids " << i
+                    << " (skip special): " << describe(tokenizer_->decode(ids, true));
     }
   }
   EXPECT_EQ(mismatches, 0u);
@@ -156,7 +165,8 @@ TEST_F(CorpusTest, IncrementalDetokenizerEqualsDecode) {
       ++num_streams;
       if ((streamed != tokenizer_->decode(ids, skip) || !problem.empty()) && ++mismatches <= 5) {
         ADD_FAILURE() << where << (skip ? " (skip special)" : "") << ": " << problem << " streamed "
-                      << describe(streamed) << " vs decode " << describe(tokenizer_->decode(ids, skip));
+                      << describe(streamed) << " vs decode "
+                      << describe(tokenizer_->decode(ids, skip));
       }
     }
   };

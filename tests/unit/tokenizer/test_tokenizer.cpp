@@ -44,13 +44,17 @@ TEST(Utf8, SanitizeReplacesMaximalSubparts) {
   const std::string r(utf8::kReplacement);
   EXPECT_EQ(utf8::sanitize("plain ascii"), "plain ascii");
   EXPECT_EQ(utf8::sanitize("caf\xC3\xA9"), "caf\xC3\xA9");
-  EXPECT_EQ(utf8::sanitize("\xE2\x82" "A"), r + "A");            // truncated 3-byte sequence: one
+  EXPECT_EQ(utf8::sanitize("\xE2\x82"
+                           "A"),
+            r + "A");                                            // truncated 3-byte sequence: one
   EXPECT_EQ(utf8::sanitize("\xF0\x9F\x98"), r);                  // truncated 4-byte sequence: one
   EXPECT_EQ(utf8::sanitize("\xC0\x80"), r + r);                  // overlong: each byte
   EXPECT_EQ(utf8::sanitize("\xED\xA0\x80"), r + r + r);          // surrogate: each byte
   EXPECT_EQ(utf8::sanitize("\xF4\x90\x80\x80"), r + r + r + r);  // past U+10FFFF
   EXPECT_EQ(utf8::sanitize("\xE0\x80\xAF"), r + r + r);          // overlong 3-byte
-  EXPECT_EQ(utf8::sanitize("\xFF\xFE" "a\x80"), r + r + "a" + r);
+  EXPECT_EQ(utf8::sanitize("\xFF\xFE"
+                           "a\x80"),
+            r + r + "a" + r);
   EXPECT_EQ(utf8::sanitize("\xF0\x9F\x98\x80\xF0\x9F"), "\xF0\x9F\x98\x80" + r);
   EXPECT_FALSE(utf8::is_valid("\xE2\x82"));
   EXPECT_TRUE(utf8::is_valid("\xF0\x9F\x98\x80"));
@@ -73,9 +77,10 @@ TEST(Utf8, IncompleteTailIsOnlyAValidPrefix) {
 TEST(SplitRegex, EveryCodePointClassifiedLikeOracle) {
   const json tokenizer = json::parse(read_file(kModelDir + "/tokenizer.json"));
   const std::string pattern = tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"];
-  const tokenizer_detail::SplitRegex split(pattern, false, tokenizer_detail::SplitBehavior::Isolated, false,
-                                           "qwen pattern");
-  const json classes = json::parse(read_file(std::string(RELAY_FIXTURES_DIR) + "/tokenizer/hf_codepoint_classes.json"));
+  const tokenizer_detail::SplitRegex split(
+      pattern, false, tokenizer_detail::SplitBehavior::Isolated, false, "qwen pattern");
+  const json classes = json::parse(
+      read_file(std::string(RELAY_FIXTURES_DIR) + "/tokenizer/hf_codepoint_classes.json"));
   const auto& runs = classes["runs"];
   std::vector<tokenizer_detail::Span> pieces;
   const auto num_pieces = [&](const std::string& text) {
@@ -177,7 +182,8 @@ TEST(Tokenizer, SpecialTokensAsTextAreStillEncodedExactly) {
   const std::vector<int32_t> as_text = t.encode("<|im_start|>", /*allow_special=*/false);
   EXPECT_GT(as_text.size(), 1u);
   EXPECT_EQ(t.decode(as_text), "<|im_start|>");
-  EXPECT_EQ(t.encode("<think>", false), (std::vector<int32_t>{151667}));  // not special: still cut out
+  EXPECT_EQ(t.encode("<think>", false),
+            (std::vector<int32_t>{151667}));  // not special: still cut out
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -219,7 +225,8 @@ TEST(Tokenizer, ConcurrentEncodesAgree) {
   const Tokenizer& t = qwen();
   std::vector<std::string> texts;
   for (int i = 0; i < 200; ++i) {
-    texts.push_back(str("Request ", i, ": résumé 東京 ", i * 7919, " 😀 <think>x</think> the answer's ", i % 13));
+    texts.push_back(str("Request ", i, ": résumé 東京 ", i * 7919,
+                        " 😀 <think>x</think> the answer's ", i % 13));
   }
   std::vector<std::vector<int32_t>> expected;
   for (const auto& s : texts) expected.push_back(t.encode(s));
@@ -246,7 +253,9 @@ TEST(Tokenizer, ConcurrentEncodesAgree) {
 // A minimal byte-level BPE tokenizer.json: the 256 byte tokens, two merges, one special token.
 json tiny_tokenizer() {
   json vocab = json::object();
-  const std::string alphabet_printable = "!\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~";
+  const std::string alphabet_printable =
+      "!\"#$%&'()*+,-./"
+      "0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~";
   int32_t next_extra = 256;
   for (uint32_t b = 0; b < 256; ++b) {
     const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
@@ -259,20 +268,30 @@ json tiny_tokenizer() {
   return json{{"version", "1.0"},
               {"truncation", nullptr},
               {"padding", nullptr},
-              {"added_tokens", json::array({json{{"id", 258}, {"content", "<|end|>"}, {"single_word", false},
-                                                 {"lstrip", false}, {"rstrip", false}, {"normalized", false},
+              {"added_tokens", json::array({json{{"id", 258},
+                                                 {"content", "<|end|>"},
+                                                 {"single_word", false},
+                                                 {"lstrip", false},
+                                                 {"rstrip", false},
+                                                 {"normalized", false},
                                                  {"special", true}}})},
               {"normalizer", json{{"type", "NFC"}}},
               {"pre_tokenizer",
                json{{"type", "Sequence"},
-                    {"pretokenizers",
-                     json::array({json{{"type", "Split"}, {"pattern", json{{"Regex", "\\s+|\\S+"}}},
-                                       {"behavior", "Isolated"}, {"invert", false}},
-                                  json{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false},
-                                       {"use_regex", false}}})}}},
+                    {"pretokenizers", json::array({json{{"type", "Split"},
+                                                        {"pattern", json{{"Regex", "\\s+|\\S+"}}},
+                                                        {"behavior", "Isolated"},
+                                                        {"invert", false}},
+                                                   json{{"type", "ByteLevel"},
+                                                        {"add_prefix_space", false},
+                                                        {"trim_offsets", false},
+                                                        {"use_regex", false}}})}}},
               {"post_processor", nullptr},
               {"decoder", json{{"type", "ByteLevel"}}},
-              {"model", json{{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"vocab", vocab},
+              {"model", json{{"type", "BPE"},
+                             {"dropout", nullptr},
+                             {"unk_token", nullptr},
+                             {"vocab", vocab},
                              {"merges", json::array({"a b", json::array({"ab", "ab"})})}}}};
 }
 
@@ -280,7 +299,8 @@ class LoadErrors : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
-           str("relay_tokenizer_test_", ::testing::UnitTest::GetInstance()->current_test_info()->name(), "_", getpid());
+           str("relay_tokenizer_test_",
+               ::testing::UnitTest::GetInstance()->current_test_info()->name(), "_", getpid());
     fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -296,7 +316,8 @@ class LoadErrors : public ::testing::Test {
     try {
       Tokenizer::from_file(path);
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << "message lacks the file: " << e.what();
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos)
+          << "message lacks the file: " << e.what();
       return e.what();
     }
     return "";
@@ -340,31 +361,54 @@ TEST_F(LoadErrors, UnsupportedComponentsNameTheirField) {
     json doc = tiny_tokenizer();
     edit(doc);
     const std::string message = load_error(doc);
-    EXPECT_NE(message.find(needle), std::string::npos) << "expected '" << needle << "' in: " << message;
+    EXPECT_NE(message.find(needle), std::string::npos)
+        << "expected '" << needle << "' in: " << message;
   };
-  expect_error([](json& d) { d["model"]["type"] = "WordPiece"; }, "model.type: 'WordPiece' is not supported");
+  expect_error([](json& d) { d["model"]["type"] = "WordPiece"; },
+               "model.type: 'WordPiece' is not supported");
   expect_error([](json& d) { d["model"]["dropout"] = 0.1; }, "model.dropout");
-  expect_error([](json& d) { d["model"]["continuing_subword_prefix"] = "##"; }, "model.continuing_subword_prefix");
+  expect_error([](json& d) { d["model"]["continuing_subword_prefix"] = "##"; },
+               "model.continuing_subword_prefix");
   expect_error([](json& d) { d["model"].erase("vocab"); }, "model.vocab: missing");
-  expect_error([](json& d) { d["model"]["merges"][0] = "a zz"; }, "model.merges[0]: token 'zz' is not in model.vocab");
+  expect_error([](json& d) { d["model"]["merges"][0] = "a zz"; },
+               "model.merges[0]: token 'zz' is not in model.vocab");
   expect_error([](json& d) { d["model"]["merges"][0] = "a b c"; }, "model.merges[0]");
   expect_error([](json& d) { d["model"]["vocab"].erase("a"); }, "lacks the byte-level token 'a'");
-  expect_error([](json& d) { d["normalizer"] = json{{"type", "NFKC"}}; }, "normalizer.type: 'NFKC' is not supported");
+  expect_error(
+      [](json& d) {
+        d["normalizer"] = json{{"type", "NFKC"}};
+      },
+      "normalizer.type: 'NFKC' is not supported");
   expect_error([](json& d) { d["pre_tokenizer"]["pretokenizers"][1]["use_regex"] = true; },
                "pre_tokenizer.pretokenizers[1].use_regex");
   expect_error([](json& d) { d["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true; },
                "pre_tokenizer.pretokenizers[1].add_prefix_space");
   expect_error([](json& d) { d["pre_tokenizer"]["pretokenizers"][0]["type"] = "Whitespace"; },
                "pre_tokenizer.pretokenizers[0].type: 'Whitespace' is not supported");
-  expect_error([](json& d) { d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; },
-               "pre_tokenizer.pretokenizers[0].pattern: PCRE2 rejects the pattern");
+  expect_error(
+      [](json& d) { d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; },
+      "pre_tokenizer.pretokenizers[0].pattern: PCRE2 rejects the pattern");
   expect_error([](json& d) { d["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways"; },
                "pre_tokenizer.pretokenizers[0].behavior: unknown split behavior 'Sideways'");
-  expect_error([](json& d) { d["pre_tokenizer"]["pretokenizers"].erase(1); }, "has no ByteLevel step");
-  expect_error([](json& d) { d["post_processor"] = json{{"type", "TemplateProcessing"}}; }, "post_processor.type");
-  expect_error([](json& d) { d["decoder"] = json{{"type", "WordPiece"}}; }, "decoder: must be ByteLevel");
-  expect_error([](json& d) { d["added_tokens"][0]["id"] = 300; }, "added_tokens[0].id: 300 for '<|end|>' differs");
-  expect_error([](json& d) { d["truncation"] = json{{"max_length", 5}}; }, "truncation: must be null");
+  expect_error([](json& d) { d["pre_tokenizer"]["pretokenizers"].erase(1); },
+               "has no ByteLevel step");
+  expect_error(
+      [](json& d) {
+        d["post_processor"] = json{{"type", "TemplateProcessing"}};
+      },
+      "post_processor.type");
+  expect_error(
+      [](json& d) {
+        d["decoder"] = json{{"type", "WordPiece"}};
+      },
+      "decoder: must be ByteLevel");
+  expect_error([](json& d) { d["added_tokens"][0]["id"] = 300; },
+               "added_tokens[0].id: 300 for '<|end|>' differs");
+  expect_error(
+      [](json& d) {
+        d["truncation"] = json{{"max_length", 5}};
+      },
+      "truncation: must be null");
 }
 
 }  // namespace
