@@ -8,6 +8,7 @@
 // rope_theta at the top level) or in transformers 5's "rope_parameters" object (rope_theta inside);
 // both mean the same. Derived YaRN values (attention_factor, original_max_position_embeddings,
 // factor) are resolved here so that the rotary layer never repeats transformers' defaulting logic.
+// quantization_config is not read here: quant/quant_config.h owns it.
 #include "model/config.h"
 
 #include <algorithm>
