@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/ops.h"
+#include "quant/quant_config.h"
+#include "quant/weight_quant.h"
 
 namespace relay {
 
@@ -42,7 +44,19 @@ void widen(const TensorView& t, float* out) {
 
 void widen_into(const Checkpoint& ckpt, const std::string& name, const std::vector<int64_t>& shape,
                 float* out) {
-  widen(ckpt.get(name, shape), out);
+  const TensorView& t = ckpt.get(name, shape);
+  if (t.dtype == DType::F8_E4M3) {
+    // An FP8 checkpoint (config.json quantization_config, see docs/fp8.md): dequantised to fp32 once,
+    // here, with the weight's scale tensor.
+    const auto stored = [](const TensorView& v) {
+      return quant::StoredTensor{v.name, v.file, v.dtype, v.shape, v.data};
+    };
+    quant::dequantize_stored_weight(
+        quant::QuantConfig::cached(ckpt.dir()), stored(t),
+        [&](const std::string& scale_name) { return stored(ckpt.get(scale_name)); }, out);
+    return;
+  }
+  widen(t, out);
 }
 
 }  // namespace
