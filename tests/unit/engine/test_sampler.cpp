@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <map>
+#include <numeric>
 #include <vector>
 
 #include "core/error.h"
@@ -51,6 +53,40 @@ TEST(Sampler, TopPKeepsTheSmallestSetReachingP) {
   l = base;
   apply_top_p(l, 1.0f);  // off
   EXPECT_EQ(l, base);
+}
+
+TEST(Sampler, TopPOnALargeVocabularyMatchesAFullSort) {
+  // Flat and peaked distributions, so the nucleus is sometimes wider than the first partial sort.
+  for (float spread : {0.05f, 1.0f, 6.0f}) {
+    std::vector<float> base(20000);
+    uint64_t state = 42;
+    for (float& l : base) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      l = spread * static_cast<float>(static_cast<int64_t>(state >> 40) % 1000) / 100.0f;
+    }
+    for (float top_p : {0.1f, 0.5f, 0.9f, 0.99f}) {
+      auto got = base;
+      apply_top_p(got, top_p);
+      std::vector<int32_t> order(base.size());
+      std::iota(order.begin(), order.end(), 0);
+      // Recompute the nucleus with a full sort, in double like the sampler.
+      std::vector<double> p64(base.size());
+      double mx = *std::max_element(base.begin(), base.end()), sum = 0;
+      for (size_t i = 0; i < base.size(); ++i) sum += (p64[i] = std::exp(static_cast<double>(base[i]) - mx));
+      for (double& x : p64) x /= sum;
+      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return p64[a] > p64[b] || (p64[a] == p64[b] && a < b);
+      });
+      double cumulative = 0;
+      size_t keep = 0;
+      while (keep < order.size() && (keep == 0 || cumulative < top_p)) cumulative += p64[order[keep++]];
+      std::vector<bool> kept(base.size(), false);
+      for (size_t i = 0; i < keep; ++i) kept[order[i]] = true;
+      for (size_t i = 0; i < base.size(); ++i) {
+        ASSERT_EQ(std::isfinite(got[i]), kept[i]) << "spread " << spread << " top_p " << top_p << " token " << i;
+      }
+    }
+  }
 }
 
 TEST(Sampler, MinPMasksRelativeToTheMostLikelyToken) {
