@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -67,6 +68,20 @@ struct Job {
 
   bool all_done() const {
     return std::all_of(choices.begin(), choices.end(), [](const Choice& c) { return c.done; });
+  }
+};
+
+// Writes one response's bytes, remembering whether the client is still there and when the last
+// bytes went out (for heartbeats).
+struct ResponseWriter {
+  httplib::DataSink& sink;
+  bool ok = true;
+  Clock::time_point last_write = Clock::now();
+
+  bool operator()(const std::string& data) {
+    if (ok) ok = sink.write(data.data(), data.size());
+    last_write = Clock::now();
+    return ok;
   }
 };
 
@@ -283,21 +298,19 @@ struct HttpServer::State {
   void respond(Job job_value, httplib::Response& res) {
     auto job = std::make_shared<Job>(std::move(job_value));
     ++active_responses;
-    const char* content_type = job->stream ? "text/event-stream" : "application/json";
+    // NOTE: httplib gzips a chunked "application/json" body when the client accepts gzip, which
+    // buffers the heartbeats and hides a disconnect; with a charset parameter it sends bytes as they come.
+    const char* content_type = job->stream ? "text/event-stream" : "application/json; charset=utf-8";
     res.set_chunked_content_provider(
         content_type,
         [this, job](size_t, httplib::DataSink& sink) {
-          bool ok = true;
-          auto write = [&](const std::string& s) {
-            if (ok) ok = sink.write(s.data(), s.size());
-            return ok;
-          };
+          ResponseWriter write{sink};
           if (job->stream) {
             stream_job(*job, write);
           } else {
             complete_job(*job, write);
           }
-          if (!ok) {
+          if (!write.ok) {
             abort_job(*job);
             return false;
           }
@@ -310,22 +323,17 @@ struct HttpServer::State {
         });
   }
 
-  template <typename Write>
-  void wait_with_heartbeat(Job& job, Write& write, const std::string& heartbeat,
+  // Waits for the job, calling on_output per output, and writes `heartbeat` whenever nothing was
+  // written for a while: a write to a client that hung up fails, which ends the wait.
+  void wait_with_heartbeat(Job& job, ResponseWriter& write, const std::string& heartbeat,
                            const std::function<void(size_t, const RequestOutput&)>& on_output) {
-    Clock::time_point last_write = Clock::now();
-    while (!job.all_done()) {
-      if (poll(job, [&](size_t i, const RequestOutput& out) { on_output(i, out); })) {
-        last_write = Clock::now();
-      } else if (Clock::now() - last_write > kHeartbeatInterval) {
-        if (!write(heartbeat)) return;
-        last_write = Clock::now();
-      }
+    while (write.ok && !job.all_done()) {
+      poll(job, [&](size_t i, const RequestOutput& out) { on_output(i, out); });
+      if (Clock::now() - write.last_write > kHeartbeatInterval) write(heartbeat);
     }
   }
 
-  template <typename Write>
-  void stream_job(Job& job, Write& write) {
+  void stream_job(Job& job, ResponseWriter& write) {
     auto sse = [&](const json& j) { return write("data: " + dump(j) + "\n\n"); };
     std::vector<int> num_calls(job.choices.size(), 0);
     if (job.chat) {
@@ -381,6 +389,7 @@ struct HttpServer::State {
       if (job.include_usage) c["usage"] = nullptr;
       sse(c);
     });
+    if (!write.ok) return;
     if (const auto err = job_error(job)) {
       sse(err->body());
     } else if (job.include_usage) {
@@ -392,9 +401,9 @@ struct HttpServer::State {
     write("data: [DONE]\n\n");
   }
 
-  template <typename Write>
-  void complete_job(Job& job, Write& write) {
+  void complete_job(Job& job, ResponseWriter& write) {
     wait_with_heartbeat(job, write, " ", [](size_t, const RequestOutput&) {});
+    if (!write.ok) return;
     if (const auto err = job_error(job)) {
       write(dump(err->body()));
       return;
