@@ -115,13 +115,13 @@ struct BpeModel::State {
 
 BpeModel::BpeModel(const std::array<int32_t, 256>& byte_ids,
                    const std::vector<std::array<int32_t, 3>>& merges,
-                   std::vector<std::pair<std::string, int32_t>> whole_words)
+                   const std::vector<std::pair<std::string, int32_t>>& whole_words)
     : state_(std::make_unique<State>(byte_ids, merges.size())) {
   for (size_t rank = 0; rank < merges.size(); ++rank) {
     const auto& [left, right, merged] = merges[rank];
     state_->merges.insert_or_assign(left, right, MergeResult{int32_t(rank), merged});
   }
-  for (auto& [bytes, id] : whole_words) state_->whole_words.emplace(std::move(bytes), id);
+  state_->whole_words.insert(whole_words.begin(), whole_words.end());
 }
 
 BpeModel::~BpeModel() = default;
@@ -175,7 +175,7 @@ void BpeModel::merge(std::string_view word, std::vector<int32_t>& out) const {
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> queue(std::greater<>{},
                                                                                std::move(storage));
   for (int32_t i = 0; i + 1 < n; ++i) {
-    if (const MergeResult* m = table.find(symbols[size_t(i)].id, symbols[size_t(i + 1)].id)) {
+    if (const MergeResult* m = table.find(symbols[size_t(i)].id, symbols[size_t(i) + 1].id)) {
       queue.push({m->rank, i, m->id});
     }
   }

@@ -30,7 +30,7 @@ class BpeModel {
   // (ignore_merges only; empty otherwise): tokens by their bytes, a word that is one skips merging.
   BpeModel(const std::array<int32_t, 256>& byte_ids,
            const std::vector<std::array<int32_t, 3>>& merges,
-           std::vector<std::pair<std::string, int32_t>> whole_words);
+           const std::vector<std::pair<std::string, int32_t>>& whole_words);
   ~BpeModel();
   BpeModel(const BpeModel&) = delete;
   BpeModel& operator=(const BpeModel&) = delete;

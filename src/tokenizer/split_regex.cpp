@@ -182,7 +182,10 @@ void SplitRegex::split(std::string_view text, std::vector<Span>& out) const {
     const int rc = pcre2_match(code_->code, subject, text.size(), search_from, PCRE2_NO_UTF_CHECK,
                                match.data, jit.context);
     if (rc == PCRE2_ERROR_NOMATCH) break;
-    RELAY_CHECK(rc > 0, "split regex failed on a ", text.size(), "-byte text: ", pcre2_message(rc));
+    // rc == 0 only says capture groups did not fit the one-pair match data; the match itself is
+    // set.
+    RELAY_CHECK(rc >= 0, "split regex failed on a ", text.size(),
+                "-byte text: ", pcre2_message(rc));
     const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match.data);
     const size_t begin = ovector[0];
     const size_t end = ovector[1];

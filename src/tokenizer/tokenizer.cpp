@@ -286,7 +286,7 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
     for (const auto& [token, id] : impl->model_vocab)
       whole_words.emplace_back(token_to_bytes(token, alphabet), id);
   }
-  impl->bpe = std::make_unique<BpeModel>(byte_ids, merges, std::move(whole_words));
+  impl->bpe = std::make_unique<BpeModel>(byte_ids, merges, whole_words);
 
   // Added tokens. Ids are assigned as the oracle assigns them (a token already in the vocab keeps
   // its id, a new one takes the next id after the vocab); a file that says otherwise is refused

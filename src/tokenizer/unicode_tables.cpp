@@ -8,7 +8,7 @@ namespace relay::unicode_tables {
 namespace {
 
 // clang-format off
-const CodepointRange kExtraLetters[] = {
+constexpr CodepointRange kExtraLetters[] = {
     {0x1C89, 0x1C8A},
     {0xA7CB, 0xA7CD},
     {0xA7DA, 0xA7DC},
@@ -46,7 +46,7 @@ const CodepointRange kExtraLetters[] = {
     {0x31350, 0x323AF},
 };
 
-const CodepointRange kExtraNumbers[] = {
+constexpr CodepointRange kExtraNumbers[] = {
     {0x10D40, 0x10D49},
     {0x116D0, 0x116E3},
     {0x11BF0, 0x11BF9},
@@ -59,7 +59,7 @@ const CodepointRange kExtraNumbers[] = {
     {0x1E5F1, 0x1E5FA},
 };
 
-const CodepointRange kWhiteSpace[] = {
+constexpr CodepointRange kWhiteSpace[] = {
     {0x0009, 0x000D},
     {0x0020, 0x0020},
     {0x0085, 0x0085},
@@ -72,7 +72,7 @@ const CodepointRange kWhiteSpace[] = {
     {0x3000, 0x3000},
 };
 
-const uint32_t kNfcUnknown[] = {
+constexpr uint32_t kNfcUnknown[] = {
     0x07FD, 0x0898, 0x0899, 0x089A, 0x089B, 0x089C, 0x089D, 0x089E,
     0x089F, 0x08CA, 0x08CB, 0x08CC, 0x08CD, 0x08CE, 0x08CF, 0x08D0,
     0x08D1, 0x08D2, 0x08D3, 0x09FE, 0x0C3C, 0x0D3B, 0x0D3C, 0x0EBA,

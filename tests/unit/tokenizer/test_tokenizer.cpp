@@ -126,6 +126,24 @@ TEST(SplitRegex, RewriteRefusesWhatItCannotExpress) {
   EXPECT_EQ(tokenizer_detail::rewrite_pattern_for_pcre2("\\p{Lu}\\d[]a]", "p"), "\\p{Lu}\\d[]a]");
 }
 
+TEST(SplitRegex, CaptureGroupsAndEmptyMatches) {
+  using tokenizer_detail::SplitBehavior;
+  const auto pieces = [](const std::string& pattern, const std::string& text) {
+    const tokenizer_detail::SplitRegex split(pattern, false, SplitBehavior::Isolated, false,
+                                             "test");
+    std::vector<tokenizer_detail::Span> spans;
+    split.split(text, spans);
+    std::vector<std::string> out;
+    for (const auto& p : spans) out.push_back(text.substr(p.begin, p.end - p.begin));
+    return out;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(pieces("('s|'t)|b", "xa'sb"), (V{"xa", "'s", "b"}));
+  // Empty matches cut the text between characters, as the oracle's iteration does.
+  EXPECT_EQ(pieces("x*", "ab"), (V{"a", "b"}));
+  EXPECT_EQ(pieces("x*", "axxb"), (V{"a", "xx", "b"}));
+}
+
 TEST(SplitRegex, BehaviorsFoldDelimitersLikeOracle) {
   // "the-final--countdown" split on "-"; expected pieces are the oracle's pre_tokenize_str output.
   using tokenizer_detail::SplitBehavior;
