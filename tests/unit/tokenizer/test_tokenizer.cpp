@@ -6,6 +6,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -234,6 +235,31 @@ TEST(IncrementalDetokenizer, SkipsSpecialTokensWhenAsked) {
   for (const int32_t id : t.encode("<|im_start|>assistant\nhi 😀<|im_end|>")) text += d.push(id);
   text += d.flush();
   EXPECT_EQ(text, "assistant\nhi 😀");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arbitrary bytes never break the tokenizer: encode succeeds, ASCII round-trips exactly, and the
+// streamed text equals decode().
+
+TEST(Tokenizer, RandomBytesAreSafe) {
+  const Tokenizer& t = qwen();
+  std::mt19937 rng(7);
+  for (int i = 0; i < 2000; ++i) {
+    std::string bytes(rng() % 64, '\0');
+    const bool ascii = i % 2 == 0;
+    for (char& c : bytes) c = static_cast<char>(ascii ? rng() % 128 : rng() % 256);
+    const std::vector<int32_t> ids = t.encode(bytes);
+    const std::string text = t.decode(ids);
+    ASSERT_TRUE(utf8::is_valid(text));
+    if (ascii) {
+      ASSERT_EQ(text, bytes);
+    }
+    IncrementalDetokenizer d(t);
+    std::string streamed;
+    for (const int32_t id : ids) streamed += d.push(id);
+    streamed += d.flush();
+    ASSERT_EQ(streamed, text);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
