@@ -57,6 +57,7 @@ struct Job {
   bool stream = false;
   bool include_usage = false;
   bool logprobs = false;
+  bool tokens_as_ids = false;  // return_tokens_as_token_ids
   int num_prompt_tokens = 0;
   std::string echo_text;  // completions with echo
   // Chat output parsing, one parser per choice.
@@ -211,7 +212,9 @@ struct HttpServer::State {
 
   // ---- formatting ----
 
-  std::string token_text(int32_t id) const { return utf8::sanitize(engine->tokenizer().token_bytes(id)); }
+  std::string token_text(int32_t id, bool as_id) const {
+    return as_id ? str("token_id:", id) : utf8::sanitize(engine->tokenizer().token_bytes(id));
+  }
 
   json token_bytes_json(int32_t id) const {
     json bytes = json::array();
@@ -219,14 +222,14 @@ struct HttpServer::State {
     return bytes;
   }
 
-  json chat_logprobs(const std::vector<TokenLogprob>& lps) const {
+  json chat_logprobs(const std::vector<TokenLogprob>& lps, bool as_ids) const {
     json content = json::array();
     for (const TokenLogprob& lp : lps) {
       json top = json::array();
       for (const auto& [id, v] : lp.top) {
-        top.push_back({{"token", token_text(id)}, {"logprob", v}, {"bytes", token_bytes_json(id)}});
+        top.push_back({{"token", token_text(id, as_ids)}, {"logprob", v}, {"bytes", token_bytes_json(id)}});
       }
-      content.push_back({{"token", token_text(lp.token)},
+      content.push_back({{"token", token_text(lp.token, as_ids)},
                          {"logprob", lp.logprob},
                          {"bytes", token_bytes_json(lp.token)},
                          {"top_logprobs", top}});
@@ -234,17 +237,17 @@ struct HttpServer::State {
     return {{"content", content}};
   }
 
-  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t text_offset) const {
+  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t text_offset, bool as_ids) const {
     json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array();
     for (const TokenLogprob& lp : lps) {
-      const std::string t = token_text(lp.token);
+      const std::string t = token_text(lp.token, as_ids);
       tokens.push_back(t);
       token_logprobs.push_back(lp.logprob);
       json alts = json::object();
-      for (const auto& [id, v] : lp.top) alts[token_text(id)] = v;
+      for (const auto& [id, v] : lp.top) alts[token_text(id, as_ids)] = v;
       top.push_back(alts);
       offsets.push_back(text_offset);
-      text_offset += t.size();
+      text_offset += engine->tokenizer().token_bytes(lp.token).size();
     }
     return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
   }
@@ -368,7 +371,7 @@ struct HttpServer::State {
         }
         has_content = has_content || !delta.empty();
         choice["delta"] = delta;
-        if (!out.logprobs.empty()) choice["logprobs"] = chat_logprobs(out.logprobs);
+        if (!out.logprobs.empty()) choice["logprobs"] = chat_logprobs(out.logprobs, job.tokens_as_ids);
       } else {
         std::string text = out.text;
         if (!echoed) {
@@ -377,7 +380,7 @@ struct HttpServer::State {
         }
         has_content = has_content || !text.empty();
         choice["text"] = text;
-        if (!out.logprobs.empty()) choice["logprobs"] = completion_logprobs(out.logprobs, 0);
+        if (!out.logprobs.empty()) choice["logprobs"] = completion_logprobs(out.logprobs, 0, job.tokens_as_ids);
       }
       if (out.finish != FinishReason::kNone) {
         choice["finish_reason"] = finish_name(out.finish, num_calls[i] > 0);
@@ -424,11 +427,11 @@ struct HttpServer::State {
                         {"tool_calls", tool_calls_json(d.tool_calls, 0, false)}};
         choice["message"] = message;
         choice["finish_reason"] = finish_name(c.finish, !d.tool_calls.empty());
-        if (job.logprobs) choice["logprobs"] = chat_logprobs(c.logprobs);
+        if (job.logprobs) choice["logprobs"] = chat_logprobs(c.logprobs, job.tokens_as_ids);
       } else {
         choice["text"] = job.echo_text + c.text;
         choice["finish_reason"] = finish_name(c.finish, false);
-        if (job.logprobs) choice["logprobs"] = completion_logprobs(c.logprobs, job.echo_text.size());
+        if (job.logprobs) choice["logprobs"] = completion_logprobs(c.logprobs, job.echo_text.size(), job.tokens_as_ids);
       }
       choices.push_back(std::move(choice));
     }
@@ -465,6 +468,7 @@ struct HttpServer::State {
     job.stream = r.options.stream;
     job.include_usage = r.options.include_usage;
     job.logprobs = r.options.logprobs;
+    job.tokens_as_ids = r.options.return_tokens_as_token_ids;
     job.num_prompt_tokens = static_cast<int>(ids.size());
     const auto thinking = r.chat_template_kwargs.find("enable_thinking");
     job.parse_reasoning = thinking == r.chat_template_kwargs.end() || thinking->is_null() ||
@@ -504,6 +508,7 @@ struct HttpServer::State {
     job.stream = r.options.stream;
     job.include_usage = r.options.include_usage;
     job.logprobs = r.options.logprobs;
+    job.tokens_as_ids = r.options.return_tokens_as_token_ids;
     job.num_prompt_tokens = static_cast<int>(ids.size());
     if (r.echo) job.echo_text = prompt_text;
     submit(job, ids, r.options, max_tokens);

@@ -170,6 +170,7 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
   o.ignore_eos = f.boolean("ignore_eos").value_or(false);
   o.include_stop_str_in_output = f.boolean("include_stop_str_in_output").value_or(false);
   o.skip_special_tokens = f.boolean("skip_special_tokens").value_or(true);
+  o.return_tokens_as_token_ids = f.boolean("return_tokens_as_token_ids").value_or(false);
   o.stream = f.boolean("stream").value_or(false);
   if (const json* v = f.get("stream_options")) {
     if (!o.stream) {

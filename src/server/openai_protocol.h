@@ -53,6 +53,7 @@ struct GenerationOptions {
   bool ignore_eos = false;
   bool include_stop_str_in_output = false;
   bool skip_special_tokens = true;
+  bool return_tokens_as_token_ids = false;  // logprob tokens as "token_id:N" (a vLLM extension)
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
 };
