@@ -6,7 +6,6 @@
 // leaving the destination untouched.
 #include <gtest/gtest.h>
 
-#include <future>
 #include <random>
 #include <thread>
 
@@ -64,8 +63,9 @@ TEST(DisaggFlow, EachPrefillRankPushesItsShareThroughItsOwnEngine) {
       src_pools.emplace_back(src_descs.back(), test::kSourceJunk);
       src_pools.back().write_pattern(src_table, 0, kTokens, 0, kLayers);
     }
-    std::vector<std::future<TransferResult>> results(tp);
+    std::vector<TransferResult> results(tp);  // each rank thread writes its own entry
     std::vector<std::thread> ranks;
+    ranks.reserve(tp);
     for (int r = 0; r < tp; ++r) {
       ranks.emplace_back([&, r] {
         const nlohmann::json received = nlohmann::json::parse(wire);
@@ -79,15 +79,12 @@ TEST(DisaggFlow, EachPrefillRankPushesItsShareThroughItsOwnEngine) {
         const std::vector<KvCopy> copies =
             plan_kv_copies({kKvHeads, src_descs, src_table}, {kKvHeads, dst, dst_table},
                            {.token_begin = 0, .token_end = kTokens, .src_rank = r});
-        std::promise<TransferResult> done;
-        results[r] = done.get_future();
-        done.set_value(engine.submit({r, transfer_copies(copies), {}}).get());
+        results[r] = engine.submit({r, transfer_copies(copies), {}}).get();
       });
     }
     for (auto& t : ranks) t.join();
     for (int r = 0; r < tp; ++r) {
-      const TransferResult result = results[r].get();
-      EXPECT_EQ(result.status, TransferStatus::Ok) << "rank " << r << ": " << result.reason;
+      EXPECT_EQ(results[r].status, TransferStatus::Ok) << "rank " << r << ": " << results[r].reason;
     }
     PoolMemory expected(dst_desc, std::byte{0});
     expected.write_pattern(dst_table, 0, kTokens, 0, kLayers);
