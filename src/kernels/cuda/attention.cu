@@ -38,11 +38,13 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   }
 }
 
+// What the host decides per launch besides the op's params: the split-K plan and the block shift.
 struct SplitOutput {
   float* partial_out;  // [num_splits, num_tokens, num_q_heads, head_dim]
   float* partial_lse;  // [num_splits, num_tokens, num_q_heads], log2 domain
   int num_splits;
   int split_positions;  // cache positions per split (a multiple of the KV tile)
+  int log2_block_size;  // block_size is a power of two >= 4
 };
 
 template <int kHeadDim, int kWarps, int kBn>
@@ -129,19 +131,25 @@ __global__ void __launch_bounds__(kWarps * 32)
     const bf16* src = p.q + (static_cast<int64_t>(token) * p.num_q_heads + head) * kHeadDim + chunk * 8;
     cp_async_16(q_smem + swizzle<kChunks>(r, chunk), src, valid);
   }
+  // NOTE: a tile spans at most kBn / block_size + 1 <= 32 blocks, so each lane loads one block-table
+  // entry and the per-chunk lookups are warp shuffles: one table-load latency per tile instead of a
+  // dependent global load before every cp.async.
   auto load_kv = [&](int tile, int stage) {
     const int pos0 = kv_begin + tile * kBn;
+    const int first_block = pos0 >> split.log2_block_size;
+    const int last_block = (min(pos0 + kBn, kv_end) - 1) >> split.log2_block_size;
+    const int my_block = first_block + lane <= last_block ? table[first_block + lane] : 0;
+#pragma unroll 4
     for (int c = threadIdx.x; c < kBn * kChunks; c += kThreads) {
       const int r = c / kChunks, chunk = c % kChunks;
       const int pos = pos0 + r;
       const bool valid = pos < kv_end;
-      const int64_t block = valid ? table[pos / p.block_size] : 0;
+      const int64_t block = __shfl_sync(0xffffffffu, my_block, ((pos >> split.log2_block_size) - first_block) & 31);
       const int64_t offset =
-          ((block * p.num_kv_heads + kv_head) * p.block_size + (valid ? pos % p.block_size : 0)) * kHeadDim +
-          chunk * 8;
+          ((block * p.num_kv_heads + kv_head) * p.block_size + (pos & (p.block_size - 1))) * kHeadDim + chunk * 8;
       const int dst = stage * kBn * kHeadDim * 2 + swizzle<kChunks>(r, chunk);
-      cp_async_16(k_smem + dst, p.k_cache + offset, valid);
-      cp_async_16(v_smem + dst, p.v_cache + offset, valid);
+      cp_async_16(k_smem + dst, p.k_cache + (valid ? offset : 0), valid);
+      cp_async_16(v_smem + dst, p.v_cache + (valid ? offset : 0), valid);
     }
   };
   const int num_tiles = (kv_end - kv_begin + kBn - 1) / kBn;
@@ -341,7 +349,7 @@ template <int kHeadDim>
 void dispatch_config(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
   constexpr int kDecodeBn = 32;
   if (p.num_tokens != p.num_seqs) {
-    run<kHeadDim, 4, 64>(p, SplitOutput{nullptr, nullptr, 1, 0}, s);
+    run<kHeadDim, 4, 64>(p, SplitOutput{nullptr, nullptr, 1, 0, __builtin_ctz(p.block_size)}, s);
     return;
   }
   // Decode: enough CTAs to cover the chip a few times, each at least 4 KV tiles long.
@@ -349,7 +357,7 @@ void dispatch_config(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
   const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads;
   const int64_t max_splits = std::max<int64_t>(1, max_context / (4 * kDecodeBn));
   const int num_splits = static_cast<int>(std::clamp<int64_t>((132 * 6 + ctas - 1) / ctas, 1, max_splits));
-  SplitOutput split{nullptr, nullptr, num_splits, 0};
+  SplitOutput split{nullptr, nullptr, num_splits, 0, __builtin_ctz(p.block_size)};
   if (num_splits > 1) {
     split.split_positions = static_cast<int>((max_context + num_splits - 1) / num_splits);
     split.split_positions = (split.split_positions + kDecodeBn - 1) / kDecodeBn * kDecodeBn;
@@ -367,6 +375,8 @@ void dispatch_config(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
 void launch_paged_attention(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0, "paged_attention: ",
               p.num_q_heads, " q heads are not a multiple of ", p.num_kv_heads, " kv heads");
+  RELAY_CHECK(p.block_size >= 4 && (p.block_size & (p.block_size - 1)) == 0, "paged_attention: block_size ",
+              p.block_size, " must be a power of two >= 4");
   if (p.num_tokens == 0) return;
   switch (p.head_dim) {
     case 32: dispatch_config<32>(p, s); break;
