@@ -60,8 +60,8 @@ int run_generate(const GenerateOptions& o) {
   request.sampling.min_p = o.min_p;
   request.sampling.seed = o.seed;
   request.stop.ignore_eos = o.ignore_eos;
-  request.stop.max_tokens = std::min<int64_t>(o.max_tokens, engine.max_model_len() -
-                                                                static_cast<int64_t>(request.prompt.size()));
+  request.stop.max_tokens = std::min<int64_t>(
+      o.max_tokens, engine.max_model_len() - static_cast<int64_t>(request.prompt.size()));
   RELAY_CHECK(request.stop.max_tokens >= 1, "the prompt (", request.prompt.size(),
               " tokens) leaves no room in the context of ", engine.max_model_len(), " tokens");
   const size_t num_prompt_tokens = request.prompt.size();
@@ -84,11 +84,12 @@ int run_generate(const GenerateOptions& o) {
   std::fputc('\n', stdout);
   const double prefill_s = std::chrono::duration<double>(first_token - start).count();
   const double decode_s = std::chrono::duration<double>(end - first_token).count();
-  std::fprintf(stderr,
-               "relay: prompt %zu tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s); "
-               "finish: %s\n",
-               num_prompt_tokens, prefill_s, num_prompt_tokens / std::max(prefill_s, 1e-9), num_generated - 1,
-               decode_s, (num_generated - 1) / std::max(decode_s, 1e-9), finish);
+  std::fprintf(
+      stderr,
+      "relay: prompt %zu tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s); "
+      "finish: %s\n",
+      num_prompt_tokens, prefill_s, num_prompt_tokens / std::max(prefill_s, 1e-9),
+      num_generated - 1, decode_s, (num_generated - 1) / std::max(decode_s, 1e-9), finish);
   return 0;
 }
 
@@ -96,19 +97,26 @@ CommandRegistrar generate_command({
     "generate",
     [](CLI::App& sub) -> std::function<int()> {
       auto o = std::make_shared<GenerateOptions>();
-      sub.add_option("--model", o->model_dir, "checkpoint directory (default: the embedded demo model)");
+      sub.add_option("--model", o->model_dir,
+                     "checkpoint directory (default: the embedded demo model)");
       sub.add_option("--prompt", o->prompt, "the prompt text")->required();
-      sub.add_flag("--chat", o->chat, "render the prompt as a user message through the model's chat template");
-      sub.add_flag("--no-thinking", o->no_thinking, "with --chat: enable_thinking=false (Qwen3 templates)");
+      sub.add_flag("--chat", o->chat,
+                   "render the prompt as a user message through the model's chat template");
+      sub.add_flag("--no-thinking", o->no_thinking,
+                   "with --chat: enable_thinking=false (Qwen3 templates)");
       sub.add_option("--max-tokens", o->max_tokens, "tokens to generate at most (default 128)")
           ->check(CLI::PositiveNumber);
-      sub.add_option("--temperature", o->temperature, "0 = greedy (default 0)")->check(CLI::Range(0.0, 100.0));
-      sub.add_option("--top-p", o->top_p, "nucleus sampling mass (default 1 = off)")->check(CLI::Range(0.0, 1.0));
+      sub.add_option("--temperature", o->temperature, "0 = greedy (default 0)")
+          ->check(CLI::Range(0.0, 100.0));
+      sub.add_option("--top-p", o->top_p, "nucleus sampling mass (default 1 = off)")
+          ->check(CLI::Range(0.0, 1.0));
       sub.add_option("--top-k", o->top_k, "sample among the k most likely (default 0 = off)")
           ->check(CLI::NonNegativeNumber);
-      sub.add_option("--min-p", o->min_p, "drop tokens below min_p x the top probability (default 0 = off)")
+      sub.add_option("--min-p", o->min_p,
+                     "drop tokens below min_p x the top probability (default 0 = off)")
           ->check(CLI::Range(0.0, 1.0));
-      sub.add_option("--seed", o->seed, "sampling seed (default 0); the output is a pure function of it");
+      sub.add_option("--seed", o->seed,
+                     "sampling seed (default 0); the output is a pure function of it");
       sub.add_flag("--ignore-eos", o->ignore_eos, "keep generating past end-of-sequence tokens");
       sub.add_option("--threads", o->num_threads, "CPU threads (default: all cores)");
       return [o] { return run_generate(*o); };

@@ -12,10 +12,14 @@ using Clock = std::chrono::steady_clock;
 
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kAbort: return "abort";
-    case FinishReason::kNone: break;
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kAbort:
+      return "abort";
+    case FinishReason::kNone:
+      break;
   }
   return "";
 }
@@ -33,19 +37,21 @@ struct LLMEngine::Request {
   StopConditions stop;
   bool want_logprobs;
   IncrementalDetokenizer detokenizer;
-  std::string text;  // the output text so far
+  std::string text;     // the output text so far
   size_t num_sent = 0;  // bytes of `text` already returned
   size_t max_stop_len = 0;
   Clock::time_point arrival = Clock::now();
   std::optional<Clock::time_point> first_scheduled;
 };
 
-LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, const EngineConfig& config)
+LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
+                     const EngineConfig& config)
     : backend_(std::move(backend)),
       tokenizer_(std::move(tokenizer)),
       max_model_len_(0),
       blocks_(backend_->num_kv_blocks(), backend_->block_size(), config.enable_prefix_caching),
-      scheduler_({.max_num_seqs = config.max_num_seqs, .max_num_batched_tokens = config.max_num_batched_tokens},
+      scheduler_({.max_num_seqs = config.max_num_seqs,
+                  .max_num_batched_tokens = config.max_num_batched_tokens},
                  blocks_) {
   const int64_t model_len = backend_->config().max_position_embeddings;
   int64_t len = config.max_model_len > 0 ? config.max_model_len : model_len;
@@ -65,15 +71,18 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
   RELAY_CHECK(requests_.count(id) == 0, "request id ", id, " is already in use");
   const int64_t vocab = backend_->config().vocab_size;
   for (int32_t t : request.prompt) {
-    RELAY_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
+    RELAY_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab,
+                ")");
   }
   for (const std::string& s : request.stop.stop_strings) {
     RELAY_CHECK(!s.empty(), "request ", id, " has an empty stop string");
   }
-  RELAY_CHECK(request.stop.max_tokens >= 1, "max_tokens must be at least 1, got ", request.stop.max_tokens);
+  RELAY_CHECK(request.stop.max_tokens >= 1, "max_tokens must be at least 1, got ",
+              request.stop.max_tokens);
   const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.stop.max_tokens;
-  RELAY_CHECK(total <= max_model_len_, "prompt (", request.prompt.size(), " tokens) plus max_tokens (",
-              request.stop.max_tokens, ") exceeds max_model_len ", max_model_len_);
+  RELAY_CHECK(total <= max_model_len_, "prompt (", request.prompt.size(),
+              " tokens) plus max_tokens (", request.stop.max_tokens, ") exceeds max_model_len ",
+              max_model_len_);
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->tokens = std::move(request.prompt);
@@ -157,9 +166,10 @@ void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput&
   const StopConditions& stop = r.stop;
   if (out.num_output_tokens > stop.min_tokens) {
     const auto& eos = backend_->config().eos_token_ids;
-    const bool is_eos = !stop.ignore_eos && std::find(eos.begin(), eos.end(), sampled.token) != eos.end();
-    const bool is_stop = std::find(stop.stop_token_ids.begin(), stop.stop_token_ids.end(), sampled.token) !=
-                         stop.stop_token_ids.end();
+    const bool is_eos =
+        !stop.ignore_eos && std::find(eos.begin(), eos.end(), sampled.token) != eos.end();
+    const bool is_stop = std::find(stop.stop_token_ids.begin(), stop.stop_token_ids.end(),
+                                   sampled.token) != stop.stop_token_ids.end();
     if (is_eos || is_stop) {
       r.text += r.detokenizer.flush();
       finish(r, FinishReason::kStop, out);
@@ -187,7 +197,8 @@ void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput&
       return;
     }
   }
-  if (out.num_output_tokens >= stop.max_tokens || static_cast<int64_t>(seq.tokens.size()) >= max_model_len_) {
+  if (out.num_output_tokens >= stop.max_tokens ||
+      static_cast<int64_t>(seq.tokens.size()) >= max_model_len_) {
     r.text += r.detokenizer.flush();
     finish(r, FinishReason::kLength, out);
     return;

@@ -87,8 +87,8 @@ class LLMEngine {
   LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, const EngineConfig& config);
   ~LLMEngine();
 
-  // Queues a request under a caller-chosen id (unique among live requests). Throws relay::Error when
-  // the prompt is empty, a token is out of the vocabulary, or prompt + max_tokens exceeds
+  // Queues a request under a caller-chosen id (unique among live requests). Throws relay::Error
+  // when the prompt is empty, a token is out of the vocabulary, or prompt + max_tokens exceeds
   // max_model_len().
   void add_request(int64_t id, EngineRequest request);
   // Drops a request and frees its KV blocks now. Returns its final output (finish kAbort), or

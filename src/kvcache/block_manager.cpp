@@ -20,7 +20,9 @@ uint64_t mix64(uint64_t x) {
 }  // namespace
 
 BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching)
-    : num_blocks_(num_blocks), block_size_(block_size), enable_prefix_caching_(enable_prefix_caching) {
+    : num_blocks_(num_blocks),
+      block_size_(block_size),
+      enable_prefix_caching_(enable_prefix_caching) {
   RELAY_CHECK(num_blocks > 0, "the KV pool needs at least one block, got ", num_blocks);
   RELAY_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
   blocks_.resize(num_blocks);
@@ -34,8 +36,8 @@ uint64_t BlockManager::chain_hash(uint64_t parent, std::span<const int32_t> toke
 }
 
 bool BlockManager::matches(const Block& b, uint64_t parent, std::span<const int32_t> tokens) const {
-  return b.cached && b.parent_hash == parent && std::equal(tokens.begin(), tokens.end(),
-                                                           b.tokens.begin(), b.tokens.end());
+  return b.cached && b.parent_hash == parent &&
+         std::equal(tokens.begin(), tokens.end(), b.tokens.begin(), b.tokens.end());
 }
 
 PrefixHit BlockManager::find_cached_prefix(std::span<const int32_t> tokens) const {
@@ -114,7 +116,8 @@ void BlockManager::cache_full_blocks(int64_t seq_id, std::span<const int32_t> to
   const int num_full = static_cast<int>(
       std::min<int64_t>(num_computed_tokens / block_size_, static_cast<int64_t>(seq.table.size())));
   for (; seq.num_hashed < num_full; ++seq.num_hashed) {
-    const auto chunk = tokens.subspan(static_cast<size_t>(seq.num_hashed) * block_size_, block_size_);
+    const auto chunk =
+        tokens.subspan(static_cast<size_t>(seq.num_hashed) * block_size_, block_size_);
     const uint64_t h = chain_hash(seq.last_hash, chunk);
     Block& b = blocks_[seq.table[seq.num_hashed]];
     // NOTE: when another sequence already cached this prefix (both computed it in the same step),
@@ -156,8 +159,14 @@ std::span<const int32_t> BlockManager::block_table(int64_t seq_id) const {
 
 void BlockManager::unlink_free(int32_t block) {
   Block& b = blocks_[block];
-  if (b.prev != kNone) blocks_[b.prev].next = b.next; else free_head_ = b.next;
-  if (b.next != kNone) blocks_[b.next].prev = b.prev; else free_tail_ = b.prev;
+  if (b.prev != kNone)
+    blocks_[b.prev].next = b.next;
+  else
+    free_head_ = b.next;
+  if (b.next != kNone)
+    blocks_[b.next].prev = b.prev;
+  else
+    free_tail_ = b.prev;
   b.prev = b.next = kNone;
   --num_free_;
 }
@@ -166,7 +175,10 @@ void BlockManager::push_free_front(int32_t block) {
   Block& b = blocks_[block];
   b.prev = kNone;
   b.next = free_head_;
-  if (free_head_ != kNone) blocks_[free_head_].prev = block; else free_tail_ = block;
+  if (free_head_ != kNone)
+    blocks_[free_head_].prev = block;
+  else
+    free_tail_ = block;
   free_head_ = block;
   ++num_free_;
 }
@@ -175,7 +187,10 @@ void BlockManager::push_free_back(int32_t block) {
   Block& b = blocks_[block];
   b.next = kNone;
   b.prev = free_tail_;
-  if (free_tail_ != kNone) blocks_[free_tail_].next = block; else free_head_ = block;
+  if (free_tail_ != kNone)
+    blocks_[free_tail_].next = block;
+  else
+    free_head_ = block;
   free_tail_ = block;
   ++num_free_;
 }
@@ -199,7 +214,8 @@ void BlockManager::check_invariants() const {
     RELAY_CHECK(seq.num_hashed <= static_cast<int>(seq.table.size()), "sequence ", id, " hashed ",
                 seq.num_hashed, " blocks of ", seq.table.size());
     for (int32_t b : seq.table) {
-      RELAY_CHECK(b >= 0 && b < num_blocks_, "sequence ", id, " holds block id ", b, " outside the pool");
+      RELAY_CHECK(b >= 0 && b < num_blocks_, "sequence ", id, " holds block id ", b,
+                  " outside the pool");
       ++refs[b];
     }
   }

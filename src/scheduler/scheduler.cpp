@@ -12,8 +12,8 @@ Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks)
   RELAY_CHECK(config.max_num_seqs > 0, "max_num_seqs must be positive, got ", config.max_num_seqs);
   // NOTE: each running decode needs one token of the budget, so the budget must cover a full batch.
   RELAY_CHECK(config.max_num_batched_tokens >= config.max_num_seqs, "max_num_batched_tokens (",
-              config.max_num_batched_tokens, ") must be at least max_num_seqs (", config.max_num_seqs,
-              ")");
+              config.max_num_batched_tokens, ") must be at least max_num_seqs (",
+              config.max_num_seqs, ")");
 }
 
 void Scheduler::add(std::unique_ptr<Sequence> seq) {

@@ -3,15 +3,15 @@
 // Every sequence is a list of tokens (prompt, then generated) of which the first `num_computed` are
 // in the KV cache. A step computes some of the rest: a *decode* is a sequence with one token left
 // (the one sampled last step), a *prefill chunk* is a run of prompt tokens. Uniformly, a sequence
-// samples whenever a step computes up to its last token, so a preempted sequence's recompute is just
-// a prefill over prompt + generated tokens.
+// samples whenever a step computes up to its last token, so a preempted sequence's recompute is
+// just a prefill over prompt + generated tokens.
 //
 // Each step (schedule()):
 //  1. Running sequences, oldest first, each take min(tokens left, budget) tokens of the
-//     max_num_batched_tokens budget, with one token held back for every decode later in the list, so
-//     every running decode is in every step and prefills get what remains. A sequence whose blocks
-//     cannot be allocated preempts the newest running sequence (frees its blocks, puts it at the
-//     front of the waiting queue to be recomputed) until it fits, or preempts itself.
+//     max_num_batched_tokens budget, with one token held back for every decode later in the list,
+//     so every running decode is in every step and prefills get what remains. A sequence whose
+//     blocks cannot be allocated preempts the newest running sequence (frees its blocks, puts it at
+//     the front of the waiting queue to be recomputed) until it fits, or preempts itself.
 //  2. If nothing was preempted, waiting sequences are admitted in FCFS order while there is budget,
 //     a free slot under max_num_seqs, and KV blocks for their first chunk; the full blocks of their
 //     prompt found in the prefix cache are taken as computed. Admission stops at the first sequence
@@ -34,15 +34,15 @@
 namespace relay {
 
 struct SchedulerConfig {
-  int max_num_seqs = 64;               // sequences running at once
-  int max_num_batched_tokens = 2048;   // tokens computed per step (decodes + prefill chunks)
+  int max_num_seqs = 64;              // sequences running at once
+  int max_num_batched_tokens = 2048;  // tokens computed per step (decodes + prefill chunks)
 };
 
 struct Sequence {
   int64_t id = 0;
   std::vector<int32_t> tokens;  // prompt, then generated tokens
   int num_prompt_tokens = 0;
-  int num_computed = 0;         // tokens whose K/V is in the cache
+  int num_computed = 0;               // tokens whose K/V is in the cache
   int num_cached_prompt_tokens = -1;  // prefix-cache hit at first admission (-1: not admitted yet)
   int num_preemptions = 0;
   SamplingParams sampling;
@@ -56,12 +56,13 @@ struct Sequence {
 // One sequence's share of a step.
 struct ScheduledChunk {
   Sequence* seq = nullptr;
-  int num_tokens = 0;  // tokens[seq->num_computed, seq->num_computed + num_tokens)
+  int num_tokens = 0;   // tokens[seq->num_computed, seq->num_computed + num_tokens)
   bool sample = false;  // the chunk ends at the sequence's last token
 };
 
 struct SchedulerOutput {
-  std::vector<ScheduledChunk> chunks;  // decodes and prefill chunks of running sequences, then admissions
+  std::vector<ScheduledChunk>
+      chunks;  // decodes and prefill chunks of running sequences, then admissions
   int num_batched_tokens = 0;
   bool empty() const { return chunks.empty(); }
 };
@@ -81,10 +82,11 @@ class Scheduler {
   void add(std::unique_ptr<Sequence> seq);
   // Picks this step's work and allocates its KV blocks.
   SchedulerOutput schedule();
-  // Records a computed step: advances num_computed, registers newly full blocks in the prefix cache,
-  // and appends each sampled token (one per chunk with sample, in order) to its sequence.
+  // Records a computed step: advances num_computed, registers newly full blocks in the prefix
+  // cache, and appends each sampled token (one per chunk with sample, in order) to its sequence.
   void update(const SchedulerOutput& out, std::span<const SampledToken> sampled);
-  // Removes a sequence (finished or aborted), freeing its blocks now. Returns false for unknown ids.
+  // Removes a sequence (finished or aborted), freeing its blocks now. Returns false for unknown
+  // ids.
   bool finish(int64_t id);
 
   Sequence* find(int64_t id);

@@ -9,7 +9,8 @@ using Clock = std::chrono::steady_clock;
 
 std::vector<RequestOutput> RequestHandle::next(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  if (outputs_.empty() && !finished_) cv_.wait_for(lock, timeout, [&] { return !outputs_.empty() || finished_; });
+  if (outputs_.empty() && !finished_)
+    cv_.wait_for(lock, timeout, [&] { return !outputs_.empty() || finished_; });
   std::vector<RequestOutput> out(std::make_move_iterator(outputs_.begin()),
                                  std::make_move_iterator(outputs_.end()));
   outputs_.clear();
@@ -96,7 +97,8 @@ void EngineLoop::deliver(const RequestOutput& out) {
   }
   if (out.finish != FinishReason::kNone) {
     metrics_.request_finished(finish_reason_name(out.finish),
-                              std::chrono::duration<double>(now - h.arrival_).count(), out.queue_time_s);
+                              std::chrono::duration<double>(now - h.arrival_).count(),
+                              out.queue_time_s);
     --num_unfinished_;
     h.push(out);
     live_.erase(it);
@@ -108,7 +110,8 @@ void EngineLoop::deliver(const RequestOutput& out) {
 void EngineLoop::fail_all(const std::string& message) {
   for (auto& [id, handle] : live_) {
     engine_.abort(id);
-    metrics_.request_finished("error", std::chrono::duration<double>(Clock::now() - handle->arrival_).count(), 0.0);
+    metrics_.request_finished(
+        "error", std::chrono::duration<double>(Clock::now() - handle->arrival_).count(), 0.0);
     --num_unfinished_;
     handle->fail(message);
   }
@@ -121,7 +124,9 @@ void EngineLoop::run() {
     std::vector<int64_t> aborts;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !inbox_.empty() || !aborts_.empty() || engine_.has_work(); });
+      cv_.wait(lock, [&] {
+        return stopping_ || !inbox_.empty() || !aborts_.empty() || engine_.has_work();
+      });
       if (stopping_) break;
       inbox.swap(inbox_);
       aborts.swap(aborts_);
@@ -147,8 +152,9 @@ void EngineLoop::run() {
       fail_all(str("engine step failed: ", e.what()));
     }
     const EngineStats s = engine_.stats();
-    metrics_.set_engine({s.num_running, s.num_waiting, s.kv_cache_usage, s.scheduler.num_preemptions,
-                         s.scheduler.prefix_cache_queries, s.scheduler.prefix_cache_hits});
+    metrics_.set_engine({s.num_running, s.num_waiting, s.kv_cache_usage,
+                         s.scheduler.num_preemptions, s.scheduler.prefix_cache_queries,
+                         s.scheduler.prefix_cache_hits});
   }
   fail_all("the server is shutting down");
   std::lock_guard lock(mu_);

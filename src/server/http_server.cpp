@@ -32,7 +32,8 @@ enum class Phase { kLoading, kReady, kDraining };
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 int64_t unix_time() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
@@ -108,7 +109,8 @@ struct HttpServer::State {
   }
   std::string random_id(const char* prefix) {
     char buf[40];
-    std::snprintf(buf, sizeof buf, "%s%016llx%08llx", prefix, static_cast<unsigned long long>(random64()),
+    std::snprintf(buf, sizeof buf, "%s%016llx%08llx", prefix,
+                  static_cast<unsigned long long>(random64()),
                   static_cast<unsigned long long>(random64() & 0xffffffffu));
     return buf;
   }
@@ -121,7 +123,8 @@ struct HttpServer::State {
 
   void check_ready() const {
     const Phase p = phase.load();
-    if (p == Phase::kLoading) throw ApiError{503, "the model is still loading", "service_unavailable", "", ""};
+    if (p == Phase::kLoading)
+      throw ApiError{503, "the model is still loading", "service_unavailable", "", ""};
     if (p == Phase::kDraining) {
       throw ApiError{503, "the server is shutting down", "service_unavailable", "", ""};
     }
@@ -129,8 +132,9 @@ struct HttpServer::State {
 
   void check_model(const std::string& model) const {
     if (model != options.served_model_name && model != options.model_path) {
-      throw ApiError{404, str("The model '", model, "' does not exist; this server serves '",
-                              options.served_model_name, "'"),
+      throw ApiError{404,
+                     str("The model '", model, "' does not exist; this server serves '",
+                         options.served_model_name, "'"),
                      "invalid_request_error", "model", "model_not_found"};
     }
   }
@@ -138,13 +142,15 @@ struct HttpServer::State {
   void check_capacity(int n) const {
     const int limit = options.max_num_seqs + options.max_queue;
     if (loop->num_unfinished() + n > limit) {
-      throw ApiError{429, str("the server's queue is full (", limit, " requests in flight); retry later"),
-                     "rate_limit_exceeded", "", "queue_full"};
+      throw ApiError{
+          429, str("the server's queue is full (", limit, " requests in flight); retry later"),
+          "rate_limit_exceeded", "", "queue_full"};
     }
   }
 
   // Submits the n choices of a request.
-  void submit(Job& job, const std::vector<int32_t>& prompt, const GenerationOptions& o, int64_t max_tokens) {
+  void submit(Job& job, const std::vector<int32_t>& prompt, const GenerationOptions& o,
+              int64_t max_tokens) {
     const int64_t vocab = engine->model_config().vocab_size;
     check_token_ids(o.stop_token_ids, vocab, "stop_token_ids");
     check_capacity(static_cast<int>(o.n));
@@ -227,7 +233,8 @@ struct HttpServer::State {
     for (const TokenLogprob& lp : lps) {
       json top = json::array();
       for (const auto& [id, v] : lp.top) {
-        top.push_back({{"token", token_text(id, as_ids)}, {"logprob", v}, {"bytes", token_bytes_json(id)}});
+        top.push_back(
+            {{"token", token_text(id, as_ids)}, {"logprob", v}, {"bytes", token_bytes_json(id)}});
       }
       content.push_back({{"token", token_text(lp.token, as_ids)},
                          {"logprob", lp.logprob},
@@ -237,8 +244,10 @@ struct HttpServer::State {
     return {{"content", content}};
   }
 
-  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t text_offset, bool as_ids) const {
-    json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array();
+  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t text_offset,
+                           bool as_ids) const {
+    json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
+         offsets = json::array();
     for (const TokenLogprob& lp : lps) {
       const std::string t = token_text(lp.token, as_ids);
       tokens.push_back(t);
@@ -249,7 +258,10 @@ struct HttpServer::State {
       offsets.push_back(text_offset);
       text_offset += engine->tokenizer().token_bytes(lp.token).size();
     }
-    return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+    return {{"tokens", tokens},
+            {"token_logprobs", token_logprobs},
+            {"top_logprobs", top},
+            {"text_offset", offsets}};
   }
 
   json usage(const Job& job) const {
@@ -302,8 +314,10 @@ struct HttpServer::State {
     auto job = std::make_shared<Job>(std::move(job_value));
     ++active_responses;
     // NOTE: httplib gzips a chunked "application/json" body when the client accepts gzip, which
-    // buffers the heartbeats and hides a disconnect; with a charset parameter it sends bytes as they come.
-    const char* content_type = job->stream ? "text/event-stream" : "application/json; charset=utf-8";
+    // buffers the heartbeats and hides a disconnect; with a charset parameter it sends bytes as
+    // they come.
+    const char* content_type =
+        job->stream ? "text/event-stream" : "application/json; charset=utf-8";
     res.set_chunked_content_provider(
         content_type,
         [this, job](size_t, httplib::DataSink& sink) {
@@ -371,7 +385,8 @@ struct HttpServer::State {
         }
         has_content = has_content || !delta.empty();
         choice["delta"] = delta;
-        if (!out.logprobs.empty()) choice["logprobs"] = chat_logprobs(out.logprobs, job.tokens_as_ids);
+        if (!out.logprobs.empty())
+          choice["logprobs"] = chat_logprobs(out.logprobs, job.tokens_as_ids);
       } else {
         std::string text = out.text;
         if (!echoed) {
@@ -380,7 +395,8 @@ struct HttpServer::State {
         }
         has_content = has_content || !text.empty();
         choice["text"] = text;
-        if (!out.logprobs.empty()) choice["logprobs"] = completion_logprobs(out.logprobs, 0, job.tokens_as_ids);
+        if (!out.logprobs.empty())
+          choice["logprobs"] = completion_logprobs(out.logprobs, 0, job.tokens_as_ids);
       }
       if (out.finish != FinishReason::kNone) {
         choice["finish_reason"] = finish_name(out.finish, num_calls[i] > 0);
@@ -421,26 +437,28 @@ struct HttpServer::State {
         d.reasoning += rest.reasoning;
         d.content += rest.content;
         d.tool_calls.insert(d.tool_calls.end(), rest.tool_calls.begin(), rest.tool_calls.end());
-        json message = {{"role", "assistant"},
-                        {"content", d.content.empty() && !d.tool_calls.empty() ? json(nullptr) : json(d.content)},
-                        {"reasoning_content", d.reasoning.empty() ? json(nullptr) : json(d.reasoning)},
-                        {"tool_calls", tool_calls_json(d.tool_calls, 0, false)}};
+        json message = {
+            {"role", "assistant"},
+            {"content",
+             d.content.empty() && !d.tool_calls.empty() ? json(nullptr) : json(d.content)},
+            {"reasoning_content", d.reasoning.empty() ? json(nullptr) : json(d.reasoning)},
+            {"tool_calls", tool_calls_json(d.tool_calls, 0, false)}};
         choice["message"] = message;
         choice["finish_reason"] = finish_name(c.finish, !d.tool_calls.empty());
         if (job.logprobs) choice["logprobs"] = chat_logprobs(c.logprobs, job.tokens_as_ids);
       } else {
         choice["text"] = job.echo_text + c.text;
         choice["finish_reason"] = finish_name(c.finish, false);
-        if (job.logprobs) choice["logprobs"] = completion_logprobs(c.logprobs, job.echo_text.size(), job.tokens_as_ids);
+        if (job.logprobs)
+          choice["logprobs"] =
+              completion_logprobs(c.logprobs, job.echo_text.size(), job.tokens_as_ids);
       }
       choices.push_back(std::move(choice));
     }
-    json body = {{"id", job.id},
-                 {"object", job.chat ? "chat.completion" : "text_completion"},
-                 {"created", job.created},
-                 {"model", options.served_model_name},
-                 {"choices", choices},
-                 {"usage", usage(job)}};
+    json body = {
+        {"id", job.id},           {"object", job.chat ? "chat.completion" : "text_completion"},
+        {"created", job.created}, {"model", options.served_model_name},
+        {"choices", choices},     {"usage", usage(job)}};
     write(dump(body));
   }
 
@@ -453,10 +471,11 @@ struct HttpServer::State {
     const bool use_tools = !r.tools.is_null() && r.tool_choice != "none";
     std::string prompt;
     try {
-      prompt = chat_template->render(r.messages, use_tools ? r.tools : json(nullptr), r.add_generation_prompt,
-                                     r.chat_template_kwargs);
+      prompt = chat_template->render(r.messages, use_tools ? r.tools : json(nullptr),
+                                     r.add_generation_prompt, r.chat_template_kwargs);
     } catch (const Error& e) {
-      throw bad_param("messages", str("the chat template could not render these messages: ", e.what()));
+      throw bad_param("messages",
+                      str("the chat template could not render these messages: ", e.what()));
     }
     const std::vector<int32_t> ids = engine->tokenizer().encode(prompt);
     const int64_t max_tokens = check_context_length(static_cast<int64_t>(ids.size()), r.options,
@@ -517,17 +536,15 @@ struct HttpServer::State {
 
   void models(httplib::Response& res) {
     check_ready();
-    json m = {{"id", options.served_model_name},
-              {"object", "model"},
-              {"created", unix_time()},
-              {"owned_by", "relay"},
-              {"root", options.model_path},
-              {"max_model_len", engine->max_model_len()}};
+    json m = {{"id", options.served_model_name}, {"object", "model"},
+              {"created", unix_time()},          {"owned_by", "relay"},
+              {"root", options.model_path},      {"max_model_len", engine->max_model_len()}};
     res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
   }
 };
 
-HttpServer::HttpServer(ServerOptions options) : state_(std::make_unique<State>(std::move(options))) {}
+HttpServer::HttpServer(ServerOptions options)
+    : state_(std::make_unique<State>(std::move(options))) {}
 
 HttpServer::~HttpServer() { stop(); }
 
@@ -545,32 +562,34 @@ void HttpServer::start() {
     request_start = Clock::now();
     if (!s.options.api_key.empty() && req.path.rfind("/v1/", 0) == 0 &&
         req.get_header_value("Authorization") != "Bearer " + s.options.api_key) {
-      s.send_error(res, ApiError{401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                                 "invalid_request_error", "", "invalid_api_key"});
+      s.send_error(
+          res, ApiError{401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
+                        "invalid_request_error", "", "invalid_api_key"});
       return httplib::Server::HandlerResponse::Handled;
     }
     return httplib::Server::HandlerResponse::Unhandled;
   });
   svr.set_logger([](const httplib::Request& req, const httplib::Response& res) {
     const double secs = std::chrono::duration<double>(Clock::now() - request_start).count();
-    std::fprintf(stderr, "relay: %s \"%s %s\" %d %.3fs\n", req.remote_addr.c_str(), req.method.c_str(),
-                 req.path.c_str(), res.status, secs);
+    std::fprintf(stderr, "relay: %s \"%s %s\" %d %.3fs\n", req.remote_addr.c_str(),
+                 req.method.c_str(), req.path.c_str(), res.status, secs);
   });
   svr.set_error_handler([&s](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty() || res.status != 404) return;
-    s.send_error(res, ApiError{404, str("no route for ", req.method, " ", req.path), "invalid_request_error",
-                               "", "not_found"});
+    s.send_error(res, ApiError{404, str("no route for ", req.method, " ", req.path),
+                               "invalid_request_error", "", "not_found"});
   });
-  svr.set_exception_handler([&s](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string message = "internal error";
-    try {
-      std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      message = e.what();
-    } catch (...) {
-    }
-    s.send_error(res, ApiError{500, message, "internal_server_error", "", ""});
-  });
+  svr.set_exception_handler(
+      [&s](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string message = "internal error";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          message = e.what();
+        } catch (...) {
+        }
+        s.send_error(res, ApiError{500, message, "internal_server_error", "", ""});
+      });
 
   // Runs a handler, turning ApiError into its JSON answer.
   auto guarded = [&s](auto handler) {
@@ -585,7 +604,7 @@ void HttpServer::start() {
   svr.Get("/health", [&s](const httplib::Request&, httplib::Response& res) {
     const Phase p = s.phase.load();
     res.status = p == Phase::kReady ? 200 : 503;
-    res.set_content(p == Phase::kReady ? "{\"status\":\"ok\"}"
+    res.set_content(p == Phase::kReady     ? "{\"status\":\"ok\"}"
                     : p == Phase::kLoading ? "{\"status\":\"loading\"}"
                                            : "{\"status\":\"draining\"}",
                     "application/json");
@@ -593,8 +612,10 @@ void HttpServer::start() {
   svr.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {
     res.set_content(s.metrics.render(), "text/plain; version=0.0.4");
   });
-  svr.Get("/v1/models", guarded([&s](const httplib::Request&, httplib::Response& res) { s.models(res); }));
-  svr.Post("/v1/chat/completions", guarded([&s](const httplib::Request& req, httplib::Response& res) {
+  svr.Get("/v1/models",
+          guarded([&s](const httplib::Request&, httplib::Response& res) { s.models(res); }));
+  svr.Post("/v1/chat/completions",
+           guarded([&s](const httplib::Request& req, httplib::Response& res) {
              s.chat_completions(req, res);
            }));
   svr.Post("/v1/completions", guarded([&s](const httplib::Request& req, httplib::Response& res) {
@@ -621,12 +642,14 @@ bool HttpServer::drain(double timeout_s) {
   const Clock::time_point deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                         std::chrono::duration<double>(timeout_s));
   auto idle = [&] { return (!s.loop || s.loop->num_unfinished() == 0) && s.active_responses == 0; };
-  while (!idle() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  while (!idle() && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   const bool finished = idle();
   if (s.loop) s.loop->stop();
   // Let the responses of requests failed by stop() write their last bytes.
   const Clock::time_point grace = Clock::now() + std::chrono::seconds(2);
-  while (s.active_responses > 0 && Clock::now() < grace) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  while (s.active_responses > 0 && Clock::now() < grace)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   return finished;
 }
 

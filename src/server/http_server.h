@@ -3,11 +3,11 @@
 // Life cycle: start() binds and answers at once (/health is 503 and /v1 routes are 503 while the
 // model loads), attach() hands over the loaded engine, drain() stops taking new requests (503) and
 // waits for the running ones, stop() closes the listener. Each request is validated completely
-// (openai_protocol.h) before it reaches the engine; the engine thread (engine_loop.h) runs the steps
-// and the HTTP thread of each request only formats its outputs. Every generation response, streamed
-// or not, is written through a chunked provider that also sends a heartbeat (an SSE comment, or
-// JSON-insignificant whitespace) while the request waits, so a client that went away is noticed by
-// a failed write and its request is aborted, freeing its KV blocks.
+// (openai_protocol.h) before it reaches the engine; the engine thread (engine_loop.h) runs the
+// steps and the HTTP thread of each request only formats its outputs. Every generation response,
+// streamed or not, is written through a chunked provider that also sends a heartbeat (an SSE
+// comment, or JSON-insignificant whitespace) while the request waits, so a client that went away is
+// noticed by a failed write and its request is aborted, freeing its KV blocks.
 #pragma once
 
 #include <atomic>
@@ -44,7 +44,8 @@ class HttpServer {
   // Binds host:port (port 0 picks a free one) and serves in a background thread. Throws on failure.
   void start();
   int port() const { return port_; }
-  // The engine is loaded: /health turns 200 and /v1 routes work. The engine must outlive the server.
+  // The engine is loaded: /health turns 200 and /v1 routes work. The engine must outlive the
+  // server.
   void attach(LLMEngine& engine, chat::ChatTemplate chat_template);
   // Refuses new requests (503) and waits until running ones finish or `timeout_s` passes; then
   // fails what is left. Returns whether everything finished in time.

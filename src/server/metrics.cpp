@@ -9,14 +9,14 @@ namespace relay::server {
 namespace {
 
 // vLLM's bucket bounds for the same histograms.
-const std::vector<double> kTtftBounds = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                                         0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
-                                         640.0, 2560.0};
-const std::vector<double> kItlBounds = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                                        0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
-const std::vector<double> kRequestBounds = {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
-                                            20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-                                            960.0, 1920.0, 7680.0};
+const std::vector<double> kTtftBounds = {0.001, 0.005, 0.01, 0.02,  0.04,  0.06,  0.08, 0.1,
+                                         0.25,  0.5,   0.75, 1.0,   2.5,   5.0,   7.5,  10.0,
+                                         20.0,  40.0,  80.0, 160.0, 640.0, 2560.0};
+const std::vector<double> kItlBounds = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                        0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+const std::vector<double> kRequestBounds = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                            5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
+                                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
 
 // Shortest text that reads back as the same double ("0.04", not "0.040000000000000001").
 std::string num(double v) {
@@ -32,7 +32,8 @@ void header(std::string& out, const std::string& name, const char* type, const c
 }  // namespace
 
 void Histogram::observe(double v) {
-  const size_t i = static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin());
+  const size_t i =
+      static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin());
   ++counts_[i];
   sum_ += v;
   ++count_;
@@ -106,30 +107,40 @@ std::string Metrics::render() const {
     header(out, name, "counter", help);
     out += name + "{" + model + "} " + std::to_string(v) + "\n";
   };
-  gauge("relay:num_requests_running", "Number of requests in model execution batches.", engine_.num_running);
-  gauge("relay:num_requests_waiting", "Number of requests waiting to be processed.", engine_.num_waiting);
-  gauge("relay:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine_.kv_cache_usage);
-  counter("relay:num_preemptions_total", "Cumulative number of preemptions.", engine_.num_preemptions);
+  gauge("relay:num_requests_running", "Number of requests in model execution batches.",
+        engine_.num_running);
+  gauge("relay:num_requests_waiting", "Number of requests waiting to be processed.",
+        engine_.num_waiting);
+  gauge("relay:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+        engine_.kv_cache_usage);
+  counter("relay:num_preemptions_total", "Cumulative number of preemptions.",
+          engine_.num_preemptions);
   counter("relay:prefix_cache_queries_total", "Prefix cache queries, in queried tokens.",
           engine_.prefix_cache_queries);
-  counter("relay:prefix_cache_hits_total", "Prefix cache hits, in cached tokens.", engine_.prefix_cache_hits);
+  counter("relay:prefix_cache_hits_total", "Prefix cache hits, in cached tokens.",
+          engine_.prefix_cache_hits);
   counter("relay:prompt_tokens_total", "Number of prefill tokens processed.", prompt_tokens_);
-  counter("relay:generation_tokens_total", "Number of generation tokens processed.", generation_tokens_);
+  counter("relay:generation_tokens_total", "Number of generation tokens processed.",
+          generation_tokens_);
 
-  header(out, "relay:request_success_total", "counter", "Count of finished requests by finish reason.");
+  header(out, "relay:request_success_total", "counter",
+         "Count of finished requests by finish reason.");
   for (const char* reason : {"stop", "length", "abort", "error"}) {
     const auto it = finished_.find(reason);
     out += "relay:request_success_total{" + model + ",finished_reason=\"" + reason + "\"} " +
            std::to_string(it == finished_.end() ? 0 : it->second) + "\n";
   }
-  header(out, "relay:request_rejected_total", "counter", "Requests answered with an HTTP error, by status.");
+  header(out, "relay:request_rejected_total", "counter",
+         "Requests answered with an HTTP error, by status.");
   for (const auto& [status, n] : rejected_) {
-    out += "relay:request_rejected_total{" + model + ",status=\"" + std::to_string(status) + "\"} " +
-           std::to_string(n) + "\n";
+    out += "relay:request_rejected_total{" + model + ",status=\"" + std::to_string(status) +
+           "\"} " + std::to_string(n) + "\n";
   }
-  header(out, "relay:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.");
+  header(out, "relay:time_to_first_token_seconds", "histogram",
+         "Histogram of time to first token in seconds.");
   ttft_.render(out, "relay:time_to_first_token_seconds", model);
-  header(out, "relay:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.");
+  header(out, "relay:inter_token_latency_seconds", "histogram",
+         "Histogram of inter-token latency in seconds.");
   itl_.render(out, "relay:inter_token_latency_seconds", model);
   header(out, "relay:e2e_request_latency_seconds", "histogram",
          "Histogram of end to end request latency in seconds.");

@@ -16,7 +16,8 @@ namespace relay::server {
 
 class Histogram {
  public:
-  explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
+  explicit Histogram(std::vector<double> bounds)
+      : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
   void observe(double v);
   // Appends the _bucket/_sum/_count lines for metric `name` with the label string `labels`.
   void render(std::string& out, const std::string& name, const std::string& labels) const;

@@ -47,7 +47,8 @@ class Fields {
     if (!v->is_number()) throw bad_param(name, str("'", name, "' must be a number"));
     const double x = v->get<double>();
     if (!std::isfinite(x) || x < lo || x > hi) {
-      throw bad_param(name, str("'", name, "' must be between ", lo, " and ", hi, ", got ", v->dump()));
+      throw bad_param(name,
+                      str("'", name, "' must be between ", lo, " and ", hi, ", got ", v->dump()));
     }
     return x;
   }
@@ -82,8 +83,12 @@ class Fields {
 
   // Unknown fields are errors, except those that never change what is generated.
   void reject_unknown() const {
-    static const std::set<std::string> kIgnored = {"user", "metadata", "store", "service_tier",
-                                                   "parallel_tool_calls", "prompt_cache_key",
+    static const std::set<std::string> kIgnored = {"user",
+                                                   "metadata",
+                                                   "store",
+                                                   "service_tier",
+                                                   "parallel_tool_calls",
+                                                   "prompt_cache_key",
                                                    "safety_identifier"};
     for (const auto& [key, value] : obj_.items()) {
       if (seen_.count(key) == 0 && kIgnored.count(key) == 0) {
@@ -102,8 +107,8 @@ json parse_object(std::string_view body) {
   try {
     j = json::parse(body);
   } catch (const json::parse_error& e) {
-    throw ApiError{400, str("the request body is not valid JSON: ", e.what()), "invalid_request_error",
-                   "", ""};
+    throw ApiError{400, str("the request body is not valid JSON: ", e.what()),
+                   "invalid_request_error", "", ""};
   }
   if (!j.is_object()) {
     throw ApiError{400, "the request body must be a JSON object", "invalid_request_error", "", ""};
@@ -137,7 +142,8 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
   }
   if (const json* v = f.get("seed")) {
     if (!v->is_number_integer()) throw bad_param("seed", "'seed' must be an integer");
-    o.seed = v->is_number_unsigned() ? v->get<uint64_t>() : static_cast<uint64_t>(v->get<int64_t>());
+    o.seed =
+        v->is_number_unsigned() ? v->get<uint64_t>() : static_cast<uint64_t>(v->get<int64_t>());
   }
   o.n = f.integer("n", 1, kMaxN).value_or(1);
   if (const json* v = f.get("stop")) {
@@ -159,7 +165,8 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
     }
   }
   if (const json* v = f.get("stop_token_ids")) {
-    if (!v->is_array()) throw bad_param("stop_token_ids", "'stop_token_ids' must be a list of integers");
+    if (!v->is_array())
+      throw bad_param("stop_token_ids", "'stop_token_ids' must be a list of integers");
     for (const json& t : *v) {
       if (!t.is_number_integer()) {
         throw bad_param("stop_token_ids", "'stop_token_ids' must be a list of integers");
@@ -183,8 +190,9 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
     try {
       so.reject_unknown();
     } catch (const ApiError& e) {
-      throw bad_param("stream_options." + e.param,
-                      str("unrecognized request argument supplied: 'stream_options.", e.param, "'"));
+      throw bad_param(
+          "stream_options." + e.param,
+          str("unrecognized request argument supplied: 'stream_options.", e.param, "'"));
     }
   }
   if (const json* v = f.get("logit_bias"); v != nullptr && !(v->is_object() && v->empty())) {
@@ -192,7 +200,8 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
   }
   if (const json* v = f.get("response_format")) {
     if (!v->is_object() || v->value("type", "") != "text") {
-      throw bad_param("response_format", "only 'response_format' {\"type\": \"text\"} is supported");
+      throw bad_param("response_format",
+                      "only 'response_format' {\"type\": \"text\"} is supported");
     }
   }
   return o;
@@ -203,12 +212,14 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
 json normalize_content(const json& content, size_t index) {
   const std::string param = str("messages[", index, "].content");
   if (content.is_null() || content.is_string()) return content;
-  if (!content.is_array()) throw bad_param(param, str("'", param, "' must be a string or a list of parts"));
+  if (!content.is_array())
+    throw bad_param(param, str("'", param, "' must be a string or a list of parts"));
   std::string text;
   for (const json& part : content) {
     if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
         !part["text"].is_string()) {
-      throw bad_param(param, str("'", param, "' parts must be {\"type\": \"text\", \"text\": ...}"));
+      throw bad_param(param,
+                      str("'", param, "' parts must be {\"type\": \"text\", \"text\": ...}"));
     }
     text += part["text"].get<std::string>();
   }
@@ -227,14 +238,16 @@ json validate_messages(const json* messages) {
     if (!m.is_object()) throw bad_param(where, str("'", where, "' must be an object"));
     const auto role = m.find("role");
     if (role == m.end() || !role->is_string() || kRoles.count(role->get<std::string>()) == 0) {
-      throw bad_param(where + ".role", str("'", where, ".role' must be one of system, developer, user, "
+      throw bad_param(where + ".role", str("'", where,
+                                           ".role' must be one of system, developer, user, "
                                            "assistant, tool"));
     }
     json msg = m;
     if (msg.contains("content")) msg["content"] = normalize_content(msg["content"], i);
     const std::string r = role->get<std::string>();
     // An assistant turn that only calls tools has no content; templates expect a string.
-    if (r == "assistant" && (!msg.contains("content") || msg["content"].is_null())) msg["content"] = "";
+    if (r == "assistant" && (!msg.contains("content") || msg["content"].is_null()))
+      msg["content"] = "";
     if (r != "assistant" && (!msg.contains("content") || !msg["content"].is_string())) {
       throw bad_param(where + ".content", str("'", where, ".content' is required for role ", r));
     }
@@ -272,8 +285,9 @@ json validate_tools(const json* tools) {
     if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
         !t["function"].is_object() || !t["function"].contains("name") ||
         !t["function"]["name"].is_string()) {
-      throw bad_param(where, str("'", where,
-                                 "' must be {\"type\": \"function\", \"function\": {\"name\": ...}}"));
+      throw bad_param(
+          where,
+          str("'", where, "' must be {\"type\": \"function\", \"function\": {\"name\": ...}}"));
     }
   }
   return tools->empty() ? json(nullptr) : *tools;
@@ -304,14 +318,16 @@ ChatRequest parse_chat_request(std::string_view body) {
     }
   }
   if (const json* v = f.get("chat_template_kwargs")) {
-    if (!v->is_object()) throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    if (!v->is_object())
+      throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
     r.chat_template_kwargs = *v;
   }
   r.add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
   r.options = read_options(f, {"max_tokens", "max_completion_tokens"});
   r.options.logprobs = f.boolean("logprobs").value_or(false);
   if (auto k = f.integer("top_logprobs", 0, kMaxTopLogprobs)) {
-    if (!r.options.logprobs) throw bad_param("top_logprobs", "'top_logprobs' requires 'logprobs': true");
+    if (!r.options.logprobs)
+      throw bad_param("top_logprobs", "'top_logprobs' requires 'logprobs': true");
     r.options.top_logprobs = *k;
   }
   f.reject_unknown();
@@ -331,12 +347,14 @@ CompletionRequest parse_completion_request(std::string_view body) {
   if (p->is_string()) {
     r.prompt_text = p->get<std::string>();
     if (r.prompt_text->empty()) throw bad_param("prompt", "'prompt' must not be empty");
-  } else if (p->is_array() && !p->empty() &&
-             std::all_of(p->begin(), p->end(), [](const json& t) { return t.is_number_integer(); })) {
+  } else if (p->is_array() && !p->empty() && std::all_of(p->begin(), p->end(), [](const json& t) {
+               return t.is_number_integer();
+             })) {
     for (const json& t : *p) r.prompt_ids.push_back(t.get<int64_t>());
   } else if (p->is_array() && p->size() > 1) {
-    throw bad_param("prompt", "'prompt' must be one string or one list of token ids (batches of "
-                              "prompts are not supported; send one request per prompt)");
+    throw bad_param("prompt",
+                    "'prompt' must be one string or one list of token ids (batches of "
+                    "prompts are not supported; send one request per prompt)");
   } else {
     throw bad_param("prompt", "'prompt' must be a non-empty string or list of token ids");
   }
@@ -348,7 +366,8 @@ CompletionRequest parse_completion_request(std::string_view body) {
     r.options.top_logprobs = *k;
   }
   if (f.get("suffix") != nullptr) throw bad_param("suffix", "'suffix' is not supported");
-  if (const json* v = f.get("best_of"); v != nullptr && !(v->is_number_integer() && v->get<int64_t>() == 1)) {
+  if (const json* v = f.get("best_of");
+      v != nullptr && !(v->is_number_integer() && v->get<int64_t>() == 1)) {
     throw bad_param("best_of", "'best_of' other than 1 is not supported");
   }
   f.reject_unknown();
@@ -359,23 +378,24 @@ int64_t check_context_length(int64_t num_prompt_tokens, const GenerationOptions&
                              int64_t max_model_len, const std::string& prompt_param) {
   const int64_t wanted = options.max_tokens.value_or(0);
   if (num_prompt_tokens + std::max<int64_t>(wanted, 1) > max_model_len) {
-    ApiError e = bad_param(
-        prompt_param,
-        str("This model's maximum context length is ", max_model_len, " tokens. However, you requested ",
-            num_prompt_tokens + wanted, " tokens (", num_prompt_tokens, " in the ", prompt_param, ", ",
-            wanted, " in the completion). Please reduce the length of the ", prompt_param,
-            " or completion."));
+    ApiError e =
+        bad_param(prompt_param, str("This model's maximum context length is ", max_model_len,
+                                    " tokens. However, you requested ", num_prompt_tokens + wanted,
+                                    " tokens (", num_prompt_tokens, " in the ", prompt_param, ", ",
+                                    wanted, " in the completion). Please reduce the length of the ",
+                                    prompt_param, " or completion."));
     e.code = "context_length_exceeded";
     throw e;
   }
   return options.max_tokens ? wanted : max_model_len - num_prompt_tokens;
 }
 
-void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab_size, const std::string& param) {
+void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab_size,
+                     const std::string& param) {
   for (int64_t id : ids) {
     if (id < 0 || id >= vocab_size) {
-      throw bad_param(param, str("token id ", id, " in '", param, "' is outside the vocabulary [0, ",
-                                 vocab_size, ")"));
+      throw bad_param(param, str("token id ", id, " in '", param,
+                                 "' is outside the vocabulary [0, ", vocab_size, ")"));
     }
   }
 }

@@ -6,8 +6,9 @@
 // Each failure is an ApiError whose `param` names the offending field, so one bad request gets a
 // precise 400 and nothing else is disturbed. Checks that need the tokenizer or the model (context
 // length, token ids in range, the model name) are made by the server with the helpers at the end.
-// JSON is kept in order (ordered_json), as Python keeps dicts: tool schemas reach the prompt through
-// the template's tojson and must appear as the client wrote them. This file depends on JSON only, so it is unit-tested and fuzzed on its own.
+// JSON is kept in order (ordered_json), as Python keeps dicts: tool schemas reach the prompt
+// through the template's tojson and must appear as the client wrote them. This file depends on JSON
+// only, so it is unit-tested and fuzzed on its own.
 #pragma once
 
 #include <cstdint>
@@ -60,8 +61,9 @@ struct GenerationOptions {
 
 struct ChatRequest {
   std::string model;
-  nlohmann::ordered_json messages;  // array of {role, content (string), ...}: content parts are joined
-  nlohmann::ordered_json tools;     // array, or null when absent
+  nlohmann::ordered_json
+      messages;                  // array of {role, content (string), ...}: content parts are joined
+  nlohmann::ordered_json tools;  // array, or null when absent
   std::string tool_choice = "auto";  // "auto", "none" or "required"; a named function is "required"
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;

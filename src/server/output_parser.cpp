@@ -24,7 +24,8 @@ size_t partial_tag_suffix(std::string_view text, std::string_view tag) {
 }
 
 bool is_blank(std::string_view s) {
-  return std::all_of(s.begin(), s.end(), [](char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; });
+  return std::all_of(s.begin(), s.end(),
+                     [](char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; });
 }
 
 // {"name": "...", "arguments": {...}} -> a tool call; anything else -> false.
@@ -72,8 +73,9 @@ void ChatOutputParser::run(ParsedDelta& out, bool final) {
           break;
         }
         const size_t start = pending_.find_first_not_of(" \t\r\n");
-        const std::string_view rest =
-            start == std::string::npos ? std::string_view() : std::string_view(pending_).substr(start);
+        const std::string_view rest = start == std::string::npos
+                                          ? std::string_view()
+                                          : std::string_view(pending_).substr(start);
         if (rest.starts_with(kThinkOpen)) {
           pending_ = pending_.substr(start + kThinkOpen.size());
           state_ = State::Reasoning;

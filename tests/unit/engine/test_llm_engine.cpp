@@ -1,6 +1,7 @@
 // LLMEngine: stop conditions (max_tokens, EOS, ignore_eos, min_tokens, stop tokens, stop strings
 // with hold-back), text assembly, logprobs, abort, and preemption through the engine, with backends
-// that script their output (so the text is known) or read their KV cache (scheduler/fake_backend.h).
+// that script their output (so the text is known) or read their KV cache
+// (scheduler/fake_backend.h).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -130,7 +131,8 @@ TEST(LLMEngine, EosStopsUnlessIgnoredAndAddsNoText) {
   }
   {
     // min_tokens: EOS before the minimum does not stop.
-    LLMEngine engine(std::make_unique<ScriptedBackend>(std::vector<int32_t>{151645}), demo_tokenizer(), {});
+    LLMEngine engine(std::make_unique<ScriptedBackend>(std::vector<int32_t>{151645}),
+                     demo_tokenizer(), {});
     EngineRequest r = request("x", 10);
     r.stop.min_tokens = 3;
     engine.add_request(1, r);
@@ -173,7 +175,8 @@ TEST(LLMEngine, StopStringsAreCutAndNeverLeak) {
 TEST(LLMEngine, HeldBackTextIsReleasedWhenItCannotBeAStop) {
   // "be" could start "beta!", so it waits; "bet" then "x" proves it is not the stop string.
   LLMEngine engine(scripted("alpha betx done"), demo_tokenizer(), {});
-  EngineRequest r = request("x", static_cast<int64_t>(demo_tokenizer().encode("alpha betx done").size()));
+  EngineRequest r =
+      request("x", static_cast<int64_t>(demo_tokenizer().encode("alpha betx done").size()));
   r.stop.stop_strings = {"beta!"};
   engine.add_request(1, r);
   const auto out = run(engine);
@@ -233,7 +236,8 @@ TEST(LLMEngine, RejectsRequestsThatCanNeverRun) {
 TEST(LLMEngine, PreemptionKeepsOutputs) {
   auto load = [](LLMEngine& e) {
     for (int id = 0; id < 8; ++id) {
-      EngineRequest r = fake_request("def f" + std::to_string(id) + "(x): return x * " + std::to_string(id), 12 + id);
+      EngineRequest r = fake_request(
+          "def f" + std::to_string(id) + "(x): return x * " + std::to_string(id), 12 + id);
       r.stop.ignore_eos = true;
       e.add_request(id, r);
     }

@@ -209,7 +209,8 @@ TEST(BlockManager, RandomOperationsKeepInvariants) {
       // A few shared prefixes so hits happen often.
       std::vector<int32_t> t;
       const int family = static_cast<int>(rng() % 3);
-      for (int i = 0; i < n; ++i) t.push_back(i < 6 ? family * 100 + i : static_cast<int32_t>(rng() % 5));
+      for (int i = 0; i < n; ++i)
+        t.push_back(i < 6 ? family * 100 + i : static_cast<int32_t>(rng() % 5));
       return t;
     };
     auto write_content = [&](int64_t id, const std::vector<int32_t>& tokens, size_t from) {

@@ -21,7 +21,8 @@ class FakeBackend : public Backend {
   static constexpr int32_t kVocab = 1000;
 
   FakeBackend(int num_blocks, int block_size)
-      : num_blocks_(num_blocks), block_size_(block_size),
+      : num_blocks_(num_blocks),
+        block_size_(block_size),
         slots_(static_cast<size_t>(num_blocks) * block_size, -1) {
     config_.vocab_size = kVocab;
     config_.max_position_embeddings = 1 << 20;
@@ -74,8 +75,8 @@ class FakeBackend : public Backend {
  private:
   int32_t& slot(const StepSequence& s, int pos) {
     const size_t block = static_cast<size_t>(pos / block_size_);
-    EXPECT_LT(block, s.block_table.size()) << "sequence " << s.seq_id << " position " << pos
-                                           << " is past its block table";
+    EXPECT_LT(block, s.block_table.size())
+        << "sequence " << s.seq_id << " position " << pos << " is past its block table";
     const int32_t b = block < s.block_table.size() ? s.block_table[block] : 0;
     return slots_[static_cast<size_t>(b) * block_size_ + pos % block_size_];
   }

@@ -54,7 +54,8 @@ struct Harness {
       if (c.sample && c.seq->num_output_tokens() >= max_tokens_[c.seq->id]) {
         const int64_t id = c.seq->id;
         EXPECT_EQ(outputs.count(id), 0u) << "sequence " << id << " finished twice";
-        outputs[id] = std::vector<int32_t>(c.seq->output_tokens().begin(), c.seq->output_tokens().end());
+        outputs[id] =
+            std::vector<int32_t>(c.seq->output_tokens().begin(), c.seq->output_tokens().end());
         sched.finish(id);
       }
     }
@@ -239,14 +240,16 @@ TEST(Scheduler, RandomArrivalsAndAbortsMatchReference) {
                       (rng() % 4 == 0) ? static_cast<int>(rng() % 40) : -1});
     }
     Harness ref(4096, 4, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
-    for (size_t i = 0; i < reqs.size(); ++i) ref.add(static_cast<int64_t>(i), reqs[i].prompt, reqs[i].max_tokens);
+    for (size_t i = 0; i < reqs.size(); ++i)
+      ref.add(static_cast<int64_t>(i), reqs[i].prompt, reqs[i].max_tokens);
     ref.run_to_completion();
 
     Harness h(9, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 6});
     std::set<int64_t> aborted;
     for (int step = 0; step < 5000; ++step) {
       for (size_t i = 0; i < reqs.size(); ++i) {
-        if (reqs[i].arrive_step == step) h.add(static_cast<int64_t>(i), reqs[i].prompt, reqs[i].max_tokens);
+        if (reqs[i].arrive_step == step)
+          h.add(static_cast<int64_t>(i), reqs[i].prompt, reqs[i].max_tokens);
         if (reqs[i].abort_step == step && h.sched.finish(static_cast<int64_t>(i))) {
           aborted.insert(static_cast<int64_t>(i));
         }

@@ -38,25 +38,26 @@ json chat(json extra = json::object()) {
 }
 
 TEST(OpenAIProtocol, ParsesAFullChatRequest) {
-  const ChatRequest r = parse_chat_request(chat({{"max_completion_tokens", 7},
-                                                 {"temperature", 0.5},
-                                                 {"top_p", 0.9},
-                                                 {"top_k", 20},
-                                                 {"min_p", 0.05},
-                                                 {"seed", 42},
-                                                 {"n", 2},
-                                                 {"presence_penalty", 0.5},
-                                                 {"frequency_penalty", -0.5},
-                                                 {"logprobs", true},
-                                                 {"top_logprobs", 3},
-                                                 {"stop", {"\n\n", "END"}},
-                                                 {"stop_token_ids", {5, 6}},
-                                                 {"ignore_eos", true},
-                                                 {"stream", true},
-                                                 {"stream_options", {{"include_usage", true}}},
-                                                 {"chat_template_kwargs", {{"enable_thinking", false}}},
-                                                 {"user", "someone"}})
-                                               .dump());
+  const ChatRequest r =
+      parse_chat_request(chat({{"max_completion_tokens", 7},
+                               {"temperature", 0.5},
+                               {"top_p", 0.9},
+                               {"top_k", 20},
+                               {"min_p", 0.05},
+                               {"seed", 42},
+                               {"n", 2},
+                               {"presence_penalty", 0.5},
+                               {"frequency_penalty", -0.5},
+                               {"logprobs", true},
+                               {"top_logprobs", 3},
+                               {"stop", {"\n\n", "END"}},
+                               {"stop_token_ids", {5, 6}},
+                               {"ignore_eos", true},
+                               {"stream", true},
+                               {"stream_options", {{"include_usage", true}}},
+                               {"chat_template_kwargs", {{"enable_thinking", false}}},
+                               {"user", "someone"}})
+                             .dump());
   EXPECT_EQ(r.model, "m");
   EXPECT_EQ(r.messages.size(), 1u);
   EXPECT_EQ(*r.options.max_tokens, 7);
@@ -77,13 +78,18 @@ TEST(OpenAIProtocol, ParsesAFullChatRequest) {
 TEST(OpenAIProtocol, NormalizesContentPartsAndToolCallArguments) {
   const ChatRequest r = parse_chat_request(
       chat({{"messages",
-             {{{"role", "user"}, {"content", {{{"type", "text"}, {"text", "a"}}, {{"type", "text"}, {"text", "b"}}}}},
+             {{{"role", "user"},
+               {"content", {{{"type", "text"}, {"text", "a"}}, {{"type", "text"}, {"text", "b"}}}}},
               {{"role", "assistant"},
                {"content", nullptr},
-               {"tool_calls", {{{"id", "c1"}, {"type", "function"},
-                                {"function", {{"name", "f"}, {"arguments", "{\"x\": 1}"}}}}}}},
+               {"tool_calls",
+                {{{"id", "c1"},
+                  {"type", "function"},
+                  {"function", {{"name", "f"}, {"arguments", "{\"x\": 1}"}}}}}}},
               {{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "42"}}}},
-            {"tools", {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", json::object()}}}}}}})
+            {"tools",
+             {{{"type", "function"},
+               {"function", {{"name", "f"}, {"parameters", json::object()}}}}}}})
           .dump());
   EXPECT_EQ(r.messages[0]["content"], "ab");
   EXPECT_EQ(r.messages[1]["tool_calls"][0]["function"]["arguments"]["x"], 1);
@@ -91,7 +97,8 @@ TEST(OpenAIProtocol, NormalizesContentPartsAndToolCallArguments) {
 }
 
 TEST(OpenAIProtocol, NullMeansDefault) {
-  const ChatRequest r = parse_chat_request(chat({{"temperature", nullptr}, {"max_tokens", nullptr}}).dump());
+  const ChatRequest r =
+      parse_chat_request(chat({{"temperature", nullptr}, {"max_tokens", nullptr}}).dump());
   EXPECT_DOUBLE_EQ(r.options.temperature, 1.0);
   EXPECT_FALSE(r.options.max_tokens.has_value());
 }
@@ -175,7 +182,8 @@ TEST(OpenAIProtocol, CompletionPrompts) {
   CompletionRequest r = parse_completion_request(R"({"model": "m", "prompt": "def f():"})");
   EXPECT_EQ(*r.prompt_text, "def f():");
   EXPECT_EQ(*r.options.max_tokens, 16);  // OpenAI's default
-  r = parse_completion_request(R"({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2})");
+  r = parse_completion_request(
+      R"({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2})");
   EXPECT_EQ(r.prompt_ids, (std::vector<int64_t>{1, 2, 3}));
   EXPECT_TRUE(r.options.logprobs);
   EXPECT_EQ(r.options.top_logprobs, 2);
@@ -190,9 +198,11 @@ TEST(OpenAIProtocol, CompletionPrompts) {
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", json::array()}}).param, "prompt");
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", {"a", "b"}}}).param, "prompt");
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", 5}}).param, "prompt");
-  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", "x"}, {"logprobs", true}}).param, "logprobs");
+  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", "x"}, {"logprobs", true}}).param,
+            "logprobs");
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", "x"}, {"suffix", "y"}}).param, "suffix");
-  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", "x"}, {"messages", json::array()}}).param, "messages");
+  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", "x"}, {"messages", json::array()}}).param,
+            "messages");
 }
 
 TEST(OpenAIProtocol, ContextLength) {
@@ -221,11 +231,17 @@ TEST(OpenAIProtocol, ContextLength) {
 // anything else (a crash or another exception type fails the test).
 TEST(OpenAIProtocol, MutationFuzz) {
   const std::vector<std::string> seeds = {
-      chat({{"max_tokens", 5}, {"stop", {"a"}}, {"logprobs", true}, {"top_logprobs", 2},
-            {"stream", true}, {"stream_options", {{"include_usage", true}}}})
+      chat({{"max_tokens", 5},
+            {"stop", {"a"}},
+            {"logprobs", true},
+            {"top_logprobs", 2},
+            {"stream", true},
+            {"stream_options", {{"include_usage", true}}}})
           .dump(),
       R"({"model":"m","prompt":[1,2,3],"max_tokens":3,"logprobs":1,"echo":true})",
-      chat({{"tools", {{{"type", "function"}, {"function", {{"name", "f"}}}}}}, {"tool_choice", "auto"}}).dump(),
+      chat({{"tools", {{{"type", "function"}, {"function", {{"name", "f"}}}}}},
+            {"tool_choice", "auto"}})
+          .dump(),
   };
   std::mt19937 rng(7);
   const std::string alphabet = "{}[]\":,0123456789.-eE truefalsnl\\u";
@@ -235,9 +251,15 @@ TEST(OpenAIProtocol, MutationFuzz) {
     for (int k = 0; k < edits && !s.empty(); ++k) {
       const size_t pos = rng() % s.size();
       switch (rng() % 3) {
-        case 0: s[pos] = alphabet[rng() % alphabet.size()]; break;
-        case 1: s.erase(pos, 1 + rng() % 3); break;
-        default: s.insert(pos, 1, alphabet[rng() % alphabet.size()]); break;
+        case 0:
+          s[pos] = alphabet[rng() % alphabet.size()];
+          break;
+        case 1:
+          s.erase(pos, 1 + rng() % 3);
+          break;
+        default:
+          s.insert(pos, 1, alphabet[rng() % alphabet.size()]);
+          break;
       }
     }
     for (int which = 0; which < 2; ++which) {

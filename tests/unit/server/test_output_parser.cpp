@@ -50,7 +50,8 @@ Result parse_checked(std::string_view text, bool reasoning, bool in_reasoning, b
 }
 
 TEST(OutputParser, ThinkingThenAnswer) {
-  const Result r = parse_checked("<think>\nLet me see.\n</think>\n\nThe answer is 4.", true, false, false);
+  const Result r =
+      parse_checked("<think>\nLet me see.\n</think>\n\nThe answer is 4.", true, false, false);
   EXPECT_EQ(r.reasoning, "\nLet me see.\n");
   EXPECT_EQ(r.content, "The answer is 4.");
 }
@@ -83,7 +84,8 @@ TEST(OutputParser, TruncatedThinkingStaysReasoning) {
 
 TEST(OutputParser, ToolCalls) {
   const std::string text =
-      "I will check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+      "I will check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+      "\"Paris\"}}\n"
       "</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>\n";
   const Result r = parse_checked(text, true, false, true);
   EXPECT_EQ(r.content, "I will check.\n");
@@ -94,7 +96,8 @@ TEST(OutputParser, ToolCalls) {
 
 TEST(OutputParser, ThinkingThenToolCall) {
   const Result r = parse_checked(
-      "<think>need weather</think>\n\n<tool_call>{\"name\": \"w\", \"arguments\": {\"a\": [1, 2]}}</tool_call>",
+      "<think>need weather</think>\n\n<tool_call>{\"name\": \"w\", \"arguments\": {\"a\": [1, "
+      "2]}}</tool_call>",
       true, false, true);
   EXPECT_EQ(r.reasoning, "need weather");
   EXPECT_EQ(r.content, "");
@@ -110,7 +113,8 @@ TEST(OutputParser, BadToolCallsStayText) {
   EXPECT_EQ(parse_checked("x <tool_call>{\"name\": \"f\"", true, false, true).content,
             "x <tool_call>{\"name\": \"f\"");
   // Without tools the tags are ordinary text.
-  const Result r = parse_checked("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", true, false, false);
+  const Result r = parse_checked("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>",
+                                 true, false, false);
   EXPECT_TRUE(r.calls.empty());
   EXPECT_EQ(r.content, "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>");
 }
@@ -125,8 +129,10 @@ TEST(Metrics, RendersPrometheusText) {
   m.set_engine({.num_running = 2, .num_waiting = 1, .kv_cache_usage = 0.25});
   const std::string text = m.render();
   for (const char* line :
-       {"relay:num_requests_running{model_name=\"demo\"} 2\n", "relay:num_requests_waiting{model_name=\"demo\"} 1\n",
-        "relay:kv_cache_usage_perc{model_name=\"demo\"} 0.25\n", "relay:prompt_tokens_total{model_name=\"demo\"} 10\n",
+       {"relay:num_requests_running{model_name=\"demo\"} 2\n",
+        "relay:num_requests_waiting{model_name=\"demo\"} 1\n",
+        "relay:kv_cache_usage_perc{model_name=\"demo\"} 0.25\n",
+        "relay:prompt_tokens_total{model_name=\"demo\"} 10\n",
         "relay:generation_tokens_total{model_name=\"demo\"} 3\n",
         "relay:request_success_total{model_name=\"demo\",finished_reason=\"stop\"} 1\n",
         "relay:time_to_first_token_seconds_bucket{model_name=\"demo\",le=\"0.04\"} 1\n",
