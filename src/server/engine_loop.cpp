@@ -52,9 +52,15 @@ EngineLoop::~EngineLoop() { stop(); }
 
 std::shared_ptr<RequestHandle> EngineLoop::submit(EngineRequest request) {
   auto handle = std::make_shared<RequestHandle>(next_id_++);
-  ++num_unfinished_;
   {
     std::lock_guard lock(mu_);
+    // NOTE: a request that slipped past the server's drain check after the thread stopped would
+    // wait forever; it fails at once instead.
+    if (stopping_) {
+      handle->fail("the server is shutting down");
+      return handle;
+    }
+    ++num_unfinished_;
     inbox_.emplace_back(handle, std::move(request));
   }
   cv_.notify_one();
