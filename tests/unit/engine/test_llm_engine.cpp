@@ -18,38 +18,6 @@ Tokenizer demo_tokenizer() {
   return t;
 }
 
-// Samples script[sample_index] for every sequence (then repeats the last id).
-class ScriptedBackend : public Backend {
- public:
-  ScriptedBackend(std::vector<int32_t> script, int num_blocks = 64)
-      : script_(std::move(script)), num_blocks_(num_blocks) {
-    config_.vocab_size = 151936;
-    config_.max_position_embeddings = 4096;
-    config_.eos_token_ids = {151645};
-  }
-  const ModelConfig& config() const override { return config_; }
-  int block_size() const override { return 4; }
-  int num_kv_blocks() const override { return num_blocks_; }
-  std::vector<SampledToken> step(std::span<const StepSequence> batch) override {
-    std::vector<SampledToken> out;
-    for (const StepSequence& s : batch) {
-      if (!s.sample) continue;
-      SampledToken t;
-      t.seq_id = s.seq_id;
-      t.token = script_[std::min<size_t>(s.sample_index, script_.size() - 1)];
-      t.logprob = -0.5f;
-      for (int k = 0; k < s.sampling->num_logprobs; ++k) t.top.emplace_back(k, -1.0f - k);
-      out.push_back(t);
-    }
-    return out;
-  }
-
- private:
-  std::vector<int32_t> script_;
-  int num_blocks_;
-  ModelConfig config_;
-};
-
 struct Collected {
   std::string text;
   std::vector<std::string> deltas;
@@ -96,7 +64,7 @@ EngineRequest fake_request(const std::string& prompt, int64_t max_tokens) {
 std::unique_ptr<Backend> scripted(const std::string& text, std::vector<int32_t> extra = {}) {
   std::vector<int32_t> ids = demo_tokenizer().encode(text);
   ids.insert(ids.end(), extra.begin(), extra.end());
-  return std::make_unique<ScriptedBackend>(ids);
+  return std::make_unique<testing::ScriptedBackend>(ids);
 }
 
 TEST(LLMEngine, MaxTokensGivesLengthAndTheText) {
@@ -131,7 +99,7 @@ TEST(LLMEngine, EosStopsUnlessIgnoredAndAddsNoText) {
   }
   {
     // min_tokens: EOS before the minimum does not stop.
-    LLMEngine engine(std::make_unique<ScriptedBackend>(std::vector<int32_t>{151645}),
+    LLMEngine engine(std::make_unique<testing::ScriptedBackend>(std::vector<int32_t>{151645}),
                      demo_tokenizer(), {});
     EngineRequest r = request("x", 10);
     r.stop.min_tokens = 3;
@@ -144,7 +112,7 @@ TEST(LLMEngine, EosStopsUnlessIgnoredAndAddsNoText) {
 
 TEST(LLMEngine, StopTokenIds) {
   const std::vector<int32_t> ids = demo_tokenizer().encode("a b c d e");
-  LLMEngine engine(std::make_unique<ScriptedBackend>(ids), demo_tokenizer(), {});
+  LLMEngine engine(std::make_unique<testing::ScriptedBackend>(ids), demo_tokenizer(), {});
   EngineRequest r = request("x", 50);
   r.stop.stop_token_ids = {ids[2]};
   engine.add_request(1, r);

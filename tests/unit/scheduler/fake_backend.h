@@ -1,4 +1,5 @@
-// A test double for Backend whose "model" really reads its paged KV cache.
+// Test doubles for Backend: FakeBackend, whose "model" really reads its paged KV cache, and
+// ScriptedBackend, which samples a fixed script (so the text a test expects is known).
 //
 // The cache stores, per slot, the token id written there. Computing a token writes it into the slot
 // its block table names; sampling hashes the whole context *read back from the cache* through the
@@ -9,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -85,6 +87,38 @@ class FakeBackend : public Backend {
   int num_blocks_;
   int block_size_;
   std::vector<int32_t> slots_;
+};
+
+// Samples script[sample_index] for every sequence (then repeats the last id); computes nothing.
+class ScriptedBackend : public Backend {
+ public:
+  explicit ScriptedBackend(std::vector<int32_t> script, int num_blocks = 64)
+      : script_(std::move(script)), num_blocks_(num_blocks) {
+    config_.vocab_size = 151936;  // the Qwen3 vocabulary, so real tokenizer ids are valid
+    config_.max_position_embeddings = 4096;
+    config_.eos_token_ids = {151645};  // <|im_end|>
+  }
+  const ModelConfig& config() const override { return config_; }
+  int block_size() const override { return 4; }
+  int num_kv_blocks() const override { return num_blocks_; }
+  std::vector<SampledToken> step(std::span<const StepSequence> batch) override {
+    std::vector<SampledToken> out;
+    for (const StepSequence& s : batch) {
+      if (!s.sample) continue;
+      SampledToken t;
+      t.seq_id = s.seq_id;
+      t.token = script_[std::min<size_t>(s.sample_index, script_.size() - 1)];
+      t.logprob = -0.5f;
+      for (int k = 0; k < s.sampling->num_logprobs; ++k) t.top.emplace_back(k, -1.0f - k);
+      out.push_back(t);
+    }
+    return out;
+  }
+
+ private:
+  std::vector<int32_t> script_;
+  int num_blocks_;
+  ModelConfig config_;
 };
 
 }  // namespace relay::testing
