@@ -1,6 +1,6 @@
 // `relay generate`: one prompt, offline, streamed to stdout as it is generated.
 //
-// It runs the same LLMEngine as the server (scheduler, block manager, CPU backend), so what it
+// It runs the same LLMEngine as the server (scheduler, block manager, backend), so what it
 // prints is what the server would answer for the same request; the timing summary on stderr splits
 // the prompt (prefill) from the decode rate.
 #include <chrono>
@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 
 #include "chat/chat_template.h"
+#include "cli/backend_choice.h"
 #include "cli/command.h"
 #include "core/error.h"
-#include "engine/cpu_backend.h"
 #include "engine/llm_engine.h"
 #include "tokenizer/tokenizer.h"
 
@@ -31,7 +31,7 @@ struct GenerateOptions {
   float min_p = 0.0f;
   uint64_t seed = 0;
   bool ignore_eos = false;
-  int num_threads = 0;
+  BackendChoice backend;
 };
 
 int run_generate(const GenerateOptions& o) {
@@ -46,10 +46,11 @@ int run_generate(const GenerateOptions& o) {
     if (o.no_thinking) kwargs["enable_thinking"] = false;
     prompt = tmpl.render(messages, nullptr, /*add_generation_prompt=*/true, kwargs);
   }
-  CpuBackendOptions backend_options;
-  backend_options.num_threads = o.num_threads;
-  auto backend = std::make_unique<CpuBackend>(o.model_dir, backend_options);
-  LLMEngine engine(std::move(backend), tokenizer, EngineConfig{.max_num_seqs = 1});
+  EngineConfig config;
+  config.max_num_seqs = 1;
+  LLMEngine engine(
+      make_backend(o.model_dir, o.backend, config.max_num_seqs, config.max_num_batched_tokens),
+      tokenizer, config);
 
   EngineRequest request;
   request.prompt = tokenizer.encode(prompt);
@@ -118,7 +119,7 @@ CommandRegistrar generate_command({
       sub.add_option("--seed", o->seed,
                      "sampling seed (default 0); the output is a pure function of it");
       sub.add_flag("--ignore-eos", o->ignore_eos, "keep generating past end-of-sequence tokens");
-      sub.add_option("--threads", o->num_threads, "CPU threads (default: all cores)");
+      add_backend_options(sub, o->backend);
       return [o] { return run_generate(*o); };
     },
     "generate text for one prompt, streamed to stdout (timing on stderr)",

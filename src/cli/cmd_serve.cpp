@@ -1,4 +1,4 @@
-// `relay serve`: the OpenAI-compatible server on one process (CPU backend).
+// `relay serve`: the OpenAI-compatible server in one process (CPU or CUDA backend).
 //
 // The listener comes up first, so /health answers 503 while the model loads; SIGTERM or SIGINT
 // starts a drain: new requests get 503, running ones get --drain-timeout seconds to finish, and the
@@ -11,9 +11,9 @@
 #include <filesystem>
 
 #include "chat/chat_template.h"
+#include "cli/backend_choice.h"
 #include "cli/command.h"
 #include "core/error.h"
-#include "engine/cpu_backend.h"
 #include "engine/llm_engine.h"
 #include "server/http_server.h"
 #include "tokenizer/tokenizer.h"
@@ -30,41 +30,11 @@ struct ServeOptions {
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
   int max_model_len = 0;
-  std::string kv_cache_memory = "256MiB";
-  int num_kv_blocks = 0;
-  int block_size = 16;
+  BackendChoice backend;
   int max_queue = 256;
   double drain_timeout_s = 30.0;
   bool no_prefix_caching = false;
-  int num_threads = 0;
 };
-
-// "512MiB", "2G", "1.5GiB", "1000000" -> bytes.
-size_t parse_bytes(const std::string& text) {
-  size_t pos = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &pos);
-  } catch (const std::exception&) {
-    fail(str("--kv-cache-memory: cannot read a size from '", text, "'"));
-  }
-  const std::string unit = text.substr(pos);
-  double scale = 1;
-  if (unit == "" || unit == "B") {
-    scale = 1;
-  } else if (unit == "K" || unit == "KiB" || unit == "KB") {
-    scale = 1024.0;
-  } else if (unit == "M" || unit == "MiB" || unit == "MB") {
-    scale = 1024.0 * 1024;
-  } else if (unit == "G" || unit == "GiB" || unit == "GB") {
-    scale = 1024.0 * 1024 * 1024;
-  } else {
-    fail(str("--kv-cache-memory: unknown unit '", unit, "' in '", text,
-             "' (use B, KiB, MiB or GiB)"));
-  }
-  RELAY_CHECK(v > 0, "--kv-cache-memory must be positive, got '", text, "'");
-  return static_cast<size_t>(v * scale);
-}
 
 int run_serve(const ServeOptions& o) {
   using Clock = std::chrono::steady_clock;
@@ -95,15 +65,11 @@ int run_serve(const ServeOptions& o) {
                http.port());
 
   const Clock::time_point load_start = Clock::now();
-  std::fprintf(stderr, "relay: loading %s ...\n", o.model_dir.c_str());
+  std::fprintf(stderr, "relay: loading %s on %s ...\n", o.model_dir.c_str(),
+               o.backend.device.c_str());
   const Tokenizer tokenizer = Tokenizer::from_model_dir(o.model_dir);
   chat::ChatTemplate chat_template = chat::ChatTemplate::from_model_dir(o.model_dir);
-  CpuBackendOptions bo;
-  bo.block_size = o.block_size;
-  bo.num_blocks = o.num_kv_blocks;
-  bo.kv_cache_bytes = parse_bytes(o.kv_cache_memory);
-  bo.num_threads = o.num_threads;
-  auto backend = std::make_unique<CpuBackend>(o.model_dir, bo);
+  auto backend = make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens);
   EngineConfig ec;
   ec.max_num_seqs = o.max_num_seqs;
   ec.max_num_batched_tokens = o.max_num_batched_tokens;
@@ -153,13 +119,6 @@ CommandRegistrar serve_command({
              "--max-model-len", o->max_model_len,
              "context length: prompt + completion (default: the model's, capped by the KV pool)")
           ->check(CLI::PositiveNumber);
-      sub.add_option("--kv-cache-memory", o->kv_cache_memory,
-                     "KV pool size, e.g. 512MiB or 2GiB (default 256MiB)");
-      sub.add_option("--num-kv-blocks", o->num_kv_blocks,
-                     "exact KV pool size in blocks (overrides --kv-cache-memory)")
-          ->check(CLI::PositiveNumber);
-      sub.add_option("--block-size", o->block_size, "tokens per KV block (default 16)")
-          ->check(CLI::PositiveNumber);
       sub.add_option(
              "--max-queue", o->max_queue,
              "requests that may wait beyond --max-num-seqs before new ones get 429 (default 256)")
@@ -168,8 +127,7 @@ CommandRegistrar serve_command({
                      "seconds running requests get to finish after SIGTERM (default 30)")
           ->check(CLI::NonNegativeNumber);
       sub.add_flag("--no-prefix-caching", o->no_prefix_caching, "recompute shared prompt prefixes");
-      sub.add_option("--threads", o->num_threads,
-                     "CPU threads for the backend (default: all cores)");
+      add_backend_options(sub, o->backend);
       return [o] { return run_serve(*o); };
     },
     "serve the OpenAI-compatible HTTP API (chat, completions, models, health, metrics)",

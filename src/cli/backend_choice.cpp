@@ -1,0 +1,76 @@
+// See backend_choice.h.
+#include "cli/backend_choice.h"
+
+#include "core/error.h"
+#include "engine/cpu_backend.h"
+#if RELAY_HAVE_CUDA
+#include "engine/cuda_backend.h"
+#endif
+
+namespace relay::cli {
+
+void add_backend_options(CLI::App& sub, BackendChoice& c) {
+  sub.add_option("--device", c.device, "compute backend: cpu (exact fp32) or cuda (default cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  sub.add_option("--block-size", c.block_size, "tokens per KV block (default 16)")
+      ->check(CLI::PositiveNumber);
+  sub.add_option("--num-kv-blocks", c.num_kv_blocks,
+                 "exact KV pool size in blocks (overrides --kv-cache-memory)")
+      ->check(CLI::PositiveNumber);
+  sub.add_option(
+      "--kv-cache-memory", c.kv_cache_memory,
+      "CPU KV pool size, e.g. 512MiB or 2GiB (default 256MiB; cuda uses the memory left)");
+  sub.add_option("--threads", c.num_threads, "CPU threads for the cpu device (default: all cores)");
+  sub.add_option("--gpu", c.gpu, "CUDA device index for the cuda device (default 0)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+size_t parse_bytes(const std::string& text, const std::string& option) {
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    fail(str(option, ": cannot read a size from '", text, "'"));
+  }
+  const std::string unit = text.substr(pos);
+  double scale = 1;
+  if (unit == "K" || unit == "KiB" || unit == "KB") {
+    scale = 1024.0;
+  } else if (unit == "M" || unit == "MiB" || unit == "MB") {
+    scale = 1024.0 * 1024;
+  } else if (unit == "G" || unit == "GiB" || unit == "GB") {
+    scale = 1024.0 * 1024 * 1024;
+  } else if (unit != "" && unit != "B") {
+    fail(str(option, ": unknown unit '", unit, "' in '", text, "' (use B, KiB, MiB or GiB)"));
+  }
+  RELAY_CHECK(v > 0, option, " must be positive, got '", text, "'");
+  return static_cast<size_t>(v * scale);
+}
+
+std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& c,
+                                      int max_num_seqs, int max_num_batched_tokens) {
+  if (c.device == "cuda") {
+#if RELAY_HAVE_CUDA
+    CudaBackendOptions o;
+    o.device = c.gpu;
+    o.block_size = c.block_size;
+    o.num_kv_blocks = c.num_kv_blocks;
+    o.max_num_seqs = max_num_seqs;
+    o.max_num_tokens = max_num_batched_tokens;
+    return std::make_unique<CudaBackend>(model_dir, o);
+#else
+    (void)max_num_seqs;
+    (void)max_num_batched_tokens;
+    fail("--device cuda: this relay was built without CUDA (no nvcc at build time)");
+#endif
+  }
+  CpuBackendOptions o;
+  o.block_size = c.block_size;
+  o.num_blocks = c.num_kv_blocks;
+  o.kv_cache_bytes = parse_bytes(c.kv_cache_memory, "--kv-cache-memory");
+  o.num_threads = c.num_threads;
+  return std::make_unique<CpuBackend>(model_dir, o);
+}
+
+}  // namespace relay::cli

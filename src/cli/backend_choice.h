@@ -1,0 +1,36 @@
+// Choosing and building the compute backend for the commands that run the engine (serve, generate).
+//
+// `--device cpu` (the default) is the exact fp32 CPU backend; `--device cuda` the GPU backend,
+// which exists only in builds made with nvcc: asking for it elsewhere is an error that says so,
+// never a silent fall back to the CPU.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "engine/backend.h"
+
+namespace relay::cli {
+
+struct BackendChoice {
+  std::string device = "cpu";              // "cpu" or "cuda"
+  int block_size = 16;                     // tokens per KV block
+  int num_kv_blocks = 0;                   // > 0: exactly this many blocks
+  std::string kv_cache_memory = "256MiB";  // CPU pool budget (CUDA takes the memory left)
+  int num_threads = 0;                     // CPU threads (0: all cores)
+  int gpu = 0;                             // CUDA device index
+};
+
+// Adds --device, --block-size, --num-kv-blocks, --kv-cache-memory, --threads and --gpu to `sub`.
+void add_backend_options(CLI::App& sub, BackendChoice& choice);
+// Loads the model on the chosen device; `max_num_seqs` and `max_num_batched_tokens` size the GPU
+// backend's per-step buffers and graphs.
+std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& choice,
+                                      int max_num_seqs, int max_num_batched_tokens);
+// "512MiB", "2G", "1.5GiB", "1000000" -> bytes; `option` names the flag in errors.
+size_t parse_bytes(const std::string& text, const std::string& option);
+
+}  // namespace relay::cli
