@@ -43,7 +43,6 @@ struct Choice {
   std::string text;
   std::vector<TokenLogprob> logprobs;
   FinishReason finish = FinishReason::kNone;
-  int num_prompt_tokens = 0;
   int num_output_tokens = 0;
   int num_cached_tokens = 0;
   std::string error;
@@ -186,19 +185,16 @@ struct HttpServer::State {
     }
   }
 
-  // Waits for outputs of any choice; calls on_output for each. Returns whether anything arrived.
+  // Waits briefly for outputs of any choice and calls on_output for each.
   template <typename OnOutput>
-  bool poll(Job& job, OnOutput&& on_output) {
-    bool any = false;
+  void poll(Job& job, OnOutput&& on_output) {
     const auto wait = job.choices.size() == 1 ? kPollInterval : std::chrono::milliseconds(5);
     for (size_t i = 0; i < job.choices.size(); ++i) {
       Choice& c = job.choices[i];
       if (c.done) continue;
       for (RequestOutput& out : c.handle->next(wait)) {
-        any = true;
         c.text += out.text;
         c.logprobs.insert(c.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
-        c.num_prompt_tokens = out.num_prompt_tokens;
         c.num_output_tokens = out.num_output_tokens;
         c.num_cached_tokens = out.num_cached_tokens;
         if (out.finish != FinishReason::kNone) {
@@ -210,10 +206,8 @@ struct HttpServer::State {
       if (!c.done && c.handle->done()) {
         c.error = c.handle->error();
         c.done = true;
-        any = true;
       }
     }
-    return any;
   }
 
   // ---- formatting ----
