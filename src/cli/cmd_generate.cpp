@@ -83,6 +83,7 @@ int run_generate(const GenerateOptions& o) {
   }
   const Clock::time_point end = Clock::now();
   std::fputc('\n', stdout);
+  std::fflush(stdout);
   const double prefill_s = std::chrono::duration<double>(first_token - start).count();
   const double decode_s = std::chrono::duration<double>(end - first_token).count();
   std::fprintf(
