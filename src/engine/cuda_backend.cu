@@ -135,9 +135,13 @@ struct CudaBackend::Impl {
   float *logprobs_dev, *logprobs_host, *top_lp_dev, *top_lp_host;
 
   std::map<std::pair<int, int>, cudaGraphExec_t> graphs;  // (batch bucket, table width) -> graph
+  cudaEvent_t step_begin = nullptr, step_end = nullptr;
+  double last_step_device_ms = 0.0;
 
   ~Impl() {
     for (auto& [key, g] : graphs) cudaGraphExecDestroy(g);
+    if (step_begin) cudaEventDestroy(step_begin);
+    if (step_end) cudaEventDestroy(step_end);
     if (meta_host) cudaFreeHost(meta_host);
     if (sample_rows_host) cudaFreeHost(sample_rows_host);  // owns the other sampling mirrors too
     if (kv_pool) cudaFree(kv_pool);
@@ -528,6 +532,8 @@ struct CudaBackend::Impl {
     } else {
       std::copy(rows.begin(), rows.end(), logit_rows);
     }
+    // The step's device time starts here, after the host built the metadata.
+    RELAY_CUDA_CHECK(cudaEventRecord(step_begin, stream));
     RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev, meta_host, m.bytes, cudaMemcpyHostToDevice, stream));
     return Shape{tokens, seqs, num_rows, width};
   }
@@ -583,6 +589,14 @@ struct CudaBackend::Impl {
     return sh;
   }
 
+  void finish_step() {
+    RELAY_CUDA_CHECK(cudaEventRecord(step_end, stream));
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    float ms = 0.0f;
+    RELAY_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));
+    last_step_device_ms = ms;
+  }
+
   std::vector<SampledToken> step(std::span<const StepSequence> batch) {
     RELAY_CHECK(!batch.empty(), "step with an empty batch");
     std::vector<int32_t> rows;
@@ -598,7 +612,7 @@ struct CudaBackend::Impl {
     }
     run(batch, rows);
     if (samplers.empty()) {
-      RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+      finish_step();
       return {};
     }
     // Logits row i belongs to samplers[i]: graph steps run only when every sequence samples, and
@@ -621,7 +635,7 @@ struct CudaBackend::Impl {
       RELAY_CUDA_CHECK(cudaMemcpyAsync(top_ids_host, top_ids_dev, size_t(n) * max_logprobs * 4, cudaMemcpyDeviceToHost, stream));
       RELAY_CUDA_CHECK(cudaMemcpyAsync(top_lp_host, top_lp_dev, size_t(n) * max_logprobs * 4, cudaMemcpyDeviceToHost, stream));
     }
-    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    finish_step();
     std::vector<SampledToken> out(n);
     std::vector<float> row;
     for (int i = 0; i < n; ++i) {
@@ -691,6 +705,8 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir, const CudaBacke
   impl_->opt = options;
   RELAY_CUDA_CHECK(cudaSetDevice(options.device));
   RELAY_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
+  RELAY_CUDA_CHECK(cudaEventCreate(&impl_->step_begin));
+  RELAY_CUDA_CHECK(cudaEventCreate(&impl_->step_end));
   impl_->load(model_dir);
   impl_->allocate_activations();
   impl_->allocate_kv();
@@ -705,6 +721,7 @@ std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> bat
   return impl_->forward_logits(batch, rows);
 }
 const CudaLoadStats& CudaBackend::load_stats() const { return impl_->stats; }
+double CudaBackend::last_step_device_ms() const { return impl_->last_step_device_ms; }
 void CudaBackend::synchronize() { RELAY_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }
 
 }  // namespace relay

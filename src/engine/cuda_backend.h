@@ -59,6 +59,9 @@ class CudaBackend : public Backend {
   std::vector<float> forward_logits(std::span<const StepSequence> batch, LogitRows rows);
 
   const CudaLoadStats& load_stats() const;
+  // Device time of the last step() from its first copy to its last (CUDA events): wall time minus
+  // this is the host's share of the step (building metadata, sampling bookkeeping, launch latency).
+  double last_step_device_ms() const;
   // Device synchronisation, so a host timer around step() measures the GPU work too.
   void synchronize();
 

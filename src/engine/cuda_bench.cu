@@ -384,9 +384,14 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
       };
       for (int i = 0; i < warmup; ++i) one_step();
       const int ctx_start = computed[0] + 1;
+      double device_ms = 0.0;
       const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < steps; ++i) one_step();
+      for (int i = 0; i < steps; ++i) {
+        one_step();
+        device_ms += backend.last_step_device_ms();
+      }
       const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
+      device_ms /= steps;
       const double active = mc.experts * (1.0 - std::pow(1.0 - double(mc.top_k) / mc.experts, batch_size));
       const double avg_ctx = ctx_start + (steps - 1) / 2.0;
       const double bytes = mc.attn_weight_bytes + active * mc.expert_bytes + mc.lm_head_bytes +
@@ -394,7 +399,8 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
       const double roof_ms = bytes / (c.copy_gbps * 1e6);
       rep.emit({{"mode", "decode"}, {"batch", batch_size}, {"tokens", batch_size}, {"context", ctx}, {"ms_per_step", t},
                 {"tok_per_s", batch_size / (t / 1e3)}, {"bytes_per_step", bytes}, {"experts_touched", active},
-                {"roofline_ms", roof_ms}, {"roofline_fraction", roof_ms / t}});
+                {"roofline_ms", roof_ms}, {"roofline_fraction", roof_ms / t}, {"device_ms_per_step", device_ms},
+                {"host_overhead_fraction", 1.0 - device_ms / t}});
     }
   }
 }

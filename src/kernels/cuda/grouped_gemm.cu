@@ -87,21 +87,35 @@ __global__ void __launch_bounds__(kGemmThreads, 2) grouped_gemm_tiled_kernel(Moe
 
   auto load_stage = [&](int k_tile, int stage) {
     const int k0 = k_tile * kBk;
+    if constexpr (kBm == kBn) {
+      // NOTE: one loop issuing both operands, as the first (faster, 283 vs 246 TFLOP/s) version did.
 #pragma unroll
-    for (int i = 0; i < (kBm * 8) / kGemmThreads; ++i) {
-      const int c = threadIdx.x + i * kGemmThreads;
-      const int r = c >> 3, chunk = c & 7;
-      const int kk = k0 + chunk * 8;
-      cp_async_16(a_smem + stage * kATileBytes + gemm_swizzle(r, chunk), x + static_cast<int64_t>(r) * p.k + kk,
-                  kk < p.k && r < rows);
-    }
+      for (int i = 0; i < (kBm * 8) / kGemmThreads; ++i) {
+        const int c = threadIdx.x + i * kGemmThreads;
+        const int r = c >> 3, chunk = c & 7;
+        const int kk = k0 + chunk * 8;
+        cp_async_16(a_smem + stage * kATileBytes + gemm_swizzle(r, chunk), x + static_cast<int64_t>(r) * p.k + kk,
+                    kk < p.k && r < rows);
+        cp_async_16(b_smem + stage * kBTileBytes + gemm_swizzle(r, chunk), w + static_cast<int64_t>(r) * p.k + kk,
+                    kk < p.k && n0 + r < p.n);
+      }
+    } else {
 #pragma unroll
-    for (int i = 0; i < (kBn * 8) / kGemmThreads; ++i) {
-      const int c = threadIdx.x + i * kGemmThreads;
-      const int r = c >> 3, chunk = c & 7;
-      const int kk = k0 + chunk * 8;
-      cp_async_16(b_smem + stage * kBTileBytes + gemm_swizzle(r, chunk), w + static_cast<int64_t>(r) * p.k + kk,
-                  kk < p.k && n0 + r < p.n);
+      for (int i = 0; i < (kBm * 8) / kGemmThreads; ++i) {
+        const int c = threadIdx.x + i * kGemmThreads;
+        const int r = c >> 3, chunk = c & 7;
+        const int kk = k0 + chunk * 8;
+        cp_async_16(a_smem + stage * kATileBytes + gemm_swizzle(r, chunk), x + static_cast<int64_t>(r) * p.k + kk,
+                    kk < p.k && r < rows);
+      }
+#pragma unroll
+      for (int i = 0; i < (kBn * 8) / kGemmThreads; ++i) {
+        const int c = threadIdx.x + i * kGemmThreads;
+        const int r = c >> 3, chunk = c & 7;
+        const int kk = k0 + chunk * 8;
+        cp_async_16(b_smem + stage * kBTileBytes + gemm_swizzle(r, chunk), w + static_cast<int64_t>(r) * p.k + kk,
+                    kk < p.k && n0 + r < p.n);
+      }
     }
   };
 
@@ -167,7 +181,7 @@ constexpr int kStreamWarps = 4;
 constexpr int kColsPerStep = 8;      // weight rows each warp streams at once (16-byte loads in flight)
 
 __global__ void __launch_bounds__(kStreamWarps * 32) grouped_gemm_streaming_kernel(MoeGroupedMatmulParams<bf16> p) {
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t stream_smem[];
   __shared__ int cta_expert;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp == 0) {
@@ -181,7 +195,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32) grouped_gemm_streaming_kern
   const int begin = p.expert_offsets[expert], end = p.expert_offsets[expert + 1];
   const int n0 = blockIdx.x * kStreamCols;
   const int k_vecs = p.k / 8;
-  Bf16x8* xs = reinterpret_cast<Bf16x8*>(smem);  // [kStreamRows][k_vecs]
+  Bf16x8* xs = reinterpret_cast<Bf16x8*>(stream_smem);  // [kStreamRows][k_vecs]
   const bf16* w = p.w + static_cast<int64_t>(expert) * p.n * p.k;
 
   for (int row0 = begin; row0 < end; row0 += kStreamRows) {
