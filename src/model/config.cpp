@@ -298,7 +298,11 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
   parse_rope(f, c);
 
   if (moe) {
-    c.num_experts = f.positive("num_experts");
+    // transformers 5 writes the expert count as num_local_experts; published checkpoints say
+    // num_experts. Either names the same field.
+    c.num_experts = f.has("num_experts") || !f.has("num_local_experts")
+                        ? f.positive("num_experts")
+                        : f.positive("num_local_experts");
     c.num_experts_per_tok = f.positive("num_experts_per_tok");
     if (c.num_experts_per_tok > c.num_experts) {
       f.bad("num_experts_per_tok",

@@ -115,6 +115,16 @@ TEST(ModelConfig, LayerIsMoeFollowsTransformersRule) {
   EXPECT_EQ(c.mlp_only_layers, (std::vector<int64_t>{3}));
 }
 
+TEST(ModelConfig, ExpertCountMayBeSpelledNumLocalExperts) {
+  // transformers 5's save_pretrained writes num_local_experts instead of num_experts.
+  json j = moe_config();
+  j.erase("num_experts");
+  j["num_local_experts"] = 8;
+  EXPECT_EQ(ModelConfig::from_json(j, "dir/config.json").num_experts, 8);
+  j.erase("num_local_experts");
+  expect_error(j, {"num_experts", "missing"});
+}
+
 TEST(ModelConfig, EosMayBeAListAndIntegralFloatsAreAccepted) {
   json j = moe_config();
   j["eos_token_id"] = {7, 8};
