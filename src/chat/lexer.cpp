@@ -2,6 +2,8 @@
 // regular expressions, including the order in which its rules are tried.
 #include "chat/lexer.h"
 
+#include "core/utf8.h"
+
 #include <algorithm>
 #include <array>
 #include <cctype>
@@ -64,7 +66,7 @@ std::string decode_string_literal(std::string_view body, int line) {
       }
       const unsigned long cp = std::strtoul(hex.c_str(), nullptr, 16);
       if (cp > 0x10FFFF) syntax_error(line, "illegal Unicode character in string literal");
-      pystr::append_utf8(out, static_cast<char32_t>(cp));
+      append_utf8(out, static_cast<char32_t>(cp));
       i += static_cast<size_t>(digits);
     };
     switch (e) {
@@ -88,7 +90,7 @@ std::string decode_string_literal(std::string_view body, int line) {
           for (int k = 0; k < 2 && i + 1 < body.size() && body[i + 1] >= '0' && body[i + 1] <= '7'; ++k) {
             cp = cp * 8 + static_cast<unsigned>(body[++i] - '0');
           }
-          pystr::append_utf8(out, static_cast<char32_t>(cp));
+          append_utf8(out, static_cast<char32_t>(cp));
         } else {
           // Unknown escapes keep their backslash, as Python's decoder does.
           out += '\\';

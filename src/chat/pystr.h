@@ -18,7 +18,6 @@ namespace relay::chat::pystr {
 // Code points of a UTF-8 string (invalid bytes decode to U+FFFD, as Python's "replace" handler would).
 std::u32string decode(std::string_view s);
 std::string encode(std::u32string_view cps);
-void append_utf8(std::string& out, char32_t cp);
 // Number of code points (Python's len()).
 size_t length(std::string_view s);
 

@@ -16,32 +16,6 @@ namespace relay {
 
 namespace {
 
-void widen(const TensorView& t, float* out) {
-  const int64_t n = t.numel();
-  switch (t.dtype) {
-    case DType::F32:
-      std::memcpy(out, t.data, n * sizeof(float));
-      return;
-    case DType::BF16:
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t v;
-        std::memcpy(&v, t.data + 2 * i, 2);
-        out[i] = bf16_to_f32(v);
-      }
-      return;
-    case DType::F16:
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t v;
-        std::memcpy(&v, t.data + 2 * i, 2);
-        out[i] = f16_to_f32(v);
-      }
-      return;
-    default:
-      fail(str("tensor ", t.name, " in ", t.file, " has dtype ", dtype_name(t.dtype),
-               "; the CPU backend reads F32, BF16 and F16"));
-  }
-}
-
 void widen_into(const Checkpoint& ckpt, const std::string& name, const std::vector<int64_t>& shape,
                 float* out) {
   const TensorView& t = ckpt.get(name, shape);
@@ -56,7 +30,7 @@ void widen_into(const Checkpoint& ckpt, const std::string& name, const std::vect
         [&](const std::string& scale_name) { return stored(ckpt.get(scale_name)); }, out);
     return;
   }
-  widen(t, out);
+  tensor_to_f32(t, out);
 }
 
 }  // namespace

@@ -206,31 +206,35 @@ SafetensorsFile::~SafetensorsFile() {
   if (map_) ::munmap(map_, map_bytes_);
 }
 
-std::vector<float> tensor_to_f32(const TensorView& t) {
+void tensor_to_f32(const TensorView& t, float* out) {
   const size_t n = static_cast<size_t>(t.numel());
-  std::vector<float> out(n);
   switch (t.dtype) {
     case DType::F32:
-      std::memcpy(out.data(), t.data, n * sizeof(float));
-      break;
+      std::memcpy(out, t.data, n * sizeof(float));
+      return;
     case DType::BF16:
       for (size_t i = 0; i < n; ++i) {
         uint16_t v;
         std::memcpy(&v, t.data + 2 * i, 2);
         out[i] = bf16_to_f32(v);
       }
-      break;
+      return;
     case DType::F16:
       for (size_t i = 0; i < n; ++i) {
         uint16_t v;
         std::memcpy(&v, t.data + 2 * i, 2);
         out[i] = f16_to_f32(v);
       }
-      break;
+      return;
     default:
       fail(str(t.file, ": tensor ", t.name, " has dtype ", dtype_name(t.dtype),
                "; only F32, F16 and BF16 convert to f32"));
   }
+}
+
+std::vector<float> tensor_to_f32(const TensorView& t) {
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  tensor_to_f32(t, out.data());
   return out;
 }
 

@@ -34,6 +34,8 @@ struct TensorView {
 // Widens an F32/F16/BF16 tensor to fp32 (the CPU backend's compute type); other dtypes throw,
 // naming the tensor and its file.
 std::vector<float> tensor_to_f32(const TensorView& t);
+// The same, into `out` (t.numel() floats).
+void tensor_to_f32(const TensorView& t, float* out);
 
 // One mmapped .safetensors file.
 class SafetensorsFile {

@@ -241,7 +241,7 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   std::array<int32_t, 256> byte_ids{};
   for (uint32_t b = 0; b < 256; ++b) {
     std::string ch;
-    utf8::append(ch, alphabet_cps[b]);
+    append_utf8(ch, alphabet_cps[b]);
     const auto it = impl->model_vocab.find(ch);
     if (it == impl->model_vocab.end()) {
       f.fail_at("model.vocab", str("lacks the byte-level token '", ch, "' for byte ", b,

@@ -12,6 +12,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/utf8.h"  // append_utf8, used with these helpers
+
 namespace relay::utf8 {
 
 inline constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
@@ -33,9 +35,6 @@ std::string sanitize(std::string_view text);
 // How many trailing bytes of `text` form an incomplete but so far valid sequence (0 to 3): more
 // bytes could still complete it, so a streaming decoder holds them back.
 size_t incomplete_tail_length(std::string_view text);
-
-// Appends the UTF-8 encoding of code point `cp` (which must be a Unicode scalar value).
-void append(std::string& out, uint32_t cp);
 
 // Decodes the well-formed sequence at text[pos] (of `length` bytes from sequence_length()).
 uint32_t decode_at(std::string_view text, size_t pos, size_t length);
