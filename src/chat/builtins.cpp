@@ -67,6 +67,7 @@ Value f_first(const Value& v, const CallArgs& a) {
 
 Value f_last(const Value& v, const CallArgs& a) {
   check_args(a, "last", 0, {});
+  if (v.is_generator()) fail("'generator' object is not reversible");
   if (v.is_list()) {
     if (!v.as_list().items.empty()) return v.as_list().items.back();
   } else {
@@ -87,7 +88,7 @@ Value f_items(const Value& v, const CallArgs& a) {
   if (!v.is_dict()) fail("Can only get item pairs from a mapping.");
   std::vector<Value> out;
   for (const auto& [k, e] : v.as_dict().entries) out.push_back(Value::list({Value(k), e}, true));
-  return Value::list(std::move(out));
+  return Value::generator(std::move(out));
 }
 
 Value f_join(const Value& v, const CallArgs& a) {
@@ -208,6 +209,7 @@ Value f_int(const Value& v, const CallArgs& a) {
   check_args(a, "int", 2, {"default", "base"});
   const Value fallback = arg_or(a, 0, "default", Value(int64_t{0}));
   const int base = static_cast<int>(int_arg(arg_or(a, 1, "base", Value(int64_t{10})), "int", "base"));
+  if (v.is_undefined()) fail_undefined(v);  // int(Undefined) raises in jinja
   if (v.is_integral()) return Value(v.as_int());
   if (v.is_float() && std::isfinite(v.as_double())) return Value(static_cast<int64_t>(v.as_double()));
   if (v.is_string()) {
@@ -221,6 +223,7 @@ Value f_int(const Value& v, const CallArgs& a) {
 Value f_float(const Value& v, const CallArgs& a) {
   check_args(a, "float", 1, {"default"});
   const Value fallback = arg_or(a, 0, "default", Value(0.0));
+  if (v.is_undefined()) fail_undefined(v);  // float(Undefined) raises in jinja
   if (v.is_number()) return Value(v.as_double());
   if (v.is_string()) {
     if (auto f = parse_float(v.as_string())) return Value(*f);
@@ -321,7 +324,7 @@ Value f_unique(const Value& v, const CallArgs& a) {
       out.push_back(item);
     }
   }
-  return Value::list(std::move(out));
+  return Value::generator(std::move(out));
 }
 
 Value f_reverse(const Value& v, const CallArgs& a) {
@@ -331,9 +334,10 @@ Value f_reverse(const Value& v, const CallArgs& a) {
     std::reverse(cps.begin(), cps.end());
     return Value(pystr::encode(cps));
   }
+  // jinja returns reversed(value), an iterator (a list only when the input is not reversible).
   std::vector<Value> items = iterate(v);
   std::reverse(items.begin(), items.end());
-  return Value::list(std::move(items));
+  return v.is_generator() ? Value::list(std::move(items)) : Value::generator(std::move(items));
 }
 
 Value f_attr(const Value& v, const CallArgs& a) {
@@ -394,14 +398,14 @@ Value f_map(const Value& v, const CallArgs& a) {
       Value x = get_path(item, to_str(*attribute));
       out.push_back(x.is_undefined() && fallback ? *fallback : x);
     }
-    return Value::list(std::move(out));
+    return Value::generator(std::move(out));
   }
   const std::string name = to_str(a.positional[0]);
   const FilterFn f = find_filter(name);
   if (f == nullptr) fail(str("no filter named '", name, "'"));
   const CallArgs rest = rest_args(a, 1);
   for (const Value& item : iterate(v)) out.push_back(f(item, rest));
-  return Value::list(std::move(out));
+  return Value::generator(std::move(out));
 }
 
 Value select_impl(const Value& v, const CallArgs& a, bool by_attribute, bool keep_when) {
@@ -423,7 +427,7 @@ Value select_impl(const Value& v, const CallArgs& a, bool by_attribute, bool kee
     const bool passed = test ? test(subject, rest) : truthy(subject);
     if (passed == keep_when) out.push_back(item);
   }
-  return Value::list(std::move(out));
+  return Value::generator(std::move(out));
 }
 
 Value f_select(const Value& v, const CallArgs& a) { return select_impl(v, a, false, true); }
@@ -458,7 +462,7 @@ bool t_iterable(const Value& v, const CallArgs&) {
 }
 // jinja's test_sequence: len(x) and x.__getitem__ exist (true for dicts and Undefined too).
 bool t_sequence(const Value& v, const CallArgs&) {
-  return v.is_undefined() || v.is_string() || v.is_list() || v.is_dict();
+  return v.is_undefined() || v.is_string() || v.is_sequence() || v.is_dict();
 }
 bool t_eq(const Value& v, const CallArgs& a) { return equals(v, test_arg(a, "eq")); }
 bool t_ne(const Value& v, const CallArgs& a) { return !equals(v, test_arg(a, "ne")); }
@@ -474,14 +478,11 @@ bool t_sameas(const Value& v, const CallArgs& a) {
   if (v.is_bool()) return v.as_bool() == other.as_bool();
   return v.identity() != nullptr && v.identity() == other.identity();
 }
-bool t_odd(const Value& v, const CallArgs&) {
-  return (int_arg(v, "odd", "value") % 2) != 0;
-}
-bool t_even(const Value& v, const CallArgs&) { return (int_arg(v, "even", "value") % 2) == 0; }
+// jinja: value % 2 == 1, value % 2 == 0, value % num == 0 (Python's %, so floats work too).
+bool t_odd(const Value& v, const CallArgs&) { return equals(binary_op("%", v, Value(int64_t{2})), Value(int64_t{1})); }
+bool t_even(const Value& v, const CallArgs&) { return equals(binary_op("%", v, Value(int64_t{2})), Value(int64_t{0})); }
 bool t_divisibleby(const Value& v, const CallArgs& a) {
-  const int64_t d = int_arg(test_arg(a, "divisibleby"), "divisibleby", "num");
-  if (d == 0) fail("integer division or modulo by zero");
-  return int_arg(v, "divisibleby", "value") % d == 0;
+  return equals(binary_op("%", v, test_arg(a, "divisibleby")), Value(int64_t{0}));
 }
 bool t_lower(const Value& v, const CallArgs&) {
   const std::string s = to_str(v);

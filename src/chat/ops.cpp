@@ -43,7 +43,7 @@ bool is_mutating_method(std::string_view name) {
 bool has_method(const Value& obj, std::string_view name) {
   if (obj.is_string()) return is_string_method(name);
   if (obj.is_dict()) return name == "items" || name == "keys" || name == "values" || name == "get";
-  if (obj.is_list()) return name == "index" || name == "count";
+  if (obj.is_sequence()) return name == "index" || name == "count";
   return false;
 }
 
@@ -273,6 +273,7 @@ int64_t py_mod(int64_t a, int64_t b) {
 
 Value repeat(const Value& seq, int64_t n) {
   n = std::max<int64_t>(n, 0);
+  if (seq.is_string() ? seq.as_string().empty() : seq.as_list().items.empty()) n = 0;
   if (seq.is_string()) {
     const size_t bytes = seq.as_string().size();
     RELAY_CHECK(bytes == 0 || static_cast<size_t>(n) <= kMaxBuiltBytes / bytes, "string repetition would build more than ",
@@ -308,7 +309,7 @@ int order(std::string_view op, const Value& a, const Value& b) {
     const int c = a.as_string().compare(b.as_string());
     return c < 0 ? -1 : c > 0 ? 1 : 0;
   }
-  if (a.is_list() && b.is_list() && a.as_list().is_tuple == b.as_list().is_tuple) {
+  if (a.is_sequence() && b.is_sequence() && a.as_list().is_tuple == b.as_list().is_tuple) {
     const auto& x = a.as_list().items;
     const auto& y = b.as_list().items;
     for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
@@ -378,7 +379,7 @@ Value get_item(const Value& obj, const Value& key) {
   if (obj.is_dict() && key.is_string()) {
     const Value* v = obj.as_dict().find(key.as_string());
     if (v) return *v;
-  } else if ((obj.is_list() || obj.is_string()) && key.is_integral()) {
+  } else if ((obj.is_sequence() || obj.is_string()) && key.is_integral()) {
     const int64_t n = obj.is_list() ? static_cast<int64_t>(obj.as_list().items.size()) : length(obj);
     int64_t i = key.as_int();
     if (i < 0) i += n;
@@ -394,7 +395,7 @@ Value get_item(const Value& obj, const Value& key) {
 
 Value slice(const Value& obj, const Value& start, const Value& stop, const Value& step) {
   if (obj.is_undefined()) fail_undefined(obj);
-  if (obj.is_list()) {
+  if (obj.is_sequence()) {
     const List& l = obj.as_list();
     std::vector<Value> out;
     for_slice(slice_range(static_cast<int64_t>(l.items.size()), start, stop, step),
@@ -408,7 +409,8 @@ Value slice(const Value& obj, const Value& start, const Value& stop, const Value
               [&](int64_t i) { out.push_back(cps[static_cast<size_t>(i)]); });
     return Value(pystr::encode(out));
   }
-  return Value::undefined(str(object_name(obj), " cannot be sliced"));
+  // jinja compiles slices to Python's own subscript, so this raises rather than giving Undefined.
+  type_error(str("'", type_name(obj), "' object is not subscriptable"));
 }
 
 std::optional<Value> call_method(const Value& obj, std::string_view name, const CallArgs& args) {
@@ -431,7 +433,7 @@ Value binary_op(std::string_view op, const Value& a, const Value& b) {
                   kMaxBuiltBytes, " bytes");
       return Value(a.as_string() + b.as_string());
     }
-    if (a.is_list() && b.is_list() && a.as_list().is_tuple == b.as_list().is_tuple) {
+    if (a.is_sequence() && b.is_sequence() && a.as_list().is_tuple == b.as_list().is_tuple) {
       std::vector<Value> out = a.as_list().items;
       out.insert(out.end(), b.as_list().items.begin(), b.as_list().items.end());
       return Value::list(std::move(out), a.as_list().is_tuple);
@@ -448,8 +450,8 @@ Value binary_op(std::string_view op, const Value& a, const Value& b) {
   if (op == "*") {
     if (ints) return Value(checked_mul(a.as_int(), b.as_int()));
     if (nums) return Value(a.as_double() * b.as_double());
-    if ((a.is_string() || a.is_list()) && b.is_integral()) return repeat(a, b.as_int());
-    if ((b.is_string() || b.is_list()) && a.is_integral()) return repeat(b, a.as_int());
+    if ((a.is_string() || a.is_sequence()) && b.is_integral()) return repeat(a, b.as_int());
+    if ((b.is_string() || b.is_sequence()) && a.is_integral()) return repeat(b, a.as_int());
     unsupported_operands(op, a, b);
   }
   if (op == "/") {
@@ -553,7 +555,9 @@ int64_t length(const Value& v) {
   switch (v.kind()) {
     case Value::Kind::kUndefined: return 0;
     case Value::Kind::kString: return static_cast<int64_t>(pystr::length(v.as_string()));
-    case Value::Kind::kList: return static_cast<int64_t>(v.as_list().items.size());
+    case Value::Kind::kList:
+      if (v.is_generator()) type_error("object of type 'generator' has no len()");
+      return static_cast<int64_t>(v.as_list().items.size());
     case Value::Kind::kDict: return static_cast<int64_t>(v.as_dict().entries.size());
     default:
       type_error(str("object of type '", type_name(v), "' has no len()"));

@@ -42,7 +42,14 @@ Value Value::none() {
 Value Value::list(std::vector<Value> items, bool is_tuple) {
   Value v;
   v.kind_ = Kind::kList;
-  v.ptr_ = std::make_shared<const List>(List{std::move(items), is_tuple});
+  v.ptr_ = std::make_shared<const List>(List{std::move(items), is_tuple, false});
+  return v;
+}
+
+Value Value::generator(std::vector<Value> items) {
+  Value v;
+  v.kind_ = Kind::kList;
+  v.ptr_ = std::make_shared<const List>(List{std::move(items), false, true});
   return v;
 }
 
@@ -112,7 +119,7 @@ std::string type_name(const Value& v) {
     case Value::Kind::kInt: return "int";
     case Value::Kind::kFloat: return "float";
     case Value::Kind::kString: return "str";
-    case Value::Kind::kList: return v.as_list().is_tuple ? "tuple" : "list";
+    case Value::Kind::kList: return v.as_list().is_generator ? "generator" : v.as_list().is_tuple ? "tuple" : "list";
     case Value::Kind::kDict: return "dict";
     case Value::Kind::kFunction: return "function";
     case Value::Kind::kNamespace: return "Namespace";
@@ -128,7 +135,7 @@ bool truthy(const Value& v) {
     case Value::Kind::kInt: return v.as_int() != 0;
     case Value::Kind::kFloat: return v.as_double() != 0.0;
     case Value::Kind::kString: return !v.as_string().empty();
-    case Value::Kind::kList: return !v.as_list().items.empty();
+    case Value::Kind::kList: return v.as_list().is_generator || !v.as_list().items.empty();
     case Value::Kind::kDict: return !v.as_dict().entries.empty();
     case Value::Kind::kFunction:
     case Value::Kind::kNamespace: return true;
@@ -149,6 +156,7 @@ bool equals(const Value& a, const Value& b) {
     case Value::Kind::kList: {
       const List& x = a.as_list();
       const List& y = b.as_list();
+      if (x.is_generator || y.is_generator) return &x == &y;
       if (x.is_tuple != y.is_tuple || x.items.size() != y.items.size()) return false;
       for (size_t i = 0; i < x.items.size(); ++i) {
         if (!equals(x.items[i], y.items[i])) return false;
@@ -183,6 +191,10 @@ void append_str(std::string& out, const Value& v) {
     case Value::Kind::kString: out += v.as_string(); return;
     case Value::Kind::kList: {
       const List& l = v.as_list();
+      if (l.is_generator) {
+        out += "<generator object>";
+        return;
+      }
       out += l.is_tuple ? '(' : '[';
       for (size_t i = 0; i < l.items.size(); ++i) {
         if (i > 0) out += ", ";
@@ -307,6 +319,7 @@ struct JsonWriter {
       }
       case Value::Kind::kString: append_json_string(out, v.as_string(), options.ensure_ascii); return;
       case Value::Kind::kList: {
+        if (v.is_generator()) fail("Object of type generator is not JSON serializable");
         const auto& items = v.as_list().items;
         if (items.empty()) {
           out += "[]";

@@ -30,6 +30,9 @@ class Value;
 struct List {
   std::vector<Value> items;
   bool is_tuple = false;  // printed as (a, b) and unequal to a list, as in Python
+  // The result of a lazy jinja filter (map, select, items, ...): iterable, but always true, without
+  // len() or subscripts, as a Python generator is. `|list` turns it into a list.
+  bool is_generator = false;
 };
 
 struct Dict {
@@ -69,6 +72,7 @@ class Value {
   static Value undefined(std::string message);
   static Value none();
   static Value list(std::vector<Value> items, bool is_tuple = false);
+  static Value generator(std::vector<Value> items);
   static Value dict(Dict d);
   static Value function(std::string name, std::function<Value(const CallArgs&)> call);
   static Value make_namespace(Dict attrs);
@@ -85,6 +89,9 @@ class Value {
   bool is_integral() const { return kind_ == Kind::kBool || kind_ == Kind::kInt; }
   bool is_string() const { return kind_ == Kind::kString; }
   bool is_list() const { return kind_ == Kind::kList; }
+  bool is_generator() const { return kind_ == Kind::kList && as_list().is_generator; }
+  // A list or tuple with len() and subscripts (not a generator).
+  bool is_sequence() const { return kind_ == Kind::kList && !as_list().is_generator; }
   bool is_dict() const { return kind_ == Kind::kDict; }
   bool is_function() const { return kind_ == Kind::kFunction; }
   bool is_namespace() const { return kind_ == Kind::kNamespace; }
