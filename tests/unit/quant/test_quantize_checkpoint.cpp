@@ -166,5 +166,67 @@ TEST(QuantizeCheckpoint, MxFp8FromF32) {
   EXPECT_EQ(read_json(out / "config.json")["quantization_config"]["quant_method"], "mxfp8");
 }
 
+// Tensors larger than one write chunk (kWriteChunkBytes = 64 MiB): the converter is asked for each
+// tensor's bytes in several pieces, and every piece must land at its offset — codes of a bf16
+// weight with 67.2M elements, and a kept f32 tensor converted to bf16 (67.2 MB out).
+TEST(QuantizeCheckpoint, StreamsTensorsLargerThanOneWriteChunk) {
+  const fs::path in = temp_dir("large_in"), out = temp_dir("large_out");
+  fs::create_directories(in);
+  std::ofstream(in / "config.json") << R"({"architectures": ["Qwen3MoeForCausalLM"]})";
+  const int64_t rows = 8200, cols = 8192, kept_rows = 16400, kept_cols = 2048;
+  ASSERT_GT(rows * cols, static_cast<int64_t>(kWriteChunkBytes));
+  ASSERT_GT(kept_rows * kept_cols * 2, static_cast<int64_t>(kWriteChunkBytes));
+  const auto value = [](int64_t i) {
+    return static_cast<float>((i * 2654435761ll) % 2001 - 1000) * 1e-5f;
+  };
+  {
+    std::vector<TensorToWrite> tensors(2);
+    tensors[0] = {"model.layers.0.mlp.down_proj.weight", DType::BF16, {rows, cols}, {}};
+    tensors[0].bytes.resize(rows * cols * 2);
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const uint16_t v = f32_to_bf16(value(i));
+      std::memcpy(tensors[0].bytes.data() + 2 * i, &v, 2);
+    }
+    tensors[1] = {"model.embed_tokens.weight", DType::F32, {kept_rows, kept_cols}, {}};
+    tensors[1].bytes.resize(kept_rows * kept_cols * 4);
+    for (int64_t i = 0; i < kept_rows * kept_cols; ++i) {
+      const float v = value(i + 7);
+      std::memcpy(tensors[1].bytes.data() + 4 * i, &v, 4);
+    }
+    write_safetensors(in / "model.safetensors", tensors);
+  }
+  quantize_checkpoint({in, out, QuantMethod::Fp8Block, {}});
+
+  const SafetensorsFile result(out / "model.safetensors");
+  const TensorView& codes = result.tensors().at("model.layers.0.mlp.down_proj.weight");
+  const TensorView& scales = result.tensors().at("model.layers.0.mlp.down_proj.weight_scale_inv");
+  ASSERT_EQ(codes.nbytes, static_cast<size_t>(rows * cols));
+  // Stripe by stripe, the expected codes and scales from the same recipe on the bf16 values.
+  std::vector<float> stripe(128 * cols), stripe_scales(ceil_div(cols, 128));
+  std::vector<uint8_t> stripe_codes(128 * cols);
+  for (int64_t r0 = 0; r0 < rows; r0 += 128) {
+    const int64_t n = std::min<int64_t>(128, rows - r0);
+    for (int64_t i = 0; i < n * cols; ++i)
+      stripe[i] = bf16_to_f32(f32_to_bf16(value(r0 * cols + i)));
+    quantize_weight_fp8_block(stripe.data(), n, cols, 128, 128, stripe_codes.data(),
+                              stripe_scales.data());
+    ASSERT_EQ(std::memcmp(codes.data + r0 * cols, stripe_codes.data(), n * cols), 0)
+        << "rows from " << r0;
+    ASSERT_EQ(std::memcmp(scales.data + (r0 / 128) * stripe_scales.size() * 4, stripe_scales.data(),
+                          stripe_scales.size() * 4),
+              0)
+        << "scales of rows from " << r0;
+  }
+  const TensorView& kept = result.tensors().at("model.embed_tokens.weight");
+  ASSERT_EQ(kept.dtype, DType::BF16);
+  for (int64_t i = 0; i < kept_rows * kept_cols; ++i) {
+    uint16_t v;
+    std::memcpy(&v, kept.data + 2 * i, 2);
+    ASSERT_EQ(v, f32_to_bf16(value(i + 7))) << "element " << i;
+  }
+  fs::remove_all(in);
+  fs::remove_all(out);
+}
+
 }  // namespace
 }  // namespace relay::quant
