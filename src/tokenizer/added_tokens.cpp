@@ -1,6 +1,7 @@
 // See added_tokens.h. The oracle's word test is Rust regex's Unicode \w (Alphabetic, marks, decimal
-// digits, connector punctuation, joiners), evaluated here with PCRE2's binary properties; its white
-// space is Unicode White_Space (unicode_tables::white_space()).
+// digits, connector punctuation, joiners), evaluated here with PCRE2's binary properties plus the
+// newer assignments PCRE2 lacks (unicode_tables::extra_word_characters()); its white space is
+// Unicode White_Space (unicode_tables::white_space()).
 #include "tokenizer/added_tokens.h"
 
 #include <algorithm>
@@ -15,17 +16,20 @@
 namespace relay::tokenizer_detail {
 namespace {
 
-bool is_white_space(uint32_t cp) {
-  for (const auto& r : unicode_tables::white_space()) {
+bool in_ranges(std::span<const unicode_tables::CodepointRange> ranges, uint32_t cp) {
+  for (const auto& r : ranges) {
     if (cp >= r.first && cp <= r.last) return true;
   }
   return false;
 }
 
+bool is_white_space(uint32_t cp) { return in_ranges(unicode_tables::white_space(), cp); }
+
 bool is_word_character(std::string_view character) {
   static pcre2_code* const code = [] {
     int error = 0;
     PCRE2_SIZE offset = 0;
+    // Keep equal to WORD_CLASS in tests/fixtures/tokenizer/make_unicode_tables.py.
     const std::string_view pattern = "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\p{Join_Control}]";
     pcre2_code* c = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                                   PCRE2_UTF | PCRE2_UCP | PCRE2_ANCHORED, &error, &offset, nullptr);
@@ -36,7 +40,8 @@ bool is_word_character(std::string_view character) {
   const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(character.data()), character.size(),
                              0, PCRE2_NO_UTF_CHECK, data, nullptr);
   pcre2_match_data_free(data);
-  return rc > 0;
+  return rc > 0 || in_ranges(unicode_tables::extra_word_characters(),
+                             utf8::decode_at(character, 0, character.size()));
 }
 
 // The last / first character of valid UTF-8 text (empty text has none).

@@ -19,6 +19,9 @@ std::span<const CodepointRange> extra_letters();
 std::span<const CodepointRange> extra_numbers();
 // The oracle's \s: Unicode White_Space (PCRE2's \s differs: it also matches U+180E).
 std::span<const CodepointRange> white_space();
+// Word characters of the oracle's Rust regex \w (next to a single_word added token) that PCRE2's
+// [\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}] lacks (newer assignments).
+std::span<const CodepointRange> extra_word_characters();
 // Sorted code points that utf8proc's NFC changes or reorders but the oracle's (Unicode 9) NFC
 // treats as unassigned: starters that never compose.
 std::span<const uint32_t> nfc_unknown();

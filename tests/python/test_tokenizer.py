@@ -170,5 +170,6 @@ def test_tokenizer_json_variants_match_hf(relay_bin, tmp_path, name):
     rng = random.Random(SEED + 3)
     texts = [random_string(rng) for _ in range(150)]
     texts += ["a <think> b</think>  c", "x<tool_call>y <tool_call> z", "  </tool_call>  w", "Café Cafe\u0301!",
-              "Ångström ångström", "a spaced b", "<|im_start|>user", "word<think>", "\t<think>\t"]
+              "Ångström ångström", "a spaced b", "<|im_start|>user", "word<think>", "\t<think>\t",
+              "\U00013c7e</tool_call>", "</tool_call>\U00013c7e"]  # Unicode 16 letters are word characters
     assert_same_ids(relay_encode_batch(relay_bin, model_dir, texts), hf_variant, texts, name)
