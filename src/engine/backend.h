@@ -57,6 +57,9 @@ class Backend {
   virtual const ModelConfig& config() const = 0;
   virtual int block_size() const = 0;    // tokens per KV block
   virtual int num_kv_blocks() const = 0;  // blocks in the pool
+  // The pool is split into this many equal ranges of block ids, one per data-parallel rank; every
+  // block of a sequence must come from one range (its KV lives on that rank).
+  virtual int num_kv_partitions() const { return 1; }
   // Runs one forward pass over `batch` and returns one SampledToken per sequence with sample=true,
   // in batch order.
   virtual std::vector<SampledToken> step(std::span<const StepSequence> batch) = 0;

@@ -7,10 +7,13 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "model/shard.h"
 
 namespace relay {
 
-std::unique_ptr<Model> build_qwen3(const ModelConfig& config, const Checkpoint& ckpt);      // qwen3.cpp
-std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& config, const Checkpoint& ckpt);  // qwen3_moe.cpp
+// qwen3.cpp
+std::unique_ptr<Model> build_qwen3(const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard);
+// qwen3_moe.cpp
+std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard);
 
 }  // namespace relay

@@ -3,6 +3,7 @@
 // checkpoint's rows, so the math is unchanged and each step runs one matmul instead of three.
 #include "model/layers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -55,36 +56,84 @@ void Linear::forward(const float* x, int num_rows, float* out, ThreadPool& pool)
   kernels::launch_matmul(p, pool);
 }
 
+namespace {
+
+// Widens rows [rows.begin, +rows.count) x columns [cols.begin, +cols.count) of tensor `name`, whose
+// full shape is [num_rows, num_cols], into out (row-major, the slice's width). A full-width slice is
+// read in place; a narrower one goes through the whole tensor once (load time only).
+void widen_slice_into(const Checkpoint& ckpt, const std::string& name, const std::vector<int64_t>& shape,
+                      IndexRange rows, IndexRange cols, float* out) {
+  // A 1-D tensor (a bias) is one row.
+  const int64_t num_rows = shape.size() == 1 ? 1 : shape[0], num_cols = shape.back();
+  if (rows.count < 0) rows.count = num_rows - rows.begin;
+  if (cols.count < 0) cols.count = num_cols - cols.begin;
+  RELAY_CHECK(rows.begin >= 0 && rows.begin + rows.count <= num_rows && cols.begin >= 0 &&
+                  cols.begin + cols.count <= num_cols,
+              "tensor ", name, ": shard slice rows [", rows.begin, ", +", rows.count, ") cols [", cols.begin, ", +",
+              cols.count, ") outside its shape [", num_rows, ", ", num_cols, "]");
+  const bool whole = rows.begin == 0 && rows.count == num_rows && cols.begin == 0 && cols.count == num_cols;
+  if (whole) {
+    widen_into(ckpt, name, shape, out);
+    return;
+  }
+  std::vector<float> full(static_cast<size_t>(num_rows * num_cols));
+  widen_into(ckpt, name, shape, full.data());
+  for (int64_t r = 0; r < rows.count; ++r) {
+    std::memcpy(out + r * cols.count, full.data() + (rows.begin + r) * num_cols + cols.begin,
+                sizeof(float) * cols.count);
+  }
+}
+
+}  // namespace
+
 Linear load_linear(const Checkpoint& ckpt, const std::vector<std::string>& prefixes,
-                   const std::vector<int64_t>& out_features, int64_t in_features, bool with_bias) {
+                   const std::vector<int64_t>& out_features, int64_t in_features, bool with_bias,
+                   const std::vector<IndexRange>& rows, IndexRange cols) {
+  RELAY_CHECK(rows.empty() || rows.size() == prefixes.size(), "load_linear: ", rows.size(), " row ranges for ",
+              prefixes.size(), " tensors");
+  auto rows_of = [&](size_t i) {
+    IndexRange r = rows.empty() ? IndexRange{} : rows[i];
+    if (r.count < 0) r.count = out_features[i] - r.begin;
+    return r;
+  };
   Linear l;
-  l.in_features = static_cast<int>(in_features);
+  const int64_t in_local = cols.count < 0 ? in_features - cols.begin : cols.count;
+  l.in_features = static_cast<int>(in_local);
   int64_t total = 0;
-  for (int64_t o : out_features) total += o;
+  for (size_t i = 0; i < prefixes.size(); ++i) total += rows_of(i).count;
   l.out_features = static_cast<int>(total);
-  l.weight.resize(total * in_features);
+  l.weight.resize(total * in_local);
   if (with_bias) l.bias.resize(total);
   int64_t row = 0;
   for (size_t i = 0; i < prefixes.size(); ++i) {
-    widen_into(ckpt, prefixes[i] + ".weight", {out_features[i], in_features}, l.weight.data() + row * in_features);
-    if (with_bias) widen_into(ckpt, prefixes[i] + ".bias", {out_features[i]}, l.bias.data() + row);
-    row += out_features[i];
+    const IndexRange r = rows_of(i);
+    widen_slice_into(ckpt, prefixes[i] + ".weight", {out_features[i], in_features}, r, cols,
+                     l.weight.data() + row * in_local);
+    if (with_bias) widen_slice_into(ckpt, prefixes[i] + ".bias", {out_features[i]}, {}, r, l.bias.data() + row);
+    row += r.count;
   }
   return l;
 }
 
-FullAttention::FullAttention(const ModelConfig& c, const Checkpoint& ckpt, int layer, const RopeTables& rope)
+FullAttention::FullAttention(const ModelConfig& c, const Checkpoint& ckpt, int layer, const RopeTables& rope,
+                             const ShardSpec& shard)
     : layer_(layer),
-      num_q_heads_(static_cast<int>(c.num_attention_heads)),
-      num_kv_heads_(static_cast<int>(c.num_key_value_heads)),
+      num_q_heads_(shard.num_local_q_heads),
+      num_kv_heads_(shard.num_local_kv_heads),
       head_dim_(static_cast<int>(c.head_dim)),
+      tp_comm_(shard.tp_comm),
       eps_(static_cast<float>(c.rms_norm_eps)),
       rope_(rope) {
   const std::string p = str("model.layers.", layer, ".self_attn.");
-  const int64_t q_dim = c.num_attention_heads * c.head_dim, kv_dim = c.num_key_value_heads * c.head_dim;
+  const int64_t hd = c.head_dim;
+  const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
+  const IndexRange q_rows{shard.q_head_begin * hd, num_q_heads_ * hd};
+  const IndexRange kv_rows{shard.kv_head_begin * hd, num_kv_heads_ * hd};
   qkv_ = load_linear(ckpt, {p + "q_proj", p + "k_proj", p + "v_proj"}, {q_dim, kv_dim, kv_dim}, c.hidden_size,
-                     c.attention_bias);
-  o_ = load_linear(ckpt, {p + "o_proj"}, {c.hidden_size}, q_dim, c.attention_bias);
+                     c.attention_bias, {q_rows, kv_rows, kv_rows});
+  // Row-parallel: this rank's q-head columns; the bias joins the sum once, from TP rank 0.
+  o_ = load_linear(ckpt, {p + "o_proj"}, {c.hidden_size}, q_dim, c.attention_bias && shard.tp_rank == 0, {},
+                   q_rows);
   q_norm_ = load_f32(ckpt, p + "q_norm.weight", {c.head_dim});
   k_norm_ = load_f32(ckpt, p + "k_norm.weight", {c.head_dim});
 }
@@ -135,14 +184,21 @@ void FullAttention::forward(const float* x, const ForwardBatch& b, KvPool& kv, T
   kernels::launch_paged_attention(a, pool);
 
   o_.forward(attn_.data(), t, out, pool);
+  if (tp_comm_ != nullptr) tp_comm_->all_reduce_sum(out, static_cast<size_t>(t) * o_.out_features);
 }
 
-DenseMlp::DenseMlp(const Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t width)
-    : gate_up_(load_linear(ckpt, {prefix + ".gate_proj", prefix + ".up_proj"}, {width, width}, hidden, false)),
-      down_(load_linear(ckpt, {prefix + ".down_proj"}, {hidden}, width, false)),
-      width_(static_cast<int>(width)) {}
+DenseMlp::DenseMlp(const Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t width,
+                   const ShardSpec& shard)
+    : width_(shard.tp_size == 1 ? static_cast<int>(width) : shard.num_local_mlp_width),
+      tp_comm_(shard.tp_comm) {
+  const IndexRange slice = shard.tp_size == 1 ? IndexRange{} : IndexRange{shard.mlp_width_begin, width_};
+  gate_up_ = load_linear(ckpt, {prefix + ".gate_proj", prefix + ".up_proj"}, {width, width}, hidden, false,
+                         {slice, slice});
+  down_ = load_linear(ckpt, {prefix + ".down_proj"}, {hidden}, width, false, {}, slice);
+}
 
 void DenseMlp::forward(const float* x, int num_tokens, ThreadPool& pool, float* out) {
+  if (num_tokens == 0) return;
   gate_up_out_.resize(static_cast<size_t>(num_tokens) * 2 * width_);
   act_.resize(static_cast<size_t>(num_tokens) * width_);
   gate_up_.forward(x, num_tokens, gate_up_out_.data(), pool);
@@ -153,43 +209,60 @@ void DenseMlp::forward(const float* x, int num_tokens, ThreadPool& pool, float* 
   s.width = width_;
   kernels::launch_swiglu(s, pool);
   down_.forward(act_.data(), num_tokens, out, pool);
+  if (tp_comm_ != nullptr) tp_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * down_.out_features);
 }
 
-SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::string& prefix)
+SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::string& prefix, const ShardSpec& shard)
     : hidden_(static_cast<int>(c.hidden_size)),
       num_experts_(static_cast<int>(c.num_experts)),
       top_k_(static_cast<int>(c.num_experts_per_tok)),
-      width_(static_cast<int>(c.moe_intermediate_size)),
+      width_(shard.num_local_moe_width),
       renormalize_(c.norm_topk_prob),
+      expert_begin_(shard.expert_begin),
+      num_local_experts_(shard.num_local_experts),
+      dispatch_tokens_(shard.dispatch_tokens),
+      reduce_comm_(shard.dispatch_tokens ? nullptr : (shard.ep_size > 1 ? shard.ep_comm : shard.tp_comm)),
+      ep_comm_(shard.ep_comm),
       router_(load_linear(ckpt, {prefix + ".gate"}, {c.num_experts}, c.hidden_size, false)) {
   RELAY_CHECK(top_k_ >= 1 && top_k_ <= num_experts_, "num_experts_per_tok ", top_k_, " must be in [1, num_experts ",
               num_experts_, "]");
-  const int64_t h = hidden_, w = width_;
-  gate_up_.resize(static_cast<size_t>(num_experts_) * 2 * w * h);
-  down_.resize(static_cast<size_t>(num_experts_) * h * w);
-  for (int e = 0; e < num_experts_; ++e) {
-    const std::string ep = str(prefix, ".experts.", e, ".");
+  const int64_t h = hidden_, w = width_, full_w = c.moe_intermediate_size;
+  const IndexRange slice{shard.moe_width_begin, w};
+  gate_up_.resize(static_cast<size_t>(num_local_experts_) * 2 * w * h);
+  down_.resize(static_cast<size_t>(num_local_experts_) * h * w);
+  for (int e = 0; e < num_local_experts_; ++e) {
+    const std::string ep = str(prefix, ".experts.", expert_begin_ + e, ".");
     float* gu = gate_up_.data() + static_cast<int64_t>(e) * 2 * w * h;
-    widen_into(ckpt, ep + "gate_proj.weight", {w, h}, gu);
-    widen_into(ckpt, ep + "up_proj.weight", {w, h}, gu + w * h);
-    widen_into(ckpt, ep + "down_proj.weight", {h, w}, down_.data() + static_cast<int64_t>(e) * h * w);
+    widen_slice_into(ckpt, ep + "gate_proj.weight", {full_w, h}, slice, {}, gu);
+    widen_slice_into(ckpt, ep + "up_proj.weight", {full_w, h}, slice, {}, gu + w * h);
+    widen_slice_into(ckpt, ep + "down_proj.weight", {h, full_w}, {}, slice, down_.data() + static_cast<int64_t>(e) * h * w);
   }
 }
 
 void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float* out) {
+  if (dispatch_tokens_) {
+    dispatch_combine(x, num_tokens, pool, out);
+    return;
+  }
   const size_t rows = static_cast<size_t>(num_tokens) * top_k_;
   router_logits_.resize(static_cast<size_t>(num_tokens) * num_experts_);
   topk_ids_.resize(rows);
   topk_weights_.resize(rows);
-  permuted_x_.resize(rows * hidden_);
-  permuted_index_.resize(rows);
-  expert_offsets_.resize(num_experts_ + 1);
-  gate_up_out_.resize(rows * 2 * width_);
-  act_.resize(rows * width_);
-  expert_out_.resize(rows * hidden_);
+  local_ids_.resize(rows);
+  route(x, num_tokens, pool);
+  // Experts held elsewhere become the absent id (num_local_experts_): weight 0, never computed.
+  for (size_t r = 0; r < rows; ++r) {
+    const int32_t local = topk_ids_[r] - expert_begin_;
+    const bool here = local >= 0 && local < num_local_experts_;
+    local_ids_[r] = here ? local : num_local_experts_;
+    if (!here) topk_weights_[r] = 0.0f;
+  }
+  run_local_experts(x, local_ids_.data(), topk_weights_.data(), num_tokens, pool, out);
+  if (reduce_comm_ != nullptr) reduce_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * hidden_);
+}
 
+void SparseMoe::route(const float* x, int num_tokens, ThreadPool& pool) {
   router_.forward(x, num_tokens, router_logits_.data(), pool);
-
   kernels::MoeRouterTopkParams<float> r;
   r.logits = router_logits_.data();
   r.topk_ids = topk_ids_.data();
@@ -199,26 +272,39 @@ void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float*
   r.top_k = top_k_;
   r.renormalize = renormalize_;
   kernels::launch_moe_router_topk(r, pool);
+}
+
+void SparseMoe::run_local_experts(const float* x, const int32_t* ids, const float* weights, int num_tokens,
+                                  ThreadPool& pool, float* out) {
+  if (num_tokens == 0) return;
+  const size_t rows = static_cast<size_t>(num_tokens) * top_k_;
+  permuted_x_.resize(rows * hidden_);
+  permuted_index_.resize(rows);
+  expert_offsets_.resize(num_local_experts_ + 2);
+  gate_up_out_.resize(rows * 2 * width_);
+  act_.resize(rows * width_);
+  expert_out_.resize(rows * hidden_);
 
   kernels::MoePermuteParams<float> p;
   p.x = x;
-  p.topk_ids = topk_ids_.data();
+  p.topk_ids = ids;
   p.permuted_x = permuted_x_.data();
   p.permuted_index = permuted_index_.data();
   p.expert_offsets = expert_offsets_.data();
   p.num_tokens = num_tokens;
   p.hidden = hidden_;
-  p.num_experts = num_experts_;
+  p.num_experts = num_local_experts_ + 1;  // + the absent expert, whose rows sort last
   p.top_k = top_k_;
   kernels::launch_moe_permute(p, pool);
+  const int computed = expert_offsets_[num_local_experts_];  // rows of experts held here
 
   kernels::MoeGroupedMatmulParams<float> g;
   g.x = permuted_x_.data();
   g.w = gate_up_.data();
   g.expert_offsets = expert_offsets_.data();
   g.out = gate_up_out_.data();
-  g.num_rows = static_cast<int>(rows);
-  g.num_experts = num_experts_;
+  g.num_rows = computed;
+  g.num_experts = num_local_experts_;
   g.n = 2 * width_;
   g.k = hidden_;
   kernels::launch_moe_grouped_matmul(g, pool);
@@ -226,7 +312,7 @@ void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float*
   kernels::SwigluParams<float> s;
   s.gate_up = gate_up_out_.data();
   s.out = act_.data();
-  s.num_rows = static_cast<int>(rows);
+  s.num_rows = computed;
   s.width = width_;
   kernels::launch_swiglu(s, pool);
 
@@ -236,16 +322,98 @@ void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float*
   g.n = hidden_;
   g.k = width_;
   kernels::launch_moe_grouped_matmul(g, pool);
+  // Absent rows carry weight 0, but 0 * garbage could be NaN: give them zeros.
+  std::fill(expert_out_.begin() + static_cast<size_t>(computed) * hidden_, expert_out_.end(), 0.0f);
 
   kernels::MoeUnpermuteCombineParams<float> u;
   u.expert_out = expert_out_.data();
   u.permuted_index = permuted_index_.data();
-  u.topk_weights = topk_weights_.data();
+  u.topk_weights = weights;
   u.out = out;
   u.num_tokens = num_tokens;
   u.hidden = hidden_;
   u.top_k = top_k_;
   kernels::launch_moe_unpermute_combine(u, pool);
+}
+
+void SparseMoe::dispatch_combine(const float* x, int num_tokens, ThreadPool& pool, float* out) {
+  const int num_ranks = ep_comm_->size();
+  const size_t rows = static_cast<size_t>(num_tokens) * top_k_;
+  router_logits_.resize(static_cast<size_t>(num_tokens) * num_experts_);
+  topk_ids_.resize(rows);
+  topk_weights_.resize(rows);
+  if (num_tokens > 0) route(x, num_tokens, pool);
+
+  // Dispatch: token t goes to rank d when any of its experts lives there, as its hidden row followed
+  // by its top_k weights (0 for experts elsewhere), with its top_k expert ids local to d (absent =
+  // num_local_experts_). Every rank holds the same number of experts.
+  send_rows_.assign(num_ranks, {});
+  send_ids_.assign(num_ranks, {});
+  std::vector<std::vector<int32_t>> sent_tokens(num_ranks);  // which of our tokens went to each rank
+  for (int t = 0; t < num_tokens; ++t) {
+    const int32_t* ids = topk_ids_.data() + static_cast<size_t>(t) * top_k_;
+    const float* w = topk_weights_.data() + static_cast<size_t>(t) * top_k_;
+    for (int d = 0; d < num_ranks; ++d) {
+      const int first = d * num_local_experts_;
+      bool any = false;
+      for (int k = 0; k < top_k_; ++k) any = any || (ids[k] >= first && ids[k] < first + num_local_experts_);
+      if (!any) continue;
+      sent_tokens[d].push_back(t);
+      std::vector<float>& row = send_rows_[d];
+      row.insert(row.end(), x + static_cast<size_t>(t) * hidden_, x + static_cast<size_t>(t + 1) * hidden_);
+      for (int k = 0; k < top_k_; ++k) {
+        const bool there = ids[k] >= first && ids[k] < first + num_local_experts_;
+        row.push_back(there ? w[k] : 0.0f);
+        send_ids_[d].push_back(there ? ids[k] - first : num_local_experts_);
+      }
+    }
+  }
+  ep_comm_->all_to_all(std::span<const std::vector<float>>(send_rows_), recv_rows_);
+  ep_comm_->all_to_all(std::span<const std::vector<int32_t>>(send_ids_), recv_ids_);
+
+  // Compute every received token's weighted sum over our experts, in one batch.
+  const size_t stride = static_cast<size_t>(hidden_) + top_k_;
+  size_t num_recv = 0;
+  for (const auto& ids : recv_ids_) num_recv += ids.size() / top_k_;
+  recv_x_.resize(num_recv * hidden_);
+  recv_weights_.resize(num_recv * top_k_);
+  local_ids_.resize(num_recv * top_k_);
+  size_t at = 0;
+  for (int s = 0; s < num_ranks; ++s) {
+    const size_t n = recv_ids_[s].size() / top_k_;
+    RELAY_CHECK(recv_rows_[s].size() == n * stride, "MoE dispatch: rank ", s, " sent ", recv_rows_[s].size(),
+                " values for ", n, " tokens");
+    for (size_t i = 0; i < n; ++i, ++at) {
+      const float* src = recv_rows_[s].data() + i * stride;
+      std::copy(src, src + hidden_, recv_x_.data() + at * hidden_);
+      std::copy(src + hidden_, src + stride, recv_weights_.data() + at * top_k_);
+    }
+    std::copy(recv_ids_[s].begin(), recv_ids_[s].end(), local_ids_.begin() + (at - n) * top_k_);
+  }
+  recv_out_.resize(num_recv * hidden_);
+  run_local_experts(recv_x_.data(), local_ids_.data(), recv_weights_.data(), static_cast<int>(num_recv), pool,
+                    recv_out_.data());
+
+  // Combine: send each source its tokens' partial sums, in the order they came; add them up in
+  // rank order.
+  at = 0;
+  for (int s = 0; s < num_ranks; ++s) {
+    const size_t n = recv_ids_[s].size() / top_k_;
+    send_rows_[s].assign(recv_out_.begin() + at * hidden_, recv_out_.begin() + (at + n) * hidden_);
+    send_ids_[s].clear();
+    at += n;
+  }
+  ep_comm_->all_to_all(std::span<const std::vector<float>>(send_rows_), recv_rows_);
+  std::fill(out, out + static_cast<size_t>(num_tokens) * hidden_, 0.0f);
+  for (int d = 0; d < num_ranks; ++d) {
+    RELAY_CHECK(recv_rows_[d].size() == sent_tokens[d].size() * hidden_, "MoE combine: rank ", d, " returned ",
+                recv_rows_[d].size(), " values for ", sent_tokens[d].size(), " tokens");
+    for (size_t i = 0; i < sent_tokens[d].size(); ++i) {
+      const float* src = recv_rows_[d].data() + i * hidden_;
+      float* dst = out + static_cast<size_t>(sent_tokens[d][i]) * hidden_;
+      for (int j = 0; j < hidden_; ++j) dst[j] += src[j];
+    }
+  }
 }
 
 }  // namespace relay

@@ -13,24 +13,29 @@
 
 namespace relay {
 
-Model::Model(ModelConfig config, std::vector<float> embedding, std::vector<DecoderLayer> layers,
+Model::Model(ModelConfig config, ShardSpec shard, std::vector<float> embedding, std::vector<DecoderLayer> layers,
              std::vector<float> final_norm, LmHeadWeights lm_head)
     : config_(std::move(config)),
+      shard_(shard),
       embedding_(std::move(embedding)),
       layers_(std::move(layers)),
       final_norm_(std::move(final_norm)),
       lm_head_(std::move(lm_head)) {}
 
 KvCacheLayout Model::kv_layout(int block_size, int num_blocks) const {
-  return KvCacheLayout{static_cast<int>(config_.num_hidden_layers), num_blocks,
-                       static_cast<int>(config_.num_key_value_heads), block_size,
+  return KvCacheLayout{static_cast<int>(config_.num_hidden_layers), num_blocks, shard_.num_local_kv_heads, block_size,
                        static_cast<int>(config_.head_dim), sizeof(float)};
+}
+
+KvCacheLayout Model::kv_layout_for_budget(int block_size, size_t bytes) const {
+  return KvCacheLayout::from_budget(static_cast<int>(config_.num_hidden_layers), shard_.num_local_kv_heads,
+                                    static_cast<int>(config_.head_dim), block_size, sizeof(float), bytes);
 }
 
 void Model::check_batch(const ForwardBatch& b, const KvPool& kv) const {
   const KvCacheLayout& l = kv.layout();
   const int t = b.num_tokens(), s = b.num_seqs();
-  RELAY_CHECK(l.num_layers == config_.num_hidden_layers && l.num_kv_heads == config_.num_key_value_heads &&
+  RELAY_CHECK(l.num_layers == config_.num_hidden_layers && l.num_kv_heads == shard_.num_local_kv_heads &&
                   l.head_dim == config_.head_dim,
               "KV pool shape (layers ", l.num_layers, ", kv heads ", l.num_kv_heads, ", head_dim ", l.head_dim,
               ") does not match the model");
@@ -123,7 +128,12 @@ void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool, std::ve
   }
 }
 
-std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt,
+void Model::forward_idle(ThreadPool& pool) {
+  RELAY_CHECK(shard_.dispatch_tokens, "forward_idle: only an expert-parallel DP rank runs a step without tokens");
+  for (DecoderLayer& layer : layers_) layer.ffn->forward(nullptr, 0, pool, nullptr);
+}
+
+std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt, const ShardSpec& shard,
                                     const std::function<std::unique_ptr<FeedForward>(int layer)>& make_ffn) {
   RELAY_CHECK(c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads == 0,
               "num_attention_heads ", c.num_attention_heads, " must be a multiple of num_key_value_heads ",
@@ -137,7 +147,7 @@ std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt
     const std::string p = str("model.layers.", i, ".");
     layer.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {c.hidden_size});
     layer.post_attention_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {c.hidden_size});
-    layer.mixer = std::make_unique<FullAttention>(c, ckpt, i, rope);
+    layer.mixer = std::make_unique<FullAttention>(c, ckpt, i, rope, shard);
     layer.ffn = make_ffn(i);
     layers.push_back(std::move(layer));
   }
@@ -151,7 +161,7 @@ std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt
   } else if (!c.tie_word_embeddings) {
     lm_head.f32 = load_f32(ckpt, lm_name, {c.vocab_size, c.hidden_size});
   }
-  return std::make_unique<Model>(c, std::move(embedding), std::move(layers), std::move(final_norm),
+  return std::make_unique<Model>(c, shard, std::move(embedding), std::move(layers), std::move(final_norm),
                                  std::move(lm_head));
 }
 

@@ -6,11 +6,11 @@
 
 namespace relay {
 
-std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& c, const Checkpoint& ckpt) {
-  return load_decoder(c, ckpt, [&](int layer) -> std::unique_ptr<FeedForward> {
+std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& c, const Checkpoint& ckpt, const ShardSpec& shard) {
+  return load_decoder(c, ckpt, shard, [&](int layer) -> std::unique_ptr<FeedForward> {
     const std::string prefix = str("model.layers.", layer, ".mlp");
-    if (c.layer_is_moe(layer)) return std::make_unique<SparseMoe>(c, ckpt, prefix);
-    return std::make_unique<DenseMlp>(ckpt, prefix, c.hidden_size, c.intermediate_size);
+    if (c.layer_is_moe(layer)) return std::make_unique<SparseMoe>(c, ckpt, prefix, shard);
+    return std::make_unique<DenseMlp>(ckpt, prefix, c.hidden_size, c.intermediate_size, shard);
   });
 }
 

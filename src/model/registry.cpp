@@ -10,7 +10,7 @@ namespace {
 
 struct Architecture {
   const char* name;
-  std::unique_ptr<Model> (*build)(const ModelConfig&, const Checkpoint&);
+  std::unique_ptr<Model> (*build)(const ModelConfig&, const Checkpoint&, const ShardSpec&);
 };
 
 constexpr Architecture kArchitectures[] = {
@@ -27,8 +27,12 @@ std::vector<std::string> supported_architectures() {
 }
 
 std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt) {
+  return build_model(config, ckpt, unsharded(config));
+}
+
+std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard) {
   for (const Architecture& a : kArchitectures) {
-    if (config.architecture == a.name) return a.build(config, ckpt);
+    if (config.architecture == a.name) return a.build(config, ckpt, shard);
   }
   std::string supported;
   for (const std::string& name : supported_architectures()) supported += str(supported.empty() ? "" : ", ", name);

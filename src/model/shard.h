@@ -1,0 +1,47 @@
+// Which part of the model one rank holds, and whom it talks to (parallel/parallel_config.h has the
+// layouts).
+//
+// Weights are sliced while loading, straight from the checkpoint: a tensor-parallel rank keeps its
+// q heads and their KV heads (q|k|v rows), the matching o_proj columns and a slice of every dense
+// MLP's width; an expert-parallel rank keeps experts [expert_begin, expert_begin + num_local_experts).
+// Embedding, norms, router and lm_head are replicated. Every split is checked against the config here,
+// with a message that names the field that does not divide.
+//
+// KV heads when tp > num_key_value_heads: each rank holds the one KV head its q heads read
+// (replicated on tp / num_kv_heads ranks), so the k/v projections are computed redundantly and each
+// rank's KV cache holds one head. That is what makes TP = 8 work on a 4-KV-head model.
+#pragma once
+
+#include "model/config.h"
+#include "parallel/communicator.h"
+#include "parallel/parallel_config.h"
+
+namespace relay {
+
+struct ShardSpec {
+  int tp_rank = 0, tp_size = 1;
+  int ep_rank = 0, ep_size = 1;
+  // The EP ranks hold different tokens (DP attention): the MoE dispatches token rows to the ranks of
+  // their experts and combines the results back (all_to_all). Otherwise every EP rank sees the same
+  // tokens and the partial MoE outputs are summed (all_reduce).
+  bool dispatch_tokens = false;
+  parallel::Communicator* tp_comm = nullptr;  // the tp ranks of this DP group (null when tp_size == 1)
+  parallel::Communicator* ep_comm = nullptr;  // all ranks (null when ep_size == 1)
+
+  // Derived from the config by make_shard (the unsharded values when tp_size == ep_size == 1).
+  int q_head_begin = 0, num_local_q_heads = 0;
+  int kv_head_begin = 0, num_local_kv_heads = 0;
+  int mlp_width_begin = 0, num_local_mlp_width = 0;  // dense MLP columns (intermediate_size)
+  int moe_width_begin = 0, num_local_moe_width = 0;  // expert columns (moe_intermediate_size)
+  int expert_begin = 0, num_local_experts = 0;
+};
+
+// The whole model on one rank.
+ShardSpec unsharded(const ModelConfig& config);
+
+// Rank `rank` of `parallel`; `world` is the group of all ranks (used as the TP and/or EP group; may
+// be null when world_size() == 1). Throws relay::Error when the model does not divide.
+ShardSpec make_shard(const ModelConfig& config, const parallel::ParallelConfig& parallel, int rank,
+                     parallel::Communicator* world);
+
+}  // namespace relay
