@@ -23,6 +23,13 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
   sub.add_option("--threads", c.num_threads, "CPU threads for the cpu device (default: all cores)");
   sub.add_option("--gpu", c.gpu, "CUDA device index for the cuda device (default 0)")
       ->check(CLI::NonNegativeNumber);
+  sub.add_option("--tp", c.parallel.tp, "tensor-parallel ranks: attention heads, MLP widths split (default 1)")
+      ->check(CLI::PositiveNumber);
+  sub.add_option("--ep", c.parallel.ep, "expert-parallel ranks: 1 or --tp x --dp, experts divided (default 1)")
+      ->check(CLI::PositiveNumber);
+  sub.add_option("--dp", c.parallel.dp,
+                 "data-parallel attention ranks, each with its own requests and KV cache (default 1)")
+      ->check(CLI::PositiveNumber);
 }
 
 size_t parse_bytes(const std::string& text, const std::string& option) {
@@ -50,7 +57,10 @@ size_t parse_bytes(const std::string& text, const std::string& option) {
 
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& c,
                                       int max_num_seqs, int max_num_batched_tokens) {
+  c.parallel.validate();
   if (c.device == "cuda") {
+    RELAY_CHECK(c.parallel.world_size() == 1, "--device cuda runs one GPU (",
+                c.parallel.describe(), " asked for more): sharded ranks run on --device cpu so far");
 #if RELAY_HAVE_CUDA
     CudaBackendOptions o;
     o.device = c.gpu;
@@ -70,6 +80,7 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
   o.num_blocks = c.num_kv_blocks;
   o.kv_cache_bytes = parse_bytes(c.kv_cache_memory, "--kv-cache-memory");
   o.num_threads = c.num_threads;
+  o.parallel = c.parallel;
   return std::make_unique<CpuBackend>(model_dir, o);
 }
 

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "engine/backend.h"
+#include "parallel/parallel_config.h"
 
 namespace relay::cli {
 
@@ -22,9 +23,11 @@ struct BackendChoice {
   std::string kv_cache_memory = "256MiB";  // CPU pool budget (CUDA takes the memory left)
   int num_threads = 0;                     // CPU threads (0: all cores)
   int gpu = 0;                             // CUDA device index
+  parallel::ParallelConfig parallel;       // --tp / --ep / --dp ranks
 };
 
-// Adds --device, --block-size, --num-kv-blocks, --kv-cache-memory, --threads and --gpu to `sub`.
+// Adds --device, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu, --tp, --ep and
+// --dp to `sub`.
 void add_backend_options(CLI::App& sub, BackendChoice& choice);
 // Loads the model on the chosen device; `max_num_seqs` and `max_num_batched_tokens` size the GPU
 // backend's per-step buffers and graphs.
