@@ -63,6 +63,7 @@ CpuBackend::~CpuBackend() = default;
 const ModelConfig& CpuBackend::config() const { return ranks_.front()->model->config(); }
 int CpuBackend::block_size() const { return ranks_.front()->kv.layout().block_size; }
 KvPool& CpuBackend::kv_pool(int rank) { return ranks_.at(rank)->kv; }
+const ShardSpec& CpuBackend::shard(int rank) const { return ranks_.at(rank)->model->shard(); }
 ThreadPool& CpuBackend::thread_pool(int rank) { return ranks_.at(rank)->pool; }
 
 void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch, const std::vector<RowsOf>& rows_of) {

@@ -36,6 +36,7 @@ struct LLMEngine::Request {
   int64_t id;
   StopConditions stop;
   bool want_logprobs;
+  bool hold_kv = false;
   IncrementalDetokenizer detokenizer;
   std::string text;     // the output text so far
   size_t num_sent = 0;  // bytes of `text` already returned
@@ -49,7 +50,8 @@ LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
     : backend_(std::move(backend)),
       tokenizer_(std::move(tokenizer)),
       max_model_len_(0),
-      blocks_(backend_->num_kv_blocks(), backend_->block_size(), config.enable_prefix_caching),
+      blocks_(backend_->num_kv_blocks(), backend_->block_size(), config.enable_prefix_caching,
+              backend_->num_kv_partitions()),
       scheduler_({.max_num_seqs = config.max_num_seqs,
                   .max_num_batched_tokens = config.max_num_batched_tokens},
                  blocks_) {
@@ -58,15 +60,15 @@ LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
   RELAY_CHECK(model_len <= 0 || len <= model_len, "max_model_len ", len,
               " exceeds the model's max_position_embeddings ", model_len);
   // NOTE: one request must always fit in the pool on its own (the scheduler's progress guarantee),
-  // so the context is capped by the pool's capacity.
-  len = std::min<int64_t>(len, static_cast<int64_t>(blocks_.num_blocks()) * blocks_.block_size());
+  // so the context is capped by the capacity of one partition (a DP rank's pool).
+  len = std::min<int64_t>(len, static_cast<int64_t>(blocks_.blocks_per_partition()) * blocks_.block_size());
   max_model_len_ = static_cast<int>(len);
   RELAY_CHECK(max_model_len_ >= 2, "max_model_len ", max_model_len_, " leaves no room to generate");
 }
 
 LLMEngine::~LLMEngine() = default;
 
-void LLMEngine::add_request(int64_t id, EngineRequest request) {
+void LLMEngine::validate(int64_t id, const EngineRequest& request) const {
   RELAY_CHECK(!request.prompt.empty(), "request ", id, " has an empty prompt");
   RELAY_CHECK(requests_.count(id) == 0, "request id ", id, " is already in use");
   const int64_t vocab = backend_->config().vocab_size;
@@ -83,13 +85,71 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
   RELAY_CHECK(total <= max_model_len_, "prompt (", request.prompt.size(),
               " tokens) plus max_tokens (", request.stop.max_tokens, ") exceeds max_model_len ",
               max_model_len_);
+}
+
+void LLMEngine::add_request(int64_t id, EngineRequest request) {
+  validate(id, request);
+  RELAY_CHECK(held_kv_.count(id) == 0, "request id ", id, " still holds KV blocks");
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->tokens = std::move(request.prompt);
   seq->sampling = request.sampling;
-  requests_.emplace(id, std::make_unique<Request>(id, std::move(request.stop), tokenizer_,
-                                                  request.sampling.num_logprobs >= 0));
+  auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_, request.sampling.num_logprobs >= 0);
+  r->hold_kv = request.hold_kv;
+  requests_.emplace(id, std::move(r));
   scheduler_.add(std::move(seq));
+}
+
+std::optional<std::vector<int32_t>> LLMEngine::reserve_kv(int64_t id, int64_t num_tokens) {
+  RELAY_CHECK(num_tokens >= 1 && num_tokens < max_model_len_, "a KV reservation of ", num_tokens,
+              " tokens does not fit max_model_len ", max_model_len_);
+  RELAY_CHECK(requests_.count(id) == 0 && !blocks_.has_sequence(id), "request id ", id, " is already in use");
+  if (scheduler_.num_running() + num_held_kv() >= scheduler_.config().max_num_seqs) return std::nullopt;
+  if (!blocks_.allocate(id, num_tokens)) return std::nullopt;
+  held_kv_.insert(id);
+  const auto table = blocks_.block_table(id);
+  return std::vector<int32_t>(table.begin(), table.end());
+}
+
+RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request, const SampledToken& first,
+                                               int num_cached_tokens) {
+  RELAY_CHECK(held_kv_.count(id) == 1 && blocks_.has_sequence(id), "request ", id, " has no KV reservation");
+  validate(id, request);
+  const int64_t n = static_cast<int64_t>(request.prompt.size());
+  RELAY_CHECK(static_cast<int64_t>(blocks_.block_table(id).size()) * blocks_.block_size() >= n, "request ", id,
+              ": its reservation does not cover the ", n, "-token prompt");
+  RELAY_CHECK(first.token >= 0 && first.token < backend_->config().vocab_size, "first token ", first.token,
+              " is outside the vocabulary");
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->tokens = std::move(request.prompt);
+  seq->num_prompt_tokens = static_cast<int>(n);
+  seq->num_computed = static_cast<int>(n);
+  seq->num_cached_prompt_tokens = num_cached_tokens;
+  seq->sampling = request.sampling;
+  seq->tokens.push_back(first.token);
+  blocks_.cache_full_blocks(id, seq->tokens, n);  // the received prompt serves later prefixes too
+  held_kv_.erase(id);
+  scheduler_.add_running(std::move(seq));
+  auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_, request.sampling.num_logprobs >= 0);
+  r->first_scheduled = r->arrival;
+  Request& req = *r;
+  requests_.emplace(id, std::move(r));
+  RequestOutput out;
+  out.id = id;
+  SampledToken t = first;
+  t.seq_id = id;
+  on_token(req, t, out);
+  if (out.finish != FinishReason::kNone) {
+    scheduler_.finish(id);
+    requests_.erase(id);
+  }
+  return out;
+}
+
+void LLMEngine::release_kv(int64_t id) {
+  if (held_kv_.erase(id) == 0) return;
+  blocks_.free(id);
 }
 
 std::optional<RequestOutput> LLMEngine::abort(int64_t id) {
@@ -146,11 +206,17 @@ std::vector<RequestOutput> LLMEngine::step() {
     on_token(r, tok, out);
     outputs.push_back(std::move(out));
   }
-  for (const RequestOutput& out : outputs) {
-    if (out.finish != FinishReason::kNone) {
+  for (RequestOutput& out : outputs) {
+    if (out.finish == FinishReason::kNone) continue;
+    if (requests_.at(out.id)->hold_kv) {
+      const auto table = blocks_.block_table(out.id);
+      out.kv_blocks.assign(table.begin(), table.end());
+      scheduler_.finish_keeping_blocks(out.id);
+      held_kv_.insert(out.id);
+    } else {
       scheduler_.finish(out.id);
-      requests_.erase(out.id);
     }
+    requests_.erase(out.id);
   }
   return outputs;
 }

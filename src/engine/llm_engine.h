@@ -21,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -52,6 +53,9 @@ struct EngineRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   StopConditions stop;
+  // Disaggregated prefill: when the request finishes, its KV blocks stay allocated (listed in the
+  // final output's kv_blocks) until release_kv(id), so they can be sent to a decode worker.
+  bool hold_kv = false;
 };
 
 enum class FinishReason { kNone, kStop, kLength, kAbort };
@@ -73,6 +77,7 @@ struct RequestOutput {
   int num_output_tokens = 0;  // generated so far
   int num_cached_tokens = 0;  // prompt tokens served from the prefix cache
   double queue_time_s = 0.0;  // arrival to first scheduled; set once finished
+  std::vector<int32_t> kv_blocks;  // final output of a hold_kv request: its held block table
 };
 
 struct EngineStats {
@@ -97,6 +102,19 @@ class LLMEngine {
   // Runs one step; returns an output for every request that produced a token or finished.
   std::vector<RequestOutput> step();
 
+  // Disaggregated decode. reserve_kv allocates blocks for `num_tokens` prompt tokens under a new
+  // request id (nothing when the pool or max_num_seqs has no room now); a prefill worker then writes
+  // the prompt's KV into them, and add_prefilled_request starts the request from the first token the
+  // prefill worker sampled, returning that token's output (it may already finish the request).
+  // release_kv frees a reservation that will not be used, or a finished hold_kv request's blocks.
+  std::optional<std::vector<int32_t>> reserve_kv(int64_t id, int64_t num_tokens);
+  RequestOutput add_prefilled_request(int64_t id, EngineRequest request, const SampledToken& first,
+                                      int num_cached_tokens);
+  void release_kv(int64_t id);
+  // The block manager's partition (DP rank) of a reservation or held request.
+  int kv_partition(int64_t id) const { return blocks_.partition_of(id); }
+  int num_held_kv() const { return static_cast<int>(held_kv_.size()); }
+
   bool has_work() const { return scheduler_.has_work(); }
   EngineStats stats() const;
   int max_model_len() const { return max_model_len_; }
@@ -106,6 +124,8 @@ class LLMEngine {
 
  private:
   struct Request;
+  // The checks add_request and add_prefilled_request share.
+  void validate(int64_t id, const EngineRequest& request) const;
   // Appends the text of new token `token` and decides whether the request stops.
   void on_token(Request& r, const SampledToken& sampled, RequestOutput& out);
   void finish(Request& r, FinishReason reason, RequestOutput& out);
@@ -116,6 +136,7 @@ class LLMEngine {
   BlockManager blocks_;
   Scheduler scheduler_;
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
+  std::unordered_set<int64_t> held_kv_;  // reservations and finished hold_kv requests
 };
 
 }  // namespace relay

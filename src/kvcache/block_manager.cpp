@@ -19,14 +19,41 @@ uint64_t mix64(uint64_t x) {
 
 }  // namespace
 
-BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching)
+BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching,
+                           int num_partitions)
     : num_blocks_(num_blocks),
       block_size_(block_size),
-      enable_prefix_caching_(enable_prefix_caching) {
+      enable_prefix_caching_(enable_prefix_caching),
+      blocks_per_partition_(0) {
   RELAY_CHECK(num_blocks > 0, "the KV pool needs at least one block, got ", num_blocks);
   RELAY_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
+  RELAY_CHECK(num_partitions > 0, "num_partitions must be positive, got ", num_partitions);
+  RELAY_CHECK(num_blocks % num_partitions == 0, "the KV pool's ", num_blocks,
+              " blocks do not split evenly into ", num_partitions,
+              " partitions (one per DP attention rank)");
+  blocks_per_partition_ = num_blocks / num_partitions;
   blocks_.resize(num_blocks);
+  free_lists_.resize(num_partitions);
   for (int32_t b = 0; b < num_blocks; ++b) push_free_back(b);
+}
+
+int BlockManager::partition_of(int64_t seq_id) const {
+  const auto it = seqs_.find(seq_id);
+  return it == seqs_.end() ? -1 : it->second.partition;
+}
+
+int BlockManager::num_free_blocks(int partition) const {
+  RELAY_CHECK(partition >= 0 && partition < num_partitions(), "partition ", partition,
+              " is outside [0, ", num_partitions(), ")");
+  return free_lists_[partition].num_free;
+}
+
+int BlockManager::most_free_partition() const {
+  int best = 0;
+  for (int p = 1; p < num_partitions(); ++p) {
+    if (free_lists_[p].num_free > free_lists_[best].num_free) best = p;
+  }
+  return best;
 }
 
 uint64_t BlockManager::chain_hash(uint64_t parent, std::span<const int32_t> tokens) {
@@ -40,27 +67,52 @@ bool BlockManager::matches(const Block& b, uint64_t parent, std::span<const int3
          std::equal(tokens.begin(), tokens.end(), b.tokens.begin(), b.tokens.end());
 }
 
-PrefixHit BlockManager::find_cached_prefix(std::span<const int32_t> tokens) const {
+PrefixHit BlockManager::find_cached_prefix_in(int partition,
+                                              std::span<const int32_t> tokens) const {
   PrefixHit hit;
-  hit.last_hash = kRootHash;
-  if (!enable_prefix_caching_ || tokens.empty()) return hit;
+  hit.last_hash = root_hash(partition);
   const size_t max_blocks = (tokens.size() - 1) / block_size_;
   for (size_t i = 0; i < max_blocks; ++i) {
     const auto chunk = tokens.subspan(i * block_size_, block_size_);
     const uint64_t h = chain_hash(hit.last_hash, chunk);
     const auto it = cached_.find(h);
-    if (it == cached_.end() || !matches(blocks_[it->second], hit.last_hash, chunk)) break;
+    if (it == cached_.end() || partition_of_block(it->second) != partition ||
+        !matches(blocks_[it->second], hit.last_hash, chunk)) {
+      break;
+    }
     hit.blocks.push_back(it->second);
     hit.hashes.push_back(h);
     hit.last_hash = h;
   }
+  if (!hit.blocks.empty()) hit.partition = partition;
   return hit;
+}
+
+PrefixHit BlockManager::find_cached_prefix(std::span<const int32_t> tokens) const {
+  PrefixHit best;
+  best.last_hash = kRootHash;
+  if (!enable_prefix_caching_ || tokens.empty()) return best;
+  for (int p = 0; p < num_partitions(); ++p) {
+    PrefixHit hit = find_cached_prefix_in(p, tokens);
+    if (hit.blocks.empty()) continue;
+    // NOTE: on equal length the partition with more free blocks is likelier to fit the rest.
+    if (hit.blocks.size() > best.blocks.size() ||
+        (hit.blocks.size() == best.blocks.size() &&
+         free_lists_[p].num_free > free_lists_[best.partition].num_free)) {
+      best = std::move(hit);
+    }
+  }
+  return best;
 }
 
 int BlockManager::num_hit_blocks_now_free(const PrefixHit* hit) const {
   int n = 0;
-  if (hit == nullptr) return 0;
+  if (hit == nullptr || hit->blocks.empty()) return 0;
+  RELAY_CHECK(hit->partition >= 0 && hit->partition < num_partitions(), "prefix hit partition ",
+              hit->partition, " is outside [0, ", num_partitions(), ")");
   for (size_t i = 0; i < hit->blocks.size(); ++i) {
+    RELAY_CHECK(partition_of_block(hit->blocks[i]) == hit->partition, "prefix hit block ",
+                hit->blocks[i], " is not in the hit's partition ", hit->partition);
     const Block& b = blocks_[hit->blocks[i]];
     RELAY_CHECK(b.cached && b.hash == hit->hashes[i], "prefix hit block ", hit->blocks[i],
                 " was evicted between find_cached_prefix and allocate");
@@ -74,11 +126,15 @@ bool BlockManager::can_allocate(int64_t seq_id, int64_t num_tokens, const Prefix
   const bool is_new = it == seqs_.end();
   RELAY_CHECK(is_new || hit == nullptr || hit->blocks.empty(),
               "a prefix hit can only start a new sequence (sequence ", seq_id, ")");
-  const int have = is_new ? (hit ? static_cast<int>(hit->blocks.size()) : 0)
+  const bool use_hit = is_new && hit != nullptr && !hit->blocks.empty();
+  const int partition =
+      is_new ? (use_hit ? hit->partition : most_free_partition()) : it->second.partition;
+  const int have = is_new ? (use_hit ? static_cast<int>(hit->blocks.size()) : 0)
                           : static_cast<int>(it->second.table.size());
   const int fresh = std::max(0, blocks_for_tokens(num_tokens) - have);
   // Hit blocks sitting in the free list leave it when taken, so they count against it too.
-  return fresh + num_hit_blocks_now_free(is_new ? hit : nullptr) <= num_free_;
+  const int hit_free = num_hit_blocks_now_free(use_hit ? hit : nullptr);
+  return fresh + hit_free <= free_lists_[partition].num_free;
 }
 
 bool BlockManager::allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit) {
@@ -86,8 +142,10 @@ bool BlockManager::allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit*
   auto [it, is_new] = seqs_.try_emplace(seq_id);
   SeqBlocks& seq = it->second;
   if (is_new) {
-    seq.last_hash = kRootHash;
-    if (hit != nullptr) {
+    const bool use_hit = hit != nullptr && !hit->blocks.empty();
+    seq.partition = use_hit ? hit->partition : most_free_partition();
+    seq.last_hash = root_hash(seq.partition);
+    if (use_hit) {
       for (int32_t b : hit->blocks) {
         if (blocks_[b].ref_count++ == 0) unlink_free(b);
         seq.table.push_back(b);
@@ -97,7 +155,7 @@ bool BlockManager::allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit*
     }
   }
   while (static_cast<int>(seq.table.size()) < blocks_for_tokens(num_tokens)) {
-    const int32_t b = pop_free();
+    const int32_t b = pop_free(seq.partition);
     blocks_[b].ref_count = 1;
     seq.table.push_back(b);
   }
@@ -158,46 +216,52 @@ std::span<const int32_t> BlockManager::block_table(int64_t seq_id) const {
 }
 
 void BlockManager::unlink_free(int32_t block) {
+  FreeList& list = free_lists_[partition_of_block(block)];
   Block& b = blocks_[block];
   if (b.prev != kNone)
     blocks_[b.prev].next = b.next;
   else
-    free_head_ = b.next;
+    list.head = b.next;
   if (b.next != kNone)
     blocks_[b.next].prev = b.prev;
   else
-    free_tail_ = b.prev;
+    list.tail = b.prev;
   b.prev = b.next = kNone;
+  --list.num_free;
   --num_free_;
 }
 
 void BlockManager::push_free_front(int32_t block) {
+  FreeList& list = free_lists_[partition_of_block(block)];
   Block& b = blocks_[block];
   b.prev = kNone;
-  b.next = free_head_;
-  if (free_head_ != kNone)
-    blocks_[free_head_].prev = block;
+  b.next = list.head;
+  if (list.head != kNone)
+    blocks_[list.head].prev = block;
   else
-    free_tail_ = block;
-  free_head_ = block;
+    list.tail = block;
+  list.head = block;
+  ++list.num_free;
   ++num_free_;
 }
 
 void BlockManager::push_free_back(int32_t block) {
+  FreeList& list = free_lists_[partition_of_block(block)];
   Block& b = blocks_[block];
   b.next = kNone;
-  b.prev = free_tail_;
-  if (free_tail_ != kNone)
-    blocks_[free_tail_].next = block;
+  b.prev = list.tail;
+  if (list.tail != kNone)
+    blocks_[list.tail].next = block;
   else
-    free_head_ = block;
-  free_tail_ = block;
+    list.head = block;
+  list.tail = block;
+  ++list.num_free;
   ++num_free_;
 }
 
-int32_t BlockManager::pop_free() {
-  RELAY_CHECK(free_head_ != kNone, "the KV pool has no free block");
-  const int32_t block = free_head_;
+int32_t BlockManager::pop_free(int partition) {
+  const int32_t block = free_lists_[partition].head;
+  RELAY_CHECK(block != kNone, "partition ", partition, " of the KV pool has no free block");
   unlink_free(block);
   Block& b = blocks_[block];
   if (b.cached) {
@@ -211,26 +275,44 @@ int32_t BlockManager::pop_free() {
 void BlockManager::check_invariants() const {
   std::vector<int> refs(num_blocks_, 0);
   for (const auto& [id, seq] : seqs_) {
+    RELAY_CHECK(seq.partition >= 0 && seq.partition < num_partitions(), "sequence ", id,
+                " is bound to partition ", seq.partition, " outside [0, ", num_partitions(), ")");
     RELAY_CHECK(seq.num_hashed <= static_cast<int>(seq.table.size()), "sequence ", id, " hashed ",
                 seq.num_hashed, " blocks of ", seq.table.size());
+    RELAY_CHECK(seq.num_hashed > 0 || seq.last_hash == root_hash(seq.partition), "sequence ", id,
+                " hashed no block but its chain does not start at partition ", seq.partition,
+                "'s root");
     for (int32_t b : seq.table) {
       RELAY_CHECK(b >= 0 && b < num_blocks_, "sequence ", id, " holds block id ", b,
                   " outside the pool");
+      RELAY_CHECK(partition_of_block(b) == seq.partition, "sequence ", id, " of partition ",
+                  seq.partition, " holds block ", b, " of partition ", partition_of_block(b));
       ++refs[b];
     }
   }
   std::vector<bool> in_free(num_blocks_, false);
-  int n = 0;
-  int32_t prev = kNone;
-  for (int32_t b = free_head_; b != kNone; b = blocks_[b].next) {
-    RELAY_CHECK(!in_free[b], "block ", b, " appears twice in the free list");
-    RELAY_CHECK(blocks_[b].prev == prev, "free list back link of block ", b, " is broken");
-    in_free[b] = true;
-    prev = b;
-    ++n;
+  int total_free = 0;
+  for (int p = 0; p < num_partitions(); ++p) {
+    const FreeList& list = free_lists_[p];
+    int n = 0;
+    int32_t prev = kNone;
+    for (int32_t b = list.head; b != kNone; b = blocks_[b].next) {
+      RELAY_CHECK(partition_of_block(b) == p, "free list of partition ", p, " holds block ", b,
+                  " of partition ", partition_of_block(b));
+      RELAY_CHECK(!in_free[b], "block ", b, " appears twice in the free lists");
+      RELAY_CHECK(blocks_[b].prev == prev, "free list back link of block ", b, " is broken");
+      in_free[b] = true;
+      prev = b;
+      ++n;
+    }
+    RELAY_CHECK(prev == list.tail, "free list tail of partition ", p, " is ", list.tail,
+                " but the walk ends at ", prev);
+    RELAY_CHECK(n == list.num_free, "free list of partition ", p, " holds ", n,
+                " blocks but its num_free is ", list.num_free);
+    total_free += n;
   }
-  RELAY_CHECK(prev == free_tail_, "free list tail is ", free_tail_, " but the walk ends at ", prev);
-  RELAY_CHECK(n == num_free_, "free list holds ", n, " blocks but num_free is ", num_free_);
+  RELAY_CHECK(total_free == num_free_, "the free lists hold ", total_free,
+              " blocks but num_free is ", num_free_);
   for (int32_t b = 0; b < num_blocks_; ++b) {
     const Block& block = blocks_[b];
     RELAY_CHECK(block.ref_count == refs[b], "block ", b, " has ref_count ", block.ref_count,

@@ -5,14 +5,24 @@
 // is either *used* (reference count > 0: in one or more block tables) or *free* (count 0, in the
 // free list); never both.
 //
+// Partitions: with data-parallel (DP) attention each DP rank owns its own KV pool and runs its own
+// sequences, yet one scheduler and one block manager serve every rank. The id space is therefore
+// split into `num_partitions` equal contiguous ranges, partition p owning ids
+// [p * blocks_per_partition, (p + 1) * blocks_per_partition), one per rank. A sequence is bound to
+// one partition when it is created and all its blocks come from there: its K/V lives on one rank.
+// Each partition has its own free list, and a partition out of free blocks refuses allocation even
+// when others have some. One partition (no DP) is the whole pool.
+//
 // Prefix caching: once a block is full and its K/V has been computed, it is registered under a
 // chained hash, hash(parent block's hash, the block's token ids), so the hash names the whole
 // prefix up to and including the block. A new sequence whose prompt starts with the same full
 // blocks reuses them (reference count + 1) instead of recomputing them: a shared system prompt is
-// computed once. A cached block whose count drops to 0 stays findable in the free list until it is
-// reused for something else; the free list is LRU ordered (allocation takes from the front), blocks
-// that hold nothing cached go to the front, and a sequence's blocks are freed tail first so the
-// start of a prompt, the part most likely shared, is evicted last. Each cached block keeps its
+// computed once. Each partition's chain starts from its own root hash, so the same prompt cached on
+// two ranks is two entries and a hit only ever names blocks of one partition (another rank's K/V
+// is of no use). A cached block whose count drops to 0 stays findable in its free list until it is
+// reused for something else; each free list is LRU ordered (allocation takes from the front),
+// blocks that hold nothing cached go to the front, and a sequence's blocks are freed tail first so
+// the start of a prompt, the part most likely shared, is evicted last. Each cached block keeps its
 // tokens and parent hash, so a 64-bit hash collision can never hand a sequence the wrong K/V.
 //
 // Allocation is all-or-nothing: a call that cannot get every block it needs changes nothing.
@@ -30,6 +40,7 @@ struct PrefixHit {
   std::vector<int32_t> blocks;   // block ids, in order, covering blocks.size() * block_size tokens
   std::vector<uint64_t> hashes;  // their chained hashes (allocate re-checks them)
   uint64_t last_hash = 0;        // hash of the last hit block (the chain continues from it)
+  int partition = -1;            // the partition holding the blocks (-1 when no block hit)
   int64_t num_tokens(int block_size) const {
     return static_cast<int64_t>(blocks.size()) * block_size;
   }
@@ -37,11 +48,19 @@ struct PrefixHit {
 
 class BlockManager {
  public:
-  BlockManager(int num_blocks, int block_size, bool enable_prefix_caching = true);
+  // `num_blocks` must be a multiple of `num_partitions` (one partition per DP attention rank).
+  BlockManager(int num_blocks, int block_size, bool enable_prefix_caching = true,
+               int num_partitions = 1);
 
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
-  int num_free_blocks() const { return num_free_; }
+  int num_partitions() const { return static_cast<int>(free_lists_.size()); }
+  int blocks_per_partition() const { return blocks_per_partition_; }
+  int partition_of_block(int32_t block) const { return block / blocks_per_partition_; }
+  // The partition `seq_id` is bound to, -1 for an unknown sequence.
+  int partition_of(int64_t seq_id) const;
+  int num_free_blocks() const { return num_free_; }  // over all partitions
+  int num_free_blocks(int partition) const;
   int num_used_blocks() const { return num_blocks_ - num_free_; }
   // Fraction of the pool in use (cached but free blocks count as free), as vLLM's kv_cache_usage.
   double usage() const { return static_cast<double>(num_used_blocks()) / num_blocks_; }
@@ -50,7 +69,8 @@ class BlockManager {
     return static_cast<int>((num_tokens + block_size_ - 1) / block_size_);
   }
 
-  // The longest run of cached full blocks at the start of `tokens`. At most (tokens.size() - 1)
+  // The longest run of cached full blocks at the start of `tokens`, over every partition (ties go
+  // to the partition with the most free blocks, then the lowest index). At most (tokens.size() - 1)
   // tokens are covered: the last token is always computed, since its logits are what a step
   // samples.
   PrefixHit find_cached_prefix(std::span<const int32_t> tokens) const;
@@ -59,7 +79,9 @@ class BlockManager {
   bool can_allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit = nullptr) const;
   // Grows the block table of `seq_id` (created if new) to cover `num_tokens` tokens. For a new
   // sequence `hit` (from find_cached_prefix, in the same scheduling pass) supplies its first
-  // blocks. Returns false, changing nothing, when the pool lacks free blocks.
+  // blocks. A new sequence is bound to the hit's partition when the hit has blocks, otherwise to
+  // the partition with the most free blocks (the lowest index on ties); an existing one grows in
+  // its own. Returns false, changing nothing, when that partition lacks free blocks.
   bool allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit = nullptr);
   // Registers the full blocks among the first `num_computed_tokens` of `tokens` (the sequence's
   // whole token list) in the prefix cache. Call after the step that computed them.
@@ -73,43 +95,56 @@ class BlockManager {
   int ref_count(int32_t block) const { return blocks_[block].ref_count; }
   int num_cached_blocks() const { return static_cast<int>(cached_.size()); }
 
-  // Verifies every invariant (free/used partition, reference counts equal block-table occurrences,
-  // the free list's length and links, the cache index); throws relay::Error naming the first broken
-  // one. O(num_blocks); for tests.
+  // Verifies every invariant (free xor used, reference counts equal block-table occurrences, each
+  // free list's length and links and that it holds only its partition's blocks, each block table
+  // within one partition, the cache index); throws relay::Error naming the first broken one.
+  // O(num_blocks); for tests.
   void check_invariants() const;
 
  private:
   static constexpr int32_t kNone = -1;
-  static constexpr uint64_t kRootHash = 0x9e3779b97f4a7c15ull;  // the parent of a first block
+  static constexpr uint64_t kRootHash = 0x9e3779b97f4a7c15ull;  // partition 0's chain root
 
   struct Block {
     int ref_count = 0;
     bool cached = false;  // registered in cached_ under `hash`
     uint64_t hash = 0;
-    uint64_t parent_hash = 0;  // hash of the previous block of the prefix (kRootHash for the first)
+    uint64_t parent_hash = 0;  // hash of the previous block of the prefix (the root for the first)
     std::vector<int32_t> tokens;         // the block's tokens while cached (collision check)
     int32_t prev = kNone, next = kNone;  // free-list links while ref_count == 0
   };
   struct SeqBlocks {
-    std::vector<int32_t> table;
+    std::vector<int32_t> table;  // every id in `partition`
+    int partition = 0;
     int num_hashed = 0;      // leading blocks already registered (or found) in the prefix cache
-    uint64_t last_hash = 0;  // chained hash of block num_hashed - 1 (kRootHash when none)
+    uint64_t last_hash = 0;  // chained hash of block num_hashed - 1 (the root when none)
+  };
+  struct FreeList {
+    int32_t head = kNone, tail = kNone;
+    int num_free = 0;
   };
 
+  // The parent hash of a partition's first blocks. Partition 0 keeps kRootHash; chain_hash starts
+  // with mix64, a bijection, so each root starts its own chain (a 64-bit collision across chains is
+  // still caught: find_cached_prefix checks the parent hash, the tokens and the block's partition).
+  static uint64_t root_hash(int partition) { return kRootHash + static_cast<uint64_t>(partition); }
   static uint64_t chain_hash(uint64_t parent, std::span<const int32_t> tokens);
   bool matches(const Block& b, uint64_t parent, std::span<const int32_t> tokens) const;
+  PrefixHit find_cached_prefix_in(int partition, std::span<const int32_t> tokens) const;
+  int most_free_partition() const;
   int num_hit_blocks_now_free(const PrefixHit* hit) const;
   void unlink_free(int32_t block);
   void push_free_front(int32_t block);
   void push_free_back(int32_t block);
-  int32_t pop_free();  // takes the LRU block, evicting it from the cache
+  int32_t pop_free(int partition);  // takes the partition's LRU block, evicting it from the cache
 
   int num_blocks_;
   int block_size_;
   bool enable_prefix_caching_;
+  int blocks_per_partition_;
   std::vector<Block> blocks_;
-  int32_t free_head_ = kNone, free_tail_ = kNone;
-  int num_free_ = 0;
+  std::vector<FreeList> free_lists_;              // one per partition
+  int num_free_ = 0;                              // over all partitions
   std::unordered_map<uint64_t, int32_t> cached_;  // chained hash -> block
   std::unordered_map<int64_t, SeqBlocks> seqs_;
 };

@@ -25,6 +25,19 @@ void Scheduler::add(std::unique_ptr<Sequence> seq) {
   seqs_.emplace(seq->id, std::move(seq));
 }
 
+void Scheduler::add_running(std::unique_ptr<Sequence> seq) {
+  RELAY_CHECK(seq && seq->num_prompt_tokens > 0 && seq->num_computed > 0 &&
+                  seq->num_computed < static_cast<int>(seq->tokens.size()),
+              "a prefilled sequence needs computed prompt tokens and a token left to compute");
+  RELAY_CHECK(seqs_.count(seq->id) == 0, "sequence id ", seq->id, " is already scheduled");
+  RELAY_CHECK(blocks_.has_sequence(seq->id) &&
+                  static_cast<int64_t>(blocks_.block_table(seq->id).size()) * blocks_.block_size() >= seq->num_computed,
+              "prefilled sequence ", seq->id, " has no KV blocks covering its ", seq->num_computed, " tokens");
+  if (seq->num_cached_prompt_tokens < 0) seq->num_cached_prompt_tokens = 0;
+  running_.push_back(seq.get());
+  seqs_.emplace(seq->id, std::move(seq));
+}
+
 Sequence* Scheduler::find(int64_t id) {
   const auto it = seqs_.find(id);
   return it == seqs_.end() ? nullptr : it->second.get();
@@ -47,16 +60,27 @@ SchedulerOutput Scheduler::schedule() {
   int decodes_after = static_cast<int>(std::count_if(running_.begin(), running_.end(), is_decode));
   bool preempted = false;
 
-  for (size_t i = 0; i < running_.size(); ++i) {
+  // NOTE: i advances only past a sequence that stays running; one that preempts itself leaves
+  // running_, and the next (of another partition, as it was the newest of its own) takes its index.
+  for (size_t i = 0; i < running_.size();) {
     Sequence* seq = running_[i];
     const int left = static_cast<int>(seq->tokens.size()) - seq->num_computed;
     if (is_decode(seq)) --decodes_after;
     const int n = std::min(left, budget - decodes_after);
-    if (n <= 0) continue;
+    if (n <= 0) {
+      ++i;
+      continue;
+    }
+    const int partition = blocks_.partition_of(seq->id);
     bool self_preempted = false;
     while (!blocks_.allocate(seq->id, seq->num_computed + n)) {
-      Sequence* victim = running_.back();
-      running_.pop_back();
+      // Only a sequence of the same partition frees blocks `seq` can use: the others' KV is on
+      // other DP ranks. The newest such one is at index i or later, so it has no chunk yet.
+      const auto newest = std::find_if(running_.rbegin(), running_.rend(), [&](const Sequence* s) {
+        return blocks_.partition_of(s->id) == partition;
+      });
+      Sequence* victim = *newest;
+      running_.erase(std::next(newest).base());
       preempt(victim);
       preempted = true;
       if (victim == seq) {
@@ -65,9 +89,10 @@ SchedulerOutput Scheduler::schedule() {
       }
       if (is_decode(victim)) --decodes_after;
     }
-    if (self_preempted) break;
+    if (self_preempted) continue;
     out.chunks.push_back({seq, n, seq->num_computed + n == static_cast<int>(seq->tokens.size())});
     budget -= n;
+    ++i;
   }
 
   while (!preempted && !waiting_.empty() && budget > 0 &&
@@ -106,6 +131,12 @@ void Scheduler::update(const SchedulerOutput& out, std::span<const SampledToken>
 }
 
 bool Scheduler::finish(int64_t id) {
+  if (!finish_keeping_blocks(id)) return false;
+  blocks_.free(id);
+  return true;
+}
+
+bool Scheduler::finish_keeping_blocks(int64_t id) {
   const auto it = seqs_.find(id);
   if (it == seqs_.end()) return false;
   Sequence* seq = it->second.get();
@@ -114,7 +145,6 @@ bool Scheduler::finish(int64_t id) {
   } else if (auto w = std::find(waiting_.begin(), waiting_.end(), seq); w != waiting_.end()) {
     waiting_.erase(w);
   }
-  blocks_.free(id);
   seqs_.erase(it);
   return true;
 }

@@ -10,15 +10,23 @@
 //  1. Running sequences, oldest first, each take min(tokens left, budget) tokens of the
 //     max_num_batched_tokens budget, with one token held back for every decode later in the list,
 //     so every running decode is in every step and prefills get what remains. A sequence whose
-//     blocks cannot be allocated preempts the newest running sequence (frees its blocks, puts it at
-//     the front of the waiting queue to be recomputed) until it fits, or preempts itself.
+//     blocks cannot be allocated preempts the newest running sequence of its own KV partition
+//     (frees its blocks, puts it at the front of the waiting queue to be recomputed) until it fits,
+//     or preempts itself when it is that newest one.
 //  2. If nothing was preempted, waiting sequences are admitted in FCFS order while there is budget,
 //     a free slot under max_num_seqs, and KV blocks for their first chunk; the full blocks of their
 //     prompt found in the prefix cache are taken as computed. Admission stops at the first sequence
 //     that does not fit, so no request overtakes an older one.
 // A sequence is never both waiting and running, and leaves only through finish() (done or aborted),
-// which frees its blocks at once; the caller guarantees each sequence fits in the pool on its own,
-// so the oldest running sequence always makes progress and every request completes.
+// which frees its blocks at once; the caller guarantees each sequence fits in one partition on its
+// own, so the oldest running sequence of each partition always makes progress and every request
+// completes.
+//
+// Partitions: with data-parallel attention one scheduler serves every DP rank, each rank's KV pool
+// being one partition of the block manager (see block_manager.h), which binds each sequence to one.
+// Preempting a sequence of another partition would free blocks on another rank, of no use to the
+// sequence that needs them, so preemption stays within the partition; a sequence waits for blocks
+// only in its own partition, while the other ranks carry on. One partition is today's single pool.
 #pragma once
 
 #include <cstdint>
@@ -80,6 +88,10 @@ class Scheduler {
 
   // Queues a new sequence (tokens = its prompt, non-empty; id unused so far).
   void add(std::unique_ptr<Sequence> seq);
+  // Starts a sequence whose first num_computed tokens already have K/V in the blocks the block
+  // manager holds under its id (a decode worker receiving a prefilled prompt); it runs from the next
+  // step, after the sequences already running.
+  void add_running(std::unique_ptr<Sequence> seq);
   // Picks this step's work and allocates its KV blocks.
   SchedulerOutput schedule();
   // Records a computed step: advances num_computed, registers newly full blocks in the prefix
@@ -88,6 +100,9 @@ class Scheduler {
   // Removes a sequence (finished or aborted), freeing its blocks now. Returns false for unknown
   // ids.
   bool finish(int64_t id);
+  // As finish(), but the blocks stay allocated under the id (a prefill worker keeps a finished
+  // prompt's KV until it has been sent); BlockManager::free(id) releases them.
+  bool finish_keeping_blocks(int64_t id);
 
   Sequence* find(int64_t id);
   int num_running() const { return static_cast<int>(running_.size()); }

@@ -3,6 +3,8 @@
 
 #include "core/error.h"
 
+#include <thread>
+
 namespace relay::server {
 
 using Clock = std::chrono::steady_clock;
@@ -85,32 +87,72 @@ void EngineLoop::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+void record_output(Metrics& metrics, RequestHandle& h, const RequestOutput& out) {
+  const Clock::time_point now = Clock::now();
+  if (!out.new_tokens.empty()) {
+    if (!h.has_token_) {
+      metrics.observe_ttft(std::chrono::duration<double>(now - h.arrival_).count());
+      metrics.add_tokens(static_cast<uint64_t>(out.num_prompt_tokens), 0);
+      h.has_token_ = true;
+    } else {
+      metrics.observe_itl(std::chrono::duration<double>(now - h.last_token_).count());
+    }
+    h.last_token_ = now;
+    metrics.add_tokens(0, out.new_tokens.size());
+  }
+  if (out.finish != FinishReason::kNone) {
+    metrics.request_finished(finish_reason_name(out.finish), std::chrono::duration<double>(now - h.arrival_).count(),
+                             out.queue_time_s);
+  }
+}
+
 void EngineLoop::deliver(const RequestOutput& out) {
   const auto it = live_.find(out.id);
   if (it == live_.end()) return;
   RequestHandle& h = *it->second;
-  const Clock::time_point now = Clock::now();
-  if (!out.new_tokens.empty()) {
-    if (!h.has_token_) {
-      metrics_.observe_ttft(std::chrono::duration<double>(now - h.arrival_).count());
-      metrics_.add_tokens(static_cast<uint64_t>(out.num_prompt_tokens), 0);
-      h.has_token_ = true;
-    } else {
-      metrics_.observe_itl(std::chrono::duration<double>(now - h.last_token_).count());
-    }
-    h.last_token_ = now;
-    metrics_.add_tokens(0, out.new_tokens.size());
-  }
+  record_output(metrics_, h, out);
   if (out.finish != FinishReason::kNone) {
-    metrics_.request_finished(finish_reason_name(out.finish),
-                              std::chrono::duration<double>(now - h.arrival_).count(),
-                              out.queue_time_s);
     --num_unfinished_;
     h.push(out);
     live_.erase(it);
     return;
   }
   h.push(out);
+}
+
+bool EngineLoop::enqueue_task(std::function<void(LLMEngine&)> task) {
+  {
+    std::lock_guard lock(mu_);
+    // A task queued after the thread stopped is dropped, which breaks its promise: the caller's
+    // future throws instead of waiting forever.
+    if (stopping_) return false;
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+  return true;
+}
+
+std::shared_ptr<RequestHandle> EngineLoop::submit_prefilled(int64_t id, EngineRequest request, SampledToken first,
+                                                            int num_cached_tokens) {
+  auto handle = std::make_shared<RequestHandle>(id);
+  ++num_unfinished_;
+  auto started = try_call([this, handle, request = std::move(request), first = std::move(first),
+                       num_cached_tokens](LLMEngine& engine) mutable {
+    try {
+      RequestOutput out = engine.add_prefilled_request(handle->id(), std::move(request), first, num_cached_tokens);
+      live_.emplace(handle->id(), handle);
+      deliver(out);
+    } catch (const Error& e) {
+      metrics_.request_finished("error", 0.0, 0.0);
+      --num_unfinished_;
+      handle->fail(e.what());
+    }
+  });
+  if (!started.valid()) {
+    --num_unfinished_;
+    handle->fail("the server is shutting down");
+  }
+  return handle;
 }
 
 void EngineLoop::fail_all(const std::string& message) {
@@ -128,15 +170,18 @@ void EngineLoop::run() {
   for (;;) {
     std::vector<std::pair<std::shared_ptr<RequestHandle>, EngineRequest>> inbox;
     std::vector<int64_t> aborts;
+    std::vector<std::function<void(LLMEngine&)>> tasks;
     {
       std::unique_lock lock(mu_);
       cv_.wait(lock, [&] {
-        return stopping_ || !inbox_.empty() || !aborts_.empty() || engine_.has_work();
+        return stopping_ || !inbox_.empty() || !aborts_.empty() || !tasks_.empty() || engine_.has_work();
       });
       if (stopping_) break;
       inbox.swap(inbox_);
       aborts.swap(aborts_);
+      tasks.swap(tasks_);
     }
+    for (auto& task : tasks) task(engine_);
     for (auto& [handle, request] : inbox) {
       try {
         engine_.add_request(handle->id(), std::move(request));
@@ -162,6 +207,13 @@ void EngineLoop::run() {
                          s.scheduler.num_preemptions, s.scheduler.prefix_cache_queries,
                          s.scheduler.prefix_cache_hits});
   }
+  // Tasks queued before the stop still run (a prefilled request becomes live and is failed below).
+  std::vector<std::function<void(LLMEngine&)>> tasks;
+  {
+    std::lock_guard lock(mu_);
+    tasks.swap(tasks_);
+  }
+  for (auto& task : tasks) task(engine_);
   fail_all("the server is shutting down");
   std::lock_guard lock(mu_);
   for (auto& [handle, request] : inbox_) {

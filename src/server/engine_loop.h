@@ -12,6 +12,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,10 +38,13 @@ class RequestHandle {
   // The engine's message when the request failed (empty otherwise); valid once done().
   std::string error() const;
 
- private:
-  friend class EngineLoop;
+  // For the sink that produces the outputs (the engine loop, or the disaggregated router).
   void push(RequestOutput out);
   void fail(const std::string& message);
+
+ private:
+  friend class EngineLoop;
+  friend void record_output(Metrics& metrics, RequestHandle& handle, const RequestOutput& out);
 
   const int64_t id_;
   mutable std::mutex mu_;
@@ -53,24 +58,68 @@ class RequestHandle {
   bool has_token_ = false;
 };
 
-class EngineLoop {
+// Records an output's latency metrics (TTFT, inter-token latency, tokens, the finished request) against
+// the handle's arrival and last token, as every sink does before pushing the output.
+void record_output(Metrics& metrics, RequestHandle& handle, const RequestOutput& out);
+
+// Where the HTTP front end sends requests: the local engine thread (EngineLoop) or, in a
+// disaggregated deployment, the router that drives remote prefill and decode workers.
+class RequestSink {
+ public:
+  virtual ~RequestSink() = default;
+  // Queues a request; returns its handle at once (a failure is reported through the handle).
+  virtual std::shared_ptr<RequestHandle> submit(EngineRequest request) = 0;
+  // Cancels a request (a no-op once it finished) and frees what it holds.
+  virtual void abort(int64_t id) = 0;
+  // Requests submitted and not yet finished.
+  virtual int num_unfinished() const = 0;
+  // Fails whatever is still in flight and stops taking requests.
+  virtual void stop() = 0;
+};
+
+class EngineLoop : public RequestSink {
  public:
   EngineLoop(LLMEngine& engine, Metrics& metrics);
-  ~EngineLoop();
+  ~EngineLoop() override;
   EngineLoop(const EngineLoop&) = delete;
   EngineLoop& operator=(const EngineLoop&) = delete;
 
-  // Queues a request; returns its handle at once.
-  std::shared_ptr<RequestHandle> submit(EngineRequest request);
-  // Cancels a request (a no-op once it finished); its blocks are freed before the next step.
-  void abort(int64_t id);
-  // Requests submitted and not yet finished.
-  int num_unfinished() const { return num_unfinished_.load(); }
+  std::shared_ptr<RequestHandle> submit(EngineRequest request) override;
+  // Its blocks are freed before the next step.
+  void abort(int64_t id) override;
+  int num_unfinished() const override { return num_unfinished_.load(); }
   // Stops the thread, failing whatever is still in flight.
-  void stop();
+  void stop() override;
+
+  // Runs fn(engine) on the engine thread before its next step and returns its result; for the
+  // disaggregated worker's KV reservations and releases. A stopped loop fails the future.
+  template <typename Fn>
+  auto call(Fn fn) -> std::future<decltype(fn(std::declval<LLMEngine&>()))> {
+    using Result = decltype(fn(std::declval<LLMEngine&>()));
+    auto task = std::make_shared<std::packaged_task<Result(LLMEngine&)>>(std::move(fn));
+    std::future<Result> result = task->get_future();
+    enqueue_task([task](LLMEngine& engine) { (*task)(engine); });
+    return result;
+  }
+  // As call(), but returns an invalid future instead of queueing when the loop has stopped.
+  template <typename Fn>
+  auto try_call(Fn fn) -> std::future<decltype(fn(std::declval<LLMEngine&>()))> {
+    using Result = decltype(fn(std::declval<LLMEngine&>()));
+    auto task = std::make_shared<std::packaged_task<Result(LLMEngine&)>>(std::move(fn));
+    std::future<Result> result = task->get_future();
+    if (!enqueue_task([task](LLMEngine& engine) { (*task)(engine); })) return {};
+    return result;
+  }
+  // A fresh request id (for a KV reservation that submit_prefilled later turns into a request).
+  int64_t new_id() { return next_id_++; }
+  // Starts request `id`, whose prompt's KV is already in blocks reserved under `id`, from the first
+  // token a prefill worker sampled; returns its handle (the first output is already in it).
+  std::shared_ptr<RequestHandle> submit_prefilled(int64_t id, EngineRequest request, SampledToken first,
+                                                  int num_cached_tokens);
 
  private:
   void run();
+  bool enqueue_task(std::function<void(LLMEngine&)> task);  // false once stopping
   void deliver(const RequestOutput& out);
   void fail_all(const std::string& message);
 
@@ -80,6 +129,7 @@ class EngineLoop {
   std::condition_variable cv_;
   std::vector<std::pair<std::shared_ptr<RequestHandle>, EngineRequest>> inbox_;
   std::vector<int64_t> aborts_;
+  std::vector<std::function<void(LLMEngine&)>> tasks_;
   bool stopping_ = false;
   std::atomic<int64_t> next_id_{1};
   std::atomic<int> num_unfinished_{0};

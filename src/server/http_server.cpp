@@ -95,9 +95,10 @@ struct HttpServer::State {
   httplib::Server svr;
   Metrics metrics;
   std::atomic<Phase> phase{Phase::kLoading};
-  LLMEngine* engine = nullptr;
+  ServedModel model;
   std::optional<chat::ChatTemplate> chat_template;
-  std::unique_ptr<EngineLoop> loop;
+  std::unique_ptr<EngineLoop> own_loop;  // when serving a local engine
+  RequestSink* loop = nullptr;           // where requests go
   std::atomic<int> active_responses{0};
   std::mutex rng_mu;
   std::mt19937_64 rng{std::random_device{}()};
@@ -150,7 +151,7 @@ struct HttpServer::State {
   // Submits the n choices of a request.
   void submit(Job& job, const std::vector<int32_t>& prompt, const GenerationOptions& o,
               int64_t max_tokens) {
-    const int64_t vocab = engine->model_config().vocab_size;
+    const int64_t vocab = model.vocab_size;
     check_token_ids(o.stop_token_ids, vocab, "stop_token_ids");
     check_capacity(static_cast<int>(o.n));
     const uint64_t seed = o.seed ? *o.seed : random64();
@@ -213,12 +214,12 @@ struct HttpServer::State {
   // ---- formatting ----
 
   std::string token_text(int32_t id, bool as_id) const {
-    return as_id ? str("token_id:", id) : utf8::sanitize(engine->tokenizer().token_bytes(id));
+    return as_id ? str("token_id:", id) : utf8::sanitize(model.tokenizer->token_bytes(id));
   }
 
   json token_bytes_json(int32_t id) const {
     json bytes = json::array();
-    for (unsigned char b : engine->tokenizer().token_bytes(id)) bytes.push_back(b);
+    for (unsigned char b : model.tokenizer->token_bytes(id)) bytes.push_back(b);
     return bytes;
   }
 
@@ -250,7 +251,7 @@ struct HttpServer::State {
       for (const auto& [id, v] : lp.top) alts[token_text(id, as_ids)] = v;
       top.push_back(alts);
       offsets.push_back(text_offset);
-      text_offset += engine->tokenizer().token_bytes(lp.token).size();
+      text_offset += model.tokenizer->token_bytes(lp.token).size();
     }
     return {{"tokens", tokens},
             {"token_logprobs", token_logprobs},
@@ -471,9 +472,9 @@ struct HttpServer::State {
       throw bad_param("messages",
                       str("the chat template could not render these messages: ", e.what()));
     }
-    const std::vector<int32_t> ids = engine->tokenizer().encode(prompt);
+    const std::vector<int32_t> ids = model.tokenizer->encode(prompt);
     const int64_t max_tokens = check_context_length(static_cast<int64_t>(ids.size()), r.options,
-                                                    engine->max_model_len(), "messages");
+                                                    model.max_model_len, "messages");
     Job job;
     job.id = random_id("chatcmpl-");
     job.created = unix_time();
@@ -504,16 +505,16 @@ struct HttpServer::State {
     std::vector<int32_t> ids;
     std::string prompt_text;
     if (r.prompt_text) {
-      ids = engine->tokenizer().encode(*r.prompt_text);
+      ids = model.tokenizer->encode(*r.prompt_text);
       prompt_text = *r.prompt_text;
       if (ids.empty()) throw bad_param("prompt", "'prompt' encodes to no tokens");
     } else {
-      check_token_ids(r.prompt_ids, engine->model_config().vocab_size, "prompt");
+      check_token_ids(r.prompt_ids, model.vocab_size, "prompt");
       ids.assign(r.prompt_ids.begin(), r.prompt_ids.end());
-      if (r.echo) prompt_text = engine->tokenizer().decode(ids);
+      if (r.echo) prompt_text = model.tokenizer->decode(ids);
     }
     const int64_t max_tokens = check_context_length(static_cast<int64_t>(ids.size()), r.options,
-                                                    engine->max_model_len(), "prompt");
+                                                    model.max_model_len, "prompt");
     Job job;
     job.id = random_id("cmpl-");
     job.created = unix_time();
@@ -532,7 +533,7 @@ struct HttpServer::State {
     check_ready();
     json m = {{"id", options.served_model_name}, {"object", "model"},
               {"created", unix_time()},          {"owned_by", "relay"},
-              {"root", options.model_path},      {"max_model_len", engine->max_model_len()}};
+              {"root", options.model_path},      {"max_model_len", model.max_model_len}};
     res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
   }
 };
@@ -624,11 +625,22 @@ void HttpServer::start() {
 
 void HttpServer::attach(LLMEngine& engine, chat::ChatTemplate chat_template) {
   State& s = *state_;
-  s.engine = &engine;
+  s.own_loop = std::make_unique<EngineLoop>(engine, s.metrics);
+  attach(ServedModel{&engine.tokenizer(), engine.model_config().vocab_size, engine.max_model_len()}, *s.own_loop,
+         std::move(chat_template));
+}
+
+void HttpServer::attach(const ServedModel& model, RequestSink& sink, chat::ChatTemplate chat_template) {
+  State& s = *state_;
+  s.model = model;
   s.chat_template.emplace(std::move(chat_template));
-  s.loop = std::make_unique<EngineLoop>(engine, s.metrics);
+  s.loop = &sink;
   s.phase = Phase::kReady;
 }
+
+void HttpServer::add_routes(const std::function<void(httplib::Server&)>& add) { add(state_->svr); }
+
+Metrics& HttpServer::metrics() { return state_->metrics; }
 
 bool HttpServer::drain(double timeout_s) {
   State& s = *state_;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -25,6 +26,13 @@ class Server;
 }
 
 namespace relay::server {
+
+// What the front end needs to know of the model it serves.
+struct ServedModel {
+  const Tokenizer* tokenizer = nullptr;
+  int64_t vocab_size = 0;
+  int max_model_len = 0;
+};
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
@@ -47,6 +55,12 @@ class HttpServer {
   // The engine is loaded: /health turns 200 and /v1 routes work. The engine must outlive the
   // server.
   void attach(LLMEngine& engine, chat::ChatTemplate chat_template);
+  // The same for a deployment whose engines are elsewhere: requests go to `sink`, prompts are
+  // tokenized and checked here with `model` (which, like the sink, must outlive the server).
+  void attach(const ServedModel& model, RequestSink& sink, chat::ChatTemplate chat_template);
+  // Extra routes (a worker's internal API) on the same listener; call before start().
+  void add_routes(const std::function<void(httplib::Server&)>& add);
+  Metrics& metrics();
   // Refuses new requests (503) and waits until running ones finish or `timeout_s` passes; then
   // fails what is left. Returns whether everything finished in time.
   bool drain(double timeout_s);

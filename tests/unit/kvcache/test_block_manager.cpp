@@ -1,5 +1,6 @@
-// Block manager: allocation, reference counts, prefix caching and LRU eviction, plus a randomized
-// run of operations checked against the invariants after every step.
+// Block manager: allocation, reference counts, prefix caching and LRU eviction, partitions (one per
+// DP attention rank), plus randomized runs of operations checked against the invariants after every
+// step.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -193,14 +194,154 @@ TEST(BlockManager, RejectsBadArguments) {
   EXPECT_THROW(bm.cache_full_blocks(7, t, 4), Error);
 }
 
-// Random allocate / grow / cache / free sequences over a small pool, from several seeds. A shadow
-// model tracks what each sequence's tokens are; after every operation the invariants hold, every
-// hit block really holds the tokens it claims, and freeing everything returns usage to 0.
-TEST(BlockManager, RandomOperationsKeepInvariants) {
+TEST(BlockManager, PartitionsSplitTheIdSpace) {
+  BlockManager bm(12, 4, true, 3);
+  EXPECT_EQ(bm.num_partitions(), 3);
+  EXPECT_EQ(bm.blocks_per_partition(), 4);
+  for (int p = 0; p < 3; ++p) EXPECT_EQ(bm.num_free_blocks(p), 4);
+  EXPECT_EQ(bm.partition_of_block(0), 0);
+  EXPECT_EQ(bm.partition_of_block(3), 0);
+  EXPECT_EQ(bm.partition_of_block(4), 1);
+  EXPECT_EQ(bm.partition_of_block(11), 2);
+  EXPECT_EQ(bm.partition_of(1), -1);
+  EXPECT_TRUE(bm.find_cached_prefix(iota_tokens(9)).blocks.empty());
+  EXPECT_EQ(bm.find_cached_prefix(iota_tokens(9)).partition, -1);
+  EXPECT_THROW(BlockManager(10, 4, true, 3), Error);  // 10 blocks do not split into 3
+  EXPECT_THROW(BlockManager(8, 4, true, 0), Error);
+  EXPECT_THROW(bm.num_free_blocks(3), Error);
+  bm.check_invariants();
+
+  BlockManager one(8, 4);
+  EXPECT_EQ(one.num_partitions(), 1);
+  EXPECT_EQ(one.blocks_per_partition(), 8);
+}
+
+TEST(BlockManager, NewSequenceBindsToTheMostFreePartition) {
+  BlockManager bm(8, 4, true, 2);
+  ASSERT_TRUE(bm.allocate(1, 8));  // tie: the lowest index
+  EXPECT_EQ(bm.partition_of(1), 0);
+  ASSERT_TRUE(bm.allocate(2, 4));  // 4 free in partition 1, 2 in partition 0
+  EXPECT_EQ(bm.partition_of(2), 1);
+  ASSERT_TRUE(bm.allocate(3, 4));  // 3 against 2
+  EXPECT_EQ(bm.partition_of(3), 1);
+  ASSERT_TRUE(bm.allocate(4, 4));  // tie again
+  EXPECT_EQ(bm.partition_of(4), 0);
+  EXPECT_EQ(bm.num_free_blocks(0), 1);
+  EXPECT_EQ(bm.num_free_blocks(1), 2);
+  EXPECT_EQ(bm.num_free_blocks(), 3);
+  for (int64_t id = 1; id <= 4; ++id) {
+    for (int32_t b : bm.block_table(id)) EXPECT_EQ(bm.partition_of_block(b), bm.partition_of(id));
+  }
+  bm.check_invariants();
+  bm.free(2);
+  EXPECT_EQ(bm.partition_of(2), -1);
+  EXPECT_EQ(bm.num_free_blocks(1), 3);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, GrowthStaysInItsPartitionAndAFullPartitionRefuses) {
+  BlockManager bm(8, 4, true, 2);
+  ASSERT_TRUE(bm.allocate(1, 4));  // partition 0
+  ASSERT_TRUE(bm.allocate(2, 4));  // partition 1
+  ASSERT_EQ(bm.partition_of(2), 1);
+  ASSERT_TRUE(bm.allocate(1, 16));  // the whole of partition 0
+  for (int32_t b : bm.block_table(1)) EXPECT_EQ(bm.partition_of_block(b), 0);
+  EXPECT_EQ(bm.num_free_blocks(0), 0);
+  EXPECT_EQ(bm.num_free_blocks(), 3);
+  // Partition 1 has 3 free blocks, but sequence 1 cannot grow into them.
+  EXPECT_FALSE(bm.can_allocate(1, 17));
+  EXPECT_FALSE(bm.allocate(1, 17));
+  EXPECT_EQ(bm.block_table(1).size(), 4u);
+  // Sequence 2 grows in partition 1; a new sequence goes there too.
+  ASSERT_TRUE(bm.allocate(2, 8));
+  EXPECT_EQ(bm.partition_of_block(bm.block_table(2)[1]), 1);
+  ASSERT_TRUE(bm.allocate(3, 8));
+  EXPECT_EQ(bm.partition_of(3), 1);
+  EXPECT_FALSE(bm.allocate(3, 9));  // partition 1 is full now as well
+  EXPECT_EQ(bm.num_free_blocks(), 0);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, PrefixHitsArePerPartition) {
+  BlockManager bm(8, 4, true, 2);
+  const auto prompt = iota_tokens(9);  // 2 full blocks + 1 token
+  ASSERT_TRUE(bm.allocate(1, 9));      // partition 0
+  bm.cache_full_blocks(1, prompt, 9);
+  const PrefixHit hit = bm.find_cached_prefix(prompt);
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  EXPECT_EQ(hit.partition, 0);
+
+  // Bound to partition 1 (the most free), sequence 2 cannot use partition 0's blocks: it gets its
+  // own, and its copy of the prompt is cached there too (a separate chain, not a duplicate).
+  ASSERT_TRUE(bm.allocate(2, 9));
+  ASSERT_EQ(bm.partition_of(2), 1);
+  EXPECT_EQ(bm.ref_count(hit.blocks[0]), 1);
+  bm.cache_full_blocks(2, prompt, 9);
+  EXPECT_EQ(bm.num_cached_blocks(), 4);
+  // A hit naming another partition's blocks is refused.
+  PrefixHit wrong = hit;
+  wrong.partition = 1;
+  EXPECT_THROW(bm.allocate(3, 9, &wrong), Error);
+  EXPECT_FALSE(bm.has_sequence(3));
+  bm.check_invariants();
+
+  // Equal hits: the partition with more free blocks wins.
+  bm.free(1);  // partition 0: 4 free, partition 1: 1
+  PrefixHit again = bm.find_cached_prefix(prompt);
+  EXPECT_EQ(again.partition, 0);
+  EXPECT_EQ(again.blocks, hit.blocks);
+  bm.free(2);
+  ASSERT_TRUE(bm.allocate(4, 4));  // partition 0 (tie); takes the uncached block at its front
+  EXPECT_EQ(bm.partition_of(4), 0);
+  again = bm.find_cached_prefix(prompt);  // partition 0: 3 free, partition 1: 4
+  ASSERT_EQ(again.blocks.size(), 2u);
+  EXPECT_EQ(again.partition, 1);
+  ASSERT_TRUE(bm.allocate(5, 9, &again));
+  EXPECT_EQ(bm.partition_of(5), 1);
+  EXPECT_EQ(bm.block_table(5)[0], again.blocks[0]);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, LongestHitWinsEvenInAFullPartition) {
+  BlockManager bm(8, 4, true, 2);
+  const auto prompt = iota_tokens(13);  // 3 full blocks + 1 token
+  ASSERT_TRUE(bm.allocate(1, 13));      // all of partition 0
+  ASSERT_TRUE(bm.allocate(2, 13));      // all of partition 1
+  ASSERT_EQ(bm.partition_of(2), 1);
+  bm.cache_full_blocks(1, prompt, 4);   // 1 block cached in partition 0
+  bm.cache_full_blocks(2, prompt, 13);  // 3 in partition 1
+  bm.free(1);
+  const PrefixHit hit = bm.find_cached_prefix(prompt);
+  ASSERT_EQ(hit.blocks.size(), 3u);
+  EXPECT_EQ(hit.partition, 1);  // longer, though partition 0 has every block free
+  // The 4th block would have to come from partition 1, which is full: refused although partition 0
+  // has 4 free blocks.
+  EXPECT_FALSE(bm.can_allocate(3, 13, &hit));
+  EXPECT_FALSE(bm.allocate(3, 13, &hit));
+  EXPECT_FALSE(bm.has_sequence(3));
+  EXPECT_TRUE(bm.allocate(3, 12, &hit));  // the hit blocks alone fit
+  EXPECT_EQ(bm.ref_count(hit.blocks[0]), 2);
+  bm.check_invariants();
+}
+
+// Random allocate / grow / cache / free sequences over a small pool split into `num_partitions`,
+// from several fixed seeds. A shadow model tracks what each sequence's tokens are; after every
+// operation the invariants hold, every hit block really holds the tokens it claims and lies in the
+// hit's partition, a sequence is bound where allocate promises and never leaves its partition,
+// can_allocate agrees with allocate, and freeing everything returns usage to 0.
+void run_random_operations(int num_partitions) {
   for (uint32_t seed = 1; seed <= 20; ++seed) {
+    SCOPED_TRACE(testing::Message() << num_partitions << " partitions, seed " << seed);
     std::mt19937 rng(seed);
     const int block_size = 1 + static_cast<int>(rng() % 4);
-    BlockManager bm(24, block_size);
+    BlockManager bm(24, block_size, true, num_partitions);
+    auto most_free_partition = [&] {
+      int best = 0;
+      for (int p = 1; p < num_partitions; ++p) {
+        if (bm.num_free_blocks(p) > bm.num_free_blocks(best)) best = p;
+      }
+      return best;
+    };
     std::map<int64_t, std::vector<int32_t>> live;  // seq -> tokens (all computed)
     // The content each block holds, written when a sequence computes it.
     std::vector<std::vector<int32_t>> content(24);
@@ -226,15 +367,21 @@ TEST(BlockManager, RandomOperationsKeepInvariants) {
       if (kind == 0 || live.empty()) {  // new sequence, maybe with a prefix hit
         const auto tokens = random_tokens(1 + static_cast<int>(rng() % 12));
         const PrefixHit hit = bm.find_cached_prefix(tokens);
+        EXPECT_EQ(hit.partition == -1, hit.blocks.empty());
         for (size_t i = 0; i < hit.blocks.size(); ++i) {
+          EXPECT_EQ(bm.partition_of_block(hit.blocks[i]), hit.partition);
           for (int j = 0; j < block_size; ++j) {
             ASSERT_EQ(content[hit.blocks[i]][j], tokens[i * block_size + j]) << "seed " << seed;
           }
         }
         const int64_t id = next_id++;
+        const int expected_partition = hit.blocks.empty() ? most_free_partition() : hit.partition;
+        const bool fits = bm.can_allocate(id, static_cast<int64_t>(tokens.size()), &hit);
         const bool ok = bm.allocate(id, static_cast<int64_t>(tokens.size()), &hit);
+        EXPECT_EQ(ok, fits);
         EXPECT_EQ(ok, bm.has_sequence(id));
         if (ok) {
+          EXPECT_EQ(bm.partition_of(id), expected_partition);
           write_content(id, tokens, hit.blocks.size() * block_size);
           bm.cache_full_blocks(id, tokens, static_cast<int64_t>(tokens.size()));
           live[id] = tokens;
@@ -243,7 +390,12 @@ TEST(BlockManager, RandomOperationsKeepInvariants) {
         auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
         auto tokens = it->second;
         tokens.push_back(static_cast<int32_t>(rng() % 5));
-        if (bm.allocate(it->first, static_cast<int64_t>(tokens.size()))) {
+        const int partition = bm.partition_of(it->first);
+        const bool fits = bm.can_allocate(it->first, static_cast<int64_t>(tokens.size()));
+        const bool ok = bm.allocate(it->first, static_cast<int64_t>(tokens.size()));
+        EXPECT_EQ(ok, fits);
+        EXPECT_EQ(bm.partition_of(it->first), partition);
+        if (ok) {
           write_content(it->first, tokens, tokens.size() - 1);
           bm.cache_full_blocks(it->first, tokens, static_cast<int64_t>(tokens.size()));
           it->second = tokens;
@@ -254,6 +406,9 @@ TEST(BlockManager, RandomOperationsKeepInvariants) {
         live.erase(it);
       }
       ASSERT_NO_THROW(bm.check_invariants()) << "seed " << seed << " op " << op;
+      int free_sum = 0;
+      for (int p = 0; p < num_partitions; ++p) free_sum += bm.num_free_blocks(p);
+      EXPECT_EQ(free_sum, bm.num_free_blocks());
       // A used block is never handed to two sequences unless it is a shared cached block.
       std::map<int32_t, int> owners;
       for (const auto& [id, tokens] : live) {
@@ -270,6 +425,13 @@ TEST(BlockManager, RandomOperationsKeepInvariants) {
     EXPECT_EQ(bm.num_free_blocks(), 24);
     bm.check_invariants();
   }
+}
+
+TEST(BlockManager, RandomOperationsKeepInvariants) { run_random_operations(1); }
+
+TEST(BlockManager, RandomOperationsKeepInvariantsWithPartitions) {
+  run_random_operations(2);
+  run_random_operations(4);
 }
 
 }  // namespace

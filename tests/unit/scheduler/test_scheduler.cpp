@@ -1,5 +1,6 @@
-// Scheduler: chunked prefill mixed with decodes, budgets and max_num_seqs, prefix hits, abort, and
-// preemption under tiny KV pools completing every request with the unconstrained run's output.
+// Scheduler: chunked prefill mixed with decodes, budgets and max_num_seqs, prefix hits, abort,
+// preemption under tiny KV pools completing every request with the unconstrained run's output, and
+// preemption within a KV partition (DP attention ranks).
 #include <gtest/gtest.h>
 
 #include <map>
@@ -19,8 +20,10 @@ using testing::FakeBackend;
 // Drives scheduler + fake backend the way LLMEngine does: schedule, build the batch, step, update,
 // finish sequences that reached max_tokens.
 struct Harness {
-  Harness(int num_blocks, int block_size, SchedulerConfig cfg)
-      : backend(num_blocks, block_size), blocks(num_blocks, block_size), sched(cfg, blocks) {}
+  Harness(int num_blocks, int block_size, SchedulerConfig cfg, int num_partitions = 1)
+      : backend(num_blocks, block_size),
+        blocks(num_blocks, block_size, true, num_partitions),
+        sched(cfg, blocks) {}
 
   void add(int64_t id, std::vector<int32_t> prompt, int max_tokens, float temperature = 0.0f) {
     auto seq = std::make_unique<Sequence>();
@@ -216,6 +219,79 @@ TEST(Scheduler, PreemptionUnderTinyPoolsKeepsEveryOutput) {
       if (num_blocks <= 16) {
         EXPECT_GT(h.sched.stats().num_preemptions, 0u) << num_blocks << " blocks";
       }
+    }
+  }
+}
+
+// Two partitions (DP ranks): A and C land in partition 0, B and D in partition 1, all decoding.
+// When A runs out of blocks the victim is C, the newest of A's partition, not D, the newest running
+// sequence overall, whose blocks would be of no use to A. Every request still completes with the
+// unconstrained run's output.
+TEST(Scheduler, PreemptionPicksAVictimInTheSamePartition) {
+  auto load = [](Harness& h) {
+    h.add(1, prompt_of(4, 1), 12);  // A: 4 + 12 tokens, all 4 blocks of a partition at the end
+    h.add(2, prompt_of(1, 2), 10);  // B
+    h.add(3, prompt_of(4, 3), 10);  // C
+    h.add(4, prompt_of(1, 4), 10);  // D
+  };
+  Harness reference(256, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+  load(reference);
+  reference.run_to_completion();
+
+  Harness h(8, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64}, /*num_partitions=*/2);
+  load(h);
+  h.step();  // all four admitted, each bound to the most free partition at its turn
+  EXPECT_EQ(h.blocks.partition_of(1), 0);
+  EXPECT_EQ(h.blocks.partition_of(2), 1);
+  EXPECT_EQ(h.blocks.partition_of(3), 0);
+  EXPECT_EQ(h.blocks.partition_of(4), 1);
+  while (h.sched.stats().num_preemptions == 0 && h.sched.has_work()) h.step();
+  // A needed a third block while partition 0 was full; partition 1 still had room for B and D.
+  EXPECT_EQ(h.sched.stats().num_preemptions, 1u);
+  EXPECT_EQ(h.sched.find(3)->num_preemptions, 1);
+  EXPECT_EQ(h.sched.find(4)->num_preemptions, 0);
+  EXPECT_EQ(h.sched.find(1)->num_preemptions, 0);
+  EXPECT_EQ(h.sched.num_running(), 3);
+  EXPECT_EQ(h.sched.num_waiting(), 1);
+  h.run_to_completion();
+  ASSERT_EQ(h.outputs.size(), 4u);
+  for (const auto& [id, out] : reference.outputs) EXPECT_EQ(h.outputs[id], out) << "request " << id;
+  EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+}
+
+// The tiny-pool load of PreemptionUnderTinyPoolsKeepsEveryOutput split over 2 and 4 partitions,
+// each still large enough for the largest request: every request completes once, as unconstrained.
+TEST(Scheduler, PreemptionWithPartitionsKeepsEveryOutput) {
+  constexpr int kBlock = 4;
+  auto load = [](Harness& h) {
+    for (int id = 0; id < 12; ++id) {
+      h.add(id, prompt_of(3 + (id * 5) % 17, id), 6 + (id * 7) % 19, id % 3 == 0 ? 0.8f : 0.0f);
+    }
+  };
+  Harness reference(1024, kBlock, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
+  load(reference);
+  reference.run_to_completion();
+  ASSERT_EQ(reference.outputs.size(), 12u);
+
+  // The largest request needs 11 blocks, so each partition has at least 11.
+  for (const auto& [num_partitions, num_blocks] :
+       std::vector<std::pair<int, int>>{{2, 22}, {2, 24}, {2, 40}, {4, 44}, {4, 64}}) {
+    uint64_t num_preemptions = 0;
+    for (int budget : {8, 16, 64}) {
+      Harness h(num_blocks, kBlock, {.max_num_seqs = 8, .max_num_batched_tokens = budget},
+                num_partitions);
+      load(h);
+      h.run_to_completion();
+      ASSERT_EQ(h.outputs.size(), 12u) << num_partitions << " x " << num_blocks / num_partitions;
+      for (const auto& [id, out] : reference.outputs) {
+        EXPECT_EQ(h.outputs[id], out) << "request " << id << " with " << num_partitions << " x "
+                                      << num_blocks / num_partitions << " blocks";
+      }
+      EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+      num_preemptions += h.sched.stats().num_preemptions;
+    }
+    if (num_blocks / num_partitions <= 12) {
+      EXPECT_GT(num_preemptions, 0u) << num_partitions << " x " << num_blocks / num_partitions;
     }
   }
 }
