@@ -26,7 +26,7 @@ if [ "${1:-}" = "--pack" ]; then
   rm -rf "$dir" && mkdir -p "$dir/lib"
   cp build-cuda/relay build-cuda/tests/test_gpu "$dir/"
   # Libraries outside the CUDA toolkit and the C runtime that Ubuntu 24.04 may lack.
-  ldd build-cuda/relay | awk '/=>/ {print $3}' | grep -E 'httplib|pcre2|utf8proc|brotli' | xargs -r cp -L -t "$dir/lib/"
+  ldd build-cuda/relay | awk '/=>/ {print $3}' | grep -E 'httplib|pcre2|utf8proc|brotli|libuc[mpst]\.so|libnuma' | xargs -r cp -L -t "$dir/lib/"; ucs="$(ldd build-cuda/relay | awk '/libucs\.so/ {print $3}')"; if [ -n "$ucs" ]; then mkdir -p "$dir/lib/ucx" && cp -L "$(dirname "$ucs")"/ucx/*.so.0 "$dir/lib/ucx/"; fi  # UCX loads its transports from <libucs dir>/ucx
   echo "$root" > "$dir/source_dir"  # the tests' compiled-in RELAY_SOURCE_DIR
   echo "packed into $dir"
   exit 0

@@ -17,6 +17,7 @@ APT_PACKAGES=(
   libcpp-httplib-dev      # HTTP server and client
   libcli11-dev            # command line
   libssl-dev zlib1g-dev   # cpp-httplib's link dependencies
+  libucx-dev              # UCX 1.13 (UCP): the KV transfer's network transport (TCP, RDMA verbs)
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

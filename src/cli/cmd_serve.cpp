@@ -1,4 +1,5 @@
-// `relay serve`: the OpenAI-compatible server in one process (CPU or CUDA backend).
+// `relay serve`: the OpenAI-compatible server in one process (CPU or CUDA backend), or one role of
+// a disaggregated deployment (--role router | prefill | decode, docs/disaggregation.md).
 //
 // The listener comes up first, so /health answers 503 while the model loads; SIGTERM or SIGINT
 // starts a drain: new requests get 503, running ones get --drain-timeout seconds to finish, and the
@@ -6,6 +7,7 @@
 // (sigwait), so no work happens inside a signal handler.
 #include <signal.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -14,7 +16,11 @@
 #include "cli/backend_choice.h"
 #include "cli/command.h"
 #include "core/error.h"
+#include "disagg/registry.h"
+#include "disagg/router.h"
+#include "disagg/worker.h"
 #include "engine/llm_engine.h"
+#include "model/config.h"
 #include "server/http_server.h"
 #include "tokenizer/tokenizer.h"
 
@@ -34,19 +40,30 @@ struct ServeOptions {
   int max_queue = 256;
   double drain_timeout_s = 30.0;
   bool no_prefix_caching = false;
+  // Disaggregation.
+  std::string role = "all";    // all (one process), router, prefill, decode
+  std::string router;          // workers: the router's host:port
+  std::string worker_url;      // workers: how the router reaches this one (default http://host:port)
+  double heartbeat_s = 1.0;
+  double kv_transfer_timeout_s = 30.0;
+  std::string ucx_transports;  // workers: UCX_TLS-style list (default: UCX chooses)
+  double prefill_capacity = 0.0;  // router: prompt tokens/s per prefill worker (0: measured)
+  int decode_target_batch = 32;   // router: sequences per decode worker before scaling out
+  double worker_wait_s = 30.0;    // router: how long a request waits for a worker with room
 };
 
-int run_serve(const ServeOptions& o) {
-  using Clock = std::chrono::steady_clock;
-  // Block the shutdown signals before any thread starts, so that every thread inherits the mask and
-  // only sigwait below receives them; a client that hangs up must not kill the process either.
+// Blocks SIGTERM/SIGINT in every thread (taken by sigwait) and ignores SIGPIPE.
+sigset_t block_shutdown_signals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  return signals;
+}
 
+server::ServerOptions server_options(const ServeOptions& o) {
   server::ServerOptions so;
   so.host = o.host;
   so.port = o.port;
@@ -59,7 +76,63 @@ int run_serve(const ServeOptions& o) {
   if (so.served_model_name.empty()) so.served_model_name = o.model_dir;
   so.max_queue = o.max_queue;
   so.max_num_seqs = o.max_num_seqs;
+  return so;
+}
+
+// Waits for SIGTERM/SIGINT, then drains `http` and stops it.
+int wait_and_drain(sigset_t signals, server::HttpServer& http, double drain_timeout_s) {
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "relay: %s received, draining (up to %.0f s)\n",
+               sig == SIGTERM ? "SIGTERM" : "SIGINT", drain_timeout_s);
+  const bool drained = http.drain(drain_timeout_s);
+  http.stop();
+  std::fprintf(
+      stderr, "relay: %s, exiting\n",
+      drained ? "all requests finished" : "drain timeout: unfinished requests were failed");
+  return 0;
+}
+
+// --role router: the OpenAI front end over remote workers; loads the tokenizer, not the weights.
+int run_router(const ServeOptions& o) {
+  const sigset_t signals = block_shutdown_signals();
+  const ModelConfig config = ModelConfig::load(o.model_dir);
+  const Tokenizer tokenizer = Tokenizer::from_model_dir(o.model_dir);
+  chat::ChatTemplate chat_template = chat::ChatTemplate::from_model_dir(o.model_dir);
+  disagg::RegistryOptions ro;
+  ro.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(3000 * o.heartbeat_s));
+  ro.prefill_capacity_tokens_per_s = o.prefill_capacity;
+  ro.decode_target_batch = o.decode_target_batch;
+  disagg::WorkerRegistry registry(ro);
+  server::HttpServer http(server_options(o));
+  disagg::RouterOptions router_options;
+  router_options.wait_for_workers_s = o.worker_wait_s;
+  disagg::DisaggRouter router(router_options, registry, http.metrics());
+  http.add_routes([&](httplib::Server& s) { router.add_routes(s); });
+  http.start();
+  const int max_model_len = static_cast<int>(o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings);
+  http.attach(server::ServedModel{&tokenizer, config.vocab_size, max_model_len}, router, std::move(chat_template));
+  std::fprintf(stderr, "relay: router listening on http://%s:%d (workers register with --router %s:%d)\n",
+               o.host.c_str(), http.port(), o.host.c_str(), http.port());
+  return wait_and_drain(signals, http, o.drain_timeout_s);
+}
+
+int run_serve(const ServeOptions& o) {
+  using Clock = std::chrono::steady_clock;
+  RELAY_CHECK(o.role == "all" || o.role == "router" || o.role == "prefill" || o.role == "decode",
+              "--role must be all, router, prefill or decode, got '", o.role, "'");
+  if (o.role == "router") return run_router(o);
+  // Block the shutdown signals before any thread starts, so that every thread inherits the mask and
+  // only sigwait below receives them; a client that hangs up must not kill the process either.
+  const sigset_t signals = block_shutdown_signals();
+
+  const server::ServerOptions so = server_options(o);
   server::HttpServer http(so);
+  const bool is_worker = o.role != "all";
+  std::atomic<disagg::DisaggWorker*> worker{nullptr};
+  if (is_worker) {
+    http.add_routes([&](httplib::Server& s) { disagg::add_worker_routes(s, o.role, [&] { return worker.load(); }); });
+  }
   http.start();
   std::fprintf(stderr, "relay: listening on http://%s:%d (model loading)\n", o.host.c_str(),
                http.port());
@@ -83,19 +156,29 @@ int run_serve(const ServeOptions& o) {
                std::chrono::duration<double>(Clock::now() - load_start).count(),
                engine.backend().num_kv_blocks(), engine.backend().block_size(),
                engine.max_model_len(), o.max_num_seqs);
-  http.attach(engine, std::move(chat_template));
-  std::fprintf(stderr, "relay: ready\n");
-
-  int sig = 0;
-  sigwait(&signals, &sig);
-  std::fprintf(stderr, "relay: %s received, draining (up to %.0f s)\n",
-               sig == SIGTERM ? "SIGTERM" : "SIGINT", o.drain_timeout_s);
-  const bool drained = http.drain(o.drain_timeout_s);
-  http.stop();
-  std::fprintf(
-      stderr, "relay: %s, exiting\n",
-      drained ? "all requests finished" : "drain timeout: unfinished requests were failed");
-  return 0;
+  if (!is_worker) {
+    http.attach(engine, std::move(chat_template));
+    std::fprintf(stderr, "relay: ready\n");
+    return wait_and_drain(signals, http, o.drain_timeout_s);
+  }
+  server::EngineLoop loop(engine, http.metrics());
+  http.attach(server::ServedModel{&engine.tokenizer(), engine.model_config().vocab_size, engine.max_model_len()},
+              loop, std::move(chat_template));
+  disagg::WorkerOptions wo;
+  wo.role = o.role;
+  wo.router = o.router;
+  wo.url = o.worker_url.empty() ? str("http://", o.host, ":", http.port()) : o.worker_url;
+  wo.heartbeat_interval_s = o.heartbeat_s;
+  wo.transfer_timeout_s = o.kv_transfer_timeout_s;
+  wo.ucx_transports = o.ucx_transports;
+  disagg::DisaggWorker w(wo, engine, loop);
+  worker = &w;
+  w.start();
+  std::fprintf(stderr, "relay: %s worker ready at %s%s\n", o.role.c_str(), wo.url.c_str(),
+               o.router.empty() ? "" : str(", reporting to ", o.router).c_str());
+  const int rc = wait_and_drain(signals, http, o.drain_timeout_s);
+  w.stop();
+  return rc;
 }
 
 CommandRegistrar serve_command({
@@ -128,6 +211,30 @@ CommandRegistrar serve_command({
           ->check(CLI::NonNegativeNumber);
       sub.add_flag("--no-prefix-caching", o->no_prefix_caching, "recompute shared prompt prefixes");
       add_backend_options(sub, o->backend);
+      sub.add_option("--role", o->role,
+                     "all (one process, default), or one part of a disaggregated deployment: router, "
+                     "prefill, decode")
+          ->check(CLI::IsMember({"all", "router", "prefill", "decode"}));
+      sub.add_option("--router", o->router, "prefill/decode: the router's HOST:PORT to register with");
+      sub.add_option("--worker-url", o->worker_url,
+                     "prefill/decode: the URL the router uses to reach this worker (default http://HOST:PORT)");
+      sub.add_option("--heartbeat-interval", o->heartbeat_s,
+                     "seconds between worker heartbeats; 3 missed mark a worker down (default 1)")
+          ->check(CLI::PositiveNumber);
+      sub.add_option("--kv-transfer-timeout", o->kv_transfer_timeout_s,
+                     "prefill: seconds the KV hand-off may take before the request is retried (default 30)")
+          ->check(CLI::PositiveNumber);
+      sub.add_option("--ucx-transports", o->ucx_transports,
+                     "prefill/decode: UCX transports for the KV hand-off, UCX_TLS syntax (default: UCX's choice)");
+      sub.add_option("--prefill-capacity", o->prefill_capacity,
+                     "router: prompt tokens/s one prefill worker sustains (default: measured)")
+          ->check(CLI::NonNegativeNumber);
+      sub.add_option("--worker-wait", o->worker_wait_s,
+                     "router: seconds a request waits for a worker with room before 503 (default 30)")
+          ->check(CLI::NonNegativeNumber);
+      sub.add_option("--decode-target-batch", o->decode_target_batch,
+                     "router: sequences per decode worker before decode_replicas_needed grows (default 32)")
+          ->check(CLI::PositiveNumber);
       return [o] { return run_serve(*o); };
     },
     "serve the OpenAI-compatible HTTP API (chat, completions, models, health, metrics)",

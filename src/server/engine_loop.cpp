@@ -3,7 +3,6 @@
 
 #include "core/error.h"
 
-#include <thread>
 
 namespace relay::server {
 
@@ -38,11 +37,17 @@ void RequestHandle::push(RequestOutput out) {
   cv_.notify_all();
 }
 
-void RequestHandle::fail(const std::string& message) {
+int RequestHandle::error_status() const {
+  std::lock_guard lock(mu_);
+  return error_status_;
+}
+
+void RequestHandle::fail(const std::string& message, int http_status) {
   {
     std::lock_guard lock(mu_);
     finished_ = true;
     error_ = message;
+    error_status_ = http_status;
   }
   cv_.notify_all();
 }
@@ -136,8 +141,8 @@ std::shared_ptr<RequestHandle> EngineLoop::submit_prefilled(int64_t id, EngineRe
                                                             int num_cached_tokens) {
   auto handle = std::make_shared<RequestHandle>(id);
   ++num_unfinished_;
-  auto started = try_call([this, handle, request = std::move(request), first = std::move(first),
-                       num_cached_tokens](LLMEngine& engine) mutable {
+  const bool queued = enqueue_task([this, handle, request = std::move(request), first = std::move(first),
+                                    num_cached_tokens](LLMEngine& engine) mutable {
     try {
       RequestOutput out = engine.add_prefilled_request(handle->id(), std::move(request), first, num_cached_tokens);
       live_.emplace(handle->id(), handle);
@@ -148,9 +153,9 @@ std::shared_ptr<RequestHandle> EngineLoop::submit_prefilled(int64_t id, EngineRe
       handle->fail(e.what());
     }
   });
-  if (!started.valid()) {
+  if (!queued) {
     --num_unfinished_;
-    handle->fail("the server is shutting down");
+    handle->fail("the server is shutting down", 503);
   }
   return handle;
 }

@@ -18,9 +18,11 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
+#include "core/error.h"
 #include "engine/llm_engine.h"
 #include "server/metrics.h"
 
@@ -37,10 +39,12 @@ class RequestHandle {
   bool done() const;
   // The engine's message when the request failed (empty otherwise); valid once done().
   std::string error() const;
+  // The HTTP status the failure maps to: 500 (the engine failed), 503 (no capacity to serve it).
+  int error_status() const;
 
   // For the sink that produces the outputs (the engine loop, or the disaggregated router).
   void push(RequestOutput out);
-  void fail(const std::string& message);
+  void fail(const std::string& message, int http_status = 500);
 
  private:
   friend class EngineLoop;
@@ -52,6 +56,7 @@ class RequestHandle {
   std::deque<RequestOutput> outputs_;
   bool finished_ = false;  // the final output (or an error) was pushed
   std::string error_;
+  int error_status_ = 500;
   // Touched by the engine thread only.
   std::chrono::steady_clock::time_point arrival_ = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point last_token_;
@@ -92,22 +97,26 @@ class EngineLoop : public RequestSink {
   void stop() override;
 
   // Runs fn(engine) on the engine thread before its next step and returns its result; for the
-  // disaggregated worker's KV reservations and releases. A stopped loop fails the future.
+  // disaggregated worker's KV reservations and releases. The future holds fn's exception, or a
+  // relay::Error when the loop has stopped.
   template <typename Fn>
   auto call(Fn fn) -> std::future<decltype(fn(std::declval<LLMEngine&>()))> {
     using Result = decltype(fn(std::declval<LLMEngine&>()));
-    auto task = std::make_shared<std::packaged_task<Result(LLMEngine&)>>(std::move(fn));
-    std::future<Result> result = task->get_future();
-    enqueue_task([task](LLMEngine& engine) { (*task)(engine); });
-    return result;
-  }
-  // As call(), but returns an invalid future instead of queueing when the loop has stopped.
-  template <typename Fn>
-  auto try_call(Fn fn) -> std::future<decltype(fn(std::declval<LLMEngine&>()))> {
-    using Result = decltype(fn(std::declval<LLMEngine&>()));
-    auto task = std::make_shared<std::packaged_task<Result(LLMEngine&)>>(std::move(fn));
-    std::future<Result> result = task->get_future();
-    if (!enqueue_task([task](LLMEngine& engine) { (*task)(engine); })) return {};
+    auto promise = std::make_shared<std::promise<Result>>();
+    std::future<Result> result = promise->get_future();
+    const bool queued = enqueue_task([promise, fn = std::move(fn)](LLMEngine& engine) mutable {
+      try {
+        if constexpr (std::is_void_v<Result>) {
+          fn(engine);
+          promise->set_value();
+        } else {
+          promise->set_value(fn(engine));
+        }
+      } catch (...) {
+        promise->set_exception(std::current_exception());
+      }
+    });
+    if (!queued) promise->set_exception(std::make_exception_ptr(Error("the engine has stopped")));
     return result;
   }
   // A fresh request id (for a KV reservation that submit_prefilled later turns into a request).

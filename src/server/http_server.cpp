@@ -46,6 +46,7 @@ struct Choice {
   int num_output_tokens = 0;
   int num_cached_tokens = 0;
   std::string error;
+  int error_status = 500;
   bool done = false;
 };
 
@@ -206,6 +207,7 @@ struct HttpServer::State {
       }
       if (!c.done && c.handle->done()) {
         c.error = c.handle->error();
+        c.error_status = c.handle->error_status();
         c.done = true;
       }
     }
@@ -298,7 +300,10 @@ struct HttpServer::State {
   // The error of the first failed choice, as an OpenAI error object.
   std::optional<ApiError> job_error(const Job& job) const {
     for (const Choice& c : job.choices) {
-      if (!c.error.empty()) return ApiError{500, c.error, "internal_server_error", "", ""};
+      if (!c.error.empty()) {
+        return ApiError{c.error_status, c.error, c.error_status == 503 ? "service_unavailable" : "internal_server_error",
+                        "", ""};
+      }
     }
     return std::nullopt;
   }

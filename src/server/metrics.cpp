@@ -148,7 +148,13 @@ std::string Metrics::render() const {
   header(out, "relay:request_queue_time_seconds", "histogram",
          "Histogram of time spent waiting in the queue in seconds.");
   queue_.render(out, "relay:request_queue_time_seconds", model);
+  if (extra_) out += extra_(model);
   return out;
+}
+
+void Metrics::set_extra(std::function<std::string(const std::string& labels)> extra) {
+  std::lock_guard lock(mu_);
+  extra_ = std::move(extra);
 }
 
 }  // namespace relay::server

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -53,6 +54,9 @@ class Metrics {
 
   EngineGauges engine() const;
   std::string render() const;
+  // Lines appended to every render (a router's worker and autoscaling gauges); `labels` is the
+  // model_name label string every series carries. Set once, before serving.
+  void set_extra(std::function<std::string(const std::string& labels)> extra);
 
  private:
   mutable std::mutex mu_;
@@ -66,6 +70,7 @@ class Metrics {
   Histogram itl_;
   Histogram e2e_;
   Histogram queue_;
+  std::function<std::string(const std::string&)> extra_;
 };
 
 }  // namespace relay::server

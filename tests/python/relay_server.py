@@ -24,8 +24,8 @@ def free_port():
 
 
 class RelayServer:
-    def __init__(self, relay_bin, *args, api_key=None):
-        self.port = free_port()
+    def __init__(self, relay_bin, *args, api_key=None, port=None):
+        self.port = port or free_port()
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="relay-serve-", suffix=".log", delete=False)
         cmd = [str(relay_bin), "serve", "--port", str(self.port), "--threads", "2", *map(str, args)]
@@ -93,13 +93,14 @@ class RelayServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+        self.log.flush()
         return self.proc.returncode
 
     def __del__(self):
         if getattr(self, "proc", None) is not None and self.proc.poll() is None:
             self.proc.kill()
         if getattr(self, "log", None) is not None:
+            self.log.close()
             try:
                 os.unlink(self.log.name)
             except OSError:

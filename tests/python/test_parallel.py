@@ -14,7 +14,7 @@ LAYOUTS = [["--tp", 2], ["--tp", 4], ["--tp", 2, "--ep", 2], ["--tp", 4, "--ep",
 
 
 def generate(relay_bin, *args):
-    r = subprocess.run([str(relay_bin), "generate", "--threads", "2", "--prompt", PROMPT, "--max-tokens", 32,
+    r = subprocess.run([str(relay_bin), "generate", "--threads", "2", "--prompt", PROMPT, "--max-tokens", "32",
                         "--ignore-eos", *map(str, args)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout

@@ -1,0 +1,305 @@
+// See router.h.
+#include "disagg/router.h"
+
+#include <httplib.h>
+
+#include <thread>
+
+#include "core/error.h"
+#include "disagg/protocol.h"
+
+namespace relay::disagg {
+
+using nlohmann::json;
+
+namespace {
+
+template <typename Seconds>
+std::chrono::milliseconds ms(Seconds s) {
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+}
+
+std::unique_ptr<httplib::Client> client(const std::string& url, std::chrono::milliseconds read_timeout) {
+  auto c = std::make_unique<httplib::Client>(url);
+  c->set_connection_timeout(std::chrono::seconds(2));
+  c->set_read_timeout(read_timeout);
+  c->set_write_timeout(std::chrono::seconds(10));
+  return c;
+}
+
+std::string error_of(const httplib::Result& r) {
+  if (!r) return httplib::to_string(r.error());
+  try {
+    return json::parse(r->body).at("error").get<std::string>();
+  } catch (const std::exception&) {
+    return str("HTTP ", r->status);
+  }
+}
+
+}  // namespace
+
+struct DisaggRouter::Live {
+  std::shared_ptr<server::RequestHandle> handle;
+  std::atomic<bool> aborted{false};
+  Clock::time_point arrival = Clock::now();
+};
+
+DisaggRouter::DisaggRouter(RouterOptions options, WorkerRegistry& registry, server::Metrics& metrics)
+    : options_(options), registry_(registry), metrics_(metrics) {
+  metrics_.set_extra([this](const std::string& labels) {
+    const AutoscaleSignals s = registry_.signals(Clock::now());
+    std::string out;
+    auto gauge = [&](const char* name, const char* help, double v) {
+      out += str("# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n", name, "{", labels, "} ", v, "\n");
+    };
+    gauge("relay:prefill_workers_up", "Prefill workers whose heartbeats are current.", s.prefill_workers_up);
+    gauge("relay:decode_workers_up", "Decode workers whose heartbeats are current.", s.decode_workers_up);
+    gauge("relay:prompt_tokens_per_second", "Prompt tokens arriving per second (rate window).", s.prompt_tokens_per_s);
+    gauge("relay:prefill_capacity_tokens_per_second", "Prompt tokens per second one prefill worker sustains.",
+          s.prefill_capacity_tokens_per_s);
+    gauge("relay:prefill_replicas_needed", "Prefill workers the arriving prompt tokens call for.",
+          s.prefill_replicas_needed);
+    gauge("relay:decode_sequences", "Sequences running or waiting on the decode workers.", s.decode_sequences);
+    gauge("relay:decode_replicas_needed", "Decode workers the decode batch calls for.", s.decode_replicas_needed);
+    return out;
+  });
+}
+
+DisaggRouter::~DisaggRouter() {
+  stop();
+  metrics_.set_extra(nullptr);
+}
+
+void DisaggRouter::add_routes(httplib::Server& svr) {
+  svr.Post("/disagg/heartbeat", [this](const httplib::Request& req, httplib::Response& res) {
+    try {
+      const json j = json::parse(req.body);
+      WorkerLoad load;
+      load.num_running = field<int>(j, "num_running", "heartbeat");
+      load.num_waiting = field<int>(j, "num_waiting", "heartbeat");
+      load.kv_cache_usage = field<double>(j, "kv_cache_usage", "heartbeat");
+      load.queued_prompt_tokens = field<int64_t>(j, "queued_prompt_tokens", "heartbeat");
+      load.prefill_tokens_total = field<int64_t>(j, "prefill_tokens_total", "heartbeat");
+      registry_.heartbeat(field<std::string>(j, "url", "heartbeat"), field<std::string>(j, "role", "heartbeat"),
+                          load, Clock::now());
+      res.set_content("{}", "application/json");
+    } catch (const std::exception& e) {
+      res.status = 400;
+      res.set_content(json{{"error", e.what()}}.dump(), "application/json");
+    }
+  });
+  svr.Get("/disagg/workers", [this](const httplib::Request&, httplib::Response& res) {
+    json out = json::array();
+    for (const WorkerState& w : registry_.workers(Clock::now())) {
+      out.push_back({{"url", w.url},
+                     {"role", w.role},
+                     {"up", w.up},
+                     {"num_running", w.load.num_running},
+                     {"num_waiting", w.load.num_waiting},
+                     {"queued_prompt_tokens", w.load.queued_prompt_tokens}});
+    }
+    res.set_content(out.dump(), "application/json");
+  });
+}
+
+std::shared_ptr<server::RequestHandle> DisaggRouter::submit(EngineRequest request) {
+  auto live = std::make_shared<Live>();
+  live->handle = std::make_shared<server::RequestHandle>(next_id_++);
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) {
+      live->handle->fail("the server is shutting down");
+      return live->handle;
+    }
+    live_.emplace(live->handle->id(), live);
+    ++num_threads_;
+  }
+  ++num_unfinished_;
+  std::thread([this, live, request = std::move(request)]() mutable {
+    run(live, std::move(request));
+    std::lock_guard lock(mu_);
+    live_.erase(live->handle->id());
+    --num_threads_;
+    cv_.notify_all();
+  }).detach();
+  return live->handle;
+}
+
+void DisaggRouter::abort(int64_t id) {
+  std::lock_guard lock(mu_);
+  const auto it = live_.find(id);
+  if (it != live_.end()) it->second->aborted = true;
+}
+
+void DisaggRouter::stop() {
+  std::unique_lock lock(mu_);
+  stopping_ = true;
+  for (auto& [id, live] : live_) live->aborted = true;
+  // Every call a request thread makes is bounded, so this ends.
+  cv_.wait(lock, [&] { return num_threads_ == 0; });
+}
+
+void DisaggRouter::finish_aborted(Live& live) {
+  RequestOutput out;
+  out.id = live.handle->id();
+  out.finish = FinishReason::kAbort;
+  server::record_output(metrics_, *live.handle, out);
+  --num_unfinished_;
+  live.handle->push(out);
+}
+
+void DisaggRouter::finish_failed(Live& live, const std::string& message, int http_status) {
+  metrics_.request_finished("error", std::chrono::duration<double>(Clock::now() - live.arrival).count(), 0.0);
+  --num_unfinished_;
+  live.handle->fail(message, http_status);
+}
+
+void DisaggRouter::run(std::shared_ptr<Live> live, EngineRequest request) {
+  registry_.record_prompt(static_cast<int64_t>(request.prompt.size()), Clock::now());
+  std::string last_error = "no attempt made";
+  for (int i = 0; i < options_.max_attempts; ++i) {
+    bool retry = false;
+    last_error = attempt(*live, request, retry);
+    if (!retry) return;
+  }
+  finish_failed(*live, str("gave up after ", options_.max_attempts, " attempts: ", last_error), 503);
+}
+
+std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool& retry) {
+  const int64_t n = static_cast<int64_t>(request.prompt.size());
+  const Clock::time_point wait_until = Clock::now() + ms(options_.wait_for_workers_s);
+  auto wait_a_little = [&] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); };
+
+  // 1. KV pages on a decode worker.
+  std::string decode_url;
+  json reservation;
+  std::set<std::string> full;
+  for (;;) {
+    if (live.aborted) break;
+    auto d = registry_.pick("decode", Clock::now(), full);
+    if (!d) {
+      if (Clock::now() > wait_until) {
+        finish_failed(live, full.empty() ? "no decode worker is up" : "every decode worker is full", 503);
+        return "";
+      }
+      full.clear();  // look again at everyone once they had time to free pages
+      wait_a_little();
+      continue;
+    }
+    auto r = client(*d, std::chrono::seconds(30))->Post("/disagg/reserve", json{{"num_tokens", n}}.dump(),
+                                                          "application/json");
+    if (!r) {
+      registry_.mark_down(*d);
+      continue;
+    }
+    if (r->status == 503) {
+      full.insert(*d);
+      continue;
+    }
+    if (r->status != 200) {
+      finish_failed(live, str("decode worker ", *d, ": ", error_of(r)));
+      return "";
+    }
+    decode_url = *d;
+    reservation = json::parse(r->body);
+    break;
+  }
+  if (live.aborted) {
+    // Not started anywhere yet: the request just ends.
+    if (!decode_url.empty()) {
+      client(decode_url, std::chrono::seconds(5))
+          ->Post("/disagg/release", json{{"id", reservation.at("id")}}.dump(), "application/json");
+    }
+    finish_aborted(live);
+    return "";
+  }
+  registry_.assigned(decode_url, n);
+  const int64_t reservation_id = reservation.at("id").get<int64_t>();
+  auto release = [&] {
+    client(decode_url, std::chrono::seconds(5))
+        ->Post("/disagg/release", json{{"id", reservation_id}}.dump(), "application/json");
+  };
+
+  // 2. The prompt on a prefill worker, its KV written into the reservation.
+  std::optional<std::string> p;
+  while (!(p = registry_.pick("prefill", Clock::now())) && Clock::now() < wait_until && !live.aborted) wait_a_little();
+  if (!p || live.aborted) {
+    release();
+    if (live.aborted) {
+      finish_aborted(live);
+    } else {
+      finish_failed(live, "no prefill worker is up", 503);
+    }
+    return "";
+  }
+  registry_.assigned(*p, n);
+  const json prefill_msg = {{"request", request_to_json(request)},
+                            {"kv", reservation.at("kv")},
+                            {"timeout_ms", static_cast<int64_t>(options_.prefill_timeout_s * 1000)}};
+  auto pr = client(*p, ms(options_.prefill_timeout_s + 5))->Post("/disagg/prefill", prefill_msg.dump(),
+                                                                   "application/json");
+  if (!pr || pr->status == 502 || pr->status == 504) {
+    // The prefill worker is gone, or the hand-off failed: send the prompt again, elsewhere.
+    if (!pr) registry_.mark_down(*p);
+    release();
+    retry = true;
+    return str("prefill worker ", *p, ": ", error_of(pr));
+  }
+  if (pr->status != 200) {
+    release();
+    finish_failed(live, str("prefill worker ", *p, ": ", error_of(pr)));
+    return "";
+  }
+  const json first = json::parse(pr->body).at("first");
+
+  // 3. Decode, streaming the outputs into the handle.
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/disagg/generate";
+  req.body = json{{"id", reservation_id}, {"request", request_to_json(request)}, {"first", first}}.dump();
+  req.set_header("Content-Type", "application/json");
+  std::string buffer, stream_error;
+  bool finished = false;
+  req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
+    buffer.append(data, len);
+    for (size_t nl; (nl = buffer.find('\n')) != std::string::npos;) {
+      const std::string line = buffer.substr(0, nl);
+      buffer.erase(0, nl + 1);
+      if (line.empty()) continue;  // the worker's heartbeat
+      const json j = json::parse(line, nullptr, false);
+      if (j.is_discarded() || (j.contains("error") && !j.contains("id"))) {
+        stream_error = j.is_discarded() ? "malformed output line" : j.at("error").get<std::string>();
+        return false;
+      }
+      RequestOutput out = output_from_json(j);
+      out.id = live.handle->id();
+      server::record_output(metrics_, *live.handle, out);
+      if (out.finish != FinishReason::kNone) {
+        finished = true;
+        --num_unfinished_;
+      }
+      live.handle->push(std::move(out));
+    }
+    return !live.aborted && !finished;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  client(decode_url, ms(options_.stream_timeout_s))->send(req, res, err);
+  if (finished) return "";
+  if (live.aborted) {
+    finish_aborted(live);
+    return "";
+  }
+  if (stream_error.empty()) {
+    if (err != httplib::Error::Success) {
+      registry_.mark_down(decode_url);  // it went away mid-stream
+      stream_error = httplib::to_string(err);
+    } else {
+      stream_error = str("HTTP ", res.status, " ", res.body);
+    }
+  }
+  finish_failed(live, str("decode worker ", decode_url, " failed: ", stream_error));
+  return "";
+}
+
+}  // namespace relay::disagg

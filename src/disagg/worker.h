@@ -1,0 +1,95 @@
+// A prefill or decode worker of a disaggregated deployment (`relay serve --role prefill|decode`).
+//
+// The worker is an ordinary engine process (the OpenAI API keeps working on it) plus the internal
+// routes the router drives, and a heartbeat to the router. The KV pools of the CPU backend's ranks
+// are registered with a transfer engine; their descriptors travel in the control messages, so a
+// prefill worker can write straight into a decode worker's pages:
+//
+//   decode  POST /disagg/reserve  {"num_tokens"}                 -> {"id", "kv": side}  (503: full)
+//   prefill POST /disagg/prefill  {"request", "kv": side, "timeout_ms"} -> {"first"}  after the KV landed
+//   decode  POST /disagg/generate {"id", "request", "first"}     -> one RequestOutput JSON per line
+//   decode  POST /disagg/release  {"id"}                         -> {}  (a reservation not needed)
+//
+// "side" is the destination of a transfer: {"num_kv_heads", "ranks": [KvPoolDesc], "regions":
+// [RegionDescriptor], "block_table"} for the DP rank holding the reservation (block ids local to
+// it). The prefill worker runs the prompt with max_tokens 1 and hold_kv, plans the copies from its
+// ranks into that side with the layout mapper (re-sharding heads, re-blocking pages), pushes them
+// with a deadline, then frees its blocks; a failure frees them too and answers 502 / 504, so the
+// router can release the reservation. A decode reservation that is never used expires. The
+// generate stream sends a blank line while the request waits, so a router that went away is
+// noticed by a failed write and the request is aborted.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "engine/cpu_backend.h"
+#include "server/engine_loop.h"
+#include "transfer/transfer_engine.h"
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}
+
+namespace relay::disagg {
+
+struct WorkerOptions {
+  std::string role;                       // "prefill" or "decode"
+  std::string router;                     // the router's "host:port"; empty: no heartbeats
+  std::string url;                        // how the router reaches this worker: "http://host:port"
+  double heartbeat_interval_s = 1.0;
+  double transfer_timeout_s = 30.0;       // prefill: the KV must land at the decode worker by then
+  double reservation_timeout_s = 60.0;    // decode: an unused reservation is freed after this
+  std::string ucx_transports;             // UCX_TLS-style transport list; empty: UCX chooses
+};
+
+class DisaggWorker {
+ public:
+  // `engine` runs on `loop`'s thread; its backend must be the CPU backend.
+  DisaggWorker(WorkerOptions options, LLMEngine& engine, server::EngineLoop& loop);
+  ~DisaggWorker();
+
+  // Starts the heartbeats (and the reservation sweeper on a decode worker).
+  void start();
+  void stop();
+
+  // The control messages (bodies and replies are JSON; see the routes above).
+  void reserve(const std::string& body, std::string& reply, int& status);
+  void release(const std::string& body);
+  void prefill(const std::string& body, std::string& reply, int& status);
+  void generate(const httplib::Request& req, httplib::Response& res);
+
+ private:
+  void heartbeat_loop();
+
+  WorkerOptions options_;
+  server::EngineLoop& loop_;
+  CpuBackend& backend_;
+  std::unique_ptr<TransferEngine> transfer_;
+  RegionId region_base_ = 0;                 // this worker's region ids: region_base_ + rank
+  std::mutex mu_;
+  std::unordered_set<RegionId> imported_;    // remote regions already imported
+  std::unordered_map<int64_t, std::chrono::steady_clock::time_point> reservations_;  // decode: id -> expiry
+  std::atomic<int64_t> queued_prompt_tokens_{0};  // prefill: prompts in flight here
+  std::atomic<int64_t> prefill_tokens_done_{0};
+  std::atomic<int64_t> next_transfer_id_{1};
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::thread heartbeat_thread_;
+};
+
+// Adds the role's routes to `server` (before it starts listening); until `worker()` returns a
+// worker (the model is still loading) they answer 503.
+void add_worker_routes(httplib::Server& server, const std::string& role, std::function<DisaggWorker*()> worker);
+
+}  // namespace relay::disagg

@@ -1,0 +1,154 @@
+// The router's worker registry (picks, heartbeat timeouts, re-joining, autoscaling signals) on an
+// explicit clock, and the control plane's message codecs (round trips and refusals naming the field).
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "disagg/protocol.h"
+#include "disagg/registry.h"
+
+namespace relay::disagg {
+namespace {
+
+using std::chrono::milliseconds;
+
+WorkerLoad load(int running, int64_t queued_tokens = 0, int64_t done_tokens = 0) {
+  WorkerLoad l;
+  l.num_running = running;
+  l.queued_prompt_tokens = queued_tokens;
+  l.prefill_tokens_total = done_tokens;
+  return l;
+}
+
+TEST(WorkerRegistry, PicksTheLeastLoadedWorkerOfEachRole) {
+  WorkerRegistry r;
+  const Clock::time_point t0 = Clock::now();
+  r.heartbeat("http://p1", "prefill", load(0, 500), t0);
+  r.heartbeat("http://p2", "prefill", load(0, 100), t0);
+  r.heartbeat("http://d1", "decode", load(7), t0);
+  r.heartbeat("http://d2", "decode", load(3), t0);
+  EXPECT_EQ(r.pick("prefill", t0), "http://p2");
+  EXPECT_EQ(r.pick("decode", t0), "http://d2");
+  EXPECT_EQ(r.pick("decode", t0, {"http://d2"}), "http://d1");
+  // What the router just sent counts until the next heartbeat, so a burst spreads out.
+  r.assigned("http://p2", 1000);
+  EXPECT_EQ(r.pick("prefill", t0), "http://p1");
+  for (int i = 0; i < 5; ++i) r.assigned("http://d2", 10);
+  EXPECT_EQ(r.pick("decode", t0), "http://d1");
+  r.heartbeat("http://d2", "decode", load(3), t0 + milliseconds(10));
+  EXPECT_EQ(r.pick("decode", t0), "http://d2");
+}
+
+TEST(WorkerRegistry, MissedHeartbeatsAndFailuresMarkAWorkerDownUntilItBeatsAgain) {
+  RegistryOptions o;
+  o.heartbeat_timeout = milliseconds(300);
+  WorkerRegistry r(o);
+  const Clock::time_point t0 = Clock::now();
+  r.heartbeat("http://d1", "decode", load(0), t0);
+  r.heartbeat("http://d2", "decode", load(5), t0);
+  EXPECT_EQ(r.pick("decode", t0 + milliseconds(200)), "http://d1");
+  r.heartbeat("http://d2", "decode", load(5), t0 + milliseconds(250));
+  EXPECT_EQ(r.pick("decode", t0 + milliseconds(400)), "http://d2");  // d1 missed its beats
+  r.mark_down("http://d2");
+  EXPECT_FALSE(r.pick("decode", t0 + milliseconds(400)).has_value());
+  r.heartbeat("http://d1", "decode", load(0), t0 + milliseconds(500));  // re-joins
+  EXPECT_EQ(r.pick("decode", t0 + milliseconds(500)), "http://d1");
+  const auto ws = r.workers(t0 + milliseconds(500));
+  ASSERT_EQ(ws.size(), 2u);
+  EXPECT_TRUE(ws[0].up);
+  EXPECT_FALSE(ws[1].up);
+  EXPECT_THROW(r.heartbeat("http://x", "chef", load(0), t0), Error);
+  EXPECT_THROW(r.heartbeat("", "decode", load(0), t0), Error);
+}
+
+TEST(WorkerRegistry, AutoscalingSignals) {
+  RegistryOptions o;
+  o.rate_window = milliseconds(10000);
+  o.decode_target_batch = 8;
+  WorkerRegistry r(o);
+  const Clock::time_point t0 = Clock::now();
+  r.heartbeat("http://p1", "prefill", load(0, 0, 0), t0);
+  r.heartbeat("http://d1", "decode", load(20), t0);
+  r.heartbeat("http://d2", "decode", load(5), t0);
+  AutoscaleSignals s = r.signals(t0);
+  EXPECT_EQ(s.prefill_workers_up, 1);
+  EXPECT_EQ(s.decode_workers_up, 2);
+  EXPECT_EQ(s.decode_sequences, 25);
+  EXPECT_EQ(s.decode_replicas_needed, 4);   // ceil(25 / 8)
+  EXPECT_EQ(s.prefill_replicas_needed, 1);  // no capacity measured yet: keep the current count
+  // The prefill worker handed off 20,000 tokens in one second while still busy: 20k tok/s.
+  r.heartbeat("http://p1", "prefill", load(0, 4000, 20000), t0 + milliseconds(1000));
+  // Busy intervals only: an idle second does not lower the measured capacity.
+  r.heartbeat("http://p1", "prefill", load(0, 0, 20100), t0 + milliseconds(2000));
+  for (int i = 0; i < 10; ++i) r.record_prompt(50000, t0 + milliseconds(2000));  // 500k tokens in 10 s
+  s = r.signals(t0 + milliseconds(2000));
+  EXPECT_DOUBLE_EQ(s.prefill_capacity_tokens_per_s, 20000.0);
+  EXPECT_DOUBLE_EQ(s.prompt_tokens_per_s, 50000.0);
+  EXPECT_EQ(s.prefill_replicas_needed, 3);  // ceil(50k / 20k)
+  // Arrivals leave the window.
+  s = r.signals(t0 + milliseconds(13000));
+  EXPECT_DOUBLE_EQ(s.prompt_tokens_per_s, 0.0);
+}
+
+TEST(Protocol, RequestsOutputsAndFirstTokensRoundTrip) {
+  EngineRequest r;
+  r.prompt = {1, 2, 3};
+  r.sampling.temperature = 0.7f;
+  r.sampling.top_k = 20;
+  r.sampling.seed = 0xfedcba9876543210ull;
+  r.sampling.num_logprobs = 3;
+  r.stop.max_tokens = 99;
+  r.stop.stop_strings = {"\n\n", "END"};
+  r.stop.stop_token_ids = {7};
+  r.stop.ignore_eos = true;
+  const EngineRequest back = request_from_json(nlohmann::json::parse(request_to_json(r).dump()));
+  EXPECT_EQ(back.prompt, r.prompt);
+  EXPECT_EQ(back.sampling.seed, r.sampling.seed);
+  EXPECT_EQ(back.sampling.top_k, 20);
+  EXPECT_FLOAT_EQ(back.sampling.temperature, 0.7f);
+  EXPECT_EQ(back.stop.stop_strings, r.stop.stop_strings);
+  EXPECT_EQ(back.stop.max_tokens, 99);
+  EXPECT_TRUE(back.stop.ignore_eos);
+
+  RequestOutput o;
+  o.id = 5;
+  o.new_tokens = {42};
+  o.text = "héllo";
+  o.logprobs = {{42, -0.5f, {{42, -0.5f}, {7, -1.5f}}}};
+  o.finish = FinishReason::kLength;
+  o.num_prompt_tokens = 3;
+  o.num_output_tokens = 9;
+  const RequestOutput ob = output_from_json(nlohmann::json::parse(output_to_json(o).dump()));
+  EXPECT_EQ(ob.text, o.text);
+  EXPECT_EQ(ob.finish, FinishReason::kLength);
+  ASSERT_EQ(ob.logprobs.size(), 1u);
+  EXPECT_EQ(ob.logprobs[0].top[1].first, 7);
+
+  FirstToken f;
+  f.token.token = 11;
+  f.token.logprob = -0.25f;
+  f.num_cached_tokens = 16;
+  const FirstToken fb = first_token_from_json(first_token_to_json(f));
+  EXPECT_EQ(fb.token.token, 11);
+  EXPECT_EQ(fb.num_cached_tokens, 16);
+}
+
+TEST(Protocol, MalformedMessagesNameTheField) {
+  auto message = [](const nlohmann::json& j) {
+    try {
+      request_from_json(j);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message({{"sampling", nlohmann::json::object()}}).find("\"prompt\""), std::string::npos);
+  nlohmann::json j = request_to_json(EngineRequest{{1}, {}, {}, false});
+  j["stop"]["max_tokens"] = "many";
+  EXPECT_NE(message(j).find("\"max_tokens\" has the wrong type"), std::string::npos);
+  nlohmann::json out = output_to_json(RequestOutput{});
+  out["finish"] = "exploded";
+  EXPECT_THROW(output_from_json(out), Error);
+}
+
+}  // namespace
+}  // namespace relay::disagg
