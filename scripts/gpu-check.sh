@@ -3,9 +3,9 @@
 # benchmark — ceilings, kernels, PyTorch's peers, and prefill/decode on the 12-layer benchmark model
 # (made on the machine with `relay make-model --preset 30b-a3b --layers 12`).
 #
-#   scripts/gpu-check.sh --pack DIR     (here, with nvcc and Relay's -dev packages) builds build-cuda/
-#                                       for sm_90a and copies relay, test_gpu and the shared libraries
-#                                       the GPU machine lacks into DIR
+#   scripts/gpu-check.sh --pack DIR [BUILD]  (here, with nvcc and Relay's -dev packages) builds BUILD
+#                                       (default build-cuda/) for sm_90a and copies relay, test_gpu and
+#                                       the shared libraries the GPU machine lacks into DIR
 #   scripts/gpu-check.sh [--prebuilt DIR] [--full] [--no-model] [--results FILE]
 #                                       (on the GPU machine) without --prebuilt it builds build-gpu/;
 #                                       --full runs every bench shape (default --quick); --no-model
@@ -21,12 +21,19 @@ export PATH=/usr/local/cuda/bin:$PATH
 
 if [ "${1:-}" = "--pack" ]; then
   dir="${2:?--pack needs a directory}"
-  cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
-  cmake --build build-cuda --target relay test_gpu -j "${RELAY_BUILD_JOBS:-$(nproc)}"
+  build="${3:-build-cuda}"  # an existing sm_90a Release build (build/ here) saves a full CUDA compile
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
+  cmake --build "$build" --target relay test_gpu -j "${RELAY_BUILD_JOBS:-$(nproc)}"
   rm -rf "$dir" && mkdir -p "$dir/lib"
-  cp build-cuda/relay build-cuda/tests/test_gpu "$dir/"
+  cp "$build/relay" "$build/tests/test_gpu" "$dir/"
   # Libraries outside the CUDA toolkit and the C runtime that Ubuntu 24.04 may lack.
-  ldd build-cuda/relay | awk '/=>/ {print $3}' | grep -E 'httplib|pcre2|utf8proc|brotli|libuc[mpst]\.so|libnuma' | xargs -r cp -L -t "$dir/lib/"; ucs="$(ldd build-cuda/relay | awk '/libucs\.so/ {print $3}')"; if [ -n "$ucs" ]; then mkdir -p "$dir/lib/ucx" && cp -L "$(dirname "$ucs")"/ucx/*.so.0 "$dir/lib/ucx/"; fi  # UCX loads its transports from <libucs dir>/ucx
+  ldd "$build/relay" | awk '/=>/ {print $3}' | grep -E 'httplib|pcre2|utf8proc|brotli|libuc[mpst]\.so|libnuma' |
+    xargs -r cp -L -t "$dir/lib/"
+  # UCX loads its transports as plugins from <libucs dir>/ucx.
+  ucs="$(ldd "$build/relay" | awk '/libucs\.so/ {print $3}')"
+  if [ -n "$ucs" ]; then
+    mkdir -p "$dir/lib/ucx" && cp -L "$(dirname "$ucs")"/ucx/*.so.0 "$dir/lib/ucx/"
+  fi
   echo "$root" > "$dir/source_dir"  # the tests' compiled-in RELAY_SOURCE_DIR
   echo "packed into $dir"
   exit 0

@@ -47,6 +47,7 @@ struct ServeOptions {
   double heartbeat_s = 1.0;
   double kv_transfer_timeout_s = 30.0;
   std::string ucx_transports;  // workers: UCX_TLS-style list (default: UCX chooses)
+  std::string kv_transport = "auto";  // workers: auto, ucx, cuda_ipc
   double prefill_capacity = 0.0;  // router: prompt tokens/s per prefill worker (0: measured)
   int decode_target_batch = 32;   // router: sequences per decode worker before scaling out
   double worker_wait_s = 30.0;    // router: how long a request waits for a worker with room
@@ -171,6 +172,7 @@ int run_serve(const ServeOptions& o) {
   wo.heartbeat_interval_s = o.heartbeat_s;
   wo.transfer_timeout_s = o.kv_transfer_timeout_s;
   wo.ucx_transports = o.ucx_transports;
+  wo.kv_transport = o.kv_transport;
   disagg::DisaggWorker w(wo, engine, loop);
   worker = &w;
   w.start();
@@ -224,6 +226,10 @@ CommandRegistrar serve_command({
       sub.add_option("--kv-transfer-timeout", o->kv_transfer_timeout_s,
                      "prefill: seconds the KV hand-off may take before the request is retried (default 30)")
           ->check(CLI::PositiveNumber);
+      sub.add_option("--kv-transport", o->kv_transport,
+                     "prefill/decode: how KV pages move: auto (ucx for --device cpu, cuda_ipc for --device "
+                     "cuda), ucx, cuda_ipc")
+          ->check(CLI::IsMember({"auto", "ucx", "cuda_ipc"}));
       sub.add_option("--ucx-transports", o->ucx_transports,
                      "prefill/decode: UCX transports for the KV hand-off, UCX_TLS syntax (default: UCX's choice)");
       sub.add_option("--prefill-capacity", o->prefill_capacity,

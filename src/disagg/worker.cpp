@@ -4,6 +4,7 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <random>
 
 #include "core/error.h"
@@ -11,6 +12,9 @@
 #include "transfer/kv_pool.h"
 #include "transfer/layout_mapper.h"
 #include "transfer/ucx_transport.h"
+#if RELAY_HAVE_CUDA
+#include "transfer/cuda/cuda_ipc_transport.h"
+#endif
 
 namespace relay::disagg {
 
@@ -30,49 +34,70 @@ T wait_engine(std::future<T> f, const char* what) {
   return f.get();
 }
 
-CpuBackend& cpu_backend(LLMEngine& engine) {
-  auto* cpu = dynamic_cast<CpuBackend*>(&engine.backend());
-  RELAY_CHECK(cpu != nullptr, "disaggregated roles run on --device cpu so far (the CUDA backend cannot export "
-                              "its KV pool yet)");
-  return *cpu;
-}
-
 std::string error_json(const std::string& message) { return json{{"error", message}}.dump(); }
 
-// The ranks of DP group `dp_rank` as one side of a transfer (pools and regions), block table empty.
-json side_json(CpuBackend& backend, TransferEngine& transfer, RegionId base, int dp_rank) {
-  json ranks = json::array(), regions = json::array();
-  const parallel::ParallelConfig& p = backend.parallel();
-  for (int r = 0; r < p.world_size(); ++r) {
-    if (parallel::place_rank(p, r).dp_rank != dp_rank) continue;
-    const KvCacheLayout& l = backend.kv_pool(r).layout();
-    const ShardSpec& shard = backend.shard(r);
-    ranks.push_back(contiguous_kv_pool(l.num_layers, l.num_blocks, l.block_size, l.head_dim, l.element_bytes,
-                                       {shard.kv_head_begin, shard.num_local_kv_heads}, base + r));
-    regions.push_back(transfer.descriptor(base + r));
+std::vector<KvPoolExport> exported_pools(LLMEngine& engine) {
+  std::vector<KvPoolExport> pools = engine.backend().kv_pool_exports();
+  RELAY_CHECK(!pools.empty(), "this backend cannot export its KV pool for a disaggregated hand-off");
+  return pools;
+}
+
+std::unique_ptr<Transport> make_transport(const WorkerOptions& o, const std::vector<KvPoolExport>& pools) {
+  std::string kind = o.kv_transport;
+  const bool on_device = pools.front().device >= 0;
+  if (kind == "auto") kind = on_device ? "cuda_ipc" : "ucx";
+  // UCX's and CUDA's own bound on one wait; the hand-off's deadline (transfer_timeout_s) is the engine's.
+  const int wait_ms = std::max(1000, static_cast<int>(o.transfer_timeout_s * 1000));
+  if (kind == "ucx") {
+    RELAY_CHECK(!on_device, "--kv-transport ucx: Relay's UCX has no CUDA support; device pools need cuda_ipc");
+    UcxTransportOptions uo;
+    uo.timeout_ms = wait_ms;
+    uo.transports = o.ucx_transports;
+    return make_ucx_transport(uo);
   }
-  return {{"num_kv_heads", backend.config().num_key_value_heads}, {"ranks", ranks}, {"regions", regions}};
+  if (kind == "cuda_ipc") {
+    RELAY_CHECK(on_device, "--kv-transport cuda_ipc needs a device KV pool (--device cuda)");
+#if RELAY_HAVE_CUDA
+    CudaIpcTransportOptions co;
+    co.device = pools.front().device;
+    co.timeout_ms = wait_ms;
+    return make_cuda_ipc_transport(co);
+#endif
+  }
+  fail(str("--kv-transport must be auto, ucx or cuda_ipc (cuda_ipc in CUDA builds), got '", kind, "'"));
 }
 
 }  // namespace
 
 DisaggWorker::DisaggWorker(WorkerOptions options, LLMEngine& engine, server::EngineLoop& loop)
-    : options_(std::move(options)), loop_(loop), backend_(cpu_backend(engine)) {
+    : options_(std::move(options)),
+      loop_(loop),
+      pools_(exported_pools(engine)),
+      num_kv_heads_(static_cast<int>(engine.model_config().num_key_value_heads)) {
   RELAY_CHECK(options_.role == "prefill" || options_.role == "decode", "--role must be prefill or decode, got '",
               options_.role, "'");
-  UcxTransportOptions uo;
-  // UCX's own bound on one wait; the hand-off's deadline (transfer_timeout_s) is the engine's.
-  uo.timeout_ms = std::max(1000, static_cast<int>(options_.transfer_timeout_s * 1000));
-  uo.transports = options_.ucx_transports;
-  transfer_ = std::make_unique<TransferEngine>(make_ucx_transport(uo));
+  transfer_ = std::make_unique<TransferEngine>(make_transport(options_, pools_));
   // NOTE: region ids must be unique across every worker that exchanges copies; a random 31-bit
   // worker tag in the high bits makes a collision between workers (or a restarted one) negligible.
   std::random_device rd;
   region_base_ = (static_cast<RegionId>(rd() & 0x7fffffffu) + 1) << 32;
-  for (int r = 0; r < backend_.parallel().world_size(); ++r) {
-    KvPool& pool = backend_.kv_pool(r);
-    transfer_->register_region(region_base_ + r, pool.data(), pool.layout().total_bytes());
+  for (size_t r = 0; r < pools_.size(); ++r) {
+    transfer_->register_region(region_base_ + r, pools_[r].base, pools_[r].layout.total_bytes());
   }
+}
+
+json DisaggWorker::side_json(int dp_rank) const {
+  json ranks = json::array(), regions = json::array();
+  for (size_t r = 0; r < pools_.size(); ++r) {
+    const KvPoolExport& p = pools_[r];
+    if (p.dp_rank != dp_rank) continue;
+    const KvCacheLayout& l = p.layout;
+    ranks.push_back(contiguous_kv_pool(l.num_layers, l.num_blocks, l.block_size, l.head_dim,
+                                       static_cast<int>(l.element_bytes), {p.first_kv_head, p.num_kv_heads},
+                                       region_base_ + r));
+    regions.push_back(transfer_->descriptor(region_base_ + r));
+  }
+  return {{"num_kv_heads", num_kv_heads_}, {"ranks", ranks}, {"regions", regions}};
 }
 
 DisaggWorker::~DisaggWorker() { stop(); }
@@ -107,9 +132,9 @@ void DisaggWorker::reserve(const std::string& body, std::string& reply, int& sta
     reservations_[id] = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(options_.reservation_timeout_s));
   }
-  const int per_rank = backend_.num_kv_blocks() / backend_.num_kv_partitions();
+  const int per_rank = pools_.front().layout.num_blocks;
   for (int32_t& b : *table) b -= partition * per_rank;
-  json side = side_json(backend_, *transfer_, region_base_, partition);
+  json side = side_json(partition);
   side["block_table"] = *table;
   reply = json{{"id", id}, {"kv", side}}.dump();
 }
@@ -173,26 +198,32 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
       if (imported_.insert(r.id).second) transfer_->import_region(r);
     }
   }
-  const int per_rank = backend_.num_kv_blocks() / backend_.num_kv_partitions();
+  const int per_rank = pools_.front().layout.num_blocks;
   const int partition = last.kv_blocks.front() / per_rank;
   std::vector<int32_t> src_table = last.kv_blocks;
   for (int32_t& b : src_table) b -= partition * per_rank;
-  const json src_side = side_json(backend_, *transfer_, region_base_, partition);
+  const json src_side = side_json(partition);
   const std::vector<KvPoolDesc> src_pools = src_side.at("ranks").get<std::vector<KvPoolDesc>>();
-  const KvTransferSide src{static_cast<int>(backend_.config().num_key_value_heads), src_pools, src_table};
+  const KvTransferSide src{num_kv_heads_, src_pools, src_table};
   const KvTransferSide dst{dst_heads, dst_pools, dst_table};
   const std::vector<KvCopy> copies = plan_kv_copies(src, dst, {0, num_tokens});
   const Clock::time_point transfer_deadline =
       std::min(deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                             std::chrono::duration<double>(options_.transfer_timeout_s)));
+  const Clock::time_point transfer_start = Clock::now();
   const TransferResult result =
       transfer_->submit({next_transfer_id_++, transfer_copies(copies), transfer_deadline}).get();
+  const double transfer_ms = std::chrono::duration<double, std::milli>(Clock::now() - transfer_start).count();
   if (result.status != TransferStatus::Ok) {
     status = result.status == TransferStatus::DeadlineExceeded ? 504 : 502;
     reply = error_json(str("KV transfer ", transfer_status_name(result.status), ": ", result.reason));
     return;
   }
   prefill_tokens_done_ += num_tokens;
+  std::fprintf(stderr, "relay: KV hand-off: %lld tokens, %llu bytes in %llu copies, %.3f ms (%.2f GB/s)\n",
+               static_cast<long long>(num_tokens), static_cast<unsigned long long>(result.bytes_copied),
+               static_cast<unsigned long long>(result.num_copies_done), transfer_ms,
+               transfer_ms > 0 ? result.bytes_copied / transfer_ms / 1e6 : 0.0);
   FirstToken first;
   first.token.token = last.new_tokens[0];
   if (!last.logprobs.empty()) {
@@ -200,7 +231,11 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
     first.token.top = last.logprobs[0].top;
   }
   first.num_cached_tokens = last.num_cached_tokens;
-  reply = json{{"first", first_token_to_json(first)}, {"bytes", result.bytes_copied}}.dump();
+  reply = json{{"first", first_token_to_json(first)},
+               {"bytes", result.bytes_copied},
+               {"copies", result.num_copies_done},
+               {"transfer_ms", transfer_ms}}
+              .dump();
 }
 
 void DisaggWorker::generate(const httplib::Request& req, httplib::Response& res) {

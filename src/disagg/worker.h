@@ -31,9 +31,11 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "engine/cpu_backend.h"
+#include "engine/backend.h"
 #include "server/engine_loop.h"
 #include "transfer/transfer_engine.h"
+
+#include <nlohmann/json.hpp>
 
 namespace httplib {
 class Server;
@@ -51,11 +53,13 @@ struct WorkerOptions {
   double transfer_timeout_s = 30.0;       // prefill: the KV must land at the decode worker by then
   double reservation_timeout_s = 60.0;    // decode: an unused reservation is freed after this
   std::string ucx_transports;             // UCX_TLS-style transport list; empty: UCX chooses
+  std::string kv_transport = "auto";      // "auto" (ucx for host pools, cuda_ipc for device), "ucx", "cuda_ipc"
 };
 
 class DisaggWorker {
  public:
-  // `engine` runs on `loop`'s thread; its backend must be the CPU backend.
+  // `engine` runs on `loop`'s thread; its backend must export its KV pools (Backend::kv_pool_exports):
+  // host pools travel over UCX, device pools over CUDA IPC.
   DisaggWorker(WorkerOptions options, LLMEngine& engine, server::EngineLoop& loop);
   ~DisaggWorker();
 
@@ -71,10 +75,13 @@ class DisaggWorker {
 
  private:
   void heartbeat_loop();
+  // The ranks of DP group `dp_rank` as one side of a transfer: {"num_kv_heads", "ranks", "regions"}.
+  nlohmann::json side_json(int dp_rank) const;
 
   WorkerOptions options_;
   server::EngineLoop& loop_;
-  CpuBackend& backend_;
+  std::vector<KvPoolExport> pools_;  // every rank's, in rank order
+  int num_kv_heads_ = 0;             // the model's
   std::unique_ptr<TransferEngine> transfer_;
   RegionId region_base_ = 0;                 // this worker's region ids: region_base_ + rank
   std::mutex mu_;

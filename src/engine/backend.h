@@ -7,12 +7,14 @@
 // ids are indices into it, shared by every layer (a block id names the same slot in each layer).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <utility>
 #include <vector>
 
+#include "kvcache/kv_cache.h"
 #include "model/config.h"
 
 namespace relay {
@@ -51,6 +53,17 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top;     // the num_logprobs most likely, best first
 };
 
+// One rank's KV pool as a transfer engine sees it: where its bytes are and what they hold. Block ids
+// in `layout` are local to the rank (global id - dp_rank * layout.num_blocks).
+struct KvPoolExport {
+  std::byte* base = nullptr;  // host memory, or device memory of CUDA device `device`
+  KvCacheLayout layout;
+  int first_kv_head = 0;
+  int num_kv_heads = 0;
+  int dp_rank = 0;
+  int device = -1;            // -1: host memory
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -60,6 +73,8 @@ class Backend {
   // The pool is split into this many equal ranges of block ids, one per data-parallel rank; every
   // block of a sequence must come from one range (its KV lives on that rank).
   virtual int num_kv_partitions() const { return 1; }
+  // Every rank's KV pool, for disaggregated hand-offs; empty when this backend cannot export it.
+  virtual std::vector<KvPoolExport> kv_pool_exports() { return {}; }
   // Runs one forward pass over `batch` and returns one SampledToken per sequence with sample=true,
   // in batch order.
   virtual std::vector<SampledToken> step(std::span<const StepSequence> batch) = 0;

@@ -64,6 +64,16 @@ const ModelConfig& CpuBackend::config() const { return ranks_.front()->model->co
 int CpuBackend::block_size() const { return ranks_.front()->kv.layout().block_size; }
 KvPool& CpuBackend::kv_pool(int rank) { return ranks_.at(rank)->kv; }
 const ShardSpec& CpuBackend::shard(int rank) const { return ranks_.at(rank)->model->shard(); }
+
+std::vector<KvPoolExport> CpuBackend::kv_pool_exports() {
+  std::vector<KvPoolExport> out;
+  for (auto& r : ranks_) {
+    const ShardSpec& s = r->model->shard();
+    out.push_back({reinterpret_cast<std::byte*>(r->kv.data()), r->kv.layout(), s.kv_head_begin, s.num_local_kv_heads,
+                   r->dp_rank, -1});
+  }
+  return out;
+}
 ThreadPool& CpuBackend::thread_pool(int rank) { return ranks_.at(rank)->pool; }
 
 void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch, const std::vector<RowsOf>& rows_of) {

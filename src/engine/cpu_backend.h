@@ -50,6 +50,7 @@ class CpuBackend : public Backend {
   int block_size() const override;
   int num_kv_blocks() const override { return blocks_per_rank_ * parallel_.dp; }
   int num_kv_partitions() const override { return parallel_.dp; }
+  std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
 
   enum class LogitRows {

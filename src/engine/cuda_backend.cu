@@ -716,6 +716,11 @@ CudaBackend::~CudaBackend() = default;
 const ModelConfig& CudaBackend::config() const { return impl_->cfg; }
 int CudaBackend::block_size() const { return impl_->opt.block_size; }
 int CudaBackend::num_kv_blocks() const { return impl_->kv_layout.num_blocks; }
+
+std::vector<KvPoolExport> CudaBackend::kv_pool_exports() {
+  return {{reinterpret_cast<std::byte*>(impl_->kv_pool), impl_->kv_layout, 0, impl_->kv_layout.num_kv_heads, 0,
+           impl_->opt.device}};
+}
 std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch) { return impl_->step(batch); }
 std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> batch, LogitRows rows) {
   return impl_->forward_logits(batch, rows);

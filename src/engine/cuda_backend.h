@@ -49,6 +49,8 @@ class CudaBackend : public Backend {
   const ModelConfig& config() const override;
   int block_size() const override;
   int num_kv_blocks() const override;
+  // The one device pool (bf16), for a CUDA IPC hand-off.
+  std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
 
   enum class LogitRows {
