@@ -23,12 +23,15 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
   sub.add_option("--threads", c.num_threads, "CPU threads for the cpu device (default: all cores)");
   sub.add_option("--gpu", c.gpu, "CUDA device index for the cuda device (default 0)")
       ->check(CLI::NonNegativeNumber);
-  sub.add_option("--tp", c.parallel.tp, "tensor-parallel ranks: attention heads, MLP widths split (default 1)")
+  sub.add_option("--tp", c.parallel.tp,
+                 "tensor-parallel ranks: attention heads, MLP widths split (default 1)")
       ->check(CLI::PositiveNumber);
-  sub.add_option("--ep", c.parallel.ep, "expert-parallel ranks: 1 or --tp x --dp, experts divided (default 1)")
+  sub.add_option("--ep", c.parallel.ep,
+                 "expert-parallel ranks: 1 or --tp x --dp, experts divided (default 1)")
       ->check(CLI::PositiveNumber);
-  sub.add_option("--dp", c.parallel.dp,
-                 "data-parallel attention ranks, each with its own requests and KV cache (default 1)")
+  sub.add_option(
+         "--dp", c.parallel.dp,
+         "data-parallel attention ranks, each with its own requests and KV cache (default 1)")
       ->check(CLI::PositiveNumber);
 }
 
@@ -59,8 +62,8 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                                       int max_num_seqs, int max_num_batched_tokens) {
   c.parallel.validate();
   if (c.device == "cuda") {
-    RELAY_CHECK(c.parallel.world_size() == 1, "--device cuda runs one GPU (",
-                c.parallel.describe(), " asked for more): sharded ranks run on --device cpu so far");
+    RELAY_CHECK(c.parallel.world_size() == 1, "--device cuda runs one GPU (", c.parallel.describe(),
+                " asked for more): sharded ranks run on --device cpu so far");
 #if RELAY_HAVE_CUDA
     CudaBackendOptions o;
     o.device = c.gpu;

@@ -41,16 +41,16 @@ struct ServeOptions {
   double drain_timeout_s = 30.0;
   bool no_prefix_caching = false;
   // Disaggregation.
-  std::string role = "all";    // all (one process), router, prefill, decode
-  std::string router;          // workers: the router's host:port
-  std::string worker_url;      // workers: how the router reaches this one (default http://host:port)
+  std::string role = "all";  // all (one process), router, prefill, decode
+  std::string router;        // workers: the router's host:port
+  std::string worker_url;    // workers: how the router reaches this one (default http://host:port)
   double heartbeat_s = 1.0;
   double kv_transfer_timeout_s = 30.0;
-  std::string ucx_transports;  // workers: UCX_TLS-style list (default: UCX chooses)
+  std::string ucx_transports;         // workers: UCX_TLS-style list (default: UCX chooses)
   std::string kv_transport = "auto";  // workers: auto, ucx, cuda_ipc
-  double prefill_capacity = 0.0;  // router: prompt tokens/s per prefill worker (0: measured)
-  int decode_target_batch = 32;   // router: sequences per decode worker before scaling out
-  double worker_wait_s = 30.0;    // router: how long a request waits for a worker with room
+  double prefill_capacity = 0.0;      // router: prompt tokens/s per prefill worker (0: measured)
+  int decode_target_batch = 32;       // router: sequences per decode worker before scaling out
+  double worker_wait_s = 30.0;        // router: how long a request waits for a worker with room
 };
 
 // Blocks SIGTERM/SIGINT in every thread (taken by sigwait) and ignores SIGPIPE.
@@ -111,9 +111,12 @@ int run_router(const ServeOptions& o) {
   disagg::DisaggRouter router(router_options, registry, http.metrics());
   http.add_routes([&](httplib::Server& s) { router.add_routes(s); });
   http.start();
-  const int max_model_len = static_cast<int>(o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings);
-  http.attach(server::ServedModel{&tokenizer, config.vocab_size, max_model_len}, router, std::move(chat_template));
-  std::fprintf(stderr, "relay: router listening on http://%s:%d (workers register with --router %s:%d)\n",
+  const int max_model_len =
+      static_cast<int>(o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings);
+  http.attach(server::ServedModel{&tokenizer, config.vocab_size, max_model_len}, router,
+              std::move(chat_template));
+  std::fprintf(stderr,
+               "relay: router listening on http://%s:%d (workers register with --router %s:%d)\n",
                o.host.c_str(), http.port(), o.host.c_str(), http.port());
   return wait_and_drain(signals, http, o.drain_timeout_s);
 }
@@ -132,7 +135,9 @@ int run_serve(const ServeOptions& o) {
   const bool is_worker = o.role != "all";
   std::atomic<disagg::DisaggWorker*> worker{nullptr};
   if (is_worker) {
-    http.add_routes([&](httplib::Server& s) { disagg::add_worker_routes(s, o.role, [&] { return worker.load(); }); });
+    http.add_routes([&](httplib::Server& s) {
+      disagg::add_worker_routes(s, o.role, [&] { return worker.load(); });
+    });
   }
   http.start();
   std::fprintf(stderr, "relay: listening on http://%s:%d (model loading)\n", o.host.c_str(),
@@ -163,7 +168,8 @@ int run_serve(const ServeOptions& o) {
     return wait_and_drain(signals, http, o.drain_timeout_s);
   }
   server::EngineLoop loop(engine, http.metrics());
-  http.attach(server::ServedModel{&engine.tokenizer(), engine.model_config().vocab_size, engine.max_model_len()},
+  http.attach(server::ServedModel{&engine.tokenizer(), engine.model_config().vocab_size,
+                                  engine.max_model_len()},
               loop, std::move(chat_template));
   disagg::WorkerOptions wo;
   wo.role = o.role;
@@ -213,33 +219,41 @@ CommandRegistrar serve_command({
           ->check(CLI::NonNegativeNumber);
       sub.add_flag("--no-prefix-caching", o->no_prefix_caching, "recompute shared prompt prefixes");
       add_backend_options(sub, o->backend);
-      sub.add_option("--role", o->role,
-                     "all (one process, default), or one part of a disaggregated deployment: router, "
-                     "prefill, decode")
+      sub.add_option(
+             "--role", o->role,
+             "all (one process, default), or one part of a disaggregated deployment: router, "
+             "prefill, decode")
           ->check(CLI::IsMember({"all", "router", "prefill", "decode"}));
-      sub.add_option("--router", o->router, "prefill/decode: the router's HOST:PORT to register with");
+      sub.add_option("--router", o->router,
+                     "prefill/decode: the router's HOST:PORT to register with");
       sub.add_option("--worker-url", o->worker_url,
-                     "prefill/decode: the URL the router uses to reach this worker (default http://HOST:PORT)");
+                     "prefill/decode: the URL the router uses to reach this worker (default "
+                     "http://HOST:PORT)");
       sub.add_option("--heartbeat-interval", o->heartbeat_s,
                      "seconds between worker heartbeats; 3 missed mark a worker down (default 1)")
           ->check(CLI::PositiveNumber);
-      sub.add_option("--kv-transfer-timeout", o->kv_transfer_timeout_s,
-                     "prefill: seconds the KV hand-off may take before the request is retried (default 30)")
+      sub.add_option(
+             "--kv-transfer-timeout", o->kv_transfer_timeout_s,
+             "prefill: seconds the KV hand-off may take before the request is retried (default 30)")
           ->check(CLI::PositiveNumber);
-      sub.add_option("--kv-transport", o->kv_transport,
-                     "prefill/decode: how KV pages move: auto (ucx for --device cpu, cuda_ipc for --device "
-                     "cuda), ucx, cuda_ipc")
+      sub.add_option(
+             "--kv-transport", o->kv_transport,
+             "prefill/decode: how KV pages move: auto (ucx for --device cpu, cuda_ipc for --device "
+             "cuda), ucx, cuda_ipc")
           ->check(CLI::IsMember({"auto", "ucx", "cuda_ipc"}));
       sub.add_option("--ucx-transports", o->ucx_transports,
-                     "prefill/decode: UCX transports for the KV hand-off, UCX_TLS syntax (default: UCX's choice)");
+                     "prefill/decode: UCX transports for the KV hand-off, UCX_TLS syntax (default: "
+                     "UCX's choice)");
       sub.add_option("--prefill-capacity", o->prefill_capacity,
                      "router: prompt tokens/s one prefill worker sustains (default: measured)")
           ->check(CLI::NonNegativeNumber);
-      sub.add_option("--worker-wait", o->worker_wait_s,
-                     "router: seconds a request waits for a worker with room before 503 (default 30)")
+      sub.add_option(
+             "--worker-wait", o->worker_wait_s,
+             "router: seconds a request waits for a worker with room before 503 (default 30)")
           ->check(CLI::NonNegativeNumber);
-      sub.add_option("--decode-target-batch", o->decode_target_batch,
-                     "router: sequences per decode worker before decode_replicas_needed grows (default 32)")
+      sub.add_option(
+             "--decode-target-batch", o->decode_target_batch,
+             "router: sequences per decode worker before decode_replicas_needed grows (default 32)")
           ->check(CLI::PositiveNumber);
       return [o] { return run_serve(*o); };
     },

@@ -56,7 +56,8 @@ EngineRequest request_from_json(const json& j) {
 namespace {
 
 FinishReason finish_from_name(const std::string& name) {
-  for (FinishReason r : {FinishReason::kNone, FinishReason::kStop, FinishReason::kLength, FinishReason::kAbort}) {
+  for (FinishReason r :
+       {FinishReason::kNone, FinishReason::kStop, FinishReason::kLength, FinishReason::kAbort}) {
     if (name == finish_reason_name(r)) return r;
   }
   fail(str("output: unknown finish reason \"", name, "\""));
@@ -82,7 +83,8 @@ std::vector<std::pair<int32_t, float>> top_from_json(const json& j) {
 json output_to_json(const RequestOutput& o) {
   json logprobs = json::array();
   for (const TokenLogprob& lp : o.logprobs) {
-    logprobs.push_back({{"token", lp.token}, {"logprob", lp.logprob}, {"top", top_to_json(lp.top)}});
+    logprobs.push_back(
+        {{"token", lp.token}, {"logprob", lp.logprob}, {"top", top_to_json(lp.top)}});
   }
   return {{"id", o.id},
           {"new_tokens", o.new_tokens},
@@ -101,7 +103,8 @@ RequestOutput output_from_json(const json& j) {
   o.new_tokens = field<std::vector<int32_t>>(j, "new_tokens", "output");
   o.text = field<std::string>(j, "text", "output");
   for (const json& lp : field<json>(j, "logprobs", "output")) {
-    o.logprobs.push_back({field<int32_t>(lp, "token", "logprob"), field<float>(lp, "logprob", "logprob"),
+    o.logprobs.push_back({field<int32_t>(lp, "token", "logprob"),
+                          field<float>(lp, "logprob", "logprob"),
                           top_from_json(field<json>(lp, "top", "logprob"))});
   }
   o.finish = finish_from_name(field<std::string>(j, "finish", "output"));

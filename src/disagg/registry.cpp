@@ -13,8 +13,8 @@ bool WorkerRegistry::is_up(const WorkerState& w, Clock::time_point now) const {
   return w.up && now - w.last_seen <= options_.heartbeat_timeout;
 }
 
-void WorkerRegistry::heartbeat(const std::string& url, const std::string& role, const WorkerLoad& load,
-                               Clock::time_point now) {
+void WorkerRegistry::heartbeat(const std::string& url, const std::string& role,
+                               const WorkerLoad& load, Clock::time_point now) {
   RELAY_CHECK(!url.empty(), "heartbeat: empty worker url");
   RELAY_CHECK(role == "prefill" || role == "decode", "heartbeat: unknown role '", role, "'");
   std::lock_guard lock(mu_);
@@ -45,8 +45,9 @@ std::optional<std::string> WorkerRegistry::pick(const std::string& role, Clock::
   std::lock_guard lock(mu_);
   const WorkerState* best = nullptr;
   auto cost = [&](const WorkerState& w) {
-    return role == "prefill" ? static_cast<double>(w.load.queued_prompt_tokens + w.pending_tokens)
-                             : static_cast<double>(w.load.num_running + w.load.num_waiting + w.pending_seqs);
+    return role == "prefill"
+               ? static_cast<double>(w.load.queued_prompt_tokens + w.pending_tokens)
+               : static_cast<double>(w.load.num_running + w.load.num_waiting + w.pending_seqs);
   };
   for (const auto& [url, w] : workers_) {
     if (w.role != role || !is_up(w, now) || exclude.count(url) != 0) continue;
@@ -76,7 +77,8 @@ void WorkerRegistry::mark_down(const std::string& url) {
 void WorkerRegistry::record_prompt(int64_t tokens, Clock::time_point now) {
   std::lock_guard lock(mu_);
   prompts_.emplace_back(now, tokens);
-  while (!prompts_.empty() && now - prompts_.front().first > options_.rate_window) prompts_.pop_front();
+  while (!prompts_.empty() && now - prompts_.front().first > options_.rate_window)
+    prompts_.pop_front();
 }
 
 std::vector<WorkerState> WorkerRegistry::workers(Clock::time_point now) const {
@@ -108,15 +110,18 @@ AutoscaleSignals WorkerRegistry::signals(Clock::time_point now) const {
     if (now - t <= options_.rate_window) tokens += n;
   }
   s.prompt_tokens_per_s = tokens / std::chrono::duration<double>(options_.rate_window).count();
-  s.prefill_capacity_tokens_per_s =
-      options_.prefill_capacity_tokens_per_s > 0 ? options_.prefill_capacity_tokens_per_s : measured;
+  s.prefill_capacity_tokens_per_s = options_.prefill_capacity_tokens_per_s > 0
+                                        ? options_.prefill_capacity_tokens_per_s
+                                        : measured;
   // Without a capacity figure yet, the signal holds the current count rather than guessing.
   s.prefill_replicas_needed =
       s.prefill_capacity_tokens_per_s > 0
-          ? std::max(1, static_cast<int>(std::ceil(s.prompt_tokens_per_s / s.prefill_capacity_tokens_per_s)))
+          ? std::max(1, static_cast<int>(
+                            std::ceil(s.prompt_tokens_per_s / s.prefill_capacity_tokens_per_s)))
           : std::max(1, s.prefill_workers_up);
   s.decode_replicas_needed =
-      std::max(1, static_cast<int>(std::ceil(static_cast<double>(s.decode_sequences) / options_.decode_target_batch)));
+      std::max(1, static_cast<int>(std::ceil(static_cast<double>(s.decode_sequences) /
+                                             options_.decode_target_batch)));
   return s;
 }
 

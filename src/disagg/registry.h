@@ -10,8 +10,9 @@
 // Picks follow the design: prefill -> the worker with the fewest queued prompt tokens; decode ->
 // the one with the smallest batch (running + waiting). Autoscaling signals (exported as metrics for
 // an orchestrator such as a Kubernetes HPA, docs/disaggregation.md):
-//   prefill_replicas_needed = ceil(prompt tokens/s arriving / prefill tokens/s one worker sustains),
-//   decode_replicas_needed  = ceil(sequences in decode / target batch per decode worker).
+//   prefill_replicas_needed = ceil(prompt tokens/s arriving / prefill tokens/s one worker
+//   sustains), decode_replicas_needed  = ceil(sequences in decode / target batch per decode
+//   worker).
 #pragma once
 
 #include <chrono>
@@ -41,15 +42,15 @@ struct WorkerState {
   WorkerLoad load;   // as last reported
   bool up = false;
   Clock::time_point last_seen;
-  int64_t pending_tokens = 0;  // prompt tokens sent since the last heartbeat (prefill)
-  int pending_seqs = 0;        // sequences sent since the last heartbeat (decode)
+  int64_t pending_tokens = 0;              // prompt tokens sent since the last heartbeat (prefill)
+  int pending_seqs = 0;                    // sequences sent since the last heartbeat (decode)
   double peak_prefill_tokens_per_s = 0.0;  // the highest rate measured between two heartbeats
 };
 
 struct AutoscaleSignals {
   int prefill_workers_up = 0;
   int decode_workers_up = 0;
-  double prompt_tokens_per_s = 0.0;           // arriving at the router, over the rate window
+  double prompt_tokens_per_s = 0.0;            // arriving at the router, over the rate window
   double prefill_capacity_tokens_per_s = 0.0;  // per worker: configured, else the best measured
   int prefill_replicas_needed = 0;
   int decode_sequences = 0;
@@ -68,7 +69,8 @@ class WorkerRegistry {
   explicit WorkerRegistry(RegistryOptions options = {});
 
   // Registers or refreshes a worker; throws relay::Error for an unknown role or empty url.
-  void heartbeat(const std::string& url, const std::string& role, const WorkerLoad& load, Clock::time_point now);
+  void heartbeat(const std::string& url, const std::string& role, const WorkerLoad& load,
+                 Clock::time_point now);
   // The least loaded worker of `role` that is up and not in `exclude`.
   std::optional<std::string> pick(const std::string& role, Clock::time_point now,
                                   const std::set<std::string>& exclude = {});

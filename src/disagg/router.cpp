@@ -19,7 +19,8 @@ std::chrono::milliseconds ms(Seconds s) {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
 }
 
-std::unique_ptr<httplib::Client> client(const std::string& url, std::chrono::milliseconds read_timeout) {
+std::unique_ptr<httplib::Client> client(const std::string& url,
+                                        std::chrono::milliseconds read_timeout) {
   auto c = std::make_unique<httplib::Client>(url);
   c->set_connection_timeout(std::chrono::seconds(2));
   c->set_read_timeout(read_timeout);
@@ -44,23 +45,30 @@ struct DisaggRouter::Live {
   Clock::time_point arrival = Clock::now();
 };
 
-DisaggRouter::DisaggRouter(RouterOptions options, WorkerRegistry& registry, server::Metrics& metrics)
+DisaggRouter::DisaggRouter(RouterOptions options, WorkerRegistry& registry,
+                           server::Metrics& metrics)
     : options_(options), registry_(registry), metrics_(metrics) {
   metrics_.set_extra([this](const std::string& labels) {
     const AutoscaleSignals s = registry_.signals(Clock::now());
     std::string out;
     auto gauge = [&](const char* name, const char* help, double v) {
-      out += str("# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n", name, "{", labels, "} ", v, "\n");
+      out += str("# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n", name, "{", labels, "} ",
+                 v, "\n");
     };
-    gauge("relay:prefill_workers_up", "Prefill workers whose heartbeats are current.", s.prefill_workers_up);
-    gauge("relay:decode_workers_up", "Decode workers whose heartbeats are current.", s.decode_workers_up);
-    gauge("relay:prompt_tokens_per_second", "Prompt tokens arriving per second (rate window).", s.prompt_tokens_per_s);
-    gauge("relay:prefill_capacity_tokens_per_second", "Prompt tokens per second one prefill worker sustains.",
-          s.prefill_capacity_tokens_per_s);
+    gauge("relay:prefill_workers_up", "Prefill workers whose heartbeats are current.",
+          s.prefill_workers_up);
+    gauge("relay:decode_workers_up", "Decode workers whose heartbeats are current.",
+          s.decode_workers_up);
+    gauge("relay:prompt_tokens_per_second", "Prompt tokens arriving per second (rate window).",
+          s.prompt_tokens_per_s);
+    gauge("relay:prefill_capacity_tokens_per_second",
+          "Prompt tokens per second one prefill worker sustains.", s.prefill_capacity_tokens_per_s);
     gauge("relay:prefill_replicas_needed", "Prefill workers the arriving prompt tokens call for.",
           s.prefill_replicas_needed);
-    gauge("relay:decode_sequences", "Sequences running or waiting on the decode workers.", s.decode_sequences);
-    gauge("relay:decode_replicas_needed", "Decode workers the decode batch calls for.", s.decode_replicas_needed);
+    gauge("relay:decode_sequences", "Sequences running or waiting on the decode workers.",
+          s.decode_sequences);
+    gauge("relay:decode_replicas_needed", "Decode workers the decode batch calls for.",
+          s.decode_replicas_needed);
     return out;
   });
 }
@@ -80,8 +88,8 @@ void DisaggRouter::add_routes(httplib::Server& svr) {
       load.kv_cache_usage = field<double>(j, "kv_cache_usage", "heartbeat");
       load.queued_prompt_tokens = field<int64_t>(j, "queued_prompt_tokens", "heartbeat");
       load.prefill_tokens_total = field<int64_t>(j, "prefill_tokens_total", "heartbeat");
-      registry_.heartbeat(field<std::string>(j, "url", "heartbeat"), field<std::string>(j, "role", "heartbeat"),
-                          load, Clock::now());
+      registry_.heartbeat(field<std::string>(j, "url", "heartbeat"),
+                          field<std::string>(j, "role", "heartbeat"), load, Clock::now());
       res.set_content("{}", "application/json");
     } catch (const std::exception& e) {
       res.status = 400;
@@ -149,7 +157,8 @@ void DisaggRouter::finish_aborted(Live& live) {
 }
 
 void DisaggRouter::finish_failed(Live& live, const std::string& message, int http_status) {
-  metrics_.request_finished("error", std::chrono::duration<double>(Clock::now() - live.arrival).count(), 0.0);
+  metrics_.request_finished(
+      "error", std::chrono::duration<double>(Clock::now() - live.arrival).count(), 0.0);
   --num_unfinished_;
   live.handle->fail(message, http_status);
 }
@@ -162,7 +171,8 @@ void DisaggRouter::run(std::shared_ptr<Live> live, EngineRequest request) {
     last_error = attempt(*live, request, retry);
     if (!retry) return;
   }
-  finish_failed(*live, str("gave up after ", options_.max_attempts, " attempts: ", last_error), 503);
+  finish_failed(*live, str("gave up after ", options_.max_attempts, " attempts: ", last_error),
+                503);
 }
 
 std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool& retry) {
@@ -179,15 +189,16 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
     auto d = registry_.pick("decode", Clock::now(), full);
     if (!d) {
       if (Clock::now() > wait_until) {
-        finish_failed(live, full.empty() ? "no decode worker is up" : "every decode worker is full", 503);
+        finish_failed(live, full.empty() ? "no decode worker is up" : "every decode worker is full",
+                      503);
         return "";
       }
       full.clear();  // look again at everyone once they had time to free pages
       wait_a_little();
       continue;
     }
-    auto r = client(*d, std::chrono::seconds(30))->Post("/disagg/reserve", json{{"num_tokens", n}}.dump(),
-                                                          "application/json");
+    auto r = client(*d, std::chrono::seconds(30))
+                 ->Post("/disagg/reserve", json{{"num_tokens", n}}.dump(), "application/json");
     if (!r) {
       registry_.mark_down(*d);
       continue;
@@ -222,7 +233,9 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
 
   // 2. The prompt on a prefill worker, its KV written into the reservation.
   std::optional<std::string> p;
-  while (!(p = registry_.pick("prefill", Clock::now())) && Clock::now() < wait_until && !live.aborted) wait_a_little();
+  while (!(p = registry_.pick("prefill", Clock::now())) && Clock::now() < wait_until &&
+         !live.aborted)
+    wait_a_little();
   if (!p || live.aborted) {
     release();
     if (live.aborted) {
@@ -233,11 +246,12 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
     return "";
   }
   registry_.assigned(*p, n);
-  const json prefill_msg = {{"request", request_to_json(request)},
-                            {"kv", reservation.at("kv")},
-                            {"timeout_ms", static_cast<int64_t>(options_.prefill_timeout_s * 1000)}};
-  auto pr = client(*p, ms(options_.prefill_timeout_s + 5))->Post("/disagg/prefill", prefill_msg.dump(),
-                                                                   "application/json");
+  const json prefill_msg = {
+      {"request", request_to_json(request)},
+      {"kv", reservation.at("kv")},
+      {"timeout_ms", static_cast<int64_t>(options_.prefill_timeout_s * 1000)}};
+  auto pr = client(*p, ms(options_.prefill_timeout_s + 5))
+                ->Post("/disagg/prefill", prefill_msg.dump(), "application/json");
   if (!pr || pr->status == 502 || pr->status == 504) {
     // The prefill worker is gone, or the hand-off failed: send the prompt again, elsewhere.
     if (!pr) registry_.mark_down(*p);
@@ -256,7 +270,8 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
   httplib::Request req;
   req.method = "POST";
   req.path = "/disagg/generate";
-  req.body = json{{"id", reservation_id}, {"request", request_to_json(request)}, {"first", first}}.dump();
+  req.body =
+      json{{"id", reservation_id}, {"request", request_to_json(request)}, {"first", first}}.dump();
   req.set_header("Content-Type", "application/json");
   std::string buffer, stream_error;
   bool finished = false;
@@ -268,7 +283,8 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       if (line.empty()) continue;  // the worker's heartbeat
       const json j = json::parse(line, nullptr, false);
       if (j.is_discarded() || (j.contains("error") && !j.contains("id"))) {
-        stream_error = j.is_discarded() ? "malformed output line" : j.at("error").get<std::string>();
+        stream_error =
+            j.is_discarded() ? "malformed output line" : j.at("error").get<std::string>();
         return false;
       }
       RequestOutput out = output_from_json(j);

@@ -30,7 +30,8 @@ constexpr auto kStreamHeartbeat = std::chrono::milliseconds(500);
 // Waits for a future of the engine thread, bounded: a wedged engine fails the control message.
 template <typename T>
 T wait_engine(std::future<T> f, const char* what) {
-  if (f.wait_for(kEngineCallTimeout) != std::future_status::ready) fail(str(what, ": the engine did not answer in time"));
+  if (f.wait_for(kEngineCallTimeout) != std::future_status::ready)
+    fail(str(what, ": the engine did not answer in time"));
   return f.get();
 }
 
@@ -38,18 +39,22 @@ std::string error_json(const std::string& message) { return json{{"error", messa
 
 std::vector<KvPoolExport> exported_pools(LLMEngine& engine) {
   std::vector<KvPoolExport> pools = engine.backend().kv_pool_exports();
-  RELAY_CHECK(!pools.empty(), "this backend cannot export its KV pool for a disaggregated hand-off");
+  RELAY_CHECK(!pools.empty(),
+              "this backend cannot export its KV pool for a disaggregated hand-off");
   return pools;
 }
 
-std::unique_ptr<Transport> make_transport(const WorkerOptions& o, const std::vector<KvPoolExport>& pools) {
+std::unique_ptr<Transport> make_transport(const WorkerOptions& o,
+                                          const std::vector<KvPoolExport>& pools) {
   std::string kind = o.kv_transport;
   const bool on_device = pools.front().device >= 0;
   if (kind == "auto") kind = on_device ? "cuda_ipc" : "ucx";
-  // UCX's and CUDA's own bound on one wait; the hand-off's deadline (transfer_timeout_s) is the engine's.
+  // UCX's and CUDA's own bound on one wait; the hand-off's deadline (transfer_timeout_s) is the
+  // engine's.
   const int wait_ms = std::max(1000, static_cast<int>(o.transfer_timeout_s * 1000));
   if (kind == "ucx") {
-    RELAY_CHECK(!on_device, "--kv-transport ucx: Relay's UCX has no CUDA support; device pools need cuda_ipc");
+    RELAY_CHECK(!on_device,
+                "--kv-transport ucx: Relay's UCX has no CUDA support; device pools need cuda_ipc");
     UcxTransportOptions uo;
     uo.timeout_ms = wait_ms;
     uo.transports = o.ucx_transports;
@@ -64,7 +69,8 @@ std::unique_ptr<Transport> make_transport(const WorkerOptions& o, const std::vec
     return make_cuda_ipc_transport(co);
 #endif
   }
-  fail(str("--kv-transport must be auto, ucx or cuda_ipc (cuda_ipc in CUDA builds), got '", kind, "'"));
+  fail(str("--kv-transport must be auto, ucx or cuda_ipc (cuda_ipc in CUDA builds), got '", kind,
+           "'"));
 }
 
 }  // namespace
@@ -74,8 +80,8 @@ DisaggWorker::DisaggWorker(WorkerOptions options, LLMEngine& engine, server::Eng
       loop_(loop),
       pools_(exported_pools(engine)),
       num_kv_heads_(static_cast<int>(engine.model_config().num_key_value_heads)) {
-  RELAY_CHECK(options_.role == "prefill" || options_.role == "decode", "--role must be prefill or decode, got '",
-              options_.role, "'");
+  RELAY_CHECK(options_.role == "prefill" || options_.role == "decode",
+              "--role must be prefill or decode, got '", options_.role, "'");
   transfer_ = std::make_unique<TransferEngine>(make_transport(options_, pools_));
   // NOTE: region ids must be unique across every worker that exchanges copies; a random 31-bit
   // worker tag in the high bits makes a collision between workers (or a restarted one) negligible.
@@ -93,8 +99,8 @@ json DisaggWorker::side_json(int dp_rank) const {
     if (p.dp_rank != dp_rank) continue;
     const KvCacheLayout& l = p.layout;
     ranks.push_back(contiguous_kv_pool(l.num_layers, l.num_blocks, l.block_size, l.head_dim,
-                                       static_cast<int>(l.element_bytes), {p.first_kv_head, p.num_kv_heads},
-                                       region_base_ + r));
+                                       static_cast<int>(l.element_bytes),
+                                       {p.first_kv_head, p.num_kv_heads}, region_base_ + r));
     regions.push_back(transfer_->descriptor(region_base_ + r));
   }
   return {{"num_kv_heads", num_kv_heads_}, {"ranks", ranks}, {"regions", regions}};
@@ -102,7 +108,9 @@ json DisaggWorker::side_json(int dp_rank) const {
 
 DisaggWorker::~DisaggWorker() { stop(); }
 
-void DisaggWorker::start() { heartbeat_thread_ = std::thread([this] { heartbeat_loop(); }); }
+void DisaggWorker::start() {
+  heartbeat_thread_ = std::thread([this] { heartbeat_loop(); });
+}
 
 void DisaggWorker::stop() {
   {
@@ -129,8 +137,9 @@ void DisaggWorker::reserve(const std::string& body, std::string& reply, int& sta
   }
   {
     std::lock_guard lock(mu_);
-    reservations_[id] = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(options_.reservation_timeout_s));
+    reservations_[id] =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(options_.reservation_timeout_s));
   }
   const int per_rank = pools_.front().layout.num_blocks;
   for (int32_t& b : *table) b -= partition * per_rank;
@@ -156,7 +165,8 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
   const Clock::time_point deadline = Clock::now() + timeout;
   const int64_t num_tokens = static_cast<int64_t>(request.prompt.size());
   std::vector<KvPoolDesc> dst_pools = field<std::vector<KvPoolDesc>>(kv, "ranks", "kv");
-  const std::vector<RegionDescriptor> dst_regions = field<std::vector<RegionDescriptor>>(kv, "regions", "kv");
+  const std::vector<RegionDescriptor> dst_regions =
+      field<std::vector<RegionDescriptor>>(kv, "regions", "kv");
   const std::vector<int32_t> dst_table = field<std::vector<int32_t>>(kv, "block_table", "kv");
   const int dst_heads = field<int>(kv, "num_kv_heads", "kv");
 
@@ -180,8 +190,9 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
     for (RequestOutput& o : handle->next(kPollInterval)) last = std::move(o);
   }
   if (!handle->error().empty()) fail(str("prefill failed: ", handle->error()));
-  RELAY_CHECK(last.finish != FinishReason::kNone && last.new_tokens.size() == 1 && !last.kv_blocks.empty(),
-              "prefill produced no first token");
+  RELAY_CHECK(
+      last.finish != FinishReason::kNone && last.new_tokens.size() == 1 && !last.kv_blocks.empty(),
+      "prefill produced no first token");
   const int64_t held_id = handle->id();
   // Whatever happens now, the held blocks go back.
   struct Release {
@@ -207,23 +218,26 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
   const KvTransferSide src{num_kv_heads_, src_pools, src_table};
   const KvTransferSide dst{dst_heads, dst_pools, dst_table};
   const std::vector<KvCopy> copies = plan_kv_copies(src, dst, {0, num_tokens});
-  const Clock::time_point transfer_deadline =
-      std::min(deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                            std::chrono::duration<double>(options_.transfer_timeout_s)));
+  const Clock::time_point transfer_deadline = std::min(
+      deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(options_.transfer_timeout_s)));
   const Clock::time_point transfer_start = Clock::now();
   const TransferResult result =
       transfer_->submit({next_transfer_id_++, transfer_copies(copies), transfer_deadline}).get();
-  const double transfer_ms = std::chrono::duration<double, std::milli>(Clock::now() - transfer_start).count();
+  const double transfer_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - transfer_start).count();
   if (result.status != TransferStatus::Ok) {
     status = result.status == TransferStatus::DeadlineExceeded ? 504 : 502;
-    reply = error_json(str("KV transfer ", transfer_status_name(result.status), ": ", result.reason));
+    reply =
+        error_json(str("KV transfer ", transfer_status_name(result.status), ": ", result.reason));
     return;
   }
   prefill_tokens_done_ += num_tokens;
-  std::fprintf(stderr, "relay: KV hand-off: %lld tokens, %llu bytes in %llu copies, %.3f ms (%.2f GB/s)\n",
-               static_cast<long long>(num_tokens), static_cast<unsigned long long>(result.bytes_copied),
-               static_cast<unsigned long long>(result.num_copies_done), transfer_ms,
-               transfer_ms > 0 ? result.bytes_copied / transfer_ms / 1e6 : 0.0);
+  std::fprintf(
+      stderr, "relay: KV hand-off: %lld tokens, %llu bytes in %llu copies, %.3f ms (%.2f GB/s)\n",
+      static_cast<long long>(num_tokens), static_cast<unsigned long long>(result.bytes_copied),
+      static_cast<unsigned long long>(result.num_copies_done), transfer_ms,
+      transfer_ms > 0 ? result.bytes_copied / transfer_ms / 1e6 : 0.0);
   FirstToken first;
   first.token.token = last.new_tokens[0];
   if (!last.logprobs.empty()) {
@@ -247,7 +261,8 @@ void DisaggWorker::generate(const httplib::Request& req, httplib::Response& res)
     const FirstToken first = first_token_from_json(field<json>(j, "first", "generate"));
     {
       std::lock_guard lock(mu_);
-      RELAY_CHECK(reservations_.erase(id) == 1, "no KV reservation ", id, " (unknown, used or expired)");
+      RELAY_CHECK(reservations_.erase(id) == 1, "no KV reservation ", id,
+                  " (unknown, used or expired)");
     }
     handle = loop_.submit_prefilled(id, std::move(request), first.token, first.num_cached_tokens);
   } catch (const std::exception& e) {
@@ -282,7 +297,8 @@ void DisaggWorker::generate(const httplib::Request& req, httplib::Response& res)
       });
 }
 
-void add_worker_routes(httplib::Server& svr, const std::string& role, std::function<DisaggWorker*()> worker) {
+void add_worker_routes(httplib::Server& svr, const std::string& role,
+                       std::function<DisaggWorker*()> worker) {
   // Runs a control message: 503 while loading, 400 for a malformed one, 500 for an engine failure.
   auto guarded = [worker](auto fn) {
     return [worker, fn](const httplib::Request& req, httplib::Response& res) {
@@ -310,8 +326,11 @@ void add_worker_routes(httplib::Server& svr, const std::string& role, std::funct
   using Req = const httplib::Request&;
   using Res = httplib::Response&;
   if (role == "decode") {
-    svr.Post("/disagg/reserve", guarded([](DisaggWorker& w, Req q, std::string& r, int& s) { w.reserve(q.body, r, s); }));
-    svr.Post("/disagg/release", guarded([](DisaggWorker& w, Req q, std::string&, int&) { w.release(q.body); }));
+    svr.Post("/disagg/reserve", guarded([](DisaggWorker& w, Req q, std::string& r, int& s) {
+               w.reserve(q.body, r, s);
+             }));
+    svr.Post("/disagg/release",
+             guarded([](DisaggWorker& w, Req q, std::string&, int&) { w.release(q.body); }));
     // Streams, so it writes its own response.
     svr.Post("/disagg/generate", [worker](Req q, Res p) {
       if (DisaggWorker* w = worker()) {
@@ -322,7 +341,9 @@ void add_worker_routes(httplib::Server& svr, const std::string& role, std::funct
       }
     });
   } else {
-    svr.Post("/disagg/prefill", guarded([](DisaggWorker& w, Req q, std::string& r, int& s) { w.prefill(q.body, r, s); }));
+    svr.Post("/disagg/prefill", guarded([](DisaggWorker& w, Req q, std::string& r, int& s) {
+               w.prefill(q.body, r, s);
+             }));
   }
 }
 

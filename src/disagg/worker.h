@@ -6,9 +6,10 @@
 // prefill worker can write straight into a decode worker's pages:
 //
 //   decode  POST /disagg/reserve  {"num_tokens"}                 -> {"id", "kv": side}  (503: full)
-//   prefill POST /disagg/prefill  {"request", "kv": side, "timeout_ms"} -> {"first"}  after the KV landed
-//   decode  POST /disagg/generate {"id", "request", "first"}     -> one RequestOutput JSON per line
-//   decode  POST /disagg/release  {"id"}                         -> {}  (a reservation not needed)
+//   prefill POST /disagg/prefill  {"request", "kv": side, "timeout_ms"} -> {"first"}  after the KV
+//   landed decode  POST /disagg/generate {"id", "request", "first"}     -> one RequestOutput JSON
+//   per line decode  POST /disagg/release  {"id"}                         -> {}  (a reservation not
+//   needed)
 //
 // "side" is the destination of a transfer: {"num_kv_heads", "ranks": [KvPoolDesc], "regions":
 // [RegionDescriptor], "block_table"} for the DP rank holding the reservation (block ids local to
@@ -41,25 +42,26 @@ namespace httplib {
 class Server;
 struct Request;
 struct Response;
-}
+}  // namespace httplib
 
 namespace relay::disagg {
 
 struct WorkerOptions {
-  std::string role;                       // "prefill" or "decode"
-  std::string router;                     // the router's "host:port"; empty: no heartbeats
-  std::string url;                        // how the router reaches this worker: "http://host:port"
+  std::string role;    // "prefill" or "decode"
+  std::string router;  // the router's "host:port"; empty: no heartbeats
+  std::string url;     // how the router reaches this worker: "http://host:port"
   double heartbeat_interval_s = 1.0;
-  double transfer_timeout_s = 30.0;       // prefill: the KV must land at the decode worker by then
-  double reservation_timeout_s = 60.0;    // decode: an unused reservation is freed after this
-  std::string ucx_transports;             // UCX_TLS-style transport list; empty: UCX chooses
-  std::string kv_transport = "auto";      // "auto" (ucx for host pools, cuda_ipc for device), "ucx", "cuda_ipc"
+  double transfer_timeout_s = 30.0;     // prefill: the KV must land at the decode worker by then
+  double reservation_timeout_s = 60.0;  // decode: an unused reservation is freed after this
+  std::string ucx_transports;           // UCX_TLS-style transport list; empty: UCX chooses
+  std::string kv_transport =
+      "auto";  // "auto" (ucx for host pools, cuda_ipc for device), "ucx", "cuda_ipc"
 };
 
 class DisaggWorker {
  public:
-  // `engine` runs on `loop`'s thread; its backend must export its KV pools (Backend::kv_pool_exports):
-  // host pools travel over UCX, device pools over CUDA IPC.
+  // `engine` runs on `loop`'s thread; its backend must export its KV pools
+  // (Backend::kv_pool_exports): host pools travel over UCX, device pools over CUDA IPC.
   DisaggWorker(WorkerOptions options, LLMEngine& engine, server::EngineLoop& loop);
   ~DisaggWorker();
 
@@ -75,7 +77,8 @@ class DisaggWorker {
 
  private:
   void heartbeat_loop();
-  // The ranks of DP group `dp_rank` as one side of a transfer: {"num_kv_heads", "ranks", "regions"}.
+  // The ranks of DP group `dp_rank` as one side of a transfer: {"num_kv_heads", "ranks",
+  // "regions"}.
   nlohmann::json side_json(int dp_rank) const;
 
   WorkerOptions options_;
@@ -83,10 +86,11 @@ class DisaggWorker {
   std::vector<KvPoolExport> pools_;  // every rank's, in rank order
   int num_kv_heads_ = 0;             // the model's
   std::unique_ptr<TransferEngine> transfer_;
-  RegionId region_base_ = 0;                 // this worker's region ids: region_base_ + rank
+  RegionId region_base_ = 0;  // this worker's region ids: region_base_ + rank
   std::mutex mu_;
-  std::unordered_set<RegionId> imported_;    // remote regions already imported
-  std::unordered_map<int64_t, std::chrono::steady_clock::time_point> reservations_;  // decode: id -> expiry
+  std::unordered_set<RegionId> imported_;  // remote regions already imported
+  std::unordered_map<int64_t, std::chrono::steady_clock::time_point>
+      reservations_;                              // decode: id -> expiry
   std::atomic<int64_t> queued_prompt_tokens_{0};  // prefill: prompts in flight here
   std::atomic<int64_t> prefill_tokens_done_{0};
   std::atomic<int64_t> next_transfer_id_{1};
@@ -97,6 +101,7 @@ class DisaggWorker {
 
 // Adds the role's routes to `server` (before it starts listening); until `worker()` returns a
 // worker (the model is still loading) they answer 503.
-void add_worker_routes(httplib::Server& server, const std::string& role, std::function<DisaggWorker*()> worker);
+void add_worker_routes(httplib::Server& server, const std::string& role,
+                       std::function<DisaggWorker*()> worker);
 
 }  // namespace relay::disagg

@@ -36,39 +36,39 @@ struct SamplingParams {
 // One sequence's part of a step.
 struct StepSequence {
   int64_t seq_id = 0;
-  std::span<const int32_t> tokens;           // the tokens to compute now
-  int32_t num_computed = 0;                  // tokens already in the KV cache (position of tokens[0])
-  std::span<const int32_t> block_table;      // KV blocks covering num_computed + tokens.size()
-  bool sample = false;                       // sample after the last token of `tokens`
+  std::span<const int32_t> tokens;       // the tokens to compute now
+  int32_t num_computed = 0;              // tokens already in the KV cache (position of tokens[0])
+  std::span<const int32_t> block_table;  // KV blocks covering num_computed + tokens.size()
+  bool sample = false;                   // sample after the last token of `tokens`
   const SamplingParams* sampling = nullptr;  // when sample
   std::span<const int32_t> output_tokens;    // generated so far, for penalties
   uint64_t sample_index = 0;                 // how many tokens this sequence sampled before
-  std::span<const int32_t> prompt_tokens;    // the prompt, for repetition_penalty (vLLM counts both)
+  std::span<const int32_t> prompt_tokens;  // the prompt, for repetition_penalty (vLLM counts both)
 };
 
 struct SampledToken {
   int64_t seq_id = 0;
   int32_t token = 0;
-  float logprob = 0.0f;                           // log-softmax of the raw logits (vLLM's default)
-  std::vector<std::pair<int32_t, float>> top;     // the num_logprobs most likely, best first
+  float logprob = 0.0f;                        // log-softmax of the raw logits (vLLM's default)
+  std::vector<std::pair<int32_t, float>> top;  // the num_logprobs most likely, best first
 };
 
-// One rank's KV pool as a transfer engine sees it: where its bytes are and what they hold. Block ids
-// in `layout` are local to the rank (global id - dp_rank * layout.num_blocks).
+// One rank's KV pool as a transfer engine sees it: where its bytes are and what they hold. Block
+// ids in `layout` are local to the rank (global id - dp_rank * layout.num_blocks).
 struct KvPoolExport {
   std::byte* base = nullptr;  // host memory, or device memory of CUDA device `device`
   KvCacheLayout layout;
   int first_kv_head = 0;
   int num_kv_heads = 0;
   int dp_rank = 0;
-  int device = -1;            // -1: host memory
+  int device = -1;  // -1: host memory
 };
 
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual const ModelConfig& config() const = 0;
-  virtual int block_size() const = 0;    // tokens per KV block
+  virtual int block_size() const = 0;     // tokens per KV block
   virtual int num_kv_blocks() const = 0;  // blocks in the pool
   // The pool is split into this many equal ranges of block ids, one per data-parallel rank; every
   // block of a sequence must come from one range (its KV lives on that rank).

@@ -32,13 +32,16 @@ struct CpuBackend::Rank {
 namespace {
 
 int threads_per_rank(int requested, int world) {
-  const int total = requested > 0 ? requested : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int total = requested > 0
+                        ? requested
+                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, total / world);
 }
 
 }  // namespace
 
-CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendOptions& o) : parallel_(o.parallel) {
+CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendOptions& o)
+    : parallel_(o.parallel) {
   RELAY_CHECK(o.block_size > 0, "block_size must be positive, got ", o.block_size);
   parallel_.validate();
   const int world = parallel_.world_size();
@@ -48,12 +51,14 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   for (int r = 0; r < world; ++r) {
     const ShardSpec shard = make_shard(config, parallel_, r, world > 1 ? comms_[r].get() : nullptr);
     std::unique_ptr<Model> model = build_model(config, ckpt, shard);
-    const KvCacheLayout layout = o.num_blocks > 0 ? model->kv_layout(o.block_size, o.num_blocks)
-                                                  : model->kv_layout_for_budget(o.block_size, o.kv_cache_bytes);
+    const KvCacheLayout layout = o.num_blocks > 0
+                                     ? model->kv_layout(o.block_size, o.num_blocks)
+                                     : model->kv_layout_for_budget(o.block_size, o.kv_cache_bytes);
     if (r == 0) blocks_per_rank_ = layout.num_blocks;
     // Every rank gets the same number of blocks (the ranks holding more KV heads set the count).
     const KvCacheLayout same = model->kv_layout(o.block_size, blocks_per_rank_);
-    ranks_.push_back(std::make_unique<Rank>(std::move(model), same, threads_per_rank(o.num_threads, world),
+    ranks_.push_back(std::make_unique<Rank>(std::move(model), same,
+                                            threads_per_rank(o.num_threads, world),
                                             parallel::place_rank(parallel_, r).dp_rank));
   }
 }
@@ -69,14 +74,15 @@ std::vector<KvPoolExport> CpuBackend::kv_pool_exports() {
   std::vector<KvPoolExport> out;
   for (auto& r : ranks_) {
     const ShardSpec& s = r->model->shard();
-    out.push_back({reinterpret_cast<std::byte*>(r->kv.data()), r->kv.layout(), s.kv_head_begin, s.num_local_kv_heads,
-                   r->dp_rank, -1});
+    out.push_back({reinterpret_cast<std::byte*>(r->kv.data()), r->kv.layout(), s.kv_head_begin,
+                   s.num_local_kv_heads, r->dp_rank, -1});
   }
   return out;
 }
 ThreadPool& CpuBackend::thread_pool(int rank) { return ranks_.at(rank)->pool; }
 
-void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch, const std::vector<RowsOf>& rows_of) {
+void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
+                             const std::vector<RowsOf>& rows_of) {
   const int bs = block_size();
   const int32_t first_block = r.dp_rank * blocks_per_rank_;
   size_t max_blocks = 1;
@@ -91,13 +97,14 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch, const
   for (size_t m = 0; m < r.members.size(); ++m) {
     const StepSequence& s = batch[r.members[m]];
     const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
-    RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id, " needs ",
-                context, " KV slots but its block table has ", s.block_table.size(), " blocks of ", bs);
+    RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
+                " needs ", context, " KV slots but its block table has ", s.block_table.size(),
+                " blocks of ", bs);
     for (size_t j = 0; j < s.block_table.size(); ++j) {
       const int32_t local = s.block_table[j] - first_block;
-      RELAY_CHECK(local >= 0 && local < blocks_per_rank_, "sequence ", s.seq_id, " block ", j, " is ",
-                  s.block_table[j], ", outside the blocks [", first_block, ", ", first_block + blocks_per_rank_,
-                  ") of the rank that holds its KV");
+      RELAY_CHECK(local >= 0 && local < blocks_per_rank_, "sequence ", s.seq_id, " block ", j,
+                  " is ", s.block_table[j], ", outside the blocks [", first_block, ", ",
+                  first_block + blocks_per_rank_, ") of the rank that holds its KV");
       r.block_tables[m * max_blocks + j] = local;
     }
     const int32_t* table = r.block_tables.data() + m * max_blocks;
@@ -115,11 +122,13 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch, const
       for (int32_t row = r.query_starts[m]; row <= last; ++row) r.logit_rows.push_back(row);
     }
   }
-  r.batch = ForwardBatch{r.token_ids, r.positions, r.query_starts, r.context_lens, r.block_tables,
-                         static_cast<int>(max_blocks), r.slot_mapping, r.logit_rows};
+  r.batch = ForwardBatch{r.token_ids,    r.positions,    r.query_starts,
+                         r.context_lens, r.block_tables, static_cast<int>(max_blocks),
+                         r.slot_mapping, r.logit_rows};
 }
 
-std::vector<float> CpuBackend::run(std::span<const StepSequence> batch, const std::vector<RowsOf>& rows_of) {
+std::vector<float> CpuBackend::run(std::span<const StepSequence> batch,
+                                   const std::vector<RowsOf>& rows_of) {
   RELAY_CHECK(!batch.empty(), "step with an empty batch");
   for (const StepSequence& s : batch) {
     RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
@@ -131,8 +140,9 @@ std::vector<float> CpuBackend::run(std::span<const StepSequence> batch, const st
   for (auto& r : ranks_) r->members.clear();
   for (size_t i = 0; i < batch.size(); ++i) {
     const int dp_rank = batch[i].block_table[0] / blocks_per_rank_;
-    RELAY_CHECK(batch[i].block_table[0] >= 0 && dp_rank < parallel_.dp, "sequence ", batch[i].seq_id,
-                " starts at block ", batch[i].block_table[0], ", outside the pool of ", num_kv_blocks());
+    RELAY_CHECK(batch[i].block_table[0] >= 0 && dp_rank < parallel_.dp, "sequence ",
+                batch[i].seq_id, " starts at block ", batch[i].block_table[0],
+                ", outside the pool of ", num_kv_blocks());
     for (auto& r : ranks_) {
       if (r->dp_rank == dp_rank) r->members.push_back(i);
     }
@@ -164,7 +174,8 @@ std::vector<float> CpuBackend::run(std::span<const StepSequence> batch, const st
       }
     };
     std::vector<std::thread> threads;
-    for (size_t i = 1; i < ranks_.size(); ++i) threads.emplace_back(guarded, std::ref(*ranks_[i]), i);
+    for (size_t i = 1; i < ranks_.size(); ++i)
+      threads.emplace_back(guarded, std::ref(*ranks_[i]), i);
     guarded(*ranks_[0], 0);
     for (std::thread& t : threads) t.join();
     if (first_error) {
@@ -177,7 +188,9 @@ std::vector<float> CpuBackend::run(std::span<const StepSequence> batch, const st
   // rank that ran each sequence.
   const size_t vocab = static_cast<size_t>(config().vocab_size);
   auto num_rows = [&](size_t i) -> size_t {
-    return rows_of[i] == RowsOf::kNone ? 0 : rows_of[i] == RowsOf::kLast ? 1 : batch[i].tokens.size();
+    return rows_of[i] == RowsOf::kNone   ? 0
+           : rows_of[i] == RowsOf::kLast ? 1
+                                         : batch[i].tokens.size();
   };
   std::vector<size_t> first_row(batch.size(), 0), owner(batch.size(), 0);
   for (size_t k = 0; k < ranks_.size(); ++k) {
@@ -202,7 +215,8 @@ std::vector<float> CpuBackend::run(std::span<const StepSequence> batch, const st
 std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) {
   std::vector<RowsOf> rows_of;
   for (const StepSequence& s : batch) {
-    RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id, " samples but has no SamplingParams");
+    RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
+                " samples but has no SamplingParams");
     rows_of.push_back(s.sample ? RowsOf::kLast : RowsOf::kNone);
   }
   std::vector<float> logits = run(batch, rows_of);
@@ -212,7 +226,8 @@ std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) 
   for (const StepSequence& s : batch) {
     if (!s.sample) continue;
     std::span<float> row_logits(logits.data() + row * vocab, vocab);
-    SampledToken t = sample_token(row_logits, *s.sampling, s.prompt_tokens, s.output_tokens, s.sample_index);
+    SampledToken t =
+        sample_token(row_logits, *s.sampling, s.prompt_tokens, s.output_tokens, s.sample_index);
     t.seq_id = s.seq_id;
     out.push_back(std::move(t));
     ++row;
@@ -221,7 +236,8 @@ std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) 
 }
 
 std::vector<float> CpuBackend::forward_logits(std::span<const StepSequence> batch, LogitRows rows) {
-  const std::vector<RowsOf> rows_of(batch.size(), rows == LogitRows::kLastTokens ? RowsOf::kLast : RowsOf::kAll);
+  const std::vector<RowsOf> rows_of(batch.size(),
+                                    rows == LogitRows::kLastTokens ? RowsOf::kLast : RowsOf::kAll);
   return run(batch, rows_of);
 }
 

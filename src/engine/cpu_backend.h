@@ -2,20 +2,22 @@
 //
 // It loads the checkpoint through the model registry (weights widened to fp32), owns an fp32 paged
 // KV pool (kvcache/kv_cache.h, HND) and a thread pool, and runs each step as one forward over the
-// flattened batch followed by the shared sampler (sampler.h). It is slow next to a GPU but it is the
-// oracle the CUDA backend is tested against, and it lets every other part of Relay run in CI.
+// flattened batch followed by the shared sampler (sampler.h). It is slow next to a GPU but it is
+// the oracle the CUDA backend is tested against, and it lets every other part of Relay run in CI.
 //
-// Parallelism (options.parallel, parallel/parallel_config.h): the backend then runs tp x dp ranks as
-// threads of this process, each with its own shard of the weights (model/shard.h), its own KV pool
-// and its own slice of the threads, connected by the shared-memory communicator
+// Parallelism (options.parallel, parallel/parallel_config.h): the backend then runs tp x dp ranks
+// as threads of this process, each with its own shard of the weights (model/shard.h), its own KV
+// pool and its own slice of the threads, connected by the shared-memory communicator
 // (parallel/local_group.h) — the same layer code and collectives a multi-GPU worker runs.
-//   - Tensor / expert parallel (dp = 1): every rank runs the whole batch; all ranks end with the same
-//     logits (the reductions are bit-identical), and rank 0's are sampled. Every rank's pool has the
-//     same block ids, holding its own KV heads.
-//   - Data-parallel attention (dp > 1): block ids are partitioned, [r * B, (r + 1) * B) on DP rank r
+//   - Tensor / expert parallel (dp = 1): every rank runs the whole batch; all ranks end with the
+//   same
+//     logits (the reductions are bit-identical), and rank 0's are sampled. Every rank's pool has
+//     the same block ids, holding its own KV heads.
+//   - Data-parallel attention (dp > 1): block ids are partitioned, [r * B, (r + 1) * B) on DP rank
+//   r
 //     (num_kv_partitions() tells the block manager, which keeps each sequence in one partition), so
-//     a sequence runs on the rank that holds its KV; a rank without sequences in a step still serves
-//     the others' expert-parallel MoE exchanges.
+//     a sequence runs on the rank that holds its KV; a rank without sequences in a step still
+//     serves the others' expert-parallel MoE exchanges.
 #pragma once
 
 #include <cstddef>
@@ -34,11 +36,11 @@
 namespace relay {
 
 struct CpuBackendOptions {
-  int block_size = 16;                            // tokens per KV block
-  int num_blocks = 0;                             // > 0: exactly this many blocks per rank ...
-  size_t kv_cache_bytes = size_t{256} << 20;      // ... else as many as fit in this budget per rank
-  int num_threads = 0;                            // 0: one per hardware thread; divided among the ranks
-  parallel::ParallelConfig parallel;              // tp / ep / dp ranks (threads of this process)
+  int block_size = 16;                        // tokens per KV block
+  int num_blocks = 0;                         // > 0: exactly this many blocks per rank ...
+  size_t kv_cache_bytes = size_t{256} << 20;  // ... else as many as fit in this budget per rank
+  int num_threads = 0;                        // 0: one per hardware thread; divided among the ranks
+  parallel::ParallelConfig parallel;          // tp / ep / dp ranks (threads of this process)
 };
 
 class CpuBackend : public Backend {
@@ -71,15 +73,18 @@ class CpuBackend : public Backend {
   // Which logit rows a sequence contributes: none, its last token, or all its tokens.
   enum class RowsOf { kNone, kLast, kAll };
 
-  // Runs `batch` on every rank (each its own sequences) and returns, per sequence in batch order, its
-  // logit rows concatenated, as rows_of says.
+  // Runs `batch` on every rank (each its own sequences) and returns, per sequence in batch order,
+  // its logit rows concatenated, as rows_of says.
   std::vector<float> run(std::span<const StepSequence> batch, const std::vector<RowsOf>& rows_of);
-  // Flattens the sequences `members` of `batch` into rank r's ForwardBatch, with block ids local to r.
-  void build_batch(Rank& r, std::span<const StepSequence> batch, const std::vector<RowsOf>& rows_of);
+  // Flattens the sequences `members` of `batch` into rank r's ForwardBatch, with block ids local to
+  // r.
+  void build_batch(Rank& r, std::span<const StepSequence> batch,
+                   const std::vector<RowsOf>& rows_of);
 
   parallel::ParallelConfig parallel_;
   int blocks_per_rank_ = 0;
-  std::vector<std::unique_ptr<parallel::Communicator>> comms_;  // one per rank (empty with one rank)
+  std::vector<std::unique_ptr<parallel::Communicator>>
+      comms_;  // one per rank (empty with one rank)
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
 

@@ -28,7 +28,8 @@ namespace {
 constexpr int kMaxLogprobs = 20;
 constexpr size_t kStagingBytes = size_t{64} << 20;
 // Decode graph buckets: batch sizes a step is padded up to.
-constexpr int kBatchBuckets[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512};
+constexpr int kBatchBuckets[] = {1,   2,   4,   8,   16,  24,  32,  48,  64, 96,
+                                 128, 160, 192, 224, 256, 320, 384, 448, 512};
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -42,7 +43,8 @@ class Arena {
   template <typename T>
   T* take(size_t count) {
     const size_t bytes = align_up(count * sizeof(T), 256);
-    RELAY_CHECK(used_ + bytes <= capacity_, "device arena overflow: ", used_ + bytes, " > ", capacity_);
+    RELAY_CHECK(used_ + bytes <= capacity_, "device arena overflow: ", used_ + bytes, " > ",
+                capacity_);
     T* p = reinterpret_cast<T*>(static_cast<uint8_t*>(base_) + used_);
     used_ += bytes;
     return p;
@@ -67,16 +69,18 @@ struct LayerWeights {
   bf16* q_norm = nullptr;      // [head_dim]
   bf16* k_norm = nullptr;      // [head_dim]
   bool moe = false;
-  bf16* router = nullptr;      // [experts, hidden]
-  bf16* gate_up = nullptr;     // moe: [experts, 2 width, hidden]; dense: [2 width, hidden]
-  bf16* down = nullptr;        // moe: [experts, hidden, width]; dense: [hidden, width]
+  bf16* router = nullptr;   // [experts, hidden]
+  bf16* gate_up = nullptr;  // moe: [experts, 2 width, hidden]; dense: [2 width, hidden]
+  bf16* down = nullptr;     // moe: [experts, hidden, width]; dense: [hidden, width]
   int width = 0;
 };
 
 // The per-step metadata, packed contiguously so one copy moves it to the device. Offsets depend
-// only on (tokens, seqs, logit rows, table width), so a graph bucket always sees the same addresses.
+// only on (tokens, seqs, logit rows, table width), so a graph bucket always sees the same
+// addresses.
 struct MetaLayout {
-  size_t token_ids, positions, logit_rows, query_starts, context_lens, slot_mapping, block_tables, bytes;
+  size_t token_ids, positions, logit_rows, query_starts, context_lens, slot_mapping, block_tables,
+      bytes;
   static MetaLayout make(int tokens, int seqs, int rows, int width) {
     MetaLayout m{};
     size_t at = 0;
@@ -123,7 +127,8 @@ struct CudaBackend::Impl {
   bf16* kv_pool = nullptr;
 
   // Activations, sized for max_num_tokens.
-  bf16 *residual, *normed, *mix, *qkv, *q, *attn, *router_logits, *permuted_x, *gate_up, *act, *expert_out;
+  bf16 *residual, *normed, *mix, *qkv, *q, *attn, *router_logits, *permuted_x, *gate_up, *act,
+      *expert_out;
   int32_t *topk_ids, *permuted_index, *expert_offsets;
   float *topk_weights, *logits;
   uint8_t* meta_dev = nullptr;   // packed metadata (MetaLayout)
@@ -155,7 +160,8 @@ struct CudaBackend::Impl {
     const auto t0 = std::chrono::steady_clock::now();
     cfg = ModelConfig::load(dir);
     RELAY_CHECK(cfg.architecture == "Qwen3ForCausalLM" || cfg.architecture == "Qwen3MoeForCausalLM",
-                "the CUDA backend runs Qwen3ForCausalLM and Qwen3MoeForCausalLM, not ", cfg.architecture);
+                "the CUDA backend runs Qwen3ForCausalLM and Qwen3MoeForCausalLM, not ",
+                cfg.architecture);
     Checkpoint ckpt(dir);
     hidden = static_cast<int>(cfg.hidden_size);
     q_heads = static_cast<int>(cfg.num_attention_heads);
@@ -165,7 +171,8 @@ struct CudaBackend::Impl {
     experts = static_cast<int>(cfg.num_experts);
     top_k = static_cast<int>(cfg.num_experts_per_tok);
     qkv_dim = (q_heads + 2 * kv_heads) * head_dim;
-    const int64_t H = hidden, q_dim = int64_t{q_heads} * head_dim, kv_dim = int64_t{kv_heads} * head_dim;
+    const int64_t H = hidden, q_dim = int64_t{q_heads} * head_dim,
+                  kv_dim = int64_t{kv_heads} * head_dim;
 
     // Size every tensor first, so the weights are one allocation.
     size_t total = 0;
@@ -256,15 +263,18 @@ struct CudaBackend::Impl {
     }
     RopeTables rope = compute_rope(cfg);
     inv_freq = weights.take<float>(rope.inv_freq.size());
-    RELAY_CUDA_CHECK(cudaMemcpy(inv_freq, rope.inv_freq.data(), rope.inv_freq.size() * 4, cudaMemcpyHostToDevice));
+    RELAY_CUDA_CHECK(cudaMemcpy(inv_freq, rope.inv_freq.data(), rope.inv_freq.size() * 4,
+                                cudaMemcpyHostToDevice));
     attention_scaling = rope.attention_scaling;
     up.finish();
     stats.weight_bytes = up.bytes();
-    stats.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    stats.load_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   // Copies host tensors to the device through two pinned staging buffers: while one chunk crosses
-  // PCIe, threads fill the other from the (mmapped) file, so reading the file and the transfer overlap.
+  // PCIe, threads fill the other from the (mmapped) file, so reading the file and the transfer
+  // overlap.
   class Uploader {
    public:
     explicit Uploader(cudaStream_t s) : stream_(s), pool_(8) {
@@ -281,8 +291,9 @@ struct CudaBackend::Impl {
     }
     void put(bf16* dst, const TensorView& t) {
       const size_t n = static_cast<size_t>(t.numel());
-      RELAY_CHECK(t.dtype == DType::BF16 || t.dtype == DType::F32 || t.dtype == DType::F16, "tensor ", t.name,
-                  " in ", t.file, " has dtype ", dtype_name(t.dtype), "; the CUDA backend loads BF16/F16/F32");
+      RELAY_CHECK(t.dtype == DType::BF16 || t.dtype == DType::F32 || t.dtype == DType::F16,
+                  "tensor ", t.name, " in ", t.file, " has dtype ", dtype_name(t.dtype),
+                  "; the CUDA backend loads BF16/F16/F32");
       const size_t per_chunk = kStagingBytes / 2;  // bf16 elements per staging buffer
       for (size_t begin = 0; begin < n; begin += per_chunk) {
         const size_t count = std::min(per_chunk, n - begin);
@@ -290,7 +301,8 @@ struct CudaBackend::Impl {
         RELAY_CUDA_CHECK(cudaEventSynchronize(done_[next_]));
         const int64_t pieces = static_cast<int64_t>((count + (1 << 18) - 1) >> 18);
         pool_.parallel_for(pieces, 1, [&](int64_t b, int64_t e) {
-          const size_t lo = static_cast<size_t>(b) << 18, hi = std::min(count, static_cast<size_t>(e) << 18);
+          const size_t lo = static_cast<size_t>(b) << 18,
+                       hi = std::min(count, static_cast<size_t>(e) << 18);
           if (t.dtype == DType::BF16) {
             std::memcpy(stage + lo * 2, t.data + (begin + lo) * 2, (hi - lo) * 2);
             return;
@@ -308,7 +320,8 @@ struct CudaBackend::Impl {
             out[i] = f32_to_bf16(f);
           }
         });
-        RELAY_CUDA_CHECK(cudaMemcpyAsync(dst + begin, stage, count * 2, cudaMemcpyHostToDevice, stream_));
+        RELAY_CUDA_CHECK(
+            cudaMemcpyAsync(dst + begin, stage, count * 2, cudaMemcpyHostToDevice, stream_));
         RELAY_CUDA_CHECK(cudaEventRecord(done_[next_], stream_));
         next_ ^= 1;
         bytes_ += count * 2;
@@ -330,20 +343,24 @@ struct CudaBackend::Impl {
   void allocate_activations() {
     const size_t T = opt.max_num_tokens, S = opt.max_num_seqs;
     const size_t rows = T * std::max(top_k, 1);
-    const int64_t max_context = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
+    const int64_t max_context =
+        cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
     max_blocks = static_cast<int>((max_context + opt.block_size - 1) / opt.block_size);
-    const MetaLayout meta = MetaLayout::make(static_cast<int>(T), static_cast<int>(S), static_cast<int>(T), max_blocks);
+    const MetaLayout meta =
+        MetaLayout::make(static_cast<int>(T), static_cast<int>(S), static_cast<int>(T), max_blocks);
     meta_capacity = meta.bytes;
     const size_t W = max_ffn_width;
     size_t bytes = 0;
     auto add = [&](size_t n, size_t elem) { bytes += align_up(n * elem, 256); };
     add(T * hidden, 2), add(T * hidden, 2), add(T * hidden, 2), add(T * qkv_dim, 2);
     add(T * q_heads * head_dim, 2), add(T * q_heads * head_dim, 2);
-    add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2), add(rows * hidden, 2);
+    add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
+        add(rows * hidden, 2);
     add(rows, 4), add(rows, 4), add(experts + 1, 4), add(rows, 4);
     add(S * size_t(vocab), 4);
     add(meta.bytes, 1);
-    add(S * sizeof(kernels::SampleRowParams), 1), add(S, 4), add(S, 4), add(S * kMaxLogprobs, 4), add(S * kMaxLogprobs, 4);
+    add(S * sizeof(kernels::SampleRowParams), 1), add(S, 4), add(S, 4), add(S * kMaxLogprobs, 4),
+        add(S * kMaxLogprobs, 4);
     acts.reserve(bytes + 4096);
     residual = acts.take<bf16>(T * hidden);
     normed = acts.take<bf16>(T * hidden);
@@ -398,9 +415,10 @@ struct CudaBackend::Impl {
       kv_layout.num_blocks = opt.num_kv_blocks;
     } else {
       RELAY_CHECK(free_bytes > opt.memory_reserve_bytes + per_block, "only ", free_bytes,
-                  " bytes of device memory left for the KV cache (reserve ", opt.memory_reserve_bytes, ")");
-      kv_layout.num_blocks = static_cast<int>(
-          std::min<size_t>((free_bytes - opt.memory_reserve_bytes) / per_block, size_t{INT32_MAX} / 2));
+                  " bytes of device memory left for the KV cache (reserve ",
+                  opt.memory_reserve_bytes, ")");
+      kv_layout.num_blocks = static_cast<int>(std::min<size_t>(
+          (free_bytes - opt.memory_reserve_bytes) / per_block, size_t{INT32_MAX} / 2));
     }
     stats.kv_pool_bytes = kv_layout.total_bytes();
     RELAY_CUDA_CHECK(cudaMalloc(&kv_pool, kv_layout.total_bytes()));
@@ -439,30 +457,37 @@ struct CudaBackend::Impl {
       kernels::launch_matmul({normed, w.qkv, w.qkv_bias, qkv, T, qkv_dim, hidden}, stream);
       bf16* k_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 0, 0, 0);
       bf16* v_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 1, 0, 0);
-      kernels::launch_qk_norm_rope_kv_write({qkv, w.q_norm, w.k_norm, positions, inv_freq, attention_scaling, slots, q,
-                                             k_cache, v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps},
-                                            stream);
-      kernels::launch_paged_attention({q, k_cache, v_cache, query_starts, context_lens, tables, attn, sh.seqs, T, q_heads,
-                                       kv_heads, head_dim, opt.block_size, sh.width,
-                                       1.0f / std::sqrt(static_cast<float>(head_dim))},
-                                      stream);
+      kernels::launch_qk_norm_rope_kv_write(
+          {qkv, w.q_norm, w.k_norm, positions, inv_freq, attention_scaling, slots, q, k_cache,
+           v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps},
+          stream);
+      kernels::launch_paged_attention(
+          {q, k_cache, v_cache, query_starts, context_lens, tables, attn, sh.seqs, T, q_heads,
+           kv_heads, head_dim, opt.block_size, sh.width,
+           1.0f / std::sqrt(static_cast<float>(head_dim))},
+          stream);
       kernels::launch_matmul({attn, w.o, w.o_bias, mix, T, hidden, q_heads * head_dim}, stream);
       kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden, eps}, stream);
       if (w.moe) {
         const int R = T * top_k;
-        kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden}, stream);
-        kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob},
-                                        stream);
-        kernels::launch_moe_permute({normed, topk_ids, permuted_x, permuted_index, expert_offsets, T, hidden, experts,
-                                     top_k},
+        kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden},
+                               stream);
+        kernels::launch_moe_router_topk(
+            {router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob}, stream);
+        kernels::launch_moe_permute({normed, topk_ids, permuted_x, permuted_index, expert_offsets,
+                                     T, hidden, experts, top_k},
                                     stream);
-        kernels::launch_moe_grouped_matmul({permuted_x, w.gate_up, expert_offsets, gate_up, R, experts, 2 * w.width, hidden},
-                                           stream);
+        kernels::launch_moe_grouped_matmul(
+            {permuted_x, w.gate_up, expert_offsets, gate_up, R, experts, 2 * w.width, hidden},
+            stream);
         kernels::launch_swiglu({gate_up, act, R, w.width}, stream);
-        kernels::launch_moe_grouped_matmul({act, w.down, expert_offsets, expert_out, R, experts, hidden, w.width}, stream);
-        kernels::launch_moe_unpermute_combine({expert_out, permuted_index, topk_weights, mix, T, hidden, top_k}, stream);
+        kernels::launch_moe_grouped_matmul(
+            {act, w.down, expert_offsets, expert_out, R, experts, hidden, w.width}, stream);
+        kernels::launch_moe_unpermute_combine(
+            {expert_out, permuted_index, topk_weights, mix, T, hidden, top_k}, stream);
       } else {
-        kernels::launch_matmul({normed, w.gate_up, nullptr, gate_up, T, 2 * w.width, hidden}, stream);
+        kernels::launch_matmul({normed, w.gate_up, nullptr, gate_up, T, 2 * w.width, hidden},
+                               stream);
         kernels::launch_swiglu({gate_up, act, T, w.width}, stream);
         kernels::launch_matmul({act, w.down, nullptr, mix, T, hidden, w.width}, stream);
       }
@@ -473,18 +498,21 @@ struct CudaBackend::Impl {
 
   // Fills meta_host for `batch` (padded to `pad_seqs` one-token dummy sequences when > batch size)
   // and copies it to the device. Returns the shape.
-  Shape upload_batch(std::span<const StepSequence> batch, int pad_seqs, int width, const std::vector<int32_t>& rows) {
+  Shape upload_batch(std::span<const StepSequence> batch, int pad_seqs, int width,
+                     const std::vector<int32_t>& rows) {
     int tokens = 0;
     for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
     const int seqs = std::max<int>(pad_seqs, static_cast<int>(batch.size()));
     tokens += seqs - static_cast<int>(batch.size());
     const int num_rows = pad_seqs > 0 ? seqs : static_cast<int>(rows.size());
-    RELAY_CHECK(tokens <= opt.max_num_tokens, "step has ", tokens, " tokens; the CUDA backend was sized for ",
-                opt.max_num_tokens);
-    RELAY_CHECK(seqs <= opt.max_num_seqs && num_rows <= opt.max_num_seqs, "step has ", seqs, " sequences and ",
-                num_rows, " logit rows; the CUDA backend was sized for ", opt.max_num_seqs);
+    RELAY_CHECK(tokens <= opt.max_num_tokens, "step has ", tokens,
+                " tokens; the CUDA backend was sized for ", opt.max_num_tokens);
+    RELAY_CHECK(seqs <= opt.max_num_seqs && num_rows <= opt.max_num_seqs, "step has ", seqs,
+                " sequences and ", num_rows, " logit rows; the CUDA backend was sized for ",
+                opt.max_num_seqs);
     const MetaLayout m = MetaLayout::make(tokens, seqs, num_rows, width);
-    RELAY_CHECK(m.bytes <= meta_capacity, "batch metadata of ", m.bytes, " bytes exceeds ", meta_capacity);
+    RELAY_CHECK(m.bytes <= meta_capacity, "batch metadata of ", m.bytes, " bytes exceeds ",
+                meta_capacity);
     auto* token_ids = reinterpret_cast<int32_t*>(meta_host + m.token_ids);
     auto* positions = reinterpret_cast<int32_t*>(meta_host + m.positions);
     auto* logit_rows = reinterpret_cast<int32_t*>(meta_host + m.logit_rows);
@@ -500,27 +528,29 @@ struct CudaBackend::Impl {
       const StepSequence& s = batch[i];
       RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
       const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
-      RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id, " needs ",
-                  context, " KV slots but its block table has ", s.block_table.size(), " blocks of ", bs);
+      RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
+                  " needs ", context, " KV slots but its block table has ", s.block_table.size(),
+                  " blocks of ", bs);
       RELAY_CHECK(static_cast<int>(s.block_table.size()) <= width, "sequence ", s.seq_id, " has ",
                   s.block_table.size(), " blocks; the table width is ", width);
       for (int32_t b : s.block_table) {
-        RELAY_CHECK(b >= 0 && b < kv_layout.num_blocks, "sequence ", s.seq_id, " uses block ", b, " outside the pool of ",
-                    kv_layout.num_blocks);
+        RELAY_CHECK(b >= 0 && b < kv_layout.num_blocks, "sequence ", s.seq_id, " uses block ", b,
+                    " outside the pool of ", kv_layout.num_blocks);
       }
       std::copy(s.block_table.begin(), s.block_table.end(), tables + i * width);
       for (size_t j = 0; j < s.tokens.size(); ++j, ++t) {
         const int32_t pos = s.num_computed + static_cast<int32_t>(j);
         token_ids[t] = s.tokens[j];
-        RELAY_CHECK(s.tokens[j] >= 0 && s.tokens[j] < vocab, "token ", s.tokens[j], " of sequence ", s.seq_id,
-                    " is outside the vocabulary of ", vocab);
+        RELAY_CHECK(s.tokens[j] >= 0 && s.tokens[j] < vocab, "token ", s.tokens[j], " of sequence ",
+                    s.seq_id, " is outside the vocabulary of ", vocab);
         positions[t] = pos;
         slots[t] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
       }
       query_starts[i + 1] = t;
       context_lens[i] = static_cast<int32_t>(context);
     }
-    for (int i = static_cast<int>(batch.size()); i < seqs; ++i, ++t) {  // padding: one token, writes nothing
+    for (int i = static_cast<int>(batch.size()); i < seqs;
+         ++i, ++t) {  // padding: one token, writes nothing
       token_ids[t] = 0;
       positions[t] = 0;
       slots[t] = -1;
@@ -605,7 +635,8 @@ struct CudaBackend::Impl {
     for (const StepSequence& s : batch) {
       t += static_cast<int>(s.tokens.size());
       if (s.sample) {
-        RELAY_CHECK(s.sampling != nullptr, "sequence ", s.seq_id, " samples but has no SamplingParams");
+        RELAY_CHECK(s.sampling != nullptr, "sequence ", s.seq_id,
+                    " samples but has no SamplingParams");
         rows.push_back(t - 1);
         samplers.push_back(&s);
       }
@@ -620,20 +651,26 @@ struct CudaBackend::Impl {
     int max_logprobs = 0;
     for (size_t i = 0; i < samplers.size(); ++i) {
       const SamplingParams& sp = *samplers[i]->sampling;
-      sample_rows_host[i] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p, sample_uniform(sp.seed, samplers[i]->sample_index)};
+      sample_rows_host[i] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                             sample_uniform(sp.seed, samplers[i]->sample_index)};
       max_logprobs = std::max(max_logprobs, std::min(sp.num_logprobs, kMaxLogprobs));
     }
     const int n = static_cast<int>(samplers.size());
-    RELAY_CUDA_CHECK(cudaMemcpyAsync(sample_rows_dev, sample_rows_host, n * sizeof(kernels::SampleRowParams),
-                                     cudaMemcpyHostToDevice, stream));
-    kernels::launch_sample({logits, sample_rows_dev, tokens_dev, logprobs_dev, top_ids_dev, top_lp_dev, n, vocab,
-                            max_logprobs},
+    RELAY_CUDA_CHECK(cudaMemcpyAsync(sample_rows_dev, sample_rows_host,
+                                     n * sizeof(kernels::SampleRowParams), cudaMemcpyHostToDevice,
+                                     stream));
+    kernels::launch_sample({logits, sample_rows_dev, tokens_dev, logprobs_dev, top_ids_dev,
+                            top_lp_dev, n, vocab, max_logprobs},
                            stream);
-    RELAY_CUDA_CHECK(cudaMemcpyAsync(tokens_host, tokens_dev, n * 4, cudaMemcpyDeviceToHost, stream));
-    RELAY_CUDA_CHECK(cudaMemcpyAsync(logprobs_host, logprobs_dev, n * 4, cudaMemcpyDeviceToHost, stream));
+    RELAY_CUDA_CHECK(
+        cudaMemcpyAsync(tokens_host, tokens_dev, n * 4, cudaMemcpyDeviceToHost, stream));
+    RELAY_CUDA_CHECK(
+        cudaMemcpyAsync(logprobs_host, logprobs_dev, n * 4, cudaMemcpyDeviceToHost, stream));
     if (max_logprobs > 0) {
-      RELAY_CUDA_CHECK(cudaMemcpyAsync(top_ids_host, top_ids_dev, size_t(n) * max_logprobs * 4, cudaMemcpyDeviceToHost, stream));
-      RELAY_CUDA_CHECK(cudaMemcpyAsync(top_lp_host, top_lp_dev, size_t(n) * max_logprobs * 4, cudaMemcpyDeviceToHost, stream));
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(top_ids_host, top_ids_dev, size_t(n) * max_logprobs * 4,
+                                       cudaMemcpyDeviceToHost, stream));
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(top_lp_host, top_lp_dev, size_t(n) * max_logprobs * 4,
+                                       cudaMemcpyDeviceToHost, stream));
     }
     finish_step();
     std::vector<SampledToken> out(n);
@@ -643,14 +680,16 @@ struct CudaBackend::Impl {
       const SamplingParams& sp = *s.sampling;
       if (needs_host_sampling(sp)) {  // penalties: the shared sampler on this row's logits
         row.resize(vocab);
-        RELAY_CUDA_CHECK(cudaMemcpy(row.data(), logits + size_t(i) * vocab, size_t(vocab) * 4, cudaMemcpyDeviceToHost));
+        RELAY_CUDA_CHECK(cudaMemcpy(row.data(), logits + size_t(i) * vocab, size_t(vocab) * 4,
+                                    cudaMemcpyDeviceToHost));
         out[i] = sample_token(row, sp, s.prompt_tokens, s.output_tokens, s.sample_index);
       } else {
         out[i].token = tokens_host[i];
         if (sp.num_logprobs >= 0) {
           out[i].logprob = logprobs_host[i];
           for (int k = 0; k < std::min(sp.num_logprobs, kMaxLogprobs); ++k) {
-            out[i].top.emplace_back(top_ids_host[i * max_logprobs + k], top_lp_host[i * max_logprobs + k]);
+            out[i].top.emplace_back(top_ids_host[i * max_logprobs + k],
+                                    top_lp_host[i * max_logprobs + k]);
           }
         }
       }
@@ -673,7 +712,8 @@ struct CudaBackend::Impl {
     }
     // The logits buffer holds max_num_seqs rows: run the LM head in chunks over the final hidden.
     const int chunk = opt.max_num_seqs;
-    std::vector<int32_t> first(all_rows.begin(), all_rows.begin() + std::min<size_t>(chunk, all_rows.size()));
+    std::vector<int32_t> first(all_rows.begin(),
+                               all_rows.begin() + std::min<size_t>(chunk, all_rows.size()));
     const Shape sh = upload_batch(batch, 0, width_of(batch, false), first);
     enqueue_forward(sh);
     std::vector<float> out(all_rows.size() * size_t(vocab));
@@ -682,15 +722,16 @@ struct CudaBackend::Impl {
       if (begin > 0) {
         const MetaLayout m = MetaLayout::make(sh.tokens, sh.seqs, sh.rows, sh.width);
         RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));  // meta_host is reused
-        std::copy_n(all_rows.begin() + begin, n, reinterpret_cast<int32_t*>(meta_host + m.logit_rows));
-        RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev + m.logit_rows, meta_host + m.logit_rows, n * 4, cudaMemcpyHostToDevice,
-                                         stream));
-        kernels::launch_lm_head({normed, reinterpret_cast<const int32_t*>(meta_dev + m.logit_rows), lm_head, logits, n,
-                                 hidden, vocab},
+        std::copy_n(all_rows.begin() + begin, n,
+                    reinterpret_cast<int32_t*>(meta_host + m.logit_rows));
+        RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev + m.logit_rows, meta_host + m.logit_rows, n * 4,
+                                         cudaMemcpyHostToDevice, stream));
+        kernels::launch_lm_head({normed, reinterpret_cast<const int32_t*>(meta_dev + m.logit_rows),
+                                 lm_head, logits, n, hidden, vocab},
                                 stream);
       }
-      RELAY_CUDA_CHECK(cudaMemcpyAsync(out.data() + begin * vocab, logits, size_t(n) * vocab * 4, cudaMemcpyDeviceToHost,
-                                       stream));
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(out.data() + begin * vocab, logits, size_t(n) * vocab * 4,
+                                       cudaMemcpyDeviceToHost, stream));
     }
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     return out;
@@ -699,9 +740,10 @@ struct CudaBackend::Impl {
 
 CudaBackend::CudaBackend(const std::filesystem::path& model_dir, const CudaBackendOptions& options)
     : impl_(std::make_unique<Impl>()) {
-  RELAY_CHECK(options.block_size > 0 && options.max_num_seqs > 0 && options.max_num_tokens >= options.max_num_seqs,
-              "CUDA backend options: block_size ", options.block_size, ", max_num_seqs ", options.max_num_seqs,
-              ", max_num_tokens ", options.max_num_tokens);
+  RELAY_CHECK(options.block_size > 0 && options.max_num_seqs > 0 &&
+                  options.max_num_tokens >= options.max_num_seqs,
+              "CUDA backend options: block_size ", options.block_size, ", max_num_seqs ",
+              options.max_num_seqs, ", max_num_tokens ", options.max_num_tokens);
   impl_->opt = options;
   RELAY_CUDA_CHECK(cudaSetDevice(options.device));
   RELAY_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
@@ -718,11 +760,14 @@ int CudaBackend::block_size() const { return impl_->opt.block_size; }
 int CudaBackend::num_kv_blocks() const { return impl_->kv_layout.num_blocks; }
 
 std::vector<KvPoolExport> CudaBackend::kv_pool_exports() {
-  return {{reinterpret_cast<std::byte*>(impl_->kv_pool), impl_->kv_layout, 0, impl_->kv_layout.num_kv_heads, 0,
-           impl_->opt.device}};
+  return {{reinterpret_cast<std::byte*>(impl_->kv_pool), impl_->kv_layout, 0,
+           impl_->kv_layout.num_kv_heads, 0, impl_->opt.device}};
 }
-std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch) { return impl_->step(batch); }
-std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> batch, LogitRows rows) {
+std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch) {
+  return impl_->step(batch);
+}
+std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> batch,
+                                               LogitRows rows) {
   return impl_->forward_logits(batch, rows);
 }
 const CudaLoadStats& CudaBackend::load_stats() const { return impl_->stats; }

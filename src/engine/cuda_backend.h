@@ -1,9 +1,9 @@
 // The CUDA backend: Qwen3 / Qwen3-MoE on one GPU, bf16 weights and KV cache, fp32 accumulation.
 //
 // Weights are uploaded once from the safetensors mmap through pinned staging buffers (fused q|k|v
-// and gate|up layouts, per-expert tensors stacked into [experts, n, k]); the paged HND KV pool takes
-// the device memory left after weights, activations and workspaces (minus a small reserve), so
-// nearly all free memory holds KV blocks. A step copies the batch metadata to the device in one
+// and gate|up layouts, per-expert tensors stacked into [experts, n, k]); the paged HND KV pool
+// takes the device memory left after weights, activations and workspaces (minus a small reserve),
+// so nearly all free memory holds KV blocks. A step copies the batch metadata to the device in one
 // transfer, runs the layers with the kernels of kernels/cuda/ops_cuda.h, computes logits only for
 // the sampling rows and samples on the GPU (rows with penalties are sampled on the host by the
 // shared sampler, with the same semantics). Decode steps (every sequence one token) are captured
@@ -25,18 +25,18 @@ namespace relay {
 
 struct CudaBackendOptions {
   int device = 0;
-  int block_size = 16;              // tokens per KV block
-  int max_num_seqs = 256;           // sequences per step (the largest decode graph)
-  int max_num_tokens = 16384;       // tokens per step (prefill chunk budget)
-  int num_kv_blocks = 0;            // > 0: exactly this many blocks, else all memory left
+  int block_size = 16;         // tokens per KV block
+  int max_num_seqs = 256;      // sequences per step (the largest decode graph)
+  int max_num_tokens = 16384;  // tokens per step (prefill chunk budget)
+  int num_kv_blocks = 0;       // > 0: exactly this many blocks, else all memory left
   size_t memory_reserve_bytes = size_t{1} << 30;  // left free for the CUDA context, cuBLAS, graphs
   bool cuda_graphs = true;
 };
 
 // What loading cost, for `relay bench` and logs.
 struct CudaLoadStats {
-  size_t weight_bytes = 0;       // bytes uploaded
-  double load_seconds = 0.0;     // checkpoint open to weights resident on the device
+  size_t weight_bytes = 0;    // bytes uploaded
+  double load_seconds = 0.0;  // checkpoint open to weights resident on the device
   size_t kv_pool_bytes = 0;
   size_t free_bytes_before_kv = 0;  // device memory free after weights, activations and workspaces
 };

@@ -61,7 +61,8 @@ LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
               " exceeds the model's max_position_embeddings ", model_len);
   // NOTE: one request must always fit in the pool on its own (the scheduler's progress guarantee),
   // so the context is capped by the capacity of one partition (a DP rank's pool).
-  len = std::min<int64_t>(len, static_cast<int64_t>(blocks_.blocks_per_partition()) * blocks_.block_size());
+  len = std::min<int64_t>(
+      len, static_cast<int64_t>(blocks_.blocks_per_partition()) * blocks_.block_size());
   max_model_len_ = static_cast<int>(len);
   RELAY_CHECK(max_model_len_ >= 2, "max_model_len ", max_model_len_, " leaves no room to generate");
 }
@@ -94,7 +95,8 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
   seq->id = id;
   seq->tokens = std::move(request.prompt);
   seq->sampling = request.sampling;
-  auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_, request.sampling.num_logprobs >= 0);
+  auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_,
+                                     request.sampling.num_logprobs >= 0);
   r->hold_kv = request.hold_kv;
   requests_.emplace(id, std::move(r));
   scheduler_.add(std::move(seq));
@@ -103,23 +105,26 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
 std::optional<std::vector<int32_t>> LLMEngine::reserve_kv(int64_t id, int64_t num_tokens) {
   RELAY_CHECK(num_tokens >= 1 && num_tokens < max_model_len_, "a KV reservation of ", num_tokens,
               " tokens does not fit max_model_len ", max_model_len_);
-  RELAY_CHECK(requests_.count(id) == 0 && !blocks_.has_sequence(id), "request id ", id, " is already in use");
-  if (scheduler_.num_running() + num_held_kv() >= scheduler_.config().max_num_seqs) return std::nullopt;
+  RELAY_CHECK(requests_.count(id) == 0 && !blocks_.has_sequence(id), "request id ", id,
+              " is already in use");
+  if (scheduler_.num_running() + num_held_kv() >= scheduler_.config().max_num_seqs)
+    return std::nullopt;
   if (!blocks_.allocate(id, num_tokens)) return std::nullopt;
   held_kv_.insert(id);
   const auto table = blocks_.block_table(id);
   return std::vector<int32_t>(table.begin(), table.end());
 }
 
-RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request, const SampledToken& first,
-                                               int num_cached_tokens) {
-  RELAY_CHECK(held_kv_.count(id) == 1 && blocks_.has_sequence(id), "request ", id, " has no KV reservation");
+RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request,
+                                               const SampledToken& first, int num_cached_tokens) {
+  RELAY_CHECK(held_kv_.count(id) == 1 && blocks_.has_sequence(id), "request ", id,
+              " has no KV reservation");
   validate(id, request);
   const int64_t n = static_cast<int64_t>(request.prompt.size());
-  RELAY_CHECK(static_cast<int64_t>(blocks_.block_table(id).size()) * blocks_.block_size() >= n, "request ", id,
-              ": its reservation does not cover the ", n, "-token prompt");
-  RELAY_CHECK(first.token >= 0 && first.token < backend_->config().vocab_size, "first token ", first.token,
-              " is outside the vocabulary");
+  RELAY_CHECK(static_cast<int64_t>(blocks_.block_table(id).size()) * blocks_.block_size() >= n,
+              "request ", id, ": its reservation does not cover the ", n, "-token prompt");
+  RELAY_CHECK(first.token >= 0 && first.token < backend_->config().vocab_size, "first token ",
+              first.token, " is outside the vocabulary");
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->tokens = std::move(request.prompt);
@@ -131,7 +136,8 @@ RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request
   blocks_.cache_full_blocks(id, seq->tokens, n);  // the received prompt serves later prefixes too
   held_kv_.erase(id);
   scheduler_.add_running(std::move(seq));
-  auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_, request.sampling.num_logprobs >= 0);
+  auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_,
+                                     request.sampling.num_logprobs >= 0);
   r->first_scheduled = r->arrival;
   Request& req = *r;
   requests_.emplace(id, std::move(r));

@@ -74,9 +74,9 @@ struct RequestOutput {
   std::vector<TokenLogprob> logprobs;  // one per new token, when the request asked for logprobs
   FinishReason finish = FinishReason::kNone;
   int num_prompt_tokens = 0;
-  int num_output_tokens = 0;  // generated so far
-  int num_cached_tokens = 0;  // prompt tokens served from the prefix cache
-  double queue_time_s = 0.0;  // arrival to first scheduled; set once finished
+  int num_output_tokens = 0;       // generated so far
+  int num_cached_tokens = 0;       // prompt tokens served from the prefix cache
+  double queue_time_s = 0.0;       // arrival to first scheduled; set once finished
   std::vector<int32_t> kv_blocks;  // final output of a hold_kv request: its held block table
 };
 
@@ -103,10 +103,11 @@ class LLMEngine {
   std::vector<RequestOutput> step();
 
   // Disaggregated decode. reserve_kv allocates blocks for `num_tokens` prompt tokens under a new
-  // request id (nothing when the pool or max_num_seqs has no room now); a prefill worker then writes
-  // the prompt's KV into them, and add_prefilled_request starts the request from the first token the
-  // prefill worker sampled, returning that token's output (it may already finish the request).
-  // release_kv frees a reservation that will not be used, or a finished hold_kv request's blocks.
+  // request id (nothing when the pool or max_num_seqs has no room now); a prefill worker then
+  // writes the prompt's KV into them, and add_prefilled_request starts the request from the first
+  // token the prefill worker sampled, returning that token's output (it may already finish the
+  // request). release_kv frees a reservation that will not be used, or a finished hold_kv request's
+  // blocks.
   std::optional<std::vector<int32_t>> reserve_kv(int64_t id, int64_t num_tokens);
   RequestOutput add_prefilled_request(int64_t id, EngineRequest request, const SampledToken& first,
                                       int num_cached_tokens);

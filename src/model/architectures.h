@@ -12,8 +12,10 @@
 namespace relay {
 
 // qwen3.cpp
-std::unique_ptr<Model> build_qwen3(const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard);
+std::unique_ptr<Model> build_qwen3(const ModelConfig& config, const Checkpoint& ckpt,
+                                   const ShardSpec& shard);
 // qwen3_moe.cpp
-std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard);
+std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& config, const Checkpoint& ckpt,
+                                       const ShardSpec& shard);
 
 }  // namespace relay

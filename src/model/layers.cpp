@@ -1,6 +1,6 @@
 // See layers.h. Weight names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj,
-// model.layers.N.mlp.experts.E.gate_proj, ...); fused tensors are built at load by concatenating the
-// checkpoint's rows, so the math is unchanged and each step runs one matmul instead of three.
+// model.layers.N.mlp.experts.E.gate_proj, ...); fused tensors are built at load by concatenating
+// the checkpoint's rows, so the math is unchanged and each step runs one matmul instead of three.
 #include "model/layers.h"
 
 #include <algorithm>
@@ -21,8 +21,8 @@ void widen_into(const Checkpoint& ckpt, const std::string& name, const std::vect
                 float* out) {
   const TensorView& t = ckpt.get(name, shape);
   if (t.dtype == DType::F8_E4M3) {
-    // An FP8 checkpoint (config.json quantization_config, see docs/fp8.md): dequantised to fp32 once,
-    // here, with the weight's scale tensor.
+    // An FP8 checkpoint (config.json quantization_config, see docs/fp8.md): dequantised to fp32
+    // once, here, with the weight's scale tensor.
     const auto stored = [](const TensorView& v) {
       return quant::StoredTensor{v.name, v.file, v.dtype, v.shape, v.data};
     };
@@ -36,7 +36,8 @@ void widen_into(const Checkpoint& ckpt, const std::string& name, const std::vect
 
 }  // namespace
 
-std::vector<float> load_f32(const Checkpoint& ckpt, const std::string& name, const std::vector<int64_t>& shape) {
+std::vector<float> load_f32(const Checkpoint& ckpt, const std::string& name,
+                            const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   std::vector<float> out(n);
@@ -59,19 +60,22 @@ void Linear::forward(const float* x, int num_rows, float* out, ThreadPool& pool)
 namespace {
 
 // Widens rows [rows.begin, +rows.count) x columns [cols.begin, +cols.count) of tensor `name`, whose
-// full shape is [num_rows, num_cols], into out (row-major, the slice's width). A full-width slice is
-// read in place; a narrower one goes through the whole tensor once (load time only).
-void widen_slice_into(const Checkpoint& ckpt, const std::string& name, const std::vector<int64_t>& shape,
-                      IndexRange rows, IndexRange cols, float* out) {
+// full shape is [num_rows, num_cols], into out (row-major, the slice's width). A full-width slice
+// is read in place; a narrower one goes through the whole tensor once (load time only).
+void widen_slice_into(const Checkpoint& ckpt, const std::string& name,
+                      const std::vector<int64_t>& shape, IndexRange rows, IndexRange cols,
+                      float* out) {
   // A 1-D tensor (a bias) is one row.
   const int64_t num_rows = shape.size() == 1 ? 1 : shape[0], num_cols = shape.back();
   if (rows.count < 0) rows.count = num_rows - rows.begin;
   if (cols.count < 0) cols.count = num_cols - cols.begin;
   RELAY_CHECK(rows.begin >= 0 && rows.begin + rows.count <= num_rows && cols.begin >= 0 &&
                   cols.begin + cols.count <= num_cols,
-              "tensor ", name, ": shard slice rows [", rows.begin, ", +", rows.count, ") cols [", cols.begin, ", +",
-              cols.count, ") outside its shape [", num_rows, ", ", num_cols, "]");
-  const bool whole = rows.begin == 0 && rows.count == num_rows && cols.begin == 0 && cols.count == num_cols;
+              "tensor ", name, ": shard slice rows [", rows.begin, ", +", rows.count, ") cols [",
+              cols.begin, ", +", cols.count, ") outside its shape [", num_rows, ", ", num_cols,
+              "]");
+  const bool whole =
+      rows.begin == 0 && rows.count == num_rows && cols.begin == 0 && cols.count == num_cols;
   if (whole) {
     widen_into(ckpt, name, shape, out);
     return;
@@ -89,8 +93,8 @@ void widen_slice_into(const Checkpoint& ckpt, const std::string& name, const std
 Linear load_linear(const Checkpoint& ckpt, const std::vector<std::string>& prefixes,
                    const std::vector<int64_t>& out_features, int64_t in_features, bool with_bias,
                    const std::vector<IndexRange>& rows, IndexRange cols) {
-  RELAY_CHECK(rows.empty() || rows.size() == prefixes.size(), "load_linear: ", rows.size(), " row ranges for ",
-              prefixes.size(), " tensors");
+  RELAY_CHECK(rows.empty() || rows.size() == prefixes.size(), "load_linear: ", rows.size(),
+              " row ranges for ", prefixes.size(), " tensors");
   auto rows_of = [&](size_t i) {
     IndexRange r = rows.empty() ? IndexRange{} : rows[i];
     if (r.count < 0) r.count = out_features[i] - r.begin;
@@ -109,14 +113,15 @@ Linear load_linear(const Checkpoint& ckpt, const std::vector<std::string>& prefi
     const IndexRange r = rows_of(i);
     widen_slice_into(ckpt, prefixes[i] + ".weight", {out_features[i], in_features}, r, cols,
                      l.weight.data() + row * in_local);
-    if (with_bias) widen_slice_into(ckpt, prefixes[i] + ".bias", {out_features[i]}, {}, r, l.bias.data() + row);
+    if (with_bias)
+      widen_slice_into(ckpt, prefixes[i] + ".bias", {out_features[i]}, {}, r, l.bias.data() + row);
     row += r.count;
   }
   return l;
 }
 
-FullAttention::FullAttention(const ModelConfig& c, const Checkpoint& ckpt, int layer, const RopeTables& rope,
-                             const ShardSpec& shard)
+FullAttention::FullAttention(const ModelConfig& c, const Checkpoint& ckpt, int layer,
+                             const RopeTables& rope, const ShardSpec& shard)
     : layer_(layer),
       num_q_heads_(shard.num_local_q_heads),
       num_kv_heads_(shard.num_local_kv_heads),
@@ -129,16 +134,17 @@ FullAttention::FullAttention(const ModelConfig& c, const Checkpoint& ckpt, int l
   const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
   const IndexRange q_rows{shard.q_head_begin * hd, num_q_heads_ * hd};
   const IndexRange kv_rows{shard.kv_head_begin * hd, num_kv_heads_ * hd};
-  qkv_ = load_linear(ckpt, {p + "q_proj", p + "k_proj", p + "v_proj"}, {q_dim, kv_dim, kv_dim}, c.hidden_size,
-                     c.attention_bias, {q_rows, kv_rows, kv_rows});
+  qkv_ = load_linear(ckpt, {p + "q_proj", p + "k_proj", p + "v_proj"}, {q_dim, kv_dim, kv_dim},
+                     c.hidden_size, c.attention_bias, {q_rows, kv_rows, kv_rows});
   // Row-parallel: this rank's q-head columns; the bias joins the sum once, from TP rank 0.
-  o_ = load_linear(ckpt, {p + "o_proj"}, {c.hidden_size}, q_dim, c.attention_bias && shard.tp_rank == 0, {},
-                   q_rows);
+  o_ = load_linear(ckpt, {p + "o_proj"}, {c.hidden_size}, q_dim,
+                   c.attention_bias && shard.tp_rank == 0, {}, q_rows);
   q_norm_ = load_f32(ckpt, p + "q_norm.weight", {c.head_dim});
   k_norm_ = load_f32(ckpt, p + "k_norm.weight", {c.head_dim});
 }
 
-void FullAttention::forward(const float* x, const ForwardBatch& b, KvPool& kv, ThreadPool& pool, float* out) {
+void FullAttention::forward(const float* x, const ForwardBatch& b, KvPool& kv, ThreadPool& pool,
+                            float* out) {
   const int t = b.num_tokens();
   const KvCacheLayout& layout = kv.layout();
   qkv_out_.resize(static_cast<size_t>(t) * qkv_.out_features);
@@ -191,9 +197,10 @@ DenseMlp::DenseMlp(const Checkpoint& ckpt, const std::string& prefix, int64_t hi
                    const ShardSpec& shard)
     : width_(shard.tp_size == 1 ? static_cast<int>(width) : shard.num_local_mlp_width),
       tp_comm_(shard.tp_comm) {
-  const IndexRange slice = shard.tp_size == 1 ? IndexRange{} : IndexRange{shard.mlp_width_begin, width_};
-  gate_up_ = load_linear(ckpt, {prefix + ".gate_proj", prefix + ".up_proj"}, {width, width}, hidden, false,
-                         {slice, slice});
+  const IndexRange slice =
+      shard.tp_size == 1 ? IndexRange{} : IndexRange{shard.mlp_width_begin, width_};
+  gate_up_ = load_linear(ckpt, {prefix + ".gate_proj", prefix + ".up_proj"}, {width, width}, hidden,
+                         false, {slice, slice});
   down_ = load_linear(ckpt, {prefix + ".down_proj"}, {hidden}, width, false, {}, slice);
 }
 
@@ -209,10 +216,12 @@ void DenseMlp::forward(const float* x, int num_tokens, ThreadPool& pool, float* 
   s.width = width_;
   kernels::launch_swiglu(s, pool);
   down_.forward(act_.data(), num_tokens, out, pool);
-  if (tp_comm_ != nullptr) tp_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * down_.out_features);
+  if (tp_comm_ != nullptr)
+    tp_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * down_.out_features);
 }
 
-SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::string& prefix, const ShardSpec& shard)
+SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::string& prefix,
+                     const ShardSpec& shard)
     : hidden_(static_cast<int>(c.hidden_size)),
       num_experts_(static_cast<int>(c.num_experts)),
       top_k_(static_cast<int>(c.num_experts_per_tok)),
@@ -221,11 +230,12 @@ SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::st
       expert_begin_(shard.expert_begin),
       num_local_experts_(shard.num_local_experts),
       dispatch_tokens_(shard.dispatch_tokens),
-      reduce_comm_(shard.dispatch_tokens ? nullptr : (shard.ep_size > 1 ? shard.ep_comm : shard.tp_comm)),
+      reduce_comm_(shard.dispatch_tokens ? nullptr
+                                         : (shard.ep_size > 1 ? shard.ep_comm : shard.tp_comm)),
       ep_comm_(shard.ep_comm),
       router_(load_linear(ckpt, {prefix + ".gate"}, {c.num_experts}, c.hidden_size, false)) {
-  RELAY_CHECK(top_k_ >= 1 && top_k_ <= num_experts_, "num_experts_per_tok ", top_k_, " must be in [1, num_experts ",
-              num_experts_, "]");
+  RELAY_CHECK(top_k_ >= 1 && top_k_ <= num_experts_, "num_experts_per_tok ", top_k_,
+              " must be in [1, num_experts ", num_experts_, "]");
   const int64_t h = hidden_, w = width_, full_w = c.moe_intermediate_size;
   const IndexRange slice{shard.moe_width_begin, w};
   gate_up_.resize(static_cast<size_t>(num_local_experts_) * 2 * w * h);
@@ -235,7 +245,8 @@ SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::st
     float* gu = gate_up_.data() + static_cast<int64_t>(e) * 2 * w * h;
     widen_slice_into(ckpt, ep + "gate_proj.weight", {full_w, h}, slice, {}, gu);
     widen_slice_into(ckpt, ep + "up_proj.weight", {full_w, h}, slice, {}, gu + w * h);
-    widen_slice_into(ckpt, ep + "down_proj.weight", {h, full_w}, {}, slice, down_.data() + static_cast<int64_t>(e) * h * w);
+    widen_slice_into(ckpt, ep + "down_proj.weight", {h, full_w}, {}, slice,
+                     down_.data() + static_cast<int64_t>(e) * h * w);
   }
 }
 
@@ -258,7 +269,8 @@ void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float*
     if (!here) topk_weights_[r] = 0.0f;
   }
   run_local_experts(x, local_ids_.data(), topk_weights_.data(), num_tokens, pool, out);
-  if (reduce_comm_ != nullptr) reduce_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * hidden_);
+  if (reduce_comm_ != nullptr)
+    reduce_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * hidden_);
 }
 
 void SparseMoe::route(const float* x, int num_tokens, ThreadPool& pool) {
@@ -274,8 +286,8 @@ void SparseMoe::route(const float* x, int num_tokens, ThreadPool& pool) {
   kernels::launch_moe_router_topk(r, pool);
 }
 
-void SparseMoe::run_local_experts(const float* x, const int32_t* ids, const float* weights, int num_tokens,
-                                  ThreadPool& pool, float* out) {
+void SparseMoe::run_local_experts(const float* x, const int32_t* ids, const float* weights,
+                                  int num_tokens, ThreadPool& pool, float* out) {
   if (num_tokens == 0) return;
   const size_t rows = static_cast<size_t>(num_tokens) * top_k_;
   permuted_x_.resize(rows * hidden_);
@@ -344,23 +356,26 @@ void SparseMoe::dispatch_combine(const float* x, int num_tokens, ThreadPool& poo
   topk_weights_.resize(rows);
   if (num_tokens > 0) route(x, num_tokens, pool);
 
-  // Dispatch: token t goes to rank d when any of its experts lives there, as its hidden row followed
-  // by its top_k weights (0 for experts elsewhere), with its top_k expert ids local to d (absent =
-  // num_local_experts_). Every rank holds the same number of experts.
+  // Dispatch: token t goes to rank d when any of its experts lives there, as its hidden row
+  // followed by its top_k weights (0 for experts elsewhere), with its top_k expert ids local to d
+  // (absent = num_local_experts_). Every rank holds the same number of experts.
   send_rows_.assign(num_ranks, {});
   send_ids_.assign(num_ranks, {});
-  std::vector<std::vector<int32_t>> sent_tokens(num_ranks);  // which of our tokens went to each rank
+  std::vector<std::vector<int32_t>> sent_tokens(
+      num_ranks);  // which of our tokens went to each rank
   for (int t = 0; t < num_tokens; ++t) {
     const int32_t* ids = topk_ids_.data() + static_cast<size_t>(t) * top_k_;
     const float* w = topk_weights_.data() + static_cast<size_t>(t) * top_k_;
     for (int d = 0; d < num_ranks; ++d) {
       const int first = d * num_local_experts_;
       bool any = false;
-      for (int k = 0; k < top_k_; ++k) any = any || (ids[k] >= first && ids[k] < first + num_local_experts_);
+      for (int k = 0; k < top_k_; ++k)
+        any = any || (ids[k] >= first && ids[k] < first + num_local_experts_);
       if (!any) continue;
       sent_tokens[d].push_back(t);
       std::vector<float>& row = send_rows_[d];
-      row.insert(row.end(), x + static_cast<size_t>(t) * hidden_, x + static_cast<size_t>(t + 1) * hidden_);
+      row.insert(row.end(), x + static_cast<size_t>(t) * hidden_,
+                 x + static_cast<size_t>(t + 1) * hidden_);
       for (int k = 0; k < top_k_; ++k) {
         const bool there = ids[k] >= first && ids[k] < first + num_local_experts_;
         row.push_back(there ? w[k] : 0.0f);
@@ -381,8 +396,8 @@ void SparseMoe::dispatch_combine(const float* x, int num_tokens, ThreadPool& poo
   size_t at = 0;
   for (int s = 0; s < num_ranks; ++s) {
     const size_t n = recv_ids_[s].size() / top_k_;
-    RELAY_CHECK(recv_rows_[s].size() == n * stride, "MoE dispatch: rank ", s, " sent ", recv_rows_[s].size(),
-                " values for ", n, " tokens");
+    RELAY_CHECK(recv_rows_[s].size() == n * stride, "MoE dispatch: rank ", s, " sent ",
+                recv_rows_[s].size(), " values for ", n, " tokens");
     for (size_t i = 0; i < n; ++i, ++at) {
       const float* src = recv_rows_[s].data() + i * stride;
       std::copy(src, src + hidden_, recv_x_.data() + at * hidden_);
@@ -391,8 +406,8 @@ void SparseMoe::dispatch_combine(const float* x, int num_tokens, ThreadPool& poo
     std::copy(recv_ids_[s].begin(), recv_ids_[s].end(), local_ids_.begin() + (at - n) * top_k_);
   }
   recv_out_.resize(num_recv * hidden_);
-  run_local_experts(recv_x_.data(), local_ids_.data(), recv_weights_.data(), static_cast<int>(num_recv), pool,
-                    recv_out_.data());
+  run_local_experts(recv_x_.data(), local_ids_.data(), recv_weights_.data(),
+                    static_cast<int>(num_recv), pool, recv_out_.data());
 
   // Combine: send each source its tokens' partial sums, in the order they came; add them up in
   // rank order.
@@ -406,8 +421,9 @@ void SparseMoe::dispatch_combine(const float* x, int num_tokens, ThreadPool& poo
   ep_comm_->all_to_all(std::span<const std::vector<float>>(send_rows_), recv_rows_);
   std::fill(out, out + static_cast<size_t>(num_tokens) * hidden_, 0.0f);
   for (int d = 0; d < num_ranks; ++d) {
-    RELAY_CHECK(recv_rows_[d].size() == sent_tokens[d].size() * hidden_, "MoE combine: rank ", d, " returned ",
-                recv_rows_[d].size(), " values for ", sent_tokens[d].size(), " tokens");
+    RELAY_CHECK(recv_rows_[d].size() == sent_tokens[d].size() * hidden_, "MoE combine: rank ", d,
+                " returned ", recv_rows_[d].size(), " values for ", sent_tokens[d].size(),
+                " tokens");
     for (size_t i = 0; i < sent_tokens[d].size(); ++i) {
       const float* src = recv_rows_[d].data() + i * hidden_;
       float* dst = out + static_cast<size_t>(sent_tokens[d][i]) * hidden_;

@@ -1,12 +1,12 @@
 // The shared building blocks of Qwen-family decoders, in fp32 for the CPU backend.
 //
-// A decoder layer is: input norm -> token mixer -> residual -> post-attention norm -> feed-forward ->
-// residual. The token mixer and the feed-forward are interfaces because the family varies exactly
-// there: the mixer is full (softmax) attention over the paged KV cache today, and Qwen3.5's linear
-// attention later (with its own recurrent state); the feed-forward is a dense SwiGLU MLP or a sparse
-// mixture of experts, chosen per layer by the config. Each block owns its weights (widened from the
-// checkpoint to fp32 once, at load) and its scratch buffers, which grow to the largest batch seen and
-// are reused, so a steady decode loop does not allocate.
+// A decoder layer is: input norm -> token mixer -> residual -> post-attention norm -> feed-forward
+// -> residual. The token mixer and the feed-forward are interfaces because the family varies
+// exactly there: the mixer is full (softmax) attention over the paged KV cache today, and Qwen3.5's
+// linear attention later (with its own recurrent state); the feed-forward is a dense SwiGLU MLP or
+// a sparse mixture of experts, chosen per layer by the config. Each block owns its weights (widened
+// from the checkpoint to fp32 once, at load) and its scratch buffers, which grow to the largest
+// batch seen and are reused, so a steady decode loop does not allocate.
 #pragma once
 
 #include <memory>
@@ -24,9 +24,10 @@ namespace relay {
 
 class ThreadPool;
 
-// Reads tensor `name`, checking its shape (the error names the tensor, the file and both shapes), and
-// widens F32/BF16/F16 to fp32.
-std::vector<float> load_f32(const Checkpoint& ckpt, const std::string& name, const std::vector<int64_t>& shape);
+// Reads tensor `name`, checking its shape (the error names the tensor, the file and both shapes),
+// and widens F32/BF16/F16 to fp32.
+std::vector<float> load_f32(const Checkpoint& ckpt, const std::string& name,
+                            const std::vector<int64_t>& shape);
 
 // y = x @ weight^T + bias; weight [out_features, in_features] as nn.Linear stores it.
 struct Linear {
@@ -35,7 +36,8 @@ struct Linear {
   int out_features = 0;
   int in_features = 0;
 
-  void forward(const float* x, int num_rows, float* out, ThreadPool& pool) const;  // x [num_rows, in], out [num_rows, out]
+  void forward(const float* x, int num_rows, float* out,
+               ThreadPool& pool) const;  // x [num_rows, in], out [num_rows, out]
 };
 
 // A range of rows or columns of a checkpoint tensor; count -1 means "to the end".
@@ -57,26 +59,28 @@ class TokenMixer {
  public:
   virtual ~TokenMixer() = default;
   // x, out: [num_tokens, hidden]. Reads and writes this layer's cache state in `kv`.
-  virtual void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool, float* out) = 0;
+  virtual void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool,
+                       float* out) = 0;
 };
 
 // Qwen3 attention: fused qkv projection (+ bias), per-head q/k RMSNorm, RoPE, paged GQA attention
-// over the KV cache of layer `layer`, o projection (+ bias). Under tensor parallelism the rank holds
-// the shard's q heads and KV heads (the pool holds only those) and o_proj's matching columns; the
-// partial o outputs are summed across the TP group (the bias is added once, by TP rank 0).
+// over the KV cache of layer `layer`, o projection (+ bias). Under tensor parallelism the rank
+// holds the shard's q heads and KV heads (the pool holds only those) and o_proj's matching columns;
+// the partial o outputs are summed across the TP group (the bias is added once, by TP rank 0).
 class FullAttention : public TokenMixer {
  public:
-  FullAttention(const ModelConfig& config, const Checkpoint& ckpt, int layer, const RopeTables& rope,
-                const ShardSpec& shard);
-  void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool, float* out) override;
+  FullAttention(const ModelConfig& config, const Checkpoint& ckpt, int layer,
+                const RopeTables& rope, const ShardSpec& shard);
+  void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool,
+               float* out) override;
 
  private:
   int layer_;
   int num_q_heads_, num_kv_heads_, head_dim_;  // this rank's heads
   parallel::Communicator* tp_comm_;
   float eps_;
-  Linear qkv_;  // [(q_heads + 2 kv_heads) * head_dim, hidden]
-  Linear o_;    // [hidden, q_heads * head_dim]
+  Linear qkv_;                          // [(q_heads + 2 kv_heads) * head_dim, hidden]
+  Linear o_;                            // [hidden, q_heads * head_dim]
   std::vector<float> q_norm_, k_norm_;  // [head_dim]
   RopeTables rope_;
   std::vector<float> qkv_out_, q_, attn_;  // scratch
@@ -94,8 +98,10 @@ class FeedForward {
 // holds a slice of the width (gate/up rows, down columns) and the partial outputs are summed.
 class DenseMlp : public FeedForward {
  public:
-  // prefix: "model.layers.N.mlp"; the width is sliced as shard.mlp_width_begin / num_local_mlp_width.
-  DenseMlp(const Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t width, const ShardSpec& shard);
+  // prefix: "model.layers.N.mlp"; the width is sliced as shard.mlp_width_begin /
+  // num_local_mlp_width.
+  DenseMlp(const Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t width,
+           const ShardSpec& shard);
   void forward(const float* x, int num_tokens, ThreadPool& pool, float* out) override;
 
  private:
@@ -109,25 +115,27 @@ class DenseMlp : public FeedForward {
 // Qwen3-MoE sparse block: router softmax + top-k (+ renormalisation), experts as SwiGLU MLPs run as
 // grouped matmuls over tokens permuted by expert, weighted combine. No shared expert.
 //
-// Sharded, the rank holds experts [expert_begin, expert_begin + num_local_experts) (EP) or a slice of
-// every expert's width (TP with ep = 1), and computes each token's weighted sum over the experts it
-// holds; the ranks' partial sums add up to the full output. Routes to experts held elsewhere are
-// mapped to one extra "absent" local expert id that sorts last, gets weight 0 and is never computed,
-// so the same permute / grouped matmul / combine kernels serve every layout. With replicated tokens
-// (TP+EP prefill) the partial outputs are all-reduced; with per-rank tokens (DP attention) each
-// rank sends every token to the ranks holding any of its experts (dispatch), they return partial
-// sums, and the sender adds them up in rank order (combine). A rank with no tokens still takes part.
+// Sharded, the rank holds experts [expert_begin, expert_begin + num_local_experts) (EP) or a slice
+// of every expert's width (TP with ep = 1), and computes each token's weighted sum over the experts
+// it holds; the ranks' partial sums add up to the full output. Routes to experts held elsewhere are
+// mapped to one extra "absent" local expert id that sorts last, gets weight 0 and is never
+// computed, so the same permute / grouped matmul / combine kernels serve every layout. With
+// replicated tokens (TP+EP prefill) the partial outputs are all-reduced; with per-rank tokens (DP
+// attention) each rank sends every token to the ranks holding any of its experts (dispatch), they
+// return partial sums, and the sender adds them up in rank order (combine). A rank with no tokens
+// still takes part.
 class SparseMoe : public FeedForward {
  public:
-  SparseMoe(const ModelConfig& config, const Checkpoint& ckpt, const std::string& prefix, const ShardSpec& shard);
+  SparseMoe(const ModelConfig& config, const Checkpoint& ckpt, const std::string& prefix,
+            const ShardSpec& shard);
   // num_tokens may be 0 (a DP rank with no requests this step still serves the others' tokens).
   void forward(const float* x, int num_tokens, ThreadPool& pool, float* out) override;
 
  private:
   // The weighted sum over this rank's experts of tokens x [num_tokens, hidden] routed by
   // ids [num_tokens, top_k] (local expert ids; num_local_experts_ = absent) and weights -> out.
-  void run_local_experts(const float* x, const int32_t* ids, const float* weights, int num_tokens, ThreadPool& pool,
-                         float* out);
+  void run_local_experts(const float* x, const int32_t* ids, const float* weights, int num_tokens,
+                         ThreadPool& pool, float* out);
   // Router logits and top-k of x into topk_ids_ / topk_weights_.
   void route(const float* x, int num_tokens, ThreadPool& pool);
   // Dispatch to the ranks of the experts, compute, combine (DP attention + EP).
@@ -137,11 +145,12 @@ class SparseMoe : public FeedForward {
   bool renormalize_;
   int expert_begin_, num_local_experts_;
   bool dispatch_tokens_;
-  parallel::Communicator* reduce_comm_;  // sums partial outputs (replicated tokens); null when unsharded
-  parallel::Communicator* ep_comm_;      // dispatch / combine (per-rank tokens)
-  Linear router_;                  // [num_experts, hidden]
-  std::vector<float> gate_up_;     // [num_local_experts, 2 * width, hidden]
-  std::vector<float> down_;        // [num_local_experts, hidden, width]
+  parallel::Communicator*
+      reduce_comm_;  // sums partial outputs (replicated tokens); null when unsharded
+  parallel::Communicator* ep_comm_;  // dispatch / combine (per-rank tokens)
+  Linear router_;                    // [num_experts, hidden]
+  std::vector<float> gate_up_;       // [num_local_experts, 2 * width, hidden]
+  std::vector<float> down_;          // [num_local_experts, hidden, width]
   // scratch
   std::vector<float> router_logits_, topk_weights_, permuted_x_, gate_up_out_, act_, expert_out_;
   std::vector<int32_t> topk_ids_, local_ids_, permuted_index_, expert_offsets_;

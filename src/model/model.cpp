@@ -13,8 +13,8 @@
 
 namespace relay {
 
-Model::Model(ModelConfig config, ShardSpec shard, std::vector<float> embedding, std::vector<DecoderLayer> layers,
-             std::vector<float> final_norm, LmHeadWeights lm_head)
+Model::Model(ModelConfig config, ShardSpec shard, std::vector<float> embedding,
+             std::vector<DecoderLayer> layers, std::vector<float> final_norm, LmHeadWeights lm_head)
     : config_(std::move(config)),
       shard_(shard),
       embedding_(std::move(embedding)),
@@ -23,57 +23,68 @@ Model::Model(ModelConfig config, ShardSpec shard, std::vector<float> embedding, 
       lm_head_(std::move(lm_head)) {}
 
 KvCacheLayout Model::kv_layout(int block_size, int num_blocks) const {
-  return KvCacheLayout{static_cast<int>(config_.num_hidden_layers), num_blocks, shard_.num_local_kv_heads, block_size,
-                       static_cast<int>(config_.head_dim), sizeof(float)};
+  return KvCacheLayout{static_cast<int>(config_.num_hidden_layers),
+                       num_blocks,
+                       shard_.num_local_kv_heads,
+                       block_size,
+                       static_cast<int>(config_.head_dim),
+                       sizeof(float)};
 }
 
 KvCacheLayout Model::kv_layout_for_budget(int block_size, size_t bytes) const {
-  return KvCacheLayout::from_budget(static_cast<int>(config_.num_hidden_layers), shard_.num_local_kv_heads,
-                                    static_cast<int>(config_.head_dim), block_size, sizeof(float), bytes);
+  return KvCacheLayout::from_budget(static_cast<int>(config_.num_hidden_layers),
+                                    shard_.num_local_kv_heads, static_cast<int>(config_.head_dim),
+                                    block_size, sizeof(float), bytes);
 }
 
 void Model::check_batch(const ForwardBatch& b, const KvPool& kv) const {
   const KvCacheLayout& l = kv.layout();
   const int t = b.num_tokens(), s = b.num_seqs();
-  RELAY_CHECK(l.num_layers == config_.num_hidden_layers && l.num_kv_heads == shard_.num_local_kv_heads &&
-                  l.head_dim == config_.head_dim,
-              "KV pool shape (layers ", l.num_layers, ", kv heads ", l.num_kv_heads, ", head_dim ", l.head_dim,
-              ") does not match the model");
+  RELAY_CHECK(l.num_layers == config_.num_hidden_layers &&
+                  l.num_kv_heads == shard_.num_local_kv_heads && l.head_dim == config_.head_dim,
+              "KV pool shape (layers ", l.num_layers, ", kv heads ", l.num_kv_heads, ", head_dim ",
+              l.head_dim, ") does not match the model");
   RELAY_CHECK(t > 0, "forward batch has no tokens");
-  RELAY_CHECK(b.positions.size() == static_cast<size_t>(t) && b.slot_mapping.size() == static_cast<size_t>(t),
-              "forward batch: ", t, " tokens but ", b.positions.size(), " positions and ", b.slot_mapping.size(),
-              " slots");
+  RELAY_CHECK(b.positions.size() == static_cast<size_t>(t) &&
+                  b.slot_mapping.size() == static_cast<size_t>(t),
+              "forward batch: ", t, " tokens but ", b.positions.size(), " positions and ",
+              b.slot_mapping.size(), " slots");
   RELAY_CHECK(b.query_starts.size() == static_cast<size_t>(s) + 1 && b.query_starts[0] == 0 &&
                   b.query_starts[s] == t,
-              "forward batch: query_starts must have num_seqs + 1 entries from 0 to num_tokens ", t);
-  RELAY_CHECK(b.max_blocks_per_seq > 0 && b.block_tables.size() == static_cast<size_t>(s) * b.max_blocks_per_seq,
-              "forward batch: block_tables has ", b.block_tables.size(), " entries, expected ", s, " x ",
-              b.max_blocks_per_seq);
+              "forward batch: query_starts must have num_seqs + 1 entries from 0 to num_tokens ",
+              t);
+  RELAY_CHECK(b.max_blocks_per_seq > 0 &&
+                  b.block_tables.size() == static_cast<size_t>(s) * b.max_blocks_per_seq,
+              "forward batch: block_tables has ", b.block_tables.size(), " entries, expected ", s,
+              " x ", b.max_blocks_per_seq);
   for (int i = 0; i < s; ++i) {
     const int n = b.query_starts[i + 1] - b.query_starts[i];
     const int ctx = b.context_lens[i];
-    RELAY_CHECK(n >= 1 && ctx >= n, "forward batch: sequence ", i, " has ", n, " new tokens and context length ", ctx);
+    RELAY_CHECK(n >= 1 && ctx >= n, "forward batch: sequence ", i, " has ", n,
+                " new tokens and context length ", ctx);
     const int blocks = (ctx + l.block_size - 1) / l.block_size;
     RELAY_CHECK(blocks <= b.max_blocks_per_seq, "forward batch: sequence ", i, " needs ", blocks,
                 " blocks, its table has ", b.max_blocks_per_seq);
     for (int j = 0; j < blocks; ++j) {
       const int32_t id = b.block_tables[static_cast<size_t>(i) * b.max_blocks_per_seq + j];
-      RELAY_CHECK(id >= 0 && id < l.num_blocks, "forward batch: sequence ", i, " block ", j, " is ", id,
-                  ", pool has ", l.num_blocks);
+      RELAY_CHECK(id >= 0 && id < l.num_blocks, "forward batch: sequence ", i, " block ", j, " is ",
+                  id, ", pool has ", l.num_blocks);
     }
   }
   const int64_t num_slots = static_cast<int64_t>(l.num_blocks) * l.block_size;
   for (int i = 0; i < t; ++i) {
-    RELAY_CHECK(b.token_ids[i] >= 0 && b.token_ids[i] < config_.vocab_size, "token id ", b.token_ids[i],
-                " out of the vocabulary [0, ", config_.vocab_size, ")");
-    RELAY_CHECK(b.slot_mapping[i] >= -1 && b.slot_mapping[i] < num_slots, "slot ", b.slot_mapping[i],
-                " of token ", i, " out of [-1, ", num_slots, ")");
+    RELAY_CHECK(b.token_ids[i] >= 0 && b.token_ids[i] < config_.vocab_size, "token id ",
+                b.token_ids[i], " out of the vocabulary [0, ", config_.vocab_size, ")");
+    RELAY_CHECK(b.slot_mapping[i] >= -1 && b.slot_mapping[i] < num_slots, "slot ",
+                b.slot_mapping[i], " of token ", i, " out of [-1, ", num_slots, ")");
     RELAY_CHECK(b.positions[i] >= 0, "negative position ", b.positions[i], " for token ", i);
   }
-  for (int32_t r : b.logit_rows) RELAY_CHECK(r >= 0 && r < t, "logit row ", r, " out of [0, ", t, ")");
+  for (int32_t r : b.logit_rows)
+    RELAY_CHECK(r >= 0 && r < t, "logit row ", r, " out of [0, ", t, ")");
 }
 
-void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool, std::vector<float>& logits) {
+void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool,
+                    std::vector<float>& logits) {
   check_batch(b, kv);
   const int t = b.num_tokens();
   const int h = static_cast<int>(config_.hidden_size);
@@ -124,36 +135,42 @@ void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool, std::ve
   if (!lm_head_.bf16.empty()) {
     run_lm_head(kernels::LmHeadParams<float, kernels::Bf16Bits>{}, lm_head_.bf16.data());
   } else {
-    run_lm_head(kernels::LmHeadParams<float>{}, lm_head_.f32.empty() ? embedding_.data() : lm_head_.f32.data());
+    run_lm_head(kernels::LmHeadParams<float>{},
+                lm_head_.f32.empty() ? embedding_.data() : lm_head_.f32.data());
   }
 }
 
 void Model::forward_idle(ThreadPool& pool) {
-  RELAY_CHECK(shard_.dispatch_tokens, "forward_idle: only an expert-parallel DP rank runs a step without tokens");
+  RELAY_CHECK(shard_.dispatch_tokens,
+              "forward_idle: only an expert-parallel DP rank runs a step without tokens");
   for (DecoderLayer& layer : layers_) layer.ffn->forward(nullptr, 0, pool, nullptr);
 }
 
-std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt, const ShardSpec& shard,
-                                    const std::function<std::unique_ptr<FeedForward>(int layer)>& make_ffn) {
+std::unique_ptr<Model> load_decoder(
+    const ModelConfig& c, const Checkpoint& ckpt, const ShardSpec& shard,
+    const std::function<std::unique_ptr<FeedForward>(int layer)>& make_ffn) {
   RELAY_CHECK(c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads == 0,
-              "num_attention_heads ", c.num_attention_heads, " must be a multiple of num_key_value_heads ",
-              c.num_key_value_heads);
+              "num_attention_heads ", c.num_attention_heads,
+              " must be a multiple of num_key_value_heads ", c.num_key_value_heads);
   const RopeTables rope = compute_rope(c);
-  std::vector<float> embedding = load_f32(ckpt, "model.embed_tokens.weight", {c.vocab_size, c.hidden_size});
+  std::vector<float> embedding =
+      load_f32(ckpt, "model.embed_tokens.weight", {c.vocab_size, c.hidden_size});
   std::vector<DecoderLayer> layers;
   layers.reserve(c.num_hidden_layers);
   for (int i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
     const std::string p = str("model.layers.", i, ".");
     layer.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {c.hidden_size});
-    layer.post_attention_norm = load_f32(ckpt, p + "post_attention_layernorm.weight", {c.hidden_size});
+    layer.post_attention_norm =
+        load_f32(ckpt, p + "post_attention_layernorm.weight", {c.hidden_size});
     layer.mixer = std::make_unique<FullAttention>(c, ckpt, i, rope, shard);
     layer.ffn = make_ffn(i);
     layers.push_back(std::move(layer));
   }
   std::vector<float> final_norm = load_f32(ckpt, "model.norm.weight", {c.hidden_size});
   LmHeadWeights lm_head;
-  const std::string lm_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+  const std::string lm_name =
+      c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
   const TensorView& lm = ckpt.get(lm_name, {c.vocab_size, c.hidden_size});
   if (lm.dtype == DType::BF16) {
     lm_head.bf16.resize(lm.numel());
@@ -161,8 +178,8 @@ std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt
   } else if (!c.tie_word_embeddings) {
     lm_head.f32 = load_f32(ckpt, lm_name, {c.vocab_size, c.hidden_size});
   }
-  return std::make_unique<Model>(c, shard, std::move(embedding), std::move(layers), std::move(final_norm),
-                                 std::move(lm_head));
+  return std::make_unique<Model>(c, shard, std::move(embedding), std::move(layers),
+                                 std::move(final_norm), std::move(lm_head));
 }
 
 }  // namespace relay

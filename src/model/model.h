@@ -1,11 +1,12 @@
-// A Qwen-family decoder-only language model on the CPU: embedding, decoder layers, final norm, LM head.
+// A Qwen-family decoder-only language model on the CPU: embedding, decoder layers, final norm, LM
+// head.
 //
 // One Model type serves every architecture: the per-architecture files (qwen3.cpp, qwen3_moe.cpp)
 // only decide which blocks each layer gets while loading, and registry.h maps the config's
 // `architecture` string to them. forward() runs one flattened batch (forward_batch.h) through the
 // stack, writing K/V into the caller's pool and returning logits only for the requested rows. The
-// batch is validated once here, at the boundary; the kernels trust it. A Model is not reentrant: its
-// layers keep scratch buffers between calls.
+// batch is validated once here, at the boundary; the kernels trust it. A Model is not reentrant:
+// its layers keep scratch buffers between calls.
 //
 // A Model may be one rank's shard (model/shard.h): it then holds and caches only its KV heads, its
 // layers talk to the other ranks inside forward(), and every rank of the group must run the same
@@ -30,8 +31,8 @@ namespace relay {
 class ThreadPool;
 
 // The LM head's weight [vocab, hidden]: bf16 bits when the checkpoint stores it in bf16 (the kernel
-// widens exactly, reading half the bytes: this is most of a small model's decode traffic), else fp32;
-// both empty means tied to the fp32 embedding.
+// widens exactly, reading half the bytes: this is most of a small model's decode traffic), else
+// fp32; both empty means tied to the fp32 embedding.
 struct LmHeadWeights {
   std::vector<float> f32;
   std::vector<kernels::Bf16Bits> bf16;
@@ -39,8 +40,8 @@ struct LmHeadWeights {
 
 class Model {
  public:
-  Model(ModelConfig config, ShardSpec shard, std::vector<float> embedding, std::vector<DecoderLayer> layers,
-        std::vector<float> final_norm, LmHeadWeights lm_head);
+  Model(ModelConfig config, ShardSpec shard, std::vector<float> embedding,
+        std::vector<DecoderLayer> layers, std::vector<float> final_norm, LmHeadWeights lm_head);
 
   const ModelConfig& config() const { return config_; }
   const ShardSpec& shard() const { return shard_; }
@@ -69,9 +70,10 @@ class Model {
   std::vector<float> hidden_, residual_, normed_;  // scratch, [num_tokens, hidden]
 };
 
-// Loads what every Qwen-family decoder shares (embedding, attention, norms, LM head) for `shard` and
-// asks `make_ffn(layer)` for each layer's feed-forward block.
-std::unique_ptr<Model> load_decoder(const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard,
-                                    const std::function<std::unique_ptr<FeedForward>(int layer)>& make_ffn);
+// Loads what every Qwen-family decoder shares (embedding, attention, norms, LM head) for `shard`
+// and asks `make_ffn(layer)` for each layer's feed-forward block.
+std::unique_ptr<Model> load_decoder(
+    const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard,
+    const std::function<std::unique_ptr<FeedForward>(int layer)>& make_ffn);
 
 }  // namespace relay

@@ -30,13 +30,16 @@ std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& 
   return build_model(config, ckpt, unsharded(config));
 }
 
-std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard) {
+std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt,
+                                   const ShardSpec& shard) {
   for (const Architecture& a : kArchitectures) {
     if (config.architecture == a.name) return a.build(config, ckpt, shard);
   }
   std::string supported;
-  for (const std::string& name : supported_architectures()) supported += str(supported.empty() ? "" : ", ", name);
-  fail(str("architecture \"", config.architecture, "\" is not supported (supported: ", supported, ")"));
+  for (const std::string& name : supported_architectures())
+    supported += str(supported.empty() ? "" : ", ", name);
+  fail(str("architecture \"", config.architecture, "\" is not supported (supported: ", supported,
+           ")"));
 }
 
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir) {

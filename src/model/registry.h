@@ -17,10 +17,12 @@ namespace relay {
 std::vector<std::string> supported_architectures();
 
 // Builds the model for config.architecture from the checkpoint's tensors (copied to fp32, so the
-// checkpoint may be closed afterwards). An unknown architecture is an error listing the supported ones.
+// checkpoint may be closed afterwards). An unknown architecture is an error listing the supported
+// ones.
 std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt);
 // The same for one rank's shard (model/shard.h: make_shard).
-std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt, const ShardSpec& shard);
+std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt,
+                                   const ShardSpec& shard);
 
 // ModelConfig::load(dir) + Checkpoint(dir) + build_model.
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir);

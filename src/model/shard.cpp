@@ -15,7 +15,8 @@ ShardSpec unsharded(const ModelConfig& c) {
   return s;
 }
 
-ShardSpec make_shard(const ModelConfig& c, const parallel::ParallelConfig& p, int rank, parallel::Communicator* world) {
+ShardSpec make_shard(const ModelConfig& c, const parallel::ParallelConfig& p, int rank,
+                     parallel::Communicator* world) {
   p.validate();
   ShardSpec s = unsharded(c);
   if (p.world_size() == 1) return s;
@@ -27,23 +28,28 @@ ShardSpec make_shard(const ModelConfig& c, const parallel::ParallelConfig& p, in
   s.tp_size = tp;
   if (tp > 1) s.tp_comm = world;  // tp > 1 implies dp == 1: the TP group is every rank
 
-  const int q = static_cast<int>(c.num_attention_heads), kv = static_cast<int>(c.num_key_value_heads);
-  RELAY_CHECK(q % tp == 0, "--tp ", tp, " does not divide num_attention_heads ", q, " (config.json)");
+  const int q = static_cast<int>(c.num_attention_heads),
+            kv = static_cast<int>(c.num_key_value_heads);
+  RELAY_CHECK(q % tp == 0, "--tp ", tp, " does not divide num_attention_heads ", q,
+              " (config.json)");
   s.num_local_q_heads = q / tp;
   s.q_head_begin = at.tp_rank * s.num_local_q_heads;
   if (tp <= kv) {
-    RELAY_CHECK(kv % tp == 0, "--tp ", tp, " does not divide num_key_value_heads ", kv, " (config.json)");
+    RELAY_CHECK(kv % tp == 0, "--tp ", tp, " does not divide num_key_value_heads ", kv,
+                " (config.json)");
     s.num_local_kv_heads = kv / tp;
     s.kv_head_begin = at.tp_rank * s.num_local_kv_heads;
   } else {
-    RELAY_CHECK(tp % kv == 0, "--tp ", tp, " exceeds num_key_value_heads ", kv,
-                " (config.json) and is not a multiple of it, so KV heads cannot be replicated evenly");
+    RELAY_CHECK(
+        tp % kv == 0, "--tp ", tp, " exceeds num_key_value_heads ", kv,
+        " (config.json) and is not a multiple of it, so KV heads cannot be replicated evenly");
     s.num_local_kv_heads = 1;
     s.kv_head_begin = at.tp_rank / (tp / kv);
   }
 
   bool has_dense_mlp = !c.is_moe();
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) has_dense_mlp = has_dense_mlp || !c.layer_is_moe(l);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    has_dense_mlp = has_dense_mlp || !c.layer_is_moe(l);
   if (has_dense_mlp && tp > 1) {
     RELAY_CHECK(c.intermediate_size % tp == 0, "--tp ", tp, " does not divide intermediate_size ",
                 c.intermediate_size, " (config.json)");
@@ -53,8 +59,8 @@ ShardSpec make_shard(const ModelConfig& c, const parallel::ParallelConfig& p, in
 
   if (c.num_experts > 0) {
     if (p.ep > 1) {
-      RELAY_CHECK(c.num_experts % p.ep == 0, "--ep ", p.ep, " does not divide num_experts ", c.num_experts,
-                  " (config.json)");
+      RELAY_CHECK(c.num_experts % p.ep == 0, "--ep ", p.ep, " does not divide num_experts ",
+                  c.num_experts, " (config.json)");
       s.ep_rank = at.ep_rank;
       s.ep_size = p.ep;
       s.ep_comm = world;
@@ -62,8 +68,9 @@ ShardSpec make_shard(const ModelConfig& c, const parallel::ParallelConfig& p, in
       s.expert_begin = at.ep_rank * s.num_local_experts;
       s.dispatch_tokens = p.dp > 1;
     } else if (tp > 1) {
-      RELAY_CHECK(c.moe_intermediate_size % tp == 0, "--tp ", tp, " does not divide moe_intermediate_size ",
-                  c.moe_intermediate_size, " (config.json); use --ep ", tp, " to divide the experts instead");
+      RELAY_CHECK(c.moe_intermediate_size % tp == 0, "--tp ", tp,
+                  " does not divide moe_intermediate_size ", c.moe_intermediate_size,
+                  " (config.json); use --ep ", tp, " to divide the experts instead");
       s.num_local_moe_width = static_cast<int>(c.moe_intermediate_size / tp);
       s.moe_width_begin = at.tp_rank * s.num_local_moe_width;
     }

@@ -3,9 +3,9 @@
 //
 // Weights are sliced while loading, straight from the checkpoint: a tensor-parallel rank keeps its
 // q heads and their KV heads (q|k|v rows), the matching o_proj columns and a slice of every dense
-// MLP's width; an expert-parallel rank keeps experts [expert_begin, expert_begin + num_local_experts).
-// Embedding, norms, router and lm_head are replicated. Every split is checked against the config here,
-// with a message that names the field that does not divide.
+// MLP's width; an expert-parallel rank keeps experts [expert_begin, expert_begin +
+// num_local_experts). Embedding, norms, router and lm_head are replicated. Every split is checked
+// against the config here, with a message that names the field that does not divide.
 //
 // KV heads when tp > num_key_value_heads: each rank holds the one KV head its q heads read
 // (replicated on tp / num_kv_heads ranks), so the k/v projections are computed redundantly and each
@@ -21,11 +21,12 @@ namespace relay {
 struct ShardSpec {
   int tp_rank = 0, tp_size = 1;
   int ep_rank = 0, ep_size = 1;
-  // The EP ranks hold different tokens (DP attention): the MoE dispatches token rows to the ranks of
-  // their experts and combines the results back (all_to_all). Otherwise every EP rank sees the same
-  // tokens and the partial MoE outputs are summed (all_reduce).
+  // The EP ranks hold different tokens (DP attention): the MoE dispatches token rows to the ranks
+  // of their experts and combines the results back (all_to_all). Otherwise every EP rank sees the
+  // same tokens and the partial MoE outputs are summed (all_reduce).
   bool dispatch_tokens = false;
-  parallel::Communicator* tp_comm = nullptr;  // the tp ranks of this DP group (null when tp_size == 1)
+  parallel::Communicator* tp_comm =
+      nullptr;  // the tp ranks of this DP group (null when tp_size == 1)
   parallel::Communicator* ep_comm = nullptr;  // all ranks (null when ep_size == 1)
 
   // Derived from the config by make_shard (the unsharded values when tp_size == ep_size == 1).

@@ -7,12 +7,12 @@
 // CI runs every sharded configuration; a GPU implementation (NCCL, and Relay's own peer-memory
 // kernels) provides the same calls over device buffers.
 //
-// Contract: every rank of a group makes the same sequence of calls with the same counts (all_reduce)
-// — a collective is a rendezvous. Results are deterministic: all_reduce_sum adds the ranks'
-// contributions in rank order, so every rank receives bit-identical sums and a sharded run is
-// repeatable. A rank that fails inside a step aborts the group (abort()), which makes every other
-// rank's pending and later collectives throw instead of waiting for a partner that will never come;
-// reset() re-arms the group once all ranks have left the step. Every wait has a timeout.
+// Contract: every rank of a group makes the same sequence of calls with the same counts
+// (all_reduce) — a collective is a rendezvous. Results are deterministic: all_reduce_sum adds the
+// ranks' contributions in rank order, so every rank receives bit-identical sums and a sharded run
+// is repeatable. A rank that fails inside a step aborts the group (abort()), which makes every
+// other rank's pending and later collectives throw instead of waiting for a partner that will never
+// come; reset() re-arms the group once all ranks have left the step. Every wait has a timeout.
 #pragma once
 
 #include <cstddef>
@@ -33,7 +33,8 @@ class Communicator {
   virtual void all_reduce_sum(float* data, size_t count) = 0;
   // Rank r sends send[d] to rank d (send.size() == size()) and receives, in recv[s], what rank s
   // sent it. Sizes may differ per pair, and be zero.
-  virtual void all_to_all(std::span<const std::vector<float>> send, std::vector<std::vector<float>>& recv) = 0;
+  virtual void all_to_all(std::span<const std::vector<float>> send,
+                          std::vector<std::vector<float>>& recv) = 0;
   virtual void all_to_all(std::span<const std::vector<int32_t>> send,
                           std::vector<std::vector<int32_t>>& recv) = 0;
   virtual void barrier() = 0;

@@ -11,7 +11,8 @@ namespace relay::parallel {
 namespace {
 
 struct GroupState {
-  GroupState(int n, std::chrono::milliseconds t) : size(n), timeout(t), posted(n), posted_count(n) {}
+  GroupState(int n, std::chrono::milliseconds t)
+      : size(n), timeout(t), posted(n), posted_count(n) {}
 
   const int size;
   const std::chrono::milliseconds timeout;
@@ -27,7 +28,8 @@ struct GroupState {
 
 class LocalCommunicator : public Communicator {
  public:
-  LocalCommunicator(std::shared_ptr<GroupState> state, int rank) : state_(std::move(state)), rank_(rank) {}
+  LocalCommunicator(std::shared_ptr<GroupState> state, int rank)
+      : state_(std::move(state)), rank_(rank) {}
 
   int rank() const override { return rank_; }
   int size() const override { return state_->size; }
@@ -43,12 +45,13 @@ class LocalCommunicator : public Communicator {
       g.cv.notify_all();
       return;
     }
-    const bool done = g.cv.wait_for(lock, g.timeout, [&] { return g.generation != gen || g.aborted; });
+    const bool done =
+        g.cv.wait_for(lock, g.timeout, [&] { return g.generation != gen || g.aborted; });
     if (!done) {
       g.aborted = true;
       g.cv.notify_all();
-      fail(str("rank ", rank_, " of ", g.size, ": the other ranks did not reach the collective within ",
-               g.timeout.count(), " ms"));
+      fail(str("rank ", rank_, " of ", g.size,
+               ": the other ranks did not reach the collective within ", g.timeout.count(), " ms"));
     }
     throw_if_aborted();
   }
@@ -75,7 +78,8 @@ class LocalCommunicator : public Communicator {
     std::memcpy(data, scratch_.data(), count * sizeof(float));
   }
 
-  void all_to_all(std::span<const std::vector<float>> send, std::vector<std::vector<float>>& recv) override {
+  void all_to_all(std::span<const std::vector<float>> send,
+                  std::vector<std::vector<float>>& recv) override {
     exchange(send, recv);
   }
   void all_to_all(std::span<const std::vector<int32_t>> send,
@@ -97,7 +101,8 @@ class LocalCommunicator : public Communicator {
 
  private:
   void throw_if_aborted() const {
-    if (state_->aborted) fail(str("rank ", rank_, " of ", state_->size, ": the group was aborted by a failed rank"));
+    if (state_->aborted)
+      fail(str("rank ", rank_, " of ", state_->size, ": the group was aborted by a failed rank"));
   }
 
   void post(const void* data, size_t count) {
@@ -109,8 +114,8 @@ class LocalCommunicator : public Communicator {
   template <typename T>
   void exchange(std::span<const std::vector<T>> send, std::vector<std::vector<T>>& recv) {
     GroupState& g = *state_;
-    RELAY_CHECK(static_cast<int>(send.size()) == g.size, "all_to_all: rank ", rank_, " passed ", send.size(),
-                " send buffers for a group of ", g.size);
+    RELAY_CHECK(static_cast<int>(send.size()) == g.size, "all_to_all: rank ", rank_, " passed ",
+                send.size(), " send buffers for a group of ", g.size);
     post(send.data(), send.size());
     barrier();
     recv.resize(g.size);
@@ -128,7 +133,8 @@ class LocalCommunicator : public Communicator {
 
 }  // namespace
 
-std::vector<std::unique_ptr<Communicator>> make_local_group(int size, std::chrono::milliseconds timeout) {
+std::vector<std::unique_ptr<Communicator>> make_local_group(int size,
+                                                            std::chrono::milliseconds timeout) {
   RELAY_CHECK(size >= 1, "a communicator group needs at least one rank, got ", size);
   auto state = std::make_shared<GroupState>(size, timeout);
   std::vector<std::unique_ptr<Communicator>> comms;

@@ -1,13 +1,14 @@
 // How the ranks of one worker divide a model: tensor (tp), expert (ep) and data (dp) parallelism.
 //
-// A worker runs tp x dp ranks. Attention is split across the tp ranks of a data-parallel group (heads
-// divided; k/v replicated when tp exceeds the KV heads) and the dp groups each own their requests
-// and KV cache. The MoE experts are either replicated in every rank's shard (ep = 1: split by width
-// across the tp ranks, like a dense MLP) or divided across all ranks (ep = tp x dp). These are the
-// two layouts Relay deploys (design.md): prefill TP+EP (tp = ep, dp = 1: every rank sees every
-// token, experts split, one reduction after attention and one after the MoE) and decode DP attention
-// + EP MoE (tp = 1, dp = ep: each rank has its own tokens, which an all-to-all sends to the ranks of
-// their experts and back). Tensor parallelism inside a DP group of an EP MoE (tp > 1 and dp > 1)
+// A worker runs tp x dp ranks. Attention is split across the tp ranks of a data-parallel group
+// (heads divided; k/v replicated when tp exceeds the KV heads) and the dp groups each own their
+// requests and KV cache. The MoE experts are either replicated in every rank's shard (ep = 1: split
+// by width across the tp ranks, like a dense MLP) or divided across all ranks (ep = tp x dp). These
+// are the two layouts Relay deploys (design.md): prefill TP+EP (tp = ep, dp = 1: every rank sees
+// every token, experts split, one reduction after attention and one after the MoE) and decode DP
+// attention
+// + EP MoE (tp = 1, dp = ep: each rank has its own tokens, which an all-to-all sends to the ranks
+// of their experts and back). Tensor parallelism inside a DP group of an EP MoE (tp > 1 and dp > 1)
 // would dispatch every token tp times and is refused.
 #pragma once
 
@@ -21,7 +22,8 @@ struct ParallelConfig {
   int dp = 1;  // data-parallel attention groups
 
   int world_size() const { return tp * dp; }
-  // Throws relay::Error naming the option (--tp, --ep, --dp) when the combination is not one Relay runs.
+  // Throws relay::Error naming the option (--tp, --ep, --dp) when the combination is not one Relay
+  // runs.
   void validate() const;
   std::string describe() const;  // "tp=2 ep=2 dp=1"
 };

@@ -30,9 +30,12 @@ void Scheduler::add_running(std::unique_ptr<Sequence> seq) {
                   seq->num_computed < static_cast<int>(seq->tokens.size()),
               "a prefilled sequence needs computed prompt tokens and a token left to compute");
   RELAY_CHECK(seqs_.count(seq->id) == 0, "sequence id ", seq->id, " is already scheduled");
-  RELAY_CHECK(blocks_.has_sequence(seq->id) &&
-                  static_cast<int64_t>(blocks_.block_table(seq->id).size()) * blocks_.block_size() >= seq->num_computed,
-              "prefilled sequence ", seq->id, " has no KV blocks covering its ", seq->num_computed, " tokens");
+  RELAY_CHECK(
+      blocks_.has_sequence(seq->id) &&
+          static_cast<int64_t>(blocks_.block_table(seq->id).size()) * blocks_.block_size() >=
+              seq->num_computed,
+      "prefilled sequence ", seq->id, " has no KV blocks covering its ", seq->num_computed,
+      " tokens");
   if (seq->num_cached_prompt_tokens < 0) seq->num_cached_prompt_tokens = 0;
   running_.push_back(seq.get());
   seqs_.emplace(seq->id, std::move(seq));

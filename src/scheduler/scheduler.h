@@ -89,8 +89,8 @@ class Scheduler {
   // Queues a new sequence (tokens = its prompt, non-empty; id unused so far).
   void add(std::unique_ptr<Sequence> seq);
   // Starts a sequence whose first num_computed tokens already have K/V in the blocks the block
-  // manager holds under its id (a decode worker receiving a prefilled prompt); it runs from the next
-  // step, after the sequences already running.
+  // manager holds under its id (a decode worker receiving a prefilled prompt); it runs from the
+  // next step, after the sequences already running.
   void add_running(std::unique_ptr<Sequence> seq);
   // Picks this step's work and allocates its KV blocks.
   SchedulerOutput schedule();

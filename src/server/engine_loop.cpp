@@ -3,7 +3,6 @@
 
 #include "core/error.h"
 
-
 namespace relay::server {
 
 using Clock = std::chrono::steady_clock;
@@ -106,7 +105,8 @@ void record_output(Metrics& metrics, RequestHandle& h, const RequestOutput& out)
     metrics.add_tokens(0, out.new_tokens.size());
   }
   if (out.finish != FinishReason::kNone) {
-    metrics.request_finished(finish_reason_name(out.finish), std::chrono::duration<double>(now - h.arrival_).count(),
+    metrics.request_finished(finish_reason_name(out.finish),
+                             std::chrono::duration<double>(now - h.arrival_).count(),
                              out.queue_time_s);
   }
 }
@@ -137,22 +137,25 @@ bool EngineLoop::enqueue_task(std::function<void(LLMEngine&)> task) {
   return true;
 }
 
-std::shared_ptr<RequestHandle> EngineLoop::submit_prefilled(int64_t id, EngineRequest request, SampledToken first,
+std::shared_ptr<RequestHandle> EngineLoop::submit_prefilled(int64_t id, EngineRequest request,
+                                                            SampledToken first,
                                                             int num_cached_tokens) {
   auto handle = std::make_shared<RequestHandle>(id);
   ++num_unfinished_;
-  const bool queued = enqueue_task([this, handle, request = std::move(request), first = std::move(first),
-                                    num_cached_tokens](LLMEngine& engine) mutable {
-    try {
-      RequestOutput out = engine.add_prefilled_request(handle->id(), std::move(request), first, num_cached_tokens);
-      live_.emplace(handle->id(), handle);
-      deliver(out);
-    } catch (const Error& e) {
-      metrics_.request_finished("error", 0.0, 0.0);
-      --num_unfinished_;
-      handle->fail(e.what());
-    }
-  });
+  const bool queued =
+      enqueue_task([this, handle, request = std::move(request), first = std::move(first),
+                    num_cached_tokens](LLMEngine& engine) mutable {
+        try {
+          RequestOutput out = engine.add_prefilled_request(handle->id(), std::move(request), first,
+                                                           num_cached_tokens);
+          live_.emplace(handle->id(), handle);
+          deliver(out);
+        } catch (const Error& e) {
+          metrics_.request_finished("error", 0.0, 0.0);
+          --num_unfinished_;
+          handle->fail(e.what());
+        }
+      });
   if (!queued) {
     --num_unfinished_;
     handle->fail("the server is shutting down", 503);
@@ -179,7 +182,8 @@ void EngineLoop::run() {
     {
       std::unique_lock lock(mu_);
       cv_.wait(lock, [&] {
-        return stopping_ || !inbox_.empty() || !aborts_.empty() || !tasks_.empty() || engine_.has_work();
+        return stopping_ || !inbox_.empty() || !aborts_.empty() || !tasks_.empty() ||
+               engine_.has_work();
       });
       if (stopping_) break;
       inbox.swap(inbox_);

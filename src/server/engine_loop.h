@@ -63,8 +63,8 @@ class RequestHandle {
   bool has_token_ = false;
 };
 
-// Records an output's latency metrics (TTFT, inter-token latency, tokens, the finished request) against
-// the handle's arrival and last token, as every sink does before pushing the output.
+// Records an output's latency metrics (TTFT, inter-token latency, tokens, the finished request)
+// against the handle's arrival and last token, as every sink does before pushing the output.
 void record_output(Metrics& metrics, RequestHandle& handle, const RequestOutput& out);
 
 // Where the HTTP front end sends requests: the local engine thread (EngineLoop) or, in a
@@ -123,8 +123,8 @@ class EngineLoop : public RequestSink {
   int64_t new_id() { return next_id_++; }
   // Starts request `id`, whose prompt's KV is already in blocks reserved under `id`, from the first
   // token a prefill worker sampled; returns its handle (the first output is already in it).
-  std::shared_ptr<RequestHandle> submit_prefilled(int64_t id, EngineRequest request, SampledToken first,
-                                                  int num_cached_tokens);
+  std::shared_ptr<RequestHandle> submit_prefilled(int64_t id, EngineRequest request,
+                                                  SampledToken first, int num_cached_tokens);
 
  private:
   void run();

@@ -301,8 +301,9 @@ struct HttpServer::State {
   std::optional<ApiError> job_error(const Job& job) const {
     for (const Choice& c : job.choices) {
       if (!c.error.empty()) {
-        return ApiError{c.error_status, c.error, c.error_status == 503 ? "service_unavailable" : "internal_server_error",
-                        "", ""};
+        return ApiError{c.error_status, c.error,
+                        c.error_status == 503 ? "service_unavailable" : "internal_server_error", "",
+                        ""};
       }
     }
     return std::nullopt;
@@ -631,11 +632,12 @@ void HttpServer::start() {
 void HttpServer::attach(LLMEngine& engine, chat::ChatTemplate chat_template) {
   State& s = *state_;
   s.own_loop = std::make_unique<EngineLoop>(engine, s.metrics);
-  attach(ServedModel{&engine.tokenizer(), engine.model_config().vocab_size, engine.max_model_len()}, *s.own_loop,
-         std::move(chat_template));
+  attach(ServedModel{&engine.tokenizer(), engine.model_config().vocab_size, engine.max_model_len()},
+         *s.own_loop, std::move(chat_template));
 }
 
-void HttpServer::attach(const ServedModel& model, RequestSink& sink, chat::ChatTemplate chat_template) {
+void HttpServer::attach(const ServedModel& model, RequestSink& sink,
+                        chat::ChatTemplate chat_template) {
   State& s = *state_;
   s.model = model;
   s.chat_template.emplace(std::move(chat_template));

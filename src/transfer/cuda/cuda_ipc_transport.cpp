@@ -69,7 +69,8 @@ Address parse_address(const RegionDescriptor& d) {
   const auto bad = [&](const char* why) {
     fail(str("region ", d.id, " has a malformed CUDA IPC address (", why, ")"));
   };
-  if (parts.size() != 5 || parts[0] != "cudaipc") bad("expected cudaipc:<pid>:<device>:<handle>:<offset>");
+  if (parts.size() != 5 || parts[0] != "cudaipc")
+    bad("expected cudaipc:<pid>:<device>:<handle>:<offset>");
   try {
     out.pid = std::stol(parts[1]);
     out.device = std::stoi(parts[2]);
@@ -77,7 +78,8 @@ Address parse_address(const RegionDescriptor& d) {
   } catch (const std::exception&) {
     bad("a number does not parse");
   }
-  if (!from_hex(parts[3], &out.handle, sizeof out.handle)) bad("the handle is not hex of the right length");
+  if (!from_hex(parts[3], &out.handle, sizeof out.handle))
+    bad("the handle is not hex of the right length");
   return out;
 }
 
@@ -86,8 +88,8 @@ class CudaIpcTransport : public Transport {
   explicit CudaIpcTransport(const CudaIpcTransportOptions& o) : options_(o) {
     int count = 0;
     check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
-    RELAY_CHECK(o.device >= 0 && o.device < count, "CUDA IPC transport: device ", o.device, " does not exist (",
-                count, " devices)");
+    RELAY_CHECK(o.device >= 0 && o.device < count, "CUDA IPC transport: device ", o.device,
+                " does not exist (", count, " devices)");
     check(cudaSetDevice(o.device), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
@@ -111,14 +113,15 @@ class CudaIpcTransport : public Transport {
     check(cudaPointerGetAttributes(&attr, base), "cudaPointerGetAttributes");
     RELAY_CHECK(attr.type == cudaMemoryTypeDevice, "CUDA IPC transport: region ", id,
                 " is not device memory (register host memory with the UCX transport)");
-    // NOTE: an IPC handle names the whole allocation; the offset locates the region in it. The driver
-    // call comes through the runtime's entry-point table, so the binary does not link libcuda (it
-    // must start on machines without a GPU driver).
+    // NOTE: an IPC handle names the whole allocation; the offset locates the region in it. The
+    // driver call comes through the runtime's entry-point table, so the binary does not link
+    // libcuda (it must start on machines without a GPU driver).
     using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
     static const GetAddressRange get_address_range = [] {
       void* fn = nullptr;
       cudaDriverEntryPointQueryResult found{};
-      check(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found),
+      check(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                             &found),
             "cudaGetDriverEntryPointByVersion");
       RELAY_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
                   "CUDA IPC transport: the driver has no cuMemGetAddressRange");
@@ -126,30 +129,34 @@ class CudaIpcTransport : public Transport {
     }();
     CUdeviceptr alloc_base = 0;
     size_t alloc_size = 0;
-    const CUresult r = get_address_range(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base));
+    const CUresult r =
+        get_address_range(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base));
     RELAY_CHECK(r == CUDA_SUCCESS, "CUDA IPC transport: cannot find the allocation of region ", id);
     const uint64_t offset = reinterpret_cast<CUdeviceptr>(base) - alloc_base;
-    RELAY_CHECK(offset + bytes <= alloc_size, "CUDA IPC transport: region ", id, " runs past its allocation");
+    RELAY_CHECK(offset + bytes <= alloc_size, "CUDA IPC transport: region ", id,
+                " runs past its allocation");
     cudaIpcMemHandle_t handle{};
     check(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(alloc_base)), "cudaIpcGetMemHandle");
     std::lock_guard lock(mu_);
     regions_[id] = Region{base, nullptr};
-    return str("cudaipc:", getpid(), ":", options_.device, ":", to_hex(&handle, sizeof handle), ":", offset);
+    return str("cudaipc:", getpid(), ":", options_.device, ":", to_hex(&handle, sizeof handle), ":",
+               offset);
   }
 
   void add_remote_region(const RegionDescriptor& d) override {
     const Address a = parse_address(d);
     std::lock_guard lock(mu_);
     if (a.pid == getpid()) {
-      // Our own region, exported and imported back: write it directly (a process cannot open its own
-      // IPC handle).
-      RELAY_CHECK(regions_.count(d.id) == 1 && regions_[d.id].opened_base == nullptr, "region ", d.id,
-                  " claims to be this process's, but it is not registered here");
+      // Our own region, exported and imported back: write it directly (a process cannot open its
+      // own IPC handle).
+      RELAY_CHECK(regions_.count(d.id) == 1 && regions_[d.id].opened_base == nullptr, "region ",
+                  d.id, " claims to be this process's, but it is not registered here");
       return;
     }
     check(cudaSetDevice(options_.device), "cudaSetDevice");
     void* mapped = nullptr;
-    check(cudaIpcOpenMemHandle(&mapped, a.handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    check(cudaIpcOpenMemHandle(&mapped, a.handle, cudaIpcMemLazyEnablePeerAccess),
+          "cudaIpcOpenMemHandle");
     regions_[d.id] = Region{static_cast<std::byte*>(mapped) + a.offset, mapped};
   }
 
@@ -174,21 +181,23 @@ class CudaIpcTransport : public Transport {
     }
     // The engine's worker thread has no current device of its own.
     check(cudaSetDevice(options_.device), "cudaSetDevice");
-    check(cudaMemcpyAsync(dst + c.dst_offset_bytes, src + c.src_offset_bytes, c.bytes, cudaMemcpyDeviceToDevice,
-                          stream_),
+    check(cudaMemcpyAsync(dst + c.dst_offset_bytes, src + c.src_offset_bytes, c.bytes,
+                          cudaMemcpyDeviceToDevice, stream_),
           "cudaMemcpyAsync");
   }
 
   void wait_posted() override {
     check(cudaSetDevice(options_.device), "cudaSetDevice");
     check(cudaEventRecord(done_, stream_), "cudaEventRecord");
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
     for (;;) {
       const cudaError_t e = cudaEventQuery(done_);
       if (e == cudaSuccess) return;
       if (e != cudaErrorNotReady) check(e, "copy");
       if (std::chrono::steady_clock::now() > deadline) {
-        fail(str("CUDA IPC transport: copies did not complete within ", options_.timeout_ms, " ms"));
+        fail(
+            str("CUDA IPC transport: copies did not complete within ", options_.timeout_ms, " ms"));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
@@ -196,7 +205,7 @@ class CudaIpcTransport : public Transport {
 
  private:
   struct Region {
-    std::byte* base = nullptr;   // where its byte 0 is in this process
+    std::byte* base = nullptr;    // where its byte 0 is in this process
     void* opened_base = nullptr;  // the mapped allocation of a peer's region (to close)
   };
 

@@ -1,5 +1,6 @@
 // The router's worker registry (picks, heartbeat timeouts, re-joining, autoscaling signals) on an
-// explicit clock, and the control plane's message codecs (round trips and refusals naming the field).
+// explicit clock, and the control plane's message codecs (round trips and refusals naming the
+// field).
 #include <gtest/gtest.h>
 
 #include "core/error.h"
@@ -79,7 +80,8 @@ TEST(WorkerRegistry, AutoscalingSignals) {
   r.heartbeat("http://p1", "prefill", load(0, 4000, 20000), t0 + milliseconds(1000));
   // Busy intervals only: an idle second does not lower the measured capacity.
   r.heartbeat("http://p1", "prefill", load(0, 0, 20100), t0 + milliseconds(2000));
-  for (int i = 0; i < 10; ++i) r.record_prompt(50000, t0 + milliseconds(2000));  // 500k tokens in 10 s
+  for (int i = 0; i < 10; ++i)
+    r.record_prompt(50000, t0 + milliseconds(2000));  // 500k tokens in 10 s
   s = r.signals(t0 + milliseconds(2000));
   EXPECT_DOUBLE_EQ(s.prefill_capacity_tokens_per_s, 20000.0);
   EXPECT_DOUBLE_EQ(s.prompt_tokens_per_s, 50000.0);
@@ -141,7 +143,8 @@ TEST(Protocol, MalformedMessagesNameTheField) {
     }
     return std::string();
   };
-  EXPECT_NE(message({{"sampling", nlohmann::json::object()}}).find("\"prompt\""), std::string::npos);
+  EXPECT_NE(message({{"sampling", nlohmann::json::object()}}).find("\"prompt\""),
+            std::string::npos);
   nlohmann::json j = request_to_json(EngineRequest{{1}, {}, {}, false});
   j["stop"]["max_tokens"] = "many";
   EXPECT_NE(message(j).find("\"max_tokens\" has the wrong type"), std::string::npos);

@@ -28,8 +28,8 @@ std::unique_ptr<LLMEngine> make_engine(parallel::ParallelConfig p, int num_block
   EngineConfig ec;
   ec.max_num_seqs = 8;
   ec.max_num_batched_tokens = 256;
-  return std::make_unique<LLMEngine>(std::make_unique<CpuBackend>(kModel, o), Tokenizer::from_model_dir(kModel),
-                                     ec);
+  return std::make_unique<LLMEngine>(std::make_unique<CpuBackend>(kModel, o),
+                                     Tokenizer::from_model_dir(kModel), ec);
 }
 
 EngineRequest request(const LLMEngine& e, const std::string& prompt, int64_t max_tokens) {
@@ -47,7 +47,8 @@ struct Side {
   std::vector<KvPoolDesc> pools;
   int num_kv_heads = 0;
 };
-Side register_side(CpuBackend& backend, int dp_rank, TransferEngine& engine, RegionId first_region) {
+Side register_side(CpuBackend& backend, int dp_rank, TransferEngine& engine,
+                   RegionId first_region) {
   Side side;
   const ModelConfig& c = backend.config();
   side.num_kv_heads = static_cast<int>(c.num_key_value_heads);
@@ -59,15 +60,17 @@ Side register_side(CpuBackend& backend, int dp_rank, TransferEngine& engine, Reg
     const KvHeadRange heads{backend.shard(r).kv_head_begin, backend.shard(r).num_local_kv_heads};
     const RegionId id = first_region + static_cast<RegionId>(r);
     engine.register_region(id, pool.data(), l.total_bytes());
-    side.pools.push_back(
-        contiguous_kv_pool(l.num_layers, l.num_blocks, l.block_size, l.head_dim, l.element_bytes, heads, id));
+    side.pools.push_back(contiguous_kv_pool(l.num_layers, l.num_blocks, l.block_size, l.head_dim,
+                                            l.element_bytes, heads, id));
   }
   return side;
 }
 
-std::map<std::string, std::string> colocated(const std::vector<std::string>& prompts, int max_tokens) {
+std::map<std::string, std::string> colocated(const std::vector<std::string>& prompts,
+                                             int max_tokens) {
   auto engine = make_engine({}, 64);
-  for (size_t i = 0; i < prompts.size(); ++i) engine->add_request(static_cast<int64_t>(i), request(*engine, prompts[i], max_tokens));
+  for (size_t i = 0; i < prompts.size(); ++i)
+    engine->add_request(static_cast<int64_t>(i), request(*engine, prompts[i], max_tokens));
   std::map<std::string, std::string> text;
   while (engine->has_work()) {
     for (const RequestOutput& o : engine->step()) text[prompts[o.id]] += o.text;
@@ -76,8 +79,9 @@ std::map<std::string, std::string> colocated(const std::vector<std::string>& pro
 }
 
 void disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig decode_p) {
-  const std::vector<std::string> prompts = {"def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):",
-                                            "class Stack:\n    def __init__(self):"};
+  const std::vector<std::string> prompts = {
+      "def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):",
+      "class Stack:\n    def __init__(self):"};
   const int kMaxTokens = 24;
   const auto want = colocated(prompts, kMaxTokens);
 
@@ -85,10 +89,12 @@ void disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig 
   auto decode = make_engine(decode_p, 32);
   auto& prefill_backend = static_cast<CpuBackend&>(prefill->backend());
   auto& decode_backend = static_cast<CpuBackend&>(decode->backend());
-  TransferEngine prefill_transfer(make_in_process_transport()), decode_transfer(make_in_process_transport());
+  TransferEngine prefill_transfer(make_in_process_transport()),
+      decode_transfer(make_in_process_transport());
   const Side src = register_side(prefill_backend, 0, prefill_transfer, 100);
   std::vector<Side> dst;
-  for (int d = 0; d < decode_p.dp; ++d) dst.push_back(register_side(decode_backend, d, decode_transfer, 200 + 10 * d));
+  for (int d = 0; d < decode_p.dp; ++d)
+    dst.push_back(register_side(decode_backend, d, decode_transfer, 200 + 10 * d));
   for (const Side& side : dst) {
     for (const KvPoolDesc& pool : side.pools) {
       prefill_transfer.import_region(decode_transfer.descriptor(pool.k.front().region));
@@ -129,8 +135,8 @@ void disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig 
     while (decode->has_work()) {
       for (const RequestOutput& o : decode->step()) text += o.text;
     }
-    EXPECT_EQ(text, want.at(prompts[i])) << prompts[i] << " with prefill " << prefill_p.describe() << " -> decode "
-                                         << decode_p.describe();
+    EXPECT_EQ(text, want.at(prompts[i])) << prompts[i] << " with prefill " << prefill_p.describe()
+                                         << " -> decode " << decode_p.describe();
   }
   EXPECT_EQ(decode->stats().kv_cache_usage, 0.0);
 }
@@ -140,7 +146,7 @@ TEST(DisaggEngine, PrefillTp2ToDecodeOneRank) { disaggregated({2, 2, 1}, {}); }
 TEST(DisaggEngine, PrefillOneRankToDecodeDp2Ep2) { disaggregated({}, {1, 2, 2}); }
 
 TEST(DisaggEngine, ReservationsRespectCapacityAndRelease) {
-  auto decode = make_engine({}, 4);  // 4 blocks of 16 tokens
+  auto decode = make_engine({}, 4);                    // 4 blocks of 16 tokens
   EXPECT_TRUE(decode->reserve_kv(1, 40).has_value());  // 3 blocks
   EXPECT_FALSE(decode->reserve_kv(2, 40).has_value());
   decode->release_kv(1);

@@ -1,11 +1,13 @@
-// Sharded CPU ranks against one rank: TP, TP+EP, DP and DP+EP runs of the fixture checkpoints and the
-// demo model give the unsharded logits (within fp32 tolerance) and the transformers greedy tokens.
+// Sharded CPU ranks against one rank: TP, TP+EP, DP and DP+EP runs of the fixture checkpoints and
+// the demo model give the unsharded logits (within fp32 tolerance) and the transformers greedy
+// tokens.
 //
 // Each run drives several sequences of different lengths through chunked prefill (two chunks, so
 // the second attends to cached KV) and batched decode steps, where the DP configurations place the
-// sequences on different ranks. Tolerance: sharding changes only the order of fp32 sums (the partial
-// o_proj / MLP / expert outputs are added across ranks), a few ulps per op — the same budget the
-// transformers fixtures use (1e-4 + 1e-4 |x|), far below the top-1/top-2 gaps along greedy paths.
+// sequences on different ranks. Tolerance: sharding changes only the order of fp32 sums (the
+// partial o_proj / MLP / expert outputs are added across ranks), a few ulps per op — the same
+// budget the transformers fixtures use (1e-4 + 1e-4 |x|), far below the top-1/top-2 gaps along
+// greedy paths.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -73,7 +75,8 @@ class Driver {
     }
     for (int step = 0; step < decode_steps; ++step) {
       std::vector<StepSequence> batch;
-      for (Seq& s : seqs_) batch.push_back(make_step(s, static_cast<int>(s.tokens.size()) - s.num_computed));
+      for (Seq& s : seqs_)
+        batch.push_back(make_step(s, static_cast<int>(s.tokens.size()) - s.num_computed));
       all.push_back(forward(batch));
     }
     return all;
@@ -81,11 +84,13 @@ class Driver {
 
   // The tokens each sequence generated.
   std::vector<int32_t> generated(size_t i, size_t prompt_len) const {
-    return {seqs_[i].tokens.begin() + static_cast<std::ptrdiff_t>(prompt_len), seqs_[i].tokens.end()};
+    return {seqs_[i].tokens.begin() + static_cast<std::ptrdiff_t>(prompt_len),
+            seqs_[i].tokens.end()};
   }
 
  private:
-  // Runs one step, advances the sequences and appends each one's greedy token once its prompt is done.
+  // Runs one step, advances the sequences and appends each one's greedy token once its prompt is
+  // done.
   std::vector<float> forward(const std::vector<StepSequence>& batch) {
     std::vector<float> logits = backend_.forward_logits(batch, CpuBackend::LogitRows::kLastTokens);
     const size_t vocab = backend_.config().vocab_size;
@@ -117,7 +122,8 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.model << " " << c.paral
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   std::string n = info.param.model + "_tp" + std::to_string(info.param.parallel.tp) + "_ep" +
-                  std::to_string(info.param.parallel.ep) + "_dp" + std::to_string(info.param.parallel.dp);
+                  std::to_string(info.param.parallel.ep) + "_dp" +
+                  std::to_string(info.param.parallel.dp);
   std::replace(n.begin(), n.end(), '-', '_');
   return n;
 }
@@ -129,7 +135,8 @@ TEST_P(ShardedBackendTest, MatchesOneRankAndTransformers) {
   const bool demo = c.model == "demo";
   const auto dir = demo ? std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe"
                         : test::fixture_models_dir() / c.model;
-  const auto fx = test::ModelFixture::load(demo ? test::fixture_models_dir() / "relay-demo-moe-expected" : dir, dir);
+  const auto fx = test::ModelFixture::load(
+      demo ? test::fixture_models_dir() / "relay-demo-moe-expected" : dir, dir);
   // The demo model's fixture prompts are long: two of them keep the test quick.
   std::vector<std::vector<int32_t>> prompts = fx.prompts;
   if (demo) prompts.resize(2);
@@ -156,15 +163,18 @@ TEST_P(ShardedBackendTest, MatchesOneRankAndTransformers) {
     for (size_t i = 0; i < want_logits[s].size(); ++i) {
       const float err = std::fabs(got_logits[s][i] - want_logits[s][i]);
       worst = std::max(worst, err);
-      ASSERT_LE(err, 1e-4f + 1e-4f * std::fabs(want_logits[s][i])) << "step " << s << " element " << i;
+      ASSERT_LE(err, 1e-4f + 1e-4f * std::fabs(want_logits[s][i]))
+          << "step " << s << " element " << i;
     }
   }
   for (size_t i = 0; i < prompts.size(); ++i) {
     const auto tokens = got.generated(i, prompts[i].size());
     EXPECT_EQ(tokens, want.generated(i, prompts[i].size())) << "prompt " << i;
     if (fx.position_offset == 0) {
-      std::vector<int32_t> expected(fx.greedy[i].begin(), fx.greedy[i].begin() + static_cast<std::ptrdiff_t>(steps));
-      std::vector<int32_t> head(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(steps));
+      std::vector<int32_t> expected(fx.greedy[i].begin(),
+                                    fx.greedy[i].begin() + static_cast<std::ptrdiff_t>(steps));
+      std::vector<int32_t> head(tokens.begin(),
+                                tokens.begin() + static_cast<std::ptrdiff_t>(steps));
       EXPECT_EQ(head, expected) << "prompt " << i << " against transformers";
     }
   }
@@ -182,7 +192,8 @@ std::vector<Case> cases() {
     out.push_back({m, P{1, 1, 2}});
   }
   for (const char* m : {"qwen3-moe", "qwen3-moe-no-norm-topk", "demo"}) {
-    for (P p : {P{2, 1, 1}, P{4, 1, 1}, P{2, 2, 1}, P{4, 4, 1}, P{1, 2, 2}, P{1, 4, 4}}) out.push_back({m, p});
+    for (P p : {P{2, 1, 1}, P{4, 1, 1}, P{2, 2, 1}, P{4, 4, 1}, P{1, 2, 2}, P{1, 4, 4}})
+      out.push_back({m, p});
   }
   // 6 experts and a dense layer (mlp_only_layers): EP 2 only.
   for (P p : {P{2, 2, 1}, P{1, 2, 2}, P{2, 1, 1}}) out.push_back({"qwen3-moe-sparse-step", p});
@@ -192,7 +203,8 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Layouts, ShardedBackendTest, ::testing::ValuesIn(cases()), case_name);
 
 TEST(ShardedBackend, RefusesLayoutsTheModelDoesNotDivide) {
-  const auto dir = test::fixture_models_dir() / "qwen3-moe-sparse-step";  // 4 q heads, 2 KV heads, 6 experts
+  const auto dir =
+      test::fixture_models_dir() / "qwen3-moe-sparse-step";  // 4 q heads, 2 KV heads, 6 experts
   CpuBackendOptions o;
   o.num_blocks = 8;
   auto expect_error = [&](parallel::ParallelConfig p, const std::string& needle) {
@@ -219,7 +231,8 @@ TEST(ShardedBackend, ABadSequenceFailsTheStepAndTheNextStepStillRuns) {
   CpuBackend backend(dir, o);
   Seq good{1, {5, 6, 7}, {0}, 0};
   Seq bad{2, {8, 9, 10}, {16}, 0};  // rank 1's partition
-  bad.tokens.push_back(1 << 30);    // out of the vocabulary: rank 1 fails while rank 0 waits in the MoE
+  bad.tokens.push_back(
+      1 << 30);  // out of the vocabulary: rank 1 fails while rank 0 waits in the MoE
   std::vector<StepSequence> batch{make_step(good, 3), make_step(bad, 4)};
   EXPECT_THROW(backend.forward_logits(batch, CpuBackend::LogitRows::kLastTokens), Error);
   std::vector<StepSequence> retry{make_step(good, 3)};

@@ -35,19 +35,23 @@ TEST(LocalGroup, AllReduceGivesEveryRankTheSameSumInRankOrder) {
   for (int size : {1, 2, 3, 4}) {
     auto comms = make_local_group(size);
     std::vector<std::vector<float>> results(size);
-    EXPECT_EQ(run_ranks(comms, [&](Communicator& c) {
-                for (int round = 0; round < 50; ++round) {  // back-to-back calls reuse the buffers
-                  std::vector<float> v(37);
-                  for (size_t i = 0; i < v.size(); ++i) v[i] = 0.1f * (c.rank() + 1) + 1e-3f * i + round;
-                  c.all_reduce_sum(v.data(), v.size());
-                  if (round == 49) results[c.rank()] = v;
-                }
-              }),
+    EXPECT_EQ(run_ranks(comms,
+                        [&](Communicator& c) {
+                          for (int round = 0; round < 50;
+                               ++round) {  // back-to-back calls reuse the buffers
+                            std::vector<float> v(37);
+                            for (size_t i = 0; i < v.size(); ++i)
+                              v[i] = 0.1f * (c.rank() + 1) + 1e-3f * i + round;
+                            c.all_reduce_sum(v.data(), v.size());
+                            if (round == 49) results[c.rank()] = v;
+                          }
+                        }),
               0);
     for (size_t i = 0; i < 37; ++i) {
       float want = 0.0f;
       for (int r = 0; r < size; ++r) want += 0.1f * (r + 1) + 1e-3f * i + 49;
-      for (int r = 0; r < size; ++r) EXPECT_EQ(results[r][i], want) << "size " << size << " rank " << r;
+      for (int r = 0; r < size; ++r)
+        EXPECT_EQ(results[r][i], want) << "size " << size << " rank " << r;
     }
   }
 }
@@ -57,16 +61,18 @@ TEST(LocalGroup, AllToAllDeliversEachPairItsOwnSizedMessage) {
   auto comms = make_local_group(size);
   std::vector<std::vector<std::vector<float>>> got(size);
   std::vector<std::vector<std::vector<int32_t>>> got_ids(size);
-  EXPECT_EQ(run_ranks(comms, [&](Communicator& c) {
-              std::vector<std::vector<float>> send(size);
-              std::vector<std::vector<int32_t>> ids(size);
-              for (int d = 0; d < size; ++d) {
-                for (int i = 0; i < c.rank() + d; ++i) send[d].push_back(100.0f * c.rank() + d + 0.5f * i);
-                ids[d].assign(d, c.rank());
-              }
-              c.all_to_all(std::span<const std::vector<float>>(send), got[c.rank()]);
-              c.all_to_all(std::span<const std::vector<int32_t>>(ids), got_ids[c.rank()]);
-            }),
+  EXPECT_EQ(run_ranks(comms,
+                      [&](Communicator& c) {
+                        std::vector<std::vector<float>> send(size);
+                        std::vector<std::vector<int32_t>> ids(size);
+                        for (int d = 0; d < size; ++d) {
+                          for (int i = 0; i < c.rank() + d; ++i)
+                            send[d].push_back(100.0f * c.rank() + d + 0.5f * i);
+                          ids[d].assign(d, c.rank());
+                        }
+                        c.all_to_all(std::span<const std::vector<float>>(send), got[c.rank()]);
+                        c.all_to_all(std::span<const std::vector<int32_t>>(ids), got_ids[c.rank()]);
+                      }),
             0);
   for (int r = 0; r < size; ++r) {
     ASSERT_EQ(got[r].size(), static_cast<size_t>(size));
@@ -81,21 +87,23 @@ TEST(LocalGroup, AllToAllDeliversEachPairItsOwnSizedMessage) {
 TEST(LocalGroup, AbortReleasesWaitingRanksAndResetRearms) {
   auto comms = make_local_group(3);
   // Rank 2 fails before the collective; the others must not wait for it forever.
-  EXPECT_EQ(run_ranks(comms, [&](Communicator& c) {
-              if (c.rank() == 2) {
-                c.abort();
-                fail("rank 2 failed");
-              }
-              float x = 1.0f;
-              c.all_reduce_sum(&x, 1);
-            }),
+  EXPECT_EQ(run_ranks(comms,
+                      [&](Communicator& c) {
+                        if (c.rank() == 2) {
+                          c.abort();
+                          fail("rank 2 failed");
+                        }
+                        float x = 1.0f;
+                        c.all_reduce_sum(&x, 1);
+                      }),
             3);
   comms[0]->reset();
-  EXPECT_EQ(run_ranks(comms, [&](Communicator& c) {
-              float x = 1.0f;
-              c.all_reduce_sum(&x, 1);
-              if (x != 3.0f) fail("wrong sum");
-            }),
+  EXPECT_EQ(run_ranks(comms,
+                      [&](Communicator& c) {
+                        float x = 1.0f;
+                        c.all_reduce_sum(&x, 1);
+                        if (x != 3.0f) fail("wrong sum");
+                      }),
             0);
 }
 
@@ -105,16 +113,18 @@ TEST(LocalGroup, AMissingRankTimesOutWithAMessage) {
     comms[0]->barrier();  // rank 1 never comes
     FAIL() << "expected a timeout";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("did not reach the collective"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("did not reach the collective"), std::string::npos)
+        << e.what();
   }
 }
 
 TEST(LocalGroup, MismatchedAllReduceCountsAreAnError) {
   auto comms = make_local_group(2);
-  EXPECT_EQ(run_ranks(comms, [&](Communicator& c) {
-              std::vector<float> v(c.rank() == 0 ? 4 : 5, 1.0f);
-              c.all_reduce_sum(v.data(), v.size());
-            }),
+  EXPECT_EQ(run_ranks(comms,
+                      [&](Communicator& c) {
+                        std::vector<float> v(c.rank() == 0 ? 4 : 5, 1.0f);
+                        c.all_reduce_sum(v.data(), v.size());
+                      }),
             2);
 }
 
@@ -152,7 +162,8 @@ TEST(ShardPlan, SplitsHeadsAndReplicatesKvHeadsPastTheirCount) {
   for (int tp : {1, 2, 4, 8}) {
     auto comms = make_local_group(tp);
     for (int r = 0; r < tp; ++r) {
-      const ShardSpec s = make_shard(c, ParallelConfig{tp, 1, 1}, r, tp > 1 ? comms[r].get() : nullptr);
+      const ShardSpec s =
+          make_shard(c, ParallelConfig{tp, 1, 1}, r, tp > 1 ? comms[r].get() : nullptr);
       EXPECT_EQ(s.num_local_q_heads, 32 / tp);
       EXPECT_EQ(s.q_head_begin, r * 32 / tp);
       EXPECT_EQ(s.num_local_kv_heads, std::max(1, 4 / tp)) << "tp " << tp;
@@ -194,10 +205,13 @@ TEST(ShardPlan, RefusalsNameTheField) {
     }
     return std::string();
   };
-  EXPECT_NE(message(moe_config(32, 4, 128, 768), {3, 1, 1}).find("num_attention_heads"), std::string::npos);
-  EXPECT_NE(message(moe_config(24, 6, 128, 768), {4, 1, 1}).find("num_key_value_heads"), std::string::npos);
+  EXPECT_NE(message(moe_config(32, 4, 128, 768), {3, 1, 1}).find("num_attention_heads"),
+            std::string::npos);
+  EXPECT_NE(message(moe_config(24, 6, 128, 768), {4, 1, 1}).find("num_key_value_heads"),
+            std::string::npos);
   EXPECT_NE(message(moe_config(32, 4, 100, 768), {1, 8, 8}).find("num_experts"), std::string::npos);
-  EXPECT_NE(message(moe_config(32, 4, 128, 100), {8, 1, 1}).find("moe_intermediate_size"), std::string::npos);
+  EXPECT_NE(message(moe_config(32, 4, 128, 100), {8, 1, 1}).find("moe_intermediate_size"),
+            std::string::npos);
 }
 
 }  // namespace

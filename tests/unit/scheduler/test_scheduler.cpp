@@ -192,13 +192,18 @@ TEST(Scheduler, AbortFreesBlocksAtOnce) {
 
 // Many requests through pools from roomy to barely-enough-for-one: every request completes exactly
 // once, with the output of the unconstrained run, and small pools really preempt.
+// Twelve requests of mixed lengths (some sampled) for the tiny-pool tests, in blocks of 4 tokens;
+// the largest needs ceil((19 + 24) / 4) = 11 blocks.
+constexpr int kTinyPoolBlock = 4;
+void add_tiny_pool_load(Harness& h) {
+  for (int id = 0; id < 12; ++id) {
+    h.add(id, prompt_of(3 + (id * 5) % 17, id), 6 + (id * 7) % 19, id % 3 == 0 ? 0.8f : 0.0f);
+  }
+}
+
 TEST(Scheduler, PreemptionUnderTinyPoolsKeepsEveryOutput) {
-  constexpr int kBlock = 4;
-  auto load = [](Harness& h) {
-    for (int id = 0; id < 12; ++id) {
-      h.add(id, prompt_of(3 + (id * 5) % 17, id), 6 + (id * 7) % 19, id % 3 == 0 ? 0.8f : 0.0f);
-    }
-  };
+  constexpr int kBlock = kTinyPoolBlock;
+  const auto load = add_tiny_pool_load;
   Harness reference(1024, kBlock, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
   load(reference);
   reference.run_to_completion();
@@ -262,12 +267,8 @@ TEST(Scheduler, PreemptionPicksAVictimInTheSamePartition) {
 // The tiny-pool load of PreemptionUnderTinyPoolsKeepsEveryOutput split over 2 and 4 partitions,
 // each still large enough for the largest request: every request completes once, as unconstrained.
 TEST(Scheduler, PreemptionWithPartitionsKeepsEveryOutput) {
-  constexpr int kBlock = 4;
-  auto load = [](Harness& h) {
-    for (int id = 0; id < 12; ++id) {
-      h.add(id, prompt_of(3 + (id * 5) % 17, id), 6 + (id * 7) % 19, id % 3 == 0 ? 0.8f : 0.0f);
-    }
-  };
+  constexpr int kBlock = kTinyPoolBlock;
+  const auto load = add_tiny_pool_load;
   Harness reference(1024, kBlock, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
   load(reference);
   reference.run_to_completion();
