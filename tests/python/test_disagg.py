@@ -145,6 +145,26 @@ def test_decode_worker_dies_mid_stream_then_rejoins(relay_bin, colocated):
         d.stop()
 
 
+def test_a_dead_prefill_workers_requests_go_to_another(relay_bin, colocated):
+    d = Deployment(relay_bin)
+    try:
+        spare = d.worker("prefill")
+        wait_workers(d.router, 3)
+        # Killed without a word: until its heartbeats are missed the router may still pick it, and
+        # then re-sends the prompt to the other prefill worker.
+        d.prefill.proc.send_signal(signal.SIGKILL)
+        d.prefill.proc.wait()
+        client = d.router.client()
+        with cf.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: complete(client, p), PROMPTS))
+        assert got == [colocated[p] for p in PROMPTS]
+        dead = [w for w in workers(d.router) if w["url"] == d.prefill.base]
+        assert dead and not dead[0]["up"]
+        assert spare.stop() == 0
+    finally:
+        d.stop()
+
+
 def test_kv_handoff_past_its_deadline_fails_cleanly(relay_bin):
     d = Deployment(relay_bin, prefill_args=("--kv-transfer-timeout", 0.000001))
     try:
