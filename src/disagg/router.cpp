@@ -90,6 +90,7 @@ void DisaggRouter::add_routes(httplib::Server& svr) {
       load.prefill_tokens_total = field<int64_t>(j, "prefill_tokens_total", "heartbeat");
       registry_.heartbeat(field<std::string>(j, "url", "heartbeat"),
                           field<std::string>(j, "role", "heartbeat"), load, Clock::now());
+      publish_gauges();
       res.set_content("{}", "application/json");
     } catch (const std::exception& e) {
       res.status = 400;
@@ -145,6 +146,22 @@ void DisaggRouter::stop() {
   for (auto& [id, live] : live_) live->aborted = true;
   // Every call a request thread makes is bounded, so this ends.
   cv_.wait(lock, [&] { return num_threads_ == 0; });
+}
+
+void DisaggRouter::publish_gauges() {
+  // The router's view of vLLM's engine gauges: its requests in flight, and the decode workers'
+  // pages.
+  server::EngineGauges g;
+  g.num_running = num_unfinished_.load();
+  double usage = 0.0;
+  int decoders = 0;
+  for (const WorkerState& w : registry_.workers(Clock::now())) {
+    if (!w.up || w.role != "decode") continue;
+    usage += w.load.kv_cache_usage;
+    ++decoders;
+  }
+  g.kv_cache_usage = decoders > 0 ? usage / decoders : 0.0;
+  metrics_.set_engine(g);
 }
 
 void DisaggRouter::finish_aborted(Live& live) {

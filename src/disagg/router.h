@@ -60,6 +60,7 @@ class DisaggRouter : public server::RequestSink {
   std::string attempt(Live& live, const EngineRequest& request, bool& retry);
   void finish_failed(Live& live, const std::string& message, int http_status = 500);
   void finish_aborted(Live& live);
+  void publish_gauges();
 
   RouterOptions options_;
   WorkerRegistry& registry_;

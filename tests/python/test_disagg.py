@@ -8,6 +8,7 @@ import concurrent.futures as cf
 import signal
 import time
 
+import httpx
 import pytest
 import requests
 
@@ -94,6 +95,22 @@ def test_disaggregated_text_equals_colocated(deployment, colocated):
     # Every page went back: nothing held on the prefill side, nothing reserved on the decode side.
     for w in (deployment.prefill, deployment.decode):
         assert w.wait_idle()["relay:kv_cache_usage_perc{model_name=\"relay-demo-moe\"}"] == 0
+
+
+def test_client_disconnect_aborts_on_the_decode_worker(deployment):
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", deployment.router.base + "/v1/completions", json={
+                "model": MODEL, "prompt": "class Tree:", "max_tokens": 3000, "stream": True,
+                "ignore_eos": True, "temperature": 0}) as r:
+            lines = r.iter_lines()
+            assert any(next(lines).startswith("data: ") for _ in range(10))
+            assert deployment.decode.metric("relay:kv_cache_usage_perc") > 0
+    # The client hung up: the router closes its stream, the decode worker aborts and frees the pages.
+    m = deployment.decode.wait_idle(timeout=15)
+    assert m[f'relay:kv_cache_usage_perc{{model_name="{MODEL}"}}'] == 0
+    assert deployment.decode.metric("relay:request_success_total", finished_reason="abort") >= 1
+    assert deployment.decode.metric("relay:generation_tokens_total") < 3000
+    assert deployment.router.wait_idle(timeout=15)[f'relay:num_requests_running{{model_name="{MODEL}"}}'] == 0
 
 
 def test_router_exports_autoscaling_signals(deployment):
