@@ -214,8 +214,9 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       wait_a_little();
       continue;
     }
-    auto r = client(*d, std::chrono::seconds(30))
-                 ->Post("/disagg/reserve", json{{"num_tokens", n}}.dump(), "application/json");
+    auto r =
+        client(*d, std::chrono::seconds(30))
+            ->Post("/disagg/reserve", json{{"prompt", request.prompt}}.dump(), "application/json");
     if (!r) {
       registry_.mark_down(*d);
       continue;

@@ -123,14 +123,14 @@ void DisaggWorker::stop() {
 
 void DisaggWorker::reserve(const std::string& body, std::string& reply, int& status) {
   const json j = json::parse(body);
-  const int64_t num_tokens = field<int64_t>(j, "num_tokens", "reserve");
+  const std::vector<int32_t> prompt = field<std::vector<int32_t>>(j, "prompt", "reserve");
   const int64_t id = loop_.new_id();
-  auto [table, partition] = wait_engine(loop_.call([id, num_tokens](LLMEngine& e) {
-    auto t = e.reserve_kv(id, num_tokens);
-    return std::make_pair(t, t ? e.kv_partition(id) : -1);
+  auto [reservation, partition] = wait_engine(loop_.call([id, &prompt](LLMEngine& e) {
+    auto r = e.reserve_kv(id, prompt);
+    return std::make_pair(r, r ? e.kv_partition(id) : -1);
   }),
-                                        "reserve");
-  if (!table) {
+                                              "reserve");
+  if (!reservation) {
     status = 503;
     reply = error_json("the decode worker has no free KV blocks or sequence slots now");
     return;
@@ -142,9 +142,11 @@ void DisaggWorker::reserve(const std::string& body, std::string& reply, int& sta
                            std::chrono::duration<double>(options_.reservation_timeout_s));
   }
   const int per_rank = pools_.front().layout.num_blocks;
-  for (int32_t& b : *table) b -= partition * per_rank;
+  for (int32_t& b : reservation->block_table) b -= partition * per_rank;
   json side = side_json(partition);
-  side["block_table"] = *table;
+  side["block_table"] = reservation->block_table;
+  // The leading tokens whose KV this worker already holds (its prefix cache): not sent again.
+  side["token_begin"] = reservation->num_cached_tokens;
   reply = json{{"id", id}, {"kv", side}}.dump();
 }
 
@@ -169,6 +171,9 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
       field<std::vector<RegionDescriptor>>(kv, "regions", "kv");
   const std::vector<int32_t> dst_table = field<std::vector<int32_t>>(kv, "block_table", "kv");
   const int dst_heads = field<int>(kv, "num_kv_heads", "kv");
+  const int64_t token_begin = field<int64_t>(kv, "token_begin", "kv");
+  RELAY_CHECK(token_begin >= 0 && token_begin < num_tokens, "kv: token_begin ", token_begin,
+              " outside the ", num_tokens, "-token prompt");
 
   // The prompt only: one token sampled, the KV kept for the transfer.
   EngineRequest first_only = request;
@@ -217,7 +222,7 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
   const std::vector<KvPoolDesc> src_pools = src_side.at("ranks").get<std::vector<KvPoolDesc>>();
   const KvTransferSide src{num_kv_heads_, src_pools, src_table};
   const KvTransferSide dst{dst_heads, dst_pools, dst_table};
-  const std::vector<KvCopy> copies = plan_kv_copies(src, dst, {0, num_tokens});
+  const std::vector<KvCopy> copies = plan_kv_copies(src, dst, {token_begin, num_tokens});
   const Clock::time_point transfer_deadline = std::min(
       deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(options_.transfer_timeout_s)));
@@ -233,11 +238,12 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
     return;
   }
   prefill_tokens_done_ += num_tokens;
-  std::fprintf(
-      stderr, "relay: KV hand-off: %lld tokens, %llu bytes in %llu copies, %.3f ms (%.2f GB/s)\n",
-      static_cast<long long>(num_tokens), static_cast<unsigned long long>(result.bytes_copied),
-      static_cast<unsigned long long>(result.num_copies_done), transfer_ms,
-      transfer_ms > 0 ? result.bytes_copied / transfer_ms / 1e6 : 0.0);
+  std::fprintf(stderr,
+               "relay: KV hand-off: %lld tokens, %llu bytes in %llu copies, %.3f ms (%.2f GB/s)\n",
+               static_cast<long long>(num_tokens - token_begin),
+               static_cast<unsigned long long>(result.bytes_copied),
+               static_cast<unsigned long long>(result.num_copies_done), transfer_ms,
+               transfer_ms > 0 ? result.bytes_copied / transfer_ms / 1e6 : 0.0);
   FirstToken first;
   first.token.token = last.new_tokens[0];
   if (!last.logprobs.empty()) {

@@ -102,17 +102,21 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
   scheduler_.add(std::move(seq));
 }
 
-std::optional<std::vector<int32_t>> LLMEngine::reserve_kv(int64_t id, int64_t num_tokens) {
-  RELAY_CHECK(num_tokens >= 1 && num_tokens < max_model_len_, "a KV reservation of ", num_tokens,
+std::optional<LLMEngine::KvReservation> LLMEngine::reserve_kv(int64_t id,
+                                                              std::span<const int32_t> prompt) {
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  RELAY_CHECK(n >= 1 && n < max_model_len_, "a KV reservation of ", n,
               " tokens does not fit max_model_len ", max_model_len_);
   RELAY_CHECK(requests_.count(id) == 0 && !blocks_.has_sequence(id), "request id ", id,
               " is already in use");
   if (scheduler_.num_running() + num_held_kv() >= scheduler_.config().max_num_seqs)
     return std::nullopt;
-  if (!blocks_.allocate(id, num_tokens)) return std::nullopt;
+  const PrefixHit hit = blocks_.find_cached_prefix(prompt);
+  if (!blocks_.allocate(id, n, &hit)) return std::nullopt;
   held_kv_.insert(id);
   const auto table = blocks_.block_table(id);
-  return std::vector<int32_t>(table.begin(), table.end());
+  return KvReservation{{table.begin(), table.end()},
+                       static_cast<int>(hit.num_tokens(blocks_.block_size()))};
 }
 
 RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request,

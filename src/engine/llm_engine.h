@@ -102,13 +102,17 @@ class LLMEngine {
   // Runs one step; returns an output for every request that produced a token or finished.
   std::vector<RequestOutput> step();
 
-  // Disaggregated decode. reserve_kv allocates blocks for `num_tokens` prompt tokens under a new
-  // request id (nothing when the pool or max_num_seqs has no room now); a prefill worker then
-  // writes the prompt's KV into them, and add_prefilled_request starts the request from the first
-  // token the prefill worker sampled, returning that token's output (it may already finish the
-  // request). release_kv frees a reservation that will not be used, or a finished hold_kv request's
-  // blocks.
-  std::optional<std::vector<int32_t>> reserve_kv(int64_t id, int64_t num_tokens);
+  // Disaggregated decode. reserve_kv allocates blocks for `prompt` under a new request id, reusing
+  // its leading full blocks from the prefix cache (nothing when the pool or max_num_seqs has no
+  // room now); a prefill worker then writes the KV of the rest of the prompt into them, and
+  // add_prefilled_request starts the request from the first token the prefill worker sampled,
+  // returning that token's output (it may already finish the request). release_kv frees a
+  // reservation that will not be used, or a finished hold_kv request's blocks.
+  struct KvReservation {
+    std::vector<int32_t> block_table;
+    int num_cached_tokens = 0;  // leading prompt tokens whose KV is already in the reserved blocks
+  };
+  std::optional<KvReservation> reserve_kv(int64_t id, std::span<const int32_t> prompt);
   RequestOutput add_prefilled_request(int64_t id, EngineRequest request, const SampledToken& first,
                                       int num_cached_tokens);
   void release_kv(int64_t id);

@@ -5,6 +5,7 @@ only its requests and is marked down, and is used again once it re-joins; a KV h
 its deadline fails that request cleanly and frees the blocks on both sides; the router exports the
 autoscaling signals."""
 import concurrent.futures as cf
+import re
 import signal
 import time
 
@@ -95,6 +96,17 @@ def test_disaggregated_text_equals_colocated(deployment, colocated):
     # Every page went back: nothing held on the prefill side, nothing reserved on the decode side.
     for w in (deployment.prefill, deployment.decode):
         assert w.wait_idle()["relay:kv_cache_usage_perc{model_name=\"relay-demo-moe\"}"] == 0
+
+
+def test_a_prefix_the_decode_worker_holds_is_not_sent_again(deployment):
+    system = "You are a careful Python reviewer. " * 12  # ~100 tokens, several full blocks
+    client = deployment.router.client()
+    for question in ["def add(a, b):", "def sub(a, b):"]:
+        client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+    handoffs = [int(n) for n in re.findall(r"KV hand-off: (\d+) tokens", deployment.prefill.log_text())]
+    # The second prompt shares the first's system prompt: only its tail moved.
+    assert len(handoffs) >= 2 and handoffs[-1] < handoffs[-2] - 64, handoffs
 
 
 def test_client_disconnect_aborts_on_the_decode_worker(deployment):

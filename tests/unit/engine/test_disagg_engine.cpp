@@ -78,11 +78,16 @@ std::map<std::string, std::string> colocated(const std::vector<std::string>& pro
   return text;
 }
 
-void disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig decode_p) {
-  const std::vector<std::string> prompts = {
-      "def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):",
-      "class Stack:\n    def __init__(self):"};
+const std::vector<std::string> kPrompts = {
+    "def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):",
+    "class Stack:\n    def __init__(self):"};
+
+// Runs `prompts` disaggregated and checks the text; returns how many prompt tokens the decode side
+// already held (its prefix cache) over all requests.
+int disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig decode_p,
+                  const std::vector<std::string>& prompts = kPrompts) {
   const int kMaxTokens = 24;
+  int reused = 0;
   const auto want = colocated(prompts, kMaxTokens);
 
   auto prefill = make_engine(prefill_p, 32);
@@ -112,19 +117,26 @@ void disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig 
     while (prefill->has_work()) {
       for (RequestOutput& o : prefill->step()) done = o;
     }
-    ASSERT_EQ(done.new_tokens.size(), 1u);
-    ASSERT_FALSE(done.kv_blocks.empty());
+    EXPECT_EQ(done.new_tokens.size(), 1u);
+    if (done.kv_blocks.empty()) {
+      ADD_FAILURE() << "no held blocks";
+      return reused;
+    }
 
-    const auto reserved = decode->reserve_kv(id, static_cast<int64_t>(r.prompt.size()));
-    ASSERT_TRUE(reserved.has_value());
+    const auto reserved = decode->reserve_kv(id, r.prompt);
+    EXPECT_TRUE(reserved.has_value());
+    if (!reserved) return reused;
+    reused += reserved->num_cached_tokens;
     const int d = decode->kv_partition(id);
-    std::vector<int32_t> local = *reserved;
+    std::vector<int32_t> local = reserved->block_table;
     for (int32_t& b : local) b -= d * (decode_backend.num_kv_blocks() / decode_p.dp);
     const KvTransferSide s{src.num_kv_heads, src.pools, done.kv_blocks};
     const KvTransferSide t{dst[d].num_kv_heads, dst[d].pools, local};
-    const auto copies = plan_kv_copies(s, t, {0, static_cast<int64_t>(r.prompt.size())});
+    // Only the part the decode side does not hold yet moves.
+    const auto copies =
+        plan_kv_copies(s, t, {reserved->num_cached_tokens, static_cast<int64_t>(r.prompt.size())});
     const TransferResult result = prefill_transfer.submit({id, transfer_copies(copies), {}}).get();
-    ASSERT_EQ(result.status, TransferStatus::Ok) << result.reason;
+    EXPECT_EQ(result.status, TransferStatus::Ok) << result.reason;
     prefill->release_kv(id);
     EXPECT_EQ(prefill->num_held_kv(), 0);
 
@@ -139,18 +151,30 @@ void disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig 
                                          << " -> decode " << decode_p.describe();
   }
   EXPECT_EQ(decode->stats().kv_cache_usage, 0.0);
+  return reused;
 }
 
-TEST(DisaggEngine, PrefillHandsKvToDecodeOneRankEach) { disaggregated({}, {}); }
+TEST(DisaggEngine, PrefillHandsKvToDecodeOneRankEach) { EXPECT_EQ(disaggregated({}, {}), 0); }
 TEST(DisaggEngine, PrefillTp2ToDecodeOneRank) { disaggregated({2, 2, 1}, {}); }
 TEST(DisaggEngine, PrefillOneRankToDecodeDp2Ep2) { disaggregated({}, {1, 2, 2}); }
 
+TEST(DisaggEngine, ASharedPrefixTheDecodeSideHoldsIsNotSentAgain) {
+  const std::string prefix =
+      "import numpy as np\nimport torch\n\n\nclass Model(torch.nn.Module):\n    def __init__(self, "
+      "dim):\n"
+      "        super().__init__()\n        self.dim = dim\n\n    def forward(self, x):\n";
+  const int reused =
+      disaggregated({}, {}, {prefix + "        return x", prefix + "        y = x * 2"});
+  EXPECT_GE(reused, 32);  // the second request found the first's full blocks
+}
+
 TEST(DisaggEngine, ReservationsRespectCapacityAndRelease) {
-  auto decode = make_engine({}, 4);                    // 4 blocks of 16 tokens
-  EXPECT_TRUE(decode->reserve_kv(1, 40).has_value());  // 3 blocks
-  EXPECT_FALSE(decode->reserve_kv(2, 40).has_value());
+  auto decode = make_engine({}, 4);  // 4 blocks of 16 tokens
+  const std::vector<int32_t> prompt(40, 7);
+  EXPECT_TRUE(decode->reserve_kv(1, prompt).has_value());  // 3 blocks
+  EXPECT_FALSE(decode->reserve_kv(2, prompt).has_value());
   decode->release_kv(1);
-  EXPECT_TRUE(decode->reserve_kv(2, 40).has_value());
+  EXPECT_TRUE(decode->reserve_kv(2, prompt).has_value());
   EngineRequest r;
   r.prompt = {1, 2, 3};
   SampledToken first;
