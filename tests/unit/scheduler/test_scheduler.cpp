@@ -201,14 +201,20 @@ void add_tiny_pool_load(Harness& h) {
   }
 }
 
+// The tiny-pool load in a roomy pool: the outputs every constrained run must reproduce.
+std::map<int64_t, std::vector<int32_t>> tiny_pool_reference_outputs() {
+  Harness reference(1024, kTinyPoolBlock, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
+  add_tiny_pool_load(reference);
+  reference.run_to_completion();
+  EXPECT_EQ(reference.outputs.size(), 12u);
+  EXPECT_EQ(reference.sched.stats().num_preemptions, 0u);
+  return reference.outputs;
+}
+
 TEST(Scheduler, PreemptionUnderTinyPoolsKeepsEveryOutput) {
   constexpr int kBlock = kTinyPoolBlock;
   const auto load = add_tiny_pool_load;
-  Harness reference(1024, kBlock, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
-  load(reference);
-  reference.run_to_completion();
-  ASSERT_EQ(reference.outputs.size(), 12u);
-  EXPECT_EQ(reference.sched.stats().num_preemptions, 0u);
+  const auto reference_outputs = tiny_pool_reference_outputs();
 
   // The largest request needs ceil((19 + 24) / 4) = 11 blocks.
   for (int num_blocks : {11, 12, 16, 24, 40}) {
@@ -217,7 +223,7 @@ TEST(Scheduler, PreemptionUnderTinyPoolsKeepsEveryOutput) {
       load(h);
       h.run_to_completion();
       ASSERT_EQ(h.outputs.size(), 12u) << num_blocks << " blocks";
-      for (const auto& [id, out] : reference.outputs) {
+      for (const auto& [id, out] : reference_outputs) {
         EXPECT_EQ(h.outputs[id], out) << "request " << id << " with " << num_blocks << " blocks";
       }
       EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
@@ -269,10 +275,7 @@ TEST(Scheduler, PreemptionPicksAVictimInTheSamePartition) {
 TEST(Scheduler, PreemptionWithPartitionsKeepsEveryOutput) {
   constexpr int kBlock = kTinyPoolBlock;
   const auto load = add_tiny_pool_load;
-  Harness reference(1024, kBlock, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
-  load(reference);
-  reference.run_to_completion();
-  ASSERT_EQ(reference.outputs.size(), 12u);
+  const auto reference_outputs = tiny_pool_reference_outputs();
 
   // The largest request needs 11 blocks, so each partition has at least 11.
   for (const auto& [num_partitions, num_blocks] :
@@ -284,7 +287,7 @@ TEST(Scheduler, PreemptionWithPartitionsKeepsEveryOutput) {
       load(h);
       h.run_to_completion();
       ASSERT_EQ(h.outputs.size(), 12u) << num_partitions << " x " << num_blocks / num_partitions;
-      for (const auto& [id, out] : reference.outputs) {
+      for (const auto& [id, out] : reference_outputs) {
         EXPECT_EQ(h.outputs[id], out) << "request " << id << " with " << num_partitions << " x "
                                       << num_blocks / num_partitions << " blocks";
       }
