@@ -176,6 +176,7 @@ int run_serve(const ServeOptions& o) {
   wo.router = o.router;
   wo.url = o.worker_url.empty() ? str("http://", o.host, ":", http.port()) : o.worker_url;
   wo.heartbeat_interval_s = o.heartbeat_s;
+  wo.layout = o.backend.parallel.describe();
   wo.transfer_timeout_s = o.kv_transfer_timeout_s;
   wo.ucx_transports = o.ucx_transports;
   wo.kv_transport = o.kv_transport;

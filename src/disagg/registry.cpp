@@ -1,6 +1,7 @@
 // See registry.h.
 #include "disagg/registry.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -47,7 +48,8 @@ std::optional<std::string> WorkerRegistry::pick(const std::string& role, Clock::
   auto cost = [&](const WorkerState& w) {
     return role == "prefill"
                ? static_cast<double>(w.load.queued_prompt_tokens + w.pending_tokens)
-               : static_cast<double>(w.load.num_running + w.load.num_waiting + w.pending_seqs);
+               : static_cast<double>(w.load.num_running + w.load.num_waiting + w.pending_seqs) /
+                     std::max(1, w.load.max_num_seqs);
   };
   for (const auto& [url, w] : workers_) {
     if (w.role != role || !is_up(w, now) || exclude.count(url) != 0) continue;

@@ -8,7 +8,8 @@
 // instead of all picking the worker that looked idle a second ago.
 //
 // Picks follow the design: prefill -> the worker with the fewest queued prompt tokens; decode ->
-// the one with the smallest batch (running + waiting). Autoscaling signals (exported as metrics for
+// the one with the smallest batch (running + waiting) relative to its max_num_seqs, so a larger
+// decoder takes proportionally more. Autoscaling signals (exported as metrics for
 // an orchestrator such as a Kubernetes HPA, docs/disaggregation.md):
 //   prefill_replicas_needed = ceil(prompt tokens/s arriving / prefill tokens/s one worker
 //   sustains), decode_replicas_needed  = ceil(sequences in decode / target batch per decode
@@ -28,12 +29,18 @@ namespace relay::disagg {
 
 using Clock = std::chrono::steady_clock;
 
+// What a heartbeat reports: the worker's load, and its capacity and layout (fixed for its life).
 struct WorkerLoad {
   int num_running = 0;
   int num_waiting = 0;
   double kv_cache_usage = 0.0;
   int64_t queued_prompt_tokens = 0;  // prefill: prompts accepted and not yet handed off
   int64_t prefill_tokens_total = 0;  // prefill: prompt tokens handed off since start
+  int max_num_seqs = 0;              // sequences it batches at once (0: unknown)
+  int num_kv_blocks = 0;             // its KV pool, all DP ranks
+  int block_size = 0;
+  std::string layout;        // its ranks, e.g. "tp=2 ep=1 dp=1"
+  std::string kv_transport;  // how its KV pages move: "ucx", "cuda_ipc"
 };
 
 struct WorkerState {

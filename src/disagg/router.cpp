@@ -88,6 +88,11 @@ void DisaggRouter::add_routes(httplib::Server& svr) {
       load.kv_cache_usage = field<double>(j, "kv_cache_usage", "heartbeat");
       load.queued_prompt_tokens = field<int64_t>(j, "queued_prompt_tokens", "heartbeat");
       load.prefill_tokens_total = field<int64_t>(j, "prefill_tokens_total", "heartbeat");
+      load.max_num_seqs = field<int>(j, "max_num_seqs", "heartbeat");
+      load.num_kv_blocks = field<int>(j, "num_kv_blocks", "heartbeat");
+      load.block_size = field<int>(j, "block_size", "heartbeat");
+      load.layout = field<std::string>(j, "layout", "heartbeat");
+      load.kv_transport = field<std::string>(j, "kv_transport", "heartbeat");
       registry_.heartbeat(field<std::string>(j, "url", "heartbeat"),
                           field<std::string>(j, "role", "heartbeat"), load, Clock::now());
       publish_gauges();
@@ -105,7 +110,12 @@ void DisaggRouter::add_routes(httplib::Server& svr) {
                      {"up", w.up},
                      {"num_running", w.load.num_running},
                      {"num_waiting", w.load.num_waiting},
-                     {"queued_prompt_tokens", w.load.queued_prompt_tokens}});
+                     {"queued_prompt_tokens", w.load.queued_prompt_tokens},
+                     {"max_num_seqs", w.load.max_num_seqs},
+                     {"num_kv_blocks", w.load.num_kv_blocks},
+                     {"block_size", w.load.block_size},
+                     {"layout", w.load.layout},
+                     {"kv_transport", w.load.kv_transport}});
     }
     res.set_content(out.dump(), "application/json");
   });

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <tuple>
 
 #include "core/error.h"
 #include "disagg/protocol.h"
@@ -382,11 +383,15 @@ void DisaggWorker::heartbeat_loop() {
     }
     for (int64_t id : expired) loop_.call([id](LLMEngine& e) { e.release_kv(id); });
     if (!router) continue;
-    auto stats = loop_.call([](LLMEngine& e) { return e.stats(); });
+    auto stats = loop_.call([](LLMEngine& e) {
+      return std::make_tuple(e.stats(), e.max_num_seqs(), e.backend().num_kv_blocks(),
+                             e.backend().block_size());
+    });
     if (stats.wait_for(interval) != std::future_status::ready) continue;
     EngineStats s;
+    int max_num_seqs = 0, num_kv_blocks = 0, block_size = 0;
     try {
-      s = stats.get();
+      std::tie(s, max_num_seqs, num_kv_blocks, block_size) = stats.get();
     } catch (const Error&) {
       return;  // the engine has stopped: so do the heartbeats
     }
@@ -396,7 +401,12 @@ void DisaggWorker::heartbeat_loop() {
                        {"num_waiting", s.num_waiting},
                        {"kv_cache_usage", s.kv_cache_usage},
                        {"queued_prompt_tokens", queued_prompt_tokens_.load()},
-                       {"prefill_tokens_total", prefill_tokens_done_.load()}};
+                       {"prefill_tokens_total", prefill_tokens_done_.load()},
+                       {"max_num_seqs", max_num_seqs},
+                       {"num_kv_blocks", num_kv_blocks},
+                       {"block_size", block_size},
+                       {"layout", options_.layout},
+                       {"kv_transport", std::string(transfer_->transport_name())}};
     // NOTE: a router that is down or restarting just misses beats; the next one re-registers.
     router->Post("/disagg/heartbeat", beat.dump(), "application/json");
   }

@@ -50,6 +50,7 @@ struct WorkerOptions {
   std::string role;    // "prefill" or "decode"
   std::string router;  // the router's "host:port"; empty: no heartbeats
   std::string url;     // how the router reaches this worker: "http://host:port"
+  std::string layout;  // its ranks, reported to the router ("tp=2 ep=1 dp=1")
   double heartbeat_interval_s = 1.0;
   double transfer_timeout_s = 30.0;     // prefill: the KV must land at the decode worker by then
   double reservation_timeout_s = 60.0;  // decode: an unused reservation is freed after this

@@ -123,6 +123,7 @@ class LLMEngine {
   bool has_work() const { return scheduler_.has_work(); }
   EngineStats stats() const;
   int max_model_len() const { return max_model_len_; }
+  int max_num_seqs() const { return scheduler_.config().max_num_seqs; }
   const ModelConfig& model_config() const { return backend_->config(); }
   const Tokenizer& tokenizer() const { return tokenizer_; }
   Backend& backend() { return *backend_; }

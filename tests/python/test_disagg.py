@@ -134,8 +134,13 @@ def test_router_exports_autoscaling_signals(deployment):
 
 
 def test_mismatched_sharding_prefill_tp2_to_decode_dp2(relay_bin, colocated):
-    d = Deployment(relay_bin, prefill_args=("--tp", 2), decode_args=("--dp", 2, "--ep", 2))
+    d = Deployment(relay_bin, prefill_args=("--tp", 2), decode_args=("--dp", 2, "--ep", 2, "--num-kv-blocks", 300))
     try:
+        # Workers register their layout and capacity.
+        by_role = {w["role"]: w for w in workers(d.router)}
+        assert by_role["prefill"]["layout"] == "tp=2 ep=1 dp=1" and by_role["prefill"]["kv_transport"] == "ucx"
+        assert by_role["decode"]["layout"] == "tp=1 ep=2 dp=2" and by_role["decode"]["num_kv_blocks"] == 600
+        assert by_role["decode"]["max_num_seqs"] == 64 and by_role["decode"]["block_size"] == 16
         client = d.router.client()
         with cf.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: complete(client, p), PROMPTS))

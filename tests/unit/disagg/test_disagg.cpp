@@ -39,6 +39,17 @@ TEST(WorkerRegistry, PicksTheLeastLoadedWorkerOfEachRole) {
   EXPECT_EQ(r.pick("decode", t0), "http://d2");
 }
 
+TEST(WorkerRegistry, DecodePicksWeighTheBatchByCapacity) {
+  WorkerRegistry r;
+  const Clock::time_point t0 = Clock::now();
+  WorkerLoad small = load(8), large = load(24);
+  small.max_num_seqs = 16;   // half full
+  large.max_num_seqs = 128;  // under a fifth
+  r.heartbeat("http://small", "decode", small, t0);
+  r.heartbeat("http://large", "decode", large, t0);
+  EXPECT_EQ(r.pick("decode", t0), "http://large");
+}
+
 TEST(WorkerRegistry, MissedHeartbeatsAndFailuresMarkAWorkerDownUntilItBeatsAgain) {
   RegistryOptions o;
   o.heartbeat_timeout = milliseconds(300);
