@@ -190,6 +190,18 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
   } done_guard{queued_prompt_tokens_, num_tokens};
 
   auto handle = loop_.submit(std::move(first_only));
+  // Whatever happens from here, the request's pages go back: a request that is still running is
+  // aborted, one that finished is holding its pages for us and releases them (release_kv is a no-op
+  // for a request that holds none). The abort is queued before the release, so a request that
+  // finishes in between still has its pages released.
+  struct Release {
+    server::EngineLoop& loop;
+    int64_t id;
+    ~Release() {
+      loop.abort(id);
+      loop.call([id = id](LLMEngine& e) { e.release_kv(id); });
+    }
+  } release_guard{loop_, handle->id()};
   RequestOutput last;
   while (!handle->done()) {
     RELAY_CHECK(Clock::now() < deadline, "prefill did not finish within ", timeout.count(), " ms");
@@ -199,15 +211,6 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
   RELAY_CHECK(
       last.finish != FinishReason::kNone && last.new_tokens.size() == 1 && !last.kv_blocks.empty(),
       "prefill produced no first token");
-  const int64_t held_id = handle->id();
-  // Whatever happens now, the held blocks go back.
-  struct Release {
-    server::EngineLoop& loop;
-    int64_t id;
-    ~Release() {
-      loop.call([id = id](LLMEngine& e) { e.release_kv(id); });
-    }
-  } release_guard{loop_, held_id};
 
   {
     std::lock_guard lock(mu_);
