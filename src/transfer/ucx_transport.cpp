@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "transfer/address_codec.h"
 
 namespace relay {
 
@@ -50,31 +51,6 @@ constexpr size_t kMaxPutsInFlight = 256;
 constexpr int kIdlePollMs = 100;
 // At most this long (or timeout_ms, if shorter) for closing endpoints, per call.
 constexpr int kCloseWaitMs = 2000;
-
-std::string to_hex(const void* data, size_t bytes) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  const auto* p = static_cast<const uint8_t*>(data);
-  std::string out(2 * bytes, '0');
-  for (size_t i = 0; i < bytes; ++i) {
-    out[2 * i] = kDigits[p[i] >> 4];
-    out[2 * i + 1] = kDigits[p[i] & 15];
-  }
-  return out;
-}
-
-// Lower-case hex without a prefix, exactly two digits per byte; false on anything else.
-bool from_hex(std::string_view hex, std::string& out) {
-  if (hex.empty() || hex.size() % 2 != 0) return false;
-  out.resize(hex.size() / 2);
-  for (size_t i = 0; i < out.size(); ++i) {
-    uint8_t byte = 0;
-    const char* first = hex.data() + 2 * i;
-    const auto [ptr, ec] = std::from_chars(first, first + 2, byte, 16);
-    if (ec != std::errc{} || ptr != first + 2) return false;
-    out[i] = static_cast<char>(byte);
-  }
-  return true;
-}
 
 uint64_t fnv1a(std::string_view text) {
   uint64_t h = 0xcbf29ce484222325ull;
@@ -113,13 +89,7 @@ ParsedAddress parse_address(const RegionDescriptor& desc) {
     fail(str("region ", desc.id, " has a malformed UCX address (", why, "): '", a.substr(0, 96),
              a.size() > 96 ? "...'" : "'"));
   };
-  std::vector<std::string_view> fields;
-  for (size_t begin = 0;;) {
-    const size_t colon = a.find(':', begin);
-    fields.push_back(a.substr(begin, colon - begin));
-    if (colon == std::string_view::npos) break;
-    begin = colon + 1;
-  }
+  const std::vector<std::string_view> fields = split_fields(a);
   if (fields[0] != "ucx") bad("it does not start with 'ucx:'");
   if (fields.size() != 5) bad(str(fields.size(), " fields, expected 5"));
   uint64_t check = 0;

@@ -12,39 +12,13 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "transfer/address_codec.h"
 
 namespace relay {
 namespace {
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(str("CUDA IPC transport: ", what, ": ", cudaGetErrorString(e)));
-}
-
-std::string to_hex(const void* data, size_t n) {
-  static const char* kDigits = "0123456789abcdef";
-  std::string out;
-  const auto* b = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) {
-    out += kDigits[b[i] >> 4];
-    out += kDigits[b[i] & 15];
-  }
-  return out;
-}
-
-bool from_hex(std::string_view hex, void* out, size_t n) {
-  if (hex.size() != 2 * n) return false;
-  auto digit = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  };
-  auto* b = static_cast<unsigned char*>(out);
-  for (size_t i = 0; i < n; ++i) {
-    const int hi = digit(hex[2 * i]), lo = digit(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return false;
-    b[i] = static_cast<unsigned char>(hi * 16 + lo);
-  }
-  return true;
 }
 
 // Address: "cudaipc:<pid>:<device>:<hex handle>:<offset in the allocation>".
@@ -56,15 +30,8 @@ struct Address {
 };
 
 Address parse_address(const RegionDescriptor& d) {
-  const std::string& a = d.address;
-  std::vector<std::string> parts;
-  size_t start = 0;
-  for (size_t i = 0; i <= a.size(); ++i) {
-    if (i == a.size() || a[i] == ':') {
-      parts.push_back(a.substr(start, i - start));
-      start = i + 1;
-    }
-  }
+  const std::vector<std::string_view> fields = split_fields(d.address);
+  const std::vector<std::string> parts(fields.begin(), fields.end());
   Address out;
   const auto bad = [&](const char* why) {
     fail(str("region ", d.id, " has a malformed CUDA IPC address (", why, ")"));
@@ -78,8 +45,11 @@ Address parse_address(const RegionDescriptor& d) {
   } catch (const std::exception&) {
     bad("a number does not parse");
   }
-  if (!from_hex(parts[3], &out.handle, sizeof out.handle))
+  std::string handle;
+  if (!from_hex(parts[3], handle) || handle.size() != sizeof out.handle) {
     bad("the handle is not hex of the right length");
+  }
+  std::memcpy(&out.handle, handle.data(), sizeof out.handle);
   return out;
 }
 
