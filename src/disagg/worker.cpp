@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <random>
-#include <tuple>
 
 #include "core/error.h"
 #include "disagg/protocol.h"
@@ -88,23 +87,26 @@ DisaggWorker::DisaggWorker(WorkerOptions options, LLMEngine& engine, server::Eng
   // worker tag in the high bits makes a collision between workers (or a restarted one) negligible.
   std::random_device rd;
   region_base_ = (static_cast<RegionId>(rd() & 0x7fffffffu) + 1) << 32;
-  for (size_t r = 0; r < pools_.size(); ++r) {
-    transfer_->register_region(region_base_ + r, pools_[r].base, pools_[r].layout.total_bytes());
-  }
-}
-
-json DisaggWorker::side_json(int dp_rank) const {
-  json ranks = json::array(), regions = json::array();
+  sides_.resize(engine.backend().num_kv_partitions());
   for (size_t r = 0; r < pools_.size(); ++r) {
     const KvPoolExport& p = pools_[r];
-    if (p.dp_rank != dp_rank) continue;
     const KvCacheLayout& l = p.layout;
-    ranks.push_back(contiguous_kv_pool(l.num_layers, l.num_blocks, l.block_size, l.head_dim,
-                                       static_cast<int>(l.element_bytes),
-                                       {p.first_kv_head, p.num_kv_heads}, region_base_ + r));
-    regions.push_back(transfer_->descriptor(region_base_ + r));
+    Side& side = sides_.at(p.dp_rank);
+    side.pools.push_back(contiguous_kv_pool(l.num_layers, l.num_blocks, l.block_size, l.head_dim,
+                                            static_cast<int>(l.element_bytes),
+                                            {p.first_kv_head, p.num_kv_heads}, region_base_ + r));
+    side.announcement["regions"].push_back(
+        transfer_->register_region(region_base_ + r, p.base, l.total_bytes()));
   }
-  return {{"num_kv_heads", num_kv_heads_}, {"ranks", ranks}, {"regions", regions}};
+  for (Side& side : sides_) {
+    side.announcement["num_kv_heads"] = num_kv_heads_;
+    side.announcement["ranks"] = side.pools;
+  }
+  capacity_ = {{"max_num_seqs", engine.max_num_seqs()},
+               {"num_kv_blocks", engine.backend().num_kv_blocks()},
+               {"block_size", engine.backend().block_size()},
+               {"layout", options_.layout},
+               {"kv_transport", std::string(transfer_->transport_name())}};
 }
 
 DisaggWorker::~DisaggWorker() { stop(); }
@@ -144,7 +146,7 @@ void DisaggWorker::reserve(const std::string& body, std::string& reply, int& sta
   }
   const int per_rank = pools_.front().layout.num_blocks;
   for (int32_t& b : reservation->block_table) b -= partition * per_rank;
-  json side = side_json(partition);
+  json side = sides_.at(partition).announcement;
   side["block_table"] = reservation->block_table;
   // The leading tokens whose KV this worker already holds (its prefix cache): not sent again.
   side["token_begin"] = reservation->num_cached_tokens;
@@ -222,9 +224,7 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
   const int partition = last.kv_blocks.front() / per_rank;
   std::vector<int32_t> src_table = last.kv_blocks;
   for (int32_t& b : src_table) b -= partition * per_rank;
-  const json src_side = side_json(partition);
-  const std::vector<KvPoolDesc> src_pools = src_side.at("ranks").get<std::vector<KvPoolDesc>>();
-  const KvTransferSide src{num_kv_heads_, src_pools, src_table};
+  const KvTransferSide src{num_kv_heads_, sides_.at(partition).pools, src_table};
   const KvTransferSide dst{dst_heads, dst_pools, dst_table};
   const std::vector<KvCopy> copies = plan_kv_copies(src, dst, {token_begin, num_tokens});
   const Clock::time_point transfer_deadline = std::min(
@@ -386,30 +386,22 @@ void DisaggWorker::heartbeat_loop() {
     }
     for (int64_t id : expired) loop_.call([id](LLMEngine& e) { e.release_kv(id); });
     if (!router) continue;
-    auto stats = loop_.call([](LLMEngine& e) {
-      return std::make_tuple(e.stats(), e.max_num_seqs(), e.backend().num_kv_blocks(),
-                             e.backend().block_size());
-    });
+    auto stats = loop_.call([](LLMEngine& e) { return e.stats(); });
     if (stats.wait_for(interval) != std::future_status::ready) continue;
     EngineStats s;
-    int max_num_seqs = 0, num_kv_blocks = 0, block_size = 0;
     try {
-      std::tie(s, max_num_seqs, num_kv_blocks, block_size) = stats.get();
+      s = stats.get();
     } catch (const Error&) {
       return;  // the engine has stopped: so do the heartbeats
     }
-    const json beat = {{"url", options_.url},
-                       {"role", options_.role},
-                       {"num_running", s.num_running},
-                       {"num_waiting", s.num_waiting},
-                       {"kv_cache_usage", s.kv_cache_usage},
-                       {"queued_prompt_tokens", queued_prompt_tokens_.load()},
-                       {"prefill_tokens_total", prefill_tokens_done_.load()},
-                       {"max_num_seqs", max_num_seqs},
-                       {"num_kv_blocks", num_kv_blocks},
-                       {"block_size", block_size},
-                       {"layout", options_.layout},
-                       {"kv_transport", std::string(transfer_->transport_name())}};
+    json beat = capacity_;
+    beat.update({{"url", options_.url},
+                 {"role", options_.role},
+                 {"num_running", s.num_running},
+                 {"num_waiting", s.num_waiting},
+                 {"kv_cache_usage", s.kv_cache_usage},
+                 {"queued_prompt_tokens", queued_prompt_tokens_.load()},
+                 {"prefill_tokens_total", prefill_tokens_done_.load()}});
     // NOTE: a router that is down or restarting just misses beats; the next one re-registers.
     router->Post("/disagg/heartbeat", beat.dump(), "application/json");
   }

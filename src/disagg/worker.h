@@ -34,6 +34,7 @@
 
 #include "engine/backend.h"
 #include "server/engine_loop.h"
+#include "transfer/kv_pool.h"
 #include "transfer/transfer_engine.h"
 
 #include <nlohmann/json.hpp>
@@ -78,9 +79,12 @@ class DisaggWorker {
 
  private:
   void heartbeat_loop();
-  // The ranks of DP group `dp_rank` as one side of a transfer: {"num_kv_heads", "ranks",
-  // "regions"}.
-  nlohmann::json side_json(int dp_rank) const;
+
+  // The ranks of one DP group as one side of a transfer, fixed once the regions are registered.
+  struct Side {
+    std::vector<KvPoolDesc> pools;  // for the layout mapper
+    nlohmann::json announcement;    // {"num_kv_heads", "ranks", "regions"}, sent with reservations
+  };
 
   WorkerOptions options_;
   server::EngineLoop& loop_;
@@ -88,6 +92,8 @@ class DisaggWorker {
   int num_kv_heads_ = 0;             // the model's
   std::unique_ptr<TransferEngine> transfer_;
   RegionId region_base_ = 0;  // this worker's region ids: region_base_ + rank
+  std::vector<Side> sides_;   // by DP rank
+  nlohmann::json capacity_;   // what every heartbeat reports besides the load
   std::mutex mu_;
   std::unordered_set<RegionId> imported_;  // remote regions already imported
   std::unordered_map<int64_t, std::chrono::steady_clock::time_point>
