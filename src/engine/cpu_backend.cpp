@@ -68,7 +68,6 @@ CpuBackend::~CpuBackend() = default;
 const ModelConfig& CpuBackend::config() const { return ranks_.front()->model->config(); }
 int CpuBackend::block_size() const { return ranks_.front()->kv.layout().block_size; }
 KvPool& CpuBackend::kv_pool(int rank) { return ranks_.at(rank)->kv; }
-const ShardSpec& CpuBackend::shard(int rank) const { return ranks_.at(rank)->model->shard(); }
 
 std::vector<KvPoolExport> CpuBackend::kv_pool_exports() {
   std::vector<KvPoolExport> out;

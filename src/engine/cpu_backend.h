@@ -65,7 +65,6 @@ class CpuBackend : public Backend {
 
   const parallel::ParallelConfig& parallel() const { return parallel_; }
   KvPool& kv_pool(int rank = 0);
-  const ShardSpec& shard(int rank = 0) const;  // what rank `rank` holds (its KV heads, experts)
   ThreadPool& thread_pool(int rank = 0);
 
  private:

@@ -50,18 +50,17 @@ struct Side {
 Side register_side(CpuBackend& backend, int dp_rank, TransferEngine& engine,
                    RegionId first_region) {
   Side side;
-  const ModelConfig& c = backend.config();
-  side.num_kv_heads = static_cast<int>(c.num_key_value_heads);
-  const parallel::ParallelConfig& p = backend.parallel();
-  for (int r = 0; r < p.world_size(); ++r) {
-    if (parallel::place_rank(p, r).dp_rank != dp_rank) continue;
-    KvPool& pool = backend.kv_pool(r);
-    const KvCacheLayout& l = pool.layout();
-    const KvHeadRange heads{backend.shard(r).kv_head_begin, backend.shard(r).num_local_kv_heads};
+  side.num_kv_heads = static_cast<int>(backend.config().num_key_value_heads);
+  const std::vector<KvPoolExport> pools = backend.kv_pool_exports();
+  for (size_t r = 0; r < pools.size(); ++r) {
+    const KvPoolExport& p = pools[r];
+    if (p.dp_rank != dp_rank) continue;
+    const KvCacheLayout& l = p.layout;
     const RegionId id = first_region + static_cast<RegionId>(r);
-    engine.register_region(id, pool.data(), l.total_bytes());
+    engine.register_region(id, p.base, l.total_bytes());
     side.pools.push_back(contiguous_kv_pool(l.num_layers, l.num_blocks, l.block_size, l.head_dim,
-                                            l.element_bytes, heads, id));
+                                            l.element_bytes, {p.first_kv_head, p.num_kv_heads},
+                                            id));
   }
   return side;
 }
