@@ -58,13 +58,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 bash scripts/unpack-models.sh
 
 if [ -n "$prebuilt" ]; then
-  bin="$(cd "$prebuilt" && pwd)"
-  export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-  # The test binary reads fixtures from the source path it was built in; point that path here.
-  built_in="$(cat "$bin/source_dir")"
-  if [ "$built_in" != "$root" ] && [ ! -e "$built_in" ]; then
-    mkdir -p "$(dirname "$built_in")" && ln -s "$root" "$built_in"
-  fi
+  source scripts/gpu-prebuilt.sh
+  use_prebuilt "$prebuilt"
 else
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
   cmake --build build-gpu --target relay test_gpu -j "$(nproc)"

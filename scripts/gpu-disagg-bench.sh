@@ -23,12 +23,8 @@ while [ $# -gt 0 ]; do
     *) echo "gpu-disagg-bench: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-bin="$(cd "${prebuilt:?--prebuilt DIR is required (scripts/gpu-check.sh --pack DIR makes it)}" && pwd)"
-export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-built_in="$(cat "$bin/source_dir")"  # the binary's compiled-in source path (the default model)
-if [ "$built_in" != "$root" ] && [ ! -e "$built_in" ]; then
-  mkdir -p "$(dirname "$built_in")" && ln -s "$root" "$built_in"
-fi
+source scripts/gpu-prebuilt.sh
+use_prebuilt "$prebuilt"
 mkdir -p "$(dirname "$results")"
 device="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 bash scripts/unpack-models.sh >/dev/null

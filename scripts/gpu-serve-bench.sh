@@ -19,8 +19,8 @@ while [ $# -gt 0 ]; do
     *) echo "gpu-serve-bench: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-bin="$(cd "${prebuilt:?--prebuilt DIR is required (scripts/gpu-check.sh --pack DIR makes it)}" && pwd)"
-export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+source scripts/gpu-prebuilt.sh
+use_prebuilt "$prebuilt"
 logs="${OUT:-$root/build-gpu-logs}"
 mkdir -p "$logs" "$(dirname "$results")"
 
