@@ -29,6 +29,16 @@ mdir=/tmp/relay-bench-30b-a3b-12l
 if [ ! -f "$mdir/config.json" ]; then
   "$bin/relay" make-model --preset 30b-a3b --layers 12 --out "$mdir" 2>&1 | tail -2
 fi
+# relay bench at the batches and mean decode contexts of the serving levels (1k-in/1k-out: ~1536,
+# 4k-in/256-out: ~4224), in the same run, so the server's decode rate has its own reference.
+contexts=""
+for shape in ${shapes//,/ }; do
+  contexts="${contexts:+$contexts,}$(( ${shape%x*} + ${shape#*x} / 2 ))"
+done
+"$bin/relay" bench --mode model --model "$mdir" --prefill-lengths 512 --decode-batches "$concurrency" \
+  --decode-contexts "$contexts" --out "$results" > "$logs/serve-ref-bench.log" 2>&1 || {
+  tail -5 "$logs/serve-ref-bench.log"; exit 1; }
+grep '"mode": *"decode"\|"mode":"decode"' "$results" | tail -n 20 || true
 port=8000
 "$bin/relay" serve --device cuda --model "$mdir" --served-model-name bench --port "$port" \
   --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 8192 > "$logs/serve.log" 2>&1 &

@@ -3,6 +3,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cli/command.h"
 #if RELAY_HAVE_CUDA
@@ -17,6 +18,7 @@ struct BenchArgs {
   std::string model;
   std::string out;
   bool quick = false;
+  std::vector<int> prefill_lengths, decode_batches, decode_contexts;
 };
 
 CommandRegistrar bench_command({
@@ -28,9 +30,19 @@ CommandRegistrar bench_command({
       sub.add_option("--model", a->model, "checkpoint directory for prefill/decode (e.g. from make-model)");
       sub.add_option("--out", a->out, "append the JSON lines to this file too");
       sub.add_flag("--quick", a->quick, "fewer shapes and repetitions");
+      sub.add_option("--prefill-lengths", a->prefill_lengths, "model mode: prompt lengths (default 512,4096,16384)")
+          ->delimiter(',')
+          ->check(CLI::PositiveNumber);
+      sub.add_option("--decode-batches", a->decode_batches, "model mode: decode batch sizes (default 1,8,64,256)")
+          ->delimiter(',')
+          ->check(CLI::Range(1, 512));
+      sub.add_option("--decode-contexts", a->decode_contexts, "model mode: decode contexts (default 512,4096)")
+          ->delimiter(',')
+          ->check(CLI::PositiveNumber);
       return [a]() -> int {
 #if RELAY_HAVE_CUDA
-        return run_cuda_bench({a->mode, a->model, a->out, a->quick});
+        return run_cuda_bench(
+            {a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches, a->decode_contexts});
 #else
         std::cerr << "relay bench measures the GPU and needs the CUDA build; this binary was built without "
                      "CUDA (configure with nvcc available and -DRELAY_CUDA=ON)\n";

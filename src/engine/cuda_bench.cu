@@ -310,7 +310,9 @@ ModelCosts model_costs(const ModelConfig& c) {
 void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   CudaBackendOptions bo;
   bo.max_num_seqs = 256;
+  for (int b : o.decode_batches) bo.max_num_seqs = std::max(bo.max_num_seqs, b);
   bo.max_num_tokens = 16384;
+  for (int len : o.prefill_lengths) bo.max_num_tokens = std::max(bo.max_num_tokens, len);
   CudaBackend backend(o.model_dir, bo);
   const ModelConfig& cfg = backend.config();
   RELAY_CHECK(cfg.is_moe(), "relay bench's model mode expects a Qwen3-MoE checkpoint, got ", cfg.architecture);
@@ -326,7 +328,10 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   SamplingParams greedy;
   greedy.temperature = 0.0f;
 
-  for (int len : o.quick ? std::vector<int>{512, 4096} : std::vector<int>{512, 4096, 16384}) {
+  auto pick = [&](const std::vector<int>& given, std::vector<int> quick, std::vector<int> full) {
+    return !given.empty() ? given : o.quick ? quick : full;
+  };
+  for (int len : pick(o.prefill_lengths, {512, 4096}, {512, 4096, 16384})) {
     std::vector<int32_t> tokens(len), blocks((len + bs - 1) / bs);
     for (auto& t : tokens) t = token_dist(rng);
     std::iota(blocks.begin(), blocks.end(), 0);
@@ -353,8 +358,8 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
               {"roofline_fraction", roof_ms / t}});
   }
 
-  for (int ctx : {512, 4096}) {
-    for (int batch_size : o.quick ? std::vector<int>{1, 64} : std::vector<int>{1, 8, 64, 256}) {
+  for (int ctx : pick(o.decode_contexts, {512, 4096}, {512, 4096})) {
+    for (int batch_size : pick(o.decode_batches, {1, 64}, {1, 8, 64, 256})) {
       const int warmup = 3, steps = o.quick ? 10 : 30;
       const int blocks_per_seq = (ctx + warmup + steps + bs) / bs;
       RELAY_CHECK(batch_size * blocks_per_seq <= backend.num_kv_blocks(), "KV pool too small for decode batch ", batch_size,

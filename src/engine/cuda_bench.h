@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace relay {
 
@@ -15,6 +16,9 @@ struct CudaBenchOptions {
   std::filesystem::path model_dir;     // checkpoint for the model mode
   std::filesystem::path out_path;      // JSON lines appended here too (empty: stdout only)
   bool quick = false;                  // fewer shapes and repetitions (scripts/gpu-check.sh)
+  // Model-mode shapes; empty: the defaults (prefill 512, 4096, 16384; decode batches 1, 8, 64, 256
+  // at contexts 512 and 4096). The serving benchmark asks for its own batches and mean contexts.
+  std::vector<int> prefill_lengths, decode_batches, decode_contexts;
 };
 
 // Returns the process exit code.

@@ -183,9 +183,11 @@ EngineStats LLMEngine::stats() const {
 }
 
 std::vector<RequestOutput> LLMEngine::step() {
+  last_step_ = {};
   if (!scheduler_.has_work()) return {};
   const SchedulerOutput plan = scheduler_.schedule();
   if (plan.empty()) return {};
+  last_step_ = {static_cast<int>(plan.chunks.size()), plan.num_batched_tokens};
   const Clock::time_point now = Clock::now();
   std::vector<StepSequence> batch;
   batch.reserve(plan.chunks.size());

@@ -87,6 +87,15 @@ struct EngineStats {
   SchedulerStats scheduler;
 };
 
+// What the last step() computed: the serving metrics time decode-only steps separately, because
+// their rate is the one `relay bench` measures (a step that also carries prefill chunks is longer
+// by design).
+struct StepComposition {
+  int num_seqs = 0;    // sequences in the batch
+  int num_tokens = 0;  // tokens computed
+  bool decode_only() const { return num_seqs > 0 && num_tokens == num_seqs; }
+};
+
 class LLMEngine {
  public:
   LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, const EngineConfig& config);
@@ -122,6 +131,7 @@ class LLMEngine {
 
   bool has_work() const { return scheduler_.has_work(); }
   EngineStats stats() const;
+  StepComposition last_step() const { return last_step_; }
   int max_model_len() const { return max_model_len_; }
   int max_num_seqs() const { return scheduler_.config().max_num_seqs; }
   const ModelConfig& model_config() const { return backend_->config(); }
@@ -141,6 +151,7 @@ class LLMEngine {
   int max_model_len_;
   BlockManager blocks_;
   Scheduler scheduler_;
+  StepComposition last_step_;
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
   std::unordered_set<int64_t> held_kv_;  // reservations and finished hold_kv requests
 };

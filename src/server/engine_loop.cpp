@@ -1,6 +1,8 @@
 // The engine thread and the per-request output queues (see engine_loop.h).
 #include "server/engine_loop.h"
 
+#include <chrono>
+
 #include "core/error.h"
 
 namespace relay::server {
@@ -205,7 +207,14 @@ void EngineLoop::run() {
       if (auto out = engine_.abort(id)) deliver(*out);
     }
     try {
+      const auto t0 = std::chrono::steady_clock::now();
       for (const RequestOutput& out : engine_.step()) deliver(out);
+      const StepComposition ran = engine_.last_step();
+      if (ran.num_seqs > 0) {
+        metrics_.observe_step(
+            ran.decode_only(), ran.num_seqs,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
     } catch (const std::exception& e) {
       // NOTE: a failed step leaves the batch half-applied; every live request is failed and freed
       // so the engine starts clean.

@@ -90,6 +90,14 @@ void Metrics::observe_itl(double s) {
   itl_.observe(s);
 }
 
+void Metrics::observe_step(bool decode_only, int num_seqs, double seconds) {
+  std::lock_guard lock(mu_);
+  StepCounters& c = decode_only ? decode_steps_ : mixed_steps_;
+  ++c.steps;
+  c.sequences += static_cast<uint64_t>(num_seqs);
+  c.seconds += seconds;
+}
+
 void Metrics::request_rejected(int status) {
   std::lock_guard lock(mu_);
   ++rejected_[status];
@@ -136,6 +144,22 @@ std::string Metrics::render() const {
     out += "relay:request_rejected_total{" + model + ",status=\"" + std::to_string(status) +
            "\"} " + std::to_string(n) + "\n";
   }
+  auto step_counter = [&](const std::string& name, const char* help, auto field) {
+    header(out, name, "counter", help);
+    const std::pair<const char*, const StepCounters*> kinds[] = {{"decode", &decode_steps_},
+                                                                 {"mixed", &mixed_steps_}};
+    for (const auto& [kind, c] : kinds) {
+      out += name + "{" + model + ",kind=\"" + kind + "\"} " + num(field(*c)) + "\n";
+    }
+  };
+  step_counter("relay:engine_steps_total",
+               "Engine steps; kind decode: every sequence one token, mixed: prefill chunks too.",
+               [](const StepCounters& c) { return double(c.steps); });
+  step_counter("relay:engine_step_sequences_total", "Sequences summed over engine steps.",
+               [](const StepCounters& c) { return double(c.sequences); });
+  step_counter("relay:engine_step_seconds_total",
+               "Wall time of engine steps: scheduling, forward, sampling and output delivery.",
+               [](const StepCounters& c) { return c.seconds; });
   header(out, "relay:time_to_first_token_seconds", "histogram",
          "Histogram of time to first token in seconds.");
   ttft_.render(out, "relay:time_to_first_token_seconds", model);

@@ -51,6 +51,12 @@ class Metrics {
   void observe_ttft(double s);
   void observe_itl(double s);
   void request_rejected(int status);
+  // One engine iteration that ran a step: its wall time (scheduling, the forward pass, sampling and
+  // handing the outputs to the streams) and batch size. Decode-only steps (every sequence one
+  // token) are counted apart from steps that carry prefill chunks, so decode throughput at a batch
+  // size reads as relay:engine_step_sequences_total / relay:engine_step_seconds_total
+  // {kind="decode"}.
+  void observe_step(bool decode_only, int num_seqs, double seconds);
 
   EngineGauges engine() const;
   std::string render() const;
@@ -66,6 +72,11 @@ class Metrics {
   uint64_t generation_tokens_ = 0;
   std::map<std::string, uint64_t> finished_;  // by finished_reason
   std::map<int, uint64_t> rejected_;          // by HTTP status
+  struct StepCounters {
+    uint64_t steps = 0, sequences = 0;
+    double seconds = 0.0;
+  };
+  StepCounters decode_steps_, mixed_steps_;
   Histogram ttft_;
   Histogram itl_;
   Histogram e2e_;

@@ -260,3 +260,10 @@ def test_metrics(server, client):
     text = requests.get(server.base + "/metrics").text
     assert "# TYPE relay:time_to_first_token_seconds histogram" in text
     assert m["relay:kv_cache_usage_perc" + label] == 0
+    # Engine steps, decode-only apart from steps with prefill chunks: 3 tokens = 1 prefill step
+    # (which samples the first) + 2 decode steps at least.
+    kind = lambda k: f'{{model_name="{MODEL}",kind="{k}"}}'
+    assert m["relay:engine_steps_total" + kind("mixed")] >= 1
+    assert m["relay:engine_steps_total" + kind("decode")] >= 2
+    assert m["relay:engine_step_sequences_total" + kind("decode")] >= m["relay:engine_steps_total" + kind("decode")]
+    assert m["relay:engine_step_seconds_total" + kind("decode")] > 0
