@@ -28,8 +28,9 @@ std::string shape_str(std::span<const int64_t> shape) {
   return s + "]";
 }
 
-// Reads element i of a floating-point scale tensor stored as F32, BF16 or F16.
-float scale_at(const StoredTensor& t, int64_t i) {
+}  // namespace
+
+float stored_float_at(const StoredTensor& t, int64_t i) {
   switch (t.dtype) {
     case DType::F32: {
       float v;
@@ -47,11 +48,10 @@ float scale_at(const StoredTensor& t, int64_t i) {
       return f16_to_f32(v);
     }
     default:
-      fail(str("scale_at: unexpected dtype ", dtype_name(t.dtype)));
+      fail(str("tensor ", t.name, " in ", t.file, ": expected F32, BF16 or F16, got ",
+               dtype_name(t.dtype)));
   }
 }
-
-}  // namespace
 
 void quantize_weight_fp8_block(const float* w, int64_t rows, int64_t cols, int block_rows,
                                int block_cols, uint8_t* q, float* scale_inv) {
@@ -121,6 +121,22 @@ std::string scale_tensor_name(const QuantConfig& config, std::string_view weight
   return std::string(weight_name) + (config.method == QuantMethod::Mxfp8 ? "_scale" : "_scale_inv");
 }
 
+std::vector<float> read_fp8_block_scales(const QuantConfig& config, const StoredTensor& weight,
+                                         const StoredTensor& scale) {
+  const int64_t rows = weight.shape[0], cols = weight.shape[1];
+  const int64_t expected[2] = {ceil_div(rows, config.block_out), ceil_div(cols, config.block_in)};
+  RELAY_CHECK(scale.dtype == DType::F32 || scale.dtype == DType::BF16 || scale.dtype == DType::F16,
+              "scale tensor ", scale.name, " in ", scale.file, " has dtype ",
+              dtype_name(scale.dtype), "; fp8 block scales are F32, BF16 or F16");
+  RELAY_CHECK(std::ranges::equal(scale.shape, expected), "scale tensor ", scale.name, " in ",
+              scale.file, " has shape ", shape_str(scale.shape), ", expected ", shape_str(expected),
+              " for weight ", weight.name, " ", shape_str(weight.shape), " with ", config.block_out,
+              "x", config.block_in, " blocks");
+  std::vector<float> out(expected[0] * expected[1]);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = stored_float_at(scale, static_cast<int64_t>(i));
+  return out;
+}
+
 void dequantize_stored_weight(const QuantConfig& config, const StoredTensor& weight,
                               const StoredTensor& scale, float* w) {
   RELAY_CHECK(config.quantized(), "tensor ", weight.name, " in ", weight.file, " is ",
@@ -131,18 +147,7 @@ void dequantize_stored_weight(const QuantConfig& config, const StoredTensor& wei
               " has shape ", shape_str(weight.shape), "; expected 2 dimensions [out, in]");
   const int64_t rows = weight.shape[0], cols = weight.shape[1];
   if (config.method == QuantMethod::Fp8Block) {
-    const int64_t expected[2] = {ceil_div(rows, config.block_out), ceil_div(cols, config.block_in)};
-    RELAY_CHECK(
-        scale.dtype == DType::F32 || scale.dtype == DType::BF16 || scale.dtype == DType::F16,
-        "scale tensor ", scale.name, " in ", scale.file, " has dtype ", dtype_name(scale.dtype),
-        "; fp8 block scales are F32, BF16 or F16");
-    RELAY_CHECK(std::ranges::equal(scale.shape, expected), "scale tensor ", scale.name, " in ",
-                scale.file, " has shape ", shape_str(scale.shape), ", expected ",
-                shape_str(expected), " for weight ", weight.name, " ", shape_str(weight.shape),
-                " with ", config.block_out, "x", config.block_in, " blocks");
-    std::vector<float> scale_f32(expected[0] * expected[1]);
-    for (size_t i = 0; i < scale_f32.size(); ++i)
-      scale_f32[i] = scale_at(scale, static_cast<int64_t>(i));
+    const std::vector<float> scale_f32 = read_fp8_block_scales(config, weight, scale);
     dequantize_weight_fp8_block(weight.data, scale_f32.data(), rows, cols, config.block_out,
                                 config.block_in, w);
   } else {

@@ -22,6 +22,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/dtype.h"
 #include "quant/quant_config.h"
@@ -53,6 +54,16 @@ struct StoredTensor {
   std::span<const int64_t> shape;
   const uint8_t* data = nullptr;
 };
+
+// Element i of a floating-point tensor stored as F32, BF16 or F16, as fp32; other dtypes are an
+// error naming the tensor.
+float stored_float_at(const StoredTensor& t, int64_t i);
+
+// The fp32 block scales of an F8_E4M3 weight [rows, cols] under an fp8 `config`, after checking the
+// scale's dtype (F32, BF16 or F16) and shape ([ceil(rows / block_out), ceil(cols / block_in)]);
+// errors name the file, the tensor and both shapes.
+std::vector<float> read_fp8_block_scales(const QuantConfig& config, const StoredTensor& weight,
+                                         const StoredTensor& scale);
 
 // The name of the scale tensor that goes with quantised weight `weight_name` under `config`:
 // "<weight_name>_scale_inv" (fp8) or "<weight_name>_scale" (mxfp8).
