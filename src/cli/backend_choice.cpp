@@ -12,6 +12,11 @@ namespace relay::cli {
 void add_backend_options(CLI::App& sub, BackendChoice& c) {
   sub.add_option("--device", c.device, "compute backend: cpu (exact fp32) or cuda (default cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  sub.add_option("--dtype", c.dtype,
+                 "cuda weight format: auto (as the checkpoint stores them), bf16 (an FP8 "
+                 "checkpoint dequantised at load) or fp8 (block-scaled FP8; a bf16 checkpoint "
+                 "quantised at load). The cpu device always computes in fp32 (default auto)")
+      ->check(CLI::IsMember({"auto", "bf16", "fp8"}));
   sub.add_option("--block-size", c.block_size, "tokens per KV block (default 16)")
       ->check(CLI::PositiveNumber);
   sub.add_option("--num-kv-blocks", c.num_kv_blocks,
@@ -67,6 +72,9 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
 #if RELAY_HAVE_CUDA
     CudaBackendOptions o;
     o.device = c.gpu;
+    o.weights = c.dtype == "fp8"    ? WeightFormat::kFp8
+                : c.dtype == "bf16" ? WeightFormat::kBf16
+                                    : WeightFormat::kAuto;
     o.block_size = c.block_size;
     o.num_kv_blocks = c.num_kv_blocks;
     o.max_num_seqs = max_num_seqs;
@@ -78,6 +86,9 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
     fail("--device cuda: this relay was built without CUDA (no nvcc at build time)");
 #endif
   }
+  RELAY_CHECK(c.dtype == "auto", "--dtype ", c.dtype,
+              " is a GPU weight format; the cpu device computes in fp32 (FP8 checkpoints are "
+              "dequantised at load): leave --dtype at auto or use --device cuda");
   CpuBackendOptions o;
   o.block_size = c.block_size;
   o.num_blocks = c.num_kv_blocks;

@@ -23,11 +23,12 @@ struct BackendChoice {
   std::string kv_cache_memory = "256MiB";  // CPU pool budget (CUDA takes the memory left)
   int num_threads = 0;                     // CPU threads (0: all cores)
   int gpu = 0;                             // CUDA device index
+  std::string dtype = "auto";              // cuda weights: auto (as stored), bf16 or fp8
   parallel::ParallelConfig parallel;       // --tp / --ep / --dp ranks
 };
 
-// Adds --device, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu, --tp, --ep and
-// --dp to `sub`.
+// Adds --device, --dtype, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu, --tp,
+// --ep and --dp to `sub`.
 void add_backend_options(CLI::App& sub, BackendChoice& choice);
 // Loads the model on the chosen device; `max_num_seqs` and `max_num_batched_tokens` size the GPU
 // backend's per-step buffers and graphs.

@@ -19,6 +19,7 @@ struct BenchArgs {
   std::string out;
   bool quick = false;
   std::vector<int> prefill_lengths, decode_batches, decode_contexts;
+  std::string dtype = "auto";
 };
 
 CommandRegistrar bench_command({
@@ -30,6 +31,8 @@ CommandRegistrar bench_command({
       sub.add_option("--model", a->model, "checkpoint directory for prefill/decode (e.g. from make-model)");
       sub.add_option("--out", a->out, "append the JSON lines to this file too");
       sub.add_flag("--quick", a->quick, "fewer shapes and repetitions");
+      sub.add_option("--dtype", a->dtype, "model mode: weight format auto | bf16 | fp8 (as relay serve)")
+          ->check(CLI::IsMember({"auto", "bf16", "fp8"}));
       sub.add_option("--prefill-lengths", a->prefill_lengths, "model mode: prompt lengths (default 512,4096,16384)")
           ->delimiter(',')
           ->check(CLI::PositiveNumber);
@@ -42,7 +45,8 @@ CommandRegistrar bench_command({
       return [a]() -> int {
 #if RELAY_HAVE_CUDA
         return run_cuda_bench(
-            {a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches, a->decode_contexts});
+            {a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches, a->decode_contexts,
+             a->dtype});
 #else
         std::cerr << "relay bench measures the GPU and needs the CUDA build; this binary was built without "
                      "CUDA (configure with nvcc available and -DRELAY_CUDA=ON)\n";

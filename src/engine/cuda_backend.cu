@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <thread>
 #include <utility>
 
 #include "core/dtype.h"
@@ -14,10 +16,14 @@
 #include "core/thread_pool.h"
 #include "engine/sampler.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_cuda.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "kvcache/kv_cache.h"
 #include "model/rope.h"
 #include "model/safetensors.h"
+#include "quant/fp8_pack.h"
+#include "quant/quant_config.h"
+#include "quant/weight_quant.h"
 
 namespace relay {
 
@@ -49,6 +55,7 @@ class Arena {
     used_ += bytes;
     return p;
   }
+  void zero(cudaStream_t s) { RELAY_CUDA_CHECK(cudaMemsetAsync(base_, 0, capacity_, s)); }
   void release() {
     if (base_) cudaFree(base_);
     base_ = nullptr;
@@ -57,6 +64,15 @@ class Arena {
  private:
   void* base_ = nullptr;
   size_t capacity_ = 0, used_ = 0;
+};
+
+// A block-FP8 linear on the device in the quant/fp8_pack.h layout: e4m3 codes [rows, cols] and
+// fp32 scales [rows / 128, ceil(cols / 128)] per copy, experts stacked.
+struct Fp8Weight {
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+  quant::Fp8PackedShape shape;  // of one copy
+  bool present() const { return q != nullptr; }
 };
 
 struct LayerWeights {
@@ -73,6 +89,10 @@ struct LayerWeights {
   bf16* gate_up = nullptr;  // moe: [experts, 2 width, hidden]; dense: [2 width, hidden]
   bf16* down = nullptr;     // moe: [experts, hidden, width]; dense: [hidden, width]
   int width = 0;
+  // FP8 groups (present instead of the bf16 pointers): q|k|v with k and v on whole 128-row blocks;
+  // gate|up with each half padded to act_width (a multiple of 128) and down [hidden, act_width].
+  Fp8Weight qkv8, o8, gate_up8, down8;
+  int act_width = 0;  // the SwiGLU output width: width, or its FP8 padding
 };
 
 // The per-step metadata, packed contiguously so one copy moves it to the device. Offsets depend
@@ -110,11 +130,13 @@ bool needs_host_sampling(const SamplingParams& p) {
 struct CudaBackend::Impl {
   CudaBackendOptions opt;
   ModelConfig cfg;
+  quant::QuantConfig quant_cfg;
   CudaLoadStats stats;
   cudaStream_t stream = nullptr;
   Arena weights, acts;
   int hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, experts = 0, top_k = 0;
   int qkv_dim = 0, max_ffn_width = 0, max_blocks = 0;
+  int64_t max_qkv_width = 0;   // qkv activation row: qkv_dim, or a packed FP8 q|k|v's rows
   bf16* embedding = nullptr;   // [vocab, hidden]
   bf16* final_norm = nullptr;  // [hidden]
   bf16* lm_head = nullptr;     // [vocab, hidden] (the embedding when tied)
@@ -131,6 +153,9 @@ struct CudaBackend::Impl {
       *expert_out;
   int32_t *topk_ids, *permuted_index, *expert_offsets;
   float *topk_weights, *logits;
+  // FP8 GEMM inputs: e4m3 codes and per (row, 128-group) scales of the activation being multiplied.
+  uint8_t* act_q = nullptr;
+  float* act_scale = nullptr;
   uint8_t* meta_dev = nullptr;   // packed metadata (MetaLayout)
   uint8_t* meta_host = nullptr;  // pinned mirror
   size_t meta_capacity = 0;
@@ -163,6 +188,7 @@ struct CudaBackend::Impl {
                 "the CUDA backend runs Qwen3ForCausalLM and Qwen3MoeForCausalLM, not ",
                 cfg.architecture);
     Checkpoint ckpt(dir);
+    quant_cfg = quant::QuantConfig::load(dir);
     hidden = static_cast<int>(cfg.hidden_size);
     q_heads = static_cast<int>(cfg.num_attention_heads);
     kv_heads = static_cast<int>(cfg.num_key_value_heads);
@@ -173,92 +199,235 @@ struct CudaBackend::Impl {
     qkv_dim = (q_heads + 2 * kv_heads) * head_dim;
     const int64_t H = hidden, q_dim = int64_t{q_heads} * head_dim,
                   kv_dim = int64_t{kv_heads} * head_dim;
+    auto tensor = [&](const std::string& name, std::vector<int64_t> shape) -> const TensorView& {
+      return ckpt.get(name, shape);
+    };
+    // A fused group of linears (q|k|v, an MLP's gate|up|down) is FP8 when any of its tensors is an
+    // FP8 checkpoint tensor (unless --dtype bf16 asked to dequantise) or when --dtype fp8 asked to
+    // quantise bf16 ones; the other members of an FP8 group are quantised with it, so one group
+    // runs one kind of GEMM. The router, embeddings, norms and lm_head always stay bf16.
+    auto group_fp8 = [&](std::initializer_list<std::string> names) {
+      if (opt.weights == WeightFormat::kBf16) return false;
+      if (opt.weights == WeightFormat::kFp8) return true;
+      for (const std::string& n : names) {
+        if (ckpt.get(n).dtype == DType::F8_E4M3) return true;
+      }
+      return false;
+    };
+    RELAY_CHECK(!(cfg.attention_bias && opt.weights == WeightFormat::kFp8), "--dtype fp8 on ",
+                dir.string(),
+                ": config.json has attention_bias true, and the FP8 GEMMs add no bias (no released "
+                "Qwen3 checkpoint has attention biases); serve it with --dtype bf16");
 
-    // Size every tensor first, so the weights are one allocation.
+    // Plan every layer (formats and padded widths) and size every tensor, so the weights are one
+    // allocation.
+    struct Plan {
+      bool qkv_fp8 = false, o_fp8 = false, mlp_fp8 = false;
+      quant::Fp8PackedShape qkv, o, gate_up, down;  // per expert for MoE layers
+    };
+    std::vector<Plan> plans(cfg.num_hidden_layers);
     size_t total = 0;
-    auto count = [&](int64_t n) { total += align_up(static_cast<size_t>(n) * 2, 256); };
+    auto count = [&](int64_t n, size_t elem = 2) {
+      total += align_up(static_cast<size_t>(n) * elem, 256);
+    };
+    auto count_fp8 = [&](const quant::Fp8PackedShape& s, int64_t copies) {
+      count(s.code_bytes() * copies, 1);
+      count(s.scale_count() * copies, 4);
+    };
     count(int64_t{vocab} * H);
     count(H);
     if (!cfg.tie_word_embeddings) count(int64_t{vocab} * H);
     for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-      count(H), count(H), count(qkv_dim * H), count(q_dim * H), count(head_dim), count(head_dim);
+      const std::string p = str("model.layers.", l, ".");
+      Plan& plan = plans[l];
+      count(H), count(H), count(head_dim), count(head_dim);
       if (cfg.attention_bias) count(qkv_dim), count(H);
-      if (cfg.layer_is_moe(l)) {
-        count(int64_t{experts} * H);
-        count(int64_t{experts} * 2 * cfg.moe_intermediate_size * H);
-        count(int64_t{experts} * H * cfg.moe_intermediate_size);
+      plan.qkv_fp8 = group_fp8({p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                p + "self_attn.v_proj.weight"});
+      plan.o_fp8 = group_fp8({p + "self_attn.o_proj.weight"});
+      RELAY_CHECK(!(cfg.attention_bias && (plan.qkv_fp8 || plan.o_fp8)), dir.string(), ": layer ",
+                  l,
+                  " has FP8 attention weights and attention_bias, which the FP8 "
+                  "GEMMs do not add");
+      if (plan.qkv_fp8) {
+        plan.qkv = {quant::round_up_to_block(q_dim) + quant::round_up_to_block(kv_dim) + kv_dim, H};
+        count_fp8(plan.qkv, 1);
       } else {
-        count(2 * cfg.intermediate_size * H);
-        count(H * cfg.intermediate_size);
+        count(qkv_dim * H);
+      }
+      if (plan.o_fp8) {
+        plan.o = {H, q_dim};
+        count_fp8(plan.o, 1);
+      } else {
+        count(q_dim * H);
+      }
+      const bool moe = cfg.layer_is_moe(l);
+      const int64_t W = moe ? cfg.moe_intermediate_size : cfg.intermediate_size;
+      const std::string mp = moe ? p + "mlp.experts.0." : p + "mlp.";
+      plan.mlp_fp8 =
+          group_fp8({mp + "gate_proj.weight", mp + "up_proj.weight", mp + "down_proj.weight"});
+      const int64_t copies = moe ? experts : 1;
+      if (moe) count(int64_t{experts} * H);
+      if (plan.mlp_fp8) {
+        // gate and up each padded to whole blocks, so silu(gate) * up pairs column j with j + Wp;
+        // the padding columns come out 0 and meet zero columns of the padded down projection.
+        const int64_t Wp = quant::round_up_to_block(W);
+        plan.gate_up = {2 * Wp, H};
+        plan.down = {H, Wp};
+        count_fp8(plan.gate_up, copies);
+        count_fp8(plan.down, copies);
+      } else {
+        count(copies * 2 * W * H);
+        count(copies * H * W);
       }
     }
     total += static_cast<size_t>(head_dim) * 4 + 256;
     weights.reserve(total);
+    // Zeroed once: the padding of packed FP8 weights must read as zero codes.
+    weights.zero(stream);
 
     Uploader up(stream);
-    auto tensor = [&](const std::string& name, std::vector<int64_t> shape) -> const TensorView& {
-      return ckpt.get(name, shape);
+    ThreadPool pack_pool(std::max(2u, std::thread::hardware_concurrency()));
+    auto stored = [](const TensorView& v) {
+      return quant::StoredTensor{v.name, v.file, v.dtype, v.shape, v.data};
     };
+    // A bf16 destination from any checkpoint tensor: FP8 ones (with --dtype bf16) dequantised.
+    auto put = [&](bf16* dst, const std::string& name, std::vector<int64_t> shape) {
+      const TensorView& t = tensor(name, shape);
+      if (t.dtype != DType::F8_E4M3) {
+        up.put(dst, t);
+        return;
+      }
+      std::vector<float> w(static_cast<size_t>(t.numel()));
+      quant::dequantize_stored_weight(
+          quant_cfg, stored(t),
+          [&](const std::string& scale_name) { return stored(ckpt.get(scale_name)); }, w.data());
+      up.put_f32(dst, w.data(), w.size());
+    };
+    // One part of a packed FP8 weight, into host buffers (q, scale) laid out as `shape`.
+    auto pack = [&](const std::string& name, std::vector<int64_t> shape,
+                    const quant::Fp8PackedShape& packed, int64_t row_offset, uint8_t* q,
+                    float* scale, ThreadPool* pool) {
+      const TensorView& t = tensor(name, shape);
+      const quant::StoredTensor w = stored(t);
+      if (t.dtype == DType::F8_E4M3) {
+        RELAY_CHECK(quant_cfg.quantized(), "tensor ", name, " in ", t.file,
+                    " is F8_E4M3 but config.json has no quantization_config");
+        const quant::StoredTensor s = stored(ckpt.get(quant::scale_tensor_name(quant_cfg, name)));
+        quant::pack_fp8_block_part(quant_cfg, w, &s, packed, row_offset, q, scale, pool);
+      } else {
+        quant::pack_fp8_block_part(quant_cfg, w, nullptr, packed, row_offset, q, scale, pool);
+      }
+    };
+    // Packs `copies` instances (experts) of a weight in parallel and uploads them as one tensor.
+    auto upload_fp8 = [&](Fp8Weight& dst, const quant::Fp8PackedShape& shape, int64_t copies,
+                          const std::function<void(int64_t, uint8_t*, float*, ThreadPool*)>& fill) {
+      dst.shape = shape;
+      dst.q = weights.take<uint8_t>(shape.code_bytes() * copies);
+      dst.scale = weights.take<float>(shape.scale_count() * copies);
+      std::vector<uint8_t> q(static_cast<size_t>(shape.code_bytes() * copies), 0);
+      std::vector<float> scale(static_cast<size_t>(shape.scale_count() * copies), 0.0f);
+      if (copies == 1) {
+        fill(0, q.data(), scale.data(), &pack_pool);
+      } else {
+        pack_pool.parallel_for(copies, 1, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) {
+            fill(i, q.data() + i * shape.code_bytes(), scale.data() + i * shape.scale_count(),
+                 nullptr);
+          }
+        });
+      }
+      up.put_bytes(dst.q, q.data(), q.size());
+      up.put_bytes(dst.scale, scale.data(), scale.size() * 4);
+      ++stats.fp8_linears;
+    };
+
     embedding = weights.take<bf16>(size_t(vocab) * H);
-    up.put(embedding, tensor("model.embed_tokens.weight", {vocab, H}));
+    put(embedding, "model.embed_tokens.weight", {vocab, H});
     final_norm = weights.take<bf16>(H);
-    up.put(final_norm, tensor("model.norm.weight", {H}));
+    put(final_norm, "model.norm.weight", {H});
     if (cfg.tie_word_embeddings) {
       lm_head = embedding;
     } else {
       lm_head = weights.take<bf16>(size_t(vocab) * H);
-      up.put(lm_head, tensor("lm_head.weight", {vocab, H}));
+      put(lm_head, "lm_head.weight", {vocab, H});
     }
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const std::string p = str("model.layers.", l, ".");
+      const Plan& plan = plans[l];
       LayerWeights w;
       w.input_norm = weights.take<bf16>(H);
-      up.put(w.input_norm, tensor(p + "input_layernorm.weight", {H}));
+      put(w.input_norm, p + "input_layernorm.weight", {H});
       w.post_norm = weights.take<bf16>(H);
-      up.put(w.post_norm, tensor(p + "post_attention_layernorm.weight", {H}));
-      w.qkv = weights.take<bf16>(qkv_dim * H);
-      up.put(w.qkv, tensor(p + "self_attn.q_proj.weight", {q_dim, H}));
-      up.put(w.qkv + q_dim * H, tensor(p + "self_attn.k_proj.weight", {kv_dim, H}));
-      up.put(w.qkv + (q_dim + kv_dim) * H, tensor(p + "self_attn.v_proj.weight", {kv_dim, H}));
-      w.o = weights.take<bf16>(q_dim * H);
-      up.put(w.o, tensor(p + "self_attn.o_proj.weight", {H, q_dim}));
+      put(w.post_norm, p + "post_attention_layernorm.weight", {H});
+      if (plan.qkv_fp8) {
+        const int64_t k_row = quant::round_up_to_block(q_dim),
+                      v_row = k_row + quant::round_up_to_block(kv_dim);
+        upload_fp8(w.qkv8, plan.qkv, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
+          pack(p + "self_attn.q_proj.weight", {q_dim, H}, plan.qkv, 0, q, s, pool);
+          pack(p + "self_attn.k_proj.weight", {kv_dim, H}, plan.qkv, k_row, q, s, pool);
+          pack(p + "self_attn.v_proj.weight", {kv_dim, H}, plan.qkv, v_row, q, s, pool);
+        });
+      } else {
+        w.qkv = weights.take<bf16>(qkv_dim * H);
+        put(w.qkv, p + "self_attn.q_proj.weight", {q_dim, H});
+        put(w.qkv + q_dim * H, p + "self_attn.k_proj.weight", {kv_dim, H});
+        put(w.qkv + (q_dim + kv_dim) * H, p + "self_attn.v_proj.weight", {kv_dim, H});
+      }
+      if (plan.o_fp8) {
+        upload_fp8(w.o8, plan.o, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
+          pack(p + "self_attn.o_proj.weight", {H, q_dim}, plan.o, 0, q, s, pool);
+        });
+      } else {
+        w.o = weights.take<bf16>(q_dim * H);
+        put(w.o, p + "self_attn.o_proj.weight", {H, q_dim});
+      }
       w.q_norm = weights.take<bf16>(head_dim);
-      up.put(w.q_norm, tensor(p + "self_attn.q_norm.weight", {head_dim}));
+      put(w.q_norm, p + "self_attn.q_norm.weight", {head_dim});
       w.k_norm = weights.take<bf16>(head_dim);
-      up.put(w.k_norm, tensor(p + "self_attn.k_norm.weight", {head_dim}));
+      put(w.k_norm, p + "self_attn.k_norm.weight", {head_dim});
       if (cfg.attention_bias) {
         w.qkv_bias = weights.take<bf16>(qkv_dim);
-        up.put(w.qkv_bias, tensor(p + "self_attn.q_proj.bias", {q_dim}));
-        up.put(w.qkv_bias + q_dim, tensor(p + "self_attn.k_proj.bias", {kv_dim}));
-        up.put(w.qkv_bias + q_dim + kv_dim, tensor(p + "self_attn.v_proj.bias", {kv_dim}));
+        put(w.qkv_bias, p + "self_attn.q_proj.bias", {q_dim});
+        put(w.qkv_bias + q_dim, p + "self_attn.k_proj.bias", {kv_dim});
+        put(w.qkv_bias + q_dim + kv_dim, p + "self_attn.v_proj.bias", {kv_dim});
         w.o_bias = weights.take<bf16>(H);
-        up.put(w.o_bias, tensor(p + "self_attn.o_proj.bias", {H}));
+        put(w.o_bias, p + "self_attn.o_proj.bias", {H});
       }
       w.moe = cfg.layer_is_moe(l);
+      const int64_t W = w.moe ? cfg.moe_intermediate_size : cfg.intermediate_size;
+      const int64_t copies = w.moe ? experts : 1;
+      w.width = static_cast<int>(W);
+      w.act_width = w.width;
+      auto prefix = [&](int64_t e) { return w.moe ? str(p, "mlp.experts.", e, ".") : p + "mlp."; };
       if (w.moe) {
-        const int64_t W = cfg.moe_intermediate_size;
-        w.width = static_cast<int>(W);
         w.router = weights.take<bf16>(size_t(experts) * H);
-        up.put(w.router, tensor(p + "mlp.gate.weight", {experts, H}));
-        w.gate_up = weights.take<bf16>(size_t(experts) * 2 * W * H);
-        w.down = weights.take<bf16>(size_t(experts) * H * W);
-        for (int e = 0; e < experts; ++e) {
-          const std::string ep = str(p, "mlp.experts.", e, ".");
-          bf16* gu = w.gate_up + int64_t{e} * 2 * W * H;
-          up.put(gu, tensor(ep + "gate_proj.weight", {W, H}));
-          up.put(gu + W * H, tensor(ep + "up_proj.weight", {W, H}));
-          up.put(w.down + int64_t{e} * H * W, tensor(ep + "down_proj.weight", {H, W}));
-        }
-      } else {
-        const int64_t W = cfg.intermediate_size;
-        w.width = static_cast<int>(W);
-        w.gate_up = weights.take<bf16>(2 * W * H);
-        up.put(w.gate_up, tensor(p + "mlp.gate_proj.weight", {W, H}));
-        up.put(w.gate_up + W * H, tensor(p + "mlp.up_proj.weight", {W, H}));
-        w.down = weights.take<bf16>(H * W);
-        up.put(w.down, tensor(p + "mlp.down_proj.weight", {H, W}));
+        put(w.router, p + "mlp.gate.weight", {experts, H});
       }
-      max_ffn_width = std::max(max_ffn_width, w.width);
+      if (plan.mlp_fp8) {
+        w.act_width = static_cast<int>(plan.down.cols);
+        upload_fp8(
+            w.gate_up8, plan.gate_up, copies,
+            [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
+              pack(prefix(e) + "gate_proj.weight", {W, H}, plan.gate_up, 0, q, s, pool);
+              pack(prefix(e) + "up_proj.weight", {W, H}, plan.gate_up, w.act_width, q, s, pool);
+            });
+        upload_fp8(w.down8, plan.down, copies,
+                   [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
+                     pack(prefix(e) + "down_proj.weight", {H, W}, plan.down, 0, q, s, pool);
+                   });
+      } else {
+        w.gate_up = weights.take<bf16>(size_t(copies) * 2 * W * H);
+        w.down = weights.take<bf16>(size_t(copies) * H * W);
+        for (int64_t e = 0; e < copies; ++e) {
+          bf16* gu = w.gate_up + e * 2 * W * H;
+          put(gu, prefix(e) + "gate_proj.weight", {W, H});
+          put(gu + W * H, prefix(e) + "up_proj.weight", {W, H});
+          put(w.down + e * H * W, prefix(e) + "down_proj.weight", {H, W});
+        }
+      }
+      max_ffn_width = std::max(max_ffn_width, w.act_width);
+      max_qkv_width = std::max<int64_t>(max_qkv_width, plan.qkv_fp8 ? plan.qkv.rows : qkv_dim);
       layers.push_back(w);
     }
     RopeTables rope = compute_rope(cfg);
@@ -272,9 +441,9 @@ struct CudaBackend::Impl {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
-  // Copies host tensors to the device through two pinned staging buffers: while one chunk crosses
-  // PCIe, threads fill the other from the (mmapped) file, so reading the file and the transfer
-  // overlap.
+  // Copies host data to the device through two pinned staging buffers: while one chunk crosses
+  // PCIe, threads fill the other (from the mmapped file, converting dtypes on the way), so reading
+  // the file and the transfer overlap.
   class Uploader {
    public:
     explicit Uploader(cudaStream_t s) : stream_(s), pool_(8) {
@@ -289,48 +458,70 @@ struct CudaBackend::Impl {
         cudaEventDestroy(done_[i]);
       }
     }
+    // A BF16/F16/F32 checkpoint tensor as bf16.
     void put(bf16* dst, const TensorView& t) {
-      const size_t n = static_cast<size_t>(t.numel());
       RELAY_CHECK(t.dtype == DType::BF16 || t.dtype == DType::F32 || t.dtype == DType::F16,
                   "tensor ", t.name, " in ", t.file, " has dtype ", dtype_name(t.dtype),
-                  "; the CUDA backend loads BF16/F16/F32");
-      const size_t per_chunk = kStagingBytes / 2;  // bf16 elements per staging buffer
-      for (size_t begin = 0; begin < n; begin += per_chunk) {
-        const size_t count = std::min(per_chunk, n - begin);
-        uint8_t* stage = staging_[next_];
-        RELAY_CUDA_CHECK(cudaEventSynchronize(done_[next_]));
-        const int64_t pieces = static_cast<int64_t>((count + (1 << 18) - 1) >> 18);
-        pool_.parallel_for(pieces, 1, [&](int64_t b, int64_t e) {
-          const size_t lo = static_cast<size_t>(b) << 18,
-                       hi = std::min(count, static_cast<size_t>(e) << 18);
-          if (t.dtype == DType::BF16) {
-            std::memcpy(stage + lo * 2, t.data + (begin + lo) * 2, (hi - lo) * 2);
-            return;
+                  "; the CUDA backend loads BF16/F16/F32 (and F8_E4M3 with its scales)");
+      upload(dst, static_cast<size_t>(t.numel()), 2, [&](size_t begin, size_t n, uint8_t* stage) {
+        if (t.dtype == DType::BF16) {
+          std::memcpy(stage, t.data + begin * 2, n * 2);
+          return;
+        }
+        auto* out = reinterpret_cast<uint16_t*>(stage);
+        for (size_t i = 0; i < n; ++i) {
+          float f;
+          if (t.dtype == DType::F32) {
+            std::memcpy(&f, t.data + (begin + i) * 4, 4);
+          } else {
+            uint16_t h;
+            std::memcpy(&h, t.data + (begin + i) * 2, 2);
+            f = f16_to_f32(h);
           }
-          auto* out = reinterpret_cast<uint16_t*>(stage);
-          for (size_t i = lo; i < hi; ++i) {
-            float f;
-            if (t.dtype == DType::F32) {
-              std::memcpy(&f, t.data + (begin + i) * 4, 4);
-            } else {
-              uint16_t h;
-              std::memcpy(&h, t.data + (begin + i) * 2, 2);
-              f = f16_to_f32(h);
-            }
-            out[i] = f32_to_bf16(f);
-          }
-        });
-        RELAY_CUDA_CHECK(
-            cudaMemcpyAsync(dst + begin, stage, count * 2, cudaMemcpyHostToDevice, stream_));
-        RELAY_CUDA_CHECK(cudaEventRecord(done_[next_], stream_));
-        next_ ^= 1;
-        bytes_ += count * 2;
-      }
+          out[i] = f32_to_bf16(f);
+        }
+      });
+    }
+    // fp32 host values as bf16.
+    void put_f32(bf16* dst, const float* src, size_t count) {
+      upload(dst, count, 2, [&](size_t begin, size_t n, uint8_t* stage) {
+        auto* out = reinterpret_cast<uint16_t*>(stage);
+        for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(src[begin + i]);
+      });
+    }
+    void put_bytes(void* dst, const void* src, size_t bytes) {
+      upload(dst, bytes, 1, [&](size_t begin, size_t n, uint8_t* stage) {
+        std::memcpy(stage, static_cast<const uint8_t*>(src) + begin, n);
+      });
     }
     void finish() { RELAY_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
     size_t bytes() const { return bytes_; }
 
    private:
+    // Moves `count` destination elements of `elem` bytes; fill(begin, n, stage) writes elements
+    // [begin, begin + n) into the staging buffer, called in parallel on disjoint ranges.
+    void upload(void* dst, size_t count, size_t elem,
+                const std::function<void(size_t, size_t, uint8_t*)>& fill) {
+      const size_t per_chunk = kStagingBytes / elem;
+      constexpr size_t kPiece = size_t{1} << 18;
+      for (size_t begin = 0; begin < count; begin += per_chunk) {
+        const size_t n = std::min(per_chunk, count - begin);
+        uint8_t* stage = staging_[next_];
+        RELAY_CUDA_CHECK(cudaEventSynchronize(done_[next_]));
+        const int64_t pieces = static_cast<int64_t>((n + kPiece - 1) / kPiece);
+        pool_.parallel_for(pieces, 1, [&](int64_t b, int64_t e) {
+          const size_t lo = static_cast<size_t>(b) * kPiece,
+                       hi = std::min(n, static_cast<size_t>(e) * kPiece);
+          fill(begin + lo, hi - lo, stage + lo * elem);
+        });
+        RELAY_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + begin * elem, stage, n * elem,
+                                         cudaMemcpyHostToDevice, stream_));
+        RELAY_CUDA_CHECK(cudaEventRecord(done_[next_], stream_));
+        next_ ^= 1;
+        bytes_ += n * elem;
+      }
+    }
+
     cudaStream_t stream_;
     ThreadPool pool_;
     uint8_t* staging_[2] = {};
@@ -352,7 +543,10 @@ struct CudaBackend::Impl {
     const size_t W = max_ffn_width;
     size_t bytes = 0;
     auto add = [&](size_t n, size_t elem) { bytes += align_up(n * elem, 256); };
-    add(T * hidden, 2), add(T * hidden, 2), add(T * hidden, 2), add(T * qkv_dim, 2);
+    const size_t fp8_k = std::max<size_t>({size_t(hidden), size_t(q_heads) * head_dim, W});
+    const bool any_fp8 = stats.fp8_linears > 0;
+    add(T * hidden, 2), add(T * hidden, 2), add(T * hidden, 2), add(T * max_qkv_width, 2);
+    if (any_fp8) add(rows * fp8_k, 1), add(rows * ((fp8_k + 127) / 128), 4);
     add(T * q_heads * head_dim, 2), add(T * q_heads * head_dim, 2);
     add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
         add(rows * hidden, 2);
@@ -365,7 +559,11 @@ struct CudaBackend::Impl {
     residual = acts.take<bf16>(T * hidden);
     normed = acts.take<bf16>(T * hidden);
     mix = acts.take<bf16>(T * hidden);
-    qkv = acts.take<bf16>(T * qkv_dim);
+    qkv = acts.take<bf16>(T * max_qkv_width);
+    if (any_fp8) {
+      act_q = acts.take<uint8_t>(rows * fp8_k);
+      act_scale = acts.take<float>(rows * ((fp8_k + 127) / 128));
+    }
     q = acts.take<bf16>(T * q_heads * head_dim);
     attn = acts.take<bf16>(T * q_heads * head_dim);
     router_logits = acts.take<bf16>(T * std::max(experts, 1));
@@ -447,6 +645,42 @@ struct CudaBackend::Impl {
     const int T = sh.tokens;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
     kernels::launch_embedding({token_ids, embedding, residual, T, hidden, vocab}, stream);
+    // x [m, k] @ w^T -> out [m, n]: cuBLASLt for bf16 weights; for FP8 ones, x is quantised per
+    // (row, 128-group) first (or already was: `quantized`), then the block-scaled GEMM.
+    auto linear = [&](const bf16* x, const bf16* w16, const Fp8Weight& w8, const bf16* bias,
+                      bf16* out, int m, int n, int k, bool quantized = false) {
+      if (!w8.present()) {
+        kernels::launch_matmul({x, w16, bias, out, m, n, k}, stream);
+        return;
+      }
+      if (!quantized) kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k}, stream);
+      kernels::launch_fp8_block_matmul(
+          {act_q, act_scale, w8.q, w8.scale, out, m, static_cast<int>(w8.shape.rows), k}, stream);
+      (void)n;  // an FP8 weight's packed rows (n plus any padding between fused parts)
+    };
+    // The MoE form over permuted rows.
+    auto grouped = [&](const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out, int rows,
+                       int n, int k, bool quantized = false) {
+      if (!w8.present()) {
+        kernels::launch_moe_grouped_matmul({x, w16, expert_offsets, out, rows, experts, n, k},
+                                           stream);
+        return;
+      }
+      if (!quantized) kernels::launch_fp8_act_quant({x, act_q, act_scale, rows, k}, stream);
+      kernels::launch_fp8_block_grouped_matmul(
+          {act_q, act_scale, w8.q, w8.scale, expert_offsets, out, rows, experts,
+           static_cast<int>(w8.shape.rows), k},
+          stream);
+    };
+    // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
+    // quantised activation buffer.
+    auto swiglu = [&](const LayerWeights& w, int rows) {
+      if (w.down8.present()) {
+        kernels::launch_swiglu_fp8_quant({gate_up, act_q, act_scale, rows, w.act_width}, stream);
+      } else {
+        kernels::launch_swiglu({gate_up, act, rows, w.act_width}, stream);
+      }
+    };
     for (size_t l = 0; l < layers.size(); ++l) {
       const LayerWeights& w = layers[l];
       if (l == 0) {
@@ -454,19 +688,20 @@ struct CudaBackend::Impl {
       } else {
         kernels::launch_rms_norm({mix, residual, w.input_norm, normed, T, hidden, eps}, stream);
       }
-      kernels::launch_matmul({normed, w.qkv, w.qkv_bias, qkv, T, qkv_dim, hidden}, stream);
+      linear(normed, w.qkv, w.qkv8, w.qkv_bias, qkv, T, qkv_dim, hidden);
       bf16* k_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 0, 0, 0);
       bf16* v_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 1, 0, 0);
       kernels::launch_qk_norm_rope_kv_write(
           {qkv, w.q_norm, w.k_norm, positions, inv_freq, attention_scaling, slots, q, k_cache,
-           v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps},
+           v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps,
+           w.qkv8.present() ? quant::kFp8BlockSize : 0},
           stream);
       kernels::launch_paged_attention(
           {q, k_cache, v_cache, query_starts, context_lens, tables, attn, sh.seqs, T, q_heads,
            kv_heads, head_dim, opt.block_size, sh.width,
            1.0f / std::sqrt(static_cast<float>(head_dim))},
           stream);
-      kernels::launch_matmul({attn, w.o, w.o_bias, mix, T, hidden, q_heads * head_dim}, stream);
+      linear(attn, w.o, w.o8, w.o_bias, mix, T, hidden, q_heads * head_dim);
       kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden, eps}, stream);
       if (w.moe) {
         const int R = T * top_k;
@@ -477,19 +712,15 @@ struct CudaBackend::Impl {
         kernels::launch_moe_permute({normed, topk_ids, permuted_x, permuted_index, expert_offsets,
                                      T, hidden, experts, top_k},
                                     stream);
-        kernels::launch_moe_grouped_matmul(
-            {permuted_x, w.gate_up, expert_offsets, gate_up, R, experts, 2 * w.width, hidden},
-            stream);
-        kernels::launch_swiglu({gate_up, act, R, w.width}, stream);
-        kernels::launch_moe_grouped_matmul(
-            {act, w.down, expert_offsets, expert_out, R, experts, hidden, w.width}, stream);
+        grouped(permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width, hidden);
+        swiglu(w, R);
+        grouped(act, w.down, w.down8, expert_out, R, hidden, w.act_width, w.down8.present());
         kernels::launch_moe_unpermute_combine(
             {expert_out, permuted_index, topk_weights, mix, T, hidden, top_k}, stream);
       } else {
-        kernels::launch_matmul({normed, w.gate_up, nullptr, gate_up, T, 2 * w.width, hidden},
-                               stream);
-        kernels::launch_swiglu({gate_up, act, T, w.width}, stream);
-        kernels::launch_matmul({act, w.down, nullptr, mix, T, hidden, w.width}, stream);
+        linear(normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width, hidden);
+        swiglu(w, T);
+        linear(act, w.down, w.down8, nullptr, mix, T, hidden, w.act_width, w.down8.present());
       }
     }
     kernels::launch_rms_norm({mix, residual, final_norm, normed, T, hidden, eps}, stream);

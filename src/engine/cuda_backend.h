@@ -23,8 +23,16 @@
 
 namespace relay {
 
+// How linear weights are held on the GPU.
+enum class WeightFormat {
+  kAuto,  // as the checkpoint stores them: FP8 tensors stay FP8, bf16/f16/f32 become bf16
+  kBf16,  // everything bf16 (an FP8 checkpoint is dequantised at load)
+  kFp8,   // block-scaled FP8 (a bf16 checkpoint is quantised at load, fp8-block128 recipe)
+};
+
 struct CudaBackendOptions {
   int device = 0;
+  WeightFormat weights = WeightFormat::kAuto;
   int block_size = 16;         // tokens per KV block
   int max_num_seqs = 256;      // sequences per step (the largest decode graph)
   int max_num_tokens = 16384;  // tokens per step (prefill chunk budget)
@@ -36,6 +44,7 @@ struct CudaBackendOptions {
 // What loading cost, for `relay bench` and logs.
 struct CudaLoadStats {
   size_t weight_bytes = 0;    // bytes uploaded
+  int fp8_linears = 0;        // linear weights (fused groups) held in block-scaled FP8
   double load_seconds = 0.0;  // checkpoint open to weights resident on the device
   size_t kv_pool_bytes = 0;
   size_t free_bytes_before_kv = 0;  // device memory free after weights, activations and workspaces

@@ -290,15 +290,17 @@ struct ModelCosts {
   int experts = 0, top_k = 0;
 };
 
-ModelCosts model_costs(const ModelConfig& c) {
+// `linear_bytes`: bytes per weight of the attention projections and experts (2 bf16, 1 FP8; the
+// router, embeddings and lm_head stay bf16).
+ModelCosts model_costs(const ModelConfig& c, double linear_bytes) {
   ModelCosts m;
   const double H = c.hidden_size, hd = c.head_dim, nq = c.num_attention_heads, nkv = c.num_key_value_heads;
   const double L = c.num_hidden_layers, W = c.moe_intermediate_size;
   const double attn_params = (nq + 2 * nkv) * hd * H + nq * hd * H + 2 * H + 2 * hd;
   m.experts = static_cast<int>(c.num_experts);
   m.top_k = static_cast<int>(c.num_experts_per_tok);
-  m.attn_weight_bytes = L * (attn_params + m.experts * H) * 2;
-  m.expert_bytes = L * 3 * W * H * 2;
+  m.attn_weight_bytes = L * (attn_params * linear_bytes + m.experts * H * 2);
+  m.expert_bytes = L * 3 * W * H * linear_bytes;
   m.lm_head_bytes = double(c.vocab_size) * H * 2;
   m.all_weight_bytes = m.attn_weight_bytes + m.experts * m.expert_bytes + m.lm_head_bytes + double(c.vocab_size) * H * 2;
   m.kv_bytes_per_token = L * 2 * nkv * hd * 2;
@@ -309,6 +311,7 @@ ModelCosts model_costs(const ModelConfig& c) {
 
 void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   CudaBackendOptions bo;
+  bo.weights = o.dtype == "fp8" ? WeightFormat::kFp8 : o.dtype == "bf16" ? WeightFormat::kBf16 : WeightFormat::kAuto;
   bo.max_num_seqs = 256;
   for (int b : o.decode_batches) bo.max_num_seqs = std::max(bo.max_num_seqs, b);
   bo.max_num_tokens = 16384;
@@ -317,11 +320,11 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   const ModelConfig& cfg = backend.config();
   RELAY_CHECK(cfg.is_moe(), "relay bench's model mode expects a Qwen3-MoE checkpoint, got ", cfg.architecture);
   const CudaLoadStats& ls = backend.load_stats();
-  rep.emit({{"mode", "load"}, {"weight_bytes", ls.weight_bytes}, {"seconds", ls.load_seconds},
+  rep.emit({{"mode", "load"}, {"fp8_linears", ls.fp8_linears}, {"weight_bytes", ls.weight_bytes}, {"seconds", ls.load_seconds},
             {"gbps", ls.weight_bytes / ls.load_seconds / 1e9}, {"kv_pool_bytes", ls.kv_pool_bytes},
             {"free_bytes_before_kv", ls.free_bytes_before_kv},
             {"kv_fraction_of_free", double(ls.kv_pool_bytes) / ls.free_bytes_before_kv}, {"kv_blocks", backend.num_kv_blocks()}});
-  const ModelCosts mc = model_costs(cfg);
+  const ModelCosts mc = model_costs(cfg, ls.fp8_linears > 0 ? 1.0 : 2.0);
   const int bs = backend.block_size();
   std::mt19937 rng(7);
   std::uniform_int_distribution<int32_t> token_dist(0, static_cast<int32_t>(cfg.vocab_size) - 1);

@@ -19,6 +19,7 @@ struct CudaBenchOptions {
   // Model-mode shapes; empty: the defaults (prefill 512, 4096, 16384; decode batches 1, 8, 64, 256
   // at contexts 512 and 4096). The serving benchmark asks for its own batches and mean contexts.
   std::vector<int> prefill_lengths, decode_batches, decode_contexts;
+  std::string dtype = "auto";  // model mode: the backend's weight format (auto | bf16 | fp8)
 };
 
 // Returns the process exit code.

@@ -1,16 +1,19 @@
 // The model's compute operations: one params struct and one launch function per op.
 //
 // Every op is described by a params struct templated on the element type T of its activations and
-// weights, so the CPU reference (T = float, src/kernels/cpu/) and the CUDA backend (T = bf16, its own
-// launch overloads taking a stream) share one description of shapes and semantics. Every pointer
-// field carries its shape; shapes are row-major and "[a, b]" means b is contiguous. Index tensors are
-// int32 (row counts and block ids fit), slot mappings int64 (num_blocks * block_size may not).
+// weights, so the CPU reference (T = float, src/kernels/cpu/) and the CUDA backend (T = bf16, its
+// own launch overloads taking a stream) share one description of shapes and semantics. Every
+// pointer field carries its shape; shapes are row-major and "[a, b]" means b is contiguous. Index
+// tensors are int32 (row counts and block ids fit), slot mappings int64 (num_blocks * block_size
+// may not).
 //
 // The ops follow one decoder layer of Qwen3 / Qwen3-MoE over a flattened batch of T tokens:
 //   embedding -> [rms_norm(+residual) -> matmul(qkv) -> qk_norm_rope_kv_write -> paged_attention
 //   -> matmul(o) -> rms_norm(+residual) -> (dense: matmul(gate_up) -> swiglu -> matmul(down))
-//   | (moe: matmul(router) -> moe_router_topk -> moe_permute -> moe_grouped_matmul(gate_up) -> swiglu
-//   -> moe_grouped_matmul(down) -> moe_unpermute_combine)] x layers -> rms_norm(+residual) -> lm_head.
+//   | (moe: matmul(router) -> moe_router_topk -> moe_permute -> moe_grouped_matmul(gate_up) ->
+//   swiglu
+//   -> moe_grouped_matmul(down) -> moe_unpermute_combine)] x layers -> rms_norm(+residual) ->
+//   lm_head.
 //
 // The KV cache is paged and HND: for one layer, K and V are each
 // [num_blocks, num_kv_heads, block_size, head_dim] (see kvcache/kv_cache.h); a token's "slot" is
@@ -39,15 +42,16 @@ struct EmbeddingParams {
   int vocab_size = 0;
 };
 
-// RMSNorm as Hugging Face computes it: y = weight * (x / sqrt(mean(x^2) + eps)), statistics in fp32.
-// With `residual` set, the residual stream is updated first (residual += x) and the norm is taken of
-// the updated residual — the pre-norm block's "h = h + sublayer(x); x = norm(h)" in one pass.
+// RMSNorm as Hugging Face computes it: y = weight * (x / sqrt(mean(x^2) + eps)), statistics in
+// fp32. With `residual` set, the residual stream is updated first (residual += x) and the norm is
+// taken of the updated residual — the pre-norm block's "h = h + sublayer(x); x = norm(h)" in one
+// pass.
 template <typename T>
 struct RmsNormParams {
-  const T* x = nullptr;      // [num_tokens, hidden]
-  T* residual = nullptr;     // [num_tokens, hidden] or null; updated in place to residual + x
-  const T* weight = nullptr; // [hidden]
-  T* out = nullptr;          // [num_tokens, hidden]; may alias x
+  const T* x = nullptr;       // [num_tokens, hidden]
+  T* residual = nullptr;      // [num_tokens, hidden] or null; updated in place to residual + x
+  const T* weight = nullptr;  // [hidden]
+  T* out = nullptr;           // [num_tokens, hidden]; may alias x
   int num_tokens = 0;
   int hidden = 0;
   float eps = 1e-6f;
@@ -68,18 +72,20 @@ struct MatmulParams {
 // Qwen3 attention's pre-attention work for every token, fused:
 //   q_h = rope(rms_norm(q_h) * q_norm_weight), k_h = rope(rms_norm(k_h) * k_norm_weight) per head,
 //   then K and V are written to the paged cache at slot_mapping[t]. RoPE is the rotate-half (NeoX)
-// form over the full head_dim: angle_i = position * inv_freq[i] (fp32 product, as HF), and cos/sin are
-// multiplied by attention_scaling (YaRN's mscale; 1 for plain RoPE) before use. inv_freq and
-// attention_scaling come from relay::compute_rope (model/rope.h), which follows transformers exactly.
+// form over the full head_dim: angle_i = position * inv_freq[i] (fp32 product, as HF), and cos/sin
+// are multiplied by attention_scaling (YaRN's mscale; 1 for plain RoPE) before use. inv_freq and
+// attention_scaling come from relay::compute_rope (model/rope.h), which follows transformers
+// exactly.
 template <typename T>
 struct QkNormRopeKvWriteParams {
-  const T* qkv = nullptr;            // [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]: q | k | v
-  const T* q_norm_weight = nullptr;  // [head_dim]
-  const T* k_norm_weight = nullptr;  // [head_dim]
-  const int32_t* positions = nullptr;     // [num_tokens]
-  const float* inv_freq = nullptr;        // [head_dim / 2]
+  const T* qkv = nullptr;  // [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]: q | k | v
+  const T* q_norm_weight = nullptr;    // [head_dim]
+  const T* k_norm_weight = nullptr;    // [head_dim]
+  const int32_t* positions = nullptr;  // [num_tokens]
+  const float* inv_freq = nullptr;     // [head_dim / 2]
   float attention_scaling = 1.0f;
-  const int64_t* slot_mapping = nullptr;  // [num_tokens]; slot = block * block_size + offset, -1 = don't store
+  const int64_t* slot_mapping =
+      nullptr;           // [num_tokens]; slot = block * block_size + offset, -1 = don't store
   T* q_out = nullptr;    // [num_tokens, num_q_heads, head_dim]
   T* k_cache = nullptr;  // [num_blocks, num_kv_heads, block_size, head_dim] (this layer)
   T* v_cache = nullptr;  // [num_blocks, num_kv_heads, block_size, head_dim] (this layer)
@@ -89,7 +95,29 @@ struct QkNormRopeKvWriteParams {
   int head_dim = 0;
   int block_size = 0;
   float eps = 1e-6f;
+  // 0: q | k | v packed. > 0: k and v each start on a multiple of this many columns, with the
+  // padding after q and after k unread (the output of a packed FP8 q|k|v weight, quant/fp8_pack.h);
+  // a row is then round_up(q, a) + round_up(kv, a) + kv wide.
+  int section_align = 0;
 };
+
+// Where q, k and v start in a row of qkv, and the row's width (QkNormRopeKvWriteParams). Shared by
+// the CPU reference and the CUDA kernel, hence callable from device code when nvcc compiles it.
+#if defined(__CUDACC__)
+#define RELAY_HOST_DEVICE __host__ __device__
+#else
+#define RELAY_HOST_DEVICE
+#endif
+struct QkvSections {
+  int64_t k_col, v_col, row;
+};
+RELAY_HOST_DEVICE inline QkvSections qkv_sections(int num_q_heads, int num_kv_heads, int head_dim,
+                                                  int align) {
+  const int64_t q = int64_t{num_q_heads} * head_dim, kv = int64_t{num_kv_heads} * head_dim;
+  const int64_t q_pad = align > 0 ? (q + align - 1) / align * align : q;
+  const int64_t kv_pad = align > 0 ? (kv + align - 1) / align * align : kv;
+  return {q_pad, q_pad + kv_pad, q_pad + kv_pad + kv};
+}
 
 // Paged GQA attention for a flattened batch of sequences (prefill chunks and decode alike).
 // Sequence s owns query rows [query_starts[s], query_starts[s+1]) and has context_lens[s] tokens in
@@ -100,13 +128,13 @@ struct QkNormRopeKvWriteParams {
 // p % block_size. Query head h reads KV head h / (num_q_heads / num_kv_heads).
 template <typename T>
 struct PagedAttentionParams {
-  const T* q = nullptr;                // [num_tokens, num_q_heads, head_dim]
-  const T* k_cache = nullptr;          // [num_blocks, num_kv_heads, block_size, head_dim]
-  const T* v_cache = nullptr;          // [num_blocks, num_kv_heads, block_size, head_dim]
+  const T* q = nullptr;                   // [num_tokens, num_q_heads, head_dim]
+  const T* k_cache = nullptr;             // [num_blocks, num_kv_heads, block_size, head_dim]
+  const T* v_cache = nullptr;             // [num_blocks, num_kv_heads, block_size, head_dim]
   const int32_t* query_starts = nullptr;  // [num_seqs + 1], query_starts[0] = 0, last = num_tokens
   const int32_t* context_lens = nullptr;  // [num_seqs]
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
-  T* out = nullptr;                    // [num_tokens, num_q_heads, head_dim]
+  T* out = nullptr;                       // [num_tokens, num_q_heads, head_dim]
   int num_seqs = 0;
   int num_tokens = 0;
   int num_q_heads = 0;
@@ -117,7 +145,8 @@ struct PagedAttentionParams {
   float scale = 1.0f;  // 1 / sqrt(head_dim) for Qwen3
 };
 
-// out = silu(gate) * up over rows whose first half is gate and second half up (HF's gate_up layout).
+// out = silu(gate) * up over rows whose first half is gate and second half up (HF's gate_up
+// layout).
 template <typename T>
 struct SwigluParams {
   const T* gate_up = nullptr;  // [num_rows, 2 * width]
@@ -130,9 +159,9 @@ struct SwigluParams {
 // to the lower expert id, as torch.topk on CPU), optionally renormalised to sum to one.
 template <typename T>
 struct MoeRouterTopkParams {
-  const T* logits = nullptr;     // [num_tokens, num_experts]
-  int32_t* topk_ids = nullptr;   // [num_tokens, top_k], best first
-  float* topk_weights = nullptr; // [num_tokens, top_k]
+  const T* logits = nullptr;      // [num_tokens, num_experts]
+  int32_t* topk_ids = nullptr;    // [num_tokens, top_k], best first
+  float* topk_weights = nullptr;  // [num_tokens, top_k]
   int num_tokens = 0;
   int num_experts = 0;
   int top_k = 0;
@@ -144,11 +173,11 @@ struct MoeRouterTopkParams {
 // inside an expert. Experts with no tokens get an empty range.
 template <typename T>
 struct MoePermuteParams {
-  const T* x = nullptr;                  // [num_tokens, hidden]
-  const int32_t* topk_ids = nullptr;     // [num_tokens, top_k]
-  T* permuted_x = nullptr;               // [num_tokens * top_k, hidden]
-  int32_t* permuted_index = nullptr;     // [num_tokens * top_k]: (t, k) row -> permuted row
-  int32_t* expert_offsets = nullptr;     // [num_experts + 1]
+  const T* x = nullptr;               // [num_tokens, hidden]
+  const int32_t* topk_ids = nullptr;  // [num_tokens, top_k]
+  T* permuted_x = nullptr;            // [num_tokens * top_k, hidden]
+  int32_t* permuted_index = nullptr;  // [num_tokens * top_k]: (t, k) row -> permuted row
+  int32_t* expert_offsets = nullptr;  // [num_experts + 1]
   int num_tokens = 0;
   int hidden = 0;
   int num_experts = 0;
@@ -158,10 +187,11 @@ struct MoePermuteParams {
 // out[r] = x[r] @ w[e]^T for every permuted row r of expert e (the experts' gate_up or down).
 template <typename T>
 struct MoeGroupedMatmulParams {
-  const T* x = nullptr;                     // [num_rows, k]
-  const T* w = nullptr;                     // [num_experts, n, k]
-  const int32_t* expert_offsets = nullptr;  // [num_experts + 1], expert_offsets[num_experts] = num_rows
-  T* out = nullptr;                         // [num_rows, n]
+  const T* x = nullptr;  // [num_rows, k]
+  const T* w = nullptr;  // [num_experts, n, k]
+  const int32_t* expert_offsets =
+      nullptr;       // [num_experts + 1], expert_offsets[num_experts] = num_rows
+  T* out = nullptr;  // [num_rows, n]
   int num_rows = 0;
   int num_experts = 0;
   int n = 0;
@@ -171,18 +201,18 @@ struct MoeGroupedMatmulParams {
 // out[t] = sum_k topk_weights[t, k] * expert_out[permuted_index[t * top_k + k]] (k ascending).
 template <typename T>
 struct MoeUnpermuteCombineParams {
-  const T* expert_out = nullptr;          // [num_tokens * top_k, hidden]
-  const int32_t* permuted_index = nullptr;// [num_tokens * top_k]
-  const float* topk_weights = nullptr;    // [num_tokens, top_k]
-  T* out = nullptr;                       // [num_tokens, hidden]
+  const T* expert_out = nullptr;            // [num_tokens * top_k, hidden]
+  const int32_t* permuted_index = nullptr;  // [num_tokens * top_k]
+  const float* topk_weights = nullptr;      // [num_tokens, top_k]
+  T* out = nullptr;                         // [num_tokens, hidden]
   int num_tokens = 0;
   int hidden = 0;
   int top_k = 0;
 };
 
-// bf16 weights kept in their checkpoint encoding on the CPU (the raw bits). Widening bf16 to fp32 is
-// exact, so a kernel that widens in registers computes exactly what it would on pre-widened weights
-// while reading half the bytes.
+// bf16 weights kept in their checkpoint encoding on the CPU (the raw bits). Widening bf16 to fp32
+// is exact, so a kernel that widens in registers computes exactly what it would on pre-widened
+// weights while reading half the bytes.
 struct Bf16Bits {
   uint16_t bits;
 };
@@ -192,10 +222,10 @@ struct Bf16Bits {
 // weight a decode step reads).
 template <typename T, typename W = T>
 struct LmHeadParams {
-  const T* x = nullptr;          // [num_tokens, hidden] (already final-normed)
-  const int32_t* rows = nullptr; // [num_rows], indices into x
-  const W* w = nullptr;          // [vocab_size, hidden]
-  float* logits = nullptr;       // [num_rows, vocab_size]
+  const T* x = nullptr;           // [num_tokens, hidden] (already final-normed)
+  const int32_t* rows = nullptr;  // [num_rows], indices into x
+  const W* w = nullptr;           // [vocab_size, hidden]
+  float* logits = nullptr;        // [num_rows, vocab_size]
   int num_rows = 0;
   int hidden = 0;
   int vocab_size = 0;

@@ -66,7 +66,7 @@ void check_offsets(const int32_t* offsets, int num_experts, int num_rows, const 
   }
 }
 
-void quantize_rows_fp8(const Fp8ActQuantParams& p, int64_t r0, int64_t r1) {
+void quantize_rows_fp8(const Fp8ActQuantParams<float>& p, int64_t r0, int64_t r1) {
   const int num_groups = static_cast<int>(ceil_div(p.k, p.group_size));
   for (int64_t r = r0; r < r1; ++r) {
     // A 1 x group_size block of the weight recipe, so weights and activations share one definition.
@@ -77,7 +77,7 @@ void quantize_rows_fp8(const Fp8ActQuantParams& p, int64_t r0, int64_t r1) {
 
 }  // namespace
 
-void launch_fp8_act_quant(const Fp8ActQuantParams& p, ThreadPool& pool) {
+void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool) {
   RELAY_CHECK(p.num_tokens >= 0 && p.k > 0 && p.group_size > 0,
               "fp8_act_quant: bad shape num_tokens ", p.num_tokens, ", k ", p.k, ", group_size ",
               p.group_size);
@@ -85,7 +85,7 @@ void launch_fp8_act_quant(const Fp8ActQuantParams& p, ThreadPool& pool) {
                     [&](int64_t r0, int64_t r1) { quantize_rows_fp8(p, r0, r1); });
 }
 
-void launch_fp8_block_matmul(const Fp8BlockMatmulParams& p, ThreadPool& pool) {
+void launch_fp8_block_matmul(const Fp8BlockMatmulParams<float>& p, ThreadPool& pool) {
   RELAY_CHECK(p.m >= 0 && p.n > 0 && p.k > 0 && p.block_n > 0 && p.block_k > 0,
               "fp8_block_matmul: bad shape m ", p.m, ", n ", p.n, ", k ", p.k, ", blocks ",
               p.block_n, "x", p.block_k);
@@ -98,7 +98,8 @@ void launch_fp8_block_matmul(const Fp8BlockMatmulParams& p, ThreadPool& pool) {
   });
 }
 
-void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams& p, ThreadPool& pool) {
+void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<float>& p,
+                                     ThreadPool& pool) {
   RELAY_CHECK(
       p.num_rows >= 0 && p.num_experts > 0 && p.n > 0 && p.k > 0 && p.block_n > 0 && p.block_k > 0,
       "fp8_block_grouped_matmul: bad shape rows ", p.num_rows, ", experts ", p.num_experts, ", n ",
@@ -121,7 +122,7 @@ void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams& p, Threa
   });
 }
 
-void launch_mxfp8_act_quant(const Mxfp8ActQuantParams& p, ThreadPool& pool) {
+void launch_mxfp8_act_quant(const Mxfp8ActQuantParams<float>& p, ThreadPool& pool) {
   RELAY_CHECK(p.num_tokens >= 0 && p.k > 0, "mxfp8_act_quant: bad shape num_tokens ", p.num_tokens,
               ", k ", p.k);
   const int64_t num_groups = ceil_div(p.k, kMxGroupSize);
@@ -130,7 +131,7 @@ void launch_mxfp8_act_quant(const Mxfp8ActQuantParams& p, ThreadPool& pool) {
   });
 }
 
-void launch_mxfp8_matmul(const Mxfp8MatmulParams& p, ThreadPool& pool) {
+void launch_mxfp8_matmul(const Mxfp8MatmulParams<float>& p, ThreadPool& pool) {
   RELAY_CHECK(p.m >= 0 && p.n > 0 && p.k > 0, "mxfp8_matmul: bad shape m ", p.m, ", n ", p.n,
               ", k ", p.k);
   const int64_t num_groups = ceil_div(p.k, kMxGroupSize);
@@ -142,7 +143,7 @@ void launch_mxfp8_matmul(const Mxfp8MatmulParams& p, ThreadPool& pool) {
   });
 }
 
-void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams& p, ThreadPool& pool) {
+void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams<float>& p, ThreadPool& pool) {
   RELAY_CHECK(p.num_rows >= 0 && p.num_experts > 0 && p.n > 0 && p.k > 0,
               "mxfp8_grouped_matmul: bad shape rows ", p.num_rows, ", experts ", p.num_experts,
               ", n ", p.n, ", k ", p.k);

@@ -1,9 +1,10 @@
 // CPU references for the FP8 compute path: dynamic activation quantisation and scaled FP8 GEMMs.
 //
 // These define what the GPU FP8 kernels must compute (one params struct and one launch per op, in
-// the style of kernels/ops.h; a CUDA launch takes the same struct and a stream). Shapes are
-// row-major,
-// "[a, b]" means b is contiguous; e4m3 tensors are uint8_t codes (quant/fp8_format.h).
+// the style of kernels/ops.h: each struct is templated on the element type T of the activations and
+// outputs; the CPU launches here take T = float, the CUDA launches in kernels/cuda/fp8_cuda.h the
+// same structs on bf16 and a stream). Shapes are row-major, "[a, b]" means b is contiguous; e4m3
+// tensors are uint8_t codes (quant/fp8_format.h); scales are fp32 (block) or E8M0 codes (MX).
 //
 // Block-scaled FP8 (Hopper; the Qwen3-*-FP8 checkpoints):
 //   activations x [m, k] are quantised per token per group of 128 along k: scale = amax / 448 in
@@ -32,41 +33,44 @@ class ThreadPool;
 namespace relay::quant {
 
 // Per (token, 128-group) dynamic quantisation of activations for the block-scaled GEMMs.
+template <typename T>
 struct Fp8ActQuantParams {
-  const float* x = nullptr;  // [num_tokens, k]
-  uint8_t* q = nullptr;      // [num_tokens, k] e4m3 codes
-  float* scale = nullptr;    // [num_tokens, ceil(k / group_size)]; x ~= q * scale
+  const T* x = nullptr;    // [num_tokens, k]
+  uint8_t* q = nullptr;    // [num_tokens, k] e4m3 codes
+  float* scale = nullptr;  // [num_tokens, ceil(k / group_size)]; x ~= q * scale
   int num_tokens = 0;
   int k = 0;
   int group_size = kFp8BlockSize;
 };
-void launch_fp8_act_quant(const Fp8ActQuantParams& p, ThreadPool& pool);
+void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool);
 
 // out = dequant(x) @ dequant(w)^T with block-scaled operands (see the file comment).
+template <typename T>
 struct Fp8BlockMatmulParams {
   const uint8_t* x = nullptr;      // [m, k] e4m3
   const float* x_scale = nullptr;  // [m, ceil(k / block_k)]
   const uint8_t* w = nullptr;      // [n, k] e4m3
   const float* w_scale =
-      nullptr;  // [ceil(n / block_n), ceil(k / block_k)] (the checkpoint's weight_scale_inv)
-  float* out = nullptr;  // [m, n]
+      nullptr;       // [ceil(n / block_n), ceil(k / block_k)] (the checkpoint's weight_scale_inv)
+  T* out = nullptr;  // [m, n]
   int m = 0;
   int n = 0;
   int k = 0;
   int block_n = kFp8BlockSize;  // weight block rows
   int block_k = kFp8BlockSize;  // weight block columns = activation group size
 };
-void launch_fp8_block_matmul(const Fp8BlockMatmulParams& p, ThreadPool& pool);
+void launch_fp8_block_matmul(const Fp8BlockMatmulParams<float>& p, ThreadPool& pool);
 
 // The MoE form: out[r] = x[r] @ w[e]^T for every permuted row r of expert e, block-scaled.
+template <typename T>
 struct Fp8BlockGroupedMatmulParams {
   const uint8_t* x = nullptr;      // [num_rows, k] e4m3
   const float* x_scale = nullptr;  // [num_rows, ceil(k / block_k)]
   const uint8_t* w = nullptr;      // [num_experts, n, k] e4m3
   const float* w_scale = nullptr;  // [num_experts, ceil(n / block_n), ceil(k / block_k)]
   const int32_t* expert_offsets =
-      nullptr;           // [num_experts + 1], expert_offsets[num_experts] = num_rows
-  float* out = nullptr;  // [num_rows, n]
+      nullptr;       // [num_experts + 1], expert_offsets[num_experts] = num_rows
+  T* out = nullptr;  // [num_rows, n]
   int num_rows = 0;
   int num_experts = 0;
   int n = 0;
@@ -74,45 +78,48 @@ struct Fp8BlockGroupedMatmulParams {
   int block_n = kFp8BlockSize;
   int block_k = kFp8BlockSize;
 };
-void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams& p, ThreadPool& pool);
+void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<float>& p, ThreadPool& pool);
 
 // Per (token, 32-group) MX quantisation of activations: E8M0 scale as for weights (fp8_format.h).
+template <typename T>
 struct Mxfp8ActQuantParams {
-  const float* x = nullptr;  // [num_tokens, k]
+  const T* x = nullptr;      // [num_tokens, k]
   uint8_t* q = nullptr;      // [num_tokens, k] e4m3 codes
   uint8_t* scale = nullptr;  // [num_tokens, ceil(k / 32)] E8M0 codes
   int num_tokens = 0;
   int k = 0;
 };
-void launch_mxfp8_act_quant(const Mxfp8ActQuantParams& p, ThreadPool& pool);
+void launch_mxfp8_act_quant(const Mxfp8ActQuantParams<float>& p, ThreadPool& pool);
 
 // out = dequant(x) @ dequant(w)^T with MX operands.
+template <typename T>
 struct Mxfp8MatmulParams {
   const uint8_t* x = nullptr;        // [m, k] e4m3
   const uint8_t* x_scale = nullptr;  // [m, ceil(k / 32)] E8M0
   const uint8_t* w = nullptr;        // [n, k] e4m3
   const uint8_t* w_scale = nullptr;  // [n, ceil(k / 32)] E8M0 (the checkpoint's weight_scale)
-  float* out = nullptr;              // [m, n]
+  T* out = nullptr;                  // [m, n]
   int m = 0;
   int n = 0;
   int k = 0;
 };
-void launch_mxfp8_matmul(const Mxfp8MatmulParams& p, ThreadPool& pool);
+void launch_mxfp8_matmul(const Mxfp8MatmulParams<float>& p, ThreadPool& pool);
 
 // The MoE form of the MX GEMM.
+template <typename T>
 struct Mxfp8GroupedMatmulParams {
   const uint8_t* x = nullptr;        // [num_rows, k] e4m3
   const uint8_t* x_scale = nullptr;  // [num_rows, ceil(k / 32)] E8M0
   const uint8_t* w = nullptr;        // [num_experts, n, k] e4m3
   const uint8_t* w_scale = nullptr;  // [num_experts, n, ceil(k / 32)] E8M0
   const int32_t* expert_offsets =
-      nullptr;           // [num_experts + 1], expert_offsets[num_experts] = num_rows
-  float* out = nullptr;  // [num_rows, n]
+      nullptr;       // [num_experts + 1], expert_offsets[num_experts] = num_rows
+  T* out = nullptr;  // [num_rows, n]
   int num_rows = 0;
   int num_experts = 0;
   int n = 0;
   int k = 0;
 };
-void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams& p, ThreadPool& pool);
+void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams<float>& p, ThreadPool& pool);
 
 }  // namespace relay::quant

@@ -2,19 +2,20 @@
 // tests/fixtures/make_model_fixtures.py): prompt logits, batched greedy decoding through the paged
 // cache (decode steps run through CUDA graphs), graphs == eager, and the demo model.
 //
-// The fixtures hold fp32 logits of bf16 checkpoints; the GPU computes in bf16 with fp32 accumulation
-// (activations rounded to bf16 between ops, as a bf16 transformers run would). The tiny random
-// fixtures have near-ties (top-1/top-2 margins down to 1e-3), where bf16 rounding may pick the
-// other token, and a greedy run diverges from there; so greedy continuations are checked teacher
-// forced: at every continuation position the token transformers chose must be the GPU's arg-max or
-// within the noise bound of it, where the bound is twice the largest logit error the same run
-// measured on the prompt positions. Exact agreement is counted and printed.
+// The fixtures hold fp32 logits of bf16 checkpoints; the GPU computes in bf16 with fp32
+// accumulation (activations rounded to bf16 between ops, as a bf16 transformers run would). The
+// tiny random fixtures have near-ties (top-1/top-2 margins down to 1e-3), where bf16 rounding may
+// pick the other token, and a greedy run diverges from there; so greedy continuations are checked
+// teacher forced: at every continuation position the token transformers chose must be the GPU's
+// arg-max or within the noise bound of it, where the bound is twice the largest logit error the
+// same run measured on the prompt positions. Exact agreement is counted and printed.
 #include <algorithm>
 #include <iostream>
 #include <numeric>
 
 #include "engine/cuda_backend.h"
 #include "engine/sampler.h"
+#include "tests/gpu/backend_test_util.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/engine/fixtures.h"
 
@@ -23,98 +24,15 @@ namespace {
 
 constexpr double kLogitTolerance = 5e-2;  // MoE routing flips under bf16 move a few rows further
 
-struct Seq {
-  int64_t id = 0;
-  std::vector<int32_t> prompt, tokens, output, blocks;
-  int num_computed = 0;
-};
-
-CudaBackendOptions small_options(bool graphs) {
-  CudaBackendOptions o;
-  o.block_size = 8;
-  o.num_kv_blocks = 512;
-  o.max_num_seqs = 16;
-  o.max_num_tokens = 512;
-  o.cuda_graphs = graphs;
-  return o;
-}
-
-// Greedy-decodes all prompts together, `steps` tokens each, with blocks handed out in reverse order.
-std::vector<std::vector<int32_t>> greedy_batched(CudaBackend& backend, const std::vector<std::vector<int32_t>>& prompts,
-                                                 int steps) {
-  const int bs = backend.block_size();
-  int next_block = backend.num_kv_blocks() - 1;
-  std::vector<Seq> seqs;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    Seq s;
-    s.id = static_cast<int64_t>(i) + 7;
-    s.prompt = s.tokens = prompts[i];
-    const int need = (static_cast<int>(prompts[i].size()) + steps + bs - 1) / bs;
-    for (int b = 0; b < need; ++b) s.blocks.push_back(next_block--);
-    seqs.push_back(std::move(s));
-  }
-  SamplingParams greedy;
-  greedy.temperature = 0.0f;
-  for (int step = 0; step < steps; ++step) {
-    std::vector<StepSequence> batch;
-    for (const Seq& s : seqs) {
-      StepSequence st;
-      st.seq_id = s.id;
-      st.tokens = std::span<const int32_t>(s.tokens).subspan(s.num_computed);
-      st.num_computed = s.num_computed;
-      st.block_table = s.blocks;
-      st.sample = true;
-      st.sampling = &greedy;
-      st.prompt_tokens = s.prompt;
-      st.output_tokens = s.output;
-      st.sample_index = s.output.size();
-      batch.push_back(st);
-    }
-    std::vector<SampledToken> out = backend.step(batch);
-    EXPECT_EQ(out.size(), seqs.size());
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      EXPECT_EQ(out[i].seq_id, seqs[i].id);
-      seqs[i].num_computed = static_cast<int>(seqs[i].tokens.size());
-      seqs[i].tokens.push_back(out[i].token);
-      seqs[i].output.push_back(out[i].token);
-    }
-  }
-  std::vector<std::vector<int32_t>> result;
-  for (const Seq& s : seqs) result.push_back(s.output);
-  return result;
-}
-
-// The backend numbers positions from the cache, so the fixture with shifted positions (qwen3-yarn)
-// is left to the CPU model-level test.
-std::vector<std::string> unshifted_fixtures() {
-  std::vector<std::string> names;
-  for (const std::string& n : test::tiny_fixture_names()) {
-    auto dir = test::fixture_models_dir() / n;
-    if (test::ModelFixture::load(dir, dir).position_offset == 0) names.push_back(n);
-  }
-  return names;
-}
-
 class CudaBackendFixture : public ::testing::TestWithParam<std::string> {};
-
-// Logits of `tokens` as one prefill (every position).
-std::vector<float> prefill_logits(CudaBackend& backend, const std::vector<int32_t>& tokens) {
-  std::vector<int32_t> blocks((tokens.size() + 7) / 8);
-  std::iota(blocks.rbegin(), blocks.rend(), 3);
-  StepSequence s;
-  s.seq_id = 1;
-  s.tokens = tokens;
-  s.block_table = blocks;
-  std::vector<StepSequence> batch{s};
-  return backend.forward_logits(batch, CudaBackend::LogitRows::kAllTokens);
-}
 
 struct Agreement {
   int exact = 0, within_noise = 0, total = 0;
 };
 
 // Position p (of `logits`, rows of `vocab`) should predict `want`: exactly, or within `noise`.
-void check_choice(const std::vector<float>& logits, int vocab, int p, int32_t want, float noise, Agreement& a) {
+void check_choice(const std::vector<float>& logits, int vocab, int p, int32_t want, float noise,
+                  Agreement& a) {
   const float* row = logits.data() + static_cast<size_t>(p) * vocab;
   const int32_t best = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
   ++a.total;
@@ -140,8 +58,8 @@ TEST_P(CudaBackendFixture, PromptLogitsMatchTransformers) {
     Agreement a;
     for (size_t t = 0; t < fx.prompts[i].size(); ++t) {
       const float* want = fx.logits[i].data() + t * vocab;
-      check_choice(got, vocab, static_cast<int>(t), static_cast<int32_t>(std::max_element(want, want + vocab) - want),
-                   0.0f, a);
+      check_choice(got, vocab, static_cast<int>(t),
+                   static_cast<int32_t>(std::max_element(want, want + vocab) - want), 0.0f, a);
     }
     EXPECT_GE(a.exact, a.total * 9 / 10) << GetParam() << " prompt " << i << " top-1 agreement";
   }
@@ -157,18 +75,21 @@ TEST_P(CudaBackendFixture, GreedyContinuationsMatchTransformers) {
     std::vector<int32_t> seq = fx.prompts[i];
     seq.insert(seq.end(), fx.greedy[i].begin(), fx.greedy[i].end() - 1);
     std::vector<float> got = prefill_logits(backend, seq);
-    const float noise = std::max(2.0f * max_abs_error(got, fx.logits[i], fx.logits[i].size()), 1e-3f);
+    const float noise =
+        std::max(2.0f * max_abs_error(got, fx.logits[i], fx.logits[i].size()), 1e-3f);
     for (size_t j = 0; j < fx.greedy[i].size(); ++j) {
-      check_choice(got, vocab, static_cast<int>(fx.prompts[i].size() + j - 1), fx.greedy[i][j], noise, a);
+      check_choice(got, vocab, static_cast<int>(fx.prompts[i].size() + j - 1), fx.greedy[i][j],
+                   noise, a);
     }
   }
-  std::cout << GetParam() << ": greedy tokens exactly equal " << a.exact << "/" << a.total << ", within bf16 noise "
-            << a.within_noise << "/" << a.total << "\n";
+  std::cout << GetParam() << ": greedy tokens exactly equal " << a.exact << "/" << a.total
+            << ", within bf16 noise " << a.within_noise << "/" << a.total << "\n";
   EXPECT_EQ(a.within_noise, a.total) << GetParam();
   EXPECT_GE(a.exact, a.total * 9 / 10) << GetParam();
 }
 
-// Decoding through the paged cache with CUDA graphs computes what a prefill of the same tokens does.
+// Decoding through the paged cache with CUDA graphs computes what a prefill of the same tokens
+// does.
 TEST_P(CudaBackendFixture, GraphDecodeAgreesWithPrefill) {
   auto dir = test::fixture_models_dir() / GetParam();
   auto fx = test::ModelFixture::load(dir, dir);
@@ -182,7 +103,8 @@ TEST_P(CudaBackendFixture, GraphDecodeAgreesWithPrefill) {
     seq.insert(seq.end(), decoded[i].begin(), decoded[i].end() - 1);
     std::vector<float> got = prefill_logits(backend, seq);
     for (int j = 0; j < steps; ++j) {
-      check_choice(got, vocab, static_cast<int>(fx.prompts[i].size()) + j - 1, decoded[i][j], 2e-2f, a);
+      check_choice(got, vocab, static_cast<int>(fx.prompts[i].size()) + j - 1, decoded[i][j], 2e-2f,
+                   a);
     }
   }
   EXPECT_EQ(a.within_noise, a.total) << GetParam();
@@ -193,7 +115,8 @@ TEST_P(CudaBackendFixture, GraphsEqualEager) {
   auto dir = test::fixture_models_dir() / GetParam();
   auto fx = test::ModelFixture::load(dir, dir);
   CudaBackend eager(dir, small_options(false)), graphs(dir, small_options(true));
-  EXPECT_EQ(greedy_batched(eager, fx.prompts, 12), greedy_batched(graphs, fx.prompts, 12)) << GetParam();
+  EXPECT_EQ(greedy_batched(eager, fx.prompts, 12), greedy_batched(graphs, fx.prompts, 12))
+      << GetParam();
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
@@ -202,11 +125,13 @@ std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
   return n;
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaBackendFixture, ::testing::ValuesIn(unshifted_fixtures()), param_name);
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaBackendFixture, ::testing::ValuesIn(unshifted_fixtures()),
+                         param_name);
 
 TEST(CudaBackendDemo, GreedyAndLogitsMatchTransformers) {
   const auto model_dir = std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
-  auto fx = test::ModelFixture::load(test::fixture_models_dir() / "relay-demo-moe-expected", model_dir);
+  auto fx =
+      test::ModelFixture::load(test::fixture_models_dir() / "relay-demo-moe-expected", model_dir);
   CudaBackend backend(model_dir, small_options(false));
   const int vocab = static_cast<int>(backend.config().vocab_size);
   // The fixture keeps the logits of the last prompt position of prompt 0 only.
@@ -220,11 +145,12 @@ TEST(CudaBackendDemo, GreedyAndLogitsMatchTransformers) {
     seq.insert(seq.end(), fx.greedy[i].begin(), fx.greedy[i].end() - 1);
     std::vector<float> got = prefill_logits(backend, seq);
     for (size_t j = 0; j < fx.greedy[i].size(); ++j) {
-      check_choice(got, vocab, static_cast<int>(fx.prompts[i].size() + j - 1), fx.greedy[i][j], noise, a);
+      check_choice(got, vocab, static_cast<int>(fx.prompts[i].size() + j - 1), fx.greedy[i][j],
+                   noise, a);
     }
   }
-  std::cout << "demo: greedy tokens exactly equal " << a.exact << "/" << a.total << ", within bf16 noise ("
-            << noise << ") " << a.within_noise << "/" << a.total << "\n";
+  std::cout << "demo: greedy tokens exactly equal " << a.exact << "/" << a.total
+            << ", within bf16 noise (" << noise << ") " << a.within_noise << "/" << a.total << "\n";
   EXPECT_EQ(a.within_noise, a.total);
   EXPECT_GE(a.exact, a.total * 9 / 10);
 }

@@ -58,3 +58,10 @@ def test_bad_options_fail_cleanly(relay_bin):
     assert r.returncode != 0 and "relay: error:" in r.stderr
     r = subprocess.run([str(relay_bin), "generate"], capture_output=True, text=True)
     assert r.returncode != 0 and "--prompt" in r.stderr
+    # --dtype picks the GPU's weight format; the CPU device computes in fp32 and says so.
+    r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--dtype", "fp8"], capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and "--dtype fp8 is a GPU weight format" in r.stderr
+    r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--dtype", "fp4"], capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and "--dtype" in r.stderr

@@ -4,8 +4,8 @@
 // position * inv_freq[i] and cos/sin are scaled by attention_scaling before use, as HF's
 // rotary embedding does (with YaRN this is where mscale enters). Attention computes the scores of a
 // query row against its whole visible context, then an exact softmax (max-subtracted, fp32) and the
-// weighted sum of V — the same arithmetic as eager attention, with no online-softmax rescaling. Work is
-// split over (token, q head) pairs; each task keeps its score row in thread-local scratch.
+// weighted sum of V — the same arithmetic as eager attention, with no online-softmax rescaling.
+// Work is split over (token, q head) pairs; each task keeps its score row in thread-local scratch.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -29,7 +29,8 @@ void norm_rope_head(float* v, const float* norm_weight, int head_dim, float eps,
   int half = head_dim / 2;
   for (int i = 0; i < half; ++i) {
     float a = v[i], b = v[i + half];
-    // HF: q * cos + rotate_half(q) * sin, with rotate_half(q) = [-q2, q1] and cos/sin repeated twice.
+    // HF: q * cos + rotate_half(q) * sin, with rotate_half(q) = [-q2, q1] and cos/sin repeated
+    // twice.
     v[i] = a * cos_v[i] + (-b) * sin_v[i];
     v[i + half] = b * cos_v[i] + a * sin_v[i];
   }
@@ -39,7 +40,8 @@ void norm_rope_head(float* v, const float* norm_weight, int head_dim, float eps,
 
 void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<float>& p, ThreadPool& pool) {
   const int hd = p.head_dim;
-  const int64_t row = static_cast<int64_t>(p.num_q_heads + 2 * p.num_kv_heads) * hd;
+  const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, hd, p.section_align);
+  const int64_t row = sec.row;
   pool.parallel_for(p.num_tokens, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> cos_v(hd / 2), sin_v(hd / 2), k(hd);
     for (int64_t t = begin; t < end; ++t) {
@@ -58,8 +60,8 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<float>& p, Threa
       int64_t slot = p.slot_mapping[t];
       if (slot < 0) continue;
       int64_t block = slot / p.block_size, offset = slot % p.block_size;
-      const float* k_src = src + static_cast<int64_t>(p.num_q_heads) * hd;
-      const float* v_src = k_src + static_cast<int64_t>(p.num_kv_heads) * hd;
+      const float* k_src = src + sec.k_col;
+      const float* v_src = src + sec.v_col;
       for (int h = 0; h < p.num_kv_heads; ++h) {
         int64_t dst = ((block * p.num_kv_heads + h) * p.block_size + offset) * hd;
         std::copy_n(k_src + h * hd, hd, k.data());

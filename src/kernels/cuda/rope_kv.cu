@@ -20,13 +20,17 @@ __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
   const int t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int hd = p.head_dim, half = hd / 2;
-  const int64_t row_elems = static_cast<int64_t>(p.num_q_heads + 2 * p.num_kv_heads) * hd;
-  const bf16* src = p.qkv + t * row_elems;
+  const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, hd, p.section_align);
+  const bf16* src = p.qkv + t * sec.row;
   const float pos = static_cast<float>(p.positions[t]);
   const int64_t slot = p.slot_mapping[t];
   const int num_heads = p.num_q_heads + 2 * p.num_kv_heads;
   for (int h = warp; h < num_heads; h += num_warps) {
-    const bf16* in = src + static_cast<int64_t>(h) * hd;
+    const bf16* in =
+        h < p.num_q_heads ? src + static_cast<int64_t>(h) * hd
+        : h < p.num_q_heads + p.num_kv_heads
+            ? src + sec.k_col + static_cast<int64_t>(h - p.num_q_heads) * hd
+            : src + sec.v_col + static_cast<int64_t>(h - p.num_q_heads - p.num_kv_heads) * hd;
     if (h >= p.num_q_heads + p.num_kv_heads) {  // v: copied into the page unchanged
       if (slot < 0) continue;
       const int kv_h = h - p.num_q_heads - p.num_kv_heads;

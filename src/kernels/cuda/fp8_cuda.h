@@ -1,0 +1,65 @@
+// The CUDA FP8 ops: dynamic activation quantisation and the block-scaled (Hopper) and MXFP8 GEMMs
+// of quant/fp8_gemm.h, on bf16 activations and outputs.
+//
+// Each launch takes the CPU reference's params struct instantiated on __nv_bfloat16 and a stream
+// (the CPU launches in quant/fp8_gemm.cpp define the results). Like ops_cuda.h: asynchronous, no
+// synchronisation, no allocation, expert_offsets read only on the device, so every launch can be
+// captured into a CUDA graph. Shape checks at the boundary throw relay::Error naming the op.
+//
+// Requirements beyond the CPU contract (checked): k and n multiples of 8 (16-byte bf16 rows; 8-byte
+// fp8 rows), block-scaled block sizes 128 x 128 (the Qwen3-FP8 / DeepSeek layout). The GEMMs round
+// the fp32 result to bf16 once.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/ops_cuda.h"
+#include "quant/fp8_gemm.h"
+
+namespace relay::kernels {
+
+using bf16 = __nv_bfloat16;
+
+// bf16 [num_tokens, k] -> e4m3 + one fp32 scale per (token, 128-group): bit-identical to the CPU
+// recipe applied to the bf16 values as floats (scale = amax / 448, 1 for an all-zero group; a true
+// division, the hardware's saturating round-to-nearest-even e4m3 conversion).
+void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t s);
+
+// The down projection's input in one pass: h = bf16(silu(gate) * up) exactly as launch_swiglu
+// computes it, then quantised as launch_fp8_act_quant would quantise h. So the result equals
+// launch_swiglu followed by launch_fp8_act_quant, bit for bit, without writing h.
+struct SwigluFp8QuantParams {
+  const bf16* gate_up = nullptr;  // [num_rows, 2 * width], gate then up (as SwigluParams)
+  uint8_t* q = nullptr;           // [num_rows, width] e4m3 codes of h
+  float* scale = nullptr;         // [num_rows, ceil(width / 128)]
+  int num_rows = 0;
+  int width = 0;
+};
+void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s);
+
+// Block-scaled grouped GEMM over experts. Tiled: mma.sync m16n8k32 e4m3 tiles, one 128-block of k
+// per pipeline stage, each k-block's fp32 partial promoted with both scales (prefill). Streaming:
+// each CTA streams 16 weight rows of one active expert over all of k, split across its warps, on
+// the same instruction with the expert's (up to 8 at a time) rows as the narrow operand (decode).
+// Auto picks streaming up to 8 rows per expert on average.
+void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+                                     cudaStream_t s);
+void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+                                     GroupedGemmKind kind, cudaStream_t s);
+
+// The dense block-scaled GEMM: the grouped kernels with the whole of m as one expert.
+void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, cudaStream_t s);
+void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, GroupedGemmKind kind,
+                             cudaStream_t s);
+
+// MXFP8 (the Blackwell format) on Hopper, a correctness path: activations -> e4m3 + E8M0 per
+// (token, 32-group), bit-identical to the CPU quantiser; the GEMMs apply sx[row, g] * sw[col, g] to
+// every m16n8k32 product (one MX group along k).
+void launch_mxfp8_act_quant(const quant::Mxfp8ActQuantParams<bf16>& p, cudaStream_t s);
+void launch_mxfp8_matmul(const quant::Mxfp8MatmulParams<bf16>& p, cudaStream_t s);
+void launch_mxfp8_grouped_matmul(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s);
+
+}  // namespace relay::kernels

@@ -1,0 +1,172 @@
+// Dynamic activation quantisation for the FP8 GEMMs (see fp8_cuda.h): bf16 rows -> e4m3 codes and
+// one scale per group along k (fp32 amax / 448 for the 128-groups of the block-scaled path, an E8M0
+// power of two for the 32-groups of MXFP8).
+//
+// A group is owned by consecutive lanes, 8 elements (one 16-byte bf16 load) each: 16 lanes for a
+// 128-group, 4 for a 32-group; the group's amax is a butterfly max over those lanes, so a warp
+// quantises two (or eight) groups per pass with no shared memory. Every arithmetic step mirrors the
+// CPU recipe in quant/weight_quant.cpp: IEEE division for the scale and for x / scale, exact
+// power-of-two scaling for MX, and the hardware's saturating round-to-nearest-even e4m3 conversion,
+// which equals quant::f32_to_e4m3 after the CPU's clamp. So the codes and scales are bit-identical.
+#include <cuda_fp8.h>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_cuda.h"
+
+namespace relay::kernels {
+
+using namespace cuda;
+
+namespace {
+
+constexpr int kQuantThreads = 256;
+constexpr float kE4m3Max = 448.0f;
+
+// Eight floats -> eight e4m3 codes (little-endian in the result: element 0 in the lowest byte).
+__device__ __forceinline__ uint2 f32x8_to_e4m3(const float* v) {
+  uint32_t word[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h], v[4 * h + 1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[4 * h + 2], v[4 * h + 3]),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    word[h] = lo | (hi << 16);
+  }
+  return make_uint2(word[0], word[1]);
+}
+
+// Max over the `kLanes` consecutive lanes that own one group (a butterfly that stays inside them).
+template <int kLanes>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Loads the 8 values at column c of row `row` as floats: the bf16 input itself, or for the fused
+// SwiGLU form bf16(silu(gate) * up) with launch_swiglu's exact expression (__expf, then one
+// rounding to bf16), so the quantiser sees the values launch_swiglu would have stored.
+template <bool kSwiglu>
+__device__ __forceinline__ void load_row_values(const bf16* x, int64_t row, int k, int c,
+                                                float* v) {
+  if constexpr (kSwiglu) {
+    const bf16* gate = x + row * 2 * k;
+    float g[8], u[8];
+    bf16x8_to_f32(*reinterpret_cast<const Bf16x8*>(gate + c), g);
+    bf16x8_to_f32(*reinterpret_cast<const Bf16x8*>(gate + k + c), u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      v[e] = __bfloat162float(__float2bfloat16_rn(g[e] / (1.0f + __expf(-g[e])) * u[e]));
+  } else {
+    bf16x8_to_f32(*reinterpret_cast<const Bf16x8*>(x + row * k + c), v);
+  }
+}
+
+// One 128-group per 16 lanes: scale = amax / 448 (1 for an all-zero group), q = e4m3(x / scale).
+template <bool kSwiglu>
+__global__ void __launch_bounds__(kQuantThreads)
+    fp8_act_quant_kernel(const bf16* x, uint8_t* q, float* scale, int num_rows, int k) {
+  constexpr int kLanes = quant::kFp8BlockSize / 8;
+  const int groups = (k + quant::kFp8BlockSize - 1) / quant::kFp8BlockSize;
+  const int64_t unit = (blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x) / kLanes;
+  const int part = threadIdx.x % kLanes;
+  const int64_t row = unit / groups;
+  const int g = static_cast<int>(unit % groups);
+  const int c = g * quant::kFp8BlockSize + part * 8;
+  // NOTE: lanes past the end still take part in the shuffles (full-warp masks), with no data.
+  const bool valid = row < num_rows && c < k;
+  float v[8] = {};
+  if (valid) load_row_values<kSwiglu>(x, row, k, c, v);
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+  amax = group_max<kLanes>(amax);
+  const float s = amax > 0.0f ? __fdiv_rn(amax, kE4m3Max) : 1.0f;
+  if (!valid) return;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = __fdiv_rn(v[e], s);
+  *reinterpret_cast<uint2*>(q + row * k + c) = f32x8_to_e4m3(v);
+  if (part == 0) scale[row * groups + g] = s;
+}
+
+// The E8M0 code of quant::e8m0_scale_code_for_amax: the smallest e with amax <= 448 * 2^(e - 127).
+__device__ __forceinline__ int e8m0_code_for_amax(float amax) {
+  if (amax == 0.0f) return 0;
+  int exponent = 0;
+  const float fraction = frexpf(amax, &exponent);
+  return max(exponent - 9 + (fraction > 0.875f ? 1 : 0) + 127, 0);
+}
+
+// 2^e for e in [-127, 127], exactly (2^-127 is an fp32 subnormal).
+__device__ __forceinline__ float exact_pow2(int e) {
+  return e >= -126 ? __int_as_float((e + 127) << 23) : __int_as_float(0x00400000);
+}
+
+// One 32-group per 4 lanes: q = e4m3(x * 2^(127 - code)), an exact scaling as the CPU's ldexp.
+__global__ void __launch_bounds__(kQuantThreads)
+    mxfp8_act_quant_kernel(quant::Mxfp8ActQuantParams<bf16> p) {
+  constexpr int kLanes = quant::kMxGroupSize / 8;
+  const int groups = (p.k + quant::kMxGroupSize - 1) / quant::kMxGroupSize;
+  const int64_t unit = (blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x) / kLanes;
+  const int part = threadIdx.x % kLanes;
+  const int64_t row = unit / groups;
+  const int g = static_cast<int>(unit % groups);
+  const int c = g * quant::kMxGroupSize + part * 8;
+  const bool valid = row < p.num_tokens && c < p.k;
+  float v[8] = {};
+  if (valid) load_row_values<false>(p.x, row, p.k, c, v);
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+  amax = group_max<kLanes>(amax);
+  const int code = e8m0_code_for_amax(amax);
+  if (!valid) return;
+  const float factor = exact_pow2(127 - code);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(v[e], factor);
+  *reinterpret_cast<uint2*>(p.q + row * p.k + c) = f32x8_to_e4m3(v);
+  if (part == 0) p.scale[row * groups + g] = static_cast<uint8_t>(code);
+}
+
+int quant_blocks(int64_t rows, int64_t groups, int lanes_per_group) {
+  return ceil_div(rows * groups * lanes_per_group, kQuantThreads);
+}
+
+}  // namespace
+
+void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.k > 0 && p.k % 8 == 0 && p.num_tokens >= 0, "fp8_act_quant: k ", p.k,
+              " must be a positive multiple of 8, num_tokens ", p.num_tokens, " non-negative");
+  RELAY_CHECK(p.group_size == quant::kFp8BlockSize, "fp8_act_quant: group_size ", p.group_size,
+              " is not supported on the GPU (only ", quant::kFp8BlockSize, ")");
+  if (p.num_tokens == 0) return;
+  const int groups = ceil_div(p.k, quant::kFp8BlockSize);
+  fp8_act_quant_kernel<false>
+      <<<quant_blocks(p.num_tokens, groups, quant::kFp8BlockSize / 8), kQuantThreads, 0, s>>>(
+          p.x, p.q, p.scale, p.num_tokens, p.k);
+  RELAY_CUDA_CHECK_LAUNCH("fp8_act_quant_kernel");
+}
+
+void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s) {
+  RELAY_CHECK(p.width > 0 && p.width % 8 == 0 && p.num_rows >= 0, "swiglu_fp8_quant: width ",
+              p.width, " must be a positive multiple of 8, num_rows ", p.num_rows, " non-negative");
+  if (p.num_rows == 0) return;
+  const int groups = ceil_div(p.width, quant::kFp8BlockSize);
+  fp8_act_quant_kernel<true>
+      <<<quant_blocks(p.num_rows, groups, quant::kFp8BlockSize / 8), kQuantThreads, 0, s>>>(
+          p.gate_up, p.q, p.scale, p.num_rows, p.width);
+  RELAY_CUDA_CHECK_LAUNCH("fp8_act_quant_kernel<swiglu>");
+}
+
+void launch_mxfp8_act_quant(const quant::Mxfp8ActQuantParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.k > 0 && p.k % 8 == 0 && p.num_tokens >= 0, "mxfp8_act_quant: k ", p.k,
+              " must be a positive multiple of 8, num_tokens ", p.num_tokens, " non-negative");
+  if (p.num_tokens == 0) return;
+  const int groups = ceil_div(p.k, quant::kMxGroupSize);
+  mxfp8_act_quant_kernel<<<quant_blocks(p.num_tokens, groups, quant::kMxGroupSize / 8),
+                           kQuantThreads, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("mxfp8_act_quant_kernel");
+}
+
+}  // namespace relay::kernels

@@ -1,0 +1,403 @@
+// The CUDA FP8 kernels (kernels/cuda/fp8_cuda.h) against the CPU references of quant/fp8_gemm.h.
+//
+// Both sides get identical inputs: bf16-rounded activations for the quantisers, and for the GEMMs
+// the same e4m3 codes and scales (made by the CPU quantisers). Quantisers must match bit for bit;
+// a GEMM element may differ from the fp32 reference by the bf16 rounding of the output and by the
+// GPU's different summation order inside a k-block: |gpu - ref| <= 1e-2 |ref| + 1e-4 rms(ref).
+// Outputs are poisoned with NaN first (gpu_test_util.h), so an unwritten element fails.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/thread_pool.h"
+#include "kernels/cuda/fp8_cuda.h"
+#include "kernels/ops.h"
+#include "quant/fp8_format.h"
+#include "quant/fp8_gemm.h"
+#include "quant/weight_quant.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace relay::gpu_test {
+namespace {
+
+using kernels::bf16;
+using kernels::GroupedGemmKind;
+
+ThreadPool& pool() {
+  static ThreadPool p(0);
+  return p;
+}
+
+int groups_of(int k, int g) { return (k + g - 1) / g; }
+
+// bf16-rounded random activations with occasional outliers, an all-zero group and a negative zero,
+// so the quantisers see every branch.
+Bf16Data activations(int rows, int k, std::mt19937& rng) {
+  Bf16Data d = random_bf16(static_cast<size_t>(rows) * k, rng);
+  for (size_t i = 0; i < d.f32.size(); ++i) {
+    if (rng() % 97 == 0) d.f32[i] *= 30.0f;
+  }
+  if (k >= 128) std::fill(d.f32.begin(), d.f32.begin() + 128, 0.0f);
+  if (d.f32.size() > 130) d.f32[130] = -0.0f;
+  for (size_t i = 0; i < d.f32.size(); ++i) {
+    __nv_bfloat16_raw raw;
+    raw.x = f32_to_bf16(d.f32[i]);
+    d.bits[i] = raw;
+    d.f32[i] = bf16_to_f32(raw.x);
+  }
+  return d;
+}
+
+std::vector<float> random_weights(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  std::vector<float> w(n);
+  for (float& v : w) v = dist(rng) * (rng() % 64 == 0 ? 10.0f : 1.0f);
+  return w;
+}
+
+// Element-wise check of a bf16 GPU output against the fp32 reference (see the file comment).
+void expect_gemm_close(const std::vector<bf16>& gpu_bits, const std::vector<float>& ref,
+                       const std::string& where) {
+  const std::vector<float> gpu = to_f32(gpu_bits);
+  ASSERT_EQ(gpu.size(), ref.size()) << where;
+  double sq = 0.0;
+  for (float r : ref) sq += static_cast<double>(r) * r;
+  const double rms = ref.empty() ? 0.0 : std::sqrt(sq / ref.size());
+  size_t bad = 0, first_bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const bool ok = std::fabs(gpu[i] - ref[i]) <= 1e-2 * std::fabs(ref[i]) + 1e-4 * rms;
+    if (!ok && bad++ == 0) first_bad = i;
+  }
+  EXPECT_EQ(bad, 0u) << where << ": " << bad << " of " << ref.size() << " elements off; first at "
+                     << first_bad << ": " << (bad ? gpu[first_bad] : 0.0f) << " vs "
+                     << (bad ? ref[first_bad] : 0.0f);
+}
+
+// Activations quantised on the CPU: what both GEMM implementations are fed.
+struct QuantisedActs {
+  std::vector<uint8_t> q;
+  std::vector<float> scale;
+};
+QuantisedActs quantise_acts(int rows, int k, std::mt19937& rng) {
+  const Bf16Data x = activations(rows, k, rng);
+  QuantisedActs a{std::vector<uint8_t>(x.f32.size()),
+                  std::vector<float>(static_cast<size_t>(rows) * groups_of(k, 128))};
+  quant::launch_fp8_act_quant({x.f32.data(), a.q.data(), a.scale.data(), rows, k, 128}, pool());
+  return a;
+}
+
+// Block-scaled expert weights [experts, n, k] with scales [experts, ceil(n/128), ceil(k/128)].
+struct QuantisedWeights {
+  std::vector<uint8_t> q;
+  std::vector<float> scale;
+};
+QuantisedWeights quantise_weights(int experts, int n, int k, std::mt19937& rng) {
+  const size_t per_expert = static_cast<size_t>(n) * k;
+  const size_t scales_per_expert = static_cast<size_t>(groups_of(n, 128)) * groups_of(k, 128);
+  QuantisedWeights w{std::vector<uint8_t>(per_expert * experts),
+                     std::vector<float>(scales_per_expert * experts)};
+  for (int e = 0; e < experts; ++e) {
+    const std::vector<float> f = random_weights(per_expert, rng);
+    quant::quantize_weight_fp8_block(f.data(), n, k, 128, 128, w.q.data() + e * per_expert,
+                                     w.scale.data() + e * scales_per_expert);
+  }
+  return w;
+}
+
+// Random expert sizes in [0, max_rows], with some experts empty.
+std::vector<int32_t> random_offsets(int experts, int max_rows, double empty_fraction,
+                                    std::mt19937& rng) {
+  std::vector<int32_t> offsets(experts + 1, 0);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (int e = 0; e < experts; ++e) {
+    const int rows = u(rng) < empty_fraction ? 0 : static_cast<int>(rng() % (max_rows + 1));
+    offsets[e + 1] = offsets[e] + rows;
+  }
+  return offsets;
+}
+
+// Uniform top-k routing of `tokens` tokens over `experts` (distinct experts per token).
+std::vector<int32_t> routed_offsets(int tokens, int experts, int top_k, std::mt19937& rng) {
+  std::vector<int32_t> offsets(experts + 1, 0);
+  std::vector<int> ids(experts);
+  for (int t = 0; t < tokens; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int j = 0; j < top_k; ++j) {
+      std::swap(ids[j], ids[j + rng() % (experts - j)]);
+      ++offsets[ids[j] + 1];
+    }
+  }
+  for (int e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  return offsets;
+}
+
+const char* kind_name(GroupedGemmKind kind) {
+  switch (kind) {
+    case GroupedGemmKind::Auto:
+      return "auto";
+    case GroupedGemmKind::Tiled:
+      return "tiled";
+    case GroupedGemmKind::Streaming:
+      return "streaming";
+  }
+  return "?";
+}
+
+TEST(GpuFp8Kernels, ActQuantIsBitIdenticalToTheCpu) {
+  std::mt19937 rng(21);
+  for (auto [rows, k] : {std::pair{1, 128}, std::pair{1, 8}, std::pair{7, 136},
+                         std::pair{300, 2056}, std::pair{1000, 200}, std::pair{33, 4096}}) {
+    const Bf16Data x = activations(rows, k, rng);
+    const size_t num_scales = static_cast<size_t>(rows) * groups_of(k, 128);
+    std::vector<uint8_t> q_ref(x.f32.size());
+    std::vector<float> s_ref(num_scales);
+    quant::launch_fp8_act_quant({x.f32.data(), q_ref.data(), s_ref.data(), rows, k, 128}, pool());
+    DeviceBuffer<bf16> d_x(x.bits);
+    DeviceBuffer<uint8_t> d_q(q_ref.size());
+    DeviceBuffer<float> d_s(num_scales);
+    kernels::launch_fp8_act_quant({d_x.get(), d_q.get(), d_s.get(), rows, k, 128}, nullptr);
+    EXPECT_EQ(d_q.download(), q_ref) << "rows " << rows << " k " << k;
+    EXPECT_EQ(d_s.download(), s_ref) << "rows " << rows << " k " << k;
+  }
+}
+
+TEST(GpuFp8Kernels, SwigluQuantEqualsSwigluThenQuant) {
+  std::mt19937 rng(22);
+  for (auto [rows, width] : {std::pair{1, 768}, std::pair{5, 136}, std::pair{1031, 1536}}) {
+    const Bf16Data gate_up = random_bf16(static_cast<size_t>(rows) * 2 * width, rng, 2.0f);
+    const size_t n = static_cast<size_t>(rows) * width;
+    const size_t num_scales = static_cast<size_t>(rows) * groups_of(width, 128);
+    DeviceBuffer<bf16> d_gate_up(gate_up.bits), d_h(n);
+    DeviceBuffer<uint8_t> d_q(n), d_q2(n);
+    DeviceBuffer<float> d_s(num_scales), d_s2(num_scales);
+    kernels::launch_swiglu_fp8_quant({d_gate_up.get(), d_q.get(), d_s.get(), rows, width}, nullptr);
+    // The unfused GPU pair: the fused kernel must reproduce it bit for bit.
+    kernels::launch_swiglu({d_gate_up.get(), d_h.get(), rows, width}, nullptr);
+    kernels::launch_fp8_act_quant({d_h.get(), d_q2.get(), d_s2.get(), rows, width, 128}, nullptr);
+    const std::vector<uint8_t> q = d_q.download();
+    const std::vector<float> s = d_s.download();
+    EXPECT_EQ(q, d_q2.download()) << "rows " << rows << " width " << width;
+    EXPECT_EQ(s, d_s2.download()) << "rows " << rows << " width " << width;
+    // The CPU composition (swiglu in fp32 with std::exp, rounded to bf16, then quantised): __expf
+    // may move an element by one bf16 ulp, so compare dequantised values, not codes.
+    std::vector<float> h(n);
+    kernels::launch_swiglu({gate_up.f32.data(), h.data(), rows, width}, pool());
+    for (float& v : h) v = bf16_to_f32(f32_to_bf16(v));
+    std::vector<uint8_t> q_ref(n);
+    std::vector<float> s_ref(num_scales);
+    quant::launch_fp8_act_quant({h.data(), q_ref.data(), s_ref.data(), rows, width, 128}, pool());
+    const int groups = groups_of(width, 128);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const size_t si = (i / width) * groups + (i % width) / 128;
+      const float got = quant::e4m3_to_f32(q[i]) * s[si];
+      const float want = quant::e4m3_to_f32(q_ref[i]) * s_ref[si];
+      if (std::fabs(got - want) > 0.13f * std::fabs(want) + s_ref[si] * 0x1p-8f) ++bad;
+    }
+    EXPECT_EQ(bad, 0u) << "rows " << rows << " width " << width;
+  }
+}
+
+TEST(GpuFp8Kernels, MxActQuantIsBitIdenticalToTheCpu) {
+  std::mt19937 rng(23);
+  for (auto [rows, k] : {std::pair{1, 32}, std::pair{1, 8}, std::pair{7, 136}, std::pair{300, 2056},
+                         std::pair{1000, 200}}) {
+    const Bf16Data x = activations(rows, k, rng);
+    const size_t num_scales = static_cast<size_t>(rows) * groups_of(k, 32);
+    std::vector<uint8_t> q_ref(x.f32.size()), s_ref(num_scales);
+    quant::launch_mxfp8_act_quant({x.f32.data(), q_ref.data(), s_ref.data(), rows, k}, pool());
+    DeviceBuffer<bf16> d_x(x.bits);
+    DeviceBuffer<uint8_t> d_q(q_ref.size()), d_s(num_scales);
+    kernels::launch_mxfp8_act_quant({d_x.get(), d_q.get(), d_s.get(), rows, k}, nullptr);
+    EXPECT_EQ(d_q.download(), q_ref) << "rows " << rows << " k " << k;
+    EXPECT_EQ(d_s.download(), s_ref) << "rows " << rows << " k " << k;
+  }
+}
+
+struct GroupedCase {
+  const char* name;
+  int experts, n, k;
+  std::vector<int32_t> offsets;
+};
+
+std::vector<GroupedCase> grouped_cases(std::mt19937& rng) {
+  std::vector<GroupedCase> cases;
+  cases.push_back({"one row", 4, 264, 136, {0, 0, 0, 1, 1}});
+  cases.push_back({"odd sizes, empty experts", 8, 192, 2056, random_offsets(8, 12, 0.3, rng)});
+  cases.push_back({"1000+ rows", 6, 264, 200, random_offsets(6, 400, 0.2, rng)});
+  cases.push_back({"prefill tiles", 4, 384, 512, random_offsets(4, 700, 0.0, rng)});
+  cases.push_back({"128 experts top-8", 128, 256, 384, routed_offsets(97, 128, 8, rng)});
+  // Decode: 1-4 rows on 16 of 128 experts, and one row on each of 8.
+  std::vector<int32_t> decode(129, 0), single(129, 0);
+  for (int e = 0; e < 128; ++e) {
+    decode[e + 1] = decode[e] + (e % 8 == 3 ? 1 + static_cast<int>(rng() % 4) : 0);
+    single[e + 1] = single[e] + (e % 16 == 5 ? 1 : 0);
+  }
+  cases.push_back({"decode 1-4 rows", 128, 512, 1024, decode});
+  cases.push_back({"decode 8 x 1 row", 128, 264, 136, single});
+  cases.push_back({"more than 8 rows per streamed expert", 3, 128, 256, {0, 19, 19, 30}});
+  return cases;
+}
+
+TEST(GpuFp8Kernels, BlockGroupedMatmulMatchesTheCpu) {
+  std::mt19937 rng(24);
+  for (const GroupedCase& c : grouped_cases(rng)) {
+    const int rows = c.offsets.back();
+    const QuantisedActs x = quantise_acts(rows, c.k, rng);
+    const QuantisedWeights w = quantise_weights(c.experts, c.n, c.k, rng);
+    std::vector<float> ref(static_cast<size_t>(rows) * c.n);
+    quant::launch_fp8_block_grouped_matmul(
+        {x.q.data(), x.scale.data(), w.q.data(), w.scale.data(), c.offsets.data(), ref.data(), rows,
+         c.experts, c.n, c.k},
+        pool());
+    DeviceBuffer<uint8_t> d_xq(x.q), d_wq(w.q);
+    DeviceBuffer<float> d_xs(x.scale), d_ws(w.scale);
+    DeviceBuffer<int32_t> d_off(c.offsets);
+    for (auto kind : {GroupedGemmKind::Tiled, GroupedGemmKind::Streaming, GroupedGemmKind::Auto}) {
+      DeviceBuffer<bf16> d_out(ref.size());
+      kernels::launch_fp8_block_grouped_matmul(
+          {d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(), d_off.get(), d_out.get(), rows,
+           c.experts, c.n, c.k},
+          kind, nullptr);
+      expect_gemm_close(d_out.download(), ref,
+                        std::string(c.name) + " (" + kind_name(kind) + ", rows " +
+                            std::to_string(rows) + ", n " + std::to_string(c.n) + ", k " +
+                            std::to_string(c.k) + ")");
+    }
+  }
+}
+
+TEST(GpuFp8Kernels, BlockMatmulMatchesTheCpu) {
+  std::mt19937 rng(25);
+  struct Case {
+    int m, n, k;
+  };
+  for (Case c : {Case{1, 4096, 2048}, Case{7, 264, 136}, Case{300, 192, 2056},
+                 Case{4096, 256, 2048}, Case{33, 384, 200}}) {
+    const QuantisedActs x = quantise_acts(c.m, c.k, rng);
+    const QuantisedWeights w = quantise_weights(1, c.n, c.k, rng);
+    std::vector<float> ref(static_cast<size_t>(c.m) * c.n);
+    quant::launch_fp8_block_matmul(
+        {x.q.data(), x.scale.data(), w.q.data(), w.scale.data(), ref.data(), c.m, c.n, c.k},
+        pool());
+    DeviceBuffer<uint8_t> d_xq(x.q), d_wq(w.q);
+    DeviceBuffer<float> d_xs(x.scale), d_ws(w.scale);
+    for (auto kind : {GroupedGemmKind::Tiled, GroupedGemmKind::Streaming, GroupedGemmKind::Auto}) {
+      // Streaming re-reads the weight once per 8 rows: only the decode shapes.
+      if (kind == GroupedGemmKind::Streaming && c.m > 64) continue;
+      DeviceBuffer<bf16> d_out(ref.size());
+      kernels::launch_fp8_block_matmul(
+          {d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(), d_out.get(), c.m, c.n, c.k}, kind,
+          nullptr);
+      expect_gemm_close(d_out.download(), ref,
+                        std::string(kind_name(kind)) + " m " + std::to_string(c.m) + " n " +
+                            std::to_string(c.n) + " k " + std::to_string(c.k));
+    }
+  }
+}
+
+// MX operands made by the CPU quantisers: activations [rows, k], weights [experts, n, k].
+struct MxOperands {
+  std::vector<uint8_t> xq, xs, wq, ws;
+};
+MxOperands mx_operands(int rows, int experts, int n, int k, std::mt19937& rng) {
+  MxOperands o;
+  const Bf16Data x = activations(rows, k, rng);
+  o.xq.resize(x.f32.size());
+  o.xs.resize(static_cast<size_t>(rows) * groups_of(k, 32));
+  quant::launch_mxfp8_act_quant({x.f32.data(), o.xq.data(), o.xs.data(), rows, k}, pool());
+  const std::vector<float> w = random_weights(static_cast<size_t>(experts) * n * k, rng);
+  o.wq.resize(w.size());
+  o.ws.resize(static_cast<size_t>(experts) * n * groups_of(k, 32));
+  quant::quantize_weight_mxfp8(w.data(), static_cast<int64_t>(experts) * n, k, o.wq.data(),
+                               o.ws.data());
+  return o;
+}
+
+TEST(GpuFp8Kernels, MxMatmulMatchesTheCpu) {
+  std::mt19937 rng(26);
+  struct Case {
+    int m, n, k;
+  };
+  for (Case c :
+       {Case{1, 264, 136}, Case{7, 192, 2056}, Case{300, 256, 200}, Case{1031, 512, 1024}}) {
+    const MxOperands o = mx_operands(c.m, 1, c.n, c.k, rng);
+    std::vector<float> ref(static_cast<size_t>(c.m) * c.n);
+    quant::launch_mxfp8_matmul(
+        {o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(), ref.data(), c.m, c.n, c.k}, pool());
+    DeviceBuffer<uint8_t> d_xq(o.xq), d_xs(o.xs), d_wq(o.wq), d_ws(o.ws);
+    DeviceBuffer<bf16> d_out(ref.size());
+    kernels::launch_mxfp8_matmul(
+        {d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(), d_out.get(), c.m, c.n, c.k}, nullptr);
+    expect_gemm_close(
+        d_out.download(), ref,
+        "m " + std::to_string(c.m) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k));
+  }
+}
+
+TEST(GpuFp8Kernels, MxGroupedMatmulMatchesTheCpu) {
+  std::mt19937 rng(27);
+  for (const GroupedCase& c : grouped_cases(rng)) {
+    const int rows = c.offsets.back();
+    const MxOperands o = mx_operands(rows, c.experts, c.n, c.k, rng);
+    std::vector<float> ref(static_cast<size_t>(rows) * c.n);
+    quant::launch_mxfp8_grouped_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(),
+                                        c.offsets.data(), ref.data(), rows, c.experts, c.n, c.k},
+                                       pool());
+    DeviceBuffer<uint8_t> d_xq(o.xq), d_xs(o.xs), d_wq(o.wq), d_ws(o.ws);
+    DeviceBuffer<int32_t> d_off(c.offsets);
+    DeviceBuffer<bf16> d_out(ref.size());
+    kernels::launch_mxfp8_grouped_matmul({d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(),
+                                          d_off.get(), d_out.get(), rows, c.experts, c.n, c.k},
+                                         nullptr);
+    expect_gemm_close(d_out.download(), ref, std::string(c.name) + " rows " + std::to_string(rows));
+  }
+}
+
+// Each variant is warmed up once, then captured into a graph (which must not allocate or
+// synchronise) and replayed into a poisoned output.
+TEST(GpuFp8Kernels, GroupedMatmulCapturesIntoAGraph) {
+  std::mt19937 rng(28);
+  const int experts = 16, n = 256, k = 512;
+  for (int max_rows : {2, 300}) {
+    const std::vector<int32_t> offsets = random_offsets(experts, max_rows, 0.25, rng);
+    const int rows = offsets.back();
+    const QuantisedActs x = quantise_acts(rows, k, rng);
+    const QuantisedWeights w = quantise_weights(experts, n, k, rng);
+    std::vector<float> ref(static_cast<size_t>(rows) * n);
+    quant::launch_fp8_block_grouped_matmul({x.q.data(), x.scale.data(), w.q.data(), w.scale.data(),
+                                            offsets.data(), ref.data(), rows, experts, n, k},
+                                           pool());
+    DeviceBuffer<uint8_t> d_xq(x.q), d_wq(w.q);
+    DeviceBuffer<float> d_xs(x.scale), d_ws(w.scale);
+    DeviceBuffer<int32_t> d_off(offsets);
+    DeviceBuffer<bf16> d_out(ref.size());
+    const quant::Fp8BlockGroupedMatmulParams<bf16> p{
+        d_xq.get(),  d_xs.get(), d_wq.get(), d_ws.get(), d_off.get(),
+        d_out.get(), rows,       experts,    n,          k};
+    for (auto kind : {GroupedGemmKind::Tiled, GroupedGemmKind::Streaming}) {
+      cudaStream_t stream;
+      GPU_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      kernels::launch_fp8_block_grouped_matmul(p, kind, stream);
+      GPU_TEST_CUDA(cudaStreamSynchronize(stream));
+      cudaGraph_t graph;
+      GPU_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      kernels::launch_fp8_block_grouped_matmul(p, kind, stream);
+      GPU_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec;
+      GPU_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      d_out.poison();  // on the legacy stream, which a non-blocking stream does not wait for
+      GPU_TEST_CUDA(cudaDeviceSynchronize());
+      GPU_TEST_CUDA(cudaGraphLaunch(exec, stream));
+      GPU_TEST_CUDA(cudaStreamSynchronize(stream));
+      expect_gemm_close(d_out.download(), ref,
+                        std::string("graph ") + kind_name(kind) + " rows " + std::to_string(rows));
+      GPU_TEST_CUDA(cudaGraphExecDestroy(exec));
+      GPU_TEST_CUDA(cudaGraphDestroy(graph));
+      GPU_TEST_CUDA(cudaStreamDestroy(stream));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace relay::gpu_test
