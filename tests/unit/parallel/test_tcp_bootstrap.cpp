@@ -1,0 +1,161 @@
+// The TCP rendezvous (parallel/tcp_bootstrap.h) between threads of one process: the blob exchanges
+// the NCCL bootstrap relies on, and the failures that must name the host, port, rank and timeout.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "core/error.h"
+#include "parallel/tcp_bootstrap.h"
+
+namespace relay::parallel {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A port that was free a moment ago (the kernel's pick for port 0).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Runs fn(rank) on one thread per rank; returns the messages of the relay::Errors thrown.
+template <typename Fn>
+std::vector<std::string> run_ranks(int size, Fn fn) {
+  std::vector<std::string> errors(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (const Error& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+TEST(DistInit, ParsesHostAndPort) {
+  DistInitAddress a = parse_dist_init("10.1.2.3:29500");
+  EXPECT_EQ(a.host, "10.1.2.3");
+  EXPECT_EQ(a.port, 29500);
+  a = parse_dist_init("[::1]:80");
+  EXPECT_EQ(a.host, "::1");
+  EXPECT_EQ(a.port, 80);
+  a = parse_dist_init("node-7.cluster:1");
+  EXPECT_EQ(a.host, "node-7.cluster");
+  for (const char* bad :
+       {"", "host", ":29500", "host:", "host:0", "host:65536", "host:12a", "[::1]29500"}) {
+    EXPECT_THROW(parse_dist_init(bad), Error) << bad;
+  }
+}
+
+TEST(TcpBootstrap, BroadcastAllGatherAndBarrierBetweenThreads) {
+  for (int size : {1, 2, 5}) {
+    const DistInitAddress addr{"127.0.0.1", free_port()};
+    std::vector<std::vector<uint8_t>> got(size);
+    std::vector<std::vector<std::vector<uint8_t>>> gathered(size);
+    const auto errors = run_ranks(size, [&](int rank) {
+      TcpBootstrap boot(addr, rank, size, 10s);
+      EXPECT_EQ(boot.rank(), rank);
+      EXPECT_EQ(boot.size(), size);
+      // A 128-byte blob, as an ncclUniqueId is; only rank 0's counts.
+      std::vector<uint8_t> id(128);
+      for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<uint8_t>(rank == 0 ? i * 7 : 0);
+      got[rank] = boot.broadcast(id);
+      boot.barrier();
+      std::vector<uint8_t> mine(rank, static_cast<uint8_t>(rank + 1));  // rank 0 sends nothing
+      gathered[rank] = boot.all_gather(mine);
+      boot.barrier();
+    });
+    for (int r = 0; r < size; ++r) {
+      EXPECT_EQ(errors[r], "") << "size " << size << " rank " << r;
+      ASSERT_EQ(got[r].size(), 128u);
+      for (size_t i = 0; i < 128; ++i) EXPECT_EQ(got[r][i], static_cast<uint8_t>(i * 7));
+      ASSERT_EQ(gathered[r].size(), static_cast<size_t>(size));
+      for (int s = 0; s < size; ++s)
+        EXPECT_EQ(gathered[r][s], std::vector<uint8_t>(s, static_cast<uint8_t>(s + 1)));
+    }
+  }
+}
+
+TEST(TcpBootstrap, RanksThatStartBeforeRankZeroRetryUntilItListens) {
+  const DistInitAddress addr{"127.0.0.1", free_port()};
+  const auto errors = run_ranks(3, [&](int rank) {
+    if (rank == 0) std::this_thread::sleep_for(300ms);
+    TcpBootstrap boot(addr, rank, 3, 10s);
+    boot.barrier();
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+TEST(TcpBootstrap, MissingRankZeroTimesOutNamingHostPortRankAndTimeout) {
+  const int port = free_port();
+  try {
+    TcpBootstrap boot({"127.0.0.1", port}, 2, 4, 200ms);
+    FAIL() << "connected to nobody";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("rank 2 of 4"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::string("127.0.0.1:") + std::to_string(port)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("200 ms"), std::string::npos) << msg;
+  }
+}
+
+TEST(TcpBootstrap, RankZeroTimesOutWhenRanksAreMissing) {
+  const DistInitAddress addr{"127.0.0.1", free_port()};
+  const auto errors = run_ranks(2, [&](int rank) {
+    if (rank == 1) return;  // never joins
+    TcpBootstrap boot(addr, 0, 3, 300ms);
+  });
+  EXPECT_NE(errors[0].find("only 1 of 3 ranks joined within 300 ms"), std::string::npos)
+      << errors[0];
+}
+
+TEST(TcpBootstrap, DisagreementOnGroupSizeFailsBothSides) {
+  const DistInitAddress addr{"127.0.0.1", free_port()};
+  const auto errors = run_ranks(2, [&](int rank) { TcpBootstrap boot(addr, rank, 2 + rank, 5s); });
+  EXPECT_NE(errors[0].find("expects a group of 3"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("refused rank 1"), std::string::npos) << errors[1];
+}
+
+TEST(TcpBootstrap, PortProbesAreIgnored) {
+  const DistInitAddress addr{"127.0.0.1", free_port()};
+  std::atomic<bool> probed{false};
+  const auto errors = run_ranks(2, [&](int rank) {
+    if (rank == 1) {
+      // A client that connects, says something that is not a hello, and leaves.
+      std::this_thread::sleep_for(100ms);
+      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(addr.port));
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+        const char junk[16] = "GET / HTTP/1.0\n";
+        EXPECT_GT(::send(fd, junk, sizeof(junk), 0), 0);
+        probed = true;
+      }
+      ::close(fd);
+    }
+    TcpBootstrap boot(addr, rank, 2, 5s);
+    boot.barrier();
+  });
+  EXPECT_TRUE(probed.load());
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+}  // namespace
+}  // namespace relay::parallel
