@@ -4,10 +4,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -165,6 +167,23 @@ struct CudaBackend::Impl {
   float *logprobs_dev, *logprobs_host, *top_lp_dev, *top_lp_host;
 
   std::map<std::pair<int, int>, cudaGraphExec_t> graphs;  // (batch bucket, table width) -> graph
+
+  // Per-op events of profile_forward(): marks[i] is recorded before op names[i] is enqueued (the
+  // last one after the final op). Empty outside profile_forward, so enqueue_forward records nothing
+  // in steps and graph captures.
+  struct OpMarks {
+    std::vector<std::string> names;
+    std::vector<cudaEvent_t> events;
+  };
+  OpMarks* marks = nullptr;
+  void mark(const char* name, const char* suffix = "") {
+    if (!marks) return;
+    cudaEvent_t e = nullptr;
+    RELAY_CUDA_CHECK(cudaEventCreate(&e));
+    marks->events.push_back(e);
+    RELAY_CUDA_CHECK(cudaEventRecord(e, stream));
+    marks->names.push_back(std::string(name) + suffix);
+  }
   cudaEvent_t step_begin = nullptr, step_end = nullptr;
   double last_step_device_ms = 0.0;
 
@@ -644,29 +663,40 @@ struct CudaBackend::Impl {
     const auto* tables = reinterpret_cast<const int32_t*>(at(m.block_tables));
     const int T = sh.tokens;
     const float eps = static_cast<float>(cfg.rms_norm_eps);
+    mark("embedding");
     kernels::launch_embedding({token_ids, embedding, residual, T, hidden, vocab}, stream);
     // x [m, k] @ w^T -> out [m, n]: cuBLASLt for bf16 weights; for FP8 ones, x is quantised per
     // (row, 128-group) first (or already was: `quantized`), then the block-scaled GEMM.
-    auto linear = [&](const bf16* x, const bf16* w16, const Fp8Weight& w8, const bf16* bias,
-                      bf16* out, int m, int n, int k, bool quantized = false) {
+    auto linear = [&](const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8,
+                      const bf16* bias, bf16* out, int m, int n, int k, bool quantized = false) {
       if (!w8.present()) {
+        mark(name);
         kernels::launch_matmul({x, w16, bias, out, m, n, k}, stream);
         return;
       }
-      if (!quantized) kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k}, stream);
+      if (!quantized) {
+        mark(name, ".act_quant");
+        kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k}, stream);
+      }
+      mark(name);
       kernels::launch_fp8_block_matmul(
           {act_q, act_scale, w8.q, w8.scale, out, m, static_cast<int>(w8.shape.rows), k}, stream);
       (void)n;  // an FP8 weight's packed rows (n plus any padding between fused parts)
     };
     // The MoE form over permuted rows.
-    auto grouped = [&](const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out, int rows,
-                       int n, int k, bool quantized = false) {
+    auto grouped = [&](const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8,
+                       bf16* out, int rows, int n, int k, bool quantized = false) {
       if (!w8.present()) {
+        mark(name);
         kernels::launch_moe_grouped_matmul({x, w16, expert_offsets, out, rows, experts, n, k},
                                            stream);
         return;
       }
-      if (!quantized) kernels::launch_fp8_act_quant({x, act_q, act_scale, rows, k}, stream);
+      if (!quantized) {
+        mark(name, ".act_quant");
+        kernels::launch_fp8_act_quant({x, act_q, act_scale, rows, k}, stream);
+      }
+      mark(name);
       kernels::launch_fp8_block_grouped_matmul(
           {act_q, act_scale, w8.q, w8.scale, expert_offsets, out, rows, experts,
            static_cast<int>(w8.shape.rows), k},
@@ -675,6 +705,7 @@ struct CudaBackend::Impl {
     // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
     // quantised activation buffer.
     auto swiglu = [&](const LayerWeights& w, int rows) {
+      mark(w.down8.present() ? "swiglu_fp8_quant" : "swiglu");
       if (w.down8.present()) {
         kernels::launch_swiglu_fp8_quant({gate_up, act_q, act_scale, rows, w.act_width}, stream);
       } else {
@@ -683,48 +714,63 @@ struct CudaBackend::Impl {
     };
     for (size_t l = 0; l < layers.size(); ++l) {
       const LayerWeights& w = layers[l];
+      mark("input_norm");
       if (l == 0) {
         kernels::launch_rms_norm({residual, nullptr, w.input_norm, normed, T, hidden, eps}, stream);
       } else {
         kernels::launch_rms_norm({mix, residual, w.input_norm, normed, T, hidden, eps}, stream);
       }
-      linear(normed, w.qkv, w.qkv8, w.qkv_bias, qkv, T, qkv_dim, hidden);
+      linear("qkv_proj", normed, w.qkv, w.qkv8, w.qkv_bias, qkv, T, qkv_dim, hidden);
       bf16* k_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 0, 0, 0);
       bf16* v_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 1, 0, 0);
+      mark("qk_norm_rope_kv_write");
       kernels::launch_qk_norm_rope_kv_write(
           {qkv, w.q_norm, w.k_norm, positions, inv_freq, attention_scaling, slots, q, k_cache,
            v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps,
            w.qkv8.present() ? quant::kFp8BlockSize : 0},
           stream);
+      mark("attention");
       kernels::launch_paged_attention(
           {q, k_cache, v_cache, query_starts, context_lens, tables, attn, sh.seqs, T, q_heads,
            kv_heads, head_dim, opt.block_size, sh.width,
            1.0f / std::sqrt(static_cast<float>(head_dim))},
           stream);
-      linear(attn, w.o, w.o8, w.o_bias, mix, T, hidden, q_heads * head_dim);
+      linear("o_proj", attn, w.o, w.o8, w.o_bias, mix, T, hidden, q_heads * head_dim);
+      mark("post_attention_norm");
       kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden, eps}, stream);
       if (w.moe) {
         const int R = T * top_k;
+        mark("router_gemm");
         kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden},
                                stream);
+        mark("router_topk");
         kernels::launch_moe_router_topk(
             {router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob}, stream);
+        mark("moe_permute");
         kernels::launch_moe_permute({normed, topk_ids, permuted_x, permuted_index, expert_offsets,
                                      T, hidden, experts, top_k},
                                     stream);
-        grouped(permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width, hidden);
+        grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width,
+                hidden);
         swiglu(w, R);
-        grouped(act, w.down, w.down8, expert_out, R, hidden, w.act_width, w.down8.present());
+        grouped("experts_down", act, w.down, w.down8, expert_out, R, hidden, w.act_width,
+                w.down8.present());
+        mark("moe_combine");
         kernels::launch_moe_unpermute_combine(
             {expert_out, permuted_index, topk_weights, mix, T, hidden, top_k}, stream);
       } else {
-        linear(normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width, hidden);
+        linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width,
+               hidden);
         swiglu(w, T);
-        linear(act, w.down, w.down8, nullptr, mix, T, hidden, w.act_width, w.down8.present());
+        linear("mlp_down", act, w.down, w.down8, nullptr, mix, T, hidden, w.act_width,
+               w.down8.present());
       }
     }
+    mark("final_norm");
     kernels::launch_rms_norm({mix, residual, final_norm, normed, T, hidden, eps}, stream);
+    mark("lm_head");
     kernels::launch_lm_head({normed, logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
+    mark("end");
   }
 
   // Fills meta_host for `batch` (padded to `pad_seqs` one-token dummy sequences when > batch size)
@@ -967,6 +1013,58 @@ struct CudaBackend::Impl {
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     return out;
   }
+
+  std::vector<OpTiming> profile_forward(std::span<const StepSequence> batch) {
+    RELAY_CHECK(!batch.empty(), "profile_forward with an empty batch");
+    std::vector<int32_t> rows;
+    int t = 0;
+    for (const StepSequence& s : batch) {
+      t += static_cast<int>(s.tokens.size());
+      rows.push_back(t - 1);  // each sequence's last token, as a step samples it
+    }
+    RELAY_CHECK(rows.size() <= static_cast<size_t>(opt.max_num_seqs), "profile_forward: ", rows.size(),
+                " sequences; the CUDA backend was sized for ", opt.max_num_seqs);
+    const Shape sh = upload_batch(batch, 0, width_of(batch, false), rows);
+    enqueue_forward(sh);  // warm-up: workspaces, cuBLASLt plans, lazy module loads
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    // NOTE: the launches queue behind a host function that holds the stream until all of them are
+    // enqueued, so the GPU runs them back to back and the events time the GPU, not the host's
+    // launch rate (eager launches at batch 1 are slower than the kernels they launch).
+    std::atomic<bool> released{false};
+    RELAY_CUDA_CHECK(cudaLaunchHostFunc(
+        stream,
+        [](void* flag) {
+          auto* f = static_cast<std::atomic<bool>*>(flag);
+          while (!f->load(std::memory_order_acquire)) std::this_thread::yield();
+        },
+        &released));
+    OpMarks m;
+    marks = &m;
+    try {
+      enqueue_forward(sh);
+    } catch (...) {
+      marks = nullptr;
+      released.store(true, std::memory_order_release);
+      cudaStreamSynchronize(stream);
+      for (cudaEvent_t e : m.events) cudaEventDestroy(e);
+      throw;
+    }
+    marks = nullptr;
+    released.store(true, std::memory_order_release);
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<OpTiming> out;
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i + 1 < m.events.size(); ++i) {
+      float ms = 0.0f;
+      RELAY_CUDA_CHECK(cudaEventElapsedTime(&ms, m.events[i], m.events[i + 1]));
+      auto [it, fresh] = index.emplace(m.names[i], out.size());
+      if (fresh) out.push_back({m.names[i], 0, 0.0});
+      out[it->second].calls += 1;
+      out[it->second].ms += ms;
+    }
+    for (cudaEvent_t e : m.events) cudaEventDestroy(e);
+    return out;
+  }
 };
 
 CudaBackend::CudaBackend(const std::filesystem::path& model_dir, const CudaBackendOptions& options)
@@ -1000,6 +1098,9 @@ std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch)
 std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> batch,
                                                LogitRows rows) {
   return impl_->forward_logits(batch, rows);
+}
+std::vector<OpTiming> CudaBackend::profile_forward(std::span<const StepSequence> batch) {
+  return impl_->profile_forward(batch);
 }
 const CudaLoadStats& CudaBackend::load_stats() const { return impl_->stats; }
 double CudaBackend::last_step_device_ms() const { return impl_->last_step_device_ms; }

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "engine/backend.h"
@@ -39,6 +40,13 @@ struct CudaBackendOptions {
   int num_kv_blocks = 0;       // > 0: exactly this many blocks, else all memory left
   size_t memory_reserve_bytes = size_t{1} << 30;  // left free for the CUDA context, cuBLAS, graphs
   bool cuda_graphs = true;
+};
+
+// One op's device time in profile_forward(), summed over the layers.
+struct OpTiming {
+  std::string op;  // "qkv_proj", "attention", "experts_gate_up", ... (".act_quant": FP8 input quantiser)
+  int calls = 0;
+  double ms = 0.0;
 };
 
 // What loading cost, for `relay bench` and logs.
@@ -68,6 +76,12 @@ class CudaBackend : public Backend {
   };
   // Runs the forward pass (writing K/V like step) and returns fp32 logits instead of sampling.
   std::vector<float> forward_logits(std::span<const StepSequence> batch, LogitRows rows);
+
+  // Runs the forward pass of `batch` (writing K/V, sampling nothing) once eagerly with a CUDA event
+  // between every two ops, and returns each op's device time summed over the layers, in the order
+  // the ops first ran. For `relay bench`'s per-op breakdown; the sum is close to an eager step's
+  // device time (a graph replay skips the events and is a little faster).
+  std::vector<OpTiming> profile_forward(std::span<const StepSequence> batch);
 
   const CudaLoadStats& load_stats() const;
   // Device time of the last step() from its first copy to its last (CUDA events): wall time minus

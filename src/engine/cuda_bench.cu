@@ -24,8 +24,10 @@
 
 #include "core/error.h"
 #include "engine/cuda_backend.h"
+#include "engine/fp8_kernel_bench.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
+#include "parallel/cuda/collective_bench.h"
 
 namespace relay {
 
@@ -87,6 +89,7 @@ double time_ms(const std::function<void(int)>& fn, int reps, int warmup = 2) {
 
 struct Ceilings {
   double copy_gbps = 0, gemm_tflops = 0;
+  double fp8_gemm_tflops = 0;  // measured only when an FP8 figure needs it (kernels mode, --dtype fp8)
   std::string device;
 };
 
@@ -99,6 +102,7 @@ class Reporter {
     j["device"] = ceilings_.device;
     j["ceiling_copy_gbps"] = ceilings_.copy_gbps;
     j["ceiling_gemm_tflops"] = ceilings_.gemm_tflops;
+    if (ceilings_.fp8_gemm_tflops > 0) j["ceiling_fp8_gemm_tflops"] = ceilings_.fp8_gemm_tflops;
     const std::string line = j.dump();
     std::cout << line << std::endl;
     if (file_) file_ << line << "\n" << std::flush;
@@ -309,6 +313,19 @@ ModelCosts model_costs(const ModelConfig& c, double linear_bytes) {
   return m;
 }
 
+// One "profile" record per shape: each op's device time in one eager forward (CudaBackend::
+// profile_forward), summed over the layers — where a step's time goes.
+void emit_profile(Reporter& rep, CudaBackend& backend, std::span<const StepSequence> batch, const char* phase,
+                  int batch_size, int tokens, int context) {
+  const std::vector<OpTiming> ops = backend.profile_forward(batch);
+  double total = 0.0;
+  for (const OpTiming& op : ops) total += op.ms;
+  nlohmann::json per_op = nlohmann::json::object();
+  for (const OpTiming& op : ops) per_op[op.op] = {{"ms", op.ms}, {"calls", op.calls}, {"share", op.ms / total}};
+  rep.emit({{"mode", "profile"}, {"phase", phase}, {"batch", batch_size}, {"tokens", tokens}, {"context", context},
+            {"total_ms", total}, {"ops", per_op}});
+}
+
 void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   CudaBackendOptions bo;
   bo.weights = o.dtype == "fp8" ? WeightFormat::kFp8 : o.dtype == "bf16" ? WeightFormat::kBf16 : WeightFormat::kAuto;
@@ -356,9 +373,13 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
     const double t = ms[ms.size() / 2];
     const double flops = mc.matmul_flops_per_token * len + mc.attn_flops_per_token_pair * (double(len) * (len + 1) / 2);
     const double roof_ms = std::max(flops / (c.gemm_tflops * 1e9), mc.all_weight_bytes / (c.copy_gbps * 1e6));
-    rep.emit({{"mode", "prefill"}, {"batch", 1}, {"tokens", len}, {"context", len}, {"ms_per_step", t},
-              {"tok_per_s", len / (t / 1e3)}, {"tflops", flops / (t * 1e9)}, {"roofline_ms", roof_ms},
-              {"roofline_fraction", roof_ms / t}});
+    nlohmann::json j{{"mode", "prefill"}, {"batch", 1}, {"tokens", len}, {"context", len}, {"ms_per_step", t},
+                     {"tok_per_s", len / (t / 1e3)}, {"tflops", flops / (t * 1e9)}, {"roofline_ms", roof_ms},
+                     {"roofline_fraction", roof_ms / t}};
+    // FP8's target is a fraction of the FP8 GEMM peak (the bf16 roofline above stays for comparison).
+    if (ls.fp8_linears > 0 && c.fp8_gemm_tflops > 0) j["fp8_peak_fraction"] = flops / (t * 1e9) / c.fp8_gemm_tflops;
+    rep.emit(std::move(j));
+    emit_profile(rep, backend, batch, "prefill", 1, len, len);
   }
 
   for (int ctx : pick(o.decode_contexts, {512, 4096}, {512, 4096})) {
@@ -391,6 +412,16 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
         }
       };
       for (int i = 0; i < warmup; ++i) one_step();
+      {
+        std::vector<StepSequence> batch(batch_size);
+        for (int i = 0; i < batch_size; ++i) {
+          batch[i].seq_id = i;
+          batch[i].tokens = toks[i];
+          batch[i].num_computed = computed[i];
+          batch[i].block_table = tables[i];
+        }
+        emit_profile(rep, backend, batch, "decode", batch_size, batch_size, ctx);
+      }
       const int ctx_start = computed[0] + 1;
       double device_ms = 0.0;
       const auto t0 = std::chrono::steady_clock::now();
@@ -413,17 +444,90 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   }
 }
 
+// FP8 against bf16 on the same checkpoint: next-token distributions at every position of a few
+// random-token prompts (teacher-forced), top-1 agreement and KL(p_bf16 || p_fp8) in nats. The two
+// backends are loaded one after the other with a small KV pool, so both fit beside nothing else.
+void bench_accuracy(Reporter& rep, const CudaBenchOptions& o) {
+  constexpr int kPrompts = 4, kLen = 128;
+  std::vector<std::vector<float>> logits[2];
+  int vocab = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    CudaBackendOptions bo;
+    bo.weights = pass == 0 ? WeightFormat::kBf16 : WeightFormat::kFp8;
+    bo.max_num_seqs = kLen;  // forward_logits computes the lm_head max_num_seqs rows at a time
+    bo.max_num_tokens = kLen;
+    bo.num_kv_blocks = 64;
+    CudaBackend backend(o.model_dir, bo);
+    vocab = static_cast<int>(backend.config().vocab_size);
+    std::mt19937 rng(11);
+    std::uniform_int_distribution<int32_t> token_dist(0, vocab - 1);
+    for (int p = 0; p < kPrompts; ++p) {
+      std::vector<int32_t> tokens(kLen), blocks((kLen + backend.block_size() - 1) / backend.block_size());
+      for (auto& t : tokens) t = token_dist(rng);
+      std::iota(blocks.begin(), blocks.end(), 0);
+      StepSequence s;
+      s.seq_id = p;
+      s.tokens = tokens;
+      s.block_table = blocks;
+      std::vector<StepSequence> batch{s};
+      logits[pass].push_back(backend.forward_logits(batch, CudaBackend::LogitRows::kAllTokens));
+    }
+  }
+  int agree = 0, rows = 0;
+  double kl_sum = 0.0, kl_max = 0.0;
+  auto log_softmax = [&](const float* z, std::vector<double>& out) {
+    const double mx = *std::max_element(z, z + vocab);
+    double sum = 0.0;
+    for (int v = 0; v < vocab; ++v) sum += std::exp(z[v] - mx);
+    const double lse = mx + std::log(sum);
+    for (int v = 0; v < vocab; ++v) out[v] = z[v] - lse;
+  };
+  std::vector<double> lp(vocab), lq(vocab);
+  for (int p = 0; p < kPrompts; ++p) {
+    for (int r = 0; r < kLen; ++r) {
+      const float* zp = logits[0][p].data() + size_t(r) * vocab;
+      const float* zq = logits[1][p].data() + size_t(r) * vocab;
+      log_softmax(zp, lp);
+      log_softmax(zq, lq);
+      double kl = 0.0;
+      for (int v = 0; v < vocab; ++v) kl += std::exp(lp[v]) * (lp[v] - lq[v]);
+      kl_sum += kl;
+      kl_max = std::max(kl_max, kl);
+      agree += std::max_element(zp, zp + vocab) - zp == std::max_element(zq, zq + vocab) - zq;
+      ++rows;
+    }
+  }
+  rep.emit({{"mode", "accuracy"}, {"reference", "bf16"}, {"dtype", "fp8"}, {"positions", rows},
+            {"top1_agreement", double(agree) / rows}, {"mean_kl", kl_sum / rows}, {"max_kl", kl_max}});
+}
+
 }  // namespace
 
 int run_cuda_bench(const CudaBenchOptions& o) {
-  RELAY_CHECK(o.mode == "all" || o.mode == "ceilings" || o.mode == "kernels" || o.mode == "model", "bench mode '", o.mode,
-              "' is not one of all, ceilings, kernels, model");
-  const Ceilings c = measure_ceilings(o.quick);
+  RELAY_CHECK(o.mode == "all" || o.mode == "ceilings" || o.mode == "kernels" || o.mode == "model" ||
+                  o.mode == "collectives" || o.mode == "accuracy",
+              "bench mode '", o.mode, "' is not one of all, ceilings, kernels, model, collectives, accuracy");
+  RELAY_CHECK(o.mode != "accuracy" || !o.model_dir.empty(), "bench --mode accuracy needs --model DIR");
+  Ceilings c = measure_ceilings(o.quick);
+  const bool kernels = o.mode == "all" || o.mode == "kernels";
+  if (kernels || o.dtype == "fp8") c.fp8_gemm_tflops = measure_fp8_gemm_peak_tflops();
   Reporter rep(o, c);
   rep.emit({{"mode", "ceilings"}});
-  if (o.mode == "all" || o.mode == "kernels") {
+  if (kernels) {
     bench_grouped_gemm(rep, c, o.quick);
     bench_attention(rep, c, o.quick);
+    for (auto& j : run_fp8_kernel_bench(c.copy_gbps, c.fp8_gemm_tflops, o.quick)) rep.emit(std::move(j));
+  }
+  if (o.mode == "accuracy") bench_accuracy(rep, o);
+  if (o.mode == "collectives") {
+    parallel::cuda::CollectiveBenchOptions co;
+    co.num_ranks = o.ranks;
+    if (o.quick) co.iterations = 20;
+    parallel::cuda::run_collective_bench(co, [&](const nlohmann::json& j) {
+      nlohmann::json r = j;
+      r["mode"] = "collective";
+      rep.emit(std::move(r));
+    });
   }
   if (o.mode == "all" || o.mode == "model") {
     if (o.model_dir.empty()) {

@@ -12,7 +12,7 @@
 namespace relay {
 
 struct CudaBenchOptions {
-  std::string mode = "all";            // ceilings | kernels | model | all
+  std::string mode = "all";  // ceilings | kernels | model | collectives | accuracy | all (the first three)
   std::filesystem::path model_dir;     // checkpoint for the model mode
   std::filesystem::path out_path;      // JSON lines appended here too (empty: stdout only)
   bool quick = false;                  // fewer shapes and repetitions (scripts/gpu-check.sh)
@@ -20,6 +20,7 @@ struct CudaBenchOptions {
   // at contexts 512 and 4096). The serving benchmark asks for its own batches and mean contexts.
   std::vector<int> prefill_lengths, decode_batches, decode_contexts;
   std::string dtype = "auto";  // model mode: the backend's weight format (auto | bf16 | fp8)
+  int ranks = 1;               // collectives mode: GPUs, one thread each (1: peers emulated on GPU 0)
 };
 
 // Returns the process exit code.
