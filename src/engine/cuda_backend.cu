@@ -73,6 +73,9 @@ class Arena {
 struct Fp8Weight {
   uint8_t* q = nullptr;
   float* scale = nullptr;
+  // Dense weights only: the scales repeated per row ([scale_cols, rows]), for cuBLASLt where it
+  // pairs only 1 x 128 scales (quant::expand_fp8_row_scales).
+  float* row_scale = nullptr;
   quant::Fp8PackedShape shape;  // of one copy
   bool present() const { return q != nullptr; }
 };
@@ -252,6 +255,7 @@ struct CudaBackend::Impl {
     auto count_fp8 = [&](const quant::Fp8PackedShape& s, int64_t copies) {
       count(s.code_bytes() * copies, 1);
       count(s.scale_count() * copies, 4);
+      if (copies == 1) count(s.scale_cols() * s.rows, 4);  // Fp8Weight::row_scale
     };
     count(int64_t{vocab} * H);
     count(H);
@@ -358,6 +362,12 @@ struct CudaBackend::Impl {
       }
       up.put_bytes(dst.q, q.data(), q.size());
       up.put_bytes(dst.scale, scale.data(), scale.size() * 4);
+      if (copies == 1) {
+        const std::vector<float> rows =
+            quant::expand_fp8_row_scales(scale.data(), shape.rows, shape.cols);
+        dst.row_scale = weights.take<float>(rows.size());
+        up.put_bytes(dst.row_scale, rows.data(), rows.size() * 4);
+      }
       ++stats.fp8_linears;
     };
 
@@ -666,7 +676,11 @@ struct CudaBackend::Impl {
     mark("embedding");
     kernels::launch_embedding({token_ids, embedding, residual, T, hidden, vocab}, stream);
     // x [m, k] @ w^T -> out [m, n]: cuBLASLt for bf16 weights; for FP8 ones, x is quantised per
-    // (row, 128-group) first (or already was: `quantized`), then the block-scaled GEMM.
+    // (row, 128-group) first (or already was: `quantized`), then the block-scaled GEMM — cuBLASLt's
+    // where it has one for the shape (its x scales are group-major), else Relay's kernel.
+    auto fp8_on_cublaslt = [&](const Fp8Weight& w8, int m, int k) {
+      return kernels::fp8_block_matmul_cublaslt_supported(m, static_cast<int>(w8.shape.rows), k);
+    };
     auto linear = [&](const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8,
                       const bf16* bias, bf16* out, int m, int n, int k, bool quantized = false) {
       if (!w8.present()) {
@@ -674,13 +688,21 @@ struct CudaBackend::Impl {
         kernels::launch_matmul({x, w16, bias, out, m, n, k}, stream);
         return;
       }
+      const bool lt = fp8_on_cublaslt(w8, m, k);
       if (!quantized) {
         mark(name, ".act_quant");
-        kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k}, stream);
+        kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k, quant::kFp8BlockSize, lt},
+                                      stream);
       }
       mark(name);
-      kernels::launch_fp8_block_matmul(
-          {act_q, act_scale, w8.q, w8.scale, out, m, static_cast<int>(w8.shape.rows), k}, stream);
+      const quant::Fp8BlockMatmulParams<bf16> mp{act_q, act_scale, w8.q, w8.scale, out, m,
+                                                 static_cast<int>(w8.shape.rows), k,
+                                                 quant::kFp8BlockSize, quant::kFp8BlockSize, lt};
+      if (lt) {
+        kernels::launch_fp8_block_matmul_cublaslt(mp, w8.row_scale, stream);
+      } else {
+        kernels::launch_fp8_block_matmul(mp, stream);
+      }
       (void)n;  // an FP8 weight's packed rows (n plus any padding between fused parts)
     };
     // The MoE form over permuted rows.
@@ -703,11 +725,13 @@ struct CudaBackend::Impl {
           stream);
     };
     // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
-    // quantised activation buffer.
+    // quantised activation buffer, its scales in the layout the down GEMM reads.
     auto swiglu = [&](const LayerWeights& w, int rows) {
       mark(w.down8.present() ? "swiglu_fp8_quant" : "swiglu");
       if (w.down8.present()) {
-        kernels::launch_swiglu_fp8_quant({gate_up, act_q, act_scale, rows, w.act_width}, stream);
+        const bool group_major = !w.moe && fp8_on_cublaslt(w.down8, rows, w.act_width);
+        kernels::launch_swiglu_fp8_quant({gate_up, act_q, act_scale, rows, w.act_width, group_major},
+                                         stream);
       } else {
         kernels::launch_swiglu({gate_up, act, rows, w.act_width}, stream);
       }

@@ -243,22 +243,38 @@ void bench_decode(std::vector<nlohmann::json>& out, double copy_gbps, bool quick
 
 void bench_dense(std::vector<nlohmann::json>& out, double copy_gbps, double peak, bool quick) {
   const int n = 4096, k = 2048;
-  for (int m : {4096, 1}) {
-    Fp8Problem prob(m, 1, n, k, m == 1 ? 8 : 1);
-    const double ms = time_ms(
-        [&](int i) { kernels::launch_fp8_block_matmul(prob.dense(i), nullptr); }, quick ? 10 : 50);
-    const double flops = 2.0 * m * double(n) * k, bytes = double(n) * k;
-    nlohmann::json j = {
-        {"mode", "kernel"}, {"kernel", "fp8_dense_gemm"},  {"m", m}, {"n", n}, {"k", k},
-        {"ms", ms},         {"tflops", flops / (ms * 1e9)}};
-    if (m == 1) {
-      j["gbps"] = bytes / (ms * 1e6);
-      j["fraction_of_copy"] = bytes / (ms * 1e6) / copy_gbps;
-    } else {
-      j["fp8_peak_tflops"] = peak;
-      j["fraction_of_peak"] = flops / (ms * 1e9) / peak;
+  for (int m : {4096, 64, 1}) {
+    for (bool lt : {false, true}) {
+      if (lt && !kernels::fp8_block_matmul_cublaslt_supported(m, n, k)) continue;
+      Fp8Problem prob(m, 1, n, k, m <= 64 ? 8 : 1);
+      // Values do not matter for timing: any [ceil(k / 128), n] buffer serves as row scales.
+      DevBuf<float> row_scales(size_t(blocks128(k)) * n);
+      // The scale values are random either way; only their layout flag differs.
+      const double ms = time_ms(
+          [&](int i) {
+            quant::Fp8BlockMatmulParams<bf16> p = prob.dense(i);
+            p.x_scale_group_major = lt;
+            if (lt) {
+              kernels::launch_fp8_block_matmul_cublaslt(p, row_scales.p, nullptr);
+            } else {
+              kernels::launch_fp8_block_matmul(p, nullptr);
+            }
+          },
+          quick ? 10 : 50);
+      const double flops = 2.0 * m * double(n) * k, bytes = double(n) * k;
+      nlohmann::json j = {{"mode", "kernel"}, {"kernel", "fp8_dense_gemm"},
+                          {"m", m},           {"n", n},
+                          {"k", k},           {"variant", lt ? "cublaslt" : "relay"},
+                          {"ms", ms},         {"tflops", flops / (ms * 1e9)}};
+      if (m <= 64) {
+        j["gbps"] = bytes / (ms * 1e6);
+        j["fraction_of_copy"] = bytes / (ms * 1e6) / copy_gbps;
+      } else {
+        j["fp8_peak_tflops"] = peak;
+        j["fraction_of_peak"] = flops / (ms * 1e9) / peak;
+      }
+      out.push_back(j);
     }
-    out.push_back(j);
   }
 }
 

@@ -68,10 +68,14 @@ void check_offsets(const int32_t* offsets, int num_experts, int num_rows, const 
 
 void quantize_rows_fp8(const Fp8ActQuantParams<float>& p, int64_t r0, int64_t r1) {
   const int num_groups = static_cast<int>(ceil_div(p.k, p.group_size));
+  std::vector<float> row_scales(num_groups);
   for (int64_t r = r0; r < r1; ++r) {
     // A 1 x group_size block of the weight recipe, so weights and activations share one definition.
-    quantize_weight_fp8_block(p.x + r * p.k, 1, p.k, 1, p.group_size, p.q + r * p.k,
-                              p.scale + r * num_groups);
+    float* scales = p.group_major_scales ? row_scales.data() : p.scale + r * num_groups;
+    quantize_weight_fp8_block(p.x + r * p.k, 1, p.k, 1, p.group_size, p.q + r * p.k, scales);
+    if (p.group_major_scales) {
+      for (int g = 0; g < num_groups; ++g) p.scale[g * int64_t{p.num_tokens} + r] = scales[g];
+    }
   }
 }
 
@@ -93,9 +97,20 @@ void launch_fp8_block_matmul(const Fp8BlockMatmulParams<float>& p, ThreadPool& p
   pool.parallel_for(p.m, 1, [&](int64_t r0, int64_t r1) {
     scaled_rows(
         p.x, p.out, r0, r1, p.n, p.k, p.block_k, [&](int64_t) { return p.w; },
-        [&](int64_t r, int g) { return p.x_scale[r * num_groups + g]; },
+        [&](int64_t r, int g) {
+          return p.x_scale_group_major ? p.x_scale[g * int64_t{p.m} + r] : p.x_scale[r * num_groups + g];
+        },
         [&](int64_t, int j, int g) { return p.w_scale[(j / p.block_n) * num_groups + g]; });
   });
+}
+
+std::vector<float> expand_fp8_row_scales(const float* block_scales, int64_t n, int64_t k) {
+  const int64_t groups = ceil_div(k, kFp8BlockSize);
+  std::vector<float> rows(static_cast<size_t>(groups * n));
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < n; ++r) rows[g * n + r] = block_scales[(r / kFp8BlockSize) * groups + g];
+  }
+  return rows;
 }
 
 void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<float>& p,

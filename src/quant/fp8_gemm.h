@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "quant/quant_config.h"
 
@@ -41,6 +42,9 @@ struct Fp8ActQuantParams {
   int num_tokens = 0;
   int k = 0;
   int group_size = kFp8BlockSize;
+  // false: scale[t * groups + g]; true: scale[g * num_tokens + t], the token-contiguous layout
+  // cuBLASLt's 1 x 128 block scaling (VEC128_32F) reads.
+  bool group_major_scales = false;
 };
 void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool);
 
@@ -48,7 +52,7 @@ void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool);
 template <typename T>
 struct Fp8BlockMatmulParams {
   const uint8_t* x = nullptr;      // [m, k] e4m3
-  const float* x_scale = nullptr;  // [m, ceil(k / block_k)]
+  const float* x_scale = nullptr;  // [m, ceil(k / block_k)], or [ceil(k / block_k), m]
   const uint8_t* w = nullptr;      // [n, k] e4m3
   const float* w_scale =
       nullptr;       // [ceil(n / block_n), ceil(k / block_k)] (the checkpoint's weight_scale_inv)
@@ -58,8 +62,14 @@ struct Fp8BlockMatmulParams {
   int k = 0;
   int block_n = kFp8BlockSize;  // weight block rows
   int block_k = kFp8BlockSize;  // weight block columns = activation group size
+  bool x_scale_group_major = false;  // x_scale as Fp8ActQuantParams::group_major_scales wrote it
 };
 void launch_fp8_block_matmul(const Fp8BlockMatmulParams<float>& p, ThreadPool& pool);
+
+// The 128 x 128 block scales of an [n, k] weight ([ceil(n / 128), ceil(k / 128)]) as one scale per
+// row and 128-group of k, group-major ([ceil(k / 128), n]): the 1 x 128 layout cuBLASLt reads for
+// the weight operand when it has no 128 x 128 algorithm (kernels/cuda/fp8_cuda.h).
+std::vector<float> expand_fp8_row_scales(const float* block_scales, int64_t n, int64_t k);
 
 // The MoE form: out[r] = x[r] @ w[e]^T for every permuted row r of expert e, block-scaled.
 template <typename T>

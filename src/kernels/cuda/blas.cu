@@ -1,4 +1,5 @@
-// Dense GEMMs through cuBLASLt: every linear layer (bf16 out) and the LM head (fp32 logits).
+// Dense GEMMs through cuBLASLt: every bf16 linear layer (bf16 out), the block-scaled FP8 dense
+// projections (fp8_cuda.h) and the LM head (fp32 logits).
 //
 // Row-major out[m, n] = x[m, k] @ w[n, k]^T is, in cuBLAS's column-major terms, out^T = w x^T with
 // w transposed: A = w (k x n, transposed), B = x (k x m), C = out (n x m). A plan (descriptors plus
@@ -7,11 +8,15 @@
 // the rows that sample into a contiguous buffer (a no-op copy in decode, where every row samples).
 #include <cublasLt.h>
 
+#include <cstdio>
+
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_cuda.h"
 #include "kernels/cuda/ops_cuda.h"
 
 namespace relay::kernels {
@@ -101,6 +106,126 @@ class Blas {
   std::map<std::tuple<int, int, int, bool, bool>, Plan> plans_;
 };
 
+// Block-scaled FP8 (DeepSeek recipe) through cuBLASLt: A = w (e4m3, k x n transposed), B = x
+// (e4m3, k x m, one fp32 scale per 1 x 128 group, token-contiguous), D bf16. A's scales are the
+// checkpoint's 128 x 128 blocks (BLK128x128_32F, row pitch ceil(k / 128)) where cuBLASLt has an
+// algorithm for that pairing, else the same values repeated for each of a block's 128 rows
+// (VEC128_32F, [ceil(k / 128), n]) — an identical product. The plan records which. The scale
+// pointers are per call, set on the cached descriptor before each launch as the bias is above.
+struct Fp8Plan {
+  Plan plan;
+  bool row_scales = false;  // A scaled 1 x 128 (VEC128) rather than 128 x 128
+};
+
+class Fp8Blas {
+ public:
+  static Fp8Blas& get() {
+    static Fp8Blas blas;
+    return blas;
+  }
+
+  // The plan for (m, n, k), or null when cuBLASLt has no algorithm for it (cached either way).
+  const Fp8Plan* plan_for(int m, int n, int k) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto key = std::make_tuple(m, n, k);
+    auto it = plans_.find(key);
+    if (it != plans_.end()) return it->second.plan.desc ? &it->second : nullptr;
+    cublasStatus_t status[2] = {CUBLAS_STATUS_SUCCESS, CUBLAS_STATUS_SUCCESS};
+    for (bool row_scales : {false, true}) {
+      if (std::optional<Plan> plan = try_plan(m, n, k, row_scales, &status[row_scales])) {
+        return &plans_.emplace(key, Fp8Plan{*plan, row_scales}).first->second;
+      }
+    }
+    if (!reported_unsupported_) {  // once per process: decode batch sizes would repeat it
+      std::fprintf(stderr,
+                   "relay: cuBLASLt has no block-scaled FP8 GEMM for m %d n %d k %d (heuristic status %d / %d "
+                   "for 128x128 / 1x128 weight scales); Relay's own kernel runs such shapes\n",
+                   m, n, k, static_cast<int>(status[0]), static_cast<int>(status[1]));
+      reported_unsupported_ = true;
+    }
+    plans_.emplace(key, Fp8Plan{});  // remembered as unsupported
+    return nullptr;
+  }
+
+  void gemm(const quant::Fp8BlockMatmulParams<bf16>& p, const float* w_row_scale, cudaStream_t s) {
+    const Fp8Plan* fp = plan_for(p.m, p.n, p.k);
+    RELAY_CHECK(fp != nullptr, "cuBLASLt has no block-scaled FP8 algorithm for m ", p.m, " n ", p.n, " k ", p.k,
+                " (ask fp8_block_matmul_cublaslt_supported first)");
+    RELAY_CHECK(!fp->row_scales || w_row_scale != nullptr, "fp8_block_matmul_cublaslt: cuBLASLt takes the weight ",
+                "scales per row (1 x 128) for m ", p.m, " n ", p.n, " k ", p.k, ", and none were given");
+    const Plan& plan = fp->plan;
+    const void* a_scale = fp->row_scales ? w_row_scale : p.w_scale;
+    const void* b_scale = p.x_scale;
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
+                                                      sizeof(a_scale)));
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
+                                                      sizeof(b_scale)));
+    const float alpha = 1.0f, beta = 0.0f;
+    RELAY_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.out, plan.c,
+                                      p.out, plan.c, &plan.algo, workspace_, kWorkspaceBytes, s));
+  }
+
+ private:
+  Fp8Blas() {
+    RELAY_CUBLAS_CHECK(cublasLtCreate(&handle_));
+    RELAY_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+  }
+
+  // `status`: the heuristic's status (SUCCESS with no algorithm found reads as NOT_SUPPORTED).
+  std::optional<Plan> try_plan(int m, int n, int k, bool row_scales, cublasStatus_t* status) {
+    Plan plan;
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+    const cublasLtMatmulMatrixScale_t a_mode =
+                                          row_scales ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                                     : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                                      b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)));
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)));
+    // NOTE: set before the heuristic too (the real pointers replace them per call): a null scale
+    // pointer can make cuBLASLt treat the operand as unscaled when it picks algorithms.
+    const void* placeholder = workspace_;
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder,
+                                                      sizeof(placeholder)));
+    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder,
+                                                      sizeof(placeholder)));
+    RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, k, n, k));
+    RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, k, m, k));
+    RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, n, m, n));
+    cublasLtMatmulPreference_t pref;
+    RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                            &kWorkspaceBytes, sizeof(kWorkspaceBytes)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c,
+                                                             pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    *status = st == CUBLAS_STATUS_SUCCESS && found == 0 ? CUBLAS_STATUS_NOT_SUPPORTED : st;
+    if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+      cublasLtMatrixLayoutDestroy(plan.a);
+      cublasLtMatrixLayoutDestroy(plan.b);
+      cublasLtMatrixLayoutDestroy(plan.c);
+      cublasLtMatmulDescDestroy(plan.desc);
+      return std::nullopt;
+    }
+    plan.algo = result.algo;
+    return plan;
+  }
+
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::mutex mutex_;
+  std::map<std::tuple<int, int, int>, Fp8Plan> plans_;
+  bool reported_unsupported_ = false;
+};
+
+bool fp8_cublaslt_shape_ok(int n, int k) {
+  return n > 0 && k > 0 && n % 16 == 0 && k % 16 == 0 && ceil_div(k, quant::kFp8BlockSize) % 4 == 0;
+}
+
 __global__ void gather_rows_kernel(const bf16* x, const int32_t* rows, bf16* out, int hidden) {
   const Bf16x8* src = reinterpret_cast<const Bf16x8*>(x + static_cast<int64_t>(rows[blockIdx.x]) * hidden);
   Bf16x8* dst = reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(blockIdx.x) * hidden);
@@ -117,6 +242,25 @@ DeviceWorkspace& gather_workspace() {
 void launch_matmul(const MatmulParams<bf16>& p, cudaStream_t s) {
   if (p.m == 0) return;
   Blas::get().gemm(p.x, p.w, p.bias, p.out, false, p.m, p.n, p.k, s);
+}
+
+bool fp8_block_matmul_cublaslt_supported(int m, int n, int k) {
+  return m > 0 && fp8_cublaslt_shape_ok(n, k) && Fp8Blas::get().plan_for(m, n, k) != nullptr;
+}
+
+void launch_fp8_block_matmul_cublaslt(const quant::Fp8BlockMatmulParams<bf16>& p, const float* w_row_scale,
+                                      cudaStream_t s) {
+  RELAY_CHECK(fp8_cublaslt_shape_ok(p.n, p.k) && p.m >= 0, "fp8_block_matmul_cublaslt: m ", p.m, " n ", p.n, " k ",
+              p.k, " (n and k multiples of 16, ceil(k / 128) a multiple of 4)");
+  RELAY_CHECK(p.block_n == quant::kFp8BlockSize && p.block_k == quant::kFp8BlockSize,
+              "fp8_block_matmul_cublaslt: blocks ", p.block_n, "x", p.block_k, " (only 128 x 128)");
+  RELAY_CHECK(p.x_scale_group_major, "fp8_block_matmul_cublaslt: x scales must be group-major (cuBLASLt's VEC128 layout)");
+  for (const void* ptr : {static_cast<const void*>(p.x), static_cast<const void*>(p.w), static_cast<const void*>(p.out),
+                          static_cast<const void*>(p.x_scale), static_cast<const void*>(p.w_scale)}) {
+    RELAY_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "fp8_block_matmul_cublaslt: pointers must be 16-byte aligned");
+  }
+  if (p.m == 0) return;
+  Fp8Blas::get().gemm(p, w_row_scale, s);
 }
 
 void launch_lm_head(const LmHeadParams<bf16>& p, cudaStream_t s) {

@@ -34,9 +34,10 @@ void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t 
 struct SwigluFp8QuantParams {
   const bf16* gate_up = nullptr;  // [num_rows, 2 * width], gate then up (as SwigluParams)
   uint8_t* q = nullptr;           // [num_rows, width] e4m3 codes of h
-  float* scale = nullptr;         // [num_rows, ceil(width / 128)]
+  float* scale = nullptr;         // [num_rows, ceil(width / 128)] (or group-major, below)
   int num_rows = 0;
   int width = 0;
+  bool group_major_scales = false;  // as quant::Fp8ActQuantParams::group_major_scales
 };
 void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s);
 
@@ -50,10 +51,24 @@ void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf
 void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
                                      GroupedGemmKind kind, cudaStream_t s);
 
-// The dense block-scaled GEMM: the grouped kernels with the whole of m as one expert.
+// The dense block-scaled GEMM: the grouped kernels with the whole of m as one expert (x scales
+// token-major).
 void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, cudaStream_t s);
 void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, GroupedGemmKind kind,
                              cudaStream_t s);
+
+// The dense block-scaled GEMM through cuBLASLt (CUDA >= 12.9 on Hopper: fp32 accumulation
+// promoted per 128-block of k). x is scaled per 1 x 128 group (VEC128_32F) and must be quantised
+// with group-major scales (x_scale_group_major). The weight is scaled per 128 x 128 block
+// (BLK128x128_32F, p.w_scale) where cuBLASLt has an algorithm pairing the two, else per 1 x 128
+// group with w_row_scale ([ceil(k / 128), n]: each block's scale repeated for its 128 rows, made by
+// expand_fp8_row_scales) — the same product either way. Needs ceil(k / 128) a multiple of 4, n and
+// k multiples of 16 and 16-byte aligned pointers. fp8_block_matmul_cublaslt_supported says whether
+// cuBLASLt has an algorithm for the shape (asked once per shape and cached). The backend uses it
+// for the dense projections wherever supported.
+bool fp8_block_matmul_cublaslt_supported(int m, int n, int k);
+void launch_fp8_block_matmul_cublaslt(const quant::Fp8BlockMatmulParams<bf16>& p,
+                                      const float* w_row_scale, cudaStream_t s);
 
 // MXFP8 (the Blackwell format) on Hopper, a correctness path: activations -> e4m3 + E8M0 per
 // (token, 32-group), bit-identical to the CPU quantiser; the GEMMs apply sx[row, g] * sw[col, g] to

@@ -540,6 +540,9 @@ void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, Grouped
                              cudaStream_t s) {
   check_block_shape("fp8_block_matmul", p.n, p.k, p.block_n, p.block_k);
   RELAY_CHECK(p.m >= 0, "fp8_block_matmul: m ", p.m, " is negative");
+  RELAY_CHECK(!p.x_scale_group_major,
+              "fp8_block_matmul: Relay's kernels read token-major x scales; group-major ones are "
+              "cuBLASLt's layout (launch_fp8_block_matmul_cublaslt)");
   run_block_scaled({p.x, p.x_scale, p.w, p.w_scale, nullptr, p.out, p.m, 1, p.n, p.k}, kind, s);
 }
 

@@ -66,7 +66,8 @@ __device__ __forceinline__ void load_row_values(const bf16* x, int64_t row, int 
 // One 128-group per 16 lanes: scale = amax / 448 (1 for an all-zero group), q = e4m3(x / scale).
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kQuantThreads)
-    fp8_act_quant_kernel(const bf16* x, uint8_t* q, float* scale, int num_rows, int k) {
+    fp8_act_quant_kernel(const bf16* x, uint8_t* q, float* scale, int num_rows, int k,
+                         bool group_major_scales) {
   constexpr int kLanes = quant::kFp8BlockSize / 8;
   const int groups = (k + quant::kFp8BlockSize - 1) / quant::kFp8BlockSize;
   const int64_t unit = (blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x) / kLanes;
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(kQuantThreads)
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = __fdiv_rn(v[e], s);
   *reinterpret_cast<uint2*>(q + row * k + c) = f32x8_to_e4m3(v);
-  if (part == 0) scale[row * groups + g] = s;
+  if (part == 0) scale[group_major_scales ? g * int64_t{num_rows} + row : row * groups + g] = s;
 }
 
 // The E8M0 code of quant::e8m0_scale_code_for_amax: the smallest e with amax <= 448 * 2^(e - 127).
@@ -144,7 +145,7 @@ void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t 
   const int groups = ceil_div(p.k, quant::kFp8BlockSize);
   fp8_act_quant_kernel<false>
       <<<quant_blocks(p.num_tokens, groups, quant::kFp8BlockSize / 8), kQuantThreads, 0, s>>>(
-          p.x, p.q, p.scale, p.num_tokens, p.k);
+          p.x, p.q, p.scale, p.num_tokens, p.k, p.group_major_scales);
   RELAY_CUDA_CHECK_LAUNCH("fp8_act_quant_kernel");
 }
 
@@ -155,7 +156,7 @@ void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s) {
   const int groups = ceil_div(p.width, quant::kFp8BlockSize);
   fp8_act_quant_kernel<true>
       <<<quant_blocks(p.num_rows, groups, quant::kFp8BlockSize / 8), kQuantThreads, 0, s>>>(
-          p.gate_up, p.q, p.scale, p.num_rows, p.width);
+          p.gate_up, p.q, p.scale, p.num_rows, p.width, p.group_major_scales);
   RELAY_CUDA_CHECK_LAUNCH("fp8_act_quant_kernel<swiglu>");
 }
 

@@ -1,6 +1,6 @@
 // Fused per-head RMSNorm of q and k, rotate-half RoPE, and the paged HND KV-cache write.
 //
-// One CTA per token, one warp per head: a warp normalises its head in fp32 (sum of squares by warp
+// One warp per head (a token's heads spread over a row of CTAs): a warp normalises its head in fp32 (sum of squares by warp
 // shuffle), rotates pairs (i, i + head_dim/2) in registers and writes q to q_out or k/v to the page
 // at slot_mapping[t] ([block][kv_head][offset][head_dim]). cos/sin use full-precision sinf/cosf of
 // the fp32 product position * inv_freq, as the CPU reference and transformers do: positions reach
@@ -18,14 +18,16 @@ constexpr int kMaxHeadDim = 256;
 
 __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
   const int t = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
+  const int warp = blockIdx.y * num_warps + (threadIdx.x >> 5);  // this warp's first head
+  const int head_stride = gridDim.y * num_warps;
   const int hd = p.head_dim, half = hd / 2;
   const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, hd, p.section_align);
   const bf16* src = p.qkv + t * sec.row;
   const float pos = static_cast<float>(p.positions[t]);
   const int64_t slot = p.slot_mapping[t];
   const int num_heads = p.num_q_heads + 2 * p.num_kv_heads;
-  for (int h = warp; h < num_heads; h += num_warps) {
+  for (int h = warp; h < num_heads; h += head_stride) {
     const bf16* in =
         h < p.num_q_heads ? src + static_cast<int64_t>(h) * hd
         : h < p.num_q_heads + p.num_kv_heads
@@ -84,7 +86,12 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaSt
   RELAY_CHECK(p.head_dim % 2 == 0 && p.head_dim <= kMaxHeadDim, "qk_norm_rope_kv_write: head_dim ",
               p.head_dim, " must be even and at most ", kMaxHeadDim);
   if (p.num_tokens == 0) return;
-  qk_norm_rope_kv_write_kernel<<<p.num_tokens, 256, 0, s>>>(p);
+  // One warp per head, in CTAs of 8 warps: a decode step of a few tokens spreads its heads over
+  // several SMs instead of queueing five heads per warp in one CTA.
+  constexpr int kWarps = 8;
+  const int num_heads = p.num_q_heads + 2 * p.num_kv_heads;
+  const dim3 grid(p.num_tokens, ceil_div(num_heads, kWarps));
+  qk_norm_rope_kv_write_kernel<<<grid, kWarps * 32, 0, s>>>(p);
   RELAY_CUDA_CHECK_LAUNCH("qk_norm_rope_kv_write_kernel");
 }
 

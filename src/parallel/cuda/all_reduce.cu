@@ -1,5 +1,10 @@
 // See all_reduce.h for the algorithms and the window layout.
 //
+// Kernel params are __grid_constant__: each block indexes p.ranks[blockIdx.y], and a by-value param
+// indexed at run time would otherwise be copied to every thread's local memory (on the H200 such a
+// copy read out of bounds under compute-sanitizer). The partial-unit loops have a fixed trip count so
+// the accumulators stay in registers.
+//
 // Elements move in 16-byte units (4 fp32 or 8 bf16). The last unit may be partial, and a user
 // buffer that is not 16-byte aligned is read and written one element at a time; staging areas are
 // always aligned. Two-shot slices are whole multiples of 8 units (128 bytes, one cache line), so no
@@ -58,7 +63,10 @@ __device__ __forceinline__ void add_unit(const T* src, size_t u, size_t count, f
 #pragma unroll
     for (int i = 0; i < kE; ++i) acc[i] += to_float(v[i]);
   } else {
-    for (int i = 0; first + i < count; ++i) acc[i] += to_float(load_cg(src + first + i));
+#pragma unroll
+    for (int i = 0; i < kE; ++i) {
+      if (first + i < count) acc[i] += to_float(load_cg(src + first + i));
+    }
   }
 }
 
@@ -75,7 +83,10 @@ __device__ __forceinline__ void store_unit(T* dst, size_t u, size_t count, const
     for (int i = 0; i < kE; ++i) v[i] = from_float<T>(acc[i]);
     reinterpret_cast<int4*>(dst)[u] = raw;
   } else {
-    for (int i = 0; first + i < count; ++i) dst[first + i] = from_float<T>(acc[i]);
+#pragma unroll
+    for (int i = 0; i < kE; ++i) {
+      if (first + i < count) dst[first + i] = from_float<T>(acc[i]);
+    }
   }
 }
 
@@ -88,7 +99,10 @@ __device__ __forceinline__ void copy_unit(const T* src, T* dst, size_t u, size_t
   if (src_aligned && dst_aligned && first + kE <= count) {
     reinterpret_cast<int4*>(dst)[u] = __ldcg(reinterpret_cast<const int4*>(src) + u);
   } else {
-    for (int i = 0; first + i < count; ++i) dst[first + i] = load_cg(src + first + i);
+#pragma unroll
+    for (int i = 0; i < kE; ++i) {
+      if (first + i < count) dst[first + i] = load_cg(src + first + i);
+    }
   }
 }
 
@@ -126,7 +140,7 @@ __device__ __forceinline__ void write_epoch(const AllReduceRankView& v, uint32_t
 
 template <typename T>
 __global__ void __launch_bounds__(kAllReduceThreads)
-    one_shot_all_reduce_kernel(const PeerAllReduceParams p) {
+    one_shot_all_reduce_kernel(const __grid_constant__ PeerAllReduceParams p) {
   const AllReduceRankView& v = p.ranks[blockIdx.y];
   T* data = static_cast<T*>(v.data);
   const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
@@ -150,7 +164,7 @@ __global__ void __launch_bounds__(kAllReduceThreads)
 
 template <typename T>
 __global__ void __launch_bounds__(kAllReduceThreads)
-    two_shot_all_reduce_kernel(const PeerAllReduceParams p, size_t slice_units) {
+    two_shot_all_reduce_kernel(const __grid_constant__ PeerAllReduceParams p, size_t slice_units) {
   const AllReduceRankView& v = p.ranks[blockIdx.y];
   T* data = static_cast<T*>(v.data);
   const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0;
@@ -188,7 +202,7 @@ __global__ void __launch_bounds__(kAllReduceThreads)
   write_epoch(v, epoch + 3);
 }
 
-__global__ void peer_barrier_kernel(const PeerAllReduceParams p) {
+__global__ void peer_barrier_kernel(const __grid_constant__ PeerAllReduceParams p) {
   const AllReduceRankView& v = p.ranks[blockIdx.y];
   const uint32_t epoch = read_epoch(v);
   block_barrier(v, p.num_ranks, epoch + 1, p.timeout_ns);

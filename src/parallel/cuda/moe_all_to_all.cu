@@ -53,7 +53,7 @@ __device__ __forceinline__ bool last_block_done(MoeSignals* mine, int num_blocks
   return last;
 }
 
-__global__ void __launch_bounds__(kMoeThreads) moe_dispatch_kernel(const MoeDispatchParams p) {
+__global__ void __launch_bounds__(kMoeThreads) moe_dispatch_kernel(const __grid_constant__ MoeDispatchParams p) {
   const MoeDispatchRankView& v = p.ranks[blockIdx.y];
   const MoeWindowLayout& L = p.layout;
   const int num_ranks = L.num_ranks, k = L.top_k, per_rank = p.num_experts / num_ranks;
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_dispatch_kernel(const MoeDisp
   if (threadIdx.x == 0) mine->dispatch_epoch = epoch;
 }
 
-__global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const MoeCombineParams p) {
+__global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const __grid_constant__ MoeCombineParams p) {
   const MoeCombineRankView& v = p.ranks[blockIdx.y];
   const MoeWindowLayout& L = p.layout;
   const int num_ranks = L.num_ranks;

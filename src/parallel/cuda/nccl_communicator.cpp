@@ -75,7 +75,10 @@ SymmetricWindow::SymmetricWindow(NcclCommunicator& comm, size_t bytes)
       comm.comm());
   cudaStream_t stream = nullptr;
   RELAY_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  peers_ = lsa_peer_pointers(window_, comm.size(), stream);
+  // NOTE: a one-rank group has no peers to map, and reading its window's device descriptor
+  // faulted (illegal address) on the H200 with NCCL 2.28: the local buffer is the whole list.
+  peers_ = comm.size() == 1 ? std::vector<char*>{static_cast<char*>(buffer_)}
+                            : lsa_peer_pointers(window_, comm.size(), stream);
   // Zero flags and counters everywhere before any peer may signal into this window.
   RELAY_CUDA_CHECK(cudaMemsetAsync(buffer_, 0, bytes_, stream));
   comm.barrier(stream);

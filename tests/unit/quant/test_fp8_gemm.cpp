@@ -106,6 +106,36 @@ TEST(Fp8BlockMatmul, MatchesDoubleProductOfDequantisedOperands) {
   }
 }
 
+// cuBLASLt's layouts: group-major activation scales, and weight scales repeated per row. The GEMM
+// with group-major x scales gives the same bits as with token-major ones.
+TEST(Fp8BlockMatmul, GroupMajorScalesAndRowScalesAreTheSameNumbers) {
+  ThreadPool pool(2);
+  std::mt19937 rng(7);
+  for (const Shape& s : kShapes) {
+    const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f),
+                             w = random_matrix(s.n, s.k, rng, 0.02f);
+    const int kg = static_cast<int>(ceil_div(s.k, 128)), ng = static_cast<int>(ceil_div(s.n, 128));
+    std::vector<uint8_t> xq(x.size()), xq_g(x.size()), wq(w.size());
+    std::vector<float> xs(s.m * kg), xs_g(s.m * kg), ws(ng * kg), out(s.m * s.n), out_g(s.m * s.n);
+    launch_fp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k, 128}, pool);
+    launch_fp8_act_quant({x.data(), xq_g.data(), xs_g.data(), s.m, s.k, 128, true}, pool);
+    EXPECT_EQ(xq, xq_g);
+    for (int r = 0; r < s.m; ++r)
+      for (int g = 0; g < kg; ++g) ASSERT_EQ(xs_g[g * s.m + r], xs[r * kg + g]);
+    quantize_weight_fp8_block(w.data(), s.n, s.k, 128, 128, wq.data(), ws.data());
+    launch_fp8_block_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
+                            pool);
+    launch_fp8_block_matmul({xq.data(), xs_g.data(), wq.data(), ws.data(), out_g.data(), s.m, s.n,
+                             s.k, 128, 128, true},
+                            pool);
+    EXPECT_EQ(out, out_g);
+    const std::vector<float> rows = expand_fp8_row_scales(ws.data(), s.n, s.k);
+    ASSERT_EQ(rows.size(), static_cast<size_t>(kg) * s.n);
+    for (int g = 0; g < kg; ++g)
+      for (int j = 0; j < s.n; ++j) ASSERT_EQ(rows[g * s.n + j], ws[(j / 128) * kg + g]);
+  }
+}
+
 // Offsets with an empty first expert, an empty middle one, and uneven groups.
 std::vector<int32_t> offsets_for(int num_rows, int num_experts, std::mt19937& rng) {
   std::vector<int32_t> offsets(num_experts + 1, 0);
