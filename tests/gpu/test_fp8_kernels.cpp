@@ -220,9 +220,32 @@ TEST(GpuFp8Kernels, CublasLtBlockMatmulMatchesTheCpu) {
                                                d_out.get(), c.m, c.n, c.k, 128, 128, true},
                                               d_wr.get(), nullptr);
     GPU_TEST_CUDA(cudaDeviceSynchronize());
-    expect_gemm_close(d_out.download(), ref,
-                      "cublaslt m " + std::to_string(c.m) + " n " + std::to_string(c.n) + " k " +
-                          std::to_string(c.k));
+    // NOTE: Hopper's FP8 tensor cores (wgmma) accumulate inside a 128-block of k with reduced
+    // precision (DeepSeek-V3, section 3.3.2), so cuBLASLt's error scales with the sum of |terms|,
+    // not with |result|, where Relay's mma.sync kernel meets the fp32 bound above. Measured on the
+    // H200 (2026-12-03): worst |error| / sum|terms| 1.2e-3 to 3.1e-3 over these shapes, all within
+    // 2^-11 of the sum plus 2^-7 of |result|, the bound below. The sum of |terms| is the reference
+    // GEMM on the codes' magnitudes (e4m3 sign bit cleared; scales are positive).
+    std::vector<uint8_t> xa(xq), wa(w.q);
+    for (uint8_t& v : xa) v &= 0x7F;
+    for (uint8_t& v : wa) v &= 0x7F;
+    std::vector<float> abs_sum(ref.size());
+    quant::launch_fp8_block_matmul({xa.data(), xs.data(), wa.data(), w.scale.data(), abs_sum.data(),
+                                    c.m, c.n, c.k, 128, 128, true},
+                                   pool());
+    const std::vector<float> got = to_f32(d_out.download());
+    size_t bad = 0, first_bad = 0;
+    double worst = 0.0;  // the largest |error| / sum of |terms|
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double err = std::fabs(double(got[i]) - ref[i]);
+      worst = std::max(worst, err / std::max(double(abs_sum[i]), 1e-30));
+      if (err > 0x1p-11 * abs_sum[i] + 0x1p-7 * std::fabs(ref[i]) && bad++ == 0) first_bad = i;
+    }
+    std::cout << "cuBLASLt m " << c.m << " n " << c.n << " k " << c.k
+              << ": worst |error| / sum|terms| = " << worst << "\n";
+    EXPECT_EQ(bad, 0u) << "cublaslt m " << c.m << " n " << c.n << " k " << c.k << ": first at "
+                       << first_bad << ": " << got[first_bad] << " vs " << ref[first_bad]
+                       << " (sum of |terms| " << abs_sum[first_bad] << ")";
   }
   // What it cannot run is refused with a message, not run wrongly.
   EXPECT_FALSE(kernels::fp8_block_matmul_cublaslt_supported(4, 256, 384));  // 3 k-blocks
