@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: build (or take a prebuilt CUDA build), run every GPU test, then a
-# benchmark — ceilings, kernels, PyTorch's peers, and prefill/decode on the 12-layer benchmark model
-# (made on the machine with `relay make-model --preset 30b-a3b --layers 12`).
+# benchmark — ceilings, kernels, collectives, PyTorch's peers, and prefill/decode (bf16 and FP8) plus
+# FP8-vs-bf16 logits on the 12-layer benchmark model (made on the machine with `relay make-model
+# --preset 30b-a3b --layers 12`).
 #
 #   scripts/gpu-check.sh --pack DIR [BUILD]  (here, with nvcc and Relay's -dev packages) builds BUILD
 #                                       (default build-cuda/) for sm_90a and copies relay, test_gpu and
@@ -77,6 +78,9 @@ echo "== GPU tests exit code $tests_rc"
 quick="--quick"; [ "$full" = 1 ] && quick=""
 echo "== relay bench (ceilings, kernels)"
 "$bin/relay" bench --mode kernels $quick --out "$results" 2>&1 | tee "$logs/bench-kernels.log"
+echo "== relay bench (collectives: peers emulated on this one GPU unless several are present)"
+"$bin/relay" bench --mode collectives --quick --ranks "$(nvidia-smi -L | wc -l)" --out "$results" 2>&1 |
+  tee "$logs/bench-collectives.log"
 echo "== PyTorch peers"
 PYTHONUNBUFFERED=1 python3 bench/torch_peers.py $quick --out "$results" 2>&1 | tee "$logs/torch-peers.log" || true
 
@@ -97,8 +101,12 @@ line = json.dumps({"mode": "cat", "bytes": nbytes, "seconds": dt, "gbps": nbytes
 print(line); open(sys.argv[2], "a").write(line + "\n")
 PY
   sync; echo 3 > /proc/sys/vm/drop_caches || true
-  echo "== relay bench (model)"
+  echo "== relay bench (model, bf16 and FP8)"
   "$bin/relay" bench --mode model $quick --model "$mdir" --out "$results" 2>&1 | tee "$logs/bench-model.log"
+  "$bin/relay" bench --mode model $quick --dtype fp8 --model "$mdir" --out "$results" 2>&1 |
+    tee "$logs/bench-model-fp8.log"
+  echo "== relay bench (FP8 vs bf16 logits)"
+  "$bin/relay" bench --mode accuracy --model "$mdir" --out "$results" 2>&1 | tee "$logs/bench-accuracy.log"
 fi
 cp "$results" "$logs/" 2>/dev/null || true
 echo "== done: GPU tests exit code $tests_rc; results in $results"
