@@ -12,11 +12,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <numeric>
 
 #include "core/error.h"
 #include "engine/cpu_backend.h"
 #include "fixtures.h"
+#include "quant/convert/quantize_checkpoint.h"
 
 namespace relay {
 namespace {
@@ -201,6 +203,49 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ShardedBackendTest, ::testing::ValuesIn(cases()), case_name);
+
+// An FP8 checkpoint shards like a bf16 one. The demo model's experts are 192 wide, two weight-scale
+// blocks (128 + 64 rows); TP 2 gives each rank 96 rows (inside the first block, or across the
+// boundary) and TP 4 gives 48. Each rank dequantises a tensor with the checkpoint's 128 x 128
+// blocks and then takes its slice, so no rank applies another block's scale.
+TEST(ShardedBackend, Fp8CheckpointSplitsWidthsThatAreNotMultiplesOf128) {
+  const auto demo = std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
+  const auto dir = std::filesystem::path(::testing::TempDir()) / "relay_sharded_fp8_demo";
+  std::filesystem::remove_all(dir);
+  quant::quantize_checkpoint({demo, dir, quant::QuantMethod::Fp8Block, {}});
+  const auto fx =
+      test::ModelFixture::load(test::fixture_models_dir() / "relay-demo-moe-expected", dir);
+  std::vector<std::vector<int32_t>> prompts = fx.prompts;
+  prompts.resize(2);
+  const int steps = 4;
+  CpuBackendOptions one;
+  one.block_size = 8;
+  one.num_blocks = 64;
+  one.num_threads = 1;
+  CpuBackend reference(dir, one);
+  Driver want(reference, prompts, steps);
+  const auto want_logits = want.run(steps);
+  for (parallel::ParallelConfig p :
+       {parallel::ParallelConfig{2, 1, 1}, parallel::ParallelConfig{4, 1, 1}}) {
+    CpuBackendOptions sharded = one;
+    sharded.parallel = p;
+    sharded.num_threads = p.world_size();
+    CpuBackend backend(dir, sharded);
+    Driver got(backend, prompts, steps);
+    const auto got_logits = got.run(steps);
+    ASSERT_EQ(want_logits.size(), got_logits.size());
+    for (size_t st = 0; st < want_logits.size(); ++st) {
+      for (size_t i = 0; i < want_logits[st].size(); ++i) {
+        ASSERT_LE(std::fabs(got_logits[st][i] - want_logits[st][i]),
+                  1e-4f + 1e-4f * std::fabs(want_logits[st][i]))
+            << p.describe() << " step " << st << " element " << i;
+      }
+    }
+    for (size_t i = 0; i < prompts.size(); ++i)
+      EXPECT_EQ(got.generated(i, prompts[i].size()), want.generated(i, prompts[i].size()))
+          << p.describe() << " prompt " << i;
+  }
+}
 
 TEST(ShardedBackend, RefusesLayoutsTheModelDoesNotDivide) {
   const auto dir =
