@@ -11,6 +11,7 @@
 // same run measured on the prompt positions. Exact agreement is counted and printed.
 #include <algorithm>
 #include <iostream>
+#include <map>
 #include <numeric>
 
 #include "engine/cuda_backend.h"
@@ -184,6 +185,40 @@ TEST(CudaBackendDemo, SamplingMatchesTheSharedSampler) {
     ASSERT_EQ(got[0].top.size(), 3u);
     for (int k = 0; k < 3; ++k) EXPECT_EQ(got[0].top[k].first, want.top[k].first);
   }
+}
+
+TEST(CudaBackendDemo, ProfileNamesEveryOpOncePerLayerAndLeavesTheLogitsAlone) {
+  // profile_forward runs the same forward as a step: every op appears with one call per layer
+  // (embedding, final norm and lm_head once), device times are positive, and the logits of a
+  // following forward are unchanged by the events it recorded.
+  const auto model_dir = std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
+  CudaBackend backend(model_dir, small_options(false));
+  const int layers = static_cast<int>(backend.config().num_hidden_layers);
+  const std::vector<int32_t> prompt{9707, 11, 1879, 0, 576, 3974, 13, 42, 7, 1000};
+  const std::vector<float> before = prefill_logits(backend, prompt);
+  std::vector<int32_t> blocks{3, 4};
+  StepSequence s;
+  s.seq_id = 1;
+  s.tokens = prompt;
+  s.block_table = blocks;
+  std::vector<StepSequence> batch{s};
+  const std::vector<OpTiming> ops = backend.profile_forward(batch);
+  std::map<std::string, OpTiming> by_name;
+  for (const OpTiming& op : ops) {
+    EXPECT_GT(op.ms, 0.0) << op.op;
+    EXPECT_TRUE(by_name.emplace(op.op, op).second) << op.op << " listed twice";
+  }
+  for (const char* name : {"input_norm", "qkv_proj", "qk_norm_rope_kv_write", "attention", "o_proj",
+                           "post_attention_norm", "router_gemm", "router_topk", "moe_permute",
+                           "experts_gate_up", "swiglu", "experts_down", "moe_combine"}) {
+    ASSERT_TRUE(by_name.count(name)) << name;
+    EXPECT_EQ(by_name[name].calls, layers) << name;
+  }
+  for (const char* name : {"embedding", "final_norm", "lm_head"}) {
+    ASSERT_TRUE(by_name.count(name)) << name;
+    EXPECT_EQ(by_name[name].calls, 1) << name;
+  }
+  EXPECT_EQ(prefill_logits(backend, prompt), before);
 }
 
 }  // namespace

@@ -133,6 +133,11 @@ class Fp8Blas {
     cublasStatus_t status[2] = {CUBLAS_STATUS_SUCCESS, CUBLAS_STATUS_SUCCESS};
     for (bool row_scales : {false, true}) {
       if (std::optional<Plan> plan = try_plan(m, n, k, row_scales, &status[row_scales])) {
+        if (!reported_supported_) {  // once per process: which weight-scale form cuBLASLt takes
+          std::fprintf(stderr, "relay: cuBLASLt block-scaled FP8 GEMMs take %s weight scales (first at m %d n %d k %d)\n",
+                       row_scales ? "per-row 1x128" : "128x128 block", m, n, k);
+          reported_supported_ = true;
+        }
         return &plans_.emplace(key, Fp8Plan{*plan, row_scales}).first->second;
       }
     }
@@ -219,7 +224,7 @@ class Fp8Blas {
   void* workspace_ = nullptr;
   std::mutex mutex_;
   std::map<std::tuple<int, int, int>, Fp8Plan> plans_;
-  bool reported_unsupported_ = false;
+  bool reported_unsupported_ = false, reported_supported_ = false;
 };
 
 bool fp8_cublaslt_shape_ok(int n, int k) {
