@@ -395,33 +395,28 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
         std::iota(tables[i].begin(), tables[i].end(), i * blocks_per_seq);
         toks[i] = {token_dist(rng)};
       }
-      auto one_step = [&] {
+      // The batch views toks / tables, so it is rebuilt for every step.
+      auto make_batch = [&](bool sample) {
         std::vector<StepSequence> batch(batch_size);
         for (int i = 0; i < batch_size; ++i) {
           batch[i].seq_id = i;
           batch[i].tokens = toks[i];
           batch[i].num_computed = computed[i];
           batch[i].block_table = tables[i];
-          batch[i].sample = true;
-          batch[i].sampling = &greedy;
+          batch[i].sample = sample;
+          batch[i].sampling = sample ? &greedy : nullptr;
         }
-        auto out = backend.step(batch);
+        return batch;
+      };
+      auto one_step = [&] {
+        auto out = backend.step(make_batch(true));
         for (int i = 0; i < batch_size; ++i) {
           toks[i] = {out[i].token};
           ++computed[i];
         }
       };
       for (int i = 0; i < warmup; ++i) one_step();
-      {
-        std::vector<StepSequence> batch(batch_size);
-        for (int i = 0; i < batch_size; ++i) {
-          batch[i].seq_id = i;
-          batch[i].tokens = toks[i];
-          batch[i].num_computed = computed[i];
-          batch[i].block_table = tables[i];
-        }
-        emit_profile(rep, backend, batch, "decode", batch_size, batch_size, ctx);
-      }
+      emit_profile(rep, backend, make_batch(false), "decode", batch_size, batch_size, ctx);
       const int ctx_start = computed[0] + 1;
       double device_ms = 0.0;
       const auto t0 = std::chrono::steady_clock::now();

@@ -40,6 +40,48 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
 };
 
+// One cuBLASLt handle and workspace for every GEMM of the process (launches are stream-ordered).
+struct LtContext {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  static LtContext& get() {
+    static LtContext ctx = [] {
+      LtContext c;
+      RELAY_CUBLAS_CHECK(cublasLtCreate(&c.handle));
+      RELAY_CUDA_CHECK(cudaMalloc(&c.workspace, kWorkspaceBytes));
+      return c;
+    }();
+    return ctx;
+  }
+};
+
+// A descriptor for out^T = w x^T (A = w transposed, B = x; see the file comment), fp32 compute.
+cublasLtMatmulDesc_t tn_desc() {
+  cublasLtMatmulDesc_t desc = nullptr;
+  RELAY_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  return desc;
+}
+
+// Asks the heuristic for plan's best algorithm within the workspace; NOT_SUPPORTED when it has none.
+cublasStatus_t find_algo(Plan& plan) {
+  cublasLtMatmulPreference_t pref;
+  RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                          &kWorkspaceBytes, sizeof(kWorkspaceBytes)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(LtContext::get().handle, plan.desc, plan.a, plan.b,
+                                                           plan.c, plan.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  if (found == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
+  plan.algo = result.algo;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 class Blas {
  public:
   static Blas& get() {
@@ -55,26 +97,19 @@ class Blas {
                                                         sizeof(bias)));
     }
     const float alpha = 1.0f, beta = 0.0f;
-    RELAY_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, out, plan.c, out,
-                                      plan.c, &plan.algo, workspace_, kWorkspaceBytes, s));
+    const LtContext& lt = LtContext::get();
+    RELAY_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, out, plan.c, out,
+                                      plan.c, &plan.algo, lt.workspace, kWorkspaceBytes, s));
   }
 
  private:
-  Blas() {
-    RELAY_CUBLAS_CHECK(cublasLtCreate(&handle_));
-    RELAY_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
-  }
-
   const Plan& plan_for(int m, int n, int k, bool out_f32, bool bias) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto key = std::make_tuple(m, n, k, out_f32, bias);
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second;
     Plan plan;
-    RELAY_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
-    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+    plan.desc = tn_desc();
     if (bias) {
       const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
       RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
@@ -86,22 +121,12 @@ class Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, out_f32 ? CUDA_R_32F : CUDA_R_16BF, n, m, n));
-    cublasLtMatmulPreference_t pref;
-    RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                            &kWorkspaceBytes, sizeof(kWorkspaceBytes)));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    RELAY_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1,
-                                                      &result, &found));
-    cublasLtMatmulPreferenceDestroy(pref);
-    RELAY_CHECK(found > 0, "cuBLASLt has no algorithm for a bf16 GEMM of m ", m, " n ", n, " k ", k);
-    plan.algo = result.algo;
+    const cublasStatus_t st = find_algo(plan);
+    RELAY_CHECK(st == CUBLAS_STATUS_SUCCESS, "cuBLASLt has no algorithm for a bf16 GEMM of m ", m, " n ", n, " k ",
+                k, " (status ", static_cast<int>(st), ")");
     return plans_.emplace(key, plan).first->second;
   }
 
-  cublasLtHandle_t handle_ = nullptr;
-  void* workspace_ = nullptr;
   std::mutex mutex_;
   std::map<std::tuple<int, int, int, bool, bool>, Plan> plans_;
 };
@@ -166,23 +191,16 @@ class Fp8Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
                                                       sizeof(b_scale)));
     const float alpha = 1.0f, beta = 0.0f;
-    RELAY_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.out, plan.c,
-                                      p.out, plan.c, &plan.algo, workspace_, kWorkspaceBytes, s));
+    const LtContext& lt = LtContext::get();
+    RELAY_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.desc, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.out, plan.c,
+                                      p.out, plan.c, &plan.algo, lt.workspace, kWorkspaceBytes, s));
   }
 
  private:
-  Fp8Blas() {
-    RELAY_CUBLAS_CHECK(cublasLtCreate(&handle_));
-    RELAY_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
-  }
-
-  // `status`: the heuristic's status (SUCCESS with no algorithm found reads as NOT_SUPPORTED).
+  // `status`: find_algo's answer.
   std::optional<Plan> try_plan(int m, int n, int k, bool row_scales, cublasStatus_t* status) {
     Plan plan;
-    RELAY_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
-    RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+    plan.desc = tn_desc();
     const cublasLtMatmulMatrixScale_t a_mode =
                                           row_scales ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
                                                      : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
@@ -191,7 +209,7 @@ class Fp8Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)));
     // NOTE: set before the heuristic too (the real pointers replace them per call): a null scale
     // pointer can make cuBLASLt treat the operand as unscaled when it picks algorithms.
-    const void* placeholder = workspace_;
+    const void* placeholder = LtContext::get().workspace;
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder,
                                                       sizeof(placeholder)));
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder,
@@ -199,29 +217,17 @@ class Fp8Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, k, n, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, k, m, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, n, m, n));
-    cublasLtMatmulPreference_t pref;
-    RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                            &kWorkspaceBytes, sizeof(kWorkspaceBytes)));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c,
-                                                             pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    *status = st == CUBLAS_STATUS_SUCCESS && found == 0 ? CUBLAS_STATUS_NOT_SUPPORTED : st;
-    if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+    *status = find_algo(plan);
+    if (*status != CUBLAS_STATUS_SUCCESS) {
       cublasLtMatrixLayoutDestroy(plan.a);
       cublasLtMatrixLayoutDestroy(plan.b);
       cublasLtMatrixLayoutDestroy(plan.c);
       cublasLtMatmulDescDestroy(plan.desc);
       return std::nullopt;
     }
-    plan.algo = result.algo;
     return plan;
   }
 
-  cublasLtHandle_t handle_ = nullptr;
-  void* workspace_ = nullptr;
   std::mutex mutex_;
   std::map<std::tuple<int, int, int>, Fp8Plan> plans_;
   bool reported_unsupported_ = false, reported_supported_ = false;
