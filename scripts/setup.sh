@@ -38,6 +38,9 @@ fi
 
 # Python packages for the test oracles and the end-to-end tests (pinned).
 python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
+# CUTLASS/CuTe headers for the CUDA build's grouped GEMM (cutlass_library/source/include). The wheel
+# declares Python dependencies only its Python generator needs; the headers need none.
+python3 -m pip install -q --disable-pip-version-check --no-deps nvidia-cutlass==4.2.0.0
 
 # The embedded default model ships compressed; unpack it once.
 bash scripts/unpack-models.sh

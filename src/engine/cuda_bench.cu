@@ -166,15 +166,17 @@ void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
     fill_random(dense_w.p, size_t(s.n) * s.k, 5, 0.05f);
     upload(off, offsets);
     kernels::MoeGroupedMatmulParams<bf16> p{x.p, w.p, off.p, out.p, rows, experts, s.n, s.k};
-    const double ms = time_ms([&](int) { kernels::launch_moe_grouped_matmul(p, kernels::GroupedGemmKind::Tiled, nullptr); },
-                              quick ? 5 : 20);
     const double dense_ms =
         time_ms([&](int) { kernels::launch_matmul({x.p, dense_w.p, nullptr, out.p, rows, s.n, s.k}, nullptr); }, quick ? 5 : 20);
     const double flops = 2.0 * rows * double(s.n) * s.k;
-    rep.emit({{"mode", "kernel"}, {"kernel", "moe_grouped_gemm_prefill"}, {"shape", s.name}, {"tokens", tokens},
-              {"rows", rows}, {"n", s.n}, {"k", s.k}, {"ms", ms}, {"tflops", flops / (ms * 1e9)},
-              {"dense_cublas_tflops", flops / (dense_ms * 1e9)}, {"fraction_of_dense", dense_ms / ms},
-              {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+    for (auto kind : {kernels::GroupedGemmKind::Auto, kernels::GroupedGemmKind::Tiled,
+                      kernels::GroupedGemmKind::CutlassCooperative, kernels::GroupedGemmKind::CutlassPingpong}) {
+      const double ms = time_ms([&](int) { kernels::launch_moe_grouped_matmul(p, kind, nullptr); }, quick ? 5 : 20);
+      rep.emit({{"mode", "kernel"}, {"kernel", "moe_grouped_gemm_prefill"}, {"shape", s.name},
+                {"variant", kernels::grouped_gemm_kind_name(kind)}, {"tokens", tokens}, {"rows", rows}, {"n", s.n}, {"k", s.k},
+                {"ms", ms}, {"tflops", flops / (ms * 1e9)}, {"dense_cublas_tflops", flops / (dense_ms * 1e9)},
+                {"fraction_of_dense", dense_ms / ms}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+    }
   }
   // Decode: a few rows per expert; bytes are the active experts' weights.
   struct Decode { const char* name; int n, k, active, rows_per_expert; };
@@ -194,7 +196,8 @@ void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
     DevBuf<int32_t> off(offsets.size());
     fill_random(x.p, size_t(rows) * d.k, 6), fill_random(w.p, wn * copies, 7, 0.05f);
     upload(off, offsets);
-    for (auto kind : {kernels::GroupedGemmKind::Streaming, kernels::GroupedGemmKind::Tiled}) {
+    for (auto kind : {kernels::GroupedGemmKind::Streaming, kernels::GroupedGemmKind::Tiled,
+                      kernels::GroupedGemmKind::CutlassPingpong}) {
       const double ms = time_ms(
           [&](int i) {
             kernels::launch_moe_grouped_matmul({x.p, w.p + (i % copies) * wn, off.p, out.p, rows, experts, d.n, d.k}, kind,
@@ -203,7 +206,7 @@ void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
           quick ? 10 : 50);
       const double bytes = double(d.active) * d.n * d.k * 2;
       rep.emit({{"mode", "kernel"}, {"kernel", "moe_grouped_gemm_decode"}, {"shape", d.name},
-                {"variant", kind == kernels::GroupedGemmKind::Streaming ? "streaming" : "tiled"}, {"rows", rows},
+                {"variant", kernels::grouped_gemm_kind_name(kind)}, {"rows", rows},
                 {"n", d.n}, {"k", d.k}, {"active_experts", d.active}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)},
                 {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
     }

@@ -129,10 +129,6 @@ DevBuf<int32_t> upload_offsets(const std::vector<int32_t>& v) {
   return b;
 }
 
-const char* variant_name(GroupedGemmKind kind) {
-  return kind == GroupedGemmKind::Streaming ? "streaming"
-                                            : (kind == GroupedGemmKind::Tiled ? "tiled" : "auto");
-}
 
 int blocks128(int v) { return (v + 127) / 128; }
 
@@ -186,7 +182,7 @@ void bench_prefill(std::vector<nlohmann::json>& out, double peak, bool quick) {
       out.push_back({{"mode", "kernel"},
                      {"kernel", "fp8_grouped_gemm_prefill"},
                      {"shape", s.name},
-                     {"variant", variant_name(kind)},
+                     {"variant", kernels::grouped_gemm_kind_name(kind)},
                      {"tokens", tokens},
                      {"rows", rows},
                      {"n", s.n},
@@ -229,7 +225,7 @@ void bench_decode(std::vector<nlohmann::json>& out, double copy_gbps, bool quick
       out.push_back({{"mode", "kernel"},
                      {"kernel", "fp8_grouped_gemm_decode"},
                      {"shape", d.name},
-                     {"variant", variant_name(kind)},
+                     {"variant", kernels::grouped_gemm_kind_name(kind)},
                      {"rows", prob.rows},
                      {"n", d.n},
                      {"k", d.k},

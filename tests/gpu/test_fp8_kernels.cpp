@@ -132,17 +132,6 @@ std::vector<int32_t> routed_offsets(int tokens, int experts, int top_k, std::mt1
   return offsets;
 }
 
-const char* kind_name(GroupedGemmKind kind) {
-  switch (kind) {
-    case GroupedGemmKind::Auto:
-      return "auto";
-    case GroupedGemmKind::Tiled:
-      return "tiled";
-    case GroupedGemmKind::Streaming:
-      return "streaming";
-  }
-  return "?";
-}
 
 TEST(GpuFp8Kernels, ActQuantIsBitIdenticalToTheCpu) {
   std::mt19937 rng(21);
@@ -350,7 +339,7 @@ TEST(GpuFp8Kernels, BlockGroupedMatmulMatchesTheCpu) {
            c.experts, c.n, c.k},
           kind, nullptr);
       expect_gemm_close(d_out.download(), ref,
-                        std::string(c.name) + " (" + kind_name(kind) + ", rows " +
+                        std::string(c.name) + " (" + kernels::grouped_gemm_kind_name(kind) + ", rows " +
                             std::to_string(rows) + ", n " + std::to_string(c.n) + ", k " +
                             std::to_string(c.k) + ")");
     }
@@ -380,7 +369,7 @@ TEST(GpuFp8Kernels, BlockMatmulMatchesTheCpu) {
           {d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(), d_out.get(), c.m, c.n, c.k}, kind,
           nullptr);
       expect_gemm_close(d_out.download(), ref,
-                        std::string(kind_name(kind)) + " m " + std::to_string(c.m) + " n " +
+                        std::string(kernels::grouped_gemm_kind_name(kind)) + " m " + std::to_string(c.m) + " n " +
                             std::to_string(c.n) + " k " + std::to_string(c.k));
     }
   }
@@ -481,7 +470,7 @@ TEST(GpuFp8Kernels, GroupedMatmulCapturesIntoAGraph) {
       GPU_TEST_CUDA(cudaGraphLaunch(exec, stream));
       GPU_TEST_CUDA(cudaStreamSynchronize(stream));
       expect_gemm_close(d_out.download(), ref,
-                        std::string("graph ") + kind_name(kind) + " rows " + std::to_string(rows));
+                        std::string("graph ") + kernels::grouped_gemm_kind_name(kind) + " rows " + std::to_string(rows));
       GPU_TEST_CUDA(cudaGraphExecDestroy(exec));
       GPU_TEST_CUDA(cudaGraphDestroy(graph));
       GPU_TEST_CUDA(cudaStreamDestroy(stream));

@@ -504,6 +504,8 @@ void run_block_scaled(const Fp8GemmArgs& a, GroupedGemmKind kind, cudaStream_t s
     kind =
         a.num_rows <= kStreamTokens * experts ? GroupedGemmKind::Streaming : GroupedGemmKind::Tiled;
   }
+  RELAY_CHECK(kind == GroupedGemmKind::Streaming || kind == GroupedGemmKind::Tiled, "fp8 block GEMM: no ",
+              grouped_gemm_kind_name(kind), " variant (the CUTLASS grouped GEMM is bf16 only)");
   if (kind == GroupedGemmKind::Streaming) {
     run_streaming(a, s);
   } else {

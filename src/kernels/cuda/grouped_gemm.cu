@@ -10,6 +10,11 @@
 // 32-column slice of one *active* expert's weight with 16-byte loads, several in flight per lane,
 // and multiplies it with that expert's rows (staged in shared memory, 8 at a time). Only experts
 // that received rows are visited, so batch 1 reads 8 experts' weights, not 128.
+// Prefill (over 16 rows per expert on average) goes to CUTLASS's Hopper grouped kernel
+// (grouped_gemm_cutlass.cu) by default; the tiled kernel stays for 3-16 rows per expert.
+#include <cstdlib>
+#include <string_view>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
 
@@ -264,6 +269,23 @@ void run_tiled(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CUDA_CHECK_LAUNCH("grouped_gemm_tiled_kernel");
 }
 
+// The prefill regime's kernel (over 16 rows per expert on average): CUTLASS's cooperative kernel
+// unless RELAY_MOE_PREFILL_GEMM names another (tiled, cutlass_cooperative, cutlass_pingpong), which
+// the benchmark uses to time the model with each. Read once per process.
+GroupedGemmKind prefill_grouped_gemm_kind() {
+  static const GroupedGemmKind kind = [] {
+    const char* env = std::getenv("RELAY_MOE_PREFILL_GEMM");
+    if (env == nullptr || *env == 0) return GroupedGemmKind::CutlassCooperative;
+    for (GroupedGemmKind k :
+         {GroupedGemmKind::Tiled, GroupedGemmKind::CutlassCooperative, GroupedGemmKind::CutlassPingpong}) {
+      if (std::string_view(env) == grouped_gemm_kind_name(k)) return k;
+    }
+    throw Error(str("RELAY_MOE_PREFILL_GEMM='", env,
+                    "' is not one of tiled, cutlass_cooperative, cutlass_pingpong"));
+  }();
+  return kind;
+}
+
 }  // namespace
 
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGemmKind kind, cudaStream_t s) {
@@ -274,9 +296,17 @@ void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGem
     // NOTE: measured on H200 (bench kernel mode, 2026-12-02): streaming wins at 1 row per active
     // expert (30B gate_up, 8 experts: 1.94 vs 1.48 TB/s), the tensor-core tiles from 4 rows per
     // expert on (2.85 vs 2.53 TB/s), and by far at 16 (2.84 vs 0.96).
-    kind = p.num_rows <= 2 * p.num_experts ? GroupedGemmKind::Streaming : GroupedGemmKind::Tiled;
+    if (p.num_rows <= 2 * p.num_experts) {
+      kind = GroupedGemmKind::Streaming;
+    } else if (p.num_rows > 16 * p.num_experts) {
+      kind = prefill_grouped_gemm_kind();
+    } else {
+      kind = GroupedGemmKind::Tiled;
+    }
   }
-  if (kind == GroupedGemmKind::Tiled) {
+  if (kind == GroupedGemmKind::CutlassCooperative || kind == GroupedGemmKind::CutlassPingpong) {
+    launch_moe_grouped_matmul_cutlass(p, kind == GroupedGemmKind::CutlassCooperative, s);
+  } else if (kind == GroupedGemmKind::Tiled) {
     // 32-row tiles while weights dominate (decode, up to 16 rows per expert on average: 0.8 of copy
     // bandwidth vs 0.66 with 128-row tiles), 128-row tiles once the tensor cores do (prefill).
     if (p.num_rows > 16 * p.num_experts) {

@@ -41,10 +41,26 @@ void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<bf16>& p, cuda
 void launch_lm_head(const LmHeadParams<bf16>& p, cudaStream_t s);
 
 // Which grouped GEMM variant launch_moe_grouped_matmul picks (exposed so tests and the benchmark
-// can force each one).
-enum class GroupedGemmKind { Auto, Tiled, Streaming };
+// can force each one): Relay's mma.sync tile kernel, its weight-streaming kernel, or CUTLASS's
+// Hopper grouped kernel (wgmma + TMA, grouped_gemm_cutlass.cu) with cooperative 128x256 or
+// ping-pong 64x128 tiles.
+enum class GroupedGemmKind { Auto, Tiled, Streaming, CutlassCooperative, CutlassPingpong };
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGemmKind kind,
                                cudaStream_t s);
+// The variant's name in benchmark records and test messages.
+inline const char* grouped_gemm_kind_name(GroupedGemmKind kind) {
+  switch (kind) {
+    case GroupedGemmKind::Auto: return "auto";
+    case GroupedGemmKind::Tiled: return "tiled";
+    case GroupedGemmKind::Streaming: return "streaming";
+    case GroupedGemmKind::CutlassCooperative: return "cutlass_cooperative";
+    case GroupedGemmKind::CutlassPingpong: return "cutlass_pingpong";
+  }
+  return "?";
+}
+// The CUTLASS variants themselves (called through launch_moe_grouped_matmul).
+void launch_moe_grouped_matmul_cutlass(const MoeGroupedMatmulParams<bf16>& p, bool cooperative,
+                                       cudaStream_t s);
 
 // Sampling on the GPU with the shared sampler's semantics (engine/sampler.h), one row of fp32 logits
 // per sequence and one CTA per row: the raw log-softmax logprob of the chosen token and the top
