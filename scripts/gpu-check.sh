@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: build (or take a prebuilt CUDA build), run every GPU test, then a
 # benchmark — ceilings, kernels, collectives, PyTorch's peers, and prefill/decode (bf16 and FP8) plus
-# FP8-vs-bf16 logits on the 12-layer benchmark model (made on the machine with `relay make-model
-# --preset 30b-a3b --layers 12`).
+# FP8-vs-bf16 logits and Relay-vs-transformers logits (bf16 and FP8, bench/hf_compare.py) on the
+# 12-layer benchmark model (made on the machine with `relay make-model --preset 30b-a3b --layers 12`).
 #
 #   scripts/gpu-check.sh --pack DIR [BUILD]  (here, with nvcc and Relay's -dev packages) builds BUILD
 #                                       (default build-cuda/) for sm_90a and copies relay, test_gpu and
@@ -107,6 +107,13 @@ PY
     tee "$logs/bench-model-fp8.log"
   echo "== relay bench (FP8 vs bf16 logits)"
   "$bin/relay" bench --mode accuracy --model "$mdir" --out "$results" 2>&1 | tee "$logs/bench-accuracy.log"
+  echo "== Relay vs transformers logits (bf16; FP8 against transformers' own FP8 execution)"
+  qdir=/tmp/relay-bench-30b-a3b-12l-fp8
+  if [ ! -f "$qdir/config.json" ]; then
+    "$bin/relay" quantize --in "$mdir" --out "$qdir" --format fp8-block128 2>&1 | tail -1 || true
+  fi
+  PYTHONUNBUFFERED=1 python3 bench/hf_compare.py --model "$mdir" --fp8 "$qdir" --relay "$bin/relay" --out "$results" 2>&1 |
+    tee "$logs/hf-compare.log" || true
 fi
 cp "$results" "$logs/" 2>/dev/null || true
 echo "== done: GPU tests exit code $tests_rc; results in $results"
