@@ -3,15 +3,11 @@
 //
 // Router: one warp per token, experts spread over lanes; softmax in fp32 and k rounds of a warp
 // arg-max (ties to the lower expert id, as the CPU reference and torch.topk).
-// Permute, both ways equal to the CPU's stable counting sort exactly and reading only device data
-// (so a decode step that routes on the GPU can be captured in a graph):
-// - few rows (decode): one CTA per expert scans the top-k ids twice — counting the rows of lower
-//   experts (its offset), then ranking its own rows in (token, k) order with a block-wide ballot
-//   scan. One launch, but every CTA reads every row: O(experts x rows), 2.3 ms at 32k rows.
-// - many rows (prefill): rows split into 256-row chunks; one warp per chunk counts its experts, one
-//   CTA turns the counts into each (chunk, expert)'s first slot and the expert offsets, and one warp
-//   per chunk ranks its rows in order (__match_any_sync groups the lanes of one expert). O(rows).
-// A last kernel copies the rows.
+// Permute: one CTA per expert scans the top-k ids twice — counting the rows of lower experts (its
+// offset), then ranking its own rows in (token, k) order with a block-wide ballot scan — so the
+// result equals the CPU's stable counting sort exactly and needs no global atomics or second launch
+// for the offsets. A second kernel copies the rows. Both read only device data, so a decode step
+// that routes on the GPU can be captured in a graph.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
 
@@ -119,79 +115,6 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermu
   }
 }
 
-constexpr int kChunkRows = 256;
-
-// One warp per chunk of rows: how many of its rows each expert got.
-__global__ void permute_chunk_count_kernel(MoePermuteParams<bf16> p, int32_t* chunk_counts) {
-  extern __shared__ int counts[];  // [num_experts]
-  for (int e = threadIdx.x; e < p.num_experts; e += 32) counts[e] = 0;
-  __syncwarp();
-  const int num_rows = p.num_tokens * p.top_k;
-  const int begin = blockIdx.x * kChunkRows, end = min(begin + kChunkRows, num_rows);
-  for (int r = begin + threadIdx.x; r < end; r += 32) atomicAdd(&counts[p.topk_ids[r]], 1);
-  __syncwarp();
-  for (int e = threadIdx.x; e < p.num_experts; e += 32) {
-    chunk_counts[static_cast<int64_t>(blockIdx.x) * p.num_experts + e] = counts[e];
-  }
-}
-
-// One CTA: chunk_counts[c][e] becomes the first permuted slot of chunk c's rows of expert e, and
-// expert_offsets the exclusive scan of the experts' totals.
-__global__ void permute_chunk_scan_kernel(MoePermuteParams<bf16> p, int32_t* chunk_counts, int num_chunks) {
-  extern __shared__ int totals[];  // [num_experts]
-  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
-    int sum = 0;
-    for (int c = 0; c < num_chunks; ++c) {
-      int32_t& v = chunk_counts[static_cast<int64_t>(c) * p.num_experts + e];
-      const int count = v;
-      v = sum;
-      sum += count;
-    }
-    totals[e] = sum;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // at most 512 experts: a serial scan is shorter than a tree's barriers
-    int offset = 0;
-    for (int e = 0; e < p.num_experts; ++e) {
-      const int count = totals[e];
-      totals[e] = offset;
-      p.expert_offsets[e] = offset;
-      offset += count;
-    }
-    p.expert_offsets[p.num_experts] = offset;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
-    for (int c = 0; c < num_chunks; ++c) chunk_counts[static_cast<int64_t>(c) * p.num_experts + e] += totals[e];
-  }
-}
-
-// One warp per chunk ranks its rows in (token, k) order: 32 rows at a time, the lanes holding one
-// expert find each other with __match_any_sync, take consecutive slots, and the group's last lane
-// advances that expert's next slot.
-__global__ void permute_chunk_rank_kernel(MoePermuteParams<bf16> p, const int32_t* chunk_base) {
-  extern __shared__ int next_slot[];  // [num_experts]
-  for (int e = threadIdx.x; e < p.num_experts; e += 32) {
-    next_slot[e] = chunk_base[static_cast<int64_t>(blockIdx.x) * p.num_experts + e];
-  }
-  __syncwarp();
-  const int lane = threadIdx.x;
-  const int num_rows = p.num_tokens * p.top_k;
-  const int begin = blockIdx.x * kChunkRows, end = min(begin + kChunkRows, num_rows);
-  for (int base = begin; base < end; base += 32) {
-    const int r = base + lane;
-    const int e = r < end ? p.topk_ids[r] : -1;
-    const unsigned peers = __match_any_sync(0xffffffffu, e);
-    const int slot = e >= 0 ? next_slot[e] + __popc(peers & ((1u << lane) - 1)) : 0;
-    __syncwarp();
-    if (e >= 0) {
-      p.permuted_index[r] = slot;
-      if (lane == 31 - __clz(peers)) next_slot[e] += __popc(peers);
-    }
-    __syncwarp();
-  }
-}
-
 __global__ void permute_rows_kernel(MoePermuteParams<bf16> p) {
   const int r = blockIdx.x;
   const Bf16x8* src = reinterpret_cast<const Bf16x8*>(p.x + static_cast<int64_t>(r / p.top_k) * p.hidden);
@@ -230,25 +153,8 @@ void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s) 
 
 void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.hidden % 8 == 0, "moe_permute: hidden ", p.hidden, " must be a multiple of 8");
-  const int num_rows = p.num_tokens * p.top_k;
-  if (num_rows <= 4096) {
-    permute_index_kernel<<<p.num_experts, kPermuteThreads, 0, s>>>(p);
-    RELAY_CUDA_CHECK_LAUNCH("permute_index_kernel");
-  } else {
-    // The (chunk, expert) counts live in permuted_x, which is free until the row copy below
-    // (rows x hidden bf16 always holds rows / 256 x experts int32 for experts <= 128 x hidden).
-    const int num_chunks = ceil_div(num_rows, kChunkRows);
-    RELAY_CHECK(static_cast<int64_t>(num_chunks) * p.num_experts * 4 <= static_cast<int64_t>(num_rows) * p.hidden * 2,
-                "moe_permute: ", p.num_experts, " experts too many for the scratch in permuted_x");
-    int32_t* chunk_counts = reinterpret_cast<int32_t*>(p.permuted_x);
-    const int smem = p.num_experts * static_cast<int>(sizeof(int));
-    permute_chunk_count_kernel<<<num_chunks, 32, smem, s>>>(p, chunk_counts);
-    RELAY_CUDA_CHECK_LAUNCH("permute_chunk_count_kernel");
-    permute_chunk_scan_kernel<<<1, 512, smem, s>>>(p, chunk_counts, num_chunks);
-    RELAY_CUDA_CHECK_LAUNCH("permute_chunk_scan_kernel");
-    permute_chunk_rank_kernel<<<num_chunks, 32, smem, s>>>(p, chunk_counts);
-    RELAY_CUDA_CHECK_LAUNCH("permute_chunk_rank_kernel");
-  }
+  permute_index_kernel<<<p.num_experts, kPermuteThreads, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("permute_index_kernel");
   if (p.num_tokens == 0) return;
   permute_rows_kernel<<<p.num_tokens * p.top_k, 128, 0, s>>>(p);
   RELAY_CUDA_CHECK_LAUNCH("permute_rows_kernel");
