@@ -185,10 +185,12 @@ EngineStats LLMEngine::stats() const {
 std::vector<RequestOutput> LLMEngine::step() {
   last_step_ = {};
   if (!scheduler_.has_work()) return {};
+  const Clock::time_point start = Clock::now();
   const SchedulerOutput plan = scheduler_.schedule();
   if (plan.empty()) return {};
   last_step_ = {static_cast<int>(plan.chunks.size()), plan.num_batched_tokens};
   const Clock::time_point now = Clock::now();
+  last_step_.schedule_s = std::chrono::duration<double>(now - start).count();
   std::vector<StepSequence> batch;
   batch.reserve(plan.chunks.size());
   for (const ScheduledChunk& c : plan.chunks) {
@@ -206,7 +208,11 @@ std::vector<RequestOutput> LLMEngine::step() {
     s.sample_index = static_cast<uint64_t>(c.seq->num_output_tokens());
     batch.push_back(s);
   }
+  const Clock::time_point forward_start = Clock::now();
   const std::vector<SampledToken> sampled = backend_->step(batch);
+  const Clock::time_point forward_end = Clock::now();
+  last_step_.schedule_s += std::chrono::duration<double>(forward_start - now).count();
+  last_step_.forward_s = std::chrono::duration<double>(forward_end - forward_start).count();
   scheduler_.update(plan, sampled);
 
   std::vector<RequestOutput> outputs;
@@ -230,6 +236,7 @@ std::vector<RequestOutput> LLMEngine::step() {
     }
     requests_.erase(out.id);
   }
+  last_step_.outputs_s = std::chrono::duration<double>(Clock::now() - forward_end).count();
   return outputs;
 }
 

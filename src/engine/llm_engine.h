@@ -87,12 +87,16 @@ struct EngineStats {
   SchedulerStats scheduler;
 };
 
-// What the last step() computed: the serving metrics time decode-only steps separately, because
-// their rate is the one `relay bench` measures (a step that also carries prefill chunks is longer
-// by design).
+// What the last step() computed and where its time went: the serving metrics time decode-only
+// steps separately, because their rate is the one `relay bench` measures (a step that also carries
+// prefill chunks is longer by design), and split each step into its phases to show what the host
+// adds to the backend's compute.
 struct StepComposition {
-  int num_seqs = 0;    // sequences in the batch
-  int num_tokens = 0;  // tokens computed
+  int num_seqs = 0;         // sequences in the batch
+  int num_tokens = 0;       // tokens computed
+  double schedule_s = 0.0;  // scheduling and building the flattened batch
+  double forward_s = 0.0;   // Backend::step (the forward pass and sampling)
+  double outputs_s = 0.0;   // scheduler update, detokenization, stop checks, finishing requests
   bool decode_only() const { return num_seqs > 0 && num_tokens == num_seqs; }
 };
 

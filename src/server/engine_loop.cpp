@@ -30,12 +30,19 @@ std::string RequestHandle::error() const {
 }
 
 void RequestHandle::push(RequestOutput out) {
+  const bool final = out.finish != FinishReason::kNone;
   {
     std::lock_guard lock(mu_);
-    if (out.finish != FinishReason::kNone) finished_ = true;
+    if (final) finished_ = true;
     outputs_.push_back(std::move(out));
   }
-  cv_.notify_all();
+  // NOTE: a handle has one reader; whoever wakes takes every queued output, so a token needs only
+  // one waiter woken. The final output wakes them all, since each must see done().
+  if (final) {
+    cv_.notify_all();
+  } else {
+    cv_.notify_one();
+  }
 }
 
 int RequestHandle::error_status() const {
@@ -54,7 +61,10 @@ void RequestHandle::fail(const std::string& message, int http_status) {
 }
 
 EngineLoop::EngineLoop(LLMEngine& engine, Metrics& metrics)
-    : engine_(engine), metrics_(metrics), thread_([this] { run(); }) {}
+    : engine_(engine),
+      metrics_(metrics),
+      delivery_thread_([this] { delivery_loop(); }),
+      thread_([this] { run(); }) {}
 
 EngineLoop::~EngineLoop() { stop(); }
 
@@ -113,18 +123,55 @@ void record_output(Metrics& metrics, RequestHandle& h, const RequestOutput& out)
   }
 }
 
-void EngineLoop::deliver(const RequestOutput& out) {
+void EngineLoop::deliver(RequestOutput out) {
   const auto it = live_.find(out.id);
   if (it == live_.end()) return;
-  RequestHandle& h = *it->second;
-  record_output(metrics_, h, out);
-  if (out.finish != FinishReason::kNone) {
-    --num_unfinished_;
-    h.push(out);
-    live_.erase(it);
-    return;
+  const bool final = out.finish != FinishReason::kNone;
+  pending_.push_back({final ? std::move(it->second) : it->second, std::move(out), {}, 500});
+  if (final) live_.erase(it);
+}
+
+void EngineLoop::hand_off() {
+  if (pending_.empty()) return;
+  {
+    std::unique_lock lock(delivery_mu_);
+    delivery_cv_.wait(lock, [&] { return delivery_queue_.empty(); });
+    delivery_queue_.push_back(std::move(pending_));
   }
-  h.push(out);
+  delivery_cv_.notify_all();
+  pending_ = {};
+  pending_.reserve(static_cast<size_t>(engine_.max_num_seqs()));
+}
+
+void EngineLoop::delivery_loop() {
+  for (;;) {
+    std::vector<Delivery> batch;
+    {
+      std::unique_lock lock(delivery_mu_);
+      delivery_cv_.wait(lock, [&] { return delivery_stopping_ || !delivery_queue_.empty(); });
+      if (delivery_queue_.empty()) return;  // stopping, and everything was delivered
+      batch = std::move(delivery_queue_.front());
+      delivery_queue_.pop_front();
+    }
+    delivery_cv_.notify_all();  // the engine thread may be waiting for room
+    const Clock::time_point start = Clock::now();
+    int num_outputs = 0;
+    for (Delivery& d : batch) {
+      RequestHandle& h = *d.handle;
+      // NOTE: counted as finished before the handle says so, as a reader that saw done() expects.
+      if (!d.error.empty()) {
+        --num_unfinished_;
+        h.fail(d.error, d.http_status);
+        continue;
+      }
+      record_output(metrics_, h, d.out);
+      if (d.out.finish != FinishReason::kNone) --num_unfinished_;
+      h.push(std::move(d.out));
+      ++num_outputs;
+    }
+    metrics_.observe_delivery(num_outputs,
+                              std::chrono::duration<double>(Clock::now() - start).count());
+  }
 }
 
 bool EngineLoop::enqueue_task(std::function<void(LLMEngine&)> task) {
@@ -151,7 +198,7 @@ std::shared_ptr<RequestHandle> EngineLoop::submit_prefilled(int64_t id, EngineRe
           RequestOutput out = engine.add_prefilled_request(handle->id(), std::move(request), first,
                                                            num_cached_tokens);
           live_.emplace(handle->id(), handle);
-          deliver(out);
+          deliver(std::move(out));
         } catch (const Error& e) {
           metrics_.request_finished("error", 0.0, 0.0);
           --num_unfinished_;
@@ -170,10 +217,11 @@ void EngineLoop::fail_all(const std::string& message) {
     engine_.abort(id);
     metrics_.request_finished(
         "error", std::chrono::duration<double>(Clock::now() - handle->arrival_).count(), 0.0);
-    --num_unfinished_;
-    handle->fail(message);
+    // Through the delivery queue, so the failure reaches the handle after its earlier outputs.
+    pending_.push_back({std::move(handle), {}, message, 500});
   }
   live_.clear();
+  hand_off();
 }
 
 void EngineLoop::run() {
@@ -204,16 +252,22 @@ void EngineLoop::run() {
       }
     }
     for (int64_t id : aborts) {
-      if (auto out = engine_.abort(id)) deliver(*out);
+      if (auto out = engine_.abort(id)) deliver(std::move(*out));
     }
+    hand_off();  // aborts and prefilled first tokens need not wait for the step
     try {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (const RequestOutput& out : engine_.step()) deliver(out);
+      const Clock::time_point t0 = Clock::now();
+      std::vector<RequestOutput> outputs = engine_.step();
+      const Clock::time_point t1 = Clock::now();
+      for (RequestOutput& out : outputs) deliver(std::move(out));
+      hand_off();
+      const Clock::time_point t2 = Clock::now();
       const StepComposition ran = engine_.last_step();
       if (ran.num_seqs > 0) {
-        metrics_.observe_step(
-            ran.decode_only(), ran.num_seqs,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        metrics_.observe_step(ran.decode_only(), ran.num_seqs,
+                              std::chrono::duration<double>(t2 - t0).count(),
+                              {ran.schedule_s, ran.forward_s, ran.outputs_s,
+                               std::chrono::duration<double>(t2 - t1).count()});
       }
     } catch (const std::exception& e) {
       // NOTE: a failed step leaves the batch half-applied; every live request is failed and freed
@@ -233,6 +287,12 @@ void EngineLoop::run() {
   }
   for (auto& task : tasks) task(engine_);
   fail_all("the server is shutting down");
+  {
+    std::lock_guard lock(delivery_mu_);
+    delivery_stopping_ = true;
+  }
+  delivery_cv_.notify_all();
+  delivery_thread_.join();  // so stop() returns with every handle done
   std::lock_guard lock(mu_);
   for (auto& [handle, request] : inbox_) {
     --num_unfinished_;

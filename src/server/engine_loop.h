@@ -3,9 +3,19 @@
 // HTTP threads submit requests and aborts into a mutex-guarded inbox and read their outputs from a
 // per-request RequestHandle (a queue with a condition variable), so no HTTP thread ever touches the
 // engine and a slow client never slows a step. The thread sleeps when there is nothing to do and
-// wakes on a submission. It also keeps the serving metrics: per-token latencies as outputs leave
-// the step, per-request totals when requests finish, and the engine gauges after each step.
-// An engine error fails the requests it concerns (with a message) and the loop carries on.
+// wakes on a submission. An engine error fails the requests it concerns (with a message) and the
+// loop carries on.
+//
+// Delivery runs on a second thread. Pushing a step's outputs into their handles (latency metrics,
+// a lock and a wakeup per request, and the woken HTTP threads competing for cores) costs the
+// engine thread about as much as the step's own host work at hundreds of streams, and the GPU
+// would idle meanwhile. So the engine thread hands each step's outputs over as one batch and goes
+// on to the next step while the delivery thread pushes them. Everything that reaches a handle the
+// engine loop serves goes through that one FIFO (outputs, aborts, failures), so each request sees
+// its outputs in engine order and its failure after them. At most one batch waits unstarted: an
+// engine thread that gets ahead of delivery waits for it, so memory and latency stay bounded.
+// The loop keeps the serving metrics: per-token latencies as outputs are delivered, per-request
+// totals when requests finish, step times by phase, and the engine gauges after each step.
 #pragma once
 
 #include <atomic>
@@ -57,8 +67,9 @@ class RequestHandle {
   bool finished_ = false;  // the final output (or an error) was pushed
   std::string error_;
   int error_status_ = 500;
-  // Touched by the engine thread only.
-  std::chrono::steady_clock::time_point arrival_ = std::chrono::steady_clock::now();
+  const std::chrono::steady_clock::time_point arrival_ = std::chrono::steady_clock::now();
+  // Touched only by the thread that records this request's outputs (the engine loop's delivery
+  // thread, or the router).
   std::chrono::steady_clock::time_point last_token_;
   bool has_token_ = false;
 };
@@ -127,9 +138,21 @@ class EngineLoop : public RequestSink {
                                                   SampledToken first, int num_cached_tokens);
 
  private:
+  // One item for the delivery thread: an output to push, or a failure to report.
+  struct Delivery {
+    std::shared_ptr<RequestHandle> handle;
+    RequestOutput out;
+    std::string error;  // set: fail the handle with it instead of pushing `out`
+    int http_status = 500;
+  };
+
   void run();
   bool enqueue_task(std::function<void(LLMEngine&)> task);  // false once stopping
-  void deliver(const RequestOutput& out);
+  // Engine thread: queues `out` for its request's handle (and forgets a finished request).
+  void deliver(RequestOutput out);
+  // Engine thread: passes what deliver() queued to the delivery thread.
+  void hand_off();
+  void delivery_loop();
   void fail_all(const std::string& message);
 
   LLMEngine& engine_;
@@ -143,7 +166,14 @@ class EngineLoop : public RequestSink {
   std::atomic<int64_t> next_id_{1};
   std::atomic<int> num_unfinished_{0};
   std::unordered_map<int64_t, std::shared_ptr<RequestHandle>> live_;  // engine thread only
-  std::thread thread_;
+  std::vector<Delivery> pending_;  // engine thread only: queued since the last hand_off()
+
+  std::mutex delivery_mu_;
+  std::condition_variable delivery_cv_;  // a batch was queued, or the queue has room again
+  std::deque<std::vector<Delivery>> delivery_queue_;
+  bool delivery_stopping_ = false;  // set by the engine thread as it exits, after its last batch
+  std::thread delivery_thread_;
+  std::thread thread_;  // last: started once every member above is ready
 };
 
 }  // namespace relay::server

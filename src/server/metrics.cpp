@@ -90,12 +90,23 @@ void Metrics::observe_itl(double s) {
   itl_.observe(s);
 }
 
-void Metrics::observe_step(bool decode_only, int num_seqs, double seconds) {
+void Metrics::observe_step(bool decode_only, int num_seqs, double seconds,
+                           const StepPhases& phases) {
   std::lock_guard lock(mu_);
   StepCounters& c = decode_only ? decode_steps_ : mixed_steps_;
   ++c.steps;
   c.sequences += static_cast<uint64_t>(num_seqs);
   c.seconds += seconds;
+  c.phases.schedule_s += phases.schedule_s;
+  c.phases.forward_s += phases.forward_s;
+  c.phases.outputs_s += phases.outputs_s;
+  c.phases.handoff_s += phases.handoff_s;
+}
+
+void Metrics::observe_delivery(int num_outputs, double seconds) {
+  std::lock_guard lock(mu_);
+  delivered_outputs_ += static_cast<uint64_t>(num_outputs);
+  delivery_seconds_ += seconds;
 }
 
 void Metrics::request_rejected(int status) {
@@ -158,8 +169,30 @@ std::string Metrics::render() const {
   step_counter("relay:engine_step_sequences_total", "Sequences summed over engine steps.",
                [](const StepCounters& c) { return double(c.sequences); });
   step_counter("relay:engine_step_seconds_total",
-               "Wall time of engine steps: scheduling, forward, sampling and output delivery.",
+               "Wall time of engine steps on the engine thread: scheduling, forward, sampling, "
+               "output processing and the hand-off to delivery.",
                [](const StepCounters& c) { return c.seconds; });
+  header(out, "relay:engine_step_phase_seconds_total", "counter",
+         "Engine step wall time by phase: schedule, forward, outputs (detokenize, stop checks), "
+         "handoff (to the delivery thread).");
+  for (const auto& [kind, c] :
+       {std::pair<const char*, const StepCounters*>{"decode", &decode_steps_},
+        {"mixed", &mixed_steps_}}) {
+    const std::pair<const char*, double> phases[] = {{"schedule", c->phases.schedule_s},
+                                                     {"forward", c->phases.forward_s},
+                                                     {"outputs", c->phases.outputs_s},
+                                                     {"handoff", c->phases.handoff_s}};
+    for (const auto& [phase, seconds] : phases) {
+      out += "relay:engine_step_phase_seconds_total{" + model + ",kind=\"" + kind + "\",phase=\"" +
+             phase + "\"} " + num(seconds) + "\n";
+    }
+  }
+  counter("relay:output_deliveries_total",
+          "Outputs handed to request streams by the delivery thread.", delivered_outputs_);
+  header(
+      out, "relay:output_delivery_seconds_total", "counter",
+      "Delivery thread time: latency metrics, queue pushes and wakeups; overlaps the next step.");
+  out += "relay:output_delivery_seconds_total{" + model + "} " + num(delivery_seconds_) + "\n";
   header(out, "relay:time_to_first_token_seconds", "histogram",
          "Histogram of time to first token in seconds.");
   ttft_.render(out, "relay:time_to_first_token_seconds", model);

@@ -40,6 +40,14 @@ struct EngineGauges {
   uint64_t prefix_cache_hits = 0;
 };
 
+// Where an engine step's wall time went, in seconds; the phases add up to the step's time.
+struct StepPhases {
+  double schedule_s = 0.0;  // scheduling and building the batch
+  double forward_s = 0.0;   // the backend's forward pass and sampling
+  double outputs_s = 0.0;   // detokenization, stop checks, finishing requests
+  double handoff_s = 0.0;   // handing the outputs to the delivery thread (waiting for it if behind)
+};
+
 class Metrics {
  public:
   explicit Metrics(std::string model_name);
@@ -51,12 +59,15 @@ class Metrics {
   void observe_ttft(double s);
   void observe_itl(double s);
   void request_rejected(int status);
-  // One engine iteration that ran a step: its wall time (scheduling, the forward pass, sampling and
-  // handing the outputs to the streams) and batch size. Decode-only steps (every sequence one
-  // token) are counted apart from steps that carry prefill chunks, so decode throughput at a batch
-  // size reads as relay:engine_step_sequences_total / relay:engine_step_seconds_total
-  // {kind="decode"}.
-  void observe_step(bool decode_only, int num_seqs, double seconds);
+  // One engine iteration that ran a step: its wall time on the engine thread (scheduling, the
+  // forward pass, sampling, output processing and handing the outputs to the delivery thread) and
+  // batch size, and that time split into its phases. Decode-only steps (every sequence one token)
+  // are counted apart from steps that carry prefill chunks, so decode throughput at a batch size
+  // reads as relay:engine_step_sequences_total / relay:engine_step_seconds_total{kind="decode"}.
+  void observe_step(bool decode_only, int num_seqs, double seconds, const StepPhases& phases = {});
+  // The delivery thread's work for one step's outputs (latency metrics, queue pushes, wakeups),
+  // which overlaps the engine's next step.
+  void observe_delivery(int num_outputs, double seconds);
 
   EngineGauges engine() const;
   std::string render() const;
@@ -75,8 +86,11 @@ class Metrics {
   struct StepCounters {
     uint64_t steps = 0, sequences = 0;
     double seconds = 0.0;
+    StepPhases phases;  // summed
   };
   StepCounters decode_steps_, mixed_steps_;
+  uint64_t delivered_outputs_ = 0;
+  double delivery_seconds_ = 0.0;
   Histogram ttft_;
   Histogram itl_;
   Histogram e2e_;

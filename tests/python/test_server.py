@@ -267,3 +267,10 @@ def test_metrics(server, client):
     assert m["relay:engine_steps_total" + kind("decode")] >= 2
     assert m["relay:engine_step_sequences_total" + kind("decode")] >= m["relay:engine_steps_total" + kind("decode")]
     assert m["relay:engine_step_seconds_total" + kind("decode")] > 0
+    # Its phases add up to the step time; delivery (off the engine thread) counts every output.
+    phase = lambda p: f'relay:engine_step_phase_seconds_total{{model_name="{MODEL}",kind="decode",phase="{p}"}}'
+    phases = [m[phase(p)] for p in ["schedule", "forward", "outputs", "handoff"]]
+    assert all(v >= 0 for v in phases) and m[phase("forward")] > 0
+    assert sum(phases) <= m["relay:engine_step_seconds_total" + kind("decode")] * 1.001 + 1e-6
+    assert m["relay:output_deliveries_total" + label] >= 3
+    assert m["relay:output_delivery_seconds_total" + label] > 0

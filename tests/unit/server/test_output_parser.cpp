@@ -127,6 +127,10 @@ TEST(Metrics, RendersPrometheusText) {
   m.request_finished("stop", 0.4, 0.001);
   m.request_rejected(429);
   m.set_engine({.num_running = 2, .num_waiting = 1, .kv_cache_usage = 0.25});
+  m.observe_step(
+      true, 4, 0.01,
+      {.schedule_s = 0.001, .forward_s = 0.008, .outputs_s = 0.0005, .handoff_s = 0.0005});
+  m.observe_delivery(4, 0.002);
   const std::string text = m.render();
   for (const char* line :
        {"relay:num_requests_running{model_name=\"demo\"} 2\n",
@@ -140,6 +144,16 @@ TEST(Metrics, RendersPrometheusText) {
         "relay:time_to_first_token_seconds_count{model_name=\"demo\"} 1\n",
         "relay:e2e_request_latency_seconds_bucket{model_name=\"demo\",le=\"+Inf\"} 1\n",
         "relay:request_rejected_total{model_name=\"demo\",status=\"429\"} 1\n",
+        "relay:engine_steps_total{model_name=\"demo\",kind=\"decode\"} 1\n",
+        "relay:engine_step_seconds_total{model_name=\"demo\",kind=\"decode\"} 0.01\n",
+        "relay:engine_step_phase_seconds_total{model_name=\"demo\",kind=\"decode\",phase="
+        "\"forward\"} "
+        "0.008\n",
+        "relay:engine_step_phase_seconds_total{model_name=\"demo\",kind=\"mixed\",phase="
+        "\"handoff\"} "
+        "0\n",
+        "relay:output_deliveries_total{model_name=\"demo\"} 4\n",
+        "relay:output_delivery_seconds_total{model_name=\"demo\"} 0.002\n",
         "# TYPE relay:inter_token_latency_seconds histogram\n"}) {
     EXPECT_NE(text.find(line), std::string::npos) << "missing: " << line;
   }
