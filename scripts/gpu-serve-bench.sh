@@ -53,7 +53,7 @@ grep -m3 -i -E "load|kv" "$logs/serve.log" || true
 PYTHONUNBUFFERED=1 python3 bench/serve_bench.py --base "http://127.0.0.1:$port" --model bench \
   --shapes "$shapes" --concurrency "$concurrency" --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
   --out "$results"
-curl -s "http://127.0.0.1:$port/metrics" | grep -E "^relay:(num_preemptions_total|generation_tokens_total|request_success_total)" || true
+curl -s "http://127.0.0.1:$port/metrics" | grep -E "^relay:(num_preemptions_total|generation_tokens_total|request_success_total|engine_step_phase_seconds_total|engine_step_seconds_total|output_deliver)" || true
 kill -TERM $server; wait $server || true
 tail -3 "$logs/serve.log"
 cp "$results" "$logs/" 2>/dev/null || true

@@ -267,11 +267,14 @@ void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
   std::mt19937 rng(6);
   for (int len : quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}) {
     AttnSetup a({{len, len}}, 32, 4, 128, 16, rng);
-    const double ms = time_ms([&](int) { kernels::launch_paged_attention(a.p, nullptr); }, quick ? 3 : 10);
     const double flops = 4.0 * 32 * 128 * (double(len) * len / 2);  // causal: half the square
-    rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"tokens", len}, {"q_heads", 32}, {"kv_heads", 4},
-              {"head_dim", 128}, {"ms", ms}, {"tflops", flops / (ms * 1e9)},
-              {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+    for (auto kind : {kernels::PrefillAttentionKind::Wgmma, kernels::PrefillAttentionKind::MmaSync}) {
+      const double ms =
+          time_ms([&](int) { kernels::launch_paged_attention(a.p, kind, nullptr); }, quick ? 3 : 10);
+      rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"variant", kernels::prefill_attention_kind_name(kind)},
+                {"tokens", len}, {"q_heads", 32}, {"kv_heads", 4}, {"head_dim", 128}, {"ms", ms},
+                {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+    }
   }
   for (auto [batch, ctx] : quick ? std::vector<std::pair<int, int>>{{64, 4096}}
                                  : std::vector<std::pair<int, int>>{{1, 4096}, {64, 4096}, {256, 4096}, {64, 16384}}) {
@@ -283,6 +286,35 @@ void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
               {"kv_heads", 4}, {"head_dim", 128}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)},
               {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
   }
+}
+
+// MoE routing at the prefill shape (4096 tokens, top-8 of 128 experts, hidden 2048): the permute
+// once with the real hidden size and once with hidden 8, which leaves only its index kernel (the
+// per-expert stable ranking), so the two figures split the op's time; then the weighted combine.
+void bench_moe_routing(Reporter& rep, const Ceilings& c, bool quick) {
+  const int tokens = 4096, experts = 128, top_k = 8, hidden = 2048, rows = tokens * top_k;
+  DevBuf<bf16> logits(size_t(tokens) * experts), x(size_t(tokens) * hidden), permuted(size_t(rows) * hidden),
+      out(size_t(tokens) * hidden);
+  DevBuf<int32_t> ids(rows), index(rows), offsets(experts + 1);
+  DevBuf<float> weights(rows);
+  fill_random(logits.p, size_t(tokens) * experts, 21, 2.0f);
+  fill_random(x.p, size_t(tokens) * hidden, 22);
+  kernels::launch_moe_router_topk({logits.p, ids.p, weights.p, tokens, experts, top_k, true}, nullptr);
+  const int reps = quick ? 5 : 20;
+  for (int h : {hidden, 8}) {
+    const double ms = time_ms(
+        [&](int) { kernels::launch_moe_permute({x.p, ids.p, permuted.p, index.p, offsets.p, tokens, h, experts, top_k}, nullptr); },
+        reps);
+    const double bytes = double(rows) * h * 2 * 2;  // each routed row read and written once
+    rep.emit({{"mode", "kernel"}, {"kernel", "moe_permute"}, {"tokens", tokens}, {"top_k", top_k}, {"experts", experts},
+              {"hidden", h}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)}, {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
+  }
+  const double ms = time_ms(
+      [&](int) { kernels::launch_moe_unpermute_combine({permuted.p, index.p, weights.p, out.p, tokens, hidden, top_k}, nullptr); },
+      reps);
+  const double bytes = double(rows) * hidden * 2 + double(tokens) * hidden * 2;
+  rep.emit({{"mode", "kernel"}, {"kernel", "moe_unpermute_combine"}, {"tokens", tokens}, {"top_k", top_k},
+            {"hidden", hidden}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)}, {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
 }
 
 // ---------------------------------------------------------------- end to end
@@ -514,6 +546,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
   if (kernels) {
     bench_grouped_gemm(rep, c, o.quick);
     bench_attention(rep, c, o.quick);
+    bench_moe_routing(rep, c, o.quick);
     for (auto& j : run_fp8_kernel_bench(c.copy_gbps, c.fp8_gemm_tflops, o.quick)) rep.emit(std::move(j));
   }
   if (o.mode == "accuracy") bench_accuracy(rep, o);

@@ -172,7 +172,8 @@ TEST(GpuKernels, QkNormRopeKvWrite) {
 
 // seqs: (new tokens, context) pairs.
 void check_attention(const std::vector<std::pair<int, int>>& seqs, int q_heads, int kv_heads, int head_dim,
-                     int block_size, std::mt19937& rng) {
+                     int block_size, std::mt19937& rng,
+                     kernels::PrefillAttentionKind kind = kernels::PrefillAttentionKind::Auto) {
   std::vector<int> contexts;
   std::vector<int32_t> query_starts{0}, context_lens;
   for (auto [n, ctx] : seqs) {
@@ -196,9 +197,9 @@ void check_attention(const std::vector<std::pair<int, int>>& seqs, int q_heads, 
   kernels::launch_paged_attention({d_q.get(), d_k.get(), d_v.get(), d_qs.get(), d_cl.get(), d_bt.get(), d_out.get(),
                                    num_seqs, num_tokens, q_heads, kv_heads, head_dim, block_size, s.max_blocks_per_seq,
                                    scale},
-                                  nullptr);
+                                  kind, nullptr);
   EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance)
-      << "seqs " << num_seqs << " tokens " << num_tokens << " heads " << q_heads << "/" << kv_heads << " hd " << head_dim;
+      << kernels::prefill_attention_kind_name(kind) << " seqs " << num_seqs << " tokens " << num_tokens << " heads " << q_heads << "/" << kv_heads << " hd " << head_dim;
 }
 
 TEST(GpuKernels, PagedAttentionPrefill) {
@@ -209,6 +210,26 @@ TEST(GpuKernels, PagedAttentionPrefill) {
   check_attention({{13, 13}, {100, 260}, {1, 40}, {64, 64}}, 32, 4, 128, 32, rng);
   check_attention({{37, 37}, {5, 90}}, 4, 2, 32, 16, rng);
   check_attention({{129, 200}}, 64, 4, 64, 16, rng);
+}
+
+// Every prefill kernel over the shapes that stress its tiling: one-token and odd-length sequences,
+// a tile's rows spanning sequences' ends, chunked prefill over earlier context, several sequences
+// with decodes mixed in, block sizes from 4 (a 128-position tile spans 32 blocks) to 128, long
+// prompts (many KV tiles, the heaviest-first order) and both GQA groups of the targets.
+TEST(GpuKernels, PagedAttentionPrefillKernels) {
+  using kernels::PrefillAttentionKind;
+  std::mt19937 rng(17);
+  for (auto kind : {PrefillAttentionKind::MmaSync, PrefillAttentionKind::Wgmma}) {
+    check_attention({{1, 1}, {2, 2}}, 32, 4, 128, 16, rng, kind);
+    check_attention({{77, 77}}, 32, 4, 128, 16, rng, kind);
+    check_attention({{50, 300}}, 32, 4, 128, 16, rng, kind);
+    check_attention({{13, 13}, {100, 260}, {1, 40}, {64, 64}}, 32, 4, 128, 32, rng, kind);
+    check_attention({{129, 129}, {3, 700}}, 32, 4, 128, 4, rng, kind);
+    check_attention({{200, 333}}, 32, 4, 128, 128, rng, kind);
+    check_attention({{1000, 1000}}, 32, 4, 128, 16, rng, kind);
+    check_attention({{65, 65}, {300, 500}}, 64, 4, 128, 16, rng, kind);
+    check_attention({{31, 31}}, 16, 16, 128, 16, rng, kind);  // group 1: a tile holds 64 tokens
+  }
 }
 
 TEST(GpuKernels, PagedAttentionDecode) {

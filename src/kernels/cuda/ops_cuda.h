@@ -30,6 +30,20 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaSt
 // sequence has exactly one new token (decode) the context is also split across CTAs (split-K) and
 // a second kernel combines the partial softmaxes.
 void launch_paged_attention(const PagedAttentionParams<bf16>& p, cudaStream_t s);
+// Which kernel serves batches with a multi-token sequence (exposed so tests and the benchmark can
+// force each): the mma.sync kernel (any head_dim, any GPU since sm_80) or the wgmma kernel
+// (head_dim 128 on sm_90, 128 rows x 128 cache positions per tile). Auto takes wgmma where it
+// exists. Decode batches always take the split-K mma.sync kernel.
+enum class PrefillAttentionKind { Auto, MmaSync, Wgmma };
+void launch_paged_attention(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, cudaStream_t s);
+inline const char* prefill_attention_kind_name(PrefillAttentionKind kind) {
+  switch (kind) {
+    case PrefillAttentionKind::Auto: return "auto";
+    case PrefillAttentionKind::MmaSync: return "mma_sync";
+    case PrefillAttentionKind::Wgmma: return "wgmma";
+  }
+  return "?";
+}
 void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s);
 void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s);
 void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s);
@@ -58,6 +72,11 @@ inline const char* grouped_gemm_kind_name(GroupedGemmKind kind) {
   }
   return "?";
 }
+// The kernel the prefill regime (over 16 rows per expert on average) runs, for the bf16 and the FP8
+// block-scaled grouped GEMMs alike: CUTLASS's cooperative kernel unless RELAY_MOE_PREFILL_GEMM
+// names another (tiled, cutlass_cooperative, cutlass_pingpong), which the benchmark uses to time
+// the model with each. Read once per process; an unknown name throws.
+GroupedGemmKind prefill_grouped_gemm_kind();
 // The CUTLASS variants themselves (called through launch_moe_grouped_matmul).
 void launch_moe_grouped_matmul_cutlass(const MoeGroupedMatmulParams<bf16>& p, bool cooperative,
                                        cudaStream_t s);
