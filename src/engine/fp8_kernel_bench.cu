@@ -173,7 +173,8 @@ void bench_prefill(std::vector<nlohmann::json>& out, double peak, bool quick) {
     Fp8Problem prob(rows, experts, s.n, s.k, 1);
     const DevBuf<int32_t> off = upload_offsets(random_offsets(tokens, experts, top_k, rng));
     const double flops = 2.0 * rows * double(s.n) * s.k;
-    for (auto kind : {GroupedGemmKind::Tiled, GroupedGemmKind::Auto}) {
+    for (auto kind :
+         {GroupedGemmKind::Tiled, GroupedGemmKind::CutlassCooperative, GroupedGemmKind::Auto}) {
       const double ms = time_ms(
           [&](int i) {
             kernels::launch_fp8_block_grouped_matmul(prob.grouped(off.p, i), kind, nullptr);
@@ -216,7 +217,8 @@ void bench_decode(std::vector<nlohmann::json>& out, double copy_gbps, bool quick
     Fp8Problem prob(offsets[experts], experts, d.n, d.k, d.active <= 16 ? 4 : 1);
     const DevBuf<int32_t> off = upload_offsets(offsets);
     const double bytes = double(d.active) * d.n * d.k;
-    for (auto kind : {GroupedGemmKind::Streaming, GroupedGemmKind::Tiled, GroupedGemmKind::Auto}) {
+    for (auto kind : {GroupedGemmKind::Streaming, GroupedGemmKind::Tiled,
+                      GroupedGemmKind::CutlassCooperative, GroupedGemmKind::Auto}) {
       const double ms = time_ms(
           [&](int i) {
             kernels::launch_fp8_block_grouped_matmul(prob.grouped(off.p, i), kind, nullptr);

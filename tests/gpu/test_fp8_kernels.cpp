@@ -4,7 +4,9 @@
 // the same e4m3 codes and scales (made by the CPU quantisers). Quantisers must match bit for bit;
 // a GEMM element may differ from the fp32 reference by the bf16 rounding of the output and by the
 // GPU's different summation order inside a k-block: |gpu - ref| <= 1e-2 |ref| + 1e-4 rms(ref).
-// Outputs are poisoned with NaN first (gpu_test_util.h), so an unwritten element fails.
+// The wgmma kernels (cuBLASLt, CUTLASS) are held to a bound on the sum of |terms| instead
+// (expect_wgmma_gemm_close). Outputs are poisoned with NaN first (gpu_test_util.h), so an unwritten
+// element fails.
 #include <algorithm>
 #include <cmath>
 #include <iostream>
@@ -72,6 +74,38 @@ void expect_gemm_close(const std::vector<bf16>& gpu_bits, const std::vector<floa
   EXPECT_EQ(bad, 0u) << where << ": " << bad << " of " << ref.size() << " elements off; first at "
                      << first_bad << ": " << (bad ? gpu[first_bad] : 0.0f) << " vs "
                      << (bad ? ref[first_bad] : 0.0f);
+}
+
+// e4m3 codes with the sign bit cleared: the reference GEMM on them (scales are positive) is the sum
+// of |terms| of every output element.
+std::vector<uint8_t> magnitudes(std::vector<uint8_t> codes) {
+  for (uint8_t& v : codes) v &= 0x7F;
+  return codes;
+}
+
+// NOTE: Hopper's FP8 tensor cores (wgmma) accumulate inside a 128-block of k with reduced precision
+// (DeepSeek-V3, section 3.3.2), so the error of a wgmma kernel scales with the sum of |terms|, not
+// with |result|, where Relay's mma.sync kernels meet the fp32 bound above. Measured on the H200
+// with cuBLASLt (2026-12-03): worst |error| / sum|terms| 1.2e-3 to 3.1e-3, all within 2^-11 of the
+// sum plus 2^-7 of |result| (bf16 output rounding included): the bound here. Prints the worst.
+void expect_wgmma_gemm_close(const std::vector<bf16>& gpu_bits, const std::vector<float>& ref,
+                             const std::vector<float>& abs_sum, const std::string& where) {
+  const std::vector<float> got = to_f32(gpu_bits);
+  ASSERT_EQ(got.size(), ref.size()) << where;
+  ASSERT_EQ(abs_sum.size(), ref.size()) << where;
+  size_t bad = 0, first_bad = 0;
+  double worst = 0.0;  // the largest |error| / sum of |terms|
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double err = std::fabs(double(got[i]) - ref[i]);
+    worst = std::max(worst, err / std::max(double(abs_sum[i]), 1e-30));
+    // Written as !(err <= bound) so that a NaN (an unwritten element) fails.
+    if (!(err <= 0x1p-11 * abs_sum[i] + 0x1p-7 * std::fabs(ref[i])) && bad++ == 0) first_bad = i;
+  }
+  std::cout << where << ": worst |error| / sum|terms| = " << worst << "\n";
+  EXPECT_EQ(bad, 0u) << where << ": " << bad << " of " << ref.size() << " elements off; first at "
+                     << first_bad << ": " << (bad ? got[first_bad] : 0.0f) << " vs "
+                     << (bad ? ref[first_bad] : 0.0f) << " (sum of |terms| "
+                     << (bad ? abs_sum[first_bad] : 0.0f) << ")";
 }
 
 // Activations quantised on the CPU: what both GEMM implementations are fed.
@@ -208,33 +242,13 @@ TEST(GpuFp8Kernels, CublasLtBlockMatmulMatchesTheCpu) {
     kernels::launch_fp8_block_matmul_cublaslt({d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(),
                                                d_out.get(), c.m, c.n, c.k, 128, 128, true},
                                               d_wr.get(), nullptr);
-    GPU_TEST_CUDA(cudaDeviceSynchronize());
-    // NOTE: Hopper's FP8 tensor cores (wgmma) accumulate inside a 128-block of k with reduced
-    // precision (DeepSeek-V3, section 3.3.2), so cuBLASLt's error scales with the sum of |terms|,
-    // not with |result|, where Relay's mma.sync kernel meets the fp32 bound above. Measured on the
-    // H200 (2026-12-03): worst |error| / sum|terms| 1.2e-3 to 3.1e-3 over these shapes, all within
-    // 2^-11 of the sum plus 2^-7 of |result|, the bound below. The sum of |terms| is the reference
-    // GEMM on the codes' magnitudes (e4m3 sign bit cleared; scales are positive).
-    std::vector<uint8_t> xa(xq), wa(w.q);
-    for (uint8_t& v : xa) v &= 0x7F;
-    for (uint8_t& v : wa) v &= 0x7F;
     std::vector<float> abs_sum(ref.size());
-    quant::launch_fp8_block_matmul({xa.data(), xs.data(), wa.data(), w.scale.data(), abs_sum.data(),
-                                    c.m, c.n, c.k, 128, 128, true},
+    quant::launch_fp8_block_matmul({magnitudes(xq).data(), xs.data(), magnitudes(w.q).data(),
+                                    w.scale.data(), abs_sum.data(), c.m, c.n, c.k, 128, 128, true},
                                    pool());
-    const std::vector<float> got = to_f32(d_out.download());
-    size_t bad = 0, first_bad = 0;
-    double worst = 0.0;  // the largest |error| / sum of |terms|
-    for (size_t i = 0; i < ref.size(); ++i) {
-      const double err = std::fabs(double(got[i]) - ref[i]);
-      worst = std::max(worst, err / std::max(double(abs_sum[i]), 1e-30));
-      if (err > 0x1p-11 * abs_sum[i] + 0x1p-7 * std::fabs(ref[i]) && bad++ == 0) first_bad = i;
-    }
-    std::cout << "cuBLASLt m " << c.m << " n " << c.n << " k " << c.k
-              << ": worst |error| / sum|terms| = " << worst << "\n";
-    EXPECT_EQ(bad, 0u) << "cublaslt m " << c.m << " n " << c.n << " k " << c.k << ": first at "
-                       << first_bad << ": " << got[first_bad] << " vs " << ref[first_bad]
-                       << " (sum of |terms| " << abs_sum[first_bad] << ")";
+    expect_wgmma_gemm_close(d_out.download(), ref, abs_sum,
+                            "cuBLASLt m " + std::to_string(c.m) + " n " + std::to_string(c.n) +
+                                " k " + std::to_string(c.k));
   }
   // What it cannot run is refused with a message, not run wrongly.
   EXPECT_FALSE(kernels::fp8_block_matmul_cublaslt_supported(4, 256, 384));  // 3 k-blocks
@@ -318,31 +332,83 @@ std::vector<GroupedCase> grouped_cases(std::mt19937& rng) {
   return cases;
 }
 
+// Whether launch_fp8_block_grouped_matmul's Auto runs the CUTLASS (wgmma) kernel for the shape:
+// prefill (over 16 rows per expert) that CUTLASS can take, unless RELAY_MOE_PREFILL_GEMM says
+// otherwise (then the looser wgmma bound is merely applied to the tiled kernel).
+bool auto_runs_cutlass(int rows, int experts, int n, int k) {
+  return rows > 16 * experts && kernels::fp8_block_grouped_matmul_cutlass_supported(n, k);
+}
+
+// Runs every block-scaled grouped variant on the case's operands against the CPU reference.
+void check_block_grouped_kinds(const GroupedCase& c, std::initializer_list<GroupedGemmKind> kinds,
+                               std::mt19937& rng) {
+  const int rows = c.offsets.back();
+  const QuantisedActs x = quantise_acts(rows, c.k, rng);
+  const QuantisedWeights w = quantise_weights(c.experts, c.n, c.k, rng);
+  std::vector<float> ref(static_cast<size_t>(rows) * c.n), abs_sum;
+  quant::launch_fp8_block_grouped_matmul({x.q.data(), x.scale.data(), w.q.data(), w.scale.data(),
+                                          c.offsets.data(), ref.data(), rows, c.experts, c.n, c.k},
+                                         pool());
+  DeviceBuffer<uint8_t> d_xq(x.q), d_wq(w.q);
+  DeviceBuffer<float> d_xs(x.scale), d_ws(w.scale);
+  DeviceBuffer<int32_t> d_off(c.offsets);
+  for (GroupedGemmKind kind : kinds) {
+    const std::string where = std::string(c.name) + " (" + kernels::grouped_gemm_kind_name(kind) +
+                              ", rows " + std::to_string(rows) + ", n " + std::to_string(c.n) +
+                              ", k " + std::to_string(c.k) + ")";
+    DeviceBuffer<bf16> d_out(ref.size());
+    const quant::Fp8BlockGroupedMatmulParams<bf16> p{
+        d_xq.get(),  d_xs.get(), d_wq.get(), d_ws.get(), d_off.get(),
+        d_out.get(), rows,       c.experts,  c.n,        c.k};
+    const bool cutlass = kind == GroupedGemmKind::CutlassCooperative;
+    if (cutlass && !kernels::fp8_block_grouped_matmul_cutlass_supported(c.n, c.k)) {
+      // A shape CUTLASS cannot take is refused, not run wrongly (Auto runs the tiled kernel).
+      EXPECT_THROW(kernels::launch_fp8_block_grouped_matmul(p, kind, nullptr), Error) << where;
+      continue;
+    }
+    kernels::launch_fp8_block_grouped_matmul(p, kind, nullptr);
+    if (cutlass ||
+        (kind == GroupedGemmKind::Auto && auto_runs_cutlass(rows, c.experts, c.n, c.k))) {
+      if (abs_sum.empty()) {
+        abs_sum.resize(ref.size());
+        quant::launch_fp8_block_grouped_matmul(
+            {magnitudes(x.q).data(), x.scale.data(), magnitudes(w.q).data(), w.scale.data(),
+             c.offsets.data(), abs_sum.data(), rows, c.experts, c.n, c.k},
+            pool());
+      }
+      expect_wgmma_gemm_close(d_out.download(), ref, abs_sum, where);
+    } else {
+      expect_gemm_close(d_out.download(), ref, where);
+    }
+  }
+}
+
 TEST(GpuFp8Kernels, BlockGroupedMatmulMatchesTheCpu) {
   std::mt19937 rng(24);
   for (const GroupedCase& c : grouped_cases(rng)) {
-    const int rows = c.offsets.back();
-    const QuantisedActs x = quantise_acts(rows, c.k, rng);
-    const QuantisedWeights w = quantise_weights(c.experts, c.n, c.k, rng);
-    std::vector<float> ref(static_cast<size_t>(rows) * c.n);
-    quant::launch_fp8_block_grouped_matmul(
-        {x.q.data(), x.scale.data(), w.q.data(), w.scale.data(), c.offsets.data(), ref.data(), rows,
-         c.experts, c.n, c.k},
-        pool());
-    DeviceBuffer<uint8_t> d_xq(x.q), d_wq(w.q);
-    DeviceBuffer<float> d_xs(x.scale), d_ws(w.scale);
-    DeviceBuffer<int32_t> d_off(c.offsets);
-    for (auto kind : {GroupedGemmKind::Tiled, GroupedGemmKind::Streaming, GroupedGemmKind::Auto}) {
-      DeviceBuffer<bf16> d_out(ref.size());
-      kernels::launch_fp8_block_grouped_matmul(
-          {d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(), d_off.get(), d_out.get(), rows,
-           c.experts, c.n, c.k},
-          kind, nullptr);
-      expect_gemm_close(d_out.download(), ref,
-                        std::string(c.name) + " (" + kernels::grouped_gemm_kind_name(kind) + ", rows " +
-                            std::to_string(rows) + ", n " + std::to_string(c.n) + ", k " +
-                            std::to_string(c.k) + ")");
-    }
+    check_block_grouped_kinds(c,
+                              {GroupedGemmKind::Tiled, GroupedGemmKind::Streaming,
+                               GroupedGemmKind::CutlassCooperative, GroupedGemmKind::Auto},
+                              rng);
+  }
+}
+
+// Shapes for the CUTLASS kernel's edges: 128 x 128 tiles in 1 x 2 clusters (an odd number of n
+// tiles leaves a cluster half outside n), a partial last k-block, experts with 0 rows first and
+// last, one token, a single expert holding every row, few rows per expert, and a large batch.
+TEST(GpuFp8Kernels, CutlassBlockGroupedMatmulMatchesTheCpu) {
+  std::mt19937 rng(29);
+  std::vector<GroupedCase> cases;
+  cases.push_back({"one token", 4, 264, 400, {0, 0, 0, 1, 1}});
+  cases.push_back(
+      {"odd sizes, empty experts, 3 n tiles", 8, 264, 2048, random_offsets(8, 300, 0.3, rng)});
+  cases.push_back({"partial k-block", 6, 256, 400, random_offsets(6, 400, 0.2, rng)});
+  cases.push_back({"one expert holds every row", 5, 384, 256, {0, 0, 0, 777, 777, 777}});
+  cases.push_back({"1-5 rows per expert", 32, 192, 128, random_offsets(32, 5, 0.2, rng)});
+  cases.push_back(
+      {"1024 tokens top-8 over 128 experts", 128, 384, 512, routed_offsets(1024, 128, 8, rng)});
+  for (const GroupedCase& c : cases) {
+    check_block_grouped_kinds(c, {GroupedGemmKind::CutlassCooperative, GroupedGemmKind::Auto}, rng);
   }
 }
 
@@ -454,7 +520,13 @@ TEST(GpuFp8Kernels, GroupedMatmulCapturesIntoAGraph) {
     const quant::Fp8BlockGroupedMatmulParams<bf16> p{
         d_xq.get(),  d_xs.get(), d_wq.get(), d_ws.get(), d_off.get(),
         d_out.get(), rows,       experts,    n,          k};
-    for (auto kind : {GroupedGemmKind::Tiled, GroupedGemmKind::Streaming}) {
+    std::vector<float> abs_sum(ref.size());
+    quant::launch_fp8_block_grouped_matmul(
+        {magnitudes(x.q).data(), x.scale.data(), magnitudes(w.q).data(), w.scale.data(),
+         offsets.data(), abs_sum.data(), rows, experts, n, k},
+        pool());
+    for (auto kind : {GroupedGemmKind::Tiled, GroupedGemmKind::Streaming,
+                      GroupedGemmKind::CutlassCooperative}) {
       cudaStream_t stream;
       GPU_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       kernels::launch_fp8_block_grouped_matmul(p, kind, stream);
@@ -469,8 +541,13 @@ TEST(GpuFp8Kernels, GroupedMatmulCapturesIntoAGraph) {
       GPU_TEST_CUDA(cudaDeviceSynchronize());
       GPU_TEST_CUDA(cudaGraphLaunch(exec, stream));
       GPU_TEST_CUDA(cudaStreamSynchronize(stream));
-      expect_gemm_close(d_out.download(), ref,
-                        std::string("graph ") + kernels::grouped_gemm_kind_name(kind) + " rows " + std::to_string(rows));
+      const std::string where = std::string("graph ") + kernels::grouped_gemm_kind_name(kind) +
+                                " rows " + std::to_string(rows);
+      if (kind == GroupedGemmKind::CutlassCooperative) {
+        expect_wgmma_gemm_close(d_out.download(), ref, abs_sum, where);
+      } else {
+        expect_gemm_close(d_out.download(), ref, where);
+      }
       GPU_TEST_CUDA(cudaGraphExecDestroy(exec));
       GPU_TEST_CUDA(cudaGraphDestroy(graph));
       GPU_TEST_CUDA(cudaStreamDestroy(stream));

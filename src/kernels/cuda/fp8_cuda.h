@@ -42,17 +42,28 @@ struct SwigluFp8QuantParams {
 void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s);
 
 // Block-scaled grouped GEMM over experts. Tiled: mma.sync m16n8k32 e4m3 tiles, one 128-block of k
-// per pipeline stage, each k-block's fp32 partial promoted with both scales (prefill). Streaming:
-// each CTA streams 16 weight rows of one active expert over all of k, split across its warps, on
-// the same instruction with the expert's (up to 8 at a time) rows as the narrow operand (decode).
-// Auto picks streaming up to 8 rows per expert on average.
+// per pipeline stage, each k-block's fp32 partial promoted with both scales. Streaming: each CTA
+// streams 16 weight rows of one active expert over all of k, split across its warps, on the same
+// instruction with the expert's (up to 8 at a time) rows as the narrow operand (decode).
+// CutlassCooperative: CUTLASS's Hopper block-scaled FP8 grouped kernel (TMA + wgmma, 128x128x128
+// tiles, fp8_grouped_gemm_cutlass.cu). Auto picks streaming up to 8 rows per expert on average,
+// the tiled kernel up to 16, and beyond that (prefill) prefill_grouped_gemm_kind(): CUTLASS by
+// default, the tiled kernel for shapes CUTLASS cannot take (k not a multiple of 16).
 void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
                                      cudaStream_t s);
 void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
                                      GroupedGemmKind kind, cudaStream_t s);
+// The CUTLASS variant itself (called through launch_fp8_block_grouped_matmul). TMA moves 16-byte
+// rows, so it needs k a multiple of 16 (e4m3 x and w rows), n a multiple of 8 (bf16 out rows) and
+// 16-byte aligned x, w and out.
+void launch_fp8_block_grouped_matmul_cutlass(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+                                             cudaStream_t s);
+inline bool fp8_block_grouped_matmul_cutlass_supported(int n, int k) {
+  return n > 0 && k > 0 && n % 8 == 0 && k % 16 == 0;
+}
 
-// The dense block-scaled GEMM: the grouped kernels with the whole of m as one expert (x scales
-// token-major).
+// The dense block-scaled GEMM: the tiled and streaming kernels with the whole of m as one expert
+// (x scales token-major).
 void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, cudaStream_t s);
 void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, GroupedGemmKind kind,
                              cudaStream_t s);

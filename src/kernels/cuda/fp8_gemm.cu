@@ -18,6 +18,8 @@
 // each lane's 16 contiguous bytes feed two MMAs, with the k order inside each 64-byte slice
 // permuted identically for both operands, so no shuffle or shared-memory staging is needed and the
 // ALUs stay idle. The warps' partial outputs are summed in a fixed order in shared memory.
+// Grouped prefill (over 16 rows per expert on average) goes to CUTLASS's block-scaled FP8 grouped
+// kernel (fp8_grouped_gemm_cutlass.cu) by default; the tiled kernel stays for 9-16 rows per expert.
 #include <cuda_fp8.h>
 
 #include "kernels/cuda/common.cuh"
@@ -494,21 +496,39 @@ void run_streaming(const Fp8GemmArgs& a, cudaStream_t s) {
   RELAY_CUDA_CHECK_LAUNCH("fp8_gemm_streaming_kernel");
 }
 
-void run_block_scaled(const Fp8GemmArgs& a, GroupedGemmKind kind, cudaStream_t s) {
-  if (a.num_rows == 0) return;
+// Auto -> the variant for the shape; explicit kinds pass through.
+GroupedGemmKind resolve_block_scaled_kind(const Fp8GemmArgs& a, GroupedGemmKind kind) {
+  if (kind != GroupedGemmKind::Auto) return kind;
   const int64_t experts = a.expert_offsets == nullptr ? 1 : a.num_experts;
-  if (kind == GroupedGemmKind::Auto) {
-    // NOTE: up to 8 rows per expert the streaming kernel reads each weight once per expert (8 rows
-    // share one n8 operand), so it stays at the weight-bandwidth bound; beyond, tensor-core tiles
-    // amortise the weights over more rows. Not yet tuned on the H200.
-    kind =
-        a.num_rows <= kStreamTokens * experts ? GroupedGemmKind::Streaming : GroupedGemmKind::Tiled;
-  }
-  RELAY_CHECK(kind == GroupedGemmKind::Streaming || kind == GroupedGemmKind::Tiled, "fp8 block GEMM: no ",
-              grouped_gemm_kind_name(kind), " variant (the CUTLASS grouped GEMM is bf16 only)");
+  // NOTE: up to 8 rows per expert the streaming kernel reads each weight once per expert (8 rows
+  // share one n8 operand), so it stays at the weight-bandwidth bound; beyond, tensor-core tiles
+  // amortise the weights over more rows. Not yet tuned on the H200.
+  if (a.num_rows <= kStreamTokens * experts) return GroupedGemmKind::Streaming;
+  // Prefill (grouped, over 16 rows per expert): the kernel RELAY_MOE_PREFILL_GEMM names, as for
+  // bf16 (CUTLASS unless it says tiled); shapes CUTLASS cannot take stay on the tiled kernel.
+  if (a.expert_offsets == nullptr || a.num_rows <= 16 * experts) return GroupedGemmKind::Tiled;
+  const GroupedGemmKind prefill = prefill_grouped_gemm_kind();
+  RELAY_CHECK(prefill != GroupedGemmKind::CutlassPingpong,
+              "RELAY_MOE_PREFILL_GEMM=cutlass_pingpong: the FP8 block-scaled grouped GEMM has no "
+              "ping-pong variant (tiled or cutlass_cooperative)");
+  return prefill == GroupedGemmKind::CutlassCooperative &&
+                 fp8_block_grouped_matmul_cutlass_supported(a.n, a.k)
+             ? GroupedGemmKind::CutlassCooperative
+             : GroupedGemmKind::Tiled;
+}
+
+// Relay's own kernels (the CUTLASS variant is launched from launch_fp8_block_grouped_matmul).
+void run_block_scaled(const Fp8GemmArgs& a, GroupedGemmKind kind, cudaStream_t s) {
+  RELAY_CHECK(kind == GroupedGemmKind::Streaming || kind == GroupedGemmKind::Tiled,
+              "fp8 block GEMM: no ", grouped_gemm_kind_name(kind), " variant",
+              a.expert_offsets == nullptr
+                  ? " for the dense GEMM (CUTLASS runs the grouped one only)"
+                  : " (CUTLASS: cutlass_cooperative only)");
+  if (a.num_rows == 0) return;
   if (kind == GroupedGemmKind::Streaming) {
     run_streaming(a, s);
   } else {
+    const int64_t experts = a.expert_offsets == nullptr ? 1 : a.num_experts;
     dispatch_tiled<ScaleFormat::Block128>(a, a.num_rows <= 16 * experts, s);
   }
 }
@@ -528,9 +548,14 @@ void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf
   RELAY_CHECK(p.num_rows >= 0 && p.num_experts > 0 && p.expert_offsets != nullptr,
               "fp8_block_grouped_matmul: rows ", p.num_rows, ", experts ", p.num_experts,
               " (expert_offsets must be set)");
-  run_block_scaled({p.x, p.x_scale, p.w, p.w_scale, p.expert_offsets, p.out, p.num_rows,
-                    p.num_experts, p.n, p.k},
-                   kind, s);
+  const Fp8GemmArgs a{p.x,   p.x_scale,  p.w,           p.w_scale, p.expert_offsets,
+                      p.out, p.num_rows, p.num_experts, p.n,       p.k};
+  kind = resolve_block_scaled_kind(a, kind);
+  if (kind == GroupedGemmKind::CutlassCooperative) {
+    launch_fp8_block_grouped_matmul_cutlass(p, s);
+  } else {
+    run_block_scaled(a, kind, s);
+  }
 }
 
 void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
@@ -545,7 +570,8 @@ void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, Grouped
   RELAY_CHECK(!p.x_scale_group_major,
               "fp8_block_matmul: Relay's kernels read token-major x scales; group-major ones are "
               "cuBLASLt's layout (launch_fp8_block_matmul_cublaslt)");
-  run_block_scaled({p.x, p.x_scale, p.w, p.w_scale, nullptr, p.out, p.m, 1, p.n, p.k}, kind, s);
+  const Fp8GemmArgs a{p.x, p.x_scale, p.w, p.w_scale, nullptr, p.out, p.m, 1, p.n, p.k};
+  run_block_scaled(a, resolve_block_scaled_kind(a, kind), s);
 }
 
 void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, cudaStream_t s) {

@@ -269,9 +269,8 @@ void run_tiled(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CUDA_CHECK_LAUNCH("grouped_gemm_tiled_kernel");
 }
 
-// The prefill regime's kernel (over 16 rows per expert on average): CUTLASS's cooperative kernel
-// unless RELAY_MOE_PREFILL_GEMM names another (tiled, cutlass_cooperative, cutlass_pingpong), which
-// the benchmark uses to time the model with each. Read once per process.
+}  // namespace
+
 GroupedGemmKind prefill_grouped_gemm_kind() {
   static const GroupedGemmKind kind = [] {
     const char* env = std::getenv("RELAY_MOE_PREFILL_GEMM");
@@ -285,8 +284,6 @@ GroupedGemmKind prefill_grouped_gemm_kind() {
   }();
   return kind;
 }
-
-}  // namespace
 
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGemmKind kind, cudaStream_t s) {
   RELAY_CHECK(p.k % 8 == 0 && p.n % 8 == 0, "moe_grouped_matmul: n ", p.n, " and k ", p.k,
