@@ -18,6 +18,7 @@ APT_PACKAGES=(
   libcli11-dev            # command line
   libssl-dev zlib1g-dev   # cpp-httplib's link dependencies
   libucx-dev              # UCX 1.13 (UCP): the KV transfer's network transport (TCP, RDMA verbs)
+  iproute2                # ss: an end-to-end test reads the server's listen backlog
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -2,10 +2,13 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -86,6 +89,34 @@ struct ResponseWriter {
     return ok;
   }
 };
+
+// NOTE: Debian's cpp-httplib is a compiled library whose listen() passes a backlog of 5 (its
+// CPPHTTPLIB_LISTEN_BACKLOG macro reaches only the header, not the library): a load generator that
+// opens hundreds of connections at once overflows that accept queue, and connections the kernel
+// completed but could not queue are dropped later (the client sees a reset: httpx ReadError). A
+// second listen() on the bound socket raises the backlog (up to net.core.somaxconn); the socket is
+// found among the process's descriptors as the listening one bound to `port`.
+void raise_listen_backlog(int port) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    int fd = -1;
+    try {
+      fd = std::stoi(entry.path().filename().string());
+    } catch (const std::exception&) {
+      continue;
+    }
+    int listening = 0;
+    socklen_t len = sizeof(listening);
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening) continue;
+    sockaddr_storage addr{};
+    socklen_t addr_len = sizeof(addr);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &addr_len) != 0) continue;
+    int bound = -1;
+    if (addr.ss_family == AF_INET) bound = ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+    if (addr.ss_family == AF_INET6) bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+    if (bound == port) ::listen(fd, 4096);
+  }
+}
 
 }  // namespace
 
@@ -557,6 +588,9 @@ void HttpServer::start() {
   const size_t num_threads = static_cast<size_t>(s.options.max_num_seqs + s.options.max_queue + 16);
   svr.new_task_queue = [num_threads] { return new httplib::ThreadPool(num_threads); };
   svr.set_payload_max_length(size_t{64} << 20);
+  // A client keeps its connection for as many requests as it likes (httplib closes after 5 by
+  // default, which makes a load generator reconnect in bursts).
+  svr.set_keep_alive_max_count(100000);
 
   static thread_local Clock::time_point request_start;
   svr.set_pre_routing_handler([&s](const httplib::Request& req, httplib::Response& res) {
@@ -626,6 +660,7 @@ void HttpServer::start() {
   port_ = s.options.port == 0 ? svr.bind_to_any_port(s.options.host) : s.options.port;
   if (s.options.port != 0 && !svr.bind_to_port(s.options.host, s.options.port)) port_ = -1;
   RELAY_CHECK(port_ > 0, "cannot listen on ", s.options.host, ":", s.options.port);
+  raise_listen_backlog(port_);
   listen_thread_ = std::thread([&svr] { svr.listen_after_bind(); });
 }
 
