@@ -170,12 +170,14 @@ struct MoeRouterTopkParams {
 
 // Groups the (token, k) assignments by expert: row r = t * top_k + k goes to permuted row
 // permuted_index[r]; rows of expert e are [expert_offsets[e], expert_offsets[e+1]), in (t, k) order
-// inside an expert. Experts with no tokens get an empty range.
+// inside an expert. Experts with no tokens get an empty range. Without permuted_x only the index
+// and the offsets are computed (the FP8 path quantises each token once and permutes the quantised
+// rows: quant::Fp8PermuteRowsParams).
 template <typename T>
 struct MoePermuteParams {
   const T* x = nullptr;               // [num_tokens, hidden]
   const int32_t* topk_ids = nullptr;  // [num_tokens, top_k]
-  T* permuted_x = nullptr;            // [num_tokens * top_k, hidden]
+  T* permuted_x = nullptr;            // [num_tokens * top_k, hidden], or null
   int32_t* permuted_index = nullptr;  // [num_tokens * top_k]: (t, k) row -> permuted row
   int32_t* expert_offsets = nullptr;  // [num_experts + 1]
   int num_tokens = 0;

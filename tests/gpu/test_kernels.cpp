@@ -232,14 +232,28 @@ TEST(GpuKernels, PagedAttentionPrefillKernels) {
   }
 }
 
+// The decode kernel splits a context over CTAs (balanced over the actual context, so the short
+// sequences of a batch with one long one get most of their splits empty) and over warps, and the
+// last CTA of a split group merges it: repeated shapes check that its done-counters are reset.
 TEST(GpuKernels, PagedAttentionDecode) {
   std::mt19937 rng(8);
   check_attention({{1, 1}}, 32, 4, 128, 16, rng);
   check_attention({{1, 2000}}, 32, 4, 128, 16, rng);  // split-K
+  check_attention({{1, 2000}}, 32, 4, 128, 16, rng);
+  check_attention({{1, 4097}}, 32, 4, 128, 16, rng);
+  check_attention({{1, 16384}}, 64, 4, 128, 16, rng);
   std::vector<std::pair<int, int>> batch;
   for (int i = 0; i < 64; ++i) batch.push_back({1, 1 + static_cast<int>(rng() % 1500)});
   check_attention(batch, 32, 4, 128, 16, rng);
+  check_attention(batch, 32, 4, 128, 16, rng);
+  std::vector<std::pair<int, int>> wide;
+  for (int i = 0; i < 256; ++i) wide.push_back({1, 1 + static_cast<int>(rng() % 600)});
+  check_attention(wide, 32, 4, 128, 16, rng);
   check_attention({{1, 700}, {1, 3}, {1, 64}}, 64, 4, 128, 16, rng);
+  check_attention({{1, 5000}, {1, 17}}, 64, 4, 128, 4, rng);   // a 16-position tile spans 4 blocks
+  check_attention({{1, 3000}, {1, 129}}, 32, 4, 128, 128, rng);
+  check_attention({{1, 900}, {1, 40}}, 64, 2, 128, 16, rng);   // group 32: two row tiles per KV head
+  check_attention({{1, 12}, {1, 1000}}, 20, 4, 64, 16, rng);   // group 5
   check_attention({{1, 33}, {1, 300}}, 4, 2, 32, 16, rng);
 }
 
@@ -280,8 +294,8 @@ std::vector<int32_t> random_routing(int tokens, int experts, int k, std::mt19937
 
 TEST(GpuKernels, MoePermuteAndCombine) {
   std::mt19937 rng(10);
-  for (int tokens : {1, 5, 1000}) {
-    const int experts = 128, k = 8, hidden = 64;
+  for (auto [tokens, hidden] : {std::pair{1, 64}, std::pair{5, 64}, std::pair{1000, 64}, std::pair{300, 2056}}) {
+    const int experts = 128, k = 8;
     auto ids = random_routing(tokens, experts, k, rng);
     auto x = random_bf16(static_cast<size_t>(tokens) * hidden, rng);
     const size_t rows = ids.size();

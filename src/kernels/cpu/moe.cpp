@@ -49,6 +49,7 @@ void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool) {
   for (int e = 0; e < p.num_experts; ++e) p.expert_offsets[e + 1] += p.expert_offsets[e];
   std::vector<int32_t> next(p.expert_offsets, p.expert_offsets + p.num_experts);
   for (int64_t r = 0; r < num_rows; ++r) p.permuted_index[r] = next[p.topk_ids[r]]++;
+  if (p.permuted_x == nullptr) return;
   pool.parallel_for(num_rows, std::max(1, 16384 / std::max(1, p.hidden)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       std::memcpy(p.permuted_x + static_cast<int64_t>(p.permuted_index[r]) * p.hidden,

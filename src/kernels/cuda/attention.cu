@@ -10,12 +10,14 @@
 // S accumulators as the A operand) times V (ldmatrix.trans). Causality is per row: new token j of a
 // sequence with n new tokens and context c sees positions [0, c - n + j].
 //
-// Two configurations, chosen by the host: prefill (4 warps, 64 rows, 64-position tiles) and decode
-// (every sequence has one new token: 1 warp, 16 rows, 32-position tiles, context split across CTAs,
-// each writing an fp32 partial output and its log-sum-exp; attention_combine merges them). The split
-// count depends only on shapes the host knows (batch, KV heads, max_blocks_per_seq), never on the
-// device-side context lengths, so a captured CUDA graph stays valid as contexts grow.
+// Three kernels, chosen by the host: prefill on mma.sync (4 warps, 64 rows, 64-position tiles),
+// prefill on wgmma (sm_90a, below), and decode (every sequence has one new token; see
+// decode_attention_kernel): the context of a (sequence, KV head) is split across CTAs and within a
+// CTA across warps. The split count depends only on shapes the host knows (batch, KV heads,
+// max_blocks_per_seq); the split boundaries are computed on the device from the actual context
+// lengths, so a captured CUDA graph stays valid, and balanced, as contexts grow.
 #include <algorithm>
+#include <cmath>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
@@ -39,12 +41,13 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   }
 }
 
-// What the host decides per launch besides the op's params: the split-K plan and the block shift.
-struct SplitOutput {
-  float* partial_out;  // [num_splits, num_tokens, num_q_heads, head_dim]
+// The decode split-K plan the host decides per launch besides the op's params.
+struct DecodeSplit {
+  float* partial_out;  // [num_splits, num_tokens, num_q_heads, head_dim], normalised
   float* partial_lse;  // [num_splits, num_tokens, num_q_heads], log2 domain
+  int* done;           // [num_seqs, num_kv_heads, row_tiles] CTAs finished; zero between launches
   int num_splits;
-  int split_positions;  // cache positions per split (a multiple of the KV tile)
+  int row_tiles;        // 16-row tiles per KV head's group of q heads
   int log2_block_size;  // block_size is a power of two >= 4
 };
 
@@ -105,11 +108,11 @@ __device__ __forceinline__ void rescale_rows(float (&o)[kDt][4], const float (&a
 }
 
 // The end of a row tile: finish the quad-spread row sums and write this lane's two rows (tile rows
-// `row` and row + 8) — normalised bf16, or with split-K the fp32 partial and its log-sum-exp.
+// `row` and row + 8), normalised, in bf16.
 template <int kDt>
-__device__ __forceinline__ void store_rows(const PagedAttentionParams<bf16>& p, const SplitOutput& split,
-                                           const float (&o)[kDt][4], const float (&m)[2], float (&l)[2], int q_start,
-                                           int num_rows, int row, int kv_head, int group) {
+__device__ __forceinline__ void store_rows(const PagedAttentionParams<bf16>& p, const float (&o)[kDt][4],
+                                           float (&l)[2], int q_start, int num_rows, int row, int kv_head,
+                                           int group) {
   constexpr int kHeadDim = kDt * 8;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -124,37 +127,26 @@ __device__ __forceinline__ void store_rows(const PagedAttentionParams<bf16>& p, 
     const int token = q_start + r / group, head = kv_head * group + r % group;
     const int64_t out_row = static_cast<int64_t>(token) * p.num_q_heads + head;
     const float inv_l = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    if (split.num_splits > 1) {
-      const int64_t base = static_cast<int64_t>(blockIdx.z) * p.num_tokens * p.num_q_heads + out_row;
-      float* dst = split.partial_out + base * kHeadDim;
+    bf16* dst = p.out + out_row * kHeadDim;
 #pragma unroll
-      for (int d = 0; d < kDt; ++d) {
-        const int col = d * 8 + (lane & 3) * 2;
-        *reinterpret_cast<float2*>(dst + col) = make_float2(o[d][2 * i] * inv_l, o[d][2 * i + 1] * inv_l);
-      }
-      if ((lane & 3) == 0) split.partial_lse[base] = m[i] + log2f(l[i]);
-    } else {
-      bf16* dst = p.out + out_row * kHeadDim;
-#pragma unroll
-      for (int d = 0; d < kDt; ++d) {
-        const int col = d * 8 + (lane & 3) * 2;
-        *reinterpret_cast<__nv_bfloat162*>(dst + col) =
-            __floats2bfloat162_rn(o[d][2 * i] * inv_l, o[d][2 * i + 1] * inv_l);
-      }
+    for (int d = 0; d < kDt; ++d) {
+      const int col = d * 8 + (lane & 3) * 2;
+      *reinterpret_cast<__nv_bfloat162*>(dst + col) =
+          __floats2bfloat162_rn(o[d][2 * i] * inv_l, o[d][2 * i + 1] * inv_l);
     }
   }
 }
 
 // Gathers the K and V rows of cache positions [pos0, pos0 + kBn) of one KV head from the paged
 // cache into shared memory (zeros past kv_end), 16-byte chunk `chunk` of tile row r at byte
-// offset(r, chunk). Called by all kThreads threads.
+// offset(r, chunk). Called by kThreads threads (whole warps), `thread` being this one's index among them.
 // NOTE: a tile starts at a multiple of kBn and spans at most max(1, kBn / block_size) <= 32 blocks
 // (block_size >= 4), so each lane loads one block-table entry and the per-chunk lookups are warp
 // shuffles: one table-load latency per tile instead of a dependent global load before every cp.async.
 template <int kHeadDim, int kBn, int kThreads, class Offset>
 __device__ __forceinline__ void load_kv_tile(const PagedAttentionParams<bf16>& p, const int* table, int kv_head,
-                                             int pos0, int kv_end, int log2_block_size, uint8_t* k_dst,
-                                             uint8_t* v_dst, Offset offset_of) {
+                                             int pos0, int kv_end, int log2_block_size, int thread,
+                                             uint8_t* k_dst, uint8_t* v_dst, Offset offset_of) {
   constexpr int kChunks = kHeadDim / 8;
   static_assert(kBn * kChunks % kThreads == 0, "every lane of every warp takes part in the shuffles");
   const int lane = threadIdx.x & 31;
@@ -162,7 +154,7 @@ __device__ __forceinline__ void load_kv_tile(const PagedAttentionParams<bf16>& p
   const int last_block = (min(pos0 + kBn, kv_end) - 1) >> log2_block_size;
   const int my_block = first_block + lane <= last_block ? table[first_block + lane] : 0;
 #pragma unroll 4
-  for (int c = threadIdx.x; c < kBn * kChunks; c += kThreads) {
+  for (int c = thread; c < kBn * kChunks; c += kThreads) {
     const int r = c / kChunks, chunk = c % kChunks;
     const int pos = pos0 + r;
     const bool valid = pos < kv_end;
@@ -207,7 +199,7 @@ __device__ __forceinline__ void locate_row_tile(const PagedAttentionParams<bf16>
 
 template <int kHeadDim, int kWarps, int kBn>
 __global__ void __launch_bounds__(kWarps * 32)
-    paged_attention_kernel(PagedAttentionParams<bf16> p, SplitOutput split) {
+    paged_attention_kernel(PagedAttentionParams<bf16> p, int log2_block_size) {
   constexpr int kBm = 16 * kWarps;
   constexpr int kThreads = kWarps * 32;
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
@@ -241,24 +233,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int row0 = tile_index * kBm;
   const int last_row = min(row0 + kBm, num_rows) - 1;
   // Positions this tile needs: up to the causal limit of its last token.
-  int kv_end = context - num_new + last_row / group + 1;
-  int kv_begin = 0;
-  if (split.num_splits > 1) {
-    kv_begin = blockIdx.z * split.split_positions;
-    kv_end = min(kv_end, kv_begin + split.split_positions);
-  }
+  const int kv_end = context - num_new + last_row / group + 1;
   const int* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
-
-  if (kv_begin >= kv_end) {  // an empty split: contributes nothing to the combine
-    for (int r = threadIdx.x; r < kBm; r += kThreads) {
-      const int row = row0 + r;
-      if (row >= num_rows) continue;
-      const int token = q_start + row / group, head = kv_head * group + row % group;
-      split.partial_lse[(static_cast<int64_t>(blockIdx.z) * p.num_tokens + token) * p.num_q_heads + head] =
-          -INFINITY;
-    }
-    return;
-  }
 
   // Q tile: rows are contiguous in q ([token][q_head][dim], this KV head's group).
   for (int c = threadIdx.x; c < kBm * kChunks; c += kThreads) {
@@ -270,11 +246,11 @@ __global__ void __launch_bounds__(kWarps * 32)
     cp_async_16(q_smem + swizzle<kChunks>(r, chunk), src, valid);
   }
   auto load_kv = [&](int tile, int stage) {
-    load_kv_tile<kHeadDim, kBn, kThreads>(p, table, kv_head, kv_begin + tile * kBn, kv_end, split.log2_block_size,
+    load_kv_tile<kHeadDim, kBn, kThreads>(p, table, kv_head, tile * kBn, kv_end, log2_block_size, threadIdx.x,
                                           k_smem + stage * kBn * kHeadDim * 2, v_smem + stage * kBn * kHeadDim * 2,
                                           [](int r, int chunk) { return swizzle<kChunks>(r, chunk); });
   };
-  const int num_tiles = (kv_end - kv_begin + kBn - 1) / kBn;
+  const int num_tiles = (kv_end + kBn - 1) / kBn;
   load_kv(0, 0);
   cp_async_commit();
 
@@ -324,7 +300,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
     float alpha[2];
-    online_softmax_tile(s, kv_begin + tile * kBn, limit, kv_end, scale_log2, m, l, alpha);
+    online_softmax_tile(s, tile * kBn, limit, kv_end, scale_log2, m, l, alpha);
     rescale_rows(o, alpha);
     // O += P V, P re-packed from the S accumulators as the A operand.
 #pragma unroll
@@ -344,7 +320,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncthreads();  // the stage is overwritten by the next iteration's load
   }
 
-  store_rows(p, split, o, m, l, q_start, num_rows, row0 + warp_row, kv_head, group);
+  store_rows(p, o, l, q_start, num_rows, row0 + warp_row, kv_head, group);
 }
 
 // Prefill attention on Hopper's warp-group MMA (sm_90a), head_dim 128. A CTA owns 2 x 64
@@ -410,7 +386,7 @@ __global__ void __launch_bounds__(kWgmmaWarpGroups * 128, 1)
     cp_async_16(q_smem + sw128_offset(r, chunk, kBm), src, valid);
   }
   auto load_kv = [&](int tile, int stage) {
-    load_kv_tile<kHeadDim, kBn, kThreads>(p, table, kv_head, tile * kBn, kv_end, log2_block_size,
+    load_kv_tile<kHeadDim, kBn, kThreads>(p, table, kv_head, tile * kBn, kv_end, log2_block_size, threadIdx.x,
                                           k_smem + stage * kTileBytes, v_smem + stage * kTileBytes,
                                           [](int r, int chunk) { return sw128_offset(r, chunk, kBn); });
   };
@@ -483,37 +459,205 @@ __global__ void __launch_bounds__(kWgmmaWarpGroups * 128, 1)
     wgmma_fence_operands(o);
     __syncthreads();  // the stage is overwritten by the next iteration's load
   }
-  store_rows(p, SplitOutput{nullptr, nullptr, 1, 0, log2_block_size}, o, m, l, q_start, num_rows, row0 + warp_row,
-             kv_head, group);
+  store_rows(p, o, l, q_start, num_rows, row0 + warp_row, kv_head, group);
 #else
   __trap();  // built without sm_90a: the host never launches this kernel on such an image
 #endif
 }
 
-// One warp per (token, q head): weights 2^(lse_s - max) over the splits, normalised.
-template <int kHeadDim>
-__global__ void attention_combine_kernel(PagedAttentionParams<bf16> p, SplitOutput split) {
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int64_t num_rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
-  if (row >= num_rows) return;
-  float max_lse = -INFINITY;
-  for (int sp = 0; sp < split.num_splits; ++sp) max_lse = fmaxf(max_lse, split.partial_lse[sp * num_rows + row]);
-  constexpr int kPerLane = kHeadDim / 32;
-  float acc[kPerLane] = {};
-  float total = 0.0f;
-  for (int sp = 0; sp < split.num_splits; ++sp) {
-    const float lse = split.partial_lse[sp * num_rows + row];
-    if (lse == -INFINITY) continue;
-    const float w = exp2f(lse - max_lse);
-    total += w;
-    const float* src = split.partial_out + (sp * num_rows + row) * kHeadDim;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) acc[j] += w * src[lane + 32 * j];
+// Decode attention: every sequence has one new token, so a (sequence, KV head) has only its group of
+// q heads as rows and the whole cost is streaming the context's K/V once. A CTA owns one 16-row tile
+// of the group, one KV head of one sequence and one split of its context; its kWarps warps take the
+// split's kBn-position tiles in turn, each warp through its own two cp.async stages, so the loop
+// needs no CTA barrier and a CTA keeps kWarps tiles in flight. At the end the warps' (m, l, O) are
+// merged in shared memory. With several splits each CTA writes its fp32 partial and log-sum-exp and
+// counts itself done; the last CTA of a (sequence, KV head, row tile) merges the splits (and resets
+// the count for the next launch), so no second kernel runs. Splits are balanced over the sequence's
+// actual context: only their number comes from the host.
+template <int kHeadDim, int kWarps, int kBn>
+__global__ void __launch_bounds__(kWarps * 32)
+    decode_attention_kernel(PagedAttentionParams<bf16> p, DecodeSplit split) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kNt = kBn / 8, kDt = kHeadDim / 8;
+  constexpr int kStageBytes = kBn * kHeadDim * 2;  // one of K or V
+  static_assert(kWarps * 16 * (kHeadDim + 2) * 4 <= kWarps * 4 * kStageBytes, "the merge fits over the K/V stages");
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* q_smem = smem;                                  // [16 rows][kHeadDim]
+  uint8_t* kv_smem = q_smem + 16 * kHeadDim * 2;           // per warp: [2 stages][K, V][kBn][kHeadDim]
+  __shared__ int is_last;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int seq = blockIdx.x / split.row_tiles, row_tile = blockIdx.x % split.row_tiles;
+  const int kv_head = blockIdx.y;
+  const int token = p.query_starts[seq];
+  const int context = p.context_lens[seq];
+  const int row0 = row_tile * 16;
+  const int num_rows = min(16, group - row0);
+  const int64_t head0 = static_cast<int64_t>(token) * p.num_q_heads + kv_head * group + row0;  // out/partial row
+  const int total_tiles = (context + kBn - 1) / kBn;
+  const int split_tiles = (total_tiles + split.num_splits - 1) / split.num_splits;
+  const int kv_begin = min(context, static_cast<int>(blockIdx.z) * split_tiles * kBn);
+  const int kv_end = min(context, kv_begin + split_tiles * kBn);
+  const int num_tiles = (kv_end - kv_begin + kBn - 1) / kBn;
+  const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+  const int* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
+
+  for (int c = threadIdx.x; c < 16 * kChunks; c += kWarps * 32) {
+    const int r = c / kChunks, chunk = c % kChunks;
+    cp_async_16(q_smem + swizzle<kChunks>(r, chunk), p.q + (head0 + min(r, num_rows - 1)) * kHeadDim + chunk * 8,
+                r < num_rows);
   }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  cp_async_commit();
+  uint8_t* my_kv = kv_smem + warp * 4 * kStageBytes;
+  auto load_kv = [&](int i, int stage) {  // this warp's i-th tile
+    load_kv_tile<kHeadDim, kBn, 32>(p, table, kv_head, kv_begin + (warp + i * kWarps) * kBn, kv_end,
+                                    split.log2_block_size, lane, my_kv + stage * 2 * kStageBytes,
+                                    my_kv + stage * 2 * kStageBytes + kStageBytes,
+                                    [](int r, int chunk) { return swizzle<kChunks>(r, chunk); });
+  };
+  if (my_tiles > 0) load_kv(0, 0);
+  cp_async_commit();
+  cp_async_wait<1>();  // the Q tile (every thread's part of it, after the barrier)
+  __syncthreads();
+  uint32_t qf[kHeadDim / 16][4];
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) p.out[row * kHeadDim + lane + 32 * j] = __float2bfloat16(acc[j] * inv);
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    ldmatrix_x4(qf[kk], q_smem + swizzle<kChunks>(lane & 15, kk * 2 + (lane >> 4)));
+  }
+
+  const int limit[2] = {context - 1, context - 1};
+  const float scale_log2 = p.scale * kLog2e;
+  float o[kDt][4];
+#pragma unroll
+  for (int d = 0; d < kDt; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  for (int i = 0; i < my_tiles; ++i) {
+    const int stage = i & 1;
+    if (i + 1 < my_tiles) load_kv(i + 1, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncwarp();  // the other lanes' cp.async data of this stage
+    const uint8_t* ks = my_kv + stage * 2 * kStageBytes;
+    const uint8_t* vs = ks + kStageBytes;
+    float s[kNt][4];
+#pragma unroll
+    for (int n = 0; n < kNt; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+#pragma unroll
+      for (int nb = 0; nb < kNt / 2; ++nb) {
+        uint32_t b[4];
+        const int r = nb * 16 + (lane & 7) + ((lane >> 4) << 3), chunk = kk * 2 + ((lane >> 3) & 1);
+        ldmatrix_x4(b, ks + swizzle<kChunks>(r, chunk));
+        mma_bf16_16816(s[2 * nb], qf[kk], b);
+        mma_bf16_16816(s[2 * nb + 1], qf[kk], b + 2);
+      }
+    }
+    float alpha[2];
+    online_softmax_tile(s, kv_begin + (warp + i * kWarps) * kBn, limit, kv_end, scale_log2, m, l, alpha);
+    rescale_rows(o, alpha);
+#pragma unroll
+    for (int kk = 0; kk < kBn / 16; ++kk) {
+      uint32_t a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                       pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                       pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int nd = 0; nd < kDt / 2; ++nd) {
+        uint32_t b[4];
+        const int r = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), chunk = nd * 2 + (lane >> 4);
+        ldmatrix_x4_trans(b, vs + swizzle<kChunks>(r, chunk));
+        mma_bf16_16816(o[2 * nd], a, b);
+        mma_bf16_16816(o[2 * nd + 1], a, b + 2);
+      }
+    }
+    __syncwarp();  // the stage is overwritten by the next iteration's load
+  }
+
+  // Merge the warps: each leaves its unnormalised O and its (m, l) per row in shared memory (over
+  // the K/V stages, which every warp is done with after the barrier).
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  float* o_smem = reinterpret_cast<float*>(kv_smem);  // [kWarps][16][kHeadDim]
+  float* ml_smem = o_smem + kWarps * 16 * kHeadDim;   // [kWarps][16][m, l]
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = (lane >> 2) + 8 * i;
+    float* dst = o_smem + (warp * 16 + r) * kHeadDim;
+#pragma unroll
+    for (int d = 0; d < kDt; ++d) {
+      *reinterpret_cast<float2*>(dst + d * 8 + (lane & 3) * 2) = make_float2(o[d][2 * i], o[d][2 * i + 1]);
+    }
+    if ((lane & 3) == 0) {
+      ml_smem[(warp * 16 + r) * 2] = m[i];
+      ml_smem[(warp * 16 + r) * 2 + 1] = l[i];
+    }
+  }
+  __syncthreads();
+  const int64_t num_out_rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
+  for (int c = threadIdx.x; c < num_rows * kHeadDim; c += kWarps * 32) {
+    const int r = c / kHeadDim, d = c % kHeadDim;
+    float m_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m_max = fmaxf(m_max, ml_smem[(w * 16 + r) * 2]);
+    float sum = 0.0f, acc = 0.0f;
+    if (m_max != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float scale = exp2f(ml_smem[(w * 16 + r) * 2] - m_max);
+        sum += scale * ml_smem[(w * 16 + r) * 2 + 1];
+        acc += scale * o_smem[(w * 16 + r) * kHeadDim + d];
+      }
+    }
+    const float out = sum > 0.0f ? acc / sum : 0.0f;
+    if (split.num_splits == 1) {
+      p.out[(head0 + r) * kHeadDim + d] = __float2bfloat16(out);
+    } else {
+      const int64_t prow = blockIdx.z * num_out_rows + head0 + r;
+      split.partial_out[prow * kHeadDim + d] = out;
+      if (d == 0) split.partial_lse[prow] = sum > 0.0f ? m_max + log2f(sum) : -INFINITY;
+    }
+  }
+  if (split.num_splits == 1) return;
+
+  // The last CTA to finish merges the splits: the fence orders this CTA's partials before its count,
+  // and the reads below go to L2 (__ldcg), where the other CTAs' partials are.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* done = split.done + (static_cast<int64_t>(seq) * p.num_kv_heads + kv_head) * split.row_tiles + row_tile;
+    is_last = atomicAdd(done, 1) == split.num_splits - 1;
+    if (is_last) *done = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  constexpr int kPerLane = kHeadDim / 32;
+  for (int r = warp; r < num_rows; r += kWarps) {
+    const int64_t row = head0 + r;
+    float max_lse = -INFINITY;
+    for (int sp = lane; sp < split.num_splits; sp += 32) max_lse = fmaxf(max_lse, __ldcg(split.partial_lse + sp * num_out_rows + row));
+    max_lse = warp_max(max_lse);
+    float acc[kPerLane] = {};
+    float total = 0.0f;
+#pragma unroll 4
+    for (int sp = 0; sp < split.num_splits; ++sp) {
+      const float lse = __ldcg(split.partial_lse + sp * num_out_rows + row);
+      const float w = lse == -INFINITY ? 0.0f : exp2f(lse - max_lse);
+      total += w;
+      const float* src = split.partial_out + (sp * num_out_rows + row) * kHeadDim;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) acc[j] += w * __ldcg(src + lane + 32 * j);
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) p.out[row * kHeadDim + lane + 32 * j] = __float2bfloat16(acc[j] * inv);
+  }
 }
 
 DeviceWorkspace& split_workspace() {
@@ -521,9 +665,9 @@ DeviceWorkspace& split_workspace() {
   return ws;
 }
 
-template <int kHeadDim, int kWarps, int kBn>
-void run(const PagedAttentionParams<bf16>& p, const SplitOutput& split, cudaStream_t s) {
-  constexpr int kBm = 16 * kWarps;
+template <int kHeadDim>
+void run_mma_sync(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
+  constexpr int kWarps = 4, kBm = 16 * kWarps, kBn = 64;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int64_t max_tiles = (static_cast<int64_t>(p.num_tokens) * group + kBm - 1) / kBm + p.num_seqs;
   const int smem_bytes = (kBm + 4 * kBn) * kHeadDim * 2;
@@ -533,14 +677,9 @@ void run(const PagedAttentionParams<bf16>& p, const SplitOutput& split, cudaStre
     RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     configured = true;
   }
-  dim3 grid(static_cast<unsigned>(max_tiles), p.num_kv_heads, split.num_splits);
-  kernel<<<grid, kWarps * 32, smem_bytes, s>>>(p, split);
+  dim3 grid(static_cast<unsigned>(max_tiles), p.num_kv_heads, 1);
+  kernel<<<grid, kWarps * 32, smem_bytes, s>>>(p, __builtin_ctz(p.block_size));
   RELAY_CUDA_CHECK_LAUNCH("paged_attention_kernel");
-  if (split.num_splits > 1) {
-    const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
-    attention_combine_kernel<kHeadDim><<<ceil_div(rows, 4), 128, 0, s>>>(p, split);
-    RELAY_CUDA_CHECK_LAUNCH("attention_combine_kernel");
-  }
 }
 
 void run_wgmma(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
@@ -571,40 +710,76 @@ bool device_has_wgmma() {
   return has;
 }
 
-template <int kHeadDim>
-void dispatch_config(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, cudaStream_t s) {
-  constexpr int kDecodeBn = 32;
-  if (p.num_tokens != p.num_seqs) {
-    if (kind == PrefillAttentionKind::Auto) {
-      kind = kHeadDim == 128 && device_has_wgmma() ? PrefillAttentionKind::Wgmma : PrefillAttentionKind::MmaSync;
-    }
-    if (kind == PrefillAttentionKind::MmaSync) {
-      run<kHeadDim, 4, 64>(p, SplitOutput{nullptr, nullptr, 1, 0, __builtin_ctz(p.block_size)}, s);
-      return;
-    }
-    RELAY_CHECK(kHeadDim == 128 && device_has_wgmma(), "paged_attention: the ", prefill_attention_kind_name(kind),
-                " kernel needs head_dim 128 on an sm_90 GPU (got head_dim ", kHeadDim, ")");
-    if constexpr (kHeadDim == 128) {
-      run_wgmma(p, s);
-      return;
+// The decode split count: the CTAs of all splits should fill whole waves of the chip, and every
+// warp should get a few KV tiles. Only host-known shapes enter (graph-safe): the table width bounds
+// the contexts, and graphs are keyed on a power-of-two width, so a context is assumed ~3/4 of it.
+// Cost model per split count: waves x (tiles per warp + a fixed cost of about 2 tiles per CTA for
+// the Q load, the warp merge and the partials).
+int decode_num_splits(int64_t ctas, int64_t slots, int64_t max_context, int tile, int warps) {
+  const int64_t tiles = std::max<int64_t>(1, (max_context * 3 / 4 + tile - 1) / tile);
+  const int64_t max_splits = std::clamp<int64_t>(tiles / (2 * warps), 1, 64);
+  int best = 1;
+  double best_cost = 0.0;
+  for (int64_t splits = 1; splits <= max_splits; ++splits) {
+    const int64_t waves = (ctas * splits + slots - 1) / slots;
+    const double cost = static_cast<double>(waves) * (std::ceil(static_cast<double>(tiles) / splits / warps) + 2.0);
+    if (splits == 1 || cost < best_cost) {
+      best = static_cast<int>(splits);
+      best_cost = cost;
     }
   }
-  // Decode: enough CTAs to cover the chip a few times, each at least 4 KV tiles long.
+  return best;
+}
+
+template <int kHeadDim>
+void run_decode(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
+  constexpr int kWarps = 4, kBn = 16;
+  const int smem_bytes = (16 + kWarps * 4 * kBn) * kHeadDim * 2;
+  auto kernel = decode_attention_kernel<kHeadDim, kWarps, kBn>;
+  static const int64_t slots = [&] {  // resident CTAs on the whole device
+    RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    int device = 0, sms = 0, per_sm = 0;
+    RELAY_CUDA_CHECK(cudaGetDevice(&device));
+    RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    RELAY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem_bytes));
+    return static_cast<int64_t>(sms) * std::max(per_sm, 1);
+  }();
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int row_tiles = (group + 15) / 16;
+  const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * row_tiles;
   const int64_t max_context = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads;
-  const int64_t max_splits = std::max<int64_t>(1, max_context / (4 * kDecodeBn));
-  const int num_splits = static_cast<int>(std::clamp<int64_t>((132 * 6 + ctas - 1) / ctas, 1, max_splits));
-  SplitOutput split{nullptr, nullptr, num_splits, 0, __builtin_ctz(p.block_size)};
-  if (num_splits > 1) {
-    split.split_positions = static_cast<int>((max_context + num_splits - 1) / num_splits);
-    split.split_positions = (split.split_positions + kDecodeBn - 1) / kDecodeBn * kDecodeBn;
-    const int64_t rows = static_cast<int64_t>(num_splits) * p.num_tokens * p.num_q_heads;
+  DecodeSplit split{nullptr, nullptr, nullptr, decode_num_splits(ctas, slots, max_context, kBn, kWarps), row_tiles,
+                    __builtin_ctz(p.block_size)};
+  if (split.num_splits > 1) {
+    const int64_t rows = static_cast<int64_t>(split.num_splits) * p.num_tokens * p.num_q_heads;
     auto* base = static_cast<float*>(
         split_workspace().get(rows * (kHeadDim + 1) * sizeof(float), s, "paged_attention split-K"));
     split.partial_out = base;
     split.partial_lse = base + rows * kHeadDim;
+    static DeviceWorkspace done_workspace;
+    split.done = static_cast<int*>(done_workspace.get_zeroed(ctas * sizeof(int), s, "paged_attention split counts"));
   }
-  run<kHeadDim, 1, kDecodeBn>(p, split, s);
+  dim3 grid(static_cast<unsigned>(p.num_seqs * row_tiles), p.num_kv_heads, split.num_splits);
+  kernel<<<grid, kWarps * 32, smem_bytes, s>>>(p, split);
+  RELAY_CUDA_CHECK_LAUNCH("decode_attention_kernel");
+}
+
+template <int kHeadDim>
+void dispatch_config(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, cudaStream_t s) {
+  if (p.num_tokens == p.num_seqs) {
+    run_decode<kHeadDim>(p, s);
+    return;
+  }
+  if (kind == PrefillAttentionKind::Auto) {
+    kind = kHeadDim == 128 && device_has_wgmma() ? PrefillAttentionKind::Wgmma : PrefillAttentionKind::MmaSync;
+  }
+  if (kind == PrefillAttentionKind::MmaSync) {
+    run_mma_sync<kHeadDim>(p, s);
+    return;
+  }
+  RELAY_CHECK(kHeadDim == 128 && device_has_wgmma(), "paged_attention: the ", prefill_attention_kind_name(kind),
+              " kernel needs head_dim 128 on an sm_90 GPU (got head_dim ", kHeadDim, ")");
+  if constexpr (kHeadDim == 128) run_wgmma(p, s);
 }
 
 }  // namespace

@@ -141,6 +141,14 @@ class DeviceWorkspace {
     }
     return ptr_;
   }
+  // The same, for state that kernels keep at zero between launches (they reset what they count):
+  // only a newly allocated buffer needs clearing.
+  void* get_zeroed(size_t bytes, cudaStream_t s, const char* what) {
+    const size_t before = bytes_;
+    void* p = get(bytes, s, what);
+    if (bytes_ != before) RELAY_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes_, s));
+    return p;
+  }
 
  private:
   void* ptr_ = nullptr;

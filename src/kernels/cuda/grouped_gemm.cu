@@ -8,7 +8,7 @@
 // fastest so the CTAs resident together share one x tile in L2.
 // Streaming (decode, a few rows per expert): the weights dominate the bytes, so each CTA streams a
 // 32-column slice of one *active* expert's weight with 16-byte loads, several in flight per lane,
-// and multiplies it with that expert's rows (staged in shared memory, 8 at a time). Only experts
+// and multiplies it with that expert's rows (staged in shared memory, 4 at a time). Only experts
 // that received rows are visited, so batch 1 reads 8 experts' weights, not 128.
 // Prefill (over 16 rows per expert on average) goes to CUTLASS's Hopper grouped kernel
 // (grouped_gemm_cutlass.cu) by default; the tiled kernel stays for 3-16 rows per expert.
@@ -180,11 +180,15 @@ __global__ void __launch_bounds__(kGemmThreads, 2) grouped_gemm_tiled_kernel(Moe
   }
 }
 
-constexpr int kStreamRows = 8;       // rows of one expert multiplied per pass over its weights
-constexpr int kStreamCols = 32;      // output columns per CTA (one step of each warp)
+constexpr int kStreamRows = 4;   // rows of one expert multiplied per pass over its weights
+constexpr int kStreamCols = 32;  // output columns per CTA (one step of each warp)
 constexpr int kStreamWarps = 4;
-constexpr int kColsPerStep = 8;      // weight rows each warp streams at once (16-byte loads in flight)
+constexpr int kColsPerStep = 8;  // weight rows each warp streams at once
+constexpr int kStreamUnroll = 4;  // 16-byte loads of each weight row in flight per lane
 
+// NOTE: batch-1 decode reads 8 experts x 1 row: each SM streams ~400 KB with every load a full
+// memory latency away, so the bytes in flight per warp set the speed. All kStreamUnroll x
+// kColsPerStep loads of a step are issued before any is used (32 x 16 bytes per lane).
 __global__ void __launch_bounds__(kStreamWarps * 32) grouped_gemm_streaming_kernel(MoeGroupedMatmulParams<bf16> p) {
   extern __shared__ __align__(128) uint8_t stream_smem[];
   __shared__ int cta_expert;
@@ -217,27 +221,38 @@ __global__ void __launch_bounds__(kStreamWarps * 32) grouped_gemm_streaming_kern
       for (int c = 0; c < kColsPerStep; ++c) {
         wrow[c] = reinterpret_cast<const Bf16x8*>(w + static_cast<int64_t>(min(c0 + c, p.n - 1)) * p.k);
       }
-#pragma unroll 2
-      for (int v = lane; v < k_vecs; v += 32) {
-        float wf[kColsPerStep][8];
+      for (int v0 = lane; v0 < k_vecs; v0 += 32 * kStreamUnroll) {
+        Bf16x8 raw[kStreamUnroll][kColsPerStep];
 #pragma unroll
-        for (int c = 0; c < kColsPerStep; ++c) {
-          Bf16x8 raw;
-          asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                       : "=r"(*reinterpret_cast<uint32_t*>(&raw.v[0])), "=r"(*reinterpret_cast<uint32_t*>(&raw.v[1])),
-                         "=r"(*reinterpret_cast<uint32_t*>(&raw.v[2])), "=r"(*reinterpret_cast<uint32_t*>(&raw.v[3]))
-                       : "l"(wrow[c] + v));
-          bf16x8_to_f32(raw, wf[c]);
+        for (int u = 0; u < kStreamUnroll; ++u) {
+          const int v = min(v0 + 32 * u, k_vecs - 1);  // past the end: a valid address, result unused
+#pragma unroll
+          for (int c = 0; c < kColsPerStep; ++c) {
+            uint32_t* r = reinterpret_cast<uint32_t*>(raw[u][c].v);
+            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                         : "l"(wrow[c] + v));
+          }
         }
 #pragma unroll
-        for (int r = 0; r < kStreamRows; ++r) {
-          if (r < rows) {
-            float xf[8];
-            bf16x8_to_f32(xs[r * k_vecs + v], xf);
+        for (int u = 0; u < kStreamUnroll; ++u) {
+          const int v = v0 + 32 * u;
+          if (v >= k_vecs) break;
+          float xf[kStreamRows][8];
 #pragma unroll
-            for (int c = 0; c < kColsPerStep; ++c) {
+          for (int r = 0; r < kStreamRows; ++r) {
+            if (r < rows) bf16x8_to_f32(xs[r * k_vecs + v], xf[r]);
+          }
 #pragma unroll
-              for (int e = 0; e < 8; ++e) acc[r][c] += xf[e] * wf[c][e];
+          for (int c = 0; c < kColsPerStep; ++c) {
+            float wf[8];
+            bf16x8_to_f32(raw[u][c], wf);
+#pragma unroll
+            for (int r = 0; r < kStreamRows; ++r) {
+              if (r < rows) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[r][c] += xf[r][e] * wf[e];
+              }
             }
           }
         }
