@@ -161,6 +161,8 @@ struct CudaBackend::Impl {
   // FP8 GEMM inputs: e4m3 codes and per (row, 128-group) scales of the activation being multiplied.
   uint8_t* act_q = nullptr;
   float* act_scale = nullptr;
+  uint8_t* token_q = nullptr;  // FP8 experts: the tokens' codes and scales before the permutation
+  float* token_scale = nullptr;
   uint8_t* meta_dev = nullptr;   // packed metadata (MetaLayout)
   uint8_t* meta_host = nullptr;  // pinned mirror
   size_t meta_capacity = 0;
@@ -576,6 +578,7 @@ struct CudaBackend::Impl {
     const bool any_fp8 = stats.fp8_linears > 0;
     add(T * hidden, 2), add(T * hidden, 2), add(T * hidden, 2), add(T * max_qkv_width, 2);
     if (any_fp8) add(rows * fp8_k, 1), add(rows * ((fp8_k + 127) / 128), 4);
+    if (any_fp8 && experts > 0) add(T * hidden, 1), add(T * ((hidden + 127) / 128), 4);
     add(T * q_heads * head_dim, 2), add(T * q_heads * head_dim, 2);
     add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
         add(rows * hidden, 2);
@@ -592,6 +595,10 @@ struct CudaBackend::Impl {
     if (any_fp8) {
       act_q = acts.take<uint8_t>(rows * fp8_k);
       act_scale = acts.take<float>(rows * ((fp8_k + 127) / 128));
+    }
+    if (any_fp8 && experts > 0) {
+      token_q = acts.take<uint8_t>(T * hidden);
+      token_scale = acts.take<float>(T * ((hidden + 127) / 128));
     }
     q = acts.take<bf16>(T * q_heads * head_dim);
     attn = acts.take<bf16>(T * q_heads * head_dim);
@@ -770,12 +777,23 @@ struct CudaBackend::Impl {
         mark("router_topk");
         kernels::launch_moe_router_topk(
             {router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob}, stream);
+        // FP8 experts: each token is quantised once and its codes and scales are permuted (the
+        // same bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
+        const bool fp8_experts = w.gate_up8.present();
+        if (fp8_experts) {
+          mark("experts_gate_up.act_quant");
+          kernels::launch_fp8_act_quant({normed, token_q, token_scale, T, hidden}, stream);
+        }
         mark("moe_permute");
-        kernels::launch_moe_permute({normed, topk_ids, permuted_x, permuted_index, expert_offsets,
-                                     T, hidden, experts, top_k},
+        kernels::launch_moe_permute({normed, topk_ids, fp8_experts ? nullptr : permuted_x,
+                                     permuted_index, expert_offsets, T, hidden, experts, top_k},
                                     stream);
+        if (fp8_experts) {
+          kernels::launch_fp8_permute_rows(
+              {token_q, token_scale, permuted_index, act_q, act_scale, T, hidden, top_k}, stream);
+        }
         grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width,
-                hidden);
+                hidden, fp8_experts);
         swiglu(w, R);
         grouped("experts_down", act, w.down, w.down8, expert_out, R, hidden, w.act_width,
                 w.down8.present());

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/error.h"
@@ -87,6 +88,19 @@ void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool) {
               p.group_size);
   pool.parallel_for(p.num_tokens, 16,
                     [&](int64_t r0, int64_t r1) { quantize_rows_fp8(p, r0, r1); });
+}
+
+void launch_fp8_permute_rows(const Fp8PermuteRowsParams& p, ThreadPool& pool) {
+  RELAY_CHECK(p.num_tokens >= 0 && p.k > 0 && p.top_k > 0, "fp8_permute_rows: bad shape num_tokens ",
+              p.num_tokens, ", k ", p.k, ", top_k ", p.top_k);
+  const int64_t groups = ceil_div(p.k, kFp8BlockSize), rows = int64_t{p.num_tokens} * p.top_k;
+  pool.parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r / p.top_k, dst = p.permuted_index[r];
+      std::memcpy(p.permuted_q + dst * p.k, p.q + t * p.k, static_cast<size_t>(p.k));
+      std::memcpy(p.permuted_scale + dst * groups, p.scale + t * groups, sizeof(float) * groups);
+    }
+  });
 }
 
 void launch_fp8_block_matmul(const Fp8BlockMatmulParams<float>& p, ThreadPool& pool) {

@@ -48,6 +48,23 @@ struct Fp8ActQuantParams {
 };
 void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool);
 
+// The MoE permutation of quantised rows: row t * top_k + j of the tokens' e4m3 codes and scales
+// (fp8_act_quant output, token-major scales) goes to permuted row permuted_index[t * top_k + j]
+// (kernels::MoePermuteParams). Each row's 128-groups are its own, so quantising the tokens and then
+// permuting equals permuting and then quantising, at 1 / top_k of the quantisation work and half
+// the bytes of a bf16 permutation.
+struct Fp8PermuteRowsParams {
+  const uint8_t* q = nullptr;              // [num_tokens, k] e4m3 codes
+  const float* scale = nullptr;            // [num_tokens, ceil(k / 128)]
+  const int32_t* permuted_index = nullptr;  // [num_tokens * top_k]
+  uint8_t* permuted_q = nullptr;           // [num_tokens * top_k, k]
+  float* permuted_scale = nullptr;         // [num_tokens * top_k, ceil(k / 128)]
+  int num_tokens = 0;
+  int k = 0;
+  int top_k = 0;
+};
+void launch_fp8_permute_rows(const Fp8PermuteRowsParams& p, ThreadPool& pool);
+
 // out = dequant(x) @ dequant(w)^T with block-scaled operands (see the file comment).
 template <typename T>
 struct Fp8BlockMatmulParams {

@@ -8,6 +8,7 @@
 // (expect_wgmma_gemm_close). Outputs are poisoned with NaN first (gpu_test_util.h), so an unwritten
 // element fails.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <iostream>
 #include <numeric>
@@ -182,6 +183,33 @@ TEST(GpuFp8Kernels, ActQuantIsBitIdenticalToTheCpu) {
     kernels::launch_fp8_act_quant({d_x.get(), d_q.get(), d_s.get(), rows, k, 128}, nullptr);
     EXPECT_EQ(d_q.download(), q_ref) << "rows " << rows << " k " << k;
     EXPECT_EQ(d_s.download(), s_ref) << "rows " << rows << " k " << k;
+  }
+}
+
+TEST(GpuFp8Kernels, PermuteRowsIsBitIdenticalToTheCpu) {
+  std::mt19937 rng(22);
+  for (auto [tokens, k, top_k] : {std::array{1, 2048, 8}, std::array{5, 16, 1}, std::array{300, 2064, 8},
+                                  std::array{1000, 4096, 4}}) {
+    const size_t rows = static_cast<size_t>(tokens) * top_k;
+    const int groups = groups_of(k, 128);
+    std::vector<uint8_t> q(static_cast<size_t>(tokens) * k);
+    for (auto& b : q) b = static_cast<uint8_t>(rng());
+    std::vector<float> scale(static_cast<size_t>(tokens) * groups);
+    for (auto& v : scale) v = static_cast<float>(rng() % 1000) / 7.0f;
+    std::vector<int32_t> index(rows);
+    std::iota(index.begin(), index.end(), 0);
+    std::shuffle(index.begin(), index.end(), rng);
+    std::vector<uint8_t> pq_ref(rows * k);
+    std::vector<float> ps_ref(rows * groups);
+    quant::launch_fp8_permute_rows({q.data(), scale.data(), index.data(), pq_ref.data(), ps_ref.data(), tokens, k, top_k},
+                                   pool());
+    DeviceBuffer<uint8_t> d_q(q), d_pq(pq_ref.size());
+    DeviceBuffer<float> d_s(scale), d_ps(ps_ref.size());
+    DeviceBuffer<int32_t> d_i(index);
+    kernels::launch_fp8_permute_rows({d_q.get(), d_s.get(), d_i.get(), d_pq.get(), d_ps.get(), tokens, k, top_k},
+                                     nullptr);
+    EXPECT_EQ(d_pq.download(), pq_ref) << "tokens " << tokens << " k " << k;
+    EXPECT_EQ(d_ps.download(), ps_ref) << "tokens " << tokens << " k " << k;
   }
 }
 

@@ -28,6 +28,10 @@ using bf16 = __nv_bfloat16;
 // division, the hardware's saturating round-to-nearest-even e4m3 conversion).
 void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t s);
 
+// quant::Fp8PermuteRowsParams on the GPU (k a multiple of 16): one warp per token reads its codes
+// and scales once and writes them to its top_k permuted rows.
+void launch_fp8_permute_rows(const quant::Fp8PermuteRowsParams& p, cudaStream_t s);
+
 // The down projection's input in one pass: h = bf16(silu(gate) * up) exactly as launch_swiglu
 // computes it, then quantised as launch_fp8_act_quant would quantise h. So the result equals
 // launch_swiglu followed by launch_fp8_act_quant, bit for bit, without writing h.

@@ -134,7 +134,40 @@ int quant_blocks(int64_t rows, int64_t groups, int lanes_per_group) {
   return ceil_div(rows * groups * lanes_per_group, kQuantThreads);
 }
 
+constexpr int kPermuteWarps = 8;
+
+__global__ void __launch_bounds__(kPermuteWarps * 32) fp8_permute_rows_kernel(quant::Fp8PermuteRowsParams p) {
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * kPermuteWarps + (threadIdx.x >> 5);
+  if (t >= p.num_tokens) return;
+  const int dest = lane < p.top_k ? p.permuted_index[static_cast<int64_t>(t) * p.top_k + lane] : 0;
+  const int vecs = p.k / 16, groups = (p.k + quant::kFp8BlockSize - 1) / quant::kFp8BlockSize;
+  const uint4* src = reinterpret_cast<const uint4*>(p.q + static_cast<int64_t>(t) * p.k);
+  const float* src_scale = p.scale + static_cast<int64_t>(t) * groups;
+  for (int base = 0; base < vecs; base += 64) {  // two 16-byte loads per lane before the stores
+    const int i0 = base + lane, i1 = base + 32 + lane;
+    const uint4 v0 = i0 < vecs ? src[i0] : uint4{}, v1 = i1 < vecs ? src[i1] : uint4{};
+    for (int j = 0; j < p.top_k; ++j) {
+      uint4* dst = reinterpret_cast<uint4*>(p.permuted_q + static_cast<int64_t>(__shfl_sync(0xffffffffu, dest, j)) * p.k);
+      if (i0 < vecs) dst[i0] = v0;
+      if (i1 < vecs) dst[i1] = v1;
+    }
+  }
+  for (int j = 0; j < p.top_k; ++j) {
+    const int64_t row = __shfl_sync(0xffffffffu, dest, j);
+    for (int g = lane; g < groups; g += 32) p.permuted_scale[row * groups + g] = src_scale[g];
+  }
+}
+
 }  // namespace
+
+void launch_fp8_permute_rows(const quant::Fp8PermuteRowsParams& p, cudaStream_t s) {
+  RELAY_CHECK(p.k % 16 == 0 && p.top_k >= 1 && p.top_k <= 32, "fp8_permute_rows: k ", p.k,
+              " must be a multiple of 16 and top_k ", p.top_k, " in [1, 32]");
+  if (p.num_tokens == 0) return;
+  fp8_permute_rows_kernel<<<ceil_div(p.num_tokens, kPermuteWarps), kPermuteWarps * 32, 0, s>>>(p);
+  RELAY_CUDA_CHECK_LAUNCH("fp8_permute_rows_kernel");
+}
 
 void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.k > 0 && p.k % 8 == 0 && p.num_tokens >= 0, "fp8_act_quant: k ", p.k,

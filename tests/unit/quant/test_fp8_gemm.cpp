@@ -3,11 +3,13 @@
 // quantisers against the weight recipe they are defined by.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <random>
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "kernels/ops.h"
 #include "quant/fp8_format.h"
 #include "quant/fp8_gemm.h"
 #include "quant/weight_quant.h"
@@ -70,6 +72,38 @@ TEST(Fp8ActQuant, IsTheWeightRecipeOnOneByGroupBlocks) {
     }
     EXPECT_EQ(q, q_ref);
     EXPECT_EQ(scale, scale_ref);
+  }
+}
+
+// The FP8 MoE path quantises each token once and permutes the codes and scales: the same bytes as
+// permuting the bf16 rows and quantising every permuted row.
+TEST(Fp8PermuteRows, QuantiseThenPermuteEqualsPermuteThenQuantise) {
+  ThreadPool pool(2);
+  std::mt19937 rng(5);
+  for (auto [tokens, k, experts, top_k] : {std::array{1, 128, 4, 2}, std::array{37, 300, 16, 4}, std::array{64, 2048, 128, 8}}) {
+    const std::vector<float> x = random_matrix(tokens, k, rng, 1.0f);
+    std::vector<int32_t> ids(static_cast<size_t>(tokens) * top_k);
+    for (int t = 0; t < tokens; ++t) {
+      for (int j = 0; j < top_k; ++j) ids[t * top_k + j] = static_cast<int32_t>((t * 7 + j * 3 + rng() % 2) % experts);
+    }
+    const size_t rows = ids.size();
+    const int groups = static_cast<int>(ceil_div(k, 128));
+    std::vector<float> permuted(rows * k);
+    std::vector<int32_t> index(rows), offsets(experts + 1);
+    kernels::launch_moe_permute({x.data(), ids.data(), permuted.data(), index.data(), offsets.data(), tokens, k, experts, top_k},
+                                pool);
+    std::vector<uint8_t> q_ref(rows * k), q_tok(x.size()), q(rows * k);
+    std::vector<float> s_ref(rows * groups), s_tok(tokens * groups), s(rows * groups);
+    launch_fp8_act_quant({permuted.data(), q_ref.data(), s_ref.data(), static_cast<int>(rows), k}, pool);
+    launch_fp8_act_quant({x.data(), q_tok.data(), s_tok.data(), tokens, k}, pool);
+    std::vector<int32_t> index_only(rows), offsets_only(experts + 1);
+    kernels::launch_moe_permute({x.data(), ids.data(), nullptr, index_only.data(), offsets_only.data(), tokens, k, experts, top_k},
+                                pool);
+    EXPECT_EQ(index_only, index);
+    EXPECT_EQ(offsets_only, offsets);
+    launch_fp8_permute_rows({q_tok.data(), s_tok.data(), index.data(), q.data(), s.data(), tokens, k, top_k}, pool);
+    EXPECT_EQ(q, q_ref) << tokens << " tokens, k " << k;
+    EXPECT_EQ(s, s_ref) << tokens << " tokens, k " << k;
   }
 }
 
