@@ -527,6 +527,48 @@ TEST(GpuFp8Kernels, MxGroupedMatmulMatchesTheCpu) {
   }
 }
 
+// The Blackwell-native kernel called directly (on a compute capability 10.0 GPU the two tests above
+// already reach it through the dispatch): every grouped case whose k it takes (a multiple of 16,
+// so 136 and 200 test a partial last 128-element stage and 4-group scale atom), and dense GEMMs as
+// one group without offsets. Skipped on other GPUs: the H200 here has never run it.
+TEST(GpuFp8Kernels, MxGroupedMatmulSm100MatchesTheCpu) {
+  if (!kernels::mxfp8_sm100_available()) {
+    GTEST_SKIP() << "needs a compute capability 10.0 GPU and a build with -DRELAY_SM100=ON";
+  }
+  std::mt19937 rng(31);
+  for (const GroupedCase& c : grouped_cases(rng)) {
+    if (!kernels::mxfp8_sm100_supported(c.n, c.k)) continue;
+    const int rows = c.offsets.back();
+    const MxOperands o = mx_operands(rows, c.experts, c.n, c.k, rng);
+    std::vector<float> ref(static_cast<size_t>(rows) * c.n);
+    quant::launch_mxfp8_grouped_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(),
+                                        c.offsets.data(), ref.data(), rows, c.experts, c.n, c.k},
+                                       pool());
+    DeviceBuffer<uint8_t> d_xq(o.xq), d_xs(o.xs), d_wq(o.wq), d_ws(o.ws);
+    DeviceBuffer<int32_t> d_off(c.offsets);
+    DeviceBuffer<bf16> d_out(ref.size());
+    kernels::launch_mxfp8_grouped_matmul_sm100({d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(),
+                                                d_off.get(), d_out.get(), rows, c.experts, c.n,
+                                                c.k},
+                                               nullptr);
+    expect_gemm_close(d_out.download(), ref, std::string(c.name) + " rows " + std::to_string(rows));
+  }
+  for (int m : {1, 129, 1031}) {
+    const int n = 264, k = 2064;
+    const MxOperands o = mx_operands(m, 1, n, k, rng);
+    std::vector<float> ref(static_cast<size_t>(m) * n);
+    quant::launch_mxfp8_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(), ref.data(), m,
+                                n, k},
+                               pool());
+    DeviceBuffer<uint8_t> d_xq(o.xq), d_xs(o.xs), d_wq(o.wq), d_ws(o.ws);
+    DeviceBuffer<bf16> d_out(ref.size());
+    kernels::launch_mxfp8_grouped_matmul_sm100(
+        {d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(), nullptr, d_out.get(), m, 1, n, k},
+        nullptr);
+    expect_gemm_close(d_out.download(), ref, "dense m " + std::to_string(m));
+  }
+}
+
 // Each variant is warmed up once, then captured into a graph (which must not allocate or
 // synchronise) and replayed into a poisoned output.
 TEST(GpuFp8Kernels, GroupedMatmulCapturesIntoAGraph) {

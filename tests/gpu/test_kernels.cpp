@@ -134,7 +134,8 @@ PagedSetup make_tables(const std::vector<int>& contexts, int block_size, int num
 TEST(GpuKernels, QkNormRopeKvWrite) {
   std::mt19937 rng(6);
   struct Case { int tokens, q_heads, kv_heads, head_dim; };
-  for (Case c : {Case{1, 32, 4, 128}, Case{19, 32, 4, 128}, Case{5, 4, 2, 32}, Case{300, 16, 4, 64}}) {
+  for (Case c : {Case{1, 32, 4, 128}, Case{19, 32, 4, 128}, Case{5, 4, 2, 32}, Case{300, 16, 4, 64},
+                 Case{600, 32, 4, 128}, Case{9, 6, 2, 256}, Case{33, 8, 8, 16}}) {
     const int block_size = 16;
     PagedSetup s = make_tables({c.tokens + 40}, block_size, c.kv_heads, c.head_dim, rng);
     const int row = (c.q_heads + 2 * c.kv_heads) * c.head_dim;

@@ -85,11 +85,24 @@ bool fp8_block_matmul_cublaslt_supported(int m, int n, int k);
 void launch_fp8_block_matmul_cublaslt(const quant::Fp8BlockMatmulParams<bf16>& p,
                                       const float* w_row_scale, cudaStream_t s);
 
-// MXFP8 (the Blackwell format) on Hopper, a correctness path: activations -> e4m3 + E8M0 per
-// (token, 32-group), bit-identical to the CPU quantiser; the GEMMs apply sx[row, g] * sw[col, g] to
-// every m16n8k32 product (one MX group along k).
+// MXFP8 (the Blackwell format): activations -> e4m3 + E8M0 per (token, 32-group), bit-identical to
+// the CPU quantiser. The GEMMs run the Blackwell-native kernel below where mxfp8_sm100_available()
+// and the shape allows it; elsewhere (Hopper) a correctness path that applies sx[row, g] *
+// sw[col, g] to every m16n8k32 product (one MX group along k).
 void launch_mxfp8_act_quant(const quant::Mxfp8ActQuantParams<bf16>& p, cudaStream_t s);
 void launch_mxfp8_matmul(const quant::Mxfp8MatmulParams<bf16>& p, cudaStream_t s);
 void launch_mxfp8_grouped_matmul(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s);
+
+// The Blackwell-native MXFP8 grouped GEMM (sm100/mxfp8_grouped_gemm_sm100.cu): CUTLASS's sm100
+// block-scaled tcgen05 kernel, the scales applied by the MMA per 32-group. expert_offsets may be
+// null with num_experts 1 (a dense GEMM). Built with -DRELAY_SM100=ON (the default) for sm_100a
+// only, so it runs on compute capability 10.0 GPUs; compiled in CI, not yet run on hardware here.
+// mxfp8_sm100_available(): built in, and the current device is one it runs on.
+bool mxfp8_sm100_available();
+inline bool mxfp8_sm100_supported(int n, int k) {
+  return n > 0 && k > 0 && n % 8 == 0 && k % 16 == 0;
+}
+void launch_mxfp8_grouped_matmul_sm100(const quant::Mxfp8GroupedMatmulParams<bf16>& p,
+                                       cudaStream_t s);
 
 }  // namespace relay::kernels

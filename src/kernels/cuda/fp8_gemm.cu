@@ -578,6 +578,34 @@ void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, cudaStr
   launch_fp8_block_matmul(p, GroupedGemmKind::Auto, s);
 }
 
+bool mxfp8_sm100_available() {
+#if RELAY_HAVE_SM100_KERNELS
+  // sm_100a code runs on compute capability 10.0 only (not 10.3 or 12.x); asked once per device.
+  static const bool available = [] {
+    int device = 0;
+    cudaDeviceProp prop{};
+    RELAY_CUDA_CHECK(cudaGetDevice(&device));
+    RELAY_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    return prop.major == 10 && prop.minor == 0;
+  }();
+  return available;
+#else
+  return false;
+#endif
+}
+
+namespace {
+void launch_mxfp8_sm100(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
+#if RELAY_HAVE_SM100_KERNELS
+  launch_mxfp8_grouped_matmul_sm100(p, s);
+#else
+  (void)p;
+  (void)s;
+  RELAY_CHECK(false, "mxfp8: this build has no sm_100a kernels (configure with -DRELAY_SM100=ON)");
+#endif
+}
+}  // namespace
+
 void launch_mxfp8_grouped_matmul(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.n > 0 && p.k > 0 && p.n % 8 == 0 && p.k % 8 == 0, "mxfp8_grouped_matmul: n ", p.n,
               " and k ", p.k, " must be positive multiples of 8");
@@ -585,6 +613,10 @@ void launch_mxfp8_grouped_matmul(const quant::Mxfp8GroupedMatmulParams<bf16>& p,
               "mxfp8_grouped_matmul: rows ", p.num_rows, ", experts ", p.num_experts,
               " (expert_offsets must be set)");
   if (p.num_rows == 0) return;
+  if (mxfp8_sm100_available() && mxfp8_sm100_supported(p.n, p.k)) {
+    launch_mxfp8_sm100(p, s);
+    return;
+  }
   dispatch_tiled<ScaleFormat::Mx32>({p.x, p.x_scale, p.w, p.w_scale, p.expert_offsets, p.out,
                                      p.num_rows, p.num_experts, p.n, p.k},
                                     p.num_rows <= 16 * p.num_experts, s);
@@ -594,6 +626,10 @@ void launch_mxfp8_matmul(const quant::Mxfp8MatmulParams<bf16>& p, cudaStream_t s
   RELAY_CHECK(p.n > 0 && p.k > 0 && p.n % 8 == 0 && p.k % 8 == 0 && p.m >= 0, "mxfp8_matmul: m ",
               p.m, ", n ", p.n, " and k ", p.k, " (n and k must be positive multiples of 8)");
   if (p.m == 0) return;
+  if (mxfp8_sm100_available() && mxfp8_sm100_supported(p.n, p.k)) {
+    launch_mxfp8_sm100({p.x, p.x_scale, p.w, p.w_scale, nullptr, p.out, p.m, 1, p.n, p.k}, s);
+    return;
+  }
   dispatch_tiled<ScaleFormat::Mx32>(
       {p.x, p.x_scale, p.w, p.w_scale, nullptr, p.out, p.m, 1, p.n, p.k}, p.m <= 16, s);
 }

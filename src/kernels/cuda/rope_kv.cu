@@ -1,11 +1,13 @@
 // Fused per-head RMSNorm of q and k, rotate-half RoPE, and the paged HND KV-cache write.
 //
-// One warp per head (a token's heads spread over a row of CTAs): a warp normalises its head in fp32
-// (sum of squares by warp shuffle), rotates pairs (i, i + head_dim/2) in registers, two adjacent
-// elements per lane (4-byte loads and stores), and writes q to q_out or k/v to the page at
-// slot_mapping[t] ([block][kv_head][offset][head_dim]). cos/sin are full-precision sincosf of the
-// fp32 product position * inv_freq, as the CPU reference and transformers compute them: positions
-// reach 10^5 and fast intrinsics lose the angle there.
+// A head is held by head_dim / 8 lanes, eight consecutive elements (one 16-byte load and store)
+// each, so a warp works on 32 * 8 / head_dim heads at once (two for head_dim 128): the lanes of the
+// first half of a head meet their rotation partners, head_dim / 2 further on, in the lanes
+// (head_dim / 16) away, by shuffle. The lane group normalises its head in fp32 (sum of squares by
+// shuffles inside the group), rotates, and writes q to q_out or k/v to the page at slot_mapping[t]
+// ([block][kv_head][offset][head_dim]). cos/sin are full-precision sincosf of the fp32 product
+// position * inv_freq, as the CPU reference and transformers compute them: positions reach 10^5
+// and fast intrinsics lose the angle there. Each CTA computes its token's table once.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
 
@@ -16,21 +18,41 @@ using namespace cuda;
 namespace {
 
 constexpr int kMaxHeadDim = 256;
+constexpr int kElemsPerLane = 8;  // one 16-byte vector of bf16
 
-__device__ __forceinline__ float2 bf16x2_to_f2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+union Bf16x8 {
+  uint4 v;
+  __nv_bfloat162 h[4];
+};
+
+__device__ __forceinline__ const bf16* head_input(const QkNormRopeKvWriteParams<bf16>& p,
+                                                  const bf16* src, const QkvSections& sec, int h) {
+  const int hd = p.head_dim;
+  if (h < p.num_q_heads) return src + static_cast<int64_t>(h) * hd;
+  if (h < p.num_q_heads + p.num_kv_heads) {
+    return src + sec.k_col + static_cast<int64_t>(h - p.num_q_heads) * hd;
+  }
+  return src + sec.v_col + static_cast<int64_t>(h - p.num_q_heads - p.num_kv_heads) * hd;
+}
 
 __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
-  // The token's cos/sin table, once per CTA: every q and k head of a token rotates by the same
-  // angles, and full-precision sincosf is the costly part of the op.
   __shared__ float cos_s[kMaxHeadDim / 2], sin_s[kMaxHeadDim / 2];
   const int t = blockIdx.x;
   const int lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
-  const int warp = blockIdx.y * num_warps + (threadIdx.x >> 5);  // this warp's first head
-  const int head_stride = gridDim.y * num_warps;
-  const int hd = p.head_dim, half = hd / 2, half2 = half / 2;  // half2: bf16 pairs per half
+  const int hd = p.head_dim, half = hd / 2;
+  const int group_lanes = hd / kElemsPerLane;      // lanes per head
+  const int heads_per_warp = 32 / group_lanes;
+  const int sub = lane % group_lanes;              // this lane's place in its head
+  const int group = lane / group_lanes;
+  const unsigned group_mask =
+      group_lanes == 32 ? 0xffffffffu : ((1u << group_lanes) - 1u) << (group * group_lanes);
+  const bool first_half = sub < group_lanes / 2;
+  const int elem = sub * kElemsPerLane;                         // within the head
+  const int angle0 = first_half ? elem : elem - half;           // within the cos/sin table
   const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, hd, p.section_align);
   const bf16* src = p.qkv + t * sec.row;
   const int64_t slot = p.slot_mapping[t];
+  const int64_t block = slot / p.block_size, offset = slot % p.block_size;
   const float pos = static_cast<float>(p.positions[t]);
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     float sn, cs;
@@ -40,76 +62,82 @@ __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
   }
   __syncthreads();
   const int num_heads = p.num_q_heads + 2 * p.num_kv_heads;
-  for (int h = warp; h < num_heads; h += head_stride) {
-    const bf16* in =
-        h < p.num_q_heads ? src + static_cast<int64_t>(h) * hd
-        : h < p.num_q_heads + p.num_kv_heads
-            ? src + sec.k_col + static_cast<int64_t>(h - p.num_q_heads) * hd
-            : src + sec.v_col + static_cast<int64_t>(h - p.num_q_heads - p.num_kv_heads) * hd;
-    const auto* in2 = reinterpret_cast<const __nv_bfloat162*>(in);
-    if (h >= p.num_q_heads + p.num_kv_heads) {  // v: copied into the page unchanged
-      if (slot < 0) continue;
+  const int first_head = (blockIdx.y * num_warps + (threadIdx.x >> 5)) * heads_per_warp + group;
+  const int head_stride = gridDim.y * num_warps * heads_per_warp;
+  for (int h = first_head; h < num_heads; h += head_stride) {
+    const bool is_q = h < p.num_q_heads, is_v = h >= p.num_q_heads + p.num_kv_heads;
+    if (!is_q && slot < 0) continue;
+    Bf16x8 in;
+    in.v = *reinterpret_cast<const uint4*>(head_input(p, src, sec, h) + elem);
+    if (is_v) {  // copied into the page unchanged
       const int kv_h = h - p.num_q_heads - p.num_kv_heads;
-      const int64_t block = slot / p.block_size, offset = slot % p.block_size;
-      auto* dst = reinterpret_cast<__nv_bfloat162*>(
-          p.v_cache + ((block * p.num_kv_heads + kv_h) * p.block_size + offset) * hd);
-      for (int i = lane; i < hd / 2; i += 32) dst[i] = in2[i];
+      *reinterpret_cast<uint4*>(p.v_cache + ((block * p.num_kv_heads + kv_h) * p.block_size + offset) * hd +
+                                elem) = in.v;
       continue;
     }
-    const bool is_q = h < p.num_q_heads;
-    if (!is_q && slot < 0) continue;
-    const auto* norm_w = reinterpret_cast<const __nv_bfloat162*>(is_q ? p.q_norm_weight : p.k_norm_weight);
-    // Lane pairs (2i, 2i + 1) of the first half and their partners in the second.
-    float2 lo[kMaxHeadDim / 128], hi[kMaxHeadDim / 128];
+    float x[kElemsPerLane];
     float sum_sq = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kMaxHeadDim / 128; ++j) {
-      const int i = lane + 32 * j;
-      lo[j] = hi[j] = make_float2(0.0f, 0.0f);
-      if (i < half2) {
-        lo[j] = bf16x2_to_f2(in2[i]);
-        hi[j] = bf16x2_to_f2(in2[i + half2]);
-        sum_sq += lo[j].x * lo[j].x + lo[j].y * lo[j].y + hi[j].x * hi[j].x + hi[j].y * hi[j].y;
-      }
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(in.h[j]);
+      x[2 * j] = f.x;
+      x[2 * j + 1] = f.y;
+      sum_sq += f.x * f.x + f.y * f.y;
     }
-    const float inv_rms = rsqrtf(warp_sum(sum_sq) / hd + p.eps);
-    __nv_bfloat162* dst;
-    if (is_q) {
-      dst = reinterpret_cast<__nv_bfloat162*>(p.q_out + (static_cast<int64_t>(t) * p.num_q_heads + h) * hd);
-    } else {
-      const int kv_h = h - p.num_q_heads;
-      const int64_t block = slot / p.block_size, offset = slot % p.block_size;
-      dst = reinterpret_cast<__nv_bfloat162*>(p.k_cache +
-                                               ((block * p.num_kv_heads + kv_h) * p.block_size + offset) * hd);
-    }
+    for (int o = group_lanes / 2; o > 0; o >>= 1) sum_sq += __shfl_xor_sync(group_mask, sum_sq, o);
+    const float inv_rms = rsqrtf(sum_sq / hd + p.eps);
+    Bf16x8 w;
+    w.v = *reinterpret_cast<const uint4*>((is_q ? p.q_norm_weight : p.k_norm_weight) + elem);
 #pragma unroll
-    for (int j = 0; j < kMaxHeadDim / 128; ++j) {
-      const int i = lane + 32 * j;
-      if (i < half2) {
-        const float2 wl = bf16x2_to_f2(norm_w[i]), wh = bf16x2_to_f2(norm_w[i + half2]);
-        const float a0 = wl.x * (lo[j].x * inv_rms), a1 = wl.y * (lo[j].y * inv_rms);
-        const float b0 = wh.x * (hi[j].x * inv_rms), b1 = wh.y * (hi[j].y * inv_rms);
-        const float c0 = cos_s[2 * i], c1 = cos_s[2 * i + 1], s0 = sin_s[2 * i], s1 = sin_s[2 * i + 1];
-        dst[i] = __floats2bfloat162_rn(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1);
-        dst[i + half2] = __floats2bfloat162_rn(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1);
-      }
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(w.h[j]);
+      x[2 * j] = f.x * (x[2 * j] * inv_rms);
+      x[2 * j + 1] = f.y * (x[2 * j + 1] * inv_rms);
     }
+    // out_first = a cos - b sin, out_second = b cos + a sin, a from the first half, b the second.
+    Bf16x8 out;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float r[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int i = 2 * j + c;
+        const float partner = __shfl_xor_sync(group_mask, x[i], group_lanes / 2);
+        const float cs = cos_s[angle0 + i], sn = sin_s[angle0 + i];
+        r[c] = first_half ? x[i] * cs - partner * sn : x[i] * cs + partner * sn;
+      }
+      out.h[j] = __floats2bfloat162_rn(r[0], r[1]);
+    }
+    bf16* dst = is_q ? p.q_out + (static_cast<int64_t>(t) * p.num_q_heads + h) * hd
+                     : p.k_cache + ((block * p.num_kv_heads + (h - p.num_q_heads)) * p.block_size + offset) * hd;
+    *reinterpret_cast<uint4*>(dst + elem) = out.v;
   }
 }
 
 }  // namespace
 
 void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaStream_t s) {
-  RELAY_CHECK(p.head_dim % 4 == 0 && p.head_dim <= kMaxHeadDim, "qk_norm_rope_kv_write: head_dim ",
-              p.head_dim, " must be a multiple of 4 and at most ", kMaxHeadDim);
+  // head_dim / 8 lanes per head must divide a warp, and each half hold whole 8-element vectors.
+  const bool shape_ok = p.head_dim >= 16 && p.head_dim <= kMaxHeadDim && (p.head_dim & (p.head_dim - 1)) == 0;
+  RELAY_CHECK(shape_ok, "qk_norm_rope_kv_write: head_dim ", p.head_dim,
+              " must be a power of two from 16 to ", kMaxHeadDim);
+  const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, p.head_dim, p.section_align);
+  RELAY_CHECK(sec.row % kElemsPerLane == 0 && sec.k_col % kElemsPerLane == 0 && sec.v_col % kElemsPerLane == 0,
+              "qk_norm_rope_kv_write: q|k|v sections must start on 16-byte boundaries (section_align ",
+              p.section_align, ")");
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  RELAY_CHECK(aligned(p.qkv) && aligned(p.q_out) && aligned(p.k_cache) && aligned(p.v_cache) &&
+                  aligned(p.q_norm_weight) && aligned(p.k_norm_weight),
+              "qk_norm_rope_kv_write: qkv, q_out, the caches and the norm weights must be 16-byte aligned");
   if (p.num_tokens == 0) return;
   // CTAs of 8 warps. A decode step of a few tokens spreads a token's heads over a row of CTAs, one
-  // warp per head, instead of queueing five heads per warp in one CTA; a prefill has CTAs enough
+  // lane group per head, instead of queueing heads per warp in one CTA; a prefill has CTAs enough
   // with one per token, and there the per-CTA cost (launch, the cos/sin table) was what limited it:
   // 4096 tokens x 40 heads, 5 CTAs per token, ran at a third of the copy bandwidth.
   constexpr int kWarps = 8, kOneCtaPerTokenFrom = 512;
   const int num_heads = p.num_q_heads + 2 * p.num_kv_heads;
-  const dim3 grid(p.num_tokens, p.num_tokens >= kOneCtaPerTokenFrom ? 1 : ceil_div(num_heads, kWarps));
+  const int heads_per_cta = kWarps * (32 * kElemsPerLane / p.head_dim);
+  const dim3 grid(p.num_tokens, p.num_tokens >= kOneCtaPerTokenFrom ? 1 : ceil_div(num_heads, heads_per_cta));
   qk_norm_rope_kv_write_kernel<<<grid, kWarps * 32, 0, s>>>(p);
   RELAY_CUDA_CHECK_LAUNCH("qk_norm_rope_kv_write_kernel");
 }
