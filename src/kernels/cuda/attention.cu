@@ -137,6 +137,49 @@ __device__ __forceinline__ void store_rows(const PagedAttentionParams<bf16>& p, 
   }
 }
 
+// S = Q K^T for one warp's 16 rows and a kBn-position K tile in swizzled shared memory (rows of
+// kHeadDim bf16), Q already in registers as m16n8k16 A fragments.
+template <int kHeadDim, int kNt>
+__device__ __forceinline__ void tile_scores(float (&s)[kNt][4], const uint32_t (&qf)[kHeadDim / 16][4],
+                                            const uint8_t* ks, int lane) {
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll
+  for (int n = 0; n < kNt; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+#pragma unroll
+    for (int nb = 0; nb < kNt / 2; ++nb) {
+      uint32_t b[4];
+      const int r = nb * 16 + (lane & 7) + ((lane >> 4) << 3), chunk = kk * 2 + ((lane >> 3) & 1);
+      ldmatrix_x4(b, ks + swizzle<kChunks>(r, chunk));
+      mma_bf16_16816(s[2 * nb], qf[kk], b);
+      mma_bf16_16816(s[2 * nb + 1], qf[kk], b + 2);
+    }
+  }
+}
+
+// O += P V: P re-packed from the S accumulators as the A operand, V (kBn = 8 kNt rows) read
+// transposed from swizzled shared memory.
+template <int kHeadDim, int kNt>
+__device__ __forceinline__ void tile_accumulate_pv(float (&o)[kHeadDim / 8][4], const float (&s)[kNt][4],
+                                                   const uint8_t* vs, int lane) {
+  constexpr int kChunks = kHeadDim / 8, kDt = kHeadDim / 8;
+#pragma unroll
+  for (int kk = 0; kk < kNt / 2; ++kk) {
+    uint32_t a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                     pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                     pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int nd = 0; nd < kDt / 2; ++nd) {
+      uint32_t b[4];
+      const int r = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), chunk = nd * 2 + (lane >> 4);
+      ldmatrix_x4_trans(b, vs + swizzle<kChunks>(r, chunk));
+      mma_bf16_16816(o[2 * nd], a, b);
+      mma_bf16_16816(o[2 * nd + 1], a, b + 2);
+    }
+  }
+}
+
 // Gathers the K and V rows of cache positions [pos0, pos0 + kBn) of one KV head from the paged
 // cache into shared memory (zeros past kv_end), 16-byte chunk `chunk` of tile row r at byte
 // offset(r, chunk). Called by kThreads threads (whole warps), `thread` being this one's index among them.
@@ -286,37 +329,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     const uint8_t* vs = v_smem + stage * kBn * kHeadDim * 2;
 
     float s[kNt][4];
-#pragma unroll
-    for (int n = 0; n < kNt; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-#pragma unroll
-      for (int nb = 0; nb < kNt / 2; ++nb) {
-        uint32_t b[4];
-        const int r = nb * 16 + (lane & 7) + ((lane >> 4) << 3), chunk = kk * 2 + ((lane >> 3) & 1);
-        ldmatrix_x4(b, ks + swizzle<kChunks>(r, chunk));
-        mma_bf16_16816(s[2 * nb], qf[kk], b);
-        mma_bf16_16816(s[2 * nb + 1], qf[kk], b + 2);
-      }
-    }
+    tile_scores<kHeadDim>(s, qf, ks, lane);
     float alpha[2];
     online_softmax_tile(s, tile * kBn, limit, kv_end, scale_log2, m, l, alpha);
     rescale_rows(o, alpha);
     // O += P V, P re-packed from the S accumulators as the A operand.
-#pragma unroll
-    for (int kk = 0; kk < kBn / 16; ++kk) {
-      uint32_t a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                       pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                       pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int nd = 0; nd < kDt / 2; ++nd) {
-        uint32_t b[4];
-        const int r = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), chunk = nd * 2 + (lane >> 4);
-        ldmatrix_x4_trans(b, vs + swizzle<kChunks>(r, chunk));
-        mma_bf16_16816(o[2 * nd], a, b);
-        mma_bf16_16816(o[2 * nd + 1], a, b + 2);
-      }
-    }
+    tile_accumulate_pv<kHeadDim>(o, s, vs, lane);
     __syncthreads();  // the stage is overwritten by the next iteration's load
   }
 
@@ -541,36 +559,11 @@ __global__ void __launch_bounds__(kWarps * 32)
     const uint8_t* ks = my_kv + stage * 2 * kStageBytes;
     const uint8_t* vs = ks + kStageBytes;
     float s[kNt][4];
-#pragma unroll
-    for (int n = 0; n < kNt; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-#pragma unroll
-      for (int nb = 0; nb < kNt / 2; ++nb) {
-        uint32_t b[4];
-        const int r = nb * 16 + (lane & 7) + ((lane >> 4) << 3), chunk = kk * 2 + ((lane >> 3) & 1);
-        ldmatrix_x4(b, ks + swizzle<kChunks>(r, chunk));
-        mma_bf16_16816(s[2 * nb], qf[kk], b);
-        mma_bf16_16816(s[2 * nb + 1], qf[kk], b + 2);
-      }
-    }
+    tile_scores<kHeadDim>(s, qf, ks, lane);
     float alpha[2];
     online_softmax_tile(s, kv_begin + (warp + i * kWarps) * kBn, limit, kv_end, scale_log2, m, l, alpha);
     rescale_rows(o, alpha);
-#pragma unroll
-    for (int kk = 0; kk < kBn / 16; ++kk) {
-      uint32_t a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                       pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                       pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int nd = 0; nd < kDt / 2; ++nd) {
-        uint32_t b[4];
-        const int r = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), chunk = nd * 2 + (lane >> 4);
-        ldmatrix_x4_trans(b, vs + swizzle<kChunks>(r, chunk));
-        mma_bf16_16816(o[2 * nd], a, b);
-        mma_bf16_16816(o[2 * nd + 1], a, b + 2);
-      }
-    }
+    tile_accumulate_pv<kHeadDim>(o, s, vs, lane);
     __syncwarp();  // the stage is overwritten by the next iteration's load
   }
 
