@@ -1,6 +1,8 @@
 // See backend_choice.h.
 #include "cli/backend_choice.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "engine/cpu_backend.h"
 #if RELAY_HAVE_CUDA
@@ -28,6 +30,9 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
   sub.add_option("--threads", c.num_threads, "CPU threads for the cpu device (default: all cores)");
   sub.add_option("--gpu", c.gpu, "CUDA device index for the cuda device (default 0)")
       ->check(CLI::NonNegativeNumber);
+  sub.add_option("--gpus", c.gpus,
+                 "cuda: the device of each --tp x --dp rank, in rank order, e.g. 0,1,2,3 (default "
+                 "--gpu, --gpu + 1, ...); a device may repeat, its ranks then share it");
   sub.add_option("--tp", c.parallel.tp,
                  "tensor-parallel ranks: attention heads, MLP widths split (default 1)")
       ->check(CLI::PositiveNumber);
@@ -38,6 +43,27 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
          "--dp", c.parallel.dp,
          "data-parallel attention ranks, each with its own requests and KV cache (default 1)")
       ->check(CLI::PositiveNumber);
+}
+
+std::vector<int> parse_device_list(const std::string& text, const std::string& option) {
+  std::vector<int> out;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    size_t used = 0;
+    int v = -1;
+    try {
+      v = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    RELAY_CHECK(!item.empty() && used == item.size() && v >= 0, option, ": '", item, "' in '", text,
+                "' is not a device index (expected a comma-separated list such as 0,1,2,3)");
+    out.push_back(v);
+    at = comma + 1;
+  }
+  return out;
 }
 
 size_t parse_bytes(const std::string& text, const std::string& option) {
@@ -67,11 +93,11 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                                       int max_num_seqs, int max_num_batched_tokens) {
   c.parallel.validate();
   if (c.device == "cuda") {
-    RELAY_CHECK(c.parallel.world_size() == 1, "--device cuda runs one GPU (", c.parallel.describe(),
-                " asked for more): sharded ranks run on --device cpu so far");
 #if RELAY_HAVE_CUDA
     CudaBackendOptions o;
     o.device = c.gpu;
+    if (!c.gpus.empty()) o.devices = parse_device_list(c.gpus, "--gpus");
+    o.parallel = c.parallel;
     o.weights = c.dtype == "fp8"    ? WeightFormat::kFp8
                 : c.dtype == "bf16" ? WeightFormat::kBf16
                                     : WeightFormat::kAuto;
@@ -86,6 +112,7 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
     fail("--device cuda: this relay was built without CUDA (no nvcc at build time)");
 #endif
   }
+  RELAY_CHECK(c.gpus.empty(), "--gpus places ranks on CUDA devices; it needs --device cuda");
   RELAY_CHECK(c.dtype == "auto", "--dtype ", c.dtype,
               " is a GPU weight format; the cpu device computes in fp32 (FP8 checkpoints are "
               "dequantised at load): leave --dtype at auto or use --device cuda");

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -22,18 +23,21 @@ struct BackendChoice {
   int num_kv_blocks = 0;                   // > 0: exactly this many blocks
   std::string kv_cache_memory = "256MiB";  // CPU pool budget (CUDA takes the memory left)
   int num_threads = 0;                     // CPU threads (0: all cores)
-  int gpu = 0;                             // CUDA device index
+  int gpu = 0;                             // CUDA device index (of rank 0; rank r on gpu + r)
+  std::string gpus;                        // "0,1,2,3": the CUDA device of each rank, in rank order
   std::string dtype = "auto";              // cuda weights: auto (as stored), bf16 or fp8
   parallel::ParallelConfig parallel;       // --tp / --ep / --dp ranks
 };
 
-// Adds --device, --dtype, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu, --tp,
-// --ep and --dp to `sub`.
+// Adds --device, --dtype, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu,
+// --gpus, --tp, --ep and --dp to `sub`.
 void add_backend_options(CLI::App& sub, BackendChoice& choice);
 // Loads the model on the chosen device; `max_num_seqs` and `max_num_batched_tokens` size the GPU
 // backend's per-step buffers and graphs.
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& choice,
                                       int max_num_seqs, int max_num_batched_tokens);
+// "0,1,1" -> {0, 1, 1}; `option` names the flag in errors.
+std::vector<int> parse_device_list(const std::string& text, const std::string& option);
 // "512MiB", "2G", "1.5GiB", "1000000" -> bytes; `option` names the flag in errors.
 size_t parse_bytes(const std::string& text, const std::string& option);
 

@@ -1,5 +1,6 @@
 // `relay`: one binary for every job (generate, serve, bench, make-model, tokenize, render-chat, ...).
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 
@@ -30,6 +31,11 @@ std::string default_model_dir() {
 }  // namespace relay::cli
 
 int main(int argc, char** argv) {
+  // NOTE: before any CUDA call. The ranks of a sharded CUDA backend run kernels that wait for each
+  // other's (collectives); with lazy module loading, loading a kernel's module on first launch may
+  // wait for the device to go idle, which such a waiting kernel never lets happen (the CUDA
+  // programming guide's lazy-loading deadlock). Loading every module at start-up rules it out.
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   using namespace relay::cli;
   CLI::App app{"Relay: an inference server for Qwen mixture-of-experts models"};
   app.set_version_flag("--version",

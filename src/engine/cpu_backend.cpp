@@ -2,11 +2,10 @@
 #include "engine/cpu_backend.h"
 
 #include <algorithm>
-#include <exception>
-#include <mutex>
 #include <thread>
 
 #include "core/error.h"
+#include "engine/ranks.h"
 #include "engine/sampler.h"
 #include "model/registry.h"
 #include "parallel/local_group.h"
@@ -93,19 +92,15 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
   r.context_lens.clear();
   r.block_tables.assign(r.members.size() * max_blocks, 0);
   r.logit_rows.clear();
+  std::vector<int32_t> local;
   for (size_t m = 0; m < r.members.size(); ++m) {
     const StepSequence& s = batch[r.members[m]];
     const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
     RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
                 " needs ", context, " KV slots but its block table has ", s.block_table.size(),
                 " blocks of ", bs);
-    for (size_t j = 0; j < s.block_table.size(); ++j) {
-      const int32_t local = s.block_table[j] - first_block;
-      RELAY_CHECK(local >= 0 && local < blocks_per_rank_, "sequence ", s.seq_id, " block ", j,
-                  " is ", s.block_table[j], ", outside the blocks [", first_block, ", ",
-                  first_block + blocks_per_rank_, ") of the rank that holds its KV");
-      r.block_tables[m * max_blocks + j] = local;
-    }
+    localize_block_table(s, first_block, blocks_per_rank_, local);
+    std::copy(local.begin(), local.end(), r.block_tables.begin() + m * max_blocks);
     const int32_t* table = r.block_tables.data() + m * max_blocks;
     for (size_t j = 0; j < s.tokens.size(); ++j) {
       const int32_t pos = s.num_computed + static_cast<int32_t>(j);
@@ -136,16 +131,9 @@ std::vector<float> CpuBackend::run(std::span<const StepSequence> batch,
   }
   // Each sequence runs on the DP rank whose partition holds its first block (build_batch checks the
   // rest); with dp = 1 every rank runs every sequence.
-  for (auto& r : ranks_) r->members.clear();
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const int dp_rank = batch[i].block_table[0] / blocks_per_rank_;
-    RELAY_CHECK(batch[i].block_table[0] >= 0 && dp_rank < parallel_.dp, "sequence ",
-                batch[i].seq_id, " starts at block ", batch[i].block_table[0],
-                ", outside the pool of ", num_kv_blocks());
-    for (auto& r : ranks_) {
-      if (r->dp_rank == dp_rank) r->members.push_back(i);
-    }
-  }
+  const std::vector<std::vector<size_t>> members =
+      split_by_kv_partition(batch, parallel_.dp, blocks_per_rank_);
+  for (auto& r : ranks_) r->members = members[r->dp_rank];
 
   auto run_rank = [&](Rank& r) {
     if (r.members.empty()) {
@@ -159,27 +147,15 @@ std::vector<float> CpuBackend::run(std::span<const StepSequence> batch,
   if (ranks_.size() == 1) {
     run_rank(*ranks_.front());
   } else {
-    // One thread per rank (rank 0 on the caller's). The first rank to fail aborts the group so the
-    // others leave their collectives; its error is the one reported.
-    std::mutex mu;
-    std::exception_ptr first_error;
-    auto guarded = [&](Rank& r, size_t index) {
-      try {
-        run_rank(r);
-      } catch (...) {
-        std::lock_guard lock(mu);
-        if (!first_error) first_error = std::current_exception();
-        comms_[index]->abort();
-      }
-    };
-    std::vector<std::thread> threads;
-    for (size_t i = 1; i < ranks_.size(); ++i)
-      threads.emplace_back(guarded, std::ref(*ranks_[i]), i);
-    guarded(*ranks_[0], 0);
-    for (std::thread& t : threads) t.join();
-    if (first_error) {
+    // The first rank to fail aborts the group so the others leave their collectives; its error is
+    // the one reported.
+    try {
+      run_on_rank_threads(
+          ranks_.size(), [&](size_t i) { run_rank(*ranks_[i]); },
+          [&](size_t i) { comms_[i]->abort(); });
+    } catch (...) {
       comms_[0]->reset();
-      std::rethrow_exception(first_error);
+      throw;
     }
   }
 

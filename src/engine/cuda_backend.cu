@@ -4,11 +4,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
+#include <mutex>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <utility>
@@ -16,6 +21,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "engine/ranks.h"
 #include "engine/sampler.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_cuda.h"
@@ -23,6 +29,8 @@
 #include "kvcache/kv_cache.h"
 #include "model/rope.h"
 #include "model/safetensors.h"
+#include "model/shard.h"
+#include "parallel/cuda/thread_peer_group.h"
 #include "quant/fp8_pack.h"
 #include "quant/quant_config.h"
 #include "quant/weight_quant.h"
@@ -126,21 +134,46 @@ struct MetaLayout {
   }
 };
 
+// Rows or columns [begin, begin + count) of a checkpoint tensor; count -1: all of them.
+struct Range {
+  int64_t begin = 0;
+  int64_t count = -1;
+};
+
 bool needs_host_sampling(const SamplingParams& p) {
   return p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
 }
 
 }  // namespace
 
-struct CudaBackend::Impl {
+// One rank of the backend: its shard of the weights, its KV pool, stream, activations and graphs.
+// With one rank it is the whole model.
+struct RankEngine {
   CudaBackendOptions opt;
   ModelConfig cfg;
   quant::QuantConfig quant_cfg;
   CudaLoadStats stats;
   cudaStream_t stream = nullptr;
   Arena weights, acts;
+  // Local counts: q_heads / kv_heads are this rank's heads, local_experts its experts; experts is
+  // the model's (the router's width).
   int hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, experts = 0, top_k = 0;
+  int local_experts = 0;
   int qkv_dim = 0, max_ffn_width = 0, max_blocks = 0;
+
+  // Parallelism: what this rank holds and how it meets the others (all unused with one rank).
+  ShardSpec shard;
+  int rank = 0;
+  parallel::cuda::ThreadPeerGroup* group = nullptr;
+  parallel::cuda::DeviceCommunicator* comm = nullptr;
+  bool tp_reduce = false;   // all-reduce after o_proj and a dense MLP (tp > 1)
+  bool moe_reduce = false;  // all-reduce after the MoE: replicated tokens, experts or widths split
+  bool dispatch = false;    // DP + EP: tokens travel to their experts' ranks and back
+  // The expert layers run on moe_tokens token rows: max_num_tokens, or under DP + EP the whole
+  // receive buffer (group size x max_num_tokens, a fixed shape for the graphs).
+  int moe_tokens = 0;
+  // The permute's expert count: local_experts, plus the absent id under EP.
+  int route_experts() const { return shard.ep_size > 1 ? local_experts + 1 : local_experts; }
   int64_t max_qkv_width = 0;   // qkv activation row: qkv_dim, or a packed FP8 q|k|v's rows
   bf16* embedding = nullptr;   // [vocab, hidden]
   bf16* final_norm = nullptr;  // [hidden]
@@ -158,6 +191,7 @@ struct CudaBackend::Impl {
       *expert_out;
   int32_t *topk_ids, *permuted_index, *expert_offsets;
   float *topk_weights, *logits;
+  bf16* recv_sum = nullptr;  // DP + EP: each received row's weighted expert sum [moe_tokens, H]
   // FP8 GEMM inputs: e4m3 codes and per (row, 128-group) scales of the activation being multiplied.
   uint8_t* act_q = nullptr;
   float* act_scale = nullptr;
@@ -192,7 +226,7 @@ struct CudaBackend::Impl {
   cudaEvent_t step_begin = nullptr, step_end = nullptr;
   double last_step_device_ms = 0.0;
 
-  ~Impl() {
+  ~RankEngine() {
     for (auto& [key, g] : graphs) cudaGraphExecDestroy(g);
     if (step_begin) cudaEventDestroy(step_begin);
     if (step_end) cudaEventDestroy(step_end);
@@ -214,18 +248,20 @@ struct CudaBackend::Impl {
     Checkpoint ckpt(dir);
     quant_cfg = quant::QuantConfig::load(dir);
     hidden = static_cast<int>(cfg.hidden_size);
-    q_heads = static_cast<int>(cfg.num_attention_heads);
-    kv_heads = static_cast<int>(cfg.num_key_value_heads);
+    q_heads = shard.num_local_q_heads;
+    kv_heads = shard.num_local_kv_heads;
     head_dim = static_cast<int>(cfg.head_dim);
     vocab = static_cast<int>(cfg.vocab_size);
     experts = static_cast<int>(cfg.num_experts);
+    local_experts = shard.num_local_experts;
     top_k = static_cast<int>(cfg.num_experts_per_tok);
     qkv_dim = (q_heads + 2 * kv_heads) * head_dim;
-    const int64_t H = hidden, q_dim = int64_t{q_heads} * head_dim,
-                  kv_dim = int64_t{kv_heads} * head_dim;
-    auto tensor = [&](const std::string& name, std::vector<int64_t> shape) -> const TensorView& {
-      return ckpt.get(name, shape);
-    };
+    const int64_t H = hidden, hd = head_dim;
+    // Full (checkpoint) and local (this rank's) projection widths; the q rows of a rank are its q
+    // heads', its k / v rows its KV heads' (model/shard.h).
+    const int64_t q_full = cfg.num_attention_heads * hd, kv_full = cfg.num_key_value_heads * hd;
+    const int64_t q_dim = int64_t{q_heads} * hd, kv_dim = int64_t{kv_heads} * hd;
+    const Range q_rows{shard.q_head_begin * hd, q_dim}, kv_rows{shard.kv_head_begin * hd, kv_dim};
     // A fused group of linears (q|k|v, an MLP's gate|up|down) is FP8 when any of its tensors is an
     // FP8 checkpoint tensor (unless --dtype bf16 asked to dequantise) or when --dtype fp8 asked to
     // quantise bf16 ones; the other members of an FP8 group are quantised with it, so one group
@@ -259,6 +295,11 @@ struct CudaBackend::Impl {
       count(s.scale_count() * copies, 4);
       if (copies == 1) count(s.scale_cols() * s.rows, 4);  // Fp8Weight::row_scale
     };
+    // The MLP width this rank holds of layer l and where it starts in the checkpoint's.
+    auto mlp_width = [&](bool moe) {
+      return moe ? Range{shard.moe_width_begin, shard.num_local_moe_width}
+                 : Range{shard.mlp_width_begin, shard.num_local_mlp_width};
+    };
     count(int64_t{vocab} * H);
     count(H);
     if (!cfg.tie_word_embeddings) count(int64_t{vocab} * H);
@@ -287,11 +328,11 @@ struct CudaBackend::Impl {
         count(q_dim * H);
       }
       const bool moe = cfg.layer_is_moe(l);
-      const int64_t W = moe ? cfg.moe_intermediate_size : cfg.intermediate_size;
+      const int64_t W = mlp_width(moe).count;
       const std::string mp = moe ? p + "mlp.experts.0." : p + "mlp.";
       plan.mlp_fp8 =
           group_fp8({mp + "gate_proj.weight", mp + "up_proj.weight", mp + "down_proj.weight"});
-      const int64_t copies = moe ? experts : 1;
+      const int64_t copies = moe ? local_experts : 1;
       if (moe) count(int64_t{experts} * H);
       if (plan.mlp_fp8) {
         // gate and up each padded to whole blocks, so silu(gate) * up pairs column j with j + Wp;
@@ -316,29 +357,64 @@ struct CudaBackend::Impl {
     auto stored = [](const TensorView& v) {
       return quant::StoredTensor{v.name, v.file, v.dtype, v.shape, v.data};
     };
-    // A bf16 destination from any checkpoint tensor: FP8 ones (with --dtype bf16) dequantised.
-    auto put = [&](bf16* dst, const std::string& name, std::vector<int64_t> shape) {
-      const TensorView& t = tensor(name, shape);
+    // The part of checkpoint tensor `name` (full shape `shape`) this rank holds — rows x cols, a
+    // count of -1 meaning all — and, for an F8_E4M3 tensor, the matching part of its scales. Whole
+    // tensors are the checkpoint's views; slices are copied into `slices` (cleared after each
+    // layer). FP8 slices must fall on the 128 x 128 scale blocks.
+    std::deque<TensorSlice> slices;
+    std::mutex slices_mu;  // experts are packed in parallel
+    struct Source {
+      const TensorView* w = nullptr;
+      const TensorView* scale = nullptr;  // F8_E4M3 weights only
+    };
+    auto source = [&](const std::string& name, std::vector<int64_t> shape, Range rows = {},
+                      Range cols = {}) -> Source {
+      const TensorView& t = ckpt.get(name, shape);
+      const int64_t num_rows = shape.size() == 1 ? 1 : shape[0], num_cols = shape.back();
+      if (rows.count < 0) rows = {0, num_rows};
+      if (cols.count < 0) cols = {0, num_cols};
+      const bool fp8 = t.dtype == DType::F8_E4M3;
+      if (fp8) RELAY_CHECK(quant_cfg.quantized(), "tensor ", name, " in ", t.file,
+                           " is F8_E4M3 but config.json has no quantization_config");
+      const TensorView* scale =
+          fp8 ? &ckpt.get(quant::scale_tensor_name(quant_cfg, name)) : nullptr;
+      if (rows.begin == 0 && rows.count == num_rows && cols.begin == 0 && cols.count == num_cols)
+        return {&t, scale};
+      std::lock_guard lock(slices_mu);
+      slices.push_back(slice_tensor(t, rows.begin, rows.count, cols.begin, cols.count));
+      const TensorView* w = &slices.back().view;
+      if (!fp8) return {w, nullptr};
+      const int64_t B = quant::kFp8BlockSize;
+      auto on_blocks = [&](Range r, int64_t n) {
+        return r.begin % B == 0 && (r.count % B == 0 || r.begin + r.count == n);
+      };
+      RELAY_CHECK(on_blocks(rows, num_rows) && on_blocks(cols, num_cols), "tensor ", name, " in ",
+                  t.file, ": rank ", rank, " holds rows [", rows.begin, ", +", rows.count,
+                  ") x cols [", cols.begin, ", +", cols.count,
+                  "), which do not fall on its 128 x 128 FP8 scale blocks; shard the experts with "
+                  "--ep instead of splitting their width, or load it with --dtype bf16");
+      slices.push_back(slice_tensor(*scale, rows.begin / B, (rows.count + B - 1) / B,
+                                    cols.begin / B, (cols.count + B - 1) / B));
+      return {w, &slices.back().view};
+    };
+    // A bf16 destination from any checkpoint tensor part: FP8 ones (with --dtype bf16) dequantised.
+    auto put = [&](bf16* dst, const Source& src) {
+      const TensorView& t = *src.w;
       if (t.dtype != DType::F8_E4M3) {
         up.put(dst, t);
         return;
       }
       std::vector<float> w(static_cast<size_t>(t.numel()));
       quant::dequantize_stored_weight(
-          quant_cfg, stored(t),
-          [&](const std::string& scale_name) { return stored(ckpt.get(scale_name)); }, w.data());
+          quant_cfg, stored(t), [&](const std::string&) { return stored(*src.scale); }, w.data());
       up.put_f32(dst, w.data(), w.size());
     };
-    // One part of a packed FP8 weight, into host buffers (q, scale) laid out as `shape`.
-    auto pack = [&](const std::string& name, std::vector<int64_t> shape,
-                    const quant::Fp8PackedShape& packed, int64_t row_offset, uint8_t* q,
-                    float* scale, ThreadPool* pool) {
-      const TensorView& t = tensor(name, shape);
-      const quant::StoredTensor w = stored(t);
-      if (t.dtype == DType::F8_E4M3) {
-        RELAY_CHECK(quant_cfg.quantized(), "tensor ", name, " in ", t.file,
-                    " is F8_E4M3 but config.json has no quantization_config");
-        const quant::StoredTensor s = stored(ckpt.get(quant::scale_tensor_name(quant_cfg, name)));
+    // One part of a packed FP8 weight, into host buffers (q, scale) laid out as `packed`.
+    auto pack = [&](const Source& src, const quant::Fp8PackedShape& packed, int64_t row_offset,
+                    uint8_t* q, float* scale, ThreadPool* pool) {
+      const quant::StoredTensor w = stored(*src.w);
+      if (src.scale != nullptr) {
+        const quant::StoredTensor s = stored(*src.scale);
         quant::pack_fp8_block_part(quant_cfg, w, &s, packed, row_offset, q, scale, pool);
       } else {
         quant::pack_fp8_block_part(quant_cfg, w, nullptr, packed, row_offset, q, scale, pool);
@@ -374,92 +450,106 @@ struct CudaBackend::Impl {
     };
 
     embedding = weights.take<bf16>(size_t(vocab) * H);
-    put(embedding, "model.embed_tokens.weight", {vocab, H});
+    put(embedding, source("model.embed_tokens.weight", {vocab, H}));
     final_norm = weights.take<bf16>(H);
-    put(final_norm, "model.norm.weight", {H});
+    put(final_norm, source("model.norm.weight", {H}));
     if (cfg.tie_word_embeddings) {
       lm_head = embedding;
     } else {
       lm_head = weights.take<bf16>(size_t(vocab) * H);
-      put(lm_head, "lm_head.weight", {vocab, H});
+      put(lm_head, source("lm_head.weight", {vocab, H}));
     }
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const std::string p = str("model.layers.", l, ".");
+      const std::string a = p + "self_attn.";
       const Plan& plan = plans[l];
       LayerWeights w;
       w.input_norm = weights.take<bf16>(H);
-      put(w.input_norm, p + "input_layernorm.weight", {H});
+      put(w.input_norm, source(p + "input_layernorm.weight", {H}));
       w.post_norm = weights.take<bf16>(H);
-      put(w.post_norm, p + "post_attention_layernorm.weight", {H});
+      put(w.post_norm, source(p + "post_attention_layernorm.weight", {H}));
       if (plan.qkv_fp8) {
         const int64_t k_row = quant::round_up_to_block(q_dim),
                       v_row = k_row + quant::round_up_to_block(kv_dim);
         upload_fp8(w.qkv8, plan.qkv, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
-          pack(p + "self_attn.q_proj.weight", {q_dim, H}, plan.qkv, 0, q, s, pool);
-          pack(p + "self_attn.k_proj.weight", {kv_dim, H}, plan.qkv, k_row, q, s, pool);
-          pack(p + "self_attn.v_proj.weight", {kv_dim, H}, plan.qkv, v_row, q, s, pool);
+          pack(source(a + "q_proj.weight", {q_full, H}, q_rows), plan.qkv, 0, q, s, pool);
+          pack(source(a + "k_proj.weight", {kv_full, H}, kv_rows), plan.qkv, k_row, q, s, pool);
+          pack(source(a + "v_proj.weight", {kv_full, H}, kv_rows), plan.qkv, v_row, q, s, pool);
         });
       } else {
         w.qkv = weights.take<bf16>(qkv_dim * H);
-        put(w.qkv, p + "self_attn.q_proj.weight", {q_dim, H});
-        put(w.qkv + q_dim * H, p + "self_attn.k_proj.weight", {kv_dim, H});
-        put(w.qkv + (q_dim + kv_dim) * H, p + "self_attn.v_proj.weight", {kv_dim, H});
+        put(w.qkv, source(a + "q_proj.weight", {q_full, H}, q_rows));
+        put(w.qkv + q_dim * H, source(a + "k_proj.weight", {kv_full, H}, kv_rows));
+        put(w.qkv + (q_dim + kv_dim) * H, source(a + "v_proj.weight", {kv_full, H}, kv_rows));
       }
+      // o_proj is row-parallel: this rank's q-head columns.
       if (plan.o_fp8) {
         upload_fp8(w.o8, plan.o, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
-          pack(p + "self_attn.o_proj.weight", {H, q_dim}, plan.o, 0, q, s, pool);
+          pack(source(a + "o_proj.weight", {H, q_full}, {}, q_rows), plan.o, 0, q, s, pool);
         });
       } else {
         w.o = weights.take<bf16>(q_dim * H);
-        put(w.o, p + "self_attn.o_proj.weight", {H, q_dim});
+        put(w.o, source(a + "o_proj.weight", {H, q_full}, {}, q_rows));
       }
       w.q_norm = weights.take<bf16>(head_dim);
-      put(w.q_norm, p + "self_attn.q_norm.weight", {head_dim});
+      put(w.q_norm, source(a + "q_norm.weight", {head_dim}));
       w.k_norm = weights.take<bf16>(head_dim);
-      put(w.k_norm, p + "self_attn.k_norm.weight", {head_dim});
+      put(w.k_norm, source(a + "k_norm.weight", {head_dim}));
       if (cfg.attention_bias) {
         w.qkv_bias = weights.take<bf16>(qkv_dim);
-        put(w.qkv_bias, p + "self_attn.q_proj.bias", {q_dim});
-        put(w.qkv_bias + q_dim, p + "self_attn.k_proj.bias", {kv_dim});
-        put(w.qkv_bias + q_dim + kv_dim, p + "self_attn.v_proj.bias", {kv_dim});
-        w.o_bias = weights.take<bf16>(H);
-        put(w.o_bias, p + "self_attn.o_proj.bias", {H});
+        put(w.qkv_bias, source(a + "q_proj.bias", {q_full}, {}, q_rows));
+        put(w.qkv_bias + q_dim, source(a + "k_proj.bias", {kv_full}, {}, kv_rows));
+        put(w.qkv_bias + q_dim + kv_dim, source(a + "v_proj.bias", {kv_full}, {}, kv_rows));
+        // The o bias joins the all-reduced sum once, from TP rank 0.
+        if (shard.tp_rank == 0) {
+          w.o_bias = weights.take<bf16>(H);
+          put(w.o_bias, source(a + "o_proj.bias", {H}));
+        }
       }
       w.moe = cfg.layer_is_moe(l);
-      const int64_t W = w.moe ? cfg.moe_intermediate_size : cfg.intermediate_size;
-      const int64_t copies = w.moe ? experts : 1;
+      const int64_t full_w = w.moe ? cfg.moe_intermediate_size : cfg.intermediate_size;
+      const Range cols = mlp_width(w.moe);
+      const int64_t W = cols.count;
+      const int64_t copies = w.moe ? local_experts : 1;
       w.width = static_cast<int>(W);
       w.act_width = w.width;
-      auto prefix = [&](int64_t e) { return w.moe ? str(p, "mlp.experts.", e, ".") : p + "mlp."; };
+      auto prefix = [&](int64_t e) {
+        return w.moe ? str(p, "mlp.experts.", shard.expert_begin + e, ".") : p + "mlp.";
+      };
       if (w.moe) {
         w.router = weights.take<bf16>(size_t(experts) * H);
-        put(w.router, p + "mlp.gate.weight", {experts, H});
+        put(w.router, source(p + "mlp.gate.weight", {experts, H}));
       }
       if (plan.mlp_fp8) {
         w.act_width = static_cast<int>(plan.down.cols);
         upload_fp8(
             w.gate_up8, plan.gate_up, copies,
             [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
-              pack(prefix(e) + "gate_proj.weight", {W, H}, plan.gate_up, 0, q, s, pool);
-              pack(prefix(e) + "up_proj.weight", {W, H}, plan.gate_up, w.act_width, q, s, pool);
+              pack(source(prefix(e) + "gate_proj.weight", {full_w, H}, cols), plan.gate_up, 0, q,
+                   s, pool);
+              pack(source(prefix(e) + "up_proj.weight", {full_w, H}, cols), plan.gate_up,
+                   w.act_width, q, s, pool);
             });
         upload_fp8(w.down8, plan.down, copies,
                    [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
-                     pack(prefix(e) + "down_proj.weight", {H, W}, plan.down, 0, q, s, pool);
+                     pack(source(prefix(e) + "down_proj.weight", {H, full_w}, {}, cols), plan.down,
+                          0, q, s, pool);
                    });
       } else {
         w.gate_up = weights.take<bf16>(size_t(copies) * 2 * W * H);
         w.down = weights.take<bf16>(size_t(copies) * H * W);
         for (int64_t e = 0; e < copies; ++e) {
           bf16* gu = w.gate_up + e * 2 * W * H;
-          put(gu, prefix(e) + "gate_proj.weight", {W, H});
-          put(gu + W * H, prefix(e) + "up_proj.weight", {W, H});
-          put(w.down + e * H * W, prefix(e) + "down_proj.weight", {H, W});
+          put(gu, source(prefix(e) + "gate_proj.weight", {full_w, H}, cols));
+          put(gu + W * H, source(prefix(e) + "up_proj.weight", {full_w, H}, cols));
+          put(w.down + e * H * W, source(prefix(e) + "down_proj.weight", {H, full_w}, {}, cols));
         }
       }
       max_ffn_width = std::max(max_ffn_width, w.act_width);
       max_qkv_width = std::max<int64_t>(max_qkv_width, plan.qkv_fp8 ? plan.qkv.rows : qkv_dim);
       layers.push_back(w);
+      up.finish();  // the staging buffers no longer read this layer's slices
+      slices.clear();
     }
     RopeTables rope = compute_rope(cfg);
     inv_freq = weights.take<float>(rope.inv_freq.size());
@@ -564,7 +654,9 @@ struct CudaBackend::Impl {
   // ---------------------------------------------------------------- memory plan
   void allocate_activations() {
     const size_t T = opt.max_num_tokens, S = opt.max_num_seqs;
-    const size_t rows = T * std::max(top_k, 1);
+    // Expert rows: every (token, k) pair of the token rows the experts run on.
+    const size_t M = moe_tokens, routes = T * std::max(top_k, 1);
+    const size_t rows = std::max(T, M * std::max(top_k, 1));
     const int64_t max_context =
         cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
     max_blocks = static_cast<int>((max_context + opt.block_size - 1) / opt.block_size);
@@ -578,11 +670,12 @@ struct CudaBackend::Impl {
     const bool any_fp8 = stats.fp8_linears > 0;
     add(T * hidden, 2), add(T * hidden, 2), add(T * hidden, 2), add(T * max_qkv_width, 2);
     if (any_fp8) add(rows * fp8_k, 1), add(rows * ((fp8_k + 127) / 128), 4);
-    if (any_fp8 && experts > 0) add(T * hidden, 1), add(T * ((hidden + 127) / 128), 4);
+    if (any_fp8 && experts > 0) add(M * hidden, 1), add(M * ((hidden + 127) / 128), 4);
+    if (dispatch) add(M * hidden, 2);
     add(T * q_heads * head_dim, 2), add(T * q_heads * head_dim, 2);
     add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
         add(rows * hidden, 2);
-    add(rows, 4), add(rows, 4), add(experts + 1, 4), add(rows, 4);
+    add(routes, 4), add(rows, 4), add(local_experts + 2, 4), add(routes, 4);
     add(S * size_t(vocab), 4);
     add(meta.bytes, 1);
     add(S * sizeof(kernels::SampleRowParams), 1), add(S, 4), add(S, 4), add(S * kMaxLogprobs, 4),
@@ -597,9 +690,10 @@ struct CudaBackend::Impl {
       act_scale = acts.take<float>(rows * ((fp8_k + 127) / 128));
     }
     if (any_fp8 && experts > 0) {
-      token_q = acts.take<uint8_t>(T * hidden);
-      token_scale = acts.take<float>(T * ((hidden + 127) / 128));
+      token_q = acts.take<uint8_t>(M * hidden);
+      token_scale = acts.take<float>(M * ((hidden + 127) / 128));
     }
+    if (dispatch) recv_sum = acts.take<bf16>(M * hidden);
     q = acts.take<bf16>(T * q_heads * head_dim);
     attn = acts.take<bf16>(T * q_heads * head_dim);
     router_logits = acts.take<bf16>(T * std::max(experts, 1));
@@ -607,10 +701,10 @@ struct CudaBackend::Impl {
     gate_up = acts.take<bf16>(rows * 2 * W);
     act = acts.take<bf16>(rows * W);
     expert_out = acts.take<bf16>(rows * hidden);
-    topk_ids = acts.take<int32_t>(rows);
+    topk_ids = acts.take<int32_t>(routes);
     permuted_index = acts.take<int32_t>(rows);
-    expert_offsets = acts.take<int32_t>(experts + 1);
-    topk_weights = acts.take<float>(rows);
+    expert_offsets = acts.take<int32_t>(local_experts + 2);
+    topk_weights = acts.take<float>(routes);
     logits = acts.take<float>(S * size_t(vocab));
     meta_dev = acts.take<uint8_t>(meta.bytes);
     sample_rows_dev = acts.take<kernels::SampleRowParams>(S);
@@ -634,26 +728,32 @@ struct CudaBackend::Impl {
     top_lp_host = reinterpret_cast<float*>(h);
   }
 
-  void allocate_kv() {
-    kv_layout.num_layers = static_cast<int>(cfg.num_hidden_layers);
-    kv_layout.num_kv_heads = kv_heads;
-    kv_layout.block_size = opt.block_size;
-    kv_layout.head_dim = head_dim;
-    kv_layout.element_bytes = 2;
-    kv_layout.num_blocks = 1;
-    const size_t per_block = kv_layout.bytes_per_block();
+  // The KV pool's layout with `num_blocks` blocks (this rank's KV heads).
+  KvCacheLayout kv_layout_for(int num_blocks) const {
+    KvCacheLayout l;
+    l.num_layers = static_cast<int>(cfg.num_hidden_layers);
+    l.num_kv_heads = kv_heads;
+    l.block_size = opt.block_size;
+    l.head_dim = head_dim;
+    l.element_bytes = 2;
+    l.num_blocks = num_blocks;
+    return l;
+  }
+  // How many KV blocks this rank's share of its device's free memory holds, when `sharing` ranks
+  // (this one included) still have to allocate their pools there.
+  int blocks_that_fit(int sharing) {
+    const size_t per_block = kv_layout_for(1).bytes_per_block();
     size_t free_bytes = 0, total_bytes = 0;
     RELAY_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    stats.free_bytes_before_kv = free_bytes;
-    if (opt.num_kv_blocks > 0) {
-      kv_layout.num_blocks = opt.num_kv_blocks;
-    } else {
-      RELAY_CHECK(free_bytes > opt.memory_reserve_bytes + per_block, "only ", free_bytes,
-                  " bytes of device memory left for the KV cache (reserve ",
-                  opt.memory_reserve_bytes, ")");
-      kv_layout.num_blocks = static_cast<int>(std::min<size_t>(
-          (free_bytes - opt.memory_reserve_bytes) / per_block, size_t{INT32_MAX} / 2));
-    }
+    stats.free_bytes_before_kv = free_bytes / sharing;
+    RELAY_CHECK(free_bytes > opt.memory_reserve_bytes + per_block * sharing, "only ", free_bytes,
+                " bytes of device memory left for the KV cache of ", sharing,
+                " rank(s) (reserve ", opt.memory_reserve_bytes, ")");
+    return static_cast<int>(std::min<size_t>(
+        (free_bytes - opt.memory_reserve_bytes) / sharing / per_block, size_t{INT32_MAX} / 2));
+  }
+  void allocate_kv(int num_blocks) {
+    kv_layout = kv_layout_for(num_blocks);
     stats.kv_pool_bytes = kv_layout.total_bytes();
     RELAY_CUDA_CHECK(cudaMalloc(&kv_pool, kv_layout.total_bytes()));
     // NOTE: zeroed so a never-written page (a padded decode row) holds numbers, not NaN patterns.
@@ -682,67 +782,6 @@ struct CudaBackend::Impl {
     const float eps = static_cast<float>(cfg.rms_norm_eps);
     mark("embedding");
     kernels::launch_embedding({token_ids, embedding, residual, T, hidden, vocab}, stream);
-    // x [m, k] @ w^T -> out [m, n]: cuBLASLt for bf16 weights; for FP8 ones, x is quantised per
-    // (row, 128-group) first (or already was: `quantized`), then the block-scaled GEMM — cuBLASLt's
-    // where it has one for the shape (its x scales are group-major), else Relay's kernel.
-    auto fp8_on_cublaslt = [&](const Fp8Weight& w8, int m, int k) {
-      return kernels::fp8_block_matmul_cublaslt_supported(m, static_cast<int>(w8.shape.rows), k);
-    };
-    auto linear = [&](const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8,
-                      const bf16* bias, bf16* out, int m, int n, int k, bool quantized = false) {
-      if (!w8.present()) {
-        mark(name);
-        kernels::launch_matmul({x, w16, bias, out, m, n, k}, stream);
-        return;
-      }
-      const bool lt = fp8_on_cublaslt(w8, m, k);
-      if (!quantized) {
-        mark(name, ".act_quant");
-        kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k, quant::kFp8BlockSize, lt},
-                                      stream);
-      }
-      mark(name);
-      const quant::Fp8BlockMatmulParams<bf16> mp{act_q, act_scale, w8.q, w8.scale, out, m,
-                                                 static_cast<int>(w8.shape.rows), k,
-                                                 quant::kFp8BlockSize, quant::kFp8BlockSize, lt};
-      if (lt) {
-        kernels::launch_fp8_block_matmul_cublaslt(mp, w8.row_scale, stream);
-      } else {
-        kernels::launch_fp8_block_matmul(mp, stream);
-      }
-      (void)n;  // an FP8 weight's packed rows (n plus any padding between fused parts)
-    };
-    // The MoE form over permuted rows.
-    auto grouped = [&](const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8,
-                       bf16* out, int rows, int n, int k, bool quantized = false) {
-      if (!w8.present()) {
-        mark(name);
-        kernels::launch_moe_grouped_matmul({x, w16, expert_offsets, out, rows, experts, n, k},
-                                           stream);
-        return;
-      }
-      if (!quantized) {
-        mark(name, ".act_quant");
-        kernels::launch_fp8_act_quant({x, act_q, act_scale, rows, k}, stream);
-      }
-      mark(name);
-      kernels::launch_fp8_block_grouped_matmul(
-          {act_q, act_scale, w8.q, w8.scale, expert_offsets, out, rows, experts,
-           static_cast<int>(w8.shape.rows), k},
-          stream);
-    };
-    // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
-    // quantised activation buffer, its scales in the layout the down GEMM reads.
-    auto swiglu = [&](const LayerWeights& w, int rows) {
-      mark(w.down8.present() ? "swiglu_fp8_quant" : "swiglu");
-      if (w.down8.present()) {
-        const bool group_major = !w.moe && fp8_on_cublaslt(w.down8, rows, w.act_width);
-        kernels::launch_swiglu_fp8_quant({gate_up, act_q, act_scale, rows, w.act_width, group_major},
-                                         stream);
-      } else {
-        kernels::launch_swiglu({gate_up, act, rows, w.act_width}, stream);
-      }
-    };
     for (size_t l = 0; l < layers.size(); ++l) {
       const LayerWeights& w = layers[l];
       mark("input_norm");
@@ -767,45 +806,24 @@ struct CudaBackend::Impl {
            1.0f / std::sqrt(static_cast<float>(head_dim))},
           stream);
       linear("o_proj", attn, w.o, w.o8, w.o_bias, mix, T, hidden, q_heads * head_dim);
+      if (tp_reduce) {
+        mark("attention_all_reduce");
+        comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
+      }
       mark("post_attention_norm");
       kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden, eps}, stream);
       if (w.moe) {
-        const int R = T * top_k;
-        mark("router_gemm");
-        kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden},
-                               stream);
-        mark("router_topk");
-        kernels::launch_moe_router_topk(
-            {router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob}, stream);
-        // FP8 experts: each token is quantised once and its codes and scales are permuted (the
-        // same bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
-        const bool fp8_experts = w.gate_up8.present();
-        if (fp8_experts) {
-          mark("experts_gate_up.act_quant");
-          kernels::launch_fp8_act_quant({normed, token_q, token_scale, T, hidden}, stream);
-        }
-        mark("moe_permute");
-        kernels::launch_moe_permute({normed, topk_ids, fp8_experts ? nullptr : permuted_x,
-                                     permuted_index, expert_offsets, T, hidden, experts, top_k},
-                                    stream);
-        if (fp8_experts) {
-          kernels::launch_fp8_permute_rows(
-              {token_q, token_scale, permuted_index, act_q, act_scale, T, hidden, top_k}, stream);
-        }
-        grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width,
-                hidden, fp8_experts);
-        swiglu(w, R);
-        grouped("experts_down", act, w.down, w.down8, expert_out, R, hidden, w.act_width,
-                w.down8.present());
-        mark("moe_combine");
-        kernels::launch_moe_unpermute_combine(
-            {expert_out, permuted_index, topk_weights, mix, T, hidden, top_k}, stream);
+        enqueue_moe(w, T);
       } else {
         linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width,
                hidden);
         swiglu(w, T);
         linear("mlp_down", act, w.down, w.down8, nullptr, mix, T, hidden, w.act_width,
                w.down8.present());
+        if (tp_reduce) {
+          mark("mlp_all_reduce");
+          comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
+        }
       }
     }
     mark("final_norm");
@@ -813,6 +831,169 @@ struct CudaBackend::Impl {
     mark("lm_head");
     kernels::launch_lm_head({normed, logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
     mark("end");
+  }
+
+  // A DP + EP rank's step without sequences: it still receives the other ranks' tokens for its
+  // experts in every MoE layer and sends the results back (as Model::forward_idle on the CPU).
+  void enqueue_idle() {
+    for (const LayerWeights& w : layers) {
+      if (w.moe) enqueue_moe(w, 0);
+    }
+  }
+
+  // x [m, k] @ w^T -> out [m, n]: cuBLASLt for bf16 weights; for FP8 ones, x is quantised per
+  // (row, 128-group) first (or already was: `quantized`), then the block-scaled GEMM — cuBLASLt's
+  // where it has one for the shape (its x scales are group-major), else Relay's kernel.
+  bool fp8_on_cublaslt(const Fp8Weight& w8, int m, int k) const {
+    return kernels::fp8_block_matmul_cublaslt_supported(m, static_cast<int>(w8.shape.rows), k);
+  }
+  void linear(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8,
+              const bf16* bias, bf16* out, int m, int n, int k, bool quantized = false) {
+    if (!w8.present()) {
+      mark(name);
+      kernels::launch_matmul({x, w16, bias, out, m, n, k}, stream);
+      return;
+    }
+    const bool lt = fp8_on_cublaslt(w8, m, k);
+    if (!quantized) {
+      mark(name, ".act_quant");
+      kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k, quant::kFp8BlockSize, lt}, stream);
+    }
+    mark(name);
+    // n is the bf16 width; an FP8 weight's packed rows add any padding between fused parts.
+    const quant::Fp8BlockMatmulParams<bf16> mp{act_q, act_scale, w8.q, w8.scale, out, m,
+                                               static_cast<int>(w8.shape.rows), k,
+                                               quant::kFp8BlockSize, quant::kFp8BlockSize, lt};
+    if (lt) {
+      kernels::launch_fp8_block_matmul_cublaslt(mp, w8.row_scale, stream);
+    } else {
+      kernels::launch_fp8_block_matmul(mp, stream);
+    }
+  }
+  // The MoE form over permuted rows, for this rank's experts.
+  void grouped(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out,
+               int rows, int n, int k, bool quantized = false) {
+    if (!w8.present()) {
+      mark(name);
+      kernels::launch_moe_grouped_matmul({x, w16, expert_offsets, out, rows, local_experts, n, k},
+                                         stream);
+      return;
+    }
+    if (!quantized) {
+      mark(name, ".act_quant");
+      kernels::launch_fp8_act_quant({x, act_q, act_scale, rows, k}, stream);
+    }
+    mark(name);
+    kernels::launch_fp8_block_grouped_matmul(
+        {act_q, act_scale, w8.q, w8.scale, expert_offsets, out, rows, local_experts,
+         static_cast<int>(w8.shape.rows), k},
+        stream);
+  }
+  // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
+  // quantised activation buffer, its scales in the layout the down GEMM reads.
+  void swiglu(const LayerWeights& w, int rows) {
+    mark(w.down8.present() ? "swiglu_fp8_quant" : "swiglu");
+    if (w.down8.present()) {
+      const bool group_major = !w.moe && fp8_on_cublaslt(w.down8, rows, w.act_width);
+      kernels::launch_swiglu_fp8_quant({gate_up, act_q, act_scale, rows, w.act_width, group_major},
+                                       stream);
+    } else {
+      kernels::launch_swiglu({gate_up, act, rows, w.act_width}, stream);
+    }
+  }
+
+  // The MoE block on the T tokens in `normed`, its output in `mix`. The router sees every expert;
+  // the experts run on the token rows they get: this rank's own tokens (one rank; or, replicated
+  // under TP / TP + EP, followed by the all-reduce of the partial sums), or under DP + EP the
+  // receive buffer the dispatch filled, whose weighted sums the combine returns to their sources.
+  void enqueue_moe(const LayerWeights& w, int T) {
+    mark("router_gemm");
+    kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden}, stream);
+    mark("router_topk");
+    kernels::launch_moe_router_topk(
+        {router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob}, stream);
+    const bf16* x = normed;
+    const int32_t* ids = topk_ids;
+    const float* weights_in = topk_weights;
+    int tokens = T;
+    bf16* out = mix;
+    if (dispatch) {
+      mark("moe_dispatch");
+      group->moe_dispatch(rank, normed, topk_ids, topk_weights, T, experts, stream);
+      x = group->recv_hidden(rank);
+      ids = group->recv_ids(rank);
+      weights_in = group->recv_weights(rank);
+      tokens = moe_tokens;
+      out = recv_sum;
+    } else if (shard.ep_size > 1) {
+      mark("moe_localize");
+      kernels::launch_moe_localize_experts(
+          {topk_ids, topk_weights, T * top_k, shard.expert_begin, local_experts}, stream);
+    }
+    const int R = tokens * top_k;
+    // FP8 experts: each token is quantised once and its codes and scales are permuted (the same
+    // bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
+    const bool fp8_experts = w.gate_up8.present();
+    if (fp8_experts) {
+      mark("experts_gate_up.act_quant");
+      kernels::launch_fp8_act_quant({x, token_q, token_scale, tokens, hidden}, stream);
+    }
+    mark("moe_permute");
+    kernels::launch_moe_permute({x, ids, fp8_experts ? nullptr : permuted_x, permuted_index,
+                                 expert_offsets, tokens, hidden, route_experts(), top_k},
+                                stream);
+    if (fp8_experts) {
+      kernels::launch_fp8_permute_rows(
+          {token_q, token_scale, permuted_index, act_q, act_scale, tokens, hidden, top_k}, stream);
+    }
+    grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width, hidden,
+            fp8_experts);
+    swiglu(w, R);
+    grouped("experts_down", act, w.down, w.down8, expert_out, R, hidden, w.act_width,
+            w.down8.present());
+    mark("moe_combine");
+    kernels::launch_moe_unpermute_combine(
+        {expert_out, permuted_index, weights_in, out, tokens, hidden, top_k}, stream);
+    if (dispatch) {
+      mark("moe_dispatch_combine");
+      group->moe_combine(rank, recv_sum, mix, T, stream);
+    } else if (moe_reduce) {
+      mark("moe_all_reduce");
+      comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
+    }
+  }
+
+  // Every check of a batch that can fail, made before anything is enqueued: a sharded step checks
+  // every rank's part first, so no rank is left spinning in a collective for one that threw.
+  void check_batch(std::span<const StepSequence> batch) const {
+    int tokens = 0;
+    const int bs = opt.block_size;
+    for (const StepSequence& s : batch) {
+      RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
+      RELAY_CHECK(s.num_computed >= 0, "sequence ", s.seq_id, " has num_computed ", s.num_computed);
+      RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
+                  " samples but has no SamplingParams");
+      tokens += static_cast<int>(s.tokens.size());
+      const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
+      RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
+                  " needs ", context, " KV slots but its block table has ", s.block_table.size(),
+                  " blocks of ", bs);
+      RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) <= max_blocks, "sequence ", s.seq_id,
+                  " has ", s.block_table.size(), " blocks; max_position_embeddings allows ",
+                  max_blocks);
+      for (int32_t b : s.block_table) {
+        RELAY_CHECK(b >= 0 && b < kv_layout.num_blocks, "sequence ", s.seq_id, " uses block ", b,
+                    " outside the pool of ", kv_layout.num_blocks);
+      }
+      for (int32_t id : s.tokens) {
+        RELAY_CHECK(id >= 0 && id < vocab, "token ", id, " of sequence ", s.seq_id,
+                    " is outside the vocabulary of ", vocab);
+      }
+    }
+    RELAY_CHECK(tokens <= opt.max_num_tokens, "step has ", tokens,
+                " tokens; the CUDA backend was sized for ", opt.max_num_tokens);
+    RELAY_CHECK(batch.size() <= static_cast<size_t>(opt.max_num_seqs), "step has ", batch.size(),
+                " sequences; the CUDA backend was sized for ", opt.max_num_seqs);
   }
 
   // Fills meta_host for `batch` (padded to `pad_seqs` one-token dummy sequences when > batch size)
@@ -824,10 +1005,10 @@ struct CudaBackend::Impl {
     const int seqs = std::max<int>(pad_seqs, static_cast<int>(batch.size()));
     tokens += seqs - static_cast<int>(batch.size());
     const int num_rows = pad_seqs > 0 ? seqs : static_cast<int>(rows.size());
-    RELAY_CHECK(tokens <= opt.max_num_tokens, "step has ", tokens,
-                " tokens; the CUDA backend was sized for ", opt.max_num_tokens);
-    RELAY_CHECK(seqs <= opt.max_num_seqs && num_rows <= opt.max_num_seqs, "step has ", seqs,
-                " sequences and ", num_rows, " logit rows; the CUDA backend was sized for ",
+    RELAY_CHECK(tokens <= opt.max_num_tokens && seqs <= opt.max_num_seqs &&
+                    num_rows <= opt.max_num_seqs,
+                "step of ", tokens, " tokens, ", seqs, " sequences and ", num_rows,
+                " logit rows; the CUDA backend was sized for ", opt.max_num_tokens, " and ",
                 opt.max_num_seqs);
     const MetaLayout m = MetaLayout::make(tokens, seqs, num_rows, width);
     RELAY_CHECK(m.bytes <= meta_capacity, "batch metadata of ", m.bytes, " bytes exceeds ",
@@ -845,23 +1026,13 @@ struct CudaBackend::Impl {
     query_starts[0] = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
       const StepSequence& s = batch[i];
-      RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
       const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
-      RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
-                  " needs ", context, " KV slots but its block table has ", s.block_table.size(),
-                  " blocks of ", bs);
       RELAY_CHECK(static_cast<int>(s.block_table.size()) <= width, "sequence ", s.seq_id, " has ",
                   s.block_table.size(), " blocks; the table width is ", width);
-      for (int32_t b : s.block_table) {
-        RELAY_CHECK(b >= 0 && b < kv_layout.num_blocks, "sequence ", s.seq_id, " uses block ", b,
-                    " outside the pool of ", kv_layout.num_blocks);
-      }
       std::copy(s.block_table.begin(), s.block_table.end(), tables + i * width);
       for (size_t j = 0; j < s.tokens.size(); ++j, ++t) {
         const int32_t pos = s.num_computed + static_cast<int32_t>(j);
         token_ids[t] = s.tokens[j];
-        RELAY_CHECK(s.tokens[j] >= 0 && s.tokens[j] < vocab, "token ", s.tokens[j], " of sequence ",
-                    s.seq_id, " is outside the vocabulary of ", vocab);
         positions[t] = pos;
         slots[t] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
       }
@@ -946,22 +1117,21 @@ struct CudaBackend::Impl {
     last_step_device_ms = ms;
   }
 
-  std::vector<SampledToken> step(std::span<const StepSequence> batch) {
-    RELAY_CHECK(!batch.empty(), "step with an empty batch");
+  // Runs a checked batch (check_batch) and samples its sampling sequences, unless `sample` is
+  // false (a TP rank other than 0: the same logits, sampled by rank 0).
+  std::vector<SampledToken> step(std::span<const StepSequence> batch, bool sample) {
     std::vector<int32_t> rows;
     std::vector<const StepSequence*> samplers;
     int t = 0;
     for (const StepSequence& s : batch) {
       t += static_cast<int>(s.tokens.size());
       if (s.sample) {
-        RELAY_CHECK(s.sampling != nullptr, "sequence ", s.seq_id,
-                    " samples but has no SamplingParams");
         rows.push_back(t - 1);
         samplers.push_back(&s);
       }
     }
     run(batch, rows);
-    if (samplers.empty()) {
+    if (samplers.empty() || !sample) {
       finish_step();
       return {};
     }
@@ -1017,12 +1187,12 @@ struct CudaBackend::Impl {
     return out;
   }
 
-  std::vector<float> forward_logits(std::span<const StepSequence> batch, LogitRows which) {
+  std::vector<float> forward_logits(std::span<const StepSequence> batch, CudaBackend::LogitRows which) {
     std::vector<int32_t> all_rows;
     int t = 0;
     for (const StepSequence& s : batch) {
       const int n = static_cast<int>(s.tokens.size());
-      if (which == LogitRows::kLastTokens) {
+      if (which == CudaBackend::LogitRows::kLastTokens) {
         all_rows.push_back(t + n - 1);
       } else {
         for (int j = 0; j < n; ++j) all_rows.push_back(t + j);
@@ -1057,17 +1227,15 @@ struct CudaBackend::Impl {
   }
 
   std::vector<OpTiming> profile_forward(std::span<const StepSequence> batch) {
-    RELAY_CHECK(!batch.empty(), "profile_forward with an empty batch");
     std::vector<int32_t> rows;
     int t = 0;
     for (const StepSequence& s : batch) {
       t += static_cast<int>(s.tokens.size());
       rows.push_back(t - 1);  // each sequence's last token, as a step samples it
     }
-    RELAY_CHECK(rows.size() <= static_cast<size_t>(opt.max_num_seqs), "profile_forward: ", rows.size(),
-                " sequences; the CUDA backend was sized for ", opt.max_num_seqs);
-    const Shape sh = upload_batch(batch, 0, width_of(batch, false), rows);
-    enqueue_forward(sh);  // warm-up: workspaces, cuBLASLt plans, lazy module loads
+    const Shape sh = batch.empty() ? Shape{} : upload_batch(batch, 0, width_of(batch, false), rows);
+    auto enqueue = [&] { batch.empty() ? enqueue_idle() : enqueue_forward(sh); };
+    enqueue();  // warm-up: workspaces, cuBLASLt plans, lazy module loads
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     // NOTE: the launches queue behind a host function that holds the stream until all of them are
     // enqueued, so the GPU runs them back to back and the events time the GPU, not the host's
@@ -1083,7 +1251,7 @@ struct CudaBackend::Impl {
     OpMarks m;
     marks = &m;
     try {
-      enqueue_forward(sh);
+      enqueue();
     } catch (...) {
       marks = nullptr;
       released.store(true, std::memory_order_release);
@@ -1107,32 +1275,281 @@ struct CudaBackend::Impl {
     for (cudaEvent_t e : m.events) cudaEventDestroy(e);
     return out;
   }
+  // Runs this rank alone, collectives off, on prompts of a few sizes (1 token up to a full step),
+  // so every one-time setup of the kernels it will use — function attributes, workspaces, GEMM
+  // plans and adapters — happens now. Some of those calls wait for the whole device, which a step
+  // must never do while a peer may be spinning in a collective for this rank. The KV written lands
+  // in blocks that every real sequence overwrites before reading.
+  void warm_up_alone() {
+    const bool tp = tp_reduce, moe = moe_reduce, disp = dispatch;
+    tp_reduce = moe_reduce = dispatch = false;
+    const int cap = std::min({opt.max_num_tokens, max_blocks * opt.block_size,
+                              kv_layout.num_blocks * opt.block_size});
+    std::vector<int32_t> tokens(cap, 0), table((cap + opt.block_size - 1) / opt.block_size);
+    std::iota(table.begin(), table.end(), 0);
+    for (int n : {1, 16, 256, cap}) {
+      if (n > cap) continue;
+      StepSequence s;
+      s.tokens = std::span<const int32_t>(tokens).first(n);
+      s.block_table = std::span<const int32_t>(table).first((n + opt.block_size - 1) / opt.block_size);
+      const std::vector<StepSequence> batch{s};
+      enqueue_forward(upload_batch(batch, 0, width_of(batch, false), {n - 1}));
+      RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    tp_reduce = tp, moe_reduce = moe, dispatch = disp;
+  }
+  // Binds this rank's device to the calling thread (every rank thread, before any CUDA call).
+  void bind() const { RELAY_CUDA_CHECK(cudaSetDevice(opt.device)); }
+  // A DP + EP rank's step without sequences (enqueue_idle), to completion.
+  void idle_step() {
+    enqueue_idle();
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
 };
 
-CudaBackend::CudaBackend(const std::filesystem::path& model_dir, const CudaBackendOptions& options)
-    : impl_(std::make_unique<Impl>()) {
+// A rank's part of a step: the sequences it runs, with block tables in its own block ids.
+struct RankPart {
+  std::vector<size_t> members;  // batch indices, in batch order
+  std::vector<StepSequence> seqs;
+  std::vector<std::vector<int32_t>> tables;
+};
+
+struct CudaBackend::Impl {
+  parallel::ParallelConfig parallel;
+  std::unique_ptr<parallel::cuda::ThreadPeerGroup> group;  // null with one rank
+  std::vector<std::unique_ptr<RankEngine>> ranks;
+  int blocks_per_rank = 0;
+
+  Impl(const std::filesystem::path& model_dir, const CudaBackendOptions& o) : parallel(o.parallel) {
+    parallel.validate();
+    const int world = parallel.world_size();
+    const char* loading = std::getenv("CUDA_MODULE_LOADING");
+    RELAY_CHECK(world == 1 || (loading != nullptr && std::string(loading) == "EAGER"),
+                "sharded CUDA ranks (", parallel.describe(),
+                ") need CUDA_MODULE_LOADING=EAGER set before CUDA starts (relay sets it): with lazy "
+                "loading, a kernel loaded on first launch can wait forever behind a peer's kernel "
+                "that waits for this rank");
+    RELAY_CHECK(o.devices.empty() || static_cast<int>(o.devices.size()) == world, "--gpus lists ",
+                o.devices.size(), " devices for ", world, " ranks (", parallel.describe(), ")");
+    int visible = 0;
+    RELAY_CUDA_CHECK(cudaGetDeviceCount(&visible));
+    std::vector<int> devices;
+    for (int r = 0; r < world; ++r) {
+      const int d = o.devices.empty() ? o.device + r : o.devices[r];
+      RELAY_CHECK(d >= 0 && d < visible, "rank ", r, " (", parallel.describe(), ") is on CUDA device ",
+                  d, ", but ", visible, " device(s) are visible; pass --gpus with one device per rank "
+                  "(a device may repeat)");
+      devices.push_back(d);
+    }
+    const ModelConfig cfg = ModelConfig::load(model_dir);
+    const bool dispatch = parallel.dp > 1 && parallel.ep > 1 && cfg.num_experts > 0;
+    for (int r = 0; r < world; ++r) {
+      auto e = std::make_unique<RankEngine>();
+      e->opt = o;
+      e->opt.device = devices[r];
+      e->rank = r;
+      e->shard = plan_shard(cfg, parallel, r);
+      e->tp_reduce = e->shard.tp_size > 1;
+      e->moe_reduce = !dispatch && (e->shard.ep_size > 1 || e->shard.tp_size > 1);
+      e->dispatch = dispatch;
+      e->moe_tokens = dispatch ? world * o.max_num_tokens : o.max_num_tokens;
+      e->bind();
+      RELAY_CUDA_CHECK(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
+      RELAY_CUDA_CHECK(cudaEventCreate(&e->step_begin));
+      RELAY_CUDA_CHECK(cudaEventCreate(&e->step_end));
+      kernels::prepare_blas_stream(e->stream);
+      e->load(model_dir);
+      e->allocate_activations();
+      ranks.push_back(std::move(e));
+    }
+    if (world > 1) {
+      parallel::cuda::ThreadPeerGroupOptions g;
+      const RankEngine& r0 = *ranks.front();
+      g.all_reduce_capacity_bytes = static_cast<size_t>(o.max_num_tokens) * r0.hidden * sizeof(bf16);
+      if (dispatch) {
+        g.max_tokens_per_rank = o.max_num_tokens;
+        g.hidden = r0.hidden;
+        g.top_k = r0.top_k;
+      }
+      group = std::make_unique<parallel::cuda::ThreadPeerGroup>(devices, g);
+      for (int r = 0; r < world; ++r) {
+        ranks[r]->group = group.get();
+        ranks[r]->comm = &group->communicator(r);
+      }
+    }
+    // Every rank gets the same number of blocks (block ids are shared across TP ranks, and DP
+    // partitions are equal): the fewest that every device's share of its free memory holds.
+    blocks_per_rank = o.num_kv_blocks;
+    if (blocks_per_rank <= 0) {
+      blocks_per_rank = INT32_MAX;
+      for (auto& e : ranks) {
+        const int sharing = static_cast<int>(std::count(devices.begin(), devices.end(), e->opt.device));
+        e->bind();
+        blocks_per_rank = std::min(blocks_per_rank, e->blocks_that_fit(sharing));
+      }
+    }
+    for (auto& e : ranks) {
+      e->bind();
+      e->allocate_kv(blocks_per_rank);
+      if (world > 1) e->warm_up_alone();
+    }
+    RELAY_CUDA_CHECK(cudaSetDevice(devices.front()));
+  }
+
+  size_t size() const { return ranks.size(); }
+  parallel::RankPlace place(size_t r) const {
+    return parallel::place_rank(parallel, static_cast<int>(r));
+  }
+
+  // Splits the batch among the DP groups and checks every rank's part before anything runs.
+  std::vector<RankPart> split(std::span<const StepSequence> batch) const {
+    RELAY_CHECK(!batch.empty(), "step with an empty batch");
+    std::vector<std::vector<size_t>> members =
+        split_by_kv_partition(batch, parallel.dp, blocks_per_rank);
+    std::vector<RankPart> parts(parallel.dp);
+    for (int g = 0; g < parallel.dp; ++g) {
+      RankPart& p = parts[g];
+      p.members = std::move(members[g]);
+      p.tables.resize(p.members.size());
+      for (size_t j = 0; j < p.members.size(); ++j) {
+        StepSequence s = batch[p.members[j]];
+        localize_block_table(s, g * blocks_per_rank, blocks_per_rank, p.tables[j]);
+        s.block_table = p.tables[j];
+        p.seqs.push_back(s);
+      }
+    }
+    for (size_t r = 0; r < size(); ++r) ranks[r]->check_batch(parts[place(r).dp_rank].seqs);
+    return parts;
+  }
+
+  // Runs fn(rank, its part) on every rank's thread, each bound to its device.
+  void on_ranks(const std::vector<RankPart>& parts,
+                const std::function<void(RankEngine&, const RankPart&, bool tp_lead)>& fn) {
+    run_on_rank_threads(
+        size(),
+        [&](size_t r) {
+          ranks[r]->bind();
+          try {
+            fn(*ranks[r], parts[place(r).dp_rank], place(r).tp_rank == 0);
+          } catch (const std::exception& e) {
+            // Said at once: the peers may be spinning in a collective for this rank until their
+            // timeout traps, and the rethrown error only surfaces after every rank has joined.
+            std::fprintf(stderr, "relay: CUDA rank %zu failed: %s\n", r, e.what());
+            throw;
+          }
+        },
+        // Nothing to abort: a rank that threw has enqueued nothing more, and the peers' kernels
+        // waiting for it trap at their timeout (device_communicator.h). The batch was checked on
+        // every rank first, so what fails here is the device itself.
+        [](size_t) {});
+  }
+
+  std::vector<SampledToken> step(std::span<const StepSequence> batch) {
+    if (size() == 1) {
+      RELAY_CHECK(!batch.empty(), "step with an empty batch");
+      ranks[0]->check_batch(batch);
+      return ranks[0]->step(batch, true);
+    }
+    const std::vector<RankPart> parts = split(batch);
+    std::vector<std::vector<SampledToken>> sampled(parallel.dp);
+    on_ranks(parts, [&](RankEngine& e, const RankPart& p, bool lead) {
+      if (p.seqs.empty()) {
+        if (e.dispatch) e.idle_step();
+        return;
+      }
+      std::vector<SampledToken> out = e.step(p.seqs, lead);
+      if (lead) sampled[place(e.rank).dp_rank] = std::move(out);
+    });
+    // Back in batch order: each DP group's tokens follow its members' order.
+    std::vector<const SampledToken*> by_index(batch.size(), nullptr);
+    for (int g = 0; g < parallel.dp; ++g) {
+      size_t next = 0;
+      for (size_t i : parts[g].members) {
+        if (batch[i].sample) by_index[i] = &sampled[g].at(next++);
+      }
+    }
+    std::vector<SampledToken> out;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (by_index[i] != nullptr) out.push_back(*by_index[i]);
+    }
+    return out;
+  }
+
+  std::vector<float> forward_logits(std::span<const StepSequence> batch, LogitRows rows) {
+    if (size() == 1) {
+      RELAY_CHECK(!batch.empty(), "forward_logits with an empty batch");
+      ranks[0]->check_batch(batch);
+      return ranks[0]->forward_logits(batch, rows);
+    }
+    const std::vector<RankPart> parts = split(batch);
+    std::vector<std::vector<float>> logits(parallel.dp);
+    on_ranks(parts, [&](RankEngine& e, const RankPart& p, bool lead) {
+      if (p.seqs.empty()) {
+        if (e.dispatch) e.idle_step();
+        return;
+      }
+      std::vector<float> out = e.forward_logits(p.seqs, rows);
+      if (lead) logits[place(e.rank).dp_rank] = std::move(out);
+    });
+    const size_t vocab = static_cast<size_t>(config().vocab_size);
+    auto num_rows = [&](size_t i) -> size_t {
+      return rows == LogitRows::kLastTokens ? 1 : batch[i].tokens.size();
+    };
+    std::vector<const float*> first(batch.size(), nullptr);
+    for (int g = 0; g < parallel.dp; ++g) {
+      size_t row = 0;
+      for (size_t i : parts[g].members) {
+        first[i] = logits[g].data() + row * vocab;
+        row += num_rows(i);
+      }
+    }
+    std::vector<float> out;
+    for (size_t i = 0; i < batch.size(); ++i)
+      out.insert(out.end(), first[i], first[i] + num_rows(i) * vocab);
+    return out;
+  }
+
+  std::vector<OpTiming> profile_forward(std::span<const StepSequence> batch) {
+    if (size() == 1) {
+      RELAY_CHECK(!batch.empty(), "profile_forward with an empty batch");
+      ranks[0]->check_batch(batch);
+      return ranks[0]->profile_forward(batch);
+    }
+    const std::vector<RankPart> parts = split(batch);
+    std::vector<OpTiming> rank0;
+    on_ranks(parts, [&](RankEngine& e, const RankPart& p, bool) {
+      if (p.seqs.empty() && !e.dispatch) return;
+      std::vector<OpTiming> t = e.profile_forward(p.seqs);
+      if (e.rank == 0) rank0 = std::move(t);
+    });
+    return rank0;
+  }
+
+  const ModelConfig& config() const { return ranks.front()->cfg; }
+};
+
+CudaBackend::CudaBackend(const std::filesystem::path& model_dir, const CudaBackendOptions& options) {
   RELAY_CHECK(options.block_size > 0 && options.max_num_seqs > 0 &&
                   options.max_num_tokens >= options.max_num_seqs,
               "CUDA backend options: block_size ", options.block_size, ", max_num_seqs ",
               options.max_num_seqs, ", max_num_tokens ", options.max_num_tokens);
-  impl_->opt = options;
-  RELAY_CUDA_CHECK(cudaSetDevice(options.device));
-  RELAY_CUDA_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
-  RELAY_CUDA_CHECK(cudaEventCreate(&impl_->step_begin));
-  RELAY_CUDA_CHECK(cudaEventCreate(&impl_->step_end));
-  impl_->load(model_dir);
-  impl_->allocate_activations();
-  impl_->allocate_kv();
+  impl_ = std::make_unique<Impl>(model_dir, options);
 }
 
 CudaBackend::~CudaBackend() = default;
-const ModelConfig& CudaBackend::config() const { return impl_->cfg; }
-int CudaBackend::block_size() const { return impl_->opt.block_size; }
-int CudaBackend::num_kv_blocks() const { return impl_->kv_layout.num_blocks; }
+const ModelConfig& CudaBackend::config() const { return impl_->config(); }
+int CudaBackend::block_size() const { return impl_->ranks.front()->opt.block_size; }
+int CudaBackend::num_kv_blocks() const { return impl_->blocks_per_rank * impl_->parallel.dp; }
+int CudaBackend::num_kv_partitions() const { return impl_->parallel.dp; }
 
 std::vector<KvPoolExport> CudaBackend::kv_pool_exports() {
-  return {{reinterpret_cast<std::byte*>(impl_->kv_pool), impl_->kv_layout, 0,
-           impl_->kv_layout.num_kv_heads, 0, impl_->opt.device}};
+  std::vector<KvPoolExport> out;
+  for (size_t r = 0; r < impl_->size(); ++r) {
+    const RankEngine& e = *impl_->ranks[r];
+    out.push_back({reinterpret_cast<std::byte*>(e.kv_pool), e.kv_layout, e.shard.kv_head_begin,
+                   e.kv_layout.num_kv_heads, impl_->place(r).dp_rank, e.opt.device});
+  }
+  return out;
 }
 std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch) {
   return impl_->step(batch);
@@ -1144,8 +1561,15 @@ std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> bat
 std::vector<OpTiming> CudaBackend::profile_forward(std::span<const StepSequence> batch) {
   return impl_->profile_forward(batch);
 }
-const CudaLoadStats& CudaBackend::load_stats() const { return impl_->stats; }
-double CudaBackend::last_step_device_ms() const { return impl_->last_step_device_ms; }
-void CudaBackend::synchronize() { RELAY_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }
+const CudaLoadStats& CudaBackend::load_stats() const { return impl_->ranks.front()->stats; }
+double CudaBackend::last_step_device_ms() const {
+  return impl_->ranks.front()->last_step_device_ms;
+}
+void CudaBackend::synchronize() {
+  for (auto& e : impl_->ranks) {
+    e->bind();
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(e->stream));
+  }
+}
 
 }  // namespace relay

@@ -9,6 +9,17 @@
 // shared sampler, with the same semantics). Decode steps (every sequence one token) are captured
 // as CUDA graphs keyed by (padded batch size, padded block-table width) and replayed.
 //
+// Parallelism (options.parallel, parallel/parallel_config.h): the backend runs tp x dp ranks, one
+// host thread and one stream each, on options.devices (a device may host several ranks: that is
+// how the one-GPU tests run a sharded backend). Each rank loads its shard straight from the
+// checkpoint (model/shard.h: heads, KV heads, widths, experts), owns its KV pool and talks to the
+// others through a ThreadPeerGroup (parallel/cuda/thread_peer_group.h): Relay's one-shot /
+// two-shot all-reduce after o_proj and after the MoE (or dense MLP) under TP / TP + EP, the MoE
+// dispatch / combine kernels under DP + EP. All of it is captured in the decode graphs. As on the
+// CPU backend, TP ranks run the whole batch and TP rank 0 samples; DP ranks own the block ids
+// [r B, (r + 1) B) and run the sequences whose KV they hold; a DP rank without sequences still
+// serves the others' expert exchanges.
+//
 // This header has no CUDA types, so CPU-only code (the CLI, the server) can include it; on a build
 // without CUDA the library behind it is not built and nothing may call it.
 #pragma once
@@ -21,6 +32,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "parallel/parallel_config.h"
 
 namespace relay {
 
@@ -40,6 +52,9 @@ struct CudaBackendOptions {
   int num_kv_blocks = 0;       // > 0: exactly this many blocks, else all memory left
   size_t memory_reserve_bytes = size_t{1} << 30;  // left free for the CUDA context, cuBLAS, graphs
   bool cuda_graphs = true;
+  parallel::ParallelConfig parallel;  // tp / ep / dp ranks (threads of this process)
+  // devices[r] runs rank r (repeats allowed); empty: rank r on device + r.
+  std::vector<int> devices;
 };
 
 // One op's device time in profile_forward(), summed over the layers.
@@ -65,8 +80,9 @@ class CudaBackend : public Backend {
 
   const ModelConfig& config() const override;
   int block_size() const override;
-  int num_kv_blocks() const override;
-  // The one device pool (bf16), for a CUDA IPC hand-off.
+  int num_kv_blocks() const override;  // per DP rank x dp
+  int num_kv_partitions() const override;
+  // Every rank's device pool (bf16), for a CUDA IPC hand-off.
   std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
 
@@ -83,11 +99,11 @@ class CudaBackend : public Backend {
   // device time (a graph replay skips the events and is a little faster).
   std::vector<OpTiming> profile_forward(std::span<const StepSequence> batch);
 
-  const CudaLoadStats& load_stats() const;
-  // Device time of the last step() from its first copy to its last (CUDA events): wall time minus
+  const CudaLoadStats& load_stats() const;  // rank 0's
+  // Device time of rank 0's last step() from its first copy to its last (CUDA events): wall time minus
   // this is the host's share of the step (building metadata, sampling bookkeeping, launch latency).
   double last_step_device_ms() const;
-  // Device synchronisation, so a host timer around step() measures the GPU work too.
+  // Device synchronisation of every rank, so a host timer around step() measures the GPU work too.
   void synchronize();
 
  private:

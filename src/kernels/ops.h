@@ -200,7 +200,23 @@ struct MoeGroupedMatmulParams {
   int k = 0;
 };
 
+// An expert-parallel rank's view of the router's choices, in place: ids of the experts it holds,
+// [expert_begin, expert_begin + num_local_experts), become local ids 0..num_local_experts-1; every
+// other id becomes the absent id num_local_experts, with weight 0. The permute then sorts the absent
+// rows last (run it with num_local_experts + 1 experts), the grouped GEMMs never compute them and
+// the combine skips them.
+struct MoeLocalizeExpertsParams {
+  int32_t* topk_ids = nullptr;    // [num_rows] global in, local or absent out
+  float* topk_weights = nullptr;  // [num_rows]
+  int num_rows = 0;               // tokens x top_k
+  int expert_begin = 0;
+  int num_local_experts = 0;
+};
+
 // out[t] = sum_k topk_weights[t, k] * expert_out[permuted_index[t * top_k + k]] (k ascending).
+// Terms of weight exactly 0 are skipped, not multiplied: they are the absent experts of an
+// expert-parallel rank (and padded receive rows), whose rows were never computed and may hold
+// anything, NaN included.
 template <typename T>
 struct MoeUnpermuteCombineParams {
   const T* expert_out = nullptr;            // [num_tokens * top_k, hidden]
@@ -244,6 +260,7 @@ void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& poo
 void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool);
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<float>& p, ThreadPool& pool);
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, ThreadPool& pool);
+void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, ThreadPool& pool);
 void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool);
 void launch_lm_head(const LmHeadParams<float, Bf16Bits>& p, ThreadPool& pool);
 

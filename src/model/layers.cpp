@@ -259,16 +259,12 @@ void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float*
   router_logits_.resize(static_cast<size_t>(num_tokens) * num_experts_);
   topk_ids_.resize(rows);
   topk_weights_.resize(rows);
-  local_ids_.resize(rows);
   route(x, num_tokens, pool);
   // Experts held elsewhere become the absent id (num_local_experts_): weight 0, never computed.
-  for (size_t r = 0; r < rows; ++r) {
-    const int32_t local = topk_ids_[r] - expert_begin_;
-    const bool here = local >= 0 && local < num_local_experts_;
-    local_ids_[r] = here ? local : num_local_experts_;
-    if (!here) topk_weights_[r] = 0.0f;
-  }
-  run_local_experts(x, local_ids_.data(), topk_weights_.data(), num_tokens, pool, out);
+  kernels::launch_moe_localize_experts({topk_ids_.data(), topk_weights_.data(),
+                                        static_cast<int>(rows), expert_begin_, num_local_experts_},
+                                       pool);
+  run_local_experts(x, topk_ids_.data(), topk_weights_.data(), num_tokens, pool, out);
   if (reduce_comm_ != nullptr)
     reduce_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * hidden_);
 }
@@ -334,8 +330,7 @@ void SparseMoe::run_local_experts(const float* x, const int32_t* ids, const floa
   g.n = hidden_;
   g.k = width_;
   kernels::launch_moe_grouped_matmul(g, pool);
-  // Absent rows carry weight 0, but 0 * garbage could be NaN: give them zeros.
-  std::fill(expert_out_.begin() + static_cast<size_t>(computed) * hidden_, expert_out_.end(), 0.0f);
+  // The absent rows (past `computed`) are never written: the combine skips their weight-0 terms.
 
   kernels::MoeUnpermuteCombineParams<float> u;
   u.expert_out = expert_out_.data();

@@ -67,6 +67,33 @@ int64_t TensorView::numel() const {
   return n;
 }
 
+TensorSlice slice_tensor(const TensorView& t, int64_t row_begin, int64_t rows, int64_t col_begin,
+                         int64_t cols) {
+  RELAY_CHECK(t.shape.size() == 1 || t.shape.size() == 2, "tensor ", t.name, " in ", t.file,
+              " has ", t.shape.size(), " dimensions; only 1-D and 2-D tensors are sliced");
+  const int64_t num_rows = t.shape.size() == 1 ? 1 : t.shape[0], num_cols = t.shape.back();
+  RELAY_CHECK(row_begin >= 0 && rows >= 0 && row_begin + rows <= num_rows && col_begin >= 0 &&
+                  cols >= 0 && col_begin + cols <= num_cols,
+              "tensor ", t.name, " in ", t.file, ": slice rows [", row_begin, ", +", rows,
+              ") cols [", col_begin, ", +", cols, ") outside its shape [", num_rows, ", ", num_cols,
+              "]");
+  const size_t elem = dtype_size(t.dtype);
+  TensorSlice s;
+  s.bytes.resize(static_cast<size_t>(rows * cols) * elem);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(s.bytes.data() + static_cast<size_t>(r * cols) * elem,
+                t.data + (static_cast<size_t>((row_begin + r) * num_cols + col_begin)) * elem,
+                static_cast<size_t>(cols) * elem);
+  }
+  s.view.name = t.name;
+  s.view.file = t.file;
+  s.view.dtype = t.dtype;
+  s.view.shape = t.shape.size() == 1 ? std::vector<int64_t>{cols} : std::vector<int64_t>{rows, cols};
+  s.view.data = s.bytes.data();
+  s.view.nbytes = s.bytes.size();
+  return s;
+}
+
 std::map<std::string, TensorView> SafetensorsFile::parse_header(
     std::string_view header_json, const uint8_t* data, size_t data_bytes, const std::string& file,
     std::map<std::string, std::string>* metadata) {

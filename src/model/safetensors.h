@@ -37,6 +37,17 @@ std::vector<float> tensor_to_f32(const TensorView& t);
 // The same, into `out` (t.numel() floats).
 void tensor_to_f32(const TensorView& t, float* out);
 
+// A rectangular part of a tensor copied out of the file: `view` describes it (same name, file and
+// dtype; shape [rows, cols], or [cols] for a 1-D tensor) and points into `bytes`.
+struct TensorSlice {
+  std::vector<uint8_t> bytes;
+  TensorView view;
+};
+// Rows [row_begin, +rows) x columns [col_begin, +cols) of the 2-D tensor t (a 1-D tensor is one row:
+// row_begin 0, rows 1), for any dtype. Throws naming the tensor when the range is outside it.
+TensorSlice slice_tensor(const TensorView& t, int64_t row_begin, int64_t rows, int64_t col_begin,
+                         int64_t cols);
+
 // One mmapped .safetensors file.
 class SafetensorsFile {
  public:

@@ -17,16 +17,25 @@ ShardSpec unsharded(const ModelConfig& c) {
 
 ShardSpec make_shard(const ModelConfig& c, const parallel::ParallelConfig& p, int rank,
                      parallel::Communicator* world) {
-  p.validate();
-  ShardSpec s = unsharded(c);
+  ShardSpec s = plan_shard(c, p, rank);
   if (p.world_size() == 1) return s;
   RELAY_CHECK(world != nullptr && world->size() == p.world_size(), "rank ", rank, ": a group of ",
               p.world_size(), " ranks needs a communicator of that size");
+  if (s.tp_size > 1) s.tp_comm = world;  // tp > 1 implies dp == 1: the TP group is every rank
+  if (s.ep_size > 1) s.ep_comm = world;
+  return s;
+}
+
+ShardSpec plan_shard(const ModelConfig& c, const parallel::ParallelConfig& p, int rank) {
+  p.validate();
+  ShardSpec s = unsharded(c);
+  if (p.world_size() == 1) return s;
+  RELAY_CHECK(rank >= 0 && rank < p.world_size(), "rank ", rank, " outside a group of ",
+              p.world_size());
   const parallel::RankPlace at = parallel::place_rank(p, rank);
   const int tp = p.tp;
   s.tp_rank = at.tp_rank;
   s.tp_size = tp;
-  if (tp > 1) s.tp_comm = world;  // tp > 1 implies dp == 1: the TP group is every rank
 
   const int q = static_cast<int>(c.num_attention_heads),
             kv = static_cast<int>(c.num_key_value_heads);
@@ -63,7 +72,6 @@ ShardSpec make_shard(const ModelConfig& c, const parallel::ParallelConfig& p, in
                   c.num_experts, " (config.json)");
       s.ep_rank = at.ep_rank;
       s.ep_size = p.ep;
-      s.ep_comm = world;
       s.num_local_experts = static_cast<int>(c.num_experts / p.ep);
       s.expert_begin = at.ep_rank * s.num_local_experts;
       s.dispatch_tokens = p.dp > 1;

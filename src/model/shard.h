@@ -40,8 +40,13 @@ struct ShardSpec {
 // The whole model on one rank.
 ShardSpec unsharded(const ModelConfig& config);
 
-// Rank `rank` of `parallel`; `world` is the group of all ranks (used as the TP and/or EP group; may
-// be null when world_size() == 1). Throws relay::Error when the model does not divide.
+// What rank `rank` of `parallel` holds (heads, widths, experts), without communicators: for
+// backends that connect their ranks otherwise (the CUDA backend's device collectives). Throws
+// relay::Error when the model does not divide.
+ShardSpec plan_shard(const ModelConfig& config, const parallel::ParallelConfig& parallel, int rank);
+
+// plan_shard with `world`, the CPU group of all ranks, as the TP and/or EP communicator (may be
+// null when world_size() == 1).
 ShardSpec make_shard(const ModelConfig& config, const parallel::ParallelConfig& parallel, int rank,
                      parallel::Communicator* world);
 

@@ -32,18 +32,21 @@ inline CudaBackendOptions small_options(bool graphs) {
 }
 
 // Greedy-decodes all prompts together, `steps` tokens each, with blocks handed out in reverse
-// order.
+// order; prompt i's blocks come from KV partition i % num_kv_partitions() (its DP rank).
 inline std::vector<std::vector<int32_t>> greedy_batched(
     CudaBackend& backend, const std::vector<std::vector<int32_t>>& prompts, int steps) {
   const int bs = backend.block_size();
-  int next_block = backend.num_kv_blocks() - 1;
+  const int parts = backend.num_kv_partitions();
+  const int per_part = backend.num_kv_blocks() / parts;
+  std::vector<int> next_block(parts);
+  for (int g = 0; g < parts; ++g) next_block[g] = (g + 1) * per_part - 1;
   std::vector<Seq> seqs;
   for (size_t i = 0; i < prompts.size(); ++i) {
     Seq s;
     s.id = static_cast<int64_t>(i) + 7;
     s.prompt = s.tokens = prompts[i];
     const int need = (static_cast<int>(prompts[i].size()) + steps + bs - 1) / bs;
-    for (int b = 0; b < need; ++b) s.blocks.push_back(next_block--);
+    for (int b = 0; b < need; ++b) s.blocks.push_back(next_block[i % parts]--);
     seqs.push_back(std::move(s));
   }
   SamplingParams greedy;

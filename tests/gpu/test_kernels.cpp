@@ -2,6 +2,7 @@
 // odd sizes, experts with no tokens, large batches, decode with split-K. See gpu_test_util.h for the
 // tolerance and the poisoning of outputs.
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "core/thread_pool.h"
@@ -322,6 +323,48 @@ TEST(GpuKernels, MoePermuteAndCombine) {
                                           pool());
     DeviceBuffer<bf16> d_eo(expert_out.bits), d_out(out_ref.size());
     DeviceBuffer<float> d_w(weights);
+    kernels::launch_moe_unpermute_combine({d_eo.get(), d_pi.get(), d_w.get(), d_out.get(), tokens, hidden, k}, nullptr);
+    EXPECT_LT(rel_error(to_f32(d_out.download()), out_ref), kBf16Tolerance) << "tokens " << tokens;
+  }
+}
+
+TEST(GpuKernels, MoeLocalizeExpertsAndCombineSkipsAbsentRows) {
+  std::mt19937 rng(12);
+  for (int tokens : {1, 37, 1000}) {
+    const int experts = 128, k = 8, hidden = 64, begin = 32, local = 32;
+    auto ids = random_routing(tokens, experts, k, rng);
+    std::vector<float> w(ids.size());
+    for (auto& v : w) v = static_cast<float>(rng() % 1000 + 1) / 1000.0f;
+    std::vector<int32_t> ids_ref = ids;
+    std::vector<float> w_ref = w;
+    kernels::launch_moe_localize_experts({ids_ref.data(), w_ref.data(), static_cast<int>(ids.size()), begin, local},
+                                         pool());
+    DeviceBuffer<int32_t> d_ids(ids);
+    DeviceBuffer<float> d_w(w);
+    kernels::launch_moe_localize_experts({d_ids.get(), d_w.get(), static_cast<int>(ids.size()), begin, local}, nullptr);
+    EXPECT_EQ(d_ids.download(), ids_ref) << "tokens " << tokens;
+    EXPECT_EQ(d_w.download(), w_ref) << "tokens " << tokens;
+
+    // The absent rows sort last and hold NaN (never computed): the combine must not read them.
+    const size_t rows = ids.size();
+    std::vector<int32_t> pi(rows), off(local + 2);
+    std::vector<float> dummy(rows * hidden);
+    std::vector<float> x(static_cast<size_t>(tokens) * hidden, 1.0f);
+    kernels::launch_moe_permute({x.data(), ids_ref.data(), dummy.data(), pi.data(), off.data(), tokens, hidden,
+                                 local + 1, k},
+                                pool());
+    auto expert_out = random_bf16(rows * hidden, rng);
+    const uint16_t nan_bits = 0x7FC0;
+    for (size_t r = static_cast<size_t>(off[local]) * hidden; r < rows * hidden; ++r) {
+      expert_out.bits[r] = __nv_bfloat16_raw{nan_bits};
+      expert_out.f32[r] = std::numeric_limits<float>::quiet_NaN();
+    }
+    std::vector<float> out_ref(static_cast<size_t>(tokens) * hidden);
+    kernels::launch_moe_unpermute_combine({expert_out.f32.data(), pi.data(), w_ref.data(), out_ref.data(), tokens,
+                                           hidden, k},
+                                          pool());
+    DeviceBuffer<bf16> d_eo(expert_out.bits), d_out(out_ref.size());
+    DeviceBuffer<int32_t> d_pi(pi);
     kernels::launch_moe_unpermute_combine({d_eo.get(), d_pi.get(), d_w.get(), d_out.get(), tokens, hidden, k}, nullptr);
     EXPECT_LT(rel_error(to_f32(d_out.download()), out_ref), kBf16Tolerance) << "tokens " << tokens;
   }

@@ -65,12 +65,23 @@ void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, Thr
       float* out = p.out + t * p.hidden;
       std::fill(out, out + p.hidden, 0.0f);
       for (int k = 0; k < p.top_k; ++k) {
-        float w = p.topk_weights[t * p.top_k + k];
+        const float w = p.topk_weights[t * p.top_k + k];
+        if (w == 0.0f) continue;
         const float* row = p.expert_out + static_cast<int64_t>(p.permuted_index[t * p.top_k + k]) * p.hidden;
         for (int i = 0; i < p.hidden; ++i) out[i] += row[i] * w;
       }
     }
   });
+}
+
+void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, ThreadPool& pool) {
+  (void)pool;  // one pass over tokens x top_k integers: not worth a parallel_for
+  for (int r = 0; r < p.num_rows; ++r) {
+    const int32_t local = p.topk_ids[r] - p.expert_begin;
+    const bool here = local >= 0 && local < p.num_local_experts;
+    p.topk_ids[r] = here ? local : p.num_local_experts;
+    if (!here) p.topk_weights[r] = 0.0f;
+  }
 }
 
 }  // namespace relay::kernels

@@ -653,10 +653,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-DeviceWorkspace& split_workspace() {
-  static DeviceWorkspace ws;
-  return ws;
-}
+struct SplitTag;
+struct SplitCountTag;
 
 template <int kHeadDim>
 void run_mma_sync(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
@@ -746,11 +744,12 @@ void run_decode(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
   if (split.num_splits > 1) {
     const int64_t rows = static_cast<int64_t>(split.num_splits) * p.num_tokens * p.num_q_heads;
     auto* base = static_cast<float*>(
-        split_workspace().get(rows * (kHeadDim + 1) * sizeof(float), s, "paged_attention split-K"));
+        per_stream<DeviceWorkspace, SplitTag>(s).get(rows * (kHeadDim + 1) * sizeof(float), s,
+                                                     "paged_attention split-K"));
     split.partial_out = base;
     split.partial_lse = base + rows * kHeadDim;
-    static DeviceWorkspace done_workspace;
-    split.done = static_cast<int*>(done_workspace.get_zeroed(ctas * sizeof(int), s, "paged_attention split counts"));
+    split.done = static_cast<int*>(per_stream<DeviceWorkspace, SplitCountTag>(s).get_zeroed(
+        ctas * sizeof(int), s, "paged_attention split counts"));
   }
   dim3 grid(static_cast<unsigned>(p.num_seqs * row_tiles), p.num_kv_heads, split.num_splits);
   kernel<<<grid, kWarps * 32, smem_bytes, s>>>(p, split);

@@ -40,18 +40,17 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
 };
 
-// One cuBLASLt handle and workspace for every GEMM of the process (launches are stream-ordered).
+// A cuBLASLt handle and workspace per stream (per_stream): GEMMs on one stream are ordered and
+// share them; the ranks of a sharded backend, on their own streams, each have their own.
 struct LtContext {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
-  static LtContext& get() {
-    static LtContext ctx = [] {
-      LtContext c;
-      RELAY_CUBLAS_CHECK(cublasLtCreate(&c.handle));
-      RELAY_CUDA_CHECK(cudaMalloc(&c.workspace, kWorkspaceBytes));
-      return c;
-    }();
-    return ctx;
+  LtContext() { RELAY_CUBLAS_CHECK(cublasLtCreate(&handle)); }
+  // The workspace is allocated in stream order on first use (see DeviceWorkspace).
+  static LtContext& get(cudaStream_t s) {
+    LtContext& c = per_stream<LtContext>(s);
+    if (c.workspace == nullptr) RELAY_CUDA_CHECK(cudaMallocAsync(&c.workspace, kWorkspaceBytes, s));
+    return c;
   }
 };
 
@@ -73,7 +72,8 @@ cublasStatus_t find_algo(Plan& plan) {
                                                           &kWorkspaceBytes, sizeof(kWorkspaceBytes)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(LtContext::get().handle, plan.desc, plan.a, plan.b,
+  // Heuristics depend on the device, not the stream: the current device's default-stream context.
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(LtContext::get(nullptr).handle, plan.desc, plan.a, plan.b,
                                                            plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS) return st;
@@ -92,12 +92,15 @@ class Blas {
   void gemm(const bf16* x, const bf16* w, const bf16* bias, void* out, bool out_f32, int m, int n, int k,
             cudaStream_t s) {
     const Plan& plan = plan_for(m, n, k, out_f32, bias != nullptr);
+    // The cached descriptor takes this call's bias pointer: set and enqueue under the lock, as
+    // ranks on other threads use the same plan.
+    std::lock_guard<std::mutex> lock(mutex_);
     if (bias) {
       RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                         sizeof(bias)));
     }
     const float alpha = 1.0f, beta = 0.0f;
-    const LtContext& lt = LtContext::get();
+    const LtContext& lt = LtContext::get(s);
     RELAY_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, out, plan.c, out,
                                       plan.c, &plan.algo, lt.workspace, kWorkspaceBytes, s));
   }
@@ -184,6 +187,7 @@ class Fp8Blas {
     RELAY_CHECK(!fp->row_scales || w_row_scale != nullptr, "fp8_block_matmul_cublaslt: cuBLASLt takes the weight ",
                 "scales per row (1 x 128) for m ", p.m, " n ", p.n, " k ", p.k, ", and none were given");
     const Plan& plan = fp->plan;
+    std::lock_guard<std::mutex> lock(mutex_);  // the descriptor takes this call's scale pointers
     const void* a_scale = fp->row_scales ? w_row_scale : p.w_scale;
     const void* b_scale = p.x_scale;
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
@@ -191,7 +195,7 @@ class Fp8Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
                                                       sizeof(b_scale)));
     const float alpha = 1.0f, beta = 0.0f;
-    const LtContext& lt = LtContext::get();
+    const LtContext& lt = LtContext::get(s);
     RELAY_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.desc, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.out, plan.c,
                                       p.out, plan.c, &plan.algo, lt.workspace, kWorkspaceBytes, s));
   }
@@ -209,7 +213,7 @@ class Fp8Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)));
     // NOTE: set before the heuristic too (the real pointers replace them per call): a null scale
     // pointer can make cuBLASLt treat the operand as unscaled when it picks algorithms.
-    const void* placeholder = LtContext::get().workspace;
+    const void* placeholder = LtContext::get(nullptr).workspace;
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder,
                                                       sizeof(placeholder)));
     RELAY_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder,
@@ -243,12 +247,14 @@ __global__ void gather_rows_kernel(const bf16* x, const int32_t* rows, bf16* out
   for (int i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
 }
 
-DeviceWorkspace& gather_workspace() {
-  static DeviceWorkspace ws;
-  return ws;
-}
+struct GatherTag;
 
 }  // namespace
+
+void prepare_blas_stream(cudaStream_t s) {
+  LtContext::get(nullptr);
+  LtContext::get(s);
+}
 
 void launch_matmul(const MatmulParams<bf16>& p, cudaStream_t s) {
   if (p.m == 0) return;
@@ -278,7 +284,7 @@ void launch_lm_head(const LmHeadParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.hidden % 8 == 0, "lm_head: hidden ", p.hidden, " must be a multiple of 8");
   if (p.num_rows == 0) return;
   auto* gathered = static_cast<bf16*>(
-      gather_workspace().get(static_cast<size_t>(p.num_rows) * p.hidden * sizeof(bf16), s, "lm_head gather"));
+      per_stream<DeviceWorkspace, GatherTag>(s).get(static_cast<size_t>(p.num_rows) * p.hidden * sizeof(bf16), s, "lm_head gather"));
   gather_rows_kernel<<<p.num_rows, 128, 0, s>>>(p.x, p.rows, gathered, p.hidden);
   RELAY_CUDA_CHECK_LAUNCH("gather_rows_kernel");
   Blas::get().gemm(gathered, p.w, nullptr, p.logits, true, p.num_rows, p.vocab_size, p.hidden, s);

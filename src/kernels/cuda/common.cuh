@@ -9,6 +9,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
 
 #include "core/error.h"
 
@@ -128,7 +132,9 @@ inline bool stream_is_capturing(cudaStream_t s) {
 
 // A device buffer that grows to the largest size asked for. A CUDA graph captured earlier may still
 // point at the old buffer, so growing retires it instead of freeing it (growth is geometric, so the
-// retired buffers cost at most as much as the live one); it never grows during capture.
+// retired buffers cost at most as much as the live one); it never grows during capture. Growth is
+// stream-ordered (cudaMallocAsync): a plain cudaMalloc may wait for the whole device, and a sharded
+// rank's peers may be spinning there in a collective that waits for this rank.
 class DeviceWorkspace {
  public:
   void* get(size_t bytes, cudaStream_t s, const char* what) {
@@ -136,7 +142,7 @@ class DeviceWorkspace {
       RELAY_CHECK(!stream_is_capturing(s), "workspace of ", what, " must grow to ", bytes,
                   " bytes during CUDA graph capture; warm up with the same shapes first");
       const size_t grown = std::max(bytes, 2 * bytes_);
-      RELAY_CUDA_CHECK(cudaMalloc(&ptr_, grown));
+      RELAY_CUDA_CHECK(cudaMallocAsync(&ptr_, grown, s));
       bytes_ = grown;
     }
     return ptr_;
@@ -154,5 +160,22 @@ class DeviceWorkspace {
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
 };
+
+// One T per (device, stream): the state launches keep between calls (workspaces, GEMM adapters,
+// cuBLASLt handles) is reused in stream order, so calls on one stream may share it and calls on
+// different streams must not. A sharded backend runs each rank on its own stream (and possibly its
+// own device) from its own thread, concurrently; this gives every rank its own copy. Created on
+// first use, on the calling thread's current device. Tag tells apart several Ts of one type.
+template <typename T, typename Tag = T>
+T& per_stream(cudaStream_t s) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, std::unique_ptr<T>> items;
+  int device = 0;
+  RELAY_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lock(mu);
+  std::unique_ptr<T>& slot = items[{device, s}];
+  if (!slot) slot = std::make_unique<T>();
+  return *slot;
+}
 
 }  // namespace relay::kernels::cuda

@@ -173,15 +173,14 @@ GroupArgs carve_group_args(void* base, int num_experts, size_t* total_bytes) {
   return g;
 }
 
-// One set of per-group arrays and one adapter per process, like cuBLASLt's workspace in blas.cu:
-// the engine issues its GEMMs on one stream, so consecutive calls reuse the arrays in order. Both
+// One set of per-group arrays and one adapter per stream (cuda::per_stream), like cuBLASLt's
+// workspace in blas.cu: calls on one stream reuse the arrays in order. Both
 // buffers only grow, and growing retires the old buffer rather than freeing it, so a graph
 // captured before still finds its arrays and workspace.
 class CutlassFp8GroupedContext {
  public:
-  static CutlassFp8GroupedContext& get() {
-    static CutlassFp8GroupedContext ctx;
-    return ctx;
+  static CutlassFp8GroupedContext& get(cudaStream_t s) {
+    return cuda::per_stream<CutlassFp8GroupedContext>(s);
   }
 
   void run(const quant::Fp8BlockGroupedMatmulParams<bf16>& p, cudaStream_t s) {
@@ -223,13 +222,14 @@ class CutlassFp8GroupedContext {
     RELAY_CUDA_CHECK_LAUNCH("CUTLASS FP8 block-scaled grouped GEMM");
   }
 
- private:
-  CutlassFp8GroupedContext() {
+  CutlassFp8GroupedContext() {  // on the current device (per_stream)
     int device = 0;
     RELAY_CUDA_CHECK(cudaGetDevice(&device));
     hw_info_.device_id = device;
     hw_info_.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
   }
+
+ private:
 
   std::mutex mu_;
   cutlass::KernelHardwareInfo hw_info_;
@@ -259,7 +259,7 @@ void launch_fp8_block_grouped_matmul_cutlass(const quant::Fp8BlockGroupedMatmulP
               "fp8_block_grouped_matmul (CUTLASS): rows ", p.num_rows, ", experts ", p.num_experts,
               " (expert_offsets must be set)");
   if (p.num_rows == 0) return;
-  CutlassFp8GroupedContext::get().run(p, s);
+  CutlassFp8GroupedContext::get(s).run(p, s);
 }
 
 }  // namespace relay::kernels

@@ -78,8 +78,8 @@ using StrideD = CooperativeGemm::GemmKernel::InternalStrideD;
 static_assert(std::is_same_v<StrideA, PingpongGemm::GemmKernel::InternalStrideA> &&
               std::is_same_v<StrideD, PingpongGemm::GemmKernel::InternalStrideD>);
 
-// The device arrays CUTLASS reads per group. One set per process, like cuBLASLt's workspace in
-// blas.cu: the engine issues its GEMMs on one stream, so consecutive calls reuse them in order.
+// The device arrays CUTLASS reads per group. One set per stream (cuda::per_stream), like cuBLASLt's
+// workspace in blas.cu: consecutive calls on a stream reuse them in order.
 struct GroupArgs {
   ProblemShape::UnderlyingProblemShape* shapes;
   const Element** a;
@@ -119,10 +119,7 @@ struct GemmRunner {
 
 class CutlassGroupedContext {
  public:
-  static CutlassGroupedContext& get() {
-    static CutlassGroupedContext ctx;
-    return ctx;
-  }
+  static CutlassGroupedContext& get(cudaStream_t s) { return cuda::per_stream<CutlassGroupedContext>(s); }
 
   template <class Gemm>
   void run(GemmRunner<Gemm>& runner, const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
@@ -162,13 +159,14 @@ class CutlassGroupedContext {
   GemmRunner<CooperativeGemm> cooperative;
   GemmRunner<PingpongGemm> pingpong;
 
- private:
-  CutlassGroupedContext() {
+  CutlassGroupedContext() {  // on the current device (per_stream)
     int device = 0;
     RELAY_CUDA_CHECK(cudaGetDevice(&device));
     hw_info_.device_id = device;
     hw_info_.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
   }
+
+ private:
 
   // Grows a device buffer (its old contents are not kept); never while a graph is being captured
   // (cudaMalloc would break the capture), which the engine's eager warm-up step rules out.
@@ -182,8 +180,11 @@ class CutlassGroupedContext {
                 need,
                 " bytes of new workspace inside a CUDA "
                 "graph capture; run the shape once eagerly first");
-    if (buffer) RELAY_CUDA_CHECK(cudaFree(buffer));
-    RELAY_CUDA_CHECK(cudaMalloc(&buffer, need));
+    // NOTE: the old buffer is retired, not freed, and the new one allocated in stream order: a
+    // graph captured before may still use the old one, and cudaFree / cudaMalloc may wait for the
+    // whole device, where a sharded rank's peers may be spinning in a collective that waits for
+    // this rank.
+    RELAY_CUDA_CHECK(cudaMallocAsync(&buffer, need, s));
     bytes = need;
     return true;
   }
@@ -235,7 +236,7 @@ void launch_moe_grouped_matmul_cutlass(const MoeGroupedMatmulParams<bf16>& p, bo
   RELAY_CHECK(p.k % kAlignment == 0 && p.n % kAlignment == 0, "moe_grouped_matmul (CUTLASS): n ",
               p.n, " and k ", p.k, " must be multiples of ", kAlignment);
   if (p.num_rows == 0) return;
-  CutlassGroupedContext& ctx = CutlassGroupedContext::get();
+  CutlassGroupedContext& ctx = CutlassGroupedContext::get(s);
   if (cooperative) {
     ctx.run(ctx.cooperative, p, s);
   } else {

@@ -194,6 +194,7 @@ __global__ void unpermute_combine_kernel(MoeUnpermuteCombineParams<bf16> p) {
     float acc[8] = {};
     for (int k = 0; k < p.top_k; ++k) {
       const float w = p.topk_weights[static_cast<int64_t>(t) * p.top_k + k];
+      if (w == 0.0f) continue;  // an absent expert's row: never computed (ops.h)
       const int64_t row = p.permuted_index[static_cast<int64_t>(t) * p.top_k + k];
       float v[8];
       bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.expert_out + row * p.hidden)[i], v);
@@ -204,7 +205,25 @@ __global__ void unpermute_combine_kernel(MoeUnpermuteCombineParams<bf16> p) {
   }
 }
 
+__global__ void localize_experts_kernel(MoeLocalizeExpertsParams p) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= p.num_rows) return;
+  const int32_t local = p.topk_ids[r] - p.expert_begin;
+  const bool here = local >= 0 && local < p.num_local_experts;
+  p.topk_ids[r] = here ? local : p.num_local_experts;
+  if (!here) p.topk_weights[r] = 0.0f;
+}
+
 }  // namespace
+
+void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, cudaStream_t s) {
+  RELAY_CHECK(p.num_rows >= 0 && p.num_local_experts > 0 && p.expert_begin >= 0,
+              "moe_localize_experts: rows ", p.num_rows, ", experts [", p.expert_begin, ", +",
+              p.num_local_experts, ")");
+  if (p.num_rows == 0) return;
+  localize_experts_kernel<<<ceil_div(p.num_rows, 256), 256, 0, s>>>(p);
+  RELAY_CUDA_CHECK(cudaGetLastError());
+}
 
 void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.num_experts <= 32 * kMaxExpertsPerLane && p.top_k >= 1 && p.top_k <= 32 &&

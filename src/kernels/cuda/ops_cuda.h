@@ -22,6 +22,10 @@ using bf16 = __nv_bfloat16;
 
 void launch_embedding(const EmbeddingParams<bf16>& p, cudaStream_t s);
 void launch_rms_norm(const RmsNormParams<bf16>& p, cudaStream_t s);
+// Creates the cuBLASLt state GEMMs on `s` use (handle, workspace) now rather than at the first GEMM:
+// cublasLtCreate waits for the whole device, so a sharded rank must not call it while its peers
+// may be spinning in a collective (CudaBackend prepares every rank's stream before any step).
+void prepare_blas_stream(cudaStream_t s);
 // Dense x @ w^T through cuBLASLt (bf16 in/out, fp32 accumulation); plans are cached per shape.
 void launch_matmul(const MatmulParams<bf16>& p, cudaStream_t s);
 void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaStream_t s);
@@ -51,6 +55,7 @@ void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s);
 // weight-streaming kernel when they hold a few (decode). Both read expert_offsets on the device.
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s);
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<bf16>& p, cudaStream_t s);
+void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, cudaStream_t s);
 // Gathers the sampled rows and runs one cuBLASLt GEMM with fp32 output.
 void launch_lm_head(const LmHeadParams<bf16>& p, cudaStream_t s);
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -330,6 +331,27 @@ TEST_F(CpuOps, MoePermuteGroupedMatmulCombineWithEmptyExperts) {
       ASSERT_NEAR(out[t * n + i], want, 1e-5 * (1 + std::fabs(want)));
     }
   }
+}
+
+TEST_F(CpuOps, LocalizeExpertsKeepsThisRanksExpertsAndMakesTheRestAbsent) {
+  // Rank 1 of 4 over 8 experts holds experts 2 and 3; absent id = 2.
+  std::vector<int32_t> ids{2, 5, 3, 0, 7, 1};
+  std::vector<float> w{0.5f, 0.25f, 0.125f, 0.75f, 0.5f, 0.5f};
+  launch_moe_localize_experts({ids.data(), w.data(), 6, 2, 2}, pool);
+  EXPECT_EQ(ids, (std::vector<int32_t>{0, 2, 1, 2, 2, 2}));
+  EXPECT_EQ(w, (std::vector<float>{0.5f, 0.0f, 0.125f, 0.0f, 0.0f, 0.0f}));
+}
+
+TEST_F(CpuOps, CombineSkipsWeightZeroRowsEvenWhenTheyHoldNaN) {
+  // Two tokens, top 2; row 3 (an absent expert's, never computed) holds NaN with weight 0.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> expert_out{1, 2, 3, 4, 5, 6, nan, nan};
+  std::vector<int32_t> pidx{0, 3, 1, 2};
+  std::vector<float> weights{0.5f, 0.0f, 1.0f, 2.0f};
+  std::vector<float> out(4);
+  launch_moe_unpermute_combine({expert_out.data(), pidx.data(), weights.data(), out.data(), 2, 2, 2},
+                               pool);
+  EXPECT_EQ(out, (std::vector<float>{0.5f, 1.0f, 13.0f, 16.0f}));
 }
 
 TEST_F(CpuOps, GroupedMatmulWithNoRowsIsANoOp) {

@@ -227,12 +227,11 @@ GroupArgs carve_group_args(void* base, int groups, size_t* total_bytes) {
 }
 
 // As CutlassFp8GroupedContext (fp8_grouped_gemm_cutlass.cu): one set of arrays and one adapter per
-// process; the buffers only grow and retire rather than free, so captured graphs stay valid.
+// stream; the buffers only grow and retire rather than free, so captured graphs stay valid.
 class Sm100MxGroupedContext {
  public:
-  static Sm100MxGroupedContext& get() {
-    static Sm100MxGroupedContext ctx;
-    return ctx;
+  static Sm100MxGroupedContext& get(cudaStream_t s) {
+    return cuda::per_stream<Sm100MxGroupedContext>(s);
   }
 
   void run(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
@@ -284,13 +283,14 @@ class Sm100MxGroupedContext {
     RELAY_CUDA_CHECK_LAUNCH("CUTLASS sm100 MXFP8 grouped GEMM");
   }
 
- private:
-  Sm100MxGroupedContext() {
+  Sm100MxGroupedContext() {  // on the current device (per_stream)
     int device = 0;
     RELAY_CUDA_CHECK(cudaGetDevice(&device));
     hw_info_.device_id = device;
     hw_info_.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
   }
+
+ private:
 
   std::mutex mu_;
   cutlass::KernelHardwareInfo hw_info_;
@@ -318,7 +318,7 @@ void launch_mxfp8_grouped_matmul_sm100(const quant::Mxfp8GroupedMatmulParams<bf1
               "mxfp8_grouped_matmul (sm100): rows ", p.num_rows, ", experts ", p.num_experts,
               " (expert_offsets may be null only for one group)");
   if (p.num_rows == 0) return;
-  Sm100MxGroupedContext::get().run(p, s);
+  Sm100MxGroupedContext::get(s).run(p, s);
 }
 
 }  // namespace relay::kernels
