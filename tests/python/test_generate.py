@@ -65,3 +65,7 @@ def test_bad_options_fail_cleanly(relay_bin):
     r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--dtype", "fp4"], capture_output=True,
                        text=True)
     assert r.returncode != 0 and "--dtype" in r.stderr
+    # --gpus places CUDA ranks; on the CPU device it is a mistake, said as such.
+    r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--tp", "2", "--gpus", "0,0"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "--gpus places ranks on CUDA devices; it needs --device cuda" in r.stderr
