@@ -27,6 +27,7 @@
 #include "kernels/cuda/fp8_cuda.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "kvcache/kv_cache.h"
+#include "model/layers.h"
 #include "model/rope.h"
 #include "model/safetensors.h"
 #include "model/shard.h"
@@ -132,12 +133,6 @@ struct MetaLayout {
     m.bytes = at;
     return m;
   }
-};
-
-// Rows or columns [begin, begin + count) of a checkpoint tensor; count -1: all of them.
-struct Range {
-  int64_t begin = 0;
-  int64_t count = -1;
 };
 
 bool needs_host_sampling(const SamplingParams& p) {
@@ -261,7 +256,7 @@ struct RankEngine {
     // heads', its k / v rows its KV heads' (model/shard.h).
     const int64_t q_full = cfg.num_attention_heads * hd, kv_full = cfg.num_key_value_heads * hd;
     const int64_t q_dim = int64_t{q_heads} * hd, kv_dim = int64_t{kv_heads} * hd;
-    const Range q_rows{shard.q_head_begin * hd, q_dim}, kv_rows{shard.kv_head_begin * hd, kv_dim};
+    const IndexRange q_rows{shard.q_head_begin * hd, q_dim}, kv_rows{shard.kv_head_begin * hd, kv_dim};
     // A fused group of linears (q|k|v, an MLP's gate|up|down) is FP8 when any of its tensors is an
     // FP8 checkpoint tensor (unless --dtype bf16 asked to dequantise) or when --dtype fp8 asked to
     // quantise bf16 ones; the other members of an FP8 group are quantised with it, so one group
@@ -297,8 +292,8 @@ struct RankEngine {
     };
     // The MLP width this rank holds of layer l and where it starts in the checkpoint's.
     auto mlp_width = [&](bool moe) {
-      return moe ? Range{shard.moe_width_begin, shard.num_local_moe_width}
-                 : Range{shard.mlp_width_begin, shard.num_local_mlp_width};
+      return moe ? IndexRange{shard.moe_width_begin, shard.num_local_moe_width}
+                 : IndexRange{shard.mlp_width_begin, shard.num_local_mlp_width};
     };
     count(int64_t{vocab} * H);
     count(H);
@@ -367,8 +362,8 @@ struct RankEngine {
       const TensorView* w = nullptr;
       const TensorView* scale = nullptr;  // F8_E4M3 weights only
     };
-    auto source = [&](const std::string& name, std::vector<int64_t> shape, Range rows = {},
-                      Range cols = {}) -> Source {
+    auto source = [&](const std::string& name, std::vector<int64_t> shape, IndexRange rows = {},
+                      IndexRange cols = {}) -> Source {
       const TensorView& t = ckpt.get(name, shape);
       const int64_t num_rows = shape.size() == 1 ? 1 : shape[0], num_cols = shape.back();
       if (rows.count < 0) rows = {0, num_rows};
@@ -385,7 +380,7 @@ struct RankEngine {
       const TensorView* w = &slices.back().view;
       if (!fp8) return {w, nullptr};
       const int64_t B = quant::kFp8BlockSize;
-      auto on_blocks = [&](Range r, int64_t n) {
+      auto on_blocks = [&](IndexRange r, int64_t n) {
         return r.begin % B == 0 && (r.count % B == 0 || r.begin + r.count == n);
       };
       RELAY_CHECK(on_blocks(rows, num_rows) && on_blocks(cols, num_cols), "tensor ", name, " in ",
@@ -508,7 +503,7 @@ struct RankEngine {
       }
       w.moe = cfg.layer_is_moe(l);
       const int64_t full_w = w.moe ? cfg.moe_intermediate_size : cfg.intermediate_size;
-      const Range cols = mlp_width(w.moe);
+      const IndexRange cols = mlp_width(w.moe);
       const int64_t W = cols.count;
       const int64_t copies = w.moe ? local_experts : 1;
       w.width = static_cast<int>(W);
@@ -1418,7 +1413,8 @@ struct CudaBackend::Impl {
         p.seqs.push_back(s);
       }
     }
-    for (size_t r = 0; r < size(); ++r) ranks[r]->check_batch(parts[place(r).dp_rank].seqs);
+    // Once per DP group: its TP ranks share the block ids, the limits and the vocabulary.
+    for (int g = 0; g < parallel.dp; ++g) ranks[g * parallel.tp]->check_batch(parts[g].seqs);
     return parts;
   }
 
@@ -1444,6 +1440,23 @@ struct CudaBackend::Impl {
         [](size_t) {});
   }
 
+  // Runs fn(rank, part, tp_lead) on every rank with sequences (a DP + EP rank without any idles
+  // through the MoE exchanges) and returns, per DP group, what its TP-lead rank's fn returned.
+  template <typename R>
+  std::vector<R> run_groups(const std::vector<RankPart>& parts,
+                            const std::function<R(RankEngine&, const RankPart&, bool)>& fn) {
+    std::vector<R> out(parallel.dp);
+    on_ranks(parts, [&](RankEngine& e, const RankPart& p, bool lead) {
+      if (p.seqs.empty()) {
+        if (e.dispatch) e.idle_step();
+        return;
+      }
+      R r = fn(e, p, lead);
+      if (lead) out[place(e.rank).dp_rank] = std::move(r);
+    });
+    return out;
+  }
+
   std::vector<SampledToken> step(std::span<const StepSequence> batch) {
     if (size() == 1) {
       RELAY_CHECK(!batch.empty(), "step with an empty batch");
@@ -1451,15 +1464,8 @@ struct CudaBackend::Impl {
       return ranks[0]->step(batch, true);
     }
     const std::vector<RankPart> parts = split(batch);
-    std::vector<std::vector<SampledToken>> sampled(parallel.dp);
-    on_ranks(parts, [&](RankEngine& e, const RankPart& p, bool lead) {
-      if (p.seqs.empty()) {
-        if (e.dispatch) e.idle_step();
-        return;
-      }
-      std::vector<SampledToken> out = e.step(p.seqs, lead);
-      if (lead) sampled[place(e.rank).dp_rank] = std::move(out);
-    });
+    const std::vector<std::vector<SampledToken>> sampled = run_groups<std::vector<SampledToken>>(
+        parts, [](RankEngine& e, const RankPart& p, bool lead) { return e.step(p.seqs, lead); });
     // Back in batch order: each DP group's tokens follow its members' order.
     std::vector<const SampledToken*> by_index(batch.size(), nullptr);
     for (int g = 0; g < parallel.dp; ++g) {
@@ -1482,15 +1488,8 @@ struct CudaBackend::Impl {
       return ranks[0]->forward_logits(batch, rows);
     }
     const std::vector<RankPart> parts = split(batch);
-    std::vector<std::vector<float>> logits(parallel.dp);
-    on_ranks(parts, [&](RankEngine& e, const RankPart& p, bool lead) {
-      if (p.seqs.empty()) {
-        if (e.dispatch) e.idle_step();
-        return;
-      }
-      std::vector<float> out = e.forward_logits(p.seqs, rows);
-      if (lead) logits[place(e.rank).dp_rank] = std::move(out);
-    });
+    const std::vector<std::vector<float>> logits = run_groups<std::vector<float>>(
+        parts, [&](RankEngine& e, const RankPart& p, bool) { return e.forward_logits(p.seqs, rows); });
     const size_t vocab = static_cast<size_t>(config().vocab_size);
     auto num_rows = [&](size_t i) -> size_t {
       return rows == LogitRows::kLastTokens ? 1 : batch[i].tokens.size();

@@ -283,4 +283,21 @@ void launch_peer_barrier(const PeerAllReduceParams& p, cudaStream_t stream) {
   launch(peer_barrier_kernel, "peer_barrier", q, 1, stream);
 }
 
+PeerAllReduceParams one_rank_params(int rank, const std::vector<char*>& windows, void* data,
+                                    size_t count, DType dtype, size_t capacity_bytes,
+                                    int max_blocks, uint64_t timeout_ms) {
+  PeerAllReduceParams p;
+  p.ranks[0].data = data;
+  p.ranks[0].rank = rank;
+  for (size_t q = 0; q < windows.size(); ++q) p.ranks[0].windows[q] = windows[q];
+  p.num_local_ranks = 1;
+  p.num_ranks = static_cast<int>(windows.size());
+  p.count = count;
+  p.dtype = dtype;
+  p.capacity_bytes = capacity_bytes;
+  p.max_blocks = max_blocks;
+  p.timeout_ns = timeout_ms * 1'000'000;
+  return p;
+}
+
 }  // namespace relay::parallel::cuda

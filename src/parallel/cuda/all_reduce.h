@@ -31,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "core/dtype.h"
 
@@ -74,6 +75,12 @@ struct PeerAllReduceParams {
   int max_blocks = 32;        // blocks per rank (<= kMaxAllReduceBlocks); the same on all ranks
   uint64_t timeout_ns = 30'000'000'000;  // peer wait before trapping
 };
+
+// The params of a launch as rank `rank` alone (a real group: num_local_ranks 1) over the group's
+// `num_ranks` windows.
+PeerAllReduceParams one_rank_params(int rank, const std::vector<char*>& windows, void* data,
+                                    size_t count, DType dtype, size_t capacity_bytes,
+                                    int max_blocks, uint64_t timeout_ms);
 
 // In place on every view's data. count 0 launches nothing (every rank skips alike).
 void launch_one_shot_all_reduce(const PeerAllReduceParams& p, cudaStream_t stream);

@@ -27,18 +27,8 @@ AllReduceAlgorithm CustomAllReduce::algorithm_for(size_t bytes) const {
 }
 
 PeerAllReduceParams CustomAllReduce::params(void* data, size_t count, DType dtype) const {
-  PeerAllReduceParams p;
-  p.ranks[0].data = data;
-  p.ranks[0].rank = rank();
-  for (int q = 0; q < size(); ++q) p.ranks[0].windows[q] = window_->peers()[q];
-  p.num_local_ranks = 1;
-  p.num_ranks = size();
-  p.count = count;
-  p.dtype = dtype;
-  p.capacity_bytes = options_.capacity_bytes;
-  p.max_blocks = options_.max_blocks;
-  p.timeout_ns = options_.peer_timeout_ms * 1'000'000;
-  return p;
+  return one_rank_params(rank(), window_->peers(), data, count, dtype, options_.capacity_bytes,
+                         options_.max_blocks, options_.peer_timeout_ms);
 }
 
 void CustomAllReduce::all_reduce_sum(void* data, size_t count, DType dtype,

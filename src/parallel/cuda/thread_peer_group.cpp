@@ -42,18 +42,8 @@ class ThreadPeerGroup::Communicator : public DeviceCommunicator {
  private:
   PeerAllReduceParams params(void* data, size_t count, DType dtype) const {
     const ThreadPeerGroupOptions& o = group_.options_;
-    PeerAllReduceParams p;
-    p.ranks[0].data = data;
-    p.ranks[0].rank = rank_;
-    for (int q = 0; q < size(); ++q) p.ranks[0].windows[q] = group_.all_reduce_windows_[q];
-    p.num_local_ranks = 1;
-    p.num_ranks = size();
-    p.count = count;
-    p.dtype = dtype;
-    p.capacity_bytes = o.all_reduce_capacity_bytes;
-    p.max_blocks = o.max_blocks;
-    p.timeout_ns = o.peer_timeout_ms * 1'000'000;
-    return p;
+    return one_rank_params(rank_, group_.all_reduce_windows_, data, count, dtype,
+                           o.all_reduce_capacity_bytes, o.max_blocks, o.peer_timeout_ms);
   }
   void run(void* data, size_t count, DType dtype, cudaStream_t stream) {
     if (size() == 1 || count == 0) return;
