@@ -28,7 +28,8 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
       "--kv-cache-memory", c.kv_cache_memory,
       "CPU KV pool size, e.g. 512MiB or 2GiB (default 256MiB; cuda uses the memory left)");
   sub.add_option("--threads", c.num_threads, "CPU threads for the cpu device (default: all cores)");
-  sub.add_option("--gpu", c.gpu, "CUDA device index for the cuda device (default 0)")
+  sub.add_option("--gpu", c.gpu, "CUDA device of rank 0 for the cuda device; rank r runs on --gpu + r unless --gpus "
+                 "lists the devices (default 0)")
       ->check(CLI::NonNegativeNumber);
   sub.add_option("--gpus", c.gpus,
                  "cuda: the device of each --tp x --dp rank, in rank order, e.g. 0,1,2,3 (default "
