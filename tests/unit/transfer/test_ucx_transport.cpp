@@ -442,12 +442,21 @@ TEST_P(UcxAcrossProcesses, KvPlanLandsInTheChildsPool) {
 }
 
 // A peer that dies (before or after a first transfer) fails the next transfer as soon as UCX
-// notices the closed connection; one that hangs (stopped) fails it at the transport's timeout.
-// Either way later transfers to its region are refused at once.
+// notices the closed connection; one that hangs (stopped) fails a transfer at the transport's
+// timeout once the transport needs the peer. Either way later transfers to its region are refused
+// at once.
+// NOTE: a stopped peer does not make every transfer fail. Over tcp the copies first land in the
+// kernel's socket buffers, which a stopped process never drains, so transfers complete until those
+// fill (seen in CI: "peer hangs, request 2: ok after 1 ms"); the test keeps submitting the prompt
+// until one fails. With UCX's own choice on one host the copies may go through shared memory or
+// CMA, which write into a stopped process without its help and never fail, so the hung peer is
+// checked over tcp only.
 TEST_P(UcxAcrossProcesses, DeadOrHungPeerFailsTransfersWithinTheTimeout) {
   constexpr int kTimeoutMs = 2000;
+  constexpr int kMaxBufferedTransfers = 4000;  // ~240 MB of 61 KB prompts: far past socket buffers
   enum class Peer { DiesAfterATransfer, DiesBeforeAny, Hangs };
   for (Peer scenario : {Peer::DiesAfterATransfer, Peer::DiesBeforeAny, Peer::Hangs}) {
+    if (scenario == Peer::Hangs && GetParam() != "tcp") continue;
     const char* name = scenario == Peer::DiesAfterATransfer ? "dies after a transfer"
                        : scenario == Peer::DiesBeforeAny    ? "dies before any transfer"
                                                             : "hangs";
@@ -466,23 +475,31 @@ TEST_P(UcxAcrossProcesses, DeadOrHungPeerFailsTransfersWithinTheTimeout) {
     } else {
       child.kill();
     }
-    for (int64_t id : {2, 3}) {  // the failure, then the refusal
+    int failures = 0, buffered = 0;
+    for (int64_t id = 2; failures < 2; ++id) {  // the failure, then the refusal
       const Clock::time_point start = Clock::now();
       std::future<TransferResult> done = prefill.engine.submit({id, copies, {}});
       ASSERT_EQ(done.wait_for(std::chrono::milliseconds(3 * kTimeoutMs)), std::future_status::ready)
           << "the transfer to a dead peer hangs";
       const TransferResult r = done.get();
       const double ms = ms_since(start);
+      EXPECT_LT(ms, kTimeoutMs + 2000.0);
+      if (r.status == TransferStatus::Ok) {
+        // Only into a stopped peer's socket buffers, and only until they fill.
+        ASSERT_TRUE(scenario == Peer::Hangs && failures == 0 && ++buffered < kMaxBufferedTransfers)
+            << "request " << id << " to a " << name << " peer succeeded";
+        continue;
+      }
       EXPECT_TRUE(r.status == TransferStatus::Failed ||
                   r.status == TransferStatus::DeadlineExceeded)
           << transfer_status_name(r.status);
-      EXPECT_LT(ms, kTimeoutMs + 2000.0);
       EXPECT_FALSE(r.reason.empty());
-      if (id == 3) {
+      if (failures == 1) {
         EXPECT_NE(r.reason.find("unreachable"), std::string::npos) << r.reason;
       }
-      std::printf("[ ucx %s ] peer %s, request %lld: %s after %.0f ms: %s\n",
-                  transports_name({GetParam(), 0}).c_str(), name, static_cast<long long>(id),
+      ++failures;
+      std::printf("[ ucx %s ] peer %s, request %lld (after %d buffered): %s after %.0f ms: %s\n",
+                  transports_name({GetParam(), 0}).c_str(), name, static_cast<long long>(id), buffered,
                   std::string(transfer_status_name(r.status)).c_str(), ms, r.reason.c_str());
     }
   }
