@@ -31,19 +31,41 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
   sub.add_option("--gpu", c.gpu, "CUDA device of rank 0 for the cuda device; rank r runs on --gpu + r unless --gpus "
                  "lists the devices (default 0)")
       ->check(CLI::NonNegativeNumber);
-  sub.add_option("--gpus", c.gpus,
-                 "cuda: the device of each --tp x --dp rank, in rank order, e.g. 0,1,2,3 (default "
-                 "--gpu, --gpu + 1, ...); a device may repeat, its ranks then share it");
-  sub.add_option("--tp", c.parallel.tp,
+  add_parallel_options(sub, c.parallel, c.gpus, "--gpu, --gpu + 1, ...");
+}
+
+void add_parallel_options(CLI::App& sub, parallel::ParallelConfig& parallel, std::string& gpus,
+                          const std::string& gpus_default) {
+  sub.add_option(
+      "--gpus", gpus,
+      "cuda: the device of each --tp x --dp rank, in rank order, e.g. 0,1,2,3 (default " +
+          gpus_default + "); a device may repeat, its ranks then share it");
+  sub.add_option("--tp", parallel.tp,
                  "tensor-parallel ranks: attention heads, MLP widths split (default 1)")
       ->check(CLI::PositiveNumber);
-  sub.add_option("--ep", c.parallel.ep,
+  sub.add_option("--ep", parallel.ep,
                  "expert-parallel ranks: 1 or --tp x --dp, experts divided (default 1)")
       ->check(CLI::PositiveNumber);
   sub.add_option(
-         "--dp", c.parallel.dp,
+         "--dp", parallel.dp,
          "data-parallel attention ranks, each with its own requests and KV cache (default 1)")
       ->check(CLI::PositiveNumber);
+}
+
+std::vector<int> rank_devices(const parallel::ParallelConfig& parallel, const std::string& gpus,
+                              int first_gpu) {
+  parallel.validate();
+  const int world = parallel.world_size();
+  std::vector<int> devices;
+  if (gpus.empty()) {
+    for (int r = 0; r < world; ++r) devices.push_back(first_gpu + r);
+    return devices;
+  }
+  devices = parse_device_list(gpus, "--gpus");
+  // The message the CUDA backend gives (cuda_backend.cu), said before CUDA starts.
+  RELAY_CHECK(static_cast<int>(devices.size()) == world, "--gpus lists ", devices.size(),
+              " devices for ", world, " ranks (", parallel.describe(), ")");
+  return devices;
 }
 
 std::vector<int> parse_device_list(const std::string& text, const std::string& option) {

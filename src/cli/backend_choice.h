@@ -32,6 +32,16 @@ struct BackendChoice {
 // Adds --device, --dtype, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu,
 // --gpus, --tp, --ep and --dp to `sub`.
 void add_backend_options(CLI::App& sub, BackendChoice& choice);
+// Adds only --tp, --ep, --dp and --gpus (what add_backend_options adds for them), for commands
+// that shard a CUDA backend without the rest of the backend flags (`relay bench --mode model`);
+// `gpus_default` ends the --gpus help: where the ranks go without it.
+void add_parallel_options(CLI::App& sub, parallel::ParallelConfig& parallel, std::string& gpus,
+                          const std::string& gpus_default);
+// The CUDA device of every rank of `parallel` (validated first): --gpus parsed, with one device
+// per rank, else first_gpu + r. Throws relay::Error naming the flag, as the CUDA backend does, but
+// without touching CUDA, so a command can refuse a bad layout before it starts the GPU.
+std::vector<int> rank_devices(const parallel::ParallelConfig& parallel, const std::string& gpus,
+                              int first_gpu);
 // Loads the model on the chosen device; `max_num_seqs` and `max_num_batched_tokens` size the GPU
 // backend's per-step buffers and graphs.
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& choice,

@@ -1,11 +1,21 @@
 // `relay bench`: ceilings, kernel figures and end-to-end prefill/decode on the GPU (engine/cuda_bench.h).
 // A build without CUDA keeps the command so scripts get a clear message instead of "unknown command".
+//
+// The model mode shards its backend with relay generate's --tp / --ep / --dp / --gpus (the same
+// options, validation and messages: backend_choice.h, model/shard.h). Every refusal — a sharding
+// flag on a mode that measures one GPU, a layout Relay does not run, a --gpus list of the wrong
+// length, a split the model does not divide — is said here, before CUDA starts, so it costs no
+// ceiling measurement and reads the same on a build or machine without a GPU.
 #include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "cli/backend_choice.h"
 #include "cli/command.h"
+#include "core/error.h"
+#include "model/config.h"
+#include "model/shard.h"
 #if RELAY_HAVE_CUDA
 #include "engine/cuda_bench.h"
 #endif
@@ -21,7 +31,34 @@ struct BenchArgs {
   std::vector<int> prefill_lengths, decode_batches, decode_contexts;
   std::string dtype = "auto";
   int ranks = 1;
+  parallel::ParallelConfig parallel;  // model mode: --tp / --ep / --dp
+  std::string gpus;                   // model mode: --gpus
 };
+
+// The CUDA device of every model-mode rank (empty for the other modes), or relay::Error naming
+// the flag that cannot work.
+std::vector<int> check_sharding(const BenchArgs& a) {
+  std::string given;  // a sharding flag that was set, as typed (--tp before --ep, --dp, --gpus)
+  if (!a.gpus.empty()) given = "--gpus " + a.gpus;
+  if (a.parallel.dp != 1) given = str("--dp ", a.parallel.dp);
+  if (a.parallel.ep != 1) given = str("--ep ", a.parallel.ep);
+  if (a.parallel.tp != 1) given = str("--tp ", a.parallel.tp);
+  if (a.mode != "model") {
+    RELAY_CHECK(given.empty(), given, ": --tp, --ep, --dp and --gpus shard the model mode's backend "
+                "(relay bench --mode model --model DIR); --mode ", a.mode, " is not sharded",
+                a.mode == "collectives" ? " (its GPU count is --ranks)" : "");
+    return {};
+  }
+  RELAY_CHECK(a.ranks == 1, "--ranks ", a.ranks, " is the collectives mode's GPU count; --mode model "
+              "places its ranks with --tp, --ep, --dp and --gpus");
+  RELAY_CHECK(!a.model.empty(), "bench --mode model needs --model DIR");
+  std::vector<int> devices = rank_devices(a.parallel, a.gpus, /*first_gpu=*/0);
+  if (a.parallel.world_size() > 1) {
+    const ModelConfig config = ModelConfig::load(a.model);
+    for (int r = 0; r < a.parallel.world_size(); ++r) plan_shard(config, a.parallel, r);
+  }
+  return devices;
+}
 
 CommandRegistrar bench_command({
     "bench",
@@ -48,19 +85,22 @@ CommandRegistrar bench_command({
       sub.add_option("--ranks", a->ranks,
                      "collectives mode: GPUs, one thread each; 1 emulates 2, 4 and 8 peers on GPU 0")
           ->check(CLI::Range(1, 8));
+      add_parallel_options(sub, a->parallel, a->gpus, "0, 1, 2, ...");
       return [a]() -> int {
+        const std::vector<int> devices = check_sharding(*a);
 #if RELAY_HAVE_CUDA
-        return run_cuda_bench(
-            {a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches, a->decode_contexts,
-             a->dtype, a->ranks});
+        return run_cuda_bench({a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches,
+                               a->decode_contexts, a->dtype, a->ranks, a->parallel, devices});
 #else
+        (void)devices;
         std::cerr << "relay bench measures the GPU and needs the CUDA build; this binary was built without "
                      "CUDA (configure with nvcc available and -DRELAY_CUDA=ON)\n";
         return 2;
 #endif
       };
     },
-    "measure ceilings, kernels and prefill/decode throughput on the GPU (JSON lines)",
+    "measure ceilings, kernels and prefill/decode throughput on the GPU (JSON lines); --mode model "
+    "takes --tp/--ep/--dp/--gpus as relay generate does",
 });
 
 }  // namespace

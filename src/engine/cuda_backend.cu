@@ -165,7 +165,8 @@ struct RankEngine {
   bool moe_reduce = false;  // all-reduce after the MoE: replicated tokens, experts or widths split
   bool dispatch = false;    // DP + EP: tokens travel to their experts' ranks and back
   // The expert layers run on moe_tokens token rows: max_num_tokens, or under DP + EP the whole
-  // receive buffer (group size x max_num_tokens, a fixed shape for the graphs).
+  // receive buffer (group size x max_num_tokens, a fixed shape for the graphs; the ops' work is
+  // bounded by the receive counts on the device, enqueue_moe).
   int moe_tokens = 0;
   // The permute's expert count: local_experts, plus the absent id under EP.
   int route_experts() const { return shard.ep_size > 1 ? local_experts + 1 : local_experts; }
@@ -735,17 +736,19 @@ struct RankEngine {
     return l;
   }
   // How many KV blocks this rank's share of its device's free memory holds, when `sharing` ranks
-  // (this one included) still have to allocate their pools there.
+  // (this one included) still have to allocate their pools there. The reserve is per rank: each
+  // has its own streams' cuBLASLt workspace, grown workspaces and graphs.
   int blocks_that_fit(int sharing) {
     const size_t per_block = kv_layout_for(1).bytes_per_block();
     size_t free_bytes = 0, total_bytes = 0;
     RELAY_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     stats.free_bytes_before_kv = free_bytes / sharing;
-    RELAY_CHECK(free_bytes > opt.memory_reserve_bytes + per_block * sharing, "only ", free_bytes,
-                " bytes of device memory left for the KV cache of ", sharing,
-                " rank(s) (reserve ", opt.memory_reserve_bytes, ")");
-    return static_cast<int>(std::min<size_t>(
-        (free_bytes - opt.memory_reserve_bytes) / sharing / per_block, size_t{INT32_MAX} / 2));
+    const size_t reserve = opt.memory_reserve_bytes * sharing;
+    RELAY_CHECK(free_bytes > reserve + per_block * sharing, "only ", free_bytes,
+                " bytes of device memory left for the KV cache of ", sharing, " rank(s) (reserve ",
+                opt.memory_reserve_bytes, " per rank)");
+    return static_cast<int>(
+        std::min<size_t>((free_bytes - reserve) / sharing / per_block, size_t{INT32_MAX} / 2));
   }
   void allocate_kv(int num_blocks) {
     kv_layout = kv_layout_for(num_blocks);
@@ -885,15 +888,16 @@ struct RankEngine {
         stream);
   }
   // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
-  // quantised activation buffer, its scales in the layout the down GEMM reads.
-  void swiglu(const LayerWeights& w, int rows) {
+  // quantised activation buffer, its scales in the layout the down GEMM reads. Only `live` rows
+  // (all by default) are computed.
+  void swiglu(const LayerWeights& w, int rows, const kernels::LiveRows& live = {}) {
     mark(w.down8.present() ? "swiglu_fp8_quant" : "swiglu");
     if (w.down8.present()) {
       const bool group_major = !w.moe && fp8_on_cublaslt(w.down8, rows, w.act_width);
-      kernels::launch_swiglu_fp8_quant({gate_up, act_q, act_scale, rows, w.act_width, group_major},
-                                       stream);
+      kernels::launch_swiglu_fp8_quant(
+          {gate_up, act_q, act_scale, rows, w.act_width, group_major, live}, stream);
     } else {
-      kernels::launch_swiglu({gate_up, act, rows, w.act_width}, stream);
+      kernels::launch_swiglu({gate_up, act, rows, w.act_width, live}, stream);
     }
   }
 
@@ -901,6 +905,12 @@ struct RankEngine {
   // the experts run on the token rows they get: this rank's own tokens (one rank; or, replicated
   // under TP / TP + EP, followed by the all-reduce of the partial sums), or under DP + EP the
   // receive buffer the dispatch filled, whose weighted sums the combine returns to their sources.
+  //
+  // NOTE: under DP + EP every launch keeps the receive buffer's fixed shape (group size x
+  // max_num_tokens tokens, so the decode graphs replay), but the expert ops take the receive counts
+  // on the device as a bound (kernels::LiveRows) and touch only the slots the sources filled; under
+  // EP the permute's copy and the SwiGLU also skip the absent expert's rows. The grouped GEMMs
+  // read expert_offsets on the device and so compute only live rows of this rank's experts anyway.
   void enqueue_moe(const LayerWeights& w, int T) {
     mark("router_gemm");
     kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden}, stream);
@@ -912,6 +922,7 @@ struct RankEngine {
     const float* weights_in = topk_weights;
     int tokens = T;
     bf16* out = mix;
+    kernels::LiveRows live_tokens;  // every token, but under DP + EP the ones received
     if (dispatch) {
       mark("moe_dispatch");
       group->moe_dispatch(rank, normed, topk_ids, topk_weights, T, experts, stream);
@@ -920,35 +931,64 @@ struct RankEngine {
       weights_in = group->recv_weights(rank);
       tokens = moe_tokens;
       out = recv_sum;
+      static_assert(kernels::kMaxLiveRegions >= parallel::cuda::kMaxRanks);
+      live_tokens = {group->recv_counts(rank), group->moe_layout().max_tokens};
     } else if (shard.ep_size > 1) {
       mark("moe_localize");
       kernels::launch_moe_localize_experts(
           {topk_ids, topk_weights, T * top_k, shard.expert_begin, local_experts}, stream);
     }
     const int R = tokens * top_k;
+    // The permuted rows of this rank's experts, [0, expert_offsets[local_experts]): under EP the
+    // absent id sorts after them and its rows are never computed, so they need not be copied or
+    // activated. (With all experts here the bound would be every row.)
+    kernels::LiveRows computed_rows;
+    if (shard.ep_size > 1 && R > 0) computed_rows = {expert_offsets + local_experts, R};
     // FP8 experts: each token is quantised once and its codes and scales are permuted (the same
     // bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
     const bool fp8_experts = w.gate_up8.present();
     if (fp8_experts) {
       mark("experts_gate_up.act_quant");
-      kernels::launch_fp8_act_quant({x, token_q, token_scale, tokens, hidden}, stream);
+      quant::Fp8ActQuantParams<bf16> qp{x, token_q, token_scale, tokens, hidden};
+      qp.live_tokens = live_tokens;
+      kernels::launch_fp8_act_quant(qp, stream);
     }
+    // bf16 experts at decode's few rows per expert (and no DP + EP bound): the streaming kernel
+    // gathers the token rows itself and writes silu(gate) * up straight into the down projection's
+    // input, so the permute builds only its index (the two fusions are bit-identical to the ops
+    // they replace; two launches and two round trips fewer).
+    kernels::MoeGroupedMatmulParams<bf16> gate_up_p{x, w.gate_up, expert_offsets, act, R,
+                                                   local_experts, 2 * w.width, hidden};
+    const bool streamed = !fp8_experts && !w.down8.present() && !dispatch && R > 0 &&
+                          R <= kernels::kMaxGatheredRows &&
+                          kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
+                              kernels::GroupedGemmKind::Streaming;
     mark("moe_permute");
-    kernels::launch_moe_permute({x, ids, fp8_experts ? nullptr : permuted_x, permuted_index,
-                                 expert_offsets, tokens, hidden, route_experts(), top_k},
+    kernels::launch_moe_permute({x, ids, fp8_experts || streamed ? nullptr : permuted_x,
+                                 permuted_index, expert_offsets, tokens, hidden, route_experts(),
+                                 top_k, live_tokens, computed_rows},
                                 stream);
     if (fp8_experts) {
-      kernels::launch_fp8_permute_rows(
-          {token_q, token_scale, permuted_index, act_q, act_scale, tokens, hidden, top_k}, stream);
+      kernels::launch_fp8_permute_rows({token_q, token_scale, permuted_index, act_q, act_scale,
+                                        tokens, hidden, top_k, live_tokens, computed_rows},
+                                       stream);
     }
-    grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width, hidden,
-            fp8_experts);
-    swiglu(w, R);
+    if (streamed) {
+      mark("experts_gate_up_swiglu");
+      gate_up_p.swiglu = true;
+      gate_up_p.permuted_index = permuted_index;
+      gate_up_p.top_k = top_k;
+      kernels::launch_moe_grouped_matmul(gate_up_p, stream);
+    } else {
+      grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width,
+              hidden, fp8_experts);
+      swiglu(w, R, computed_rows);
+    }
     grouped("experts_down", act, w.down, w.down8, expert_out, R, hidden, w.act_width,
             w.down8.present());
     mark("moe_combine");
     kernels::launch_moe_unpermute_combine(
-        {expert_out, permuted_index, weights_in, out, tokens, hidden, top_k}, stream);
+        {expert_out, permuted_index, weights_in, out, tokens, hidden, top_k, live_tokens}, stream);
     if (dispatch) {
       mark("moe_dispatch_combine");
       group->moe_combine(rank, recv_sum, mix, T, stream);
@@ -1336,6 +1376,9 @@ struct CudaBackend::Impl {
                   "(a device may repeat)");
       devices.push_back(d);
     }
+    // Before any launch (see the NOTE at disable_pdl: sharded ranks run without programmatic
+    // dependent launch).
+    if (world > 1) kernels::cuda::disable_pdl();
     const ModelConfig cfg = ModelConfig::load(model_dir);
     const bool dispatch = parallel.dp > 1 && parallel.ep > 1 && cfg.num_experts > 0;
     for (int r = 0; r < world; ++r) {

@@ -50,7 +50,7 @@ struct CudaBackendOptions {
   int max_num_seqs = 256;      // sequences per step (the largest decode graph)
   int max_num_tokens = 16384;  // tokens per step (prefill chunk budget)
   int num_kv_blocks = 0;       // > 0: exactly this many blocks, else all memory left
-  size_t memory_reserve_bytes = size_t{1} << 30;  // left free for the CUDA context, cuBLAS, graphs
+  size_t memory_reserve_bytes = size_t{1} << 30;  // per rank: left free for cuBLAS, workspaces, graphs
   bool cuda_graphs = true;
   parallel::ParallelConfig parallel;  // tp / ep / dp ranks (threads of this process)
   // devices[r] runs rank r (repeats allowed); empty: rank r on device + r.

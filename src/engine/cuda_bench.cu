@@ -6,6 +6,20 @@
 //   roofline_fraction = roofline time / measured time.
 // Kernel timings are medians of CUDA-event-timed repetitions after a warm-up; inputs are random
 // (never zeros) and rotate where the data would otherwise sit in L2.
+//
+// Sharded model mode (options.parallel, options.devices: tp x dp ranks on `gpus` distinct devices).
+// Every model-mode record carries tp, ep, dp, ranks and gpus; prefill and decode records also
+// tok_per_s_per_gpu = tok_per_s / gpus. The rooflines above stay the one-GPU model's (the whole
+// batch's bytes and FLOPs, ceilings measured on device 0, as if every GPU were alike) and are
+// divided by gpus: roofline_basis "one_gpu_div_gpus" (one rank: "one_gpu", the same number), i.e.
+// the fraction is of perfect scaling of one GPU's roofline over the GPUs used. Ranks sharing one
+// GPU (`--gpus 0,0`) are therefore held to the one-GPU roofline: their fraction shows what the
+// sharded path costs there, not a speed-up. DP places decode sequence i in DP partition i % dp
+// (block ids [g B, (g + 1) B), B = num_kv_blocks / dp), and each prefill prompt in partition 0, so
+// under DP only one DP rank's attention works on a prefill (on dp GPUs, a fraction of about 1 / dp
+// at most).
+// Load figures and device_ms_per_step are rank 0's; "profile" records are rank 0's ops (its part of
+// the batch; its collectives include waiting for the peers), "profile_rank": 0 when sharded.
 #include "engine/cuda_bench.h"
 
 #include <cuda_runtime.h>
@@ -182,6 +196,7 @@ void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
   struct Decode { const char* name; int n, k, active, rows_per_expert; };
   for (Decode d : {Decode{"235b_gate_up_128x1", 3072, 4096, 128, 1}, Decode{"235b_gate_up_16x1", 3072, 4096, 16, 1},
                    Decode{"235b_gate_up_8x1", 3072, 4096, 8, 1}, Decode{"30b_gate_up_8x1", 1536, 2048, 8, 1},
+                   Decode{"30b_down_8x1", 2048, 768, 8, 1}, Decode{"30b_gate_up_56x1", 1536, 2048, 56, 1},
                    Decode{"30b_gate_up_128x4", 1536, 2048, 128, 4}, Decode{"30b_gate_up_128x16", 1536, 2048, 128, 16},
                    Decode{"30b_down_128x16", 2048, 768, 128, 16}}) {
     std::vector<int32_t> offsets(experts + 1, 0);
@@ -209,6 +224,30 @@ void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
                 {"variant", kernels::grouped_gemm_kind_name(kind)}, {"rows", rows},
                 {"n", d.n}, {"k", d.k}, {"active_experts", d.active}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)},
                 {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
+    }
+  }
+}
+
+// Decode-sized dense projections (1 and 8 rows): the weight-streaming kernel against cuBLASLt, as
+// bytes of weights per second. Weight copies rotate past L2 (about 50 MB) so each run reads HBM.
+void bench_dense_decode(Reporter& rep, const Ceilings& c, bool quick) {
+  struct Shape { const char* name; int n, k; };
+  for (Shape s : {Shape{"30b_qkv", 5120, 2048}, Shape{"30b_o_proj", 2048, 4096}, Shape{"30b_router", 128, 2048},
+                  Shape{"235b_qkv", 9216, 4096}, Shape{"235b_o_proj", 4096, 8192}}) {
+    const size_t wn = size_t(s.n) * s.k;
+    const int copies = static_cast<int>(std::max<size_t>(2, (size_t{256} << 20) / (wn * 2)));
+    DevBuf<bf16> w(wn * copies), x(size_t(kernels::kMaxStreamingRows) * s.k), out(size_t(kernels::kMaxStreamingRows) * s.n);
+    fill_random(w.p, wn * copies, 8, 0.05f), fill_random(x.p, size_t(kernels::kMaxStreamingRows) * s.k, 9);
+    for (int m : {1, 2, 4, kernels::kMaxStreamingRows}) {
+      for (auto kind : {kernels::DenseGemmKind::Streaming, kernels::DenseGemmKind::Cublas}) {
+        const double ms = time_ms(
+            [&](int i) { kernels::launch_matmul({x.p, w.p + (i % copies) * wn, nullptr, out.p, m, s.n, s.k}, kind, nullptr); },
+            quick ? 10 : 50);
+        const double bytes = double(wn) * 2;
+        rep.emit({{"mode", "kernel"}, {"kernel", "dense_gemm_decode"}, {"shape", s.name},
+                  {"variant", kernels::dense_gemm_kind_name(kind)}, {"rows", m}, {"n", s.n}, {"k", s.k}, {"ms", ms},
+                  {"gbps", bytes / (ms * 1e6)}, {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
+      }
     }
   }
 }
@@ -263,6 +302,16 @@ struct AttnSetup {
   }
 };
 
+// The floor of an event-timed launch: a one-row RMSNorm moves 8 KB, so its time is all launch,
+// scheduling and event overhead. Every small kernel's figure in this mode includes the same floor.
+void bench_launch_floor(Reporter& rep, bool quick) {
+  DevBuf<bf16> x(2048), w(2048), y(2048);
+  fill_random(x.p, 2048, 10), fill_random(w.p, 2048, 11);
+  const double ms =
+      time_ms([&](int) { kernels::launch_rms_norm({x.p, nullptr, w.p, y.p, 1, 2048, 1e-6f}, nullptr); }, quick ? 20 : 50);
+  rep.emit({{"mode", "kernel"}, {"kernel", "launch_floor"}, {"ms", ms}});
+}
+
 void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
   std::mt19937 rng(6);
   for (int len : quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}) {
@@ -276,8 +325,10 @@ void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
                 {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
     }
   }
-  for (auto [batch, ctx] : quick ? std::vector<std::pair<int, int>>{{64, 4096}}
-                                 : std::vector<std::pair<int, int>>{{1, 4096}, {64, 4096}, {256, 4096}, {64, 16384}}) {
+  // Batch 1 at three contexts separates the kernel's fixed cost from its streaming rate.
+  for (auto [batch, ctx] : quick ? std::vector<std::pair<int, int>>{{1, 512}, {1, 4096}, {1, 32768}, {64, 4096}}
+                                 : std::vector<std::pair<int, int>>{{1, 512}, {1, 4096}, {1, 32768}, {64, 4096},
+                                                                    {256, 4096}, {64, 16384}}) {
     std::vector<std::pair<int, int>> seqs(batch, {1, ctx});
     AttnSetup a(seqs, 32, 4, 128, 16, rng);
     const double ms = time_ms([&](int) { kernels::launch_paged_attention(a.p, nullptr); }, quick ? 5 : 20);
@@ -285,6 +336,22 @@ void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
     rep.emit({{"mode", "kernel"}, {"kernel", "decode_attention"}, {"batch", batch}, {"context", ctx}, {"q_heads", 32},
               {"kv_heads", 4}, {"head_dim", 128}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)},
               {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
+  }
+}
+
+// Batch-1 decode attention at each split count (0: the cost model's pick): where the fixed cost of a
+// split (partials, the last CTA's merge) outweighs the shorter walk per warp.
+void bench_decode_splits(Reporter& rep, const Ceilings& c, bool quick) {
+  std::mt19937 rng(13);
+  for (int ctx : {512, 4096}) {
+    AttnSetup a({{1, ctx}}, 32, 4, 128, 16, rng);
+    const double bytes = double(ctx) * 4 * 128 * 2 * 2;
+    for (int splits : {0, 1, 2, 4, 8, 16, 24, 32, 48, 64}) {
+      const double ms = time_ms([&](int) { kernels::launch_decode_attention(a.p, splits, nullptr); }, quick ? 10 : 30);
+      rep.emit({{"mode", "kernel"}, {"kernel", "decode_attention_splits"}, {"batch", 1}, {"context", ctx},
+                {"splits", splits}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)},
+                {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
+    }
   }
 }
 
@@ -348,17 +415,37 @@ ModelCosts model_costs(const ModelConfig& c, double linear_bytes) {
   return m;
 }
 
+// The sharding of a model-mode run, merged into each of its records.
+struct BenchLayout {
+  parallel::ParallelConfig parallel;
+  int ranks = 1;
+  int gpus = 1;  // distinct devices among the ranks'
+  nlohmann::json fields() const {
+    return {{"tp", parallel.tp}, {"ep", parallel.ep}, {"dp", parallel.dp}, {"ranks", ranks}, {"gpus", gpus}};
+  }
+  const char* roofline_basis() const { return ranks == 1 ? "one_gpu" : "one_gpu_div_gpus"; }
+};
+
 // One "profile" record per shape: each op's device time in one eager forward (CudaBackend::
-// profile_forward), summed over the layers — where a step's time goes.
-void emit_profile(Reporter& rep, CudaBackend& backend, std::span<const StepSequence> batch, const char* phase,
-                  int batch_size, int tokens, int context) {
+// profile_forward), summed over the layers — where a step's time goes. Sharded: rank 0's ops.
+void emit_profile(Reporter& rep, const BenchLayout& layout, CudaBackend& backend, std::span<const StepSequence> batch,
+                  const char* phase, int batch_size, int tokens, int context) {
   const std::vector<OpTiming> ops = backend.profile_forward(batch);
+  nlohmann::json j{{"mode", "profile"}, {"phase", phase}, {"batch", batch_size}, {"tokens", tokens}, {"context", context}};
+  j.update(layout.fields());
+  if (layout.ranks > 1) j["profile_rank"] = 0;
+  if (ops.empty()) {  // a rank 0 without sequences (the bench always gives it some)
+    j["skipped"] = "rank 0 ran no op of this batch";
+    rep.emit(std::move(j));
+    return;
+  }
   double total = 0.0;
   for (const OpTiming& op : ops) total += op.ms;
   nlohmann::json per_op = nlohmann::json::object();
   for (const OpTiming& op : ops) per_op[op.op] = {{"ms", op.ms}, {"calls", op.calls}, {"share", op.ms / total}};
-  rep.emit({{"mode", "profile"}, {"phase", phase}, {"batch", batch_size}, {"tokens", tokens}, {"context", context},
-            {"total_ms", total}, {"ops", per_op}});
+  j["total_ms"] = total;
+  j["ops"] = std::move(per_op);
+  rep.emit(std::move(j));
 }
 
 void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
@@ -368,14 +455,31 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   for (int b : o.decode_batches) bo.max_num_seqs = std::max(bo.max_num_seqs, b);
   bo.max_num_tokens = 16384;
   for (int len : o.prefill_lengths) bo.max_num_tokens = std::max(bo.max_num_tokens, len);
+  bo.parallel = o.parallel;
+  bo.devices = o.devices;
+  BenchLayout layout;
+  layout.parallel = o.parallel;
+  layout.ranks = o.parallel.world_size();
+  std::vector<int> devices = o.devices;
+  for (int r = static_cast<int>(devices.size()); r < layout.ranks; ++r) devices.push_back(bo.device + r);
+  std::sort(devices.begin(), devices.end());
+  layout.gpus = static_cast<int>(std::unique(devices.begin(), devices.end()) - devices.begin());
+  auto emit = [&](nlohmann::json j) {
+    j.update(layout.fields());
+    rep.emit(std::move(j));
+  };
+
   CudaBackend backend(o.model_dir, bo);
   const ModelConfig& cfg = backend.config();
   RELAY_CHECK(cfg.is_moe(), "relay bench's model mode expects a Qwen3-MoE checkpoint, got ", cfg.architecture);
   const CudaLoadStats& ls = backend.load_stats();
-  rep.emit({{"mode", "load"}, {"fp8_linears", ls.fp8_linears}, {"weight_bytes", ls.weight_bytes}, {"seconds", ls.load_seconds},
-            {"gbps", ls.weight_bytes / ls.load_seconds / 1e9}, {"kv_pool_bytes", ls.kv_pool_bytes},
-            {"free_bytes_before_kv", ls.free_bytes_before_kv},
-            {"kv_fraction_of_free", double(ls.kv_pool_bytes) / ls.free_bytes_before_kv}, {"kv_blocks", backend.num_kv_blocks()}});
+  const int dp = backend.num_kv_partitions();
+  const int blocks_per_partition = backend.num_kv_blocks() / dp;
+  emit({{"mode", "load"}, {"fp8_linears", ls.fp8_linears}, {"weight_bytes", ls.weight_bytes}, {"seconds", ls.load_seconds},
+        {"gbps", ls.weight_bytes / ls.load_seconds / 1e9}, {"kv_pool_bytes", ls.kv_pool_bytes},
+        {"free_bytes_before_kv", ls.free_bytes_before_kv},
+        {"kv_fraction_of_free", double(ls.kv_pool_bytes) / ls.free_bytes_before_kv}, {"kv_blocks", backend.num_kv_blocks()},
+        {"kv_blocks_per_dp_rank", blocks_per_partition}});
   const ModelCosts mc = model_costs(cfg, ls.fp8_linears > 0 ? 1.0 : 2.0);
   const int bs = backend.block_size();
   std::mt19937 rng(7);
@@ -387,7 +491,10 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
     return !given.empty() ? given : o.quick ? quick : full;
   };
   for (int len : pick(o.prefill_lengths, {512, 4096}, {512, 4096, 16384})) {
+    // Block ids from 0: DP partition 0 (its TP ranks, or under DP one rank, run the prompt).
     std::vector<int32_t> tokens(len), blocks((len + bs - 1) / bs);
+    RELAY_CHECK(static_cast<int>(blocks.size()) <= blocks_per_partition, "KV pool too small for a prefill of ", len,
+                " tokens: ", blocks.size(), " blocks, ", blocks_per_partition, " per DP rank");
     for (auto& t : tokens) t = token_dist(rng);
     std::iota(blocks.begin(), blocks.end(), 0);
     StepSequence s;
@@ -407,28 +514,39 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
     std::sort(ms.begin(), ms.end());
     const double t = ms[ms.size() / 2];
     const double flops = mc.matmul_flops_per_token * len + mc.attn_flops_per_token_pair * (double(len) * (len + 1) / 2);
-    const double roof_ms = std::max(flops / (c.gemm_tflops * 1e9), mc.all_weight_bytes / (c.copy_gbps * 1e6));
+    const double one_gpu_roof_ms = std::max(flops / (c.gemm_tflops * 1e9), mc.all_weight_bytes / (c.copy_gbps * 1e6));
+    const double roof_ms = one_gpu_roof_ms / layout.gpus;
     nlohmann::json j{{"mode", "prefill"}, {"batch", 1}, {"tokens", len}, {"context", len}, {"ms_per_step", t},
-                     {"tok_per_s", len / (t / 1e3)}, {"tflops", flops / (t * 1e9)}, {"roofline_ms", roof_ms},
-                     {"roofline_fraction", roof_ms / t}};
-    // FP8's target is a fraction of the FP8 GEMM peak (the bf16 roofline above stays for comparison).
-    if (ls.fp8_linears > 0 && c.fp8_gemm_tflops > 0) j["fp8_peak_fraction"] = flops / (t * 1e9) / c.fp8_gemm_tflops;
-    rep.emit(std::move(j));
-    emit_profile(rep, backend, batch, "prefill", 1, len, len);
+                     {"tok_per_s", len / (t / 1e3)}, {"tok_per_s_per_gpu", len / (t / 1e3) / layout.gpus},
+                     {"tflops", flops / (t * 1e9)}, {"roofline_ms", roof_ms}, {"roofline_fraction", roof_ms / t},
+                     {"roofline_basis", layout.roofline_basis()}};
+    // FP8's target is a fraction of the FP8 GEMM peak (the bf16 roofline above stays for comparison);
+    // per GPU when sharded.
+    if (ls.fp8_linears > 0 && c.fp8_gemm_tflops > 0)
+      j["fp8_peak_fraction"] = flops / (t * 1e9) / layout.gpus / c.fp8_gemm_tflops;
+    emit(std::move(j));
+    emit_profile(rep, layout, backend, batch, "prefill", 1, len, len);
   }
 
   for (int ctx : pick(o.decode_contexts, {512, 4096}, {512, 4096})) {
     for (int batch_size : pick(o.decode_batches, {1, 64}, {1, 8, 64, 256})) {
       const int warmup = 3, steps = o.quick ? 10 : 30;
       const int blocks_per_seq = (ctx + warmup + steps + bs) / bs;
-      RELAY_CHECK(batch_size * blocks_per_seq <= backend.num_kv_blocks(), "KV pool too small for decode batch ", batch_size,
-                  " at context ", ctx);
+      // Sequence i runs in DP partition i % dp, as the (i / dp)-th of its sequences there, so the DP
+      // ranks' batches differ by at most one sequence and rank 0 always has one.
+      const int seqs_per_partition = (batch_size + dp - 1) / dp;
+      RELAY_CHECK(seqs_per_partition * blocks_per_seq <= blocks_per_partition, "KV pool too small for decode batch ",
+                  batch_size, " at context ", ctx, ": ", seqs_per_partition, " sequences of ", blocks_per_seq,
+                  " blocks in each DP partition of ", blocks_per_partition, " blocks");
       std::vector<std::vector<int32_t>> tables(batch_size), toks(batch_size);
       std::vector<int> computed(batch_size, ctx - 1);
+      std::vector<int> dp_rank_seqs(dp, 0);
       for (int i = 0; i < batch_size; ++i) {
+        const int g = i % dp;
         tables[i].resize(blocks_per_seq);
-        std::iota(tables[i].begin(), tables[i].end(), i * blocks_per_seq);
+        std::iota(tables[i].begin(), tables[i].end(), g * blocks_per_partition + (i / dp) * blocks_per_seq);
         toks[i] = {token_dist(rng)};
+        ++dp_rank_seqs[g];
       }
       // The batch views toks / tables, so it is rebuilt for every step.
       auto make_batch = [&](bool sample) {
@@ -451,7 +569,7 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
         }
       };
       for (int i = 0; i < warmup; ++i) one_step();
-      emit_profile(rep, backend, make_batch(false), "decode", batch_size, batch_size, ctx);
+      emit_profile(rep, layout, backend, make_batch(false), "decode", batch_size, batch_size, ctx);
       const int ctx_start = computed[0] + 1;
       double device_ms = 0.0;
       const auto t0 = std::chrono::steady_clock::now();
@@ -465,11 +583,15 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
       const double avg_ctx = ctx_start + (steps - 1) / 2.0;
       const double bytes = mc.attn_weight_bytes + active * mc.expert_bytes + mc.lm_head_bytes +
                            batch_size * avg_ctx * mc.kv_bytes_per_token;
-      const double roof_ms = bytes / (c.copy_gbps * 1e6);
-      rep.emit({{"mode", "decode"}, {"batch", batch_size}, {"tokens", batch_size}, {"context", ctx}, {"ms_per_step", t},
-                {"tok_per_s", batch_size / (t / 1e3)}, {"bytes_per_step", bytes}, {"experts_touched", active},
-                {"roofline_ms", roof_ms}, {"roofline_fraction", roof_ms / t}, {"device_ms_per_step", device_ms},
-                {"host_overhead_fraction", 1.0 - device_ms / t}});
+      const double roof_ms = bytes / (c.copy_gbps * 1e6) / layout.gpus;
+      nlohmann::json j{{"mode", "decode"}, {"batch", batch_size}, {"tokens", batch_size}, {"context", ctx},
+                       {"ms_per_step", t}, {"tok_per_s", batch_size / (t / 1e3)},
+                       {"tok_per_s_per_gpu", batch_size / (t / 1e3) / layout.gpus}, {"bytes_per_step", bytes},
+                       {"experts_touched", active}, {"roofline_ms", roof_ms}, {"roofline_fraction", roof_ms / t},
+                       {"roofline_basis", layout.roofline_basis()}, {"device_ms_per_step", device_ms},
+                       {"host_overhead_fraction", 1.0 - device_ms / t}};
+      if (dp > 1) j["dp_rank_seqs"] = dp_rank_seqs;
+      emit(std::move(j));
     }
   }
 }
@@ -538,14 +660,20 @@ int run_cuda_bench(const CudaBenchOptions& o) {
                   o.mode == "collectives" || o.mode == "accuracy",
               "bench mode '", o.mode, "' is not one of all, ceilings, kernels, model, collectives, accuracy");
   RELAY_CHECK(o.mode != "accuracy" || !o.model_dir.empty(), "bench --mode accuracy needs --model DIR");
+  RELAY_CHECK(o.mode == "model" || (o.parallel.world_size() == 1 && o.parallel.ep == 1 && o.devices.empty()),
+              "bench: --tp, --ep, --dp and --gpus (", o.parallel.describe(), ") apply to --mode model only, not --mode ",
+              o.mode);
   Ceilings c = measure_ceilings(o.quick);
   const bool kernels = o.mode == "all" || o.mode == "kernels";
   if (kernels || o.dtype == "fp8") c.fp8_gemm_tflops = measure_fp8_gemm_peak_tflops();
   Reporter rep(o, c);
   rep.emit({{"mode", "ceilings"}});
   if (kernels) {
+    bench_launch_floor(rep, o.quick);
     bench_grouped_gemm(rep, c, o.quick);
+    bench_dense_decode(rep, c, o.quick);
     bench_attention(rep, c, o.quick);
+    bench_decode_splits(rep, c, o.quick);
     bench_moe_routing(rep, c, o.quick);
     for (auto& j : run_fp8_kernel_bench(c.copy_gbps, c.fp8_gemm_tflops, o.quick)) rep.emit(std::move(j));
   }

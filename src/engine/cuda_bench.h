@@ -3,11 +3,17 @@
 // Every result is one JSON line (stdout, and appended to out_path when set) carrying the ceilings
 // measured at the start of the same run, so a fraction never mixes two machines' states. No CUDA
 // types here: cmd_bench.cpp includes this header in CUDA builds only.
+//
+// The model mode can shard its backend (`parallel`, `devices`: the CudaBackend's ranks, as `relay
+// generate --tp/--ep/--dp/--gpus`); the other modes are one-GPU figures and take neither
+// (cmd_bench.cpp refuses them there, before CUDA starts).
 #pragma once
 
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#include "parallel/parallel_config.h"
 
 namespace relay {
 
@@ -21,6 +27,10 @@ struct CudaBenchOptions {
   std::vector<int> prefill_lengths, decode_batches, decode_contexts;
   std::string dtype = "auto";  // model mode: the backend's weight format (auto | bf16 | fp8)
   int ranks = 1;               // collectives mode: GPUs, one thread each (1: peers emulated on GPU 0)
+  // Model mode: the backend's tp / ep / dp ranks and the CUDA device of each (one per rank,
+  // repeats allowed: ranks sharing a GPU; empty: rank r on device r). Validated by the caller.
+  parallel::ParallelConfig parallel;
+  std::vector<int> devices;
 };
 
 // Returns the process exit code.

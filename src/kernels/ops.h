@@ -119,6 +119,81 @@ RELAY_HOST_DEVICE inline QkvSections qkv_sections(int num_q_heads, int num_kv_he
   return {q_pad, q_pad + kv_pad, q_pad + kv_pad + kv};
 }
 
+// Which rows of a fixed-capacity tensor hold data. A CUDA graph fixes every launch's shape on the
+// host, but under DP attention + EP MoE how many tokens an expert rank received is known only on
+// the device: its receive buffer is R regions of max_tokens slots, region s filled up to the count
+// source s sent (parallel/cuda/moe_all_to_all.h). An op given a bound reads and writes only the
+// live rows, so its work follows the tokens received rather than the capacity, and leaves the
+// outputs of dead rows as they were. The rows form regions of region_rows (the last may be
+// shorter); row r is live iff r % region_rows < counts[r / region_rows] — a count above the
+// region's size means all of it, a negative one none. One region bounds a prefix: {&n, num_rows}
+// makes rows [0, n) live. `counts` is read by the op itself (device memory for a CUDA launch, never
+// read on the host); null, the default, makes every row live: the op as it is without a bound.
+struct LiveRows {
+  const int32_t* counts = nullptr;  // [ceil(num_rows / region_rows)] (<= kMaxLiveRegions), or null
+  int region_rows = 0;              // > 0 when counts is set
+};
+constexpr int kMaxLiveRegions = 8;  // a region per rank of an expert-parallel group (kMaxRanks)
+
+// Whether `live` suits an op over num_rows rows (every launch checks it at the boundary).
+inline bool live_rows_valid(const LiveRows& live, int64_t num_rows) {
+  return live.counts == nullptr ||
+         (live.region_rows > 0 &&
+          (num_rows + live.region_rows - 1) / live.region_rows <= kMaxLiveRegions);
+}
+
+// Whether row r (0 <= r < the op's row count) is live.
+RELAY_HOST_DEVICE inline bool is_live_row(const LiveRows& live, int64_t r) {
+  return live.counts == nullptr || r % live.region_rows < live.counts[r / live.region_rows];
+}
+
+// Where the permute's row copy puts copy k of token t: its permuted row, or -1 when that row is
+// outside `copied` (not copied). Shared by the bf16 and the FP8 row copies.
+RELAY_HOST_DEVICE inline int copy_destination(const int32_t* permuted_index, const LiveRows& copied, int64_t t,
+                                              int top_k, int k) {
+  const int dest = permuted_index[t * top_k + k];
+  return is_live_row(copied, dest) ? dest : -1;
+}
+
+// The live rows of a bound as an op walks them: live row v, 0 <= v < total(), is row(v), in row
+// order, so an op that keeps row order (the permute's stable sort) keeps it over the live rows.
+// A trivial type, so a CUDA kernel can build one per CTA in shared memory.
+struct LiveRowMap {
+  int num_regions;
+  int region_rows;
+  int begin[kMaxLiveRegions + 1];  // live rows before region g; begin[num_regions] = total()
+
+  RELAY_HOST_DEVICE int total() const { return begin[num_regions]; }
+  RELAY_HOST_DEVICE int64_t row(int v) const {
+    int g = 0;
+    while (g + 1 < num_regions && v >= begin[g + 1]) ++g;  // empty regions are stepped over
+    return int64_t{g} * region_rows + (v - begin[g]);
+  }
+};
+
+// The map of `live` over num_rows rows, each count clamped to its region's size (is_live_row's
+// meaning). A CUDA kernel builds it once per CTA: a few loads of the counts.
+RELAY_HOST_DEVICE inline LiveRowMap live_row_map(const LiveRows& live, int num_rows) {
+  LiveRowMap m;
+  m.begin[0] = 0;
+  if (live.counts == nullptr) {
+    m.num_regions = 1;
+    m.region_rows = num_rows;
+    m.begin[1] = num_rows;
+    return m;
+  }
+  m.region_rows = live.region_rows;
+  m.num_regions = (num_rows + live.region_rows - 1) / live.region_rows;
+  for (int g = 0; g < m.num_regions; ++g) {
+    const int size = num_rows - g * live.region_rows < live.region_rows
+                         ? num_rows - g * live.region_rows
+                         : live.region_rows;
+    const int count = live.counts[g];
+    m.begin[g + 1] = m.begin[g] + (count < 0 ? 0 : count > size ? size : count);
+  }
+  return m;
+}
+
 // Paged GQA attention for a flattened batch of sequences (prefill chunks and decode alike).
 // Sequence s owns query rows [query_starts[s], query_starts[s+1]) and has context_lens[s] tokens in
 // the cache, its new tokens included (they were written by qk_norm_rope_kv_write). Its new token j
@@ -146,13 +221,16 @@ struct PagedAttentionParams {
 };
 
 // out = silu(gate) * up over rows whose first half is gate and second half up (HF's gate_up
-// layout).
+// layout). With live_rows, only the live rows are read and written: over an expert-parallel rank's
+// permuted rows, {&expert_offsets[absent], num_rows} leaves out the absent expert's rows (sorted
+// last, never computed: the down GEMM does not read them) and, under DP + EP, the dead slots'.
 template <typename T>
 struct SwigluParams {
   const T* gate_up = nullptr;  // [num_rows, 2 * width]
   T* out = nullptr;            // [num_rows, width]
   int num_rows = 0;
   int width = 0;
+  LiveRows live_rows = {};  // over the num_rows rows; none: every row
 };
 
 // The MoE router after its matmul: probabilities = softmax(logits) in fp32, the top_k largest (ties
@@ -173,6 +251,14 @@ struct MoeRouterTopkParams {
 // inside an expert. Experts with no tokens get an empty range. Without permuted_x only the index
 // and the offsets are computed (the FP8 path quantises each token once and permutes the quantised
 // rows: quant::Fp8PermuteRowsParams).
+//
+// Bounds (LiveRows; none: today's op). live_tokens: only the live tokens are routed, as if the dead
+// ones were not there — expert_offsets count live rows only (expert_offsets[num_experts] = live
+// tokens x top_k), the live rows' places are the stable sort of the live rows alone, and the dead
+// tokens' topk_ids are not read and their permuted_index entries not written. copied_rows: rows of
+// permuted_x that are not live are not written (permuted_index still places them). It is read
+// after the index is built, so it may point into expert_offsets: an expert-parallel rank passes
+// {&expert_offsets[absent], num_tokens * top_k}, skipping the absent expert's rows, sorted last.
 template <typename T>
 struct MoePermuteParams {
   const T* x = nullptr;               // [num_tokens, hidden]
@@ -184,6 +270,8 @@ struct MoePermuteParams {
   int hidden = 0;
   int num_experts = 0;
   int top_k = 0;
+  LiveRows live_tokens = {};  // over the num_tokens tokens
+  LiveRows copied_rows = {};  // over the num_tokens * top_k permuted rows
 };
 
 // out[r] = x[r] @ w[e]^T for every permuted row r of expert e (the experts' gate_up or down).
@@ -193,18 +281,29 @@ struct MoeGroupedMatmulParams {
   const T* w = nullptr;  // [num_experts, n, k]
   const int32_t* expert_offsets =
       nullptr;       // [num_experts + 1], expert_offsets[num_experts] = num_rows
-  T* out = nullptr;  // [num_rows, n]
+  T* out = nullptr;  // [num_rows, n], or [num_rows, n / 2] with swiglu
   int num_rows = 0;
   int num_experts = 0;
   int n = 0;
   int k = 0;
+  // The experts' gate_up with the SwiGLU fused: out = silu(x @ gate^T) * (x @ up^T), gate being the
+  // first n / 2 weight rows (HF's layout, as SwigluParams). The two products are rounded to T
+  // first, so the result equals the separate grouped matmul + swiglu exactly.
+  bool swiglu = false;
+  // Gathered rows: with permuted_index set, x is the unpermuted tokens [num_rows / top_k, k] and
+  // permuted row r reads token t where permuted_index[t * top_k + j] == r (moe_permute's index
+  // without its row copy). Every entry must be a permuted row: a whole permute, not a live-bounded
+  // one.
+  const int32_t* permuted_index = nullptr;  // [num_rows]
+  int top_k = 0;
 };
 
 // An expert-parallel rank's view of the router's choices, in place: ids of the experts it holds,
 // [expert_begin, expert_begin + num_local_experts), become local ids 0..num_local_experts-1; every
-// other id becomes the absent id num_local_experts, with weight 0. The permute then sorts the absent
-// rows last (run it with num_local_experts + 1 experts), the grouped GEMMs never compute them and
-// the combine skips them.
+// other id becomes the absent id num_local_experts, with weight 0. The permute then sorts the
+// absent rows last (run it with num_local_experts + 1 experts), the grouped GEMMs never compute
+// them, the combine skips them, and with the bound {&expert_offsets[num_local_experts], rows} the
+// permute's copy and the SwiGLU leave them out too.
 struct MoeLocalizeExpertsParams {
   int32_t* topk_ids = nullptr;    // [num_rows] global in, local or absent out
   float* topk_weights = nullptr;  // [num_rows]
@@ -216,7 +315,8 @@ struct MoeLocalizeExpertsParams {
 // out[t] = sum_k topk_weights[t, k] * expert_out[permuted_index[t * top_k + k]] (k ascending).
 // Terms of weight exactly 0 are skipped, not multiplied: they are the absent experts of an
 // expert-parallel rank (and padded receive rows), whose rows were never computed and may hold
-// anything, NaN included.
+// anything, NaN included. With live_tokens only the live tokens are read and written (the DP + EP
+// combine reads back only the slots a source filled).
 template <typename T>
 struct MoeUnpermuteCombineParams {
   const T* expert_out = nullptr;            // [num_tokens * top_k, hidden]
@@ -226,6 +326,7 @@ struct MoeUnpermuteCombineParams {
   int num_tokens = 0;
   int hidden = 0;
   int top_k = 0;
+  LiveRows live_tokens = {};  // over the num_tokens tokens; none: every token
 };
 
 // bf16 weights kept in their checkpoint encoding on the CPU (the raw bits). Widening bf16 to fp32

@@ -86,17 +86,37 @@ void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool) {
   RELAY_CHECK(p.num_tokens >= 0 && p.k > 0 && p.group_size > 0,
               "fp8_act_quant: bad shape num_tokens ", p.num_tokens, ", k ", p.k, ", group_size ",
               p.group_size);
-  pool.parallel_for(p.num_tokens, 16,
-                    [&](int64_t r0, int64_t r1) { quantize_rows_fp8(p, r0, r1); });
+  RELAY_CHECK(kernels::live_rows_valid(p.live_tokens, p.num_tokens),
+              "fp8_act_quant: live_tokens.region_rows ", p.live_tokens.region_rows,
+              " must be positive with at most ", kernels::kMaxLiveRegions, " regions over ",
+              p.num_tokens, " tokens");
+  const kernels::LiveRowMap live = kernels::live_row_map(p.live_tokens, p.num_tokens);
+  pool.parallel_for(live.total(), 16, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t r = live.row(static_cast<int>(v));
+      quantize_rows_fp8(p, r, r + 1);
+    }
+  });
 }
 
 void launch_fp8_permute_rows(const Fp8PermuteRowsParams& p, ThreadPool& pool) {
   RELAY_CHECK(p.num_tokens >= 0 && p.k > 0 && p.top_k > 0, "fp8_permute_rows: bad shape num_tokens ",
               p.num_tokens, ", k ", p.k, ", top_k ", p.top_k);
-  const int64_t groups = ceil_div(p.k, kFp8BlockSize), rows = int64_t{p.num_tokens} * p.top_k;
-  pool.parallel_for(rows, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t t = r / p.top_k, dst = p.permuted_index[r];
+  const int64_t groups = ceil_div(p.k, kFp8BlockSize);
+  RELAY_CHECK(kernels::live_rows_valid(p.live_tokens, p.num_tokens),
+              "fp8_permute_rows: live_tokens.region_rows ", p.live_tokens.region_rows,
+              " must be positive with at most ", kernels::kMaxLiveRegions, " regions over ",
+              p.num_tokens, " tokens");
+  RELAY_CHECK(kernels::live_rows_valid(p.copied_rows, int64_t{p.num_tokens} * p.top_k),
+              "fp8_permute_rows: copied_rows.region_rows ", p.copied_rows.region_rows,
+              " must be positive with at most ", kernels::kMaxLiveRegions, " regions over ",
+              int64_t{p.num_tokens} * p.top_k, " rows");
+  const kernels::LiveRowMap live = kernels::live_row_map(p.live_tokens, p.num_tokens);
+  pool.parallel_for(int64_t{live.total()} * p.top_k, 64, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t t = live.row(static_cast<int>(v / p.top_k));
+      const int64_t dst = p.permuted_index[t * p.top_k + v % p.top_k];
+      if (!kernels::is_live_row(p.copied_rows, dst)) continue;
       std::memcpy(p.permuted_q + dst * p.k, p.q + t * p.k, static_cast<size_t>(p.k));
       std::memcpy(p.permuted_scale + dst * groups, p.scale + t * groups, sizeof(float) * groups);
     }

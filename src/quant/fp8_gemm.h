@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/ops.h"  // kernels::LiveRows
 #include "quant/quant_config.h"
 
 namespace relay {
@@ -45,6 +46,9 @@ struct Fp8ActQuantParams {
   // false: scale[t * groups + g]; true: scale[g * num_tokens + t], the token-contiguous layout
   // cuBLASLt's 1 x 128 block scaling (VEC128_32F) reads.
   bool group_major_scales = false;
+  // Only the live tokens are read and quantised; the dead ones' codes and scales are not written
+  // (the DP + EP receive buffer's empty slots). None: every token.
+  kernels::LiveRows live_tokens = {};  // over the num_tokens tokens
 };
 void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool);
 
@@ -52,7 +56,8 @@ void launch_fp8_act_quant(const Fp8ActQuantParams<float>& p, ThreadPool& pool);
 // (fp8_act_quant output, token-major scales) goes to permuted row permuted_index[t * top_k + j]
 // (kernels::MoePermuteParams). Each row's 128-groups are its own, so quantising the tokens and then
 // permuting equals permuting and then quantising, at 1 / top_k of the quantisation work and half
-// the bytes of a bf16 permutation.
+// the bytes of a bf16 permutation. The bounds are kernels::MoePermuteParams's: only live tokens
+// are read, and permuted rows outside copied_rows are not written.
 struct Fp8PermuteRowsParams {
   const uint8_t* q = nullptr;              // [num_tokens, k] e4m3 codes
   const float* scale = nullptr;            // [num_tokens, ceil(k / 128)]
@@ -62,6 +67,8 @@ struct Fp8PermuteRowsParams {
   int num_tokens = 0;
   int k = 0;
   int top_k = 0;
+  kernels::LiveRows live_tokens = {};  // over the num_tokens tokens; none: every token
+  kernels::LiveRows copied_rows = {};  // over the num_tokens * top_k permuted rows; none: all
 };
 void launch_fp8_permute_rows(const Fp8PermuteRowsParams& p, ThreadPool& pool);
 

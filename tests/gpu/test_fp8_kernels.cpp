@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <iostream>
+#include <limits>
 #include <numeric>
 
 #include "core/thread_pool.h"
@@ -568,6 +570,220 @@ TEST(GpuFp8Kernels, MxGroupedMatmulSm100MatchesTheCpu) {
     expect_gemm_close(d_out.download(), ref, "dense m " + std::to_string(m));
   }
 }
+
+// ---- Bounded FP8 expert ops (kernels::LiveRows, ops.h) ------------------------------------------
+// The DP + EP form: the token quantiser and the permutation of quantised rows over a receive
+// buffer of `slots`-token regions filled up to their counts, dead tokens holding NaN; the fused
+// SwiGLU quantiser over the rows of this rank's experts. Live results bit-identical to the CPU (or
+// the unfused pair); every element a kernel must not write keeps the 0xFF poison.
+
+// Rows of a [rows, width] byte-array-like tensor not marked live that lost their poison.
+template <typename T>
+size_t written_dead_elements(const std::vector<T>& v, const std::vector<char>& live, size_t width) {
+  size_t n = 0;
+  for (size_t r = 0; r < live.size(); ++r) {
+    if (live[r]) continue;
+    for (size_t i = 0; i < width; ++i) {
+      T poison;
+      std::memset(&poison, 0xFF, sizeof(T));
+      n += std::memcmp(&v[r * width + i], &poison, sizeof(T)) != 0;
+    }
+  }
+  return n;
+}
+
+template <typename T>
+size_t mismatched_live_elements(const std::vector<T>& got, const std::vector<T>& want,
+                                const std::vector<char>& live, size_t width) {
+  size_t n = 0;
+  for (size_t r = 0; r < live.size(); ++r) {
+    if (!live[r]) continue;
+    for (size_t i = 0; i < width; ++i)
+      n += std::memcmp(&got[r * width + i], &want[r * width + i], sizeof(T)) != 0;
+  }
+  return n;
+}
+
+TEST(GpuFp8Kernels, BoundedActQuantAndPermuteRowsAreBitIdenticalToTheCpu) {
+  std::mt19937 rng(29);
+  struct Case {
+    int slots, k, top_k;
+    std::vector<int32_t> counts;
+  };
+  for (const Case& c : {Case{16, 2048, 8, {3, 0}}, Case{64, 2064, 8, {64, 5, 0, 100}},
+                        Case{8, 128, 4, {0, 0}}, Case{24, 512, 2, {1, 2, 3, 4, 5, 6, 7, 30}}}) {
+    const int regions = static_cast<int>(c.counts.size()), tokens = regions * c.slots;
+    const int groups = groups_of(c.k, 128), rows = tokens * c.top_k;
+    const kernels::LiveRows bound{c.counts.data(), c.slots};
+    std::vector<char> live(tokens);
+    for (int t = 0; t < tokens; ++t) live[t] = kernels::is_live_row(bound, t);
+    Bf16Data x = activations(tokens, c.k, rng);
+    for (int t = 0; t < tokens; ++t) {
+      if (live[t]) continue;
+      for (size_t i = static_cast<size_t>(t) * c.k; i < static_cast<size_t>(t + 1) * c.k; ++i) {
+        x.bits[i] = __nv_bfloat16_raw{0x7FC0};
+        x.f32[i] = std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+    const std::string where = "slots " + std::to_string(c.slots) + " k " + std::to_string(c.k) +
+                              " regions " + std::to_string(regions);
+    DeviceBuffer<int32_t> d_counts(c.counts);
+    DeviceBuffer<bf16> d_x(x.bits);
+    std::vector<uint8_t> tok_q;  // the token-major CPU result, which the permutation below takes
+    std::vector<float> tok_s;
+    for (bool group_major : {false, true}) {
+      // Sentinels the CPU must leave on the dead tokens.
+      std::vector<uint8_t> q_ref(x.f32.size(), 0xAB);
+      std::vector<float> s_ref(static_cast<size_t>(tokens) * groups, -1.0f);
+      quant::Fp8ActQuantParams<float> cp{x.f32.data(), q_ref.data(), s_ref.data(), tokens,
+                                         c.k,          128,          group_major};
+      cp.live_tokens = bound;
+      quant::launch_fp8_act_quant(cp, pool());
+      DeviceBuffer<uint8_t> d_q(q_ref.size());
+      DeviceBuffer<float> d_s(s_ref.size());
+      quant::Fp8ActQuantParams<bf16> gp{d_x.get(), d_q.get(), d_s.get(),  tokens,
+                                        c.k,       128,       group_major};
+      gp.live_tokens = {d_counts.get(), c.slots};
+      kernels::launch_fp8_act_quant(gp, nullptr);
+      const auto q = d_q.download();
+      auto s = d_s.download();
+      EXPECT_EQ(mismatched_live_elements(q, q_ref, live, c.k), 0u)
+          << where << " group_major " << group_major;
+      EXPECT_EQ(written_dead_elements(q, live, c.k), 0u) << where << " group_major " << group_major;
+      if (group_major) {  // compared token-major
+        std::vector<float> t_ref(s_ref.size()), t_got(s.size());
+        for (int t = 0; t < tokens; ++t)
+          for (int g = 0; g < groups; ++g) {
+            t_ref[static_cast<size_t>(t) * groups + g] = s_ref[static_cast<size_t>(g) * tokens + t];
+            t_got[static_cast<size_t>(t) * groups + g] = s[static_cast<size_t>(g) * tokens + t];
+          }
+        s_ref = t_ref, s = t_got;
+      }
+      EXPECT_EQ(mismatched_live_elements(s, s_ref, live, groups), 0u)
+          << where << " group_major " << group_major;
+      EXPECT_EQ(written_dead_elements(s, live, groups), 0u)
+          << where << " group_major " << group_major;
+      size_t cpu_written = 0;
+      for (int t = 0; t < tokens; ++t) {
+        if (live[t]) continue;
+        for (int i = 0; i < c.k; ++i)
+          cpu_written += q_ref[static_cast<size_t>(t) * c.k + i] != 0xAB;
+        for (int g = 0; g < groups; ++g)
+          cpu_written += s_ref[static_cast<size_t>(t) * groups + g] != -1.0f;
+      }
+      EXPECT_EQ(cpu_written, 0u) << where << ": the CPU reference wrote dead tokens";
+      if (!group_major) tok_q = q_ref, tok_s = s_ref;
+    }
+
+    // The permutation of the quantised rows (the token-major codes and scales) with an
+    // expert-parallel index: experts [16, 32) of 64 here, the absent id 16 sorted last, not copied.
+    const int experts = 64, begin = 16, local = 16;
+    std::vector<int32_t> ids(static_cast<size_t>(rows));
+    std::vector<float> w(ids.size(), 1.0f);
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<int32_t> pick(experts);
+      std::iota(pick.begin(), pick.end(), 0);
+      std::shuffle(pick.begin(), pick.end(), rng);
+      for (int j = 0; j < c.top_k; ++j)
+        ids[static_cast<size_t>(t) * c.top_k + j] = live[t] ? pick[j] : 1 << 20;
+    }
+    for (size_t r = 0; r < ids.size(); ++r) {
+      if (!live[r / c.top_k]) continue;
+      const int32_t l = ids[r] - begin;
+      ids[r] = l >= 0 && l < local ? l : local;
+    }
+    std::vector<int32_t> index(rows, -1), offsets(local + 2);
+    kernels::MoePermuteParams<float> ip{nullptr,      ids.data(),     nullptr,
+                                        index.data(), offsets.data(), tokens,
+                                        c.k,          local + 1,      c.top_k};
+    ip.live_tokens = bound;
+    kernels::launch_moe_permute(ip, pool());
+    const int computed = offsets[local];
+    std::vector<uint8_t> pq_ref(static_cast<size_t>(rows) * c.k, 0xAB);
+    std::vector<float> ps_ref(static_cast<size_t>(rows) * groups, -1.0f);
+    quant::Fp8PermuteRowsParams cpr{tok_q.data(),  tok_s.data(), index.data(), pq_ref.data(),
+                                    ps_ref.data(), tokens,       c.k,          c.top_k};
+    cpr.live_tokens = bound;
+    cpr.copied_rows = {&computed, rows};
+    quant::launch_fp8_permute_rows(cpr, pool());
+    DeviceBuffer<uint8_t> d_q(tok_q), d_pq(pq_ref.size());
+    DeviceBuffer<float> d_s(tok_s), d_ps(ps_ref.size());
+    DeviceBuffer<int32_t> d_index(index), d_computed(std::vector<int32_t>{computed});
+    quant::Fp8PermuteRowsParams gpr{d_q.get(),  d_s.get(), d_index.get(), d_pq.get(),
+                                    d_ps.get(), tokens,    c.k,           c.top_k};
+    gpr.live_tokens = {d_counts.get(), c.slots};
+    gpr.copied_rows = {d_computed.get(), rows};
+    kernels::launch_fp8_permute_rows(gpr, nullptr);
+    std::vector<char> row_live(rows, 0);
+    std::fill_n(row_live.begin(), computed, 1);
+    const auto pq = d_pq.download();
+    const auto ps = d_ps.download();
+    EXPECT_EQ(mismatched_live_elements(pq, pq_ref, row_live, c.k), 0u) << where;
+    EXPECT_EQ(mismatched_live_elements(ps, ps_ref, row_live, groups), 0u) << where;
+    EXPECT_EQ(std::count(pq_ref.begin() + static_cast<size_t>(computed) * c.k, pq_ref.end(), 0xAB) +
+                  std::count(ps_ref.begin() + static_cast<size_t>(computed) * groups, ps_ref.end(),
+                             -1.0f),
+              static_cast<std::ptrdiff_t>(rows - computed) * (c.k + groups))
+        << where << ": the CPU reference wrote rows past " << computed;
+    EXPECT_EQ(written_dead_elements(pq, row_live, c.k), 0u)
+        << where << ": rows past " << computed << " written";
+    EXPECT_EQ(written_dead_elements(ps, row_live, groups), 0u)
+        << where << ": scales past " << computed;
+  }
+}
+
+TEST(GpuFp8Kernels, BoundedSwigluQuantEqualsBoundedSwigluThenQuant) {
+  std::mt19937 rng(30);
+  const int rows = 1031, width = 1536, groups = groups_of(width, 128);
+  for (int prefix : {-1, 0, 1, 700}) {  // -1: three regions of 344 rows (the last 343)
+    const std::vector<int32_t> counts =
+        prefix < 0 ? std::vector<int32_t>{100, 0, 344} : std::vector<int32_t>{prefix};
+    const int region_rows = prefix < 0 ? 344 : rows;
+    std::vector<char> live(rows);
+    for (int r = 0; r < rows; ++r) live[r] = kernels::is_live_row({counts.data(), region_rows}, r);
+    Bf16Data gate_up = random_bf16(static_cast<size_t>(rows) * 2 * width, rng, 2.0f);
+    for (int r = 0; r < rows; ++r) {
+      if (live[r]) continue;
+      for (size_t i = static_cast<size_t>(r) * 2 * width;
+           i < static_cast<size_t>(r + 1) * 2 * width; ++i)
+        gate_up.bits[i] = __nv_bfloat16_raw{0x7FC0};
+    }
+    const size_t n = static_cast<size_t>(rows) * width,
+                 num_scales = static_cast<size_t>(rows) * groups;
+    DeviceBuffer<int32_t> d_counts(counts);
+    const kernels::LiveRows bound{d_counts.get(), region_rows};
+    DeviceBuffer<bf16> d_gate_up(gate_up.bits), d_h(n);
+    DeviceBuffer<uint8_t> d_q(n), d_q2(n), d_q_all(n);
+    DeviceBuffer<float> d_s(num_scales), d_s2(num_scales), d_s_all(num_scales);
+    kernels::SwigluFp8QuantParams fp{d_gate_up.get(), d_q.get(), d_s.get(), rows, width};
+    fp.live_rows = bound;
+    kernels::launch_swiglu_fp8_quant(fp, nullptr);
+    kernels::SwigluParams<bf16> sp{d_gate_up.get(), d_h.get(), rows, width};
+    sp.live_rows = bound;
+    kernels::launch_swiglu(sp, nullptr);
+    quant::Fp8ActQuantParams<bf16> qp{d_h.get(), d_q2.get(), d_s2.get(), rows, width, 128};
+    qp.live_tokens = bound;
+    kernels::launch_fp8_act_quant(qp, nullptr);
+    // Unbounded: the live rows' results must not depend on the bound (the dead rows' NaN stay
+    // there).
+    kernels::launch_swiglu_fp8_quant({d_gate_up.get(), d_q_all.get(), d_s_all.get(), rows, width},
+                                     nullptr);
+    const auto q = d_q.download();
+    const auto s = d_s.download();
+    EXPECT_EQ(q, d_q2.download()) << "prefix " << prefix;
+    // Bitwise: the dead rows keep the buffers' 0xFF poison, a NaN pattern that never compares equal.
+    const auto s2 = d_s2.download();
+    ASSERT_EQ(s.size(), s2.size());
+    EXPECT_EQ(0, std::memcmp(s.data(), s2.data(), s.size() * sizeof(float))) << "prefix " << prefix;
+    EXPECT_EQ(mismatched_live_elements(q, d_q_all.download(), live, width), 0u)
+        << "prefix " << prefix;
+    EXPECT_EQ(mismatched_live_elements(s, d_s_all.download(), live, groups), 0u)
+        << "prefix " << prefix;
+    EXPECT_EQ(written_dead_elements(q, live, width), 0u) << "prefix " << prefix;
+    EXPECT_EQ(written_dead_elements(s, live, groups), 0u) << "prefix " << prefix;
+  }
+}
+// ---- end of the bounded FP8 expert ops ----------------------------------------------------------
 
 // Each variant is warmed up once, then captured into a graph (which must not allocate or
 // synchronise) and replayed into a poisoned output.

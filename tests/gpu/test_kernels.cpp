@@ -2,6 +2,7 @@
 // odd sizes, experts with no tokens, large batches, decode with split-K. See gpu_test_util.h for the
 // tolerance and the poisoning of outputs.
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <numeric>
 
@@ -64,16 +65,26 @@ TEST(GpuKernels, RmsNorm) {
 
 TEST(GpuKernels, Matmul) {
   std::mt19937 rng(3);
-  for (int m : {1, 17, 300}) {
-    for (auto [n, k] : {std::pair{64, 128}, std::pair{264, 2056}, std::pair{4096, 2048}}) {
+  // m up to kMaxStreamingRows runs both the weight-streaming kernel and cuBLASLt; n 100 leaves a
+  // partial column tile, k 4104 an uneven last round of loads.
+  for (int m : {1, 2, 3, 5, 8, 17, 300}) {
+    for (auto [n, k] : {std::pair{64, 128}, std::pair{100, 4104}, std::pair{264, 2056}, std::pair{4096, 2048}}) {
       for (bool bias : {false, true}) {
         auto x = random_bf16(static_cast<size_t>(m) * k, rng), w = random_bf16(static_cast<size_t>(n) * k, rng, 0.05f);
         auto b = random_bf16(n, rng);
         std::vector<float> ref(static_cast<size_t>(m) * n);
         kernels::launch_matmul({x.f32.data(), w.f32.data(), bias ? b.f32.data() : nullptr, ref.data(), m, n, k}, pool());
-        DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits), d_b(b.bits), d_out(ref.size());
-        kernels::launch_matmul({d_x.get(), d_w.get(), bias ? d_b.get() : nullptr, d_out.get(), m, n, k}, nullptr);
-        EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance) << "m " << m << " n " << n << " k " << k;
+        DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits), d_b(b.bits);
+        const kernels::MatmulParams<bf16> p{d_x.get(), d_w.get(), bias ? d_b.get() : nullptr, nullptr, m, n, k};
+        for (auto kind : {kernels::DenseGemmKind::Auto, kernels::DenseGemmKind::Cublas, kernels::DenseGemmKind::Streaming}) {
+          if (kind == kernels::DenseGemmKind::Streaming && !kernels::streaming_matmul_supported(p)) continue;
+          DeviceBuffer<bf16> d_out(ref.size());
+          auto q = p;
+          q.out = d_out.get();
+          kernels::launch_matmul(q, kind, nullptr);
+          EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance)
+              << "m " << m << " n " << n << " k " << k << " bias " << bias << " " << kernels::dense_gemm_kind_name(kind);
+        }
       }
     }
   }
@@ -175,7 +186,8 @@ TEST(GpuKernels, QkNormRopeKvWrite) {
 // seqs: (new tokens, context) pairs.
 void check_attention(const std::vector<std::pair<int, int>>& seqs, int q_heads, int kv_heads, int head_dim,
                      int block_size, std::mt19937& rng,
-                     kernels::PrefillAttentionKind kind = kernels::PrefillAttentionKind::Auto) {
+                     kernels::PrefillAttentionKind kind = kernels::PrefillAttentionKind::Auto,
+                     int decode_splits = -1) {  // >= 0: the decode kernel with this split count
   std::vector<int> contexts;
   std::vector<int32_t> query_starts{0}, context_lens;
   for (auto [n, ctx] : seqs) {
@@ -196,12 +208,17 @@ void check_attention(const std::vector<std::pair<int, int>>& seqs, int q_heads, 
                                   pool());
   DeviceBuffer<bf16> d_q(q.bits), d_k(kc.bits), d_v(vc.bits), d_out(ref.size());
   DeviceBuffer<int32_t> d_qs(query_starts), d_cl(context_lens), d_bt(s.block_tables);
-  kernels::launch_paged_attention({d_q.get(), d_k.get(), d_v.get(), d_qs.get(), d_cl.get(), d_bt.get(), d_out.get(),
-                                   num_seqs, num_tokens, q_heads, kv_heads, head_dim, block_size, s.max_blocks_per_seq,
-                                   scale},
-                                  kind, nullptr);
+  const kernels::PagedAttentionParams<bf16> p{d_q.get(), d_k.get(), d_v.get(), d_qs.get(), d_cl.get(), d_bt.get(),
+                                              d_out.get(), num_seqs, num_tokens, q_heads, kv_heads, head_dim,
+                                              block_size, s.max_blocks_per_seq, scale};
+  if (decode_splits >= 0) {
+    kernels::launch_decode_attention(p, decode_splits, nullptr);
+  } else {
+    kernels::launch_paged_attention(p, kind, nullptr);
+  }
   EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance)
-      << kernels::prefill_attention_kind_name(kind) << " seqs " << num_seqs << " tokens " << num_tokens << " heads " << q_heads << "/" << kv_heads << " hd " << head_dim;
+      << kernels::prefill_attention_kind_name(kind) << " seqs " << num_seqs << " tokens " << num_tokens << " heads "
+      << q_heads << "/" << kv_heads << " hd " << head_dim << " splits " << decode_splits;
 }
 
 TEST(GpuKernels, PagedAttentionPrefill) {
@@ -257,6 +274,15 @@ TEST(GpuKernels, PagedAttentionDecode) {
   check_attention({{1, 900}, {1, 40}}, 64, 2, 128, 16, rng);   // group 32: two row tiles per KV head
   check_attention({{1, 12}, {1, 1000}}, 20, 4, 64, 16, rng);   // group 5
   check_attention({{1, 33}, {1, 300}}, 4, 2, 32, 16, rng);
+}
+
+// Every split count merges to the same attention (more splits than tiles leave empty splits).
+TEST(GpuKernels, PagedAttentionDecodeAnySplitCount) {
+  std::mt19937 rng(31);
+  for (int splits : {1, 2, 7, 24, 64}) {
+    check_attention({{1, 4097}}, 32, 4, 128, 16, rng, kernels::PrefillAttentionKind::Auto, splits);
+    check_attention({{1, 300}, {1, 5}, {1, 1}}, 64, 4, 128, 16, rng, kernels::PrefillAttentionKind::Auto, splits);
+  }
 }
 
 TEST(GpuKernels, MoeRouterTopk) {
@@ -367,11 +393,281 @@ TEST(GpuKernels, MoeLocalizeExpertsAndCombineSkipsAbsentRows) {
   }
 }
 
+// ---- Bounded expert ops (kernels::LiveRows, ops.h) ----------------------------------------------
+// The kernels against the CPU reference with the bounds the backend passes under DP + EP:
+// live_tokens = the receive counts (regions of `slots` tokens), copied_rows / live_rows = the
+// permuted rows of this rank's experts (the absent id sorts last). Dead tokens hold garbage the
+// kernels must not read (ids out of range, NaN rows and weights), the absent expert's rows are NaN
+// (never computed), and every element a kernel must not write keeps the 0xFF poison.
+
+constexpr uint16_t kBf16NaNBits = 0x7FC0;
+constexpr uint16_t kBf16PoisonBits = 0xFFFF;  // DeviceBuffer's 0xFF bytes
+
+uint16_t bf16_bits(bf16 v) { return static_cast<__nv_bfloat16_raw>(v).x; }
+
+void set_bf16_nan(Bf16Data& d, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    d.bits[i] = __nv_bfloat16_raw{kBf16NaNBits};
+    d.f32[i] = std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
+// An expert-parallel rank's receive buffer: counts.size() regions of `slots` tokens, region g
+// filled up to counts[g]; ids local to experts [begin, begin + local) with the absent id `local`
+// (weight 0) for the others. Dead tokens get ids out of range and NaN weights.
+struct BoundedRouting {
+  int tokens = 0;
+  std::vector<int32_t> counts, ids;
+  std::vector<float> weights;
+  std::vector<char> live;  // [tokens]
+};
+
+BoundedRouting bounded_routing(const std::vector<int32_t>& counts, int slots, int experts,
+                               int begin, int local, int k, std::mt19937& rng) {
+  BoundedRouting b;
+  b.tokens = static_cast<int>(counts.size()) * slots;
+  b.counts = counts;
+  b.ids = random_routing(b.tokens, experts, k, rng);
+  b.weights.resize(b.ids.size());
+  for (auto& w : b.weights) w = static_cast<float>(rng() % 1000 + 1) / 1000.0f;
+  kernels::launch_moe_localize_experts(
+      {b.ids.data(), b.weights.data(), static_cast<int>(b.ids.size()), begin, local}, pool());
+  const kernels::LiveRows bound{b.counts.data(), slots};
+  for (int t = 0; t < b.tokens; ++t) {
+    b.live.push_back(kernels::is_live_row(bound, t));
+    if (b.live.back()) continue;
+    for (int j = 0; j < k; ++j) {
+      b.ids[static_cast<size_t>(t) * k + j] = j % 2 ? 1 << 20 : -5;
+      b.weights[static_cast<size_t>(t) * k + j] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+  return b;
+}
+
+// The live rows of a [num_rows, width] tensor, as floats (to compare with rel_error).
+std::vector<float> live_rows_of(const std::vector<float>& v, const std::vector<char>& live,
+                                int width) {
+  std::vector<float> out;
+  for (size_t r = 0; r < live.size(); ++r) {
+    if (live[r]) out.insert(out.end(), v.begin() + r * width, v.begin() + (r + 1) * width);
+  }
+  return out;
+}
+
+// How many elements of the rows not marked live lost their poison.
+size_t written_dead_elements(const std::vector<bf16>& v, const std::vector<char>& live, int width) {
+  size_t n = 0;
+  for (size_t r = 0; r < live.size(); ++r) {
+    if (live[r]) continue;
+    for (int i = 0; i < width; ++i) n += bf16_bits(v[r * width + i]) != kBf16PoisonBits;
+  }
+  return n;
+}
+
+TEST(GpuKernels, MoeBoundedPermuteAndCombineTouchOnlyLiveRows) {
+  std::mt19937 rng(13);
+  struct Case {
+    int slots, hidden;
+    std::vector<int32_t> counts;
+  };
+  // A few tokens in a big buffer, full regions, counts above the region size, 8 regions, nothing.
+  for (const Case& c :
+       {Case{16, 64, {3, 0}}, Case{64, 2056, {64, 5}}, Case{300, 256, {250, 17, 0, 300}},
+        Case{40, 64, {1, 0, 7, 300, 0, 2, 40, 1}}, Case{8, 64, {0, 0}}}) {
+    const int experts = 128, begin = 32, local = 32, k = 8, hidden = c.hidden;
+    const BoundedRouting b = bounded_routing(c.counts, c.slots, experts, begin, local, k, rng);
+    const int tokens = b.tokens, rows = tokens * k;
+    auto x = random_bf16(static_cast<size_t>(tokens) * hidden, rng);
+    for (int t = 0; t < tokens; ++t) {
+      if (!b.live[t])
+        set_bf16_nan(x, static_cast<size_t>(t) * hidden, static_cast<size_t>(t + 1) * hidden);
+    }
+    const std::string where = "slots " + std::to_string(c.slots) + " regions " +
+                              std::to_string(c.counts.size()) + " hidden " + std::to_string(hidden);
+
+    std::vector<float> px_ref(static_cast<size_t>(rows) * hidden);
+    std::vector<int32_t> pi_ref(rows, -1), off_ref(local + 2);
+    kernels::MoePermuteParams<float> cp{x.f32.data(),  b.ids.data(),   px_ref.data(),
+                                        pi_ref.data(), off_ref.data(), tokens,
+                                        hidden,        local + 1,      k};
+    cp.live_tokens = {b.counts.data(), c.slots};
+    cp.copied_rows = {&off_ref[local], rows};
+    kernels::launch_moe_permute(cp, pool());
+
+    DeviceBuffer<bf16> d_x(x.bits), d_px(px_ref.size());
+    DeviceBuffer<int32_t> d_ids(b.ids), d_counts(b.counts), d_pi(rows), d_off(local + 2);
+    kernels::MoePermuteParams<bf16> gp{d_x.get(), d_ids.get(), d_px.get(), d_pi.get(), d_off.get(),
+                                       tokens,    hidden,      local + 1,  k};
+    gp.live_tokens = {d_counts.get(), c.slots};
+    gp.copied_rows = {d_off.get() + local, rows};
+    kernels::launch_moe_permute(gp, nullptr);
+    EXPECT_EQ(d_off.download(), off_ref) << where;
+    const auto pi = d_pi.download();
+    size_t bad_index = 0;
+    for (int r = 0; r < rows; ++r) bad_index += pi[r] != (b.live[r / k] ? pi_ref[r] : -1);
+    EXPECT_EQ(bad_index, 0u) << where << ": index entries wrong (dead tokens' must stay unwritten)";
+    // Rows of this rank's experts are copied; the absent expert's and the unused rows are not.
+    const size_t copied = static_cast<size_t>(off_ref[local]) * hidden;
+    const auto px = d_px.download();
+    size_t bad_rows = 0;
+    for (size_t i = 0; i < px.size(); ++i) {
+      bad_rows += i < copied ? bf16_to_f32(bf16_bits(px[i])) != px_ref[i]
+                             : bf16_bits(px[i]) != kBf16PoisonBits;
+    }
+    EXPECT_EQ(bad_rows, 0u) << where << ": permuted elements wrong or written past "
+                            << off_ref[local] << " rows";
+
+    // The combine over expert outputs whose uncomputed rows hold NaN, with the GPU's index (dead
+    // tokens' entries still poison, -1) and NaN weights on the dead tokens.
+    auto expert_out = random_bf16(static_cast<size_t>(rows) * hidden, rng);
+    set_bf16_nan(expert_out, copied, expert_out.f32.size());
+    std::vector<float> out_ref(static_cast<size_t>(tokens) * hidden);
+    kernels::MoeUnpermuteCombineParams<float> cc{
+        expert_out.f32.data(), pi_ref.data(), b.weights.data(), out_ref.data(), tokens, hidden, k};
+    cc.live_tokens = cp.live_tokens;
+    kernels::launch_moe_unpermute_combine(cc, pool());
+    DeviceBuffer<bf16> d_eo(expert_out.bits), d_out(out_ref.size());
+    DeviceBuffer<float> d_w(b.weights);
+    kernels::MoeUnpermuteCombineParams<bf16> gc{d_eo.get(), d_pi.get(), d_w.get(), d_out.get(),
+                                                tokens,     hidden,     k};
+    gc.live_tokens = gp.live_tokens;
+    kernels::launch_moe_unpermute_combine(gc, nullptr);
+    const auto out = d_out.download();
+    EXPECT_LT(
+        rel_error(live_rows_of(to_f32(out), b.live, hidden), live_rows_of(out_ref, b.live, hidden)),
+        kBf16Tolerance)
+        << where;
+    EXPECT_EQ(written_dead_elements(out, b.live, hidden), 0u)
+        << where << ": dead tokens' outputs written";
+  }
+}
+
+// Permute -> SwiGLU -> combine with the bounds, captured once into a graph and replayed after the
+// counts on the device change: the kernels must follow the counts they read, not the capture's.
+TEST(GpuKernels, MoeBoundedOpsFollowTheDeviceCountsInAGraph) {
+  std::mt19937 rng(14);
+  const int experts = 64, begin = 16, local = 16, k = 4, width = 128, slots = 32;
+  const std::vector<std::vector<int32_t>> rounds{{5, 0, 17}, {0, 32, 1}, {32, 32, 32}, {0, 0, 0}};
+  BoundedRouting b = bounded_routing({slots, slots, slots}, slots, experts, begin, local, k, rng);
+  const int tokens = b.tokens, rows = tokens * k;
+  const auto x = random_bf16(static_cast<size_t>(tokens) * 2 * width, rng, 2.0f);
+  DeviceBuffer<bf16> d_x(x.bits), d_px(static_cast<size_t>(rows) * 2 * width),
+      d_act(static_cast<size_t>(rows) * width), d_out(static_cast<size_t>(tokens) * width);
+  DeviceBuffer<int32_t> d_ids(b.ids), d_counts(rounds[0]), d_pi(rows), d_off(local + 2);
+  DeviceBuffer<float> d_w(b.weights);
+  const kernels::LiveRows live_tokens{d_counts.get(), slots}, computed{d_off.get() + local, rows};
+  kernels::MoePermuteParams<bf16> pp{d_x.get(), d_ids.get(), d_px.get(), d_pi.get(), d_off.get(),
+                                     tokens,    2 * width,   local + 1,  k};
+  pp.live_tokens = live_tokens;
+  pp.copied_rows = computed;
+  kernels::SwigluParams<bf16> sp{d_px.get(), d_act.get(), rows, width};
+  sp.live_rows = computed;
+  kernels::MoeUnpermuteCombineParams<bf16> cp{d_act.get(), d_pi.get(), d_w.get(), d_out.get(),
+                                              tokens,      width,      k};
+  cp.live_tokens = live_tokens;
+
+  cudaStream_t stream;
+  GPU_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  GPU_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  kernels::launch_moe_permute(pp, stream);
+  kernels::launch_swiglu(sp, stream);
+  kernels::launch_moe_unpermute_combine(cp, stream);
+  GPU_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  GPU_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (const std::vector<int32_t>& counts : rounds) {
+    b.counts = counts;
+    const kernels::LiveRows bound{b.counts.data(), slots};
+    for (int t = 0; t < tokens; ++t) b.live[t] = kernels::is_live_row(bound, t);
+    std::vector<float> px_ref(static_cast<size_t>(rows) * 2 * width),
+        act_ref(static_cast<size_t>(rows) * width), out_ref(static_cast<size_t>(tokens) * width);
+    std::vector<int32_t> pi_ref(rows), off_ref(local + 2);
+    kernels::MoePermuteParams<float> cpp{x.f32.data(),  b.ids.data(),   px_ref.data(),
+                                         pi_ref.data(), off_ref.data(), tokens,
+                                         2 * width,     local + 1,      k};
+    cpp.live_tokens = bound;
+    kernels::launch_moe_permute(cpp, pool());
+    kernels::SwigluParams<float> csp{px_ref.data(), act_ref.data(), rows, width};
+    csp.live_rows = {&off_ref[local], rows};
+    kernels::launch_swiglu(csp, pool());
+    kernels::MoeUnpermuteCombineParams<float> ccp{
+        act_ref.data(), pi_ref.data(), b.weights.data(), out_ref.data(), tokens, width, k};
+    ccp.live_tokens = bound;
+    kernels::launch_moe_unpermute_combine(ccp, pool());
+
+    d_counts.upload(counts);  // on the legacy stream, as the poisoning; then wait for both
+    d_px.poison(), d_act.poison(), d_out.poison(), d_pi.poison(), d_off.poison();
+    GPU_TEST_CUDA(cudaDeviceSynchronize());
+    GPU_TEST_CUDA(cudaGraphLaunch(exec, stream));
+    GPU_TEST_CUDA(cudaStreamSynchronize(stream));
+    const std::string where = "counts " + std::to_string(counts[0]) + " " +
+                              std::to_string(counts[1]) + " " + std::to_string(counts[2]);
+    EXPECT_EQ(d_off.download(), off_ref) << where;
+    const auto act = d_act.download();
+    std::vector<char> act_live(rows, 0);
+    std::fill_n(act_live.begin(), off_ref[local], 1);
+    EXPECT_LT(rel_error(live_rows_of(to_f32(act), act_live, width),
+                        live_rows_of(act_ref, act_live, width)),
+              kBf16Tolerance)
+        << where;
+    EXPECT_EQ(written_dead_elements(act, act_live, width), 0u)
+        << where << ": SwiGLU past the computed rows";
+    const auto out = d_out.download();
+    EXPECT_LT(
+        rel_error(live_rows_of(to_f32(out), b.live, width), live_rows_of(out_ref, b.live, width)),
+        kBf16Tolerance)
+        << where;
+    EXPECT_EQ(written_dead_elements(out, b.live, width), 0u)
+        << where << ": dead tokens' outputs written";
+  }
+  GPU_TEST_CUDA(cudaGraphExecDestroy(exec));
+  GPU_TEST_CUDA(cudaGraphDestroy(graph));
+  GPU_TEST_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST(GpuKernels, SwigluBoundedComputesOnlyLiveRows) {
+  std::mt19937 rng(15);
+  const int rows = 1000, width = 768;
+  const std::vector<int32_t> region_counts{3, 0, 400};  // regions of 334 rows (the last 332)
+  for (int prefix : {-1, 0, 1, 517, 1000}) {            // -1: the regions instead of a prefix
+    const std::vector<int32_t> counts = prefix < 0 ? region_counts : std::vector<int32_t>{prefix};
+    const int region_rows = prefix < 0 ? 334 : rows;
+    const kernels::LiveRows bound{counts.data(), region_rows};
+    std::vector<char> live(rows);
+    for (int r = 0; r < rows; ++r) live[r] = kernels::is_live_row(bound, r);
+    auto gu = random_bf16(static_cast<size_t>(rows) * 2 * width, rng, 2.0f);
+    for (int r = 0; r < rows; ++r) {
+      if (!live[r])
+        set_bf16_nan(gu, static_cast<size_t>(r) * 2 * width,
+                     static_cast<size_t>(r + 1) * 2 * width);
+    }
+    std::vector<float> ref(static_cast<size_t>(rows) * width);
+    kernels::SwigluParams<float> cp{gu.f32.data(), ref.data(), rows, width};
+    cp.live_rows = bound;
+    kernels::launch_swiglu(cp, pool());
+    DeviceBuffer<bf16> d_gu(gu.bits), d_out(ref.size());
+    DeviceBuffer<int32_t> d_counts(counts);
+    kernels::SwigluParams<bf16> gp{d_gu.get(), d_out.get(), rows, width};
+    gp.live_rows = {d_counts.get(), region_rows};
+    kernels::launch_swiglu(gp, nullptr);
+    const auto out = d_out.download();
+    EXPECT_LT(rel_error(live_rows_of(to_f32(out), live, width), live_rows_of(ref, live, width)),
+              kBf16Tolerance)
+        << "prefix " << prefix;
+    EXPECT_EQ(written_dead_elements(out, live, width), 0u) << "prefix " << prefix;
+  }
+}
+// ---- end of the bounded expert ops -------------------------------------------------------------
+
 TEST(GpuKernels, MoeGroupedMatmul) {
   std::mt19937 rng(11);
   struct Case { int tokens, experts, k_top, n, k; };
+  // {2, 16, 8, 200, 4096}: two rounds of weight loads per streaming CTA and a partial column tile;
+  // {64, 4, 2, 256, 512}: 32 rows per expert, several passes of the streaming kernel over one expert.
   for (Case c : {Case{1, 128, 8, 1536, 2048}, Case{3, 16, 4, 384, 128}, Case{64, 128, 8, 2048, 768},
-                 Case{600, 128, 8, 1536, 2048}, Case{257, 8, 2, 264, 136}}) {
+                 Case{600, 128, 8, 1536, 2048}, Case{257, 8, 2, 264, 136}, Case{2, 16, 8, 200, 4096},
+                 Case{64, 4, 2, 256, 512}}) {
     auto ids = random_routing(c.tokens, c.experts, c.k_top, rng);
     const int rows = static_cast<int>(ids.size());
     std::vector<int32_t> offsets(c.experts + 1, 0);
@@ -392,6 +688,78 @@ TEST(GpuKernels, MoeGroupedMatmul) {
                                          nullptr);
       EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance)
           << "tokens " << c.tokens << " n " << c.n << " k " << c.k << " kind " << static_cast<int>(kind);
+    }
+    // The streaming kernel with the SwiGLU fused: against the CPU's fused form, and bit for bit
+    // against the separate GEMM + swiglu on the GPU.
+    if (c.n % 16 == 0) {
+      const int width = c.n / 2;
+      std::vector<float> fused_ref(static_cast<size_t>(rows) * width);
+      kernels::MoeGroupedMatmulParams<float> cp{x.f32.data(), w.f32.data(), offsets.data(), fused_ref.data(),
+                                                rows, c.experts, c.n, c.k};
+      cp.swiglu = true;
+      kernels::launch_moe_grouped_matmul(cp, pool());
+      DeviceBuffer<bf16> d_gu(static_cast<size_t>(rows) * c.n), d_sep(fused_ref.size()), d_fused(fused_ref.size());
+      kernels::launch_moe_grouped_matmul({d_x.get(), d_w.get(), d_off.get(), d_gu.get(), rows, c.experts, c.n, c.k},
+                                         kernels::GroupedGemmKind::Streaming, nullptr);
+      kernels::SwigluParams<bf16> sp;
+      sp.gate_up = d_gu.get();
+      sp.out = d_sep.get();
+      sp.num_rows = rows;
+      sp.width = width;
+      kernels::launch_swiglu(sp, nullptr);
+      kernels::MoeGroupedMatmulParams<bf16> gp{d_x.get(), d_w.get(), d_off.get(), d_fused.get(), rows, c.experts, c.n, c.k};
+      gp.swiglu = true;
+      kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Streaming, nullptr);
+      const std::vector<bf16> fused = d_fused.download(), separate = d_sep.download();
+      EXPECT_LT(rel_error(to_f32(fused), fused_ref), kBf16Tolerance) << "swiglu, tokens " << c.tokens << " n " << c.n;
+      EXPECT_EQ(0, std::memcmp(fused.data(), separate.data(), fused.size() * sizeof(bf16)))
+          << "fused and separate SwiGLU differ, tokens " << c.tokens << " n " << c.n;
+      // Only the streaming kernel fuses it; the others refuse instead of computing something else.
+      EXPECT_THROW(kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Tiled, nullptr), Error);
+    }
+    // Gathered rows: the unpermuted tokens and the permute's index give the bits the permuted copy
+    // gives, with and without the SwiGLU (the row order is the CPU permute's, which the GPU's equals).
+    if (rows <= kernels::kMaxGatheredRows && c.n % 16 == 0) {
+      auto xt = random_bf16(static_cast<size_t>(c.tokens) * c.k, rng);
+      std::vector<float> px(static_cast<size_t>(rows) * c.k);
+      std::vector<int32_t> pidx(rows), offs(c.experts + 1);
+      kernels::launch_moe_permute({xt.f32.data(), ids.data(), px.data(), pidx.data(), offs.data(), c.tokens, c.k,
+                                   c.experts, c.k_top},
+                                  pool());
+      ASSERT_EQ(offs, offsets);
+      std::vector<bf16> px_bits(px.size());
+      for (int i = 0; i < rows; ++i) {
+        std::copy_n(xt.bits.begin() + static_cast<size_t>(i / c.k_top) * c.k, c.k,
+                    px_bits.begin() + static_cast<size_t>(pidx[i]) * c.k);
+      }
+      DeviceBuffer<bf16> d_xt(xt.bits), d_px(px_bits);
+      DeviceBuffer<int32_t> d_pidx(pidx);
+      for (bool swiglu : {false, true}) {
+        const size_t out_n = static_cast<size_t>(rows) * (swiglu ? c.n / 2 : c.n);
+        DeviceBuffer<bf16> d_copied(out_n), d_gathered(out_n);
+        kernels::MoeGroupedMatmulParams<bf16> gp{d_px.get(), d_w.get(), d_off.get(), d_copied.get(), rows, c.experts, c.n, c.k};
+        gp.swiglu = swiglu;
+        kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Streaming, nullptr);
+        gp.x = d_xt.get();
+        gp.out = d_gathered.get();
+        gp.permuted_index = d_pidx.get();
+        gp.top_k = c.k_top;
+        kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Streaming, nullptr);
+        const std::vector<bf16> copied = d_copied.download(), gathered = d_gathered.download();
+        EXPECT_EQ(0, std::memcmp(copied.data(), gathered.data(), out_n * sizeof(bf16)))
+            << "gathered rows differ, tokens " << c.tokens << " swiglu " << swiglu;
+        if (!swiglu) {
+          // And the CPU's gathered form against its own reference.
+          std::vector<float> cpu(static_cast<size_t>(rows) * c.n);
+          kernels::MoeGroupedMatmulParams<float> cp{xt.f32.data(), w.f32.data(), offsets.data(), cpu.data(),
+                                                    rows, c.experts, c.n, c.k};
+          cp.permuted_index = pidx.data();
+          cp.top_k = c.k_top;
+          kernels::launch_moe_grouped_matmul(cp, pool());
+          EXPECT_LT(rel_error(to_f32(gathered), cpu), kBf16Tolerance) << "gathered, tokens " << c.tokens;
+        }
+        EXPECT_THROW(kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Tiled, nullptr), Error);
+      }
     }
   }
 }

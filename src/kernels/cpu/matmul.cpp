@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/ops.h"
@@ -195,6 +196,41 @@ void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool) { lm_head(p,
 void launch_lm_head(const LmHeadParams<float, Bf16Bits>& p, ThreadPool& pool) { lm_head(p, pool); }
 
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<float>& p, ThreadPool& pool) {
+  if (p.permuted_index != nullptr) {
+    // Gathered: the permuted rows first (what moe_permute's copy would have written), then as usual.
+    RELAY_CHECK(p.top_k > 0 && p.num_rows % p.top_k == 0, "moe_grouped_matmul: gathered rows need top_k (",
+                p.top_k, ") dividing num_rows (", p.num_rows, ")");
+    thread_local std::vector<float> gathered;
+    gathered.resize(static_cast<size_t>(p.num_rows) * p.k);
+    for (int i = 0; i < p.num_rows; ++i) {
+      const int32_t r = p.permuted_index[i];
+      RELAY_CHECK(r >= 0 && r < p.num_rows, "moe_grouped_matmul: permuted_index[", i, "] = ", r, " outside ",
+                  p.num_rows, " rows");
+      std::copy_n(p.x + static_cast<int64_t>(i / p.top_k) * p.k, p.k, gathered.data() + static_cast<int64_t>(r) * p.k);
+    }
+    MoeGroupedMatmulParams<float> q = p;
+    q.x = gathered.data();
+    q.permuted_index = nullptr;
+    launch_moe_grouped_matmul(q, pool);
+    return;
+  }
+  if (p.swiglu) {
+    // The products, then the SwiGLU op itself: the fused form means exactly the two ops in turn.
+    RELAY_CHECK(p.n % 2 == 0, "moe_grouped_matmul: swiglu needs an even n (gate | up), got ", p.n);
+    thread_local std::vector<float> gate_up;
+    gate_up.resize(static_cast<size_t>(p.num_rows) * p.n);
+    MoeGroupedMatmulParams<float> q = p;
+    q.out = gate_up.data();
+    q.swiglu = false;
+    launch_moe_grouped_matmul(q, pool);
+    SwigluParams<float> sp;
+    sp.gate_up = gate_up.data();
+    sp.out = p.out;
+    sp.num_rows = p.num_experts > 0 ? p.expert_offsets[p.num_experts] : 0;  // rows past the experts': never computed
+    sp.width = p.n / 2;
+    launch_swiglu(sp, pool);
+    return;
+  }
   // One task list across all experts, so a decode step with a handful of rows per expert still
   // keeps every thread busy instead of running one small parallel_for per expert.
   std::vector<Gemm<float>> gemms;

@@ -4,12 +4,14 @@
 // probability (ties to the lower expert id), then optional renormalisation. Permutation is a stable
 // counting sort by expert, so rows inside an expert stay in (token, k) order and the result is
 // deterministic; the GPU version computes the same offsets. The combine sums the k weighted expert
-// outputs of a token in k order.
+// outputs of a token in k order. With LiveRows bounds (ops.h) the permute sorts the live tokens'
+// rows only and each op touches only live rows.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/ops.h"
 
@@ -43,25 +45,49 @@ void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& poo
 }
 
 void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool) {
-  const int64_t num_rows = static_cast<int64_t>(p.num_tokens) * p.top_k;
+  const int64_t capacity_rows = static_cast<int64_t>(p.num_tokens) * p.top_k;
+  RELAY_CHECK(live_rows_valid(p.live_tokens, p.num_tokens), "moe_permute: live_tokens.region_rows ",
+              p.live_tokens.region_rows, " must be positive with at most ", kMaxLiveRegions,
+              " regions over ", p.num_tokens, " tokens");
+  RELAY_CHECK(live_rows_valid(p.copied_rows, capacity_rows),
+              "moe_permute: copied_rows.region_rows ", p.copied_rows.region_rows,
+              " must be positive with at most ", kMaxLiveRegions, " regions over ", capacity_rows,
+              " rows");
+  // The routed rows of the live tokens, in (t, k) order: the rows the counting sort sees.
+  const LiveRowMap live = live_row_map(p.live_tokens, p.num_tokens);
+  const int64_t num_rows = static_cast<int64_t>(live.total()) * p.top_k;
+  auto routed_row = [&](int64_t v) {
+    return live.row(static_cast<int>(v / p.top_k)) * p.top_k + v % p.top_k;
+  };
   std::fill(p.expert_offsets, p.expert_offsets + p.num_experts + 1, 0);
-  for (int64_t r = 0; r < num_rows; ++r) ++p.expert_offsets[p.topk_ids[r] + 1];
+  for (int64_t v = 0; v < num_rows; ++v) ++p.expert_offsets[p.topk_ids[routed_row(v)] + 1];
   for (int e = 0; e < p.num_experts; ++e) p.expert_offsets[e + 1] += p.expert_offsets[e];
   std::vector<int32_t> next(p.expert_offsets, p.expert_offsets + p.num_experts);
-  for (int64_t r = 0; r < num_rows; ++r) p.permuted_index[r] = next[p.topk_ids[r]]++;
+  for (int64_t v = 0; v < num_rows; ++v) {
+    const int64_t r = routed_row(v);
+    p.permuted_index[r] = next[p.topk_ids[r]]++;
+  }
   if (p.permuted_x == nullptr) return;
   pool.parallel_for(num_rows, std::max(1, 16384 / std::max(1, p.hidden)), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      std::memcpy(p.permuted_x + static_cast<int64_t>(p.permuted_index[r]) * p.hidden,
-                  p.x + (r / p.top_k) * p.hidden, sizeof(float) * p.hidden);
+    for (int64_t v = begin; v < end; ++v) {
+      const int64_t r = routed_row(v), dest = p.permuted_index[r];
+      if (!is_live_row(p.copied_rows, dest)) continue;
+      std::memcpy(p.permuted_x + dest * p.hidden, p.x + (r / p.top_k) * p.hidden,
+                  sizeof(float) * p.hidden);
     }
   });
 }
 
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, ThreadPool& pool) {
-  pool.parallel_for(p.num_tokens, std::max(1, 16384 / std::max(1, p.hidden * p.top_k)),
+  RELAY_CHECK(live_rows_valid(p.live_tokens, p.num_tokens),
+              "moe_unpermute_combine: live_tokens.region_rows ", p.live_tokens.region_rows,
+              " must be positive with at most ", kMaxLiveRegions, " regions over ", p.num_tokens,
+              " tokens");
+  const LiveRowMap live = live_row_map(p.live_tokens, p.num_tokens);
+  pool.parallel_for(live.total(), std::max(1, 16384 / std::max(1, p.hidden * p.top_k)),
                     [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t v = begin; v < end; ++v) {
+      const int64_t t = live.row(static_cast<int>(v));
       float* out = p.out + t * p.hidden;
       std::fill(out, out + p.hidden, 0.0f);
       for (int k = 0; k < p.top_k; ++k) {

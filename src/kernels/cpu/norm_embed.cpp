@@ -1,12 +1,13 @@
 // CPU reference for the row-wise ops: embedding lookup, RMSNorm (+ residual), SwiGLU.
 //
-// All three are memory-bound and independent per row, so they split rows over the pool. RMSNorm
-// follows HF's Qwen3RMSNorm exactly in fp32: variance = mean(x^2), x * rsqrt(variance + eps), then
-// times weight.
+// All three are memory-bound and independent per row, so they split rows over the pool (SwiGLU only
+// its live rows, LiveRows in kernels/ops.h). RMSNorm follows HF's Qwen3RMSNorm exactly in fp32:
+// variance = mean(x^2), x * rsqrt(variance + eps), then times weight.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/ops.h"
@@ -48,8 +49,13 @@ void launch_rms_norm(const RmsNormParams<float>& p, ThreadPool& pool) {
 }
 
 void launch_swiglu(const SwigluParams<float>& p, ThreadPool& pool) {
-  pool.parallel_for(p.num_rows, row_grain(2 * p.width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  RELAY_CHECK(live_rows_valid(p.live_rows, p.num_rows), "swiglu: live_rows.region_rows ",
+              p.live_rows.region_rows, " must be positive with at most ", kMaxLiveRegions,
+              " regions over ", p.num_rows, " rows");
+  const LiveRowMap live = live_row_map(p.live_rows, p.num_rows);
+  pool.parallel_for(live.total(), row_grain(2 * p.width), [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end; ++v) {
+      const int64_t r = live.row(static_cast<int>(v));
       const float* gate = p.gate_up + r * 2 * p.width;
       const float* up = gate + p.width;
       float* y = p.out + r * p.width;

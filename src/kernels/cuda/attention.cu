@@ -41,6 +41,8 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   }
 }
 
+constexpr int kMaxDecodeSplits = 64;
+
 // The decode split-K plan the host decides per launch besides the op's params.
 struct DecodeSplit {
   float* partial_out;  // [num_splits, num_tokens, num_q_heads, head_dim], normalised
@@ -499,11 +501,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int kNt = kBn / 8, kDt = kHeadDim / 8;
   constexpr int kStageBytes = kBn * kHeadDim * 2;  // one of K or V
   static_assert(kWarps * 16 * (kHeadDim + 2) * 4 <= kWarps * 4 * kStageBytes, "the merge fits over the K/V stages");
+  static_assert(16 * (kMaxDecodeSplits + 1) * 4 <= kWarps * 4 * kStageBytes, "the split weights fit there too");
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* q_smem = smem;                                  // [16 rows][kHeadDim]
   uint8_t* kv_smem = q_smem + 16 * kHeadDim * 2;           // per warp: [2 stages][K, V][kBn][kHeadDim]
   __shared__ int is_last;
 
+  wait_on_prior_grid();  // q and the cache come from the kernel before (launched dependent)
+  release_dependent_grid();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int seq = blockIdx.x / split.row_tiles, row_tile = blockIdx.x % split.row_tiles;
@@ -630,26 +635,50 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  constexpr int kPerLane = kHeadDim / 32;
+  // Every (row, split) weight first, then each thread a float4 of the output summed over the splits:
+  // the loads of all splits are independent, so the merge costs a few rounds of L2 latency however
+  // many splits there are (one warp walking the splits in turn cost one round per split).
+  float* weight = reinterpret_cast<float*>(kv_smem);  // [16 rows][num_splits]
+  float* inv_total = weight + 16 * split.num_splits;  // [16 rows]
+  const int num_splits = split.num_splits;
+  for (int i = threadIdx.x; i < num_rows * num_splits; i += kWarps * 32) {
+    const int r = i / num_splits, sp = i % num_splits;
+    weight[i] = __ldcg(split.partial_lse + sp * num_out_rows + head0 + r);
+  }
+  __syncthreads();
   for (int r = warp; r < num_rows; r += kWarps) {
-    const int64_t row = head0 + r;
     float max_lse = -INFINITY;
-    for (int sp = lane; sp < split.num_splits; sp += 32) max_lse = fmaxf(max_lse, __ldcg(split.partial_lse + sp * num_out_rows + row));
+    for (int sp = lane; sp < num_splits; sp += 32) max_lse = fmaxf(max_lse, weight[r * num_splits + sp]);
     max_lse = warp_max(max_lse);
-    float acc[kPerLane] = {};
     float total = 0.0f;
-#pragma unroll 4
-    for (int sp = 0; sp < split.num_splits; ++sp) {
-      const float lse = __ldcg(split.partial_lse + sp * num_out_rows + row);
+    for (int sp = lane; sp < num_splits; sp += 32) {
+      const float lse = weight[r * num_splits + sp];
       const float w = lse == -INFINITY ? 0.0f : exp2f(lse - max_lse);
+      weight[r * num_splits + sp] = w;
       total += w;
-      const float* src = split.partial_out + (sp * num_out_rows + row) * kHeadDim;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) acc[j] += w * __ldcg(src + lane + 32 * j);
     }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) p.out[row * kHeadDim + lane + 32 * j] = __float2bfloat16(acc[j] * inv);
+    total = warp_sum(total);
+    if (lane == 0) inv_total[r] = total > 0.0f ? 1.0f / total : 0.0f;
+  }
+  __syncthreads();
+  constexpr int kQuads = kHeadDim / 4;
+  for (int i = threadIdx.x; i < num_rows * kQuads; i += kWarps * 32) {
+    const int r = i / kQuads, d = (i % kQuads) * 4;
+    const float* src = split.partial_out + (head0 + r) * kHeadDim + d;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+    for (int sp = 0; sp < num_splits; ++sp) {
+      const float w = weight[r * num_splits + sp];
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + sp * num_out_rows * kHeadDim));
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    const float inv = inv_total[r];
+    __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(p.out + (head0 + r) * kHeadDim + d);
+    out[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+    out[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   }
 }
 
@@ -708,7 +737,7 @@ bool device_has_wgmma() {
 // the Q load, the warp merge and the partials).
 int decode_num_splits(int64_t ctas, int64_t slots, int64_t max_context, int tile, int warps) {
   const int64_t tiles = std::max<int64_t>(1, (max_context * 3 / 4 + tile - 1) / tile);
-  const int64_t max_splits = std::clamp<int64_t>(tiles / (2 * warps), 1, 64);
+  const int64_t max_splits = std::clamp<int64_t>(tiles / (2 * warps), 1, kMaxDecodeSplits);
   int best = 1;
   double best_cost = 0.0;
   for (int64_t splits = 1; splits <= max_splits; ++splits) {
@@ -723,7 +752,7 @@ int decode_num_splits(int64_t ctas, int64_t slots, int64_t max_context, int tile
 }
 
 template <int kHeadDim>
-void run_decode(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
+void run_decode(const PagedAttentionParams<bf16>& p, int forced_splits, cudaStream_t s) {
   constexpr int kWarps = 4, kBn = 16;
   const int smem_bytes = (16 + kWarps * 4 * kBn) * kHeadDim * 2;
   auto kernel = decode_attention_kernel<kHeadDim, kWarps, kBn>;
@@ -739,8 +768,9 @@ void run_decode(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
   const int row_tiles = (group + 15) / 16;
   const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * row_tiles;
   const int64_t max_context = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  DecodeSplit split{nullptr, nullptr, nullptr, decode_num_splits(ctas, slots, max_context, kBn, kWarps), row_tiles,
-                    __builtin_ctz(p.block_size)};
+  const int num_splits =
+      forced_splits > 0 ? std::min(forced_splits, kMaxDecodeSplits) : decode_num_splits(ctas, slots, max_context, kBn, kWarps);
+  DecodeSplit split{nullptr, nullptr, nullptr, num_splits, row_tiles, __builtin_ctz(p.block_size)};
   if (split.num_splits > 1) {
     const int64_t rows = static_cast<int64_t>(split.num_splits) * p.num_tokens * p.num_q_heads;
     auto* base = static_cast<float*>(
@@ -752,14 +782,15 @@ void run_decode(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
         ctas * sizeof(int), s, "paged_attention split counts"));
   }
   dim3 grid(static_cast<unsigned>(p.num_seqs * row_tiles), p.num_kv_heads, split.num_splits);
-  kernel<<<grid, kWarps * 32, smem_bytes, s>>>(p, split);
-  RELAY_CUDA_CHECK_LAUNCH("decode_attention_kernel");
+  launch_dependent("decode_attention_kernel", kernel, grid, dim3(kWarps * 32), smem_bytes, s, p, split);
 }
 
+// decode_splits: the decode kernel's split count (0: the cost model's).
 template <int kHeadDim>
-void dispatch_config(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, cudaStream_t s) {
+void dispatch_config(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, int decode_splits,
+                     cudaStream_t s) {
   if (p.num_tokens == p.num_seqs) {
-    run_decode<kHeadDim>(p, s);
+    run_decode<kHeadDim>(p, decode_splits, s);
     return;
   }
   if (kind == PrefillAttentionKind::Auto) {
@@ -774,24 +805,35 @@ void dispatch_config(const PagedAttentionParams<bf16>& p, PrefillAttentionKind k
   if constexpr (kHeadDim == 128) run_wgmma(p, s);
 }
 
-}  // namespace
-
-void launch_paged_attention(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
-  launch_paged_attention(p, PrefillAttentionKind::Auto, s);
-}
-
-void launch_paged_attention(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, cudaStream_t s) {
+void launch_attention(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, int decode_splits,
+                      cudaStream_t s) {
   RELAY_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0, "paged_attention: ",
               p.num_q_heads, " q heads are not a multiple of ", p.num_kv_heads, " kv heads");
   RELAY_CHECK(p.block_size >= 4 && (p.block_size & (p.block_size - 1)) == 0, "paged_attention: block_size ",
               p.block_size, " must be a power of two >= 4");
   if (p.num_tokens == 0) return;
   switch (p.head_dim) {
-    case 32: dispatch_config<32>(p, kind, s); break;
-    case 64: dispatch_config<64>(p, kind, s); break;
-    case 128: dispatch_config<128>(p, kind, s); break;
+    case 32: dispatch_config<32>(p, kind, decode_splits, s); break;
+    case 64: dispatch_config<64>(p, kind, decode_splits, s); break;
+    case 128: dispatch_config<128>(p, kind, decode_splits, s); break;
     default: fail(str("paged_attention: head_dim ", p.head_dim, " is not built (32, 64, 128)"));
   }
+}
+
+}  // namespace
+
+void launch_decode_attention(const PagedAttentionParams<bf16>& p, int num_splits, cudaStream_t s) {
+  RELAY_CHECK(p.num_tokens == p.num_seqs, "decode_attention: one token per sequence (", p.num_tokens, " tokens, ",
+              p.num_seqs, " sequences)");
+  launch_attention(p, PrefillAttentionKind::Auto, num_splits, s);
+}
+
+void launch_paged_attention(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
+  launch_attention(p, PrefillAttentionKind::Auto, 0, s);
+}
+
+void launch_paged_attention(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, cudaStream_t s) {
+  launch_attention(p, kind, 0, s);
 }
 
 }  // namespace relay::kernels

@@ -1,5 +1,6 @@
-// Dense GEMMs through cuBLASLt: every bf16 linear layer (bf16 out), the block-scaled FP8 dense
-// projections (fp8_cuda.h) and the LM head (fp32 logits).
+// Dense GEMMs through cuBLASLt: every bf16 linear layer over more rows than the weight-streaming
+// kernel takes (streaming_gemm.cu; launch_matmul picks), the block-scaled FP8 dense projections
+// (fp8_cuda.h) and the LM head (fp32 logits).
 //
 // Row-major out[m, n] = x[m, k] @ w[n, k]^T is, in cuBLAS's column-major terms, out^T = w x^T with
 // w transposed: A = w (k x n, transposed), B = x (k x m), C = out (n x m). A plan (descriptors plus
@@ -242,6 +243,8 @@ bool fp8_cublaslt_shape_ok(int n, int k) {
 }
 
 __global__ void gather_rows_kernel(const bf16* x, const int32_t* rows, bf16* out, int hidden) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const Bf16x8* src = reinterpret_cast<const Bf16x8*>(x + static_cast<int64_t>(rows[blockIdx.x]) * hidden);
   Bf16x8* dst = reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(blockIdx.x) * hidden);
   for (int i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
@@ -256,9 +259,21 @@ void prepare_blas_stream(cudaStream_t s) {
   LtContext::get(s);
 }
 
-void launch_matmul(const MatmulParams<bf16>& p, cudaStream_t s) {
+void launch_matmul(const MatmulParams<bf16>& p, cudaStream_t s) { launch_matmul(p, DenseGemmKind::Auto, s); }
+
+void launch_matmul(const MatmulParams<bf16>& p, DenseGemmKind kind, cudaStream_t s) {
   if (p.m == 0) return;
-  Blas::get().gemm(p.x, p.w, p.bias, p.out, false, p.m, p.n, p.k, s);
+  if (kind == DenseGemmKind::Auto) {
+    // NOTE: measured on H200 (bench kernel mode, 2026-12-04): streaming beats cuBLASLt at 1 and 2
+    // rows (30B qkv 14.0 vs 17.4 us, o_proj 12.6 vs 17.4, router 8.9 vs 15.1) and loses from 4 on
+    // (qkv 18.9 vs 17.1 us at 4, 26.5 vs 17.2 at 8), where its accumulators crowd the registers.
+    kind = p.m <= 2 && streaming_matmul_supported(p) ? DenseGemmKind::Streaming : DenseGemmKind::Cublas;
+  }
+  if (kind == DenseGemmKind::Streaming) {
+    launch_streaming_matmul(p, s);
+  } else {
+    Blas::get().gemm(p.x, p.w, p.bias, p.out, false, p.m, p.n, p.k, s);
+  }
 }
 
 bool fp8_block_matmul_cublaslt_supported(int m, int n, int k) {
@@ -285,8 +300,8 @@ void launch_lm_head(const LmHeadParams<bf16>& p, cudaStream_t s) {
   if (p.num_rows == 0) return;
   auto* gathered = static_cast<bf16*>(
       per_stream<DeviceWorkspace, GatherTag>(s).get(static_cast<size_t>(p.num_rows) * p.hidden * sizeof(bf16), s, "lm_head gather"));
-  gather_rows_kernel<<<p.num_rows, 128, 0, s>>>(p.x, p.rows, gathered, p.hidden);
-  RELAY_CUDA_CHECK_LAUNCH("gather_rows_kernel");
+  launch_dependent("gather_rows_kernel", gather_rows_kernel, dim3(p.num_rows), dim3(128), 0, s, p.x, p.rows, gathered,
+                   p.hidden);
   Blas::get().gemm(gathered, p.w, nullptr, p.logits, true, p.num_rows, p.vocab_size, p.hidden, s);
 }
 

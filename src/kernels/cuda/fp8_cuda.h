@@ -29,12 +29,14 @@ using bf16 = __nv_bfloat16;
 void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t s);
 
 // quant::Fp8PermuteRowsParams on the GPU (k a multiple of 16): one warp per token reads its codes
-// and scales once and writes them to its top_k permuted rows.
+// and scales once and writes them to its top_k permuted rows (with live_tokens, the warps of a
+// capped grid stride over the live tokens, as launch_moe_permute's row copy).
 void launch_fp8_permute_rows(const quant::Fp8PermuteRowsParams& p, cudaStream_t s);
 
 // The down projection's input in one pass: h = bf16(silu(gate) * up) exactly as launch_swiglu
 // computes it, then quantised as launch_fp8_act_quant would quantise h. So the result equals
-// launch_swiglu followed by launch_fp8_act_quant, bit for bit, without writing h.
+// launch_swiglu followed by launch_fp8_act_quant, bit for bit, without writing h (with live_rows:
+// both given the same bound, the dead rows' codes and scales left unwritten).
 struct SwigluFp8QuantParams {
   const bf16* gate_up = nullptr;  // [num_rows, 2 * width], gate then up (as SwigluParams)
   uint8_t* q = nullptr;           // [num_rows, width] e4m3 codes of h
@@ -42,6 +44,7 @@ struct SwigluFp8QuantParams {
   int num_rows = 0;
   int width = 0;
   bool group_major_scales = false;  // as quant::Fp8ActQuantParams::group_major_scales
+  LiveRows live_rows = {};          // as SwigluParams::live_rows; none: every row
 };
 void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s);
 

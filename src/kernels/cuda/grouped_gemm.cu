@@ -6,10 +6,8 @@
 // experts); each CTA finds its expert and m tile with a warp scan over expert_offsets, so the
 // host never reads the routing and CTAs past the real tile count exit at once. n tiles vary
 // fastest so the CTAs resident together share one x tile in L2.
-// Streaming (decode, a few rows per expert): the weights dominate the bytes, so each CTA streams a
-// 32-column slice of one *active* expert's weight with 16-byte loads, several in flight per lane,
-// and multiplies it with that expert's rows (staged in shared memory, 4 at a time). Only experts
-// that received rows are visited, so batch 1 reads 8 experts' weights, not 128.
+// Streaming (decode, a few rows per expert): the weights dominate the bytes; the weight-streaming
+// kernel of streaming_gemm.cu visits only the experts that received rows.
 // Prefill (over 16 rows per expert on average) goes to CUTLASS's Hopper grouped kernel
 // (grouped_gemm_cutlass.cu) by default; the tiled kernel stays for 3-16 rows per expert.
 #include <cstdlib>
@@ -32,16 +30,16 @@ __device__ __forceinline__ int gemm_swizzle(int row, int chunk) {  // 8 chunks o
 }
 
 // Finds the expert owning global tile `target` when expert e spans ceil(rows_e / rows_per_tile)
-// tiles (active_only: one "tile" per non-empty expert). Run by one full warp; returns -1 past the end.
+// tiles. Run by one full warp; returns -1 past the end.
 __device__ int find_expert_tile(const int32_t* offsets, int num_experts, int target, int rows_per_tile,
-                                bool active_only, int* tile_in_expert) {
+                                int* tile_in_expert) {
   const int lane = threadIdx.x & 31;
   for (int base = 0; base < num_experts; base += 32) {
     const int e = base + lane;
     int count = 0;
     if (e < num_experts) {
       const int rows = offsets[e + 1] - offsets[e];
-      count = active_only ? (rows > 0) : (rows + rows_per_tile - 1) / rows_per_tile;
+      count = (rows + rows_per_tile - 1) / rows_per_tile;
     }
     int inclusive = count;
 #pragma unroll
@@ -73,7 +71,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) grouped_gemm_tiled_kernel(Moe
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp == 0) {
     int tile = 0;
-    const int e = find_expert_tile(p.expert_offsets, p.num_experts, blockIdx.y, kBm, false, &tile);
+    const int e = find_expert_tile(p.expert_offsets, p.num_experts, blockIdx.y, kBm, &tile);
     if (lane == 0) {
       cta_expert = e;
       cta_tile = tile;
@@ -180,97 +178,6 @@ __global__ void __launch_bounds__(kGemmThreads, 2) grouped_gemm_tiled_kernel(Moe
   }
 }
 
-constexpr int kStreamRows = 4;   // rows of one expert multiplied per pass over its weights
-constexpr int kStreamCols = 32;  // output columns per CTA (one step of each warp)
-constexpr int kStreamWarps = 4;
-constexpr int kColsPerStep = 8;  // weight rows each warp streams at once
-constexpr int kStreamUnroll = 4;  // 16-byte loads of each weight row in flight per lane
-
-// NOTE: batch-1 decode reads 8 experts x 1 row: each SM streams ~400 KB with every load a full
-// memory latency away, so the bytes in flight per warp set the speed. All kStreamUnroll x
-// kColsPerStep loads of a step are issued before any is used (32 x 16 bytes per lane).
-__global__ void __launch_bounds__(kStreamWarps * 32) grouped_gemm_streaming_kernel(MoeGroupedMatmulParams<bf16> p) {
-  extern __shared__ __align__(128) uint8_t stream_smem[];
-  __shared__ int cta_expert;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (warp == 0) {
-    int unused = 0;
-    const int e = find_expert_tile(p.expert_offsets, p.num_experts, blockIdx.y, 1, true, &unused);
-    if (lane == 0) cta_expert = e;
-  }
-  __syncthreads();
-  const int expert = cta_expert;
-  if (expert < 0) return;
-  const int begin = p.expert_offsets[expert], end = p.expert_offsets[expert + 1];
-  const int n0 = blockIdx.x * kStreamCols;
-  const int k_vecs = p.k / 8;
-  Bf16x8* xs = reinterpret_cast<Bf16x8*>(stream_smem);  // [kStreamRows][k_vecs]
-  const bf16* w = p.w + static_cast<int64_t>(expert) * p.n * p.k;
-
-  for (int row0 = begin; row0 < end; row0 += kStreamRows) {
-    const int rows = min(kStreamRows, end - row0);
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * k_vecs; i += blockDim.x) {
-      xs[i] = reinterpret_cast<const Bf16x8*>(p.x + static_cast<int64_t>(row0) * p.k)[i];
-    }
-    __syncthreads();
-    for (int c0 = n0 + warp * kColsPerStep; c0 < min(n0 + kStreamCols, p.n); c0 += kStreamWarps * kColsPerStep) {
-      float acc[kStreamRows][kColsPerStep] = {};
-      const Bf16x8* wrow[kColsPerStep];
-#pragma unroll
-      for (int c = 0; c < kColsPerStep; ++c) {
-        wrow[c] = reinterpret_cast<const Bf16x8*>(w + static_cast<int64_t>(min(c0 + c, p.n - 1)) * p.k);
-      }
-      for (int v0 = lane; v0 < k_vecs; v0 += 32 * kStreamUnroll) {
-        Bf16x8 raw[kStreamUnroll][kColsPerStep];
-#pragma unroll
-        for (int u = 0; u < kStreamUnroll; ++u) {
-          const int v = min(v0 + 32 * u, k_vecs - 1);  // past the end: a valid address, result unused
-#pragma unroll
-          for (int c = 0; c < kColsPerStep; ++c) {
-            uint32_t* r = reinterpret_cast<uint32_t*>(raw[u][c].v);
-            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                         : "l"(wrow[c] + v));
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kStreamUnroll; ++u) {
-          const int v = v0 + 32 * u;
-          if (v >= k_vecs) break;
-          float xf[kStreamRows][8];
-#pragma unroll
-          for (int r = 0; r < kStreamRows; ++r) {
-            if (r < rows) bf16x8_to_f32(xs[r * k_vecs + v], xf[r]);
-          }
-#pragma unroll
-          for (int c = 0; c < kColsPerStep; ++c) {
-            float wf[8];
-            bf16x8_to_f32(raw[u][c], wf);
-#pragma unroll
-            for (int r = 0; r < kStreamRows; ++r) {
-              if (r < rows) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[r][c] += xf[r][e] * wf[e];
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kStreamRows; ++r) {
-        if (r < rows) {
-#pragma unroll
-          for (int c = 0; c < kColsPerStep; ++c) {
-            const float sum = warp_sum(acc[r][c]);
-            if (lane == c && c0 + c < p.n) p.out[static_cast<int64_t>(row0 + r) * p.n + c0 + c] = __float2bfloat16(sum);
-          }
-        }
-      }
-    }
-  }
-}
-
 template <int kBm>
 void run_tiled(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
   constexpr int kSmem = kStages * (kBm + kBn) * kBk * 2;
@@ -300,22 +207,26 @@ GroupedGemmKind prefill_grouped_gemm_kind() {
   return kind;
 }
 
+GroupedGemmKind moe_grouped_matmul_auto_kind(const MoeGroupedMatmulParams<bf16>& p) {
+  // NOTE: measured on H200 (bench kernel mode, 2026-12-04): streaming wins at 1 row per active
+  // expert (30B gate_up, 8 experts: 22.0 vs 28.0 us; 235B, 16 experts 101 vs 103), the tensor-core
+  // tiles as soon as experts share rows (30B, 128 x 4: 216 vs 392 us) — and in the model from batch
+  // 8 (64 rows over 128 experts), whose tokens often pick the same experts: batch 8 decoded at
+  // 2,971 tok/s through the streaming kernel against 3,485 through the tiles. So streaming up to
+  // one row per four experts (batch 1-4 at top-8 of 128).
+  if (p.num_rows * 4 <= p.num_experts) return GroupedGemmKind::Streaming;
+  if (p.num_rows > 16 * p.num_experts) return prefill_grouped_gemm_kind();
+  return GroupedGemmKind::Tiled;
+}
+
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGemmKind kind, cudaStream_t s) {
   RELAY_CHECK(p.k % 8 == 0 && p.n % 8 == 0, "moe_grouped_matmul: n ", p.n, " and k ", p.k,
               " must be multiples of 8");
   if (p.num_rows == 0) return;
-  if (kind == GroupedGemmKind::Auto) {
-    // NOTE: measured on H200 (bench kernel mode, 2026-12-02): streaming wins at 1 row per active
-    // expert (30B gate_up, 8 experts: 1.94 vs 1.48 TB/s), the tensor-core tiles from 4 rows per
-    // expert on (2.85 vs 2.53 TB/s), and by far at 16 (2.84 vs 0.96).
-    if (p.num_rows <= 2 * p.num_experts) {
-      kind = GroupedGemmKind::Streaming;
-    } else if (p.num_rows > 16 * p.num_experts) {
-      kind = prefill_grouped_gemm_kind();
-    } else {
-      kind = GroupedGemmKind::Tiled;
-    }
-  }
+  if (kind == GroupedGemmKind::Auto) kind = moe_grouped_matmul_auto_kind(p);
+  RELAY_CHECK((!p.swiglu && p.permuted_index == nullptr) || kind == GroupedGemmKind::Streaming,
+              "moe_grouped_matmul: the ", grouped_gemm_kind_name(kind),
+              " kernel neither fuses SwiGLU nor gathers rows (only streaming does; see moe_grouped_matmul_auto_kind)");
   if (kind == GroupedGemmKind::CutlassCooperative || kind == GroupedGemmKind::CutlassPingpong) {
     launch_moe_grouped_matmul_cutlass(p, kind == GroupedGemmKind::CutlassCooperative, s);
   } else if (kind == GroupedGemmKind::Tiled) {
@@ -327,16 +238,7 @@ void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGem
       run_tiled<32>(p, s);
     }
   } else {
-    const int smem = kStreamRows * p.k * 2;
-    RELAY_CHECK(smem <= 200 * 1024, "moe_grouped_matmul: k ", p.k, " too large for the streaming kernel");
-    static int configured_smem = 0;
-    if (smem > configured_smem) {
-      RELAY_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_streaming_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      configured_smem = smem;
-    }
-    dim3 grid(ceil_div(p.n, kStreamCols), std::min(p.num_rows, p.num_experts));
-    grouped_gemm_streaming_kernel<<<grid, kStreamWarps * 32, smem, s>>>(p);
-    RELAY_CUDA_CHECK_LAUNCH("grouped_gemm_streaming_kernel");
+    launch_streaming_grouped_matmul(p, s);
   }
 }
 

@@ -8,6 +8,11 @@
 // result equals the CPU's stable counting sort exactly and needs no global atomics or second launch
 // for the offsets. A second kernel copies each token's row to its top_k places. Both read only
 // device data, so a decode step that routes on the GPU can be captured in a graph.
+//
+// LiveRows bounds (ops.h): every kernel builds the bound's LiveRowMap once per CTA in shared memory
+// and walks live rows only. The index kernel's warps split the live routed rows, not the capacity,
+// so a DP + EP receive buffer of 2 x 16384 slots holding a few tokens costs a few steps per warp;
+// the row copy and the combine take a capped grid that strides over the live tokens.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
 
@@ -21,6 +26,8 @@ constexpr int kMaxExpertsPerLane = 16;  // 512 experts
 constexpr int kPermuteThreads = 1024;
 
 __global__ void router_topk_kernel(MoeRouterTopkParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (t >= p.num_tokens) return;
@@ -89,12 +96,34 @@ __global__ void router_topk_kernel(MoeRouterTopkParams<bf16> p) {
 constexpr int kPermuteRowsPerLane = 4;
 constexpr int kPermuteStep = 32 * kPermuteRowsPerLane;
 
+// Grids of the kernels that stride over live tokens, when a bound is set (the count of live tokens
+// is known only on the device): enough CTAs to fill an H200 several times over.
+constexpr int kMaxLiveGridCtas = 2048;
+
+// The routed row of live routed row v (its token's live index v / top_k): v itself unbounded.
+__device__ __forceinline__ int live_routed_row(const LiveRowMap& live, bool bounded, int v,
+                                               int top_k) {
+  return bounded ? static_cast<int>(live.row(v / top_k)) * top_k + v % top_k : v;
+}
+
+// Thread 0 builds the CTA's map of the live rows; every thread returns after the barrier.
+__device__ __forceinline__ void load_live_map(LiveRowMap& map, const LiveRows& live, int num_rows) {
+  if (threadIdx.x == 0) map = live_row_map(live, num_rows);
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermuteParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   constexpr int kWarps = kPermuteThreads / 32;
   __shared__ int warp_below[kWarps], warp_mine[kWarps];
+  __shared__ LiveRowMap live;
   const int e = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int num_rows = p.num_tokens * p.top_k;
+  const bool bounded = p.live_tokens.counts != nullptr;
+  load_live_map(live, p.live_tokens, p.num_tokens);
+  // Rows below are live routed rows (live_routed_row maps them to (t, k) rows).
+  const int num_rows = live.total() * p.top_k;
   const int segment = (num_rows + kWarps * kPermuteStep - 1) / (kWarps * kPermuteStep) * kPermuteStep;
   const int seg_begin = warp * segment, seg_end = min(num_rows, seg_begin + segment);
   // Sweep 1: rows of lower experts (this expert's offset) and of this expert, per warp.
@@ -104,7 +133,7 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermu
     for (int j = 0; j < kPermuteRowsPerLane; ++j) {
       const int r = base + lane * kPermuteRowsPerLane + j;
       if (r < seg_end) {
-        const int id = p.topk_ids[r];
+        const int id = p.topk_ids[live_routed_row(live, bounded, r, p.top_k)];
         below += id < e;
         mine += id == e;
       }
@@ -135,7 +164,7 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermu
 #pragma unroll
     for (int j = 0; j < kPermuteRowsPerLane; ++j) {
       const int r = base + lane * kPermuteRowsPerLane + j;
-      hit[j] = r < seg_end && p.topk_ids[r] == e;
+      hit[j] = r < seg_end && p.topk_ids[live_routed_row(live, bounded, r, p.top_k)] == e;
       count += hit[j];
     }
     int inclusive = count;
@@ -147,7 +176,11 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermu
     int place = rank + inclusive - count;
 #pragma unroll
     for (int j = 0; j < kPermuteRowsPerLane; ++j) {
-      if (hit[j]) p.permuted_index[base + lane * kPermuteRowsPerLane + j] = place++;
+      // The row is mapped again rather than kept: at most one in num_experts rows is a hit, and
+      // four more live registers made the kernel spill at 1024 threads.
+      if (hit[j])
+        p.permuted_index[live_routed_row(live, bounded, base + lane * kPermuteRowsPerLane + j,
+                                         p.top_k)] = place++;
     }
     rank += __shfl_sync(0xffffffffu, inclusive, 31);
   }
@@ -156,56 +189,73 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermu
 // One warp per token: the token's row is read once and written to its top_k permuted rows. A CTA
 // holds kPermuteRowWarps tokens, so a launch is a few thousand CTAs rather than one tiny CTA per
 // routed row (which left the copy at a third of the device's bandwidth); every lane issues all its
-// loads before its stores.
+// loads before its stores. Unbounded, each warp copies one token; with live_tokens the warps stride
+// over the live tokens. Permuted rows outside copied_rows are skipped (the whole warp agrees).
 constexpr int kPermuteRowWarps = 8;
 constexpr int kPermuteMaxTopK = 32;
 
 __global__ void __launch_bounds__(kPermuteRowWarps * 32) permute_rows_kernel(MoePermuteParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
+  __shared__ LiveRowMap live;
+  load_live_map(live, p.live_tokens, p.num_tokens);
   const int lane = threadIdx.x & 31;
-  const int t = blockIdx.x * kPermuteRowWarps + (threadIdx.x >> 5);
-  if (t >= p.num_tokens) return;
-  const int dest = lane < p.top_k ? p.permuted_index[static_cast<int64_t>(t) * p.top_k + lane] : 0;
-  const Bf16x8* src = reinterpret_cast<const Bf16x8*>(p.x + static_cast<int64_t>(t) * p.hidden);
   Bf16x8* out = reinterpret_cast<Bf16x8*>(p.permuted_x);
   const int vecs = p.hidden / 8;
-  constexpr int kUnroll = 4;
-  for (int base = 0; base < vecs; base += 32 * kUnroll) {
-    Bf16x8 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < vecs) v[u] = src[i];
-    }
-    for (int k = 0; k < p.top_k; ++k) {
-      const int64_t row = __shfl_sync(0xffffffffu, dest, k);
+  for (int v_tok = blockIdx.x * kPermuteRowWarps + (threadIdx.x >> 5); v_tok < live.total();
+       v_tok += gridDim.x * kPermuteRowWarps) {
+    const int64_t t = live.row(v_tok);
+    const int dest = lane < p.top_k ? copy_destination(p.permuted_index, p.copied_rows, t, p.top_k, lane) : -1;
+    const Bf16x8* src = reinterpret_cast<const Bf16x8*>(p.x + t * p.hidden);
+    constexpr int kUnroll = 4;
+    for (int base = 0; base < vecs; base += 32 * kUnroll) {
+      Bf16x8 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
-        if (i < vecs) out[row * vecs + i] = v[u];
+        if (i < vecs) v[u] = src[i];
+      }
+      for (int k = 0; k < p.top_k; ++k) {
+        const int64_t row = __shfl_sync(0xffffffffu, dest, k);
+        if (row < 0) continue;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int i = base + u * 32 + lane;
+          if (i < vecs) out[row * vecs + i] = v[u];
+        }
       }
     }
   }
 }
 
+// One CTA per token; with live_tokens the CTAs stride over the live tokens.
 __global__ void unpermute_combine_kernel(MoeUnpermuteCombineParams<bf16> p) {
-  const int t = blockIdx.x;
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
+  __shared__ LiveRowMap live;
+  load_live_map(live, p.live_tokens, p.num_tokens);
   const int num_vecs = p.hidden / 8;
-  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
-    float acc[8] = {};
-    for (int k = 0; k < p.top_k; ++k) {
-      const float w = p.topk_weights[static_cast<int64_t>(t) * p.top_k + k];
-      if (w == 0.0f) continue;  // an absent expert's row: never computed (ops.h)
-      const int64_t row = p.permuted_index[static_cast<int64_t>(t) * p.top_k + k];
-      float v[8];
-      bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.expert_out + row * p.hidden)[i], v);
+  for (int v_tok = blockIdx.x; v_tok < live.total(); v_tok += gridDim.x) {
+    const int64_t t = live.row(v_tok);
+    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+      float acc[8] = {};
+      for (int k = 0; k < p.top_k; ++k) {
+        const float w = p.topk_weights[t * p.top_k + k];
+        if (w == 0.0f) continue;  // an absent expert's row: never computed (ops.h)
+        const int64_t row = p.permuted_index[t * p.top_k + k];
+        float v[8];
+        bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.expert_out + row * p.hidden)[i], v);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] += v[j] * w;
+        for (int j = 0; j < 8; ++j) acc[j] += v[j] * w;
+      }
+      reinterpret_cast<Bf16x8*>(p.out + t * p.hidden)[i] = f32_to_bf16x8(acc);
     }
-    reinterpret_cast<Bf16x8*>(p.out + static_cast<int64_t>(t) * p.hidden)[i] = f32_to_bf16x8(acc);
   }
 }
 
 __global__ void localize_experts_kernel(MoeLocalizeExpertsParams p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= p.num_rows) return;
   const int32_t local = p.topk_ids[r] - p.expert_begin;
@@ -221,8 +271,8 @@ void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, cudaStream_t
               "moe_localize_experts: rows ", p.num_rows, ", experts [", p.expert_begin, ", +",
               p.num_local_experts, ")");
   if (p.num_rows == 0) return;
-  localize_experts_kernel<<<ceil_div(p.num_rows, 256), 256, 0, s>>>(p);
-  RELAY_CUDA_CHECK(cudaGetLastError());
+  launch_dependent("localize_experts_kernel", localize_experts_kernel, dim3(ceil_div(p.num_rows, 256)), dim3(256), 0, s,
+                   p);
 }
 
 void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s) {
@@ -231,26 +281,42 @@ void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s) 
               "moe_router_topk: ", p.num_experts, " experts, top_k ", p.top_k, " (at most ",
               32 * kMaxExpertsPerLane, " experts, top_k in [1, 32])");
   if (p.num_tokens == 0) return;
-  router_topk_kernel<<<ceil_div(p.num_tokens, 4), 128, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("router_topk_kernel");
+  launch_dependent("router_topk_kernel", router_topk_kernel, dim3(ceil_div(p.num_tokens, 4)), dim3(128), 0, s, p);
+}
+
+// CTAs for `units` units of work, `per_cta` per CTA: all of them unbounded (one pass), capped with
+// a bound (the kernels stride over the live units).
+int live_grid(int64_t units, int per_cta, bool bounded) {
+  const int ctas = ceil_div(units, per_cta);
+  return bounded ? std::min(ctas, kMaxLiveGridCtas) : ctas;
 }
 
 void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.hidden % 8 == 0, "moe_permute: hidden ", p.hidden, " must be a multiple of 8");
   RELAY_CHECK(p.top_k >= 1 && p.top_k <= kPermuteMaxTopK, "moe_permute: top_k ", p.top_k, " must be in [1, ",
               kPermuteMaxTopK, "]");
-  permute_index_kernel<<<p.num_experts, kPermuteThreads, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("permute_index_kernel");
+  RELAY_CHECK(live_rows_valid(p.live_tokens, p.num_tokens), "moe_permute: live_tokens.region_rows ",
+              p.live_tokens.region_rows, " must be positive with at most ", kMaxLiveRegions,
+              " regions over ", p.num_tokens, " tokens");
+  RELAY_CHECK(live_rows_valid(p.copied_rows, int64_t{p.num_tokens} * p.top_k),
+              "moe_permute: copied_rows.region_rows ", p.copied_rows.region_rows,
+              " must be positive with at most ", kMaxLiveRegions, " regions over ",
+              int64_t{p.num_tokens} * p.top_k, " rows");
+  launch_dependent("permute_index_kernel", permute_index_kernel, dim3(p.num_experts), dim3(kPermuteThreads), 0, s, p);
   if (p.num_tokens == 0 || p.permuted_x == nullptr) return;
-  permute_rows_kernel<<<ceil_div(p.num_tokens, kPermuteRowWarps), kPermuteRowWarps * 32, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("permute_rows_kernel");
+  const int blocks = live_grid(p.num_tokens, kPermuteRowWarps, p.live_tokens.counts != nullptr);
+  launch_dependent("permute_rows_kernel", permute_rows_kernel, dim3(blocks), dim3(kPermuteRowWarps * 32), 0, s, p);
 }
 
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.hidden % 8 == 0, "moe_unpermute_combine: hidden ", p.hidden, " must be a multiple of 8");
+  RELAY_CHECK(live_rows_valid(p.live_tokens, p.num_tokens),
+              "moe_unpermute_combine: live_tokens.region_rows ", p.live_tokens.region_rows,
+              " must be positive with at most ", kMaxLiveRegions, " regions over ", p.num_tokens,
+              " tokens");
   if (p.num_tokens == 0) return;
-  unpermute_combine_kernel<<<p.num_tokens, 128, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("unpermute_combine_kernel");
+  const int blocks = live_grid(p.num_tokens, 1, p.live_tokens.counts != nullptr);
+  launch_dependent("unpermute_combine_kernel", unpermute_combine_kernel, dim3(blocks), dim3(128), 0, s, p);
 }
 
 }  // namespace relay::kernels

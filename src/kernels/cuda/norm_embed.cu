@@ -17,6 +17,8 @@ constexpr int kNormVecsPerThread = 4;
 constexpr int kMaxHidden = kNormThreads * kNormVecsPerThread * 8;  // 8192
 
 __global__ void embedding_kernel(EmbeddingParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const int t = blockIdx.x;
   const int64_t id = p.token_ids[t];
   const Bf16x8* src = reinterpret_cast<const Bf16x8*>(p.table + id * p.hidden);
@@ -26,6 +28,8 @@ __global__ void embedding_kernel(EmbeddingParams<bf16> p) {
 
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<bf16> p) {
   __shared__ float scratch[32];
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * p.hidden;
   const int num_vecs = p.hidden / 8;
   float v[kNormVecsPerThread][8];
@@ -62,18 +66,24 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<bf
   }
 }
 
+// Grid-stride over the live rows' 16-byte vectors (every row without a bound).
 __global__ void swiglu_kernel(SwigluParams<bf16> p) {
+  __shared__ LiveRowMap live;
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
+  if (threadIdx.x == 0) live = live_row_map(p.live_rows, p.num_rows);
+  __syncthreads();
   const int64_t vecs_per_row = p.width / 8;
-  const int64_t total = vecs_per_row * p.num_rows;
+  const int64_t total = vecs_per_row * live.total();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / vecs_per_row, c = i % vecs_per_row;
+    const int64_t r = live.row(static_cast<int>(i / vecs_per_row)), c = i % vecs_per_row;
     const Bf16x8* row = reinterpret_cast<const Bf16x8*>(p.gate_up + r * 2 * p.width);
     float g[8], u[8];
     bf16x8_to_f32(row[c], g);
     bf16x8_to_f32(row[c + vecs_per_row], u);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) g[e] = g[e] / (1.0f + __expf(-g[e])) * u[e];
+    for (int e = 0; e < 8; ++e) g[e] = silu_mul(g[e], u[e]);
     reinterpret_cast<Bf16x8*>(p.out + r * p.width)[c] = f32_to_bf16x8(g);
   }
 }
@@ -83,25 +93,25 @@ __global__ void swiglu_kernel(SwigluParams<bf16> p) {
 void launch_embedding(const EmbeddingParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.hidden % 8 == 0, "embedding: hidden ", p.hidden, " must be a multiple of 8");
   if (p.num_tokens == 0) return;
-  embedding_kernel<<<p.num_tokens, 128, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("embedding_kernel");
+  launch_dependent("embedding_kernel", embedding_kernel, dim3(p.num_tokens), dim3(128), 0, s, p);
 }
 
 void launch_rms_norm(const RmsNormParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.hidden % 8 == 0 && p.hidden <= kMaxHidden, "rms_norm: hidden ", p.hidden,
               " must be a multiple of 8 and at most ", kMaxHidden);
   if (p.num_tokens == 0) return;
-  rms_norm_kernel<<<p.num_tokens, kNormThreads, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("rms_norm_kernel");
+  launch_dependent("rms_norm_kernel", rms_norm_kernel, dim3(p.num_tokens), dim3(kNormThreads), 0, s, p);
 }
 
 void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.width % 8 == 0, "swiglu: width ", p.width, " must be a multiple of 8");
+  RELAY_CHECK(live_rows_valid(p.live_rows, p.num_rows), "swiglu: live_rows.region_rows ",
+              p.live_rows.region_rows, " must be positive with at most ", kMaxLiveRegions,
+              " regions over ", p.num_rows, " rows");
   if (p.num_rows == 0) return;
   const int64_t total = static_cast<int64_t>(p.num_rows) * p.width / 8;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(total, 256), 132 * 16));
-  swiglu_kernel<<<blocks, 256, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("swiglu_kernel");
+  launch_dependent("swiglu_kernel", swiglu_kernel, dim3(blocks), dim3(256), 0, s, p);
 }
 
 }  // namespace relay::kernels

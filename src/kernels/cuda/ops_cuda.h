@@ -26,13 +26,32 @@ void launch_rms_norm(const RmsNormParams<bf16>& p, cudaStream_t s);
 // cublasLtCreate waits for the whole device, so a sharded rank must not call it while its peers
 // may be spinning in a collective (CudaBackend prepares every rank's stream before any step).
 void prepare_blas_stream(cudaStream_t s);
-// Dense x @ w^T through cuBLASLt (bf16 in/out, fp32 accumulation); plans are cached per shape.
+// Dense x @ w^T (bf16 in/out, fp32 accumulation): the weight-streaming kernel at one or two rows
+// (decode, where the weights are all the bytes), cuBLASLt otherwise (plans cached per shape). The
+// kind forces one (tests, the benchmark); Streaming takes up to kMaxStreamingRows rows and needs
+// streaming_matmul_supported.
+enum class DenseGemmKind { Auto, Cublas, Streaming };
 void launch_matmul(const MatmulParams<bf16>& p, cudaStream_t s);
+void launch_matmul(const MatmulParams<bf16>& p, DenseGemmKind kind, cudaStream_t s);
+inline const char* dense_gemm_kind_name(DenseGemmKind kind) {
+  switch (kind) {
+    case DenseGemmKind::Auto: return "auto";
+    case DenseGemmKind::Cublas: return "cublas";
+    case DenseGemmKind::Streaming: return "streaming";
+  }
+  return "?";
+}
+// The weight-streaming kernels (streaming_gemm.cu): dense at 1 to kMaxStreamingRows rows (k a
+// multiple of 8, x and w 16-byte aligned), and grouped over the active experts.
+constexpr int kMaxStreamingRows = 8;
+bool streaming_matmul_supported(const MatmulParams<bf16>& p);
+void launch_streaming_matmul(const MatmulParams<bf16>& p, cudaStream_t s);
+void launch_streaming_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s);
 void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaStream_t s);
 // Flash-style paged attention on tensor cores. A CTA owns one KV head and a tile of (token, q head)
 // rows of one sequence, so the q heads sharing a KV head read each K/V tile once. When every
 // sequence has exactly one new token (decode) the context is also split across CTAs (split-K) and
-// a second kernel combines the partial softmaxes.
+// the last CTA of each (sequence, KV head) merges the partial softmaxes.
 void launch_paged_attention(const PagedAttentionParams<bf16>& p, cudaStream_t s);
 // Which kernel serves batches with a multi-token sequence (exposed so tests and the benchmark can
 // force each): the mma.sync kernel (any head_dim, any GPU since sm_80) or the wgmma kernel
@@ -40,6 +59,9 @@ void launch_paged_attention(const PagedAttentionParams<bf16>& p, cudaStream_t s)
 // exists. Decode batches always take the split-K mma.sync kernel.
 enum class PrefillAttentionKind { Auto, MmaSync, Wgmma };
 void launch_paged_attention(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, cudaStream_t s);
+// The decode kernel with its split count forced (0: the cost model's choice, as
+// launch_paged_attention), for tests and the benchmark's sweep; capped at 64.
+void launch_decode_attention(const PagedAttentionParams<bf16>& p, int num_splits, cudaStream_t s);
 inline const char* prefill_attention_kind_name(PrefillAttentionKind kind) {
   switch (kind) {
     case PrefillAttentionKind::Auto: return "auto";
@@ -82,6 +104,11 @@ inline const char* grouped_gemm_kind_name(GroupedGemmKind kind) {
 // names another (tiled, cutlass_cooperative, cutlass_pingpong), which the benchmark uses to time
 // the model with each. Read once per process; an unknown name throws.
 GroupedGemmKind prefill_grouped_gemm_kind();
+// The kind Auto runs for p (by rows per expert on average). Only Streaming takes p.swiglu and
+// p.permuted_index (at most kMaxGatheredRows rows: its row -> token map lives in shared memory), so
+// a caller fusing either asks this first.
+constexpr int kMaxGatheredRows = 1024;
+GroupedGemmKind moe_grouped_matmul_auto_kind(const MoeGroupedMatmulParams<bf16>& p);
 // The CUTLASS variants themselves (called through launch_moe_grouped_matmul).
 void launch_moe_grouped_matmul_cutlass(const MoeGroupedMatmulParams<bf16>& p, bool cooperative,
                                        cudaStream_t s);

@@ -37,6 +37,8 @@ __device__ __forceinline__ const bf16* head_input(const QkNormRopeKvWriteParams<
 
 __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
   __shared__ float cos_s[kMaxHeadDim / 2], sin_s[kMaxHeadDim / 2];
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const int t = blockIdx.x;
   const int lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
   const int hd = p.head_dim, half = hd / 2;
@@ -138,8 +140,7 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaSt
   const int num_heads = p.num_q_heads + 2 * p.num_kv_heads;
   const int heads_per_cta = kWarps * (32 * kElemsPerLane / p.head_dim);
   const dim3 grid(p.num_tokens, p.num_tokens >= kOneCtaPerTokenFrom ? 1 : ceil_div(num_heads, heads_per_cta));
-  qk_norm_rope_kv_write_kernel<<<grid, kWarps * 32, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("qk_norm_rope_kv_write_kernel");
+  launch_dependent("qk_norm_rope_kv_write_kernel", qk_norm_rope_kv_write_kernel, grid, dim3(kWarps * 32), 0, s, p);
 }
 
 }  // namespace relay::kernels

@@ -22,10 +22,14 @@
 //   recv_ids      int32 [R][max_tokens][k]       local expert ids; absent beyond a region's count
 //   combine_recv  bf16  [R][max_tokens][H]       partial sums, region = destination rank
 //   token_slots   int32 [max_tokens][kMaxRanks]  local: the slot token t got at rank d, or -1
-// Slots beyond a source's count get absent ids and zero weights, so the expert layers can run on
-// the whole receive buffer — R x max_tokens rows, a fixed shape — and the absent rows are never
-// computed (the permute sorts them last, as in run_local_experts). The expert output for the
-// combine is [R x max_tokens, H] in the same row order.
+// The expert layers' launches keep the whole receive buffer's shape — R x max_tokens rows, fixed,
+// so decode graphs replay — and their work follows what arrived: they take MoeSignals::recv_count
+// (ThreadPeerGroup::recv_counts) as a device-side bound, kernels::LiveRows with region_rows =
+// max_tokens, and touch only the slots below each region's count. Slots beyond a source's count
+// still get absent ids and zero weights, so an op run without the bound is correct too (the permute
+// sorts them last with the absent expert, as in run_local_experts, and they are never computed).
+// The expert output for the combine is [R x max_tokens, H] in the same row order; the combine
+// reads back only the slots below the counts, so the other rows need not be written.
 //
 // Ordering (why no extra barrier protects buffer reuse): s's next dispatch into d's receive buffer
 // follows s's combine, which waited for d's combine signal, which d sends only after its experts

@@ -2,6 +2,7 @@
 #include "parallel/cuda/thread_peer_group.h"
 
 #include <algorithm>
+#include <cstddef>
 
 #include "core/error.h"
 #include "parallel/cuda/all_reduce_select.h"
@@ -163,6 +164,9 @@ const int32_t* ThreadPeerGroup::recv_ids(int rank) const {
 }
 const float* ThreadPeerGroup::recv_weights(int rank) const {
   return reinterpret_cast<const float*>(moe_windows_.at(rank) + moe_layout_.recv_weights);
+}
+const int32_t* ThreadPeerGroup::recv_counts(int rank) const {
+  return reinterpret_cast<const int32_t*>(moe_windows_.at(rank) + offsetof(MoeSignals, recv_count));
 }
 
 }  // namespace relay::parallel::cuda

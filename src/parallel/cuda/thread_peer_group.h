@@ -64,6 +64,11 @@ class ThreadPeerGroup {
   const bf16* recv_hidden(int rank) const;
   const int32_t* recv_ids(int rank) const;
   const float* recv_weights(int rank) const;
+  // Rank r's receive counts on its device, [size()]: how many tokens each source sent in the last
+  // dispatch (MoeSignals::recv_count), valid on rank r's stream after its moe_dispatch. The expert
+  // ops take them as a bound (kernels::LiveRows with region_rows = max_tokens_per_rank), so their
+  // work follows the tokens received and the launches keep the buffer's fixed shape.
+  const int32_t* recv_counts(int rank) const;
 
  private:
   class Communicator;

@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/ops.h"
 
@@ -359,6 +360,193 @@ TEST_F(CpuOps, GroupedMatmulWithNoRowsIsANoOp) {
   float sentinel = 42.0f;
   launch_moe_grouped_matmul({nullptr, nullptr, offsets.data(), &sentinel, 0, 4, 3, 2}, pool);
   EXPECT_EQ(sentinel, 42.0f);
+}
+
+// ---- LiveRows bounds (ops.h): ops over a fixed-capacity buffer touch only its live rows ----
+
+TEST_F(CpuOps, LiveRowMapWalksTheLiveRowsInRowOrder) {
+  // 10 rows in regions of 4 (the last holds 2): counts above a region's size mean all of it, and
+  // negative counts none.
+  const std::vector<int32_t> counts{2, 0, 5};
+  const LiveRows live{counts.data(), 4};
+  const LiveRowMap map = live_row_map(live, 10);
+  ASSERT_EQ(map.total(), 4);
+  std::vector<int64_t> rows;
+  for (int v = 0; v < map.total(); ++v) rows.push_back(map.row(v));
+  EXPECT_EQ(rows, (std::vector<int64_t>{0, 1, 8, 9}));
+  for (int64_t r = 0; r < 10; ++r)
+    EXPECT_EQ(is_live_row(live, r), std::find(rows.begin(), rows.end(), r) != rows.end()) << r;
+
+  const std::vector<int32_t> none{-3, 0};
+  EXPECT_EQ(live_row_map({none.data(), 5}, 10).total(), 0);
+  EXPECT_FALSE(is_live_row({none.data(), 5}, 0));
+  // One region bounds a prefix; no bound is every row.
+  const int32_t n = 3;
+  EXPECT_EQ(live_row_map({&n, 7}, 7).total(), 3);
+  EXPECT_EQ(live_row_map({&n, 7}, 7).row(2), 2);
+  EXPECT_FALSE(is_live_row({&n, 7}, 3));
+  EXPECT_EQ(live_row_map({}, 7).total(), 7);
+  EXPECT_EQ(live_row_map({}, 7).row(6), 6);
+  EXPECT_TRUE(is_live_row({}, 6));
+
+  EXPECT_TRUE(live_rows_valid({counts.data(), 2}, 16));
+  EXPECT_FALSE(live_rows_valid({counts.data(), 2}, 17));  // 9 regions
+  EXPECT_FALSE(live_rows_valid({counts.data(), 0}, 4));
+}
+
+// Tokens of a DP + EP receive buffer: `regions` regions of `slots` tokens, region g filled up to
+// counts[g]. Dead tokens hold garbage the bounded ops must not read: ids out of range, NaN rows.
+struct ReceiveBuffer {
+  int slots, tokens;
+  std::vector<int32_t> counts, ids, live;  // live: the live tokens, in order
+  std::vector<float> x;
+};
+
+ReceiveBuffer receive_buffer(std::vector<int32_t> counts, int slots, int experts, int k, int hidden,
+                             std::mt19937& rng) {
+  ReceiveBuffer b{slots, static_cast<int>(counts.size()) * slots, std::move(counts), {}, {}, {}};
+  b.ids.assign(static_cast<size_t>(b.tokens) * k, 1 << 20);
+  b.x.assign(static_cast<size_t>(b.tokens) * hidden, std::numeric_limits<float>::quiet_NaN());
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (int t = 0; t < b.tokens; ++t) {
+    if (!is_live_row({b.counts.data(), slots}, t)) continue;
+    b.live.push_back(t);
+    std::vector<int32_t> pick(experts);
+    std::iota(pick.begin(), pick.end(), 0);
+    std::shuffle(pick.begin(), pick.end(), rng);
+    std::copy_n(pick.begin(), k, b.ids.begin() + static_cast<size_t>(t) * k);
+    for (int i = 0; i < hidden; ++i) b.x[static_cast<size_t>(t) * hidden + i] = d(rng);
+  }
+  return b;
+}
+
+TEST_F(CpuOps, BoundedPermuteIsThePermuteOfTheLiveTokensAlone) {
+  const int experts = 5, k = 2, hidden = 6, slots = 4;
+  for (const std::vector<int32_t>& counts :
+       {std::vector<int32_t>{2, 0, 3}, std::vector<int32_t>{4, 9, -1},
+        std::vector<int32_t>{0, 0}}) {
+    for (bool skip_last_expert : {false, true}) {
+      ReceiveBuffer b = receive_buffer(counts, slots, experts, k, hidden, rng);
+      const int live = static_cast<int>(b.live.size());
+      // The reference: the unbounded op on the live tokens packed together.
+      std::vector<int32_t> ids_c;
+      std::vector<float> x_c;
+      for (int t : b.live) {
+        ids_c.insert(ids_c.end(), b.ids.begin() + t * k, b.ids.begin() + (t + 1) * k);
+        x_c.insert(x_c.end(), b.x.begin() + t * hidden, b.x.begin() + (t + 1) * hidden);
+      }
+      std::vector<float> px_c(static_cast<size_t>(live) * k * hidden);
+      std::vector<int32_t> pidx_c(static_cast<size_t>(live) * k), off_c(experts + 1);
+      launch_moe_permute({x_c.data(), ids_c.data(), px_c.data(), pidx_c.data(), off_c.data(), live,
+                          hidden, experts, k},
+                         pool);
+
+      const float sentinel = 42.0f;
+      std::vector<float> px(static_cast<size_t>(b.tokens) * k * hidden, sentinel);
+      std::vector<int32_t> pidx(static_cast<size_t>(b.tokens) * k, -7), off(experts + 1, -7);
+      MoePermuteParams<float> p{b.x.data(),  b.ids.data(), px.data(),
+                                pidx.data(), off.data(),   b.tokens,
+                                hidden,      experts,      k};
+      p.live_tokens = {b.counts.data(), slots};
+      // The last expert as an EP rank's absent one: its rows are placed but not copied.
+      if (skip_last_expert) p.copied_rows = {&off[experts - 1], b.tokens * k};
+      launch_moe_permute(p, pool);
+      EXPECT_EQ(off, off_c);
+      for (int c = 0; c < live; ++c)
+        for (int j = 0; j < k; ++j) EXPECT_EQ(pidx[b.live[c] * k + j], pidx_c[c * k + j]);
+      for (int t = 0; t < b.tokens; ++t) {
+        if (std::find(b.live.begin(), b.live.end(), t) != b.live.end()) continue;
+        for (int j = 0; j < k; ++j) EXPECT_EQ(pidx[t * k + j], -7) << "dead token " << t;
+      }
+      const int copied = skip_last_expert ? off_c[experts - 1] : live * k;
+      for (size_t i = 0; i < px.size(); ++i) {
+        if (i < static_cast<size_t>(copied) * hidden)
+          ASSERT_EQ(px[i], px_c[i]) << "permuted element " << i;
+        else
+          ASSERT_EQ(px[i], sentinel) << "permuted element " << i << " was written";
+      }
+    }
+  }
+}
+
+TEST_F(CpuOps, BoundedCombineWritesOnlyTheLiveTokens) {
+  const int k = 3, hidden = 5, slots = 3;
+  const std::vector<int32_t> counts{1, 3, 0, 2};
+  const int tokens = static_cast<int>(counts.size()) * slots, rows = tokens * k;
+  auto expert_out = random_vec(static_cast<size_t>(rows) * hidden, rng);
+  auto weights = random_vec(static_cast<size_t>(rows), rng);
+  std::vector<int32_t> pidx(rows);
+  std::iota(pidx.begin(), pidx.end(), 0);
+  std::shuffle(pidx.begin(), pidx.end(), rng);
+  std::vector<float> want(static_cast<size_t>(tokens) * hidden);
+  launch_moe_unpermute_combine(
+      {expert_out.data(), pidx.data(), weights.data(), want.data(), tokens, hidden, k}, pool);
+  // Dead tokens' index and weights are garbage the bounded op must not follow.
+  const LiveRows live{counts.data(), slots};
+  for (int t = 0; t < tokens; ++t) {
+    if (is_live_row(live, t)) continue;
+    for (int j = 0; j < k; ++j) {
+      pidx[t * k + j] = 1 << 28;
+      weights[t * k + j] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+  std::vector<float> out(want.size(), 42.0f);
+  MoeUnpermuteCombineParams<float> p{
+      expert_out.data(), pidx.data(), weights.data(), out.data(), tokens, hidden, k};
+  p.live_tokens = live;
+  launch_moe_unpermute_combine(p, pool);
+  for (int t = 0; t < tokens; ++t) {
+    for (int i = 0; i < hidden; ++i) {
+      const size_t at = static_cast<size_t>(t) * hidden + i;
+      EXPECT_EQ(out[at], is_live_row(live, t) ? want[at] : 42.0f) << "token " << t;
+    }
+  }
+}
+
+TEST_F(CpuOps, BoundedSwigluComputesOnlyTheLiveRows) {
+  const int rows = 9, width = 7;
+  auto gu = random_vec(static_cast<size_t>(rows) * 2 * width, rng, 4.0f);
+  std::vector<float> want(static_cast<size_t>(rows) * width);
+  launch_swiglu({gu.data(), want.data(), rows, width}, pool);
+  const int32_t prefix = 4;                    // the rows of an EP rank's own experts
+  const std::vector<int32_t> counts{2, 0, 1};  // regions of 3 rows
+  for (const LiveRows& live : {LiveRows{&prefix, rows}, LiveRows{counts.data(), 3}}) {
+    std::vector<float> in = gu;
+    for (int r = 0; r < rows; ++r) {
+      if (is_live_row(live, r)) continue;
+      std::fill_n(in.begin() + static_cast<size_t>(r) * 2 * width, 2 * width,
+                  std::numeric_limits<float>::quiet_NaN());
+    }
+    std::vector<float> out(want.size(), 42.0f);
+    SwigluParams<float> p{in.data(), out.data(), rows, width};
+    p.live_rows = live;
+    launch_swiglu(p, pool);
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < width; ++i) {
+        const size_t at = static_cast<size_t>(r) * width + i;
+        EXPECT_EQ(out[at], is_live_row(live, r) ? want[at] : 42.0f) << "row " << r;
+      }
+    }
+  }
+}
+
+// The fused gate_up + SwiGLU form is the grouped matmul then swiglu, over the experts' rows only:
+// rows past expert_offsets[num_experts] (an EP rank's absent experts) stay untouched.
+TEST_F(CpuOps, GroupedMatmulWithSwigluIsTheTwoOpsInTurn) {
+  const int experts = 3, n = 10, k = 16, rows = 7;
+  const std::vector<int32_t> offsets{0, 2, 2, 5};  // rows 5 and 6 belong to no expert here
+  auto x = random_vec(static_cast<size_t>(rows) * k, rng, 1.0f);
+  auto w = random_vec(static_cast<size_t>(experts) * n * k, rng, 0.3f);
+  std::vector<float> gate_up(static_cast<size_t>(rows) * n, 0.0f), want(static_cast<size_t>(rows) * n / 2, 42.0f);
+  launch_moe_grouped_matmul({x.data(), w.data(), offsets.data(), gate_up.data(), rows, experts, n, k}, pool);
+  launch_swiglu({gate_up.data(), want.data(), offsets.back(), n / 2}, pool);
+  std::vector<float> out(want.size(), 42.0f);
+  MoeGroupedMatmulParams<float> p{x.data(), w.data(), offsets.data(), out.data(), rows, experts, n, k};
+  p.swiglu = true;
+  launch_moe_grouped_matmul(p, pool);
+  EXPECT_EQ(out, want);
+  p.n = 9;
+  EXPECT_THROW(launch_moe_grouped_matmul(p, pool), relay::Error);
 }
 
 }  // namespace
