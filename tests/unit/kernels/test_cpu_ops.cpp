@@ -549,5 +549,26 @@ TEST_F(CpuOps, GroupedMatmulWithSwigluIsTheTwoOpsInTurn) {
   EXPECT_THROW(launch_moe_grouped_matmul(p, pool), relay::Error);
 }
 
+// The gathered form reads the unpermuted tokens through the permute's index: the same products as
+// the permute's row copy followed by the grouped matmul.
+TEST_F(CpuOps, GroupedMatmulOnGatheredRowsEqualsThePermutedCopy) {
+  const int tokens = 5, k_top = 2, experts = 4, n = 6, k = 8, rows = tokens * k_top;
+  const std::vector<int32_t> ids{3, 0, 1, 3, 0, 2, 3, 1, 2, 0};
+  auto x = random_vec(static_cast<size_t>(tokens) * k, rng, 1.0f);
+  auto w = random_vec(static_cast<size_t>(experts) * n * k, rng, 0.3f);
+  std::vector<float> px(static_cast<size_t>(rows) * k);
+  std::vector<int32_t> pidx(rows), offsets(experts + 1);
+  launch_moe_permute({x.data(), ids.data(), px.data(), pidx.data(), offsets.data(), tokens, k, experts, k_top}, pool);
+  std::vector<float> want(static_cast<size_t>(rows) * n), out(want.size(), 42.0f);
+  launch_moe_grouped_matmul({px.data(), w.data(), offsets.data(), want.data(), rows, experts, n, k}, pool);
+  MoeGroupedMatmulParams<float> p{x.data(), w.data(), offsets.data(), out.data(), rows, experts, n, k};
+  p.permuted_index = pidx.data();
+  p.top_k = k_top;
+  launch_moe_grouped_matmul(p, pool);
+  EXPECT_EQ(out, want);
+  pidx[3] = rows;  // not a permuted row
+  EXPECT_THROW(launch_moe_grouped_matmul(p, pool), relay::Error);
+}
+
 }  // namespace
 }  // namespace relay::kernels
