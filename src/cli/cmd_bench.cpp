@@ -33,6 +33,7 @@ struct BenchArgs {
   int ranks = 1;
   parallel::ParallelConfig parallel;  // model mode: --tp / --ep / --dp
   std::string gpus;                   // model mode: --gpus
+  int max_num_batched_tokens = 0;     // model mode: the backend's step capacity (0: the default)
 };
 
 // The CUDA device of every model-mode rank (empty for the other modes), or relay::Error naming
@@ -44,6 +45,8 @@ std::vector<int> check_sharding(const BenchArgs& a) {
   if (a.parallel.ep != 1) given = str("--ep ", a.parallel.ep);
   if (a.parallel.tp != 1) given = str("--tp ", a.parallel.tp);
   if (a.mode != "model") {
+    RELAY_CHECK(a.max_num_batched_tokens == 0, "--max-num-batched-tokens sizes the model mode's backend; --mode ",
+                a.mode, " has none");
     RELAY_CHECK(given.empty(), given, ": --tp, --ep, --dp and --gpus shard the model mode's backend "
                 "(relay bench --mode model --model DIR); --mode ", a.mode, " is not sharded",
                 a.mode == "collectives" ? " (its GPU count is --ranks)" : "");
@@ -52,6 +55,16 @@ std::vector<int> check_sharding(const BenchArgs& a) {
   RELAY_CHECK(a.ranks == 1, "--ranks ", a.ranks, " is the collectives mode's GPU count; --mode model "
               "places its ranks with --tp, --ep, --dp and --gpus");
   RELAY_CHECK(!a.model.empty(), "bench --mode model needs --model DIR");
+  if (a.max_num_batched_tokens > 0) {
+    for (int len : a.prefill_lengths) {
+      RELAY_CHECK(len <= a.max_num_batched_tokens, "--prefill-lengths ", len, " exceeds --max-num-batched-tokens ",
+                  a.max_num_batched_tokens, " (a prompt runs as one step)");
+    }
+    for (int b : a.decode_batches) {
+      RELAY_CHECK(b <= a.max_num_batched_tokens, "--decode-batches ", b, " exceeds --max-num-batched-tokens ",
+                  a.max_num_batched_tokens);
+    }
+  }
   std::vector<int> devices = rank_devices(a.parallel, a.gpus, /*first_gpu=*/0);
   if (a.parallel.world_size() > 1) {
     const ModelConfig config = ModelConfig::load(a.model);
@@ -86,11 +99,17 @@ CommandRegistrar bench_command({
                      "collectives mode: GPUs, one thread each; 1 emulates 2, 4 and 8 peers on GPU 0")
           ->check(CLI::Range(1, 8));
       add_parallel_options(sub, a->parallel, a->gpus, "0, 1, 2, ...");
+      sub.add_option("--max-num-batched-tokens", a->max_num_batched_tokens,
+                     "model mode: tokens per step the backend is sized for (default 16384, or the longest "
+                     "--prefill-lengths); under DP + EP each rank's MoE receive buffer holds dp x this many")
+          ->check(CLI::PositiveNumber);
       return [a]() -> int {
         const std::vector<int> devices = check_sharding(*a);
 #if RELAY_HAVE_CUDA
-        return run_cuda_bench({a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches,
-                               a->decode_contexts, a->dtype, a->ranks, a->parallel, devices});
+        CudaBenchOptions o{a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches,
+                           a->decode_contexts, a->dtype, a->ranks, a->parallel, devices};
+        o.max_num_tokens = a->max_num_batched_tokens;
+        return run_cuda_bench(o);
 #else
         (void)devices;
         std::cerr << "relay bench measures the GPU and needs the CUDA build; this binary was built without "

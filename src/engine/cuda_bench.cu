@@ -455,6 +455,8 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   for (int b : o.decode_batches) bo.max_num_seqs = std::max(bo.max_num_seqs, b);
   bo.max_num_tokens = 16384;
   for (int len : o.prefill_lengths) bo.max_num_tokens = std::max(bo.max_num_tokens, len);
+  if (o.max_num_tokens > 0) bo.max_num_tokens = o.max_num_tokens;  // the CLI checked it fits the shapes
+  bo.max_num_seqs = std::min(bo.max_num_seqs, bo.max_num_tokens);  // a sequence takes a token a step
   bo.parallel = o.parallel;
   bo.devices = o.devices;
   BenchLayout layout;
@@ -487,8 +489,14 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   SamplingParams greedy;
   greedy.temperature = 0.0f;
 
-  auto pick = [&](const std::vector<int>& given, std::vector<int> quick, std::vector<int> full) {
-    return !given.empty() ? given : o.quick ? quick : full;
+  // The shapes asked for, else the defaults; `capped` defaults (prompt lengths, decode batches: a
+  // step's tokens) only up to the step capacity, so a smaller --max-num-batched-tokens drops them.
+  auto pick = [&](const std::vector<int>& given, std::vector<int> quick, std::vector<int> full,
+                  bool capped = true) {
+    if (!given.empty()) return given;
+    std::vector<int> shapes = o.quick ? quick : full;
+    if (capped) std::erase_if(shapes, [&](int v) { return v > bo.max_num_tokens; });
+    return shapes;
   };
   for (int len : pick(o.prefill_lengths, {512, 4096}, {512, 4096, 16384})) {
     // Block ids from 0: DP partition 0 (its TP ranks, or under DP one rank, run the prompt).
@@ -528,7 +536,7 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
     emit_profile(rep, layout, backend, batch, "prefill", 1, len, len);
   }
 
-  for (int ctx : pick(o.decode_contexts, {512, 4096}, {512, 4096})) {
+  for (int ctx : pick(o.decode_contexts, {512, 4096}, {512, 4096}, /*capped=*/false)) {
     for (int batch_size : pick(o.decode_batches, {1, 64}, {1, 8, 64, 256})) {
       const int warmup = 3, steps = o.quick ? 10 : 30;
       const int blocks_per_seq = (ctx + warmup + steps + bs) / bs;

@@ -31,6 +31,9 @@ struct CudaBenchOptions {
   // repeats allowed: ranks sharing a GPU; empty: rank r on device r). Validated by the caller.
   parallel::ParallelConfig parallel;
   std::vector<int> devices;
+  // Model mode: tokens per step the backend is sized for (0: 16384, or the longest prefill). Under
+  // DP + EP each rank's MoE receive buffer holds dp x this many tokens.
+  int max_num_tokens = 0;
 };
 
 // Returns the process exit code.

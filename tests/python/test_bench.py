@@ -38,6 +38,12 @@ REFUSED = [
     (["--mode", "accuracy", "--model", DEMO_MODEL, "--ep", 2], "--mode accuracy is not sharded"),
     (MODEL + ["--ranks", 2], "--ranks 2 is the collectives mode's GPU count"),
     (["--mode", "model", "--tp", 2], "bench --mode model needs --model DIR"),
+    # The step capacity: the model mode's only, and at least every prompt and batch asked for.
+    (["--mode", "kernels", "--max-num-batched-tokens", 1024], "--max-num-batched-tokens sizes the model mode"),
+    (MODEL + ["--max-num-batched-tokens", 1024, "--prefill-lengths", "512,4096"],
+     "--prefill-lengths 4096 exceeds --max-num-batched-tokens 1024"),
+    (MODEL + ["--max-num-batched-tokens", 32, "--decode-batches", "8,64"],
+     "--decode-batches 64 exceeds --max-num-batched-tokens 32"),
 ]
 
 
