@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
 
 #include "core/thread_pool.h"
 #include "engine/sampler.h"
@@ -464,6 +465,15 @@ size_t written_dead_elements(const std::vector<bf16>& v, const std::vector<char>
   return n;
 }
 
+// A bounded op's output: its live rows match the reference and its dead rows kept their poison.
+void expect_only_live_rows(const std::vector<bf16>& out, const std::vector<float>& ref,
+                           const std::vector<char>& live, int width, const std::string& where) {
+  EXPECT_LT(rel_error(live_rows_of(to_f32(out), live, width), live_rows_of(ref, live, width)),
+            kBf16Tolerance)
+      << where;
+  EXPECT_EQ(written_dead_elements(out, live, width), 0u) << where << ": rows outside the bound written";
+}
+
 TEST(GpuKernels, MoeBoundedPermuteAndCombineTouchOnlyLiveRows) {
   std::mt19937 rng(13);
   struct Case {
@@ -532,13 +542,7 @@ TEST(GpuKernels, MoeBoundedPermuteAndCombineTouchOnlyLiveRows) {
                                                 tokens,     hidden,     k};
     gc.live_tokens = gp.live_tokens;
     kernels::launch_moe_unpermute_combine(gc, nullptr);
-    const auto out = d_out.download();
-    EXPECT_LT(
-        rel_error(live_rows_of(to_f32(out), b.live, hidden), live_rows_of(out_ref, b.live, hidden)),
-        kBf16Tolerance)
-        << where;
-    EXPECT_EQ(written_dead_elements(out, b.live, hidden), 0u)
-        << where << ": dead tokens' outputs written";
+    expect_only_live_rows(d_out.download(), out_ref, b.live, hidden, where + " (combine)");
   }
 }
 
@@ -604,22 +608,10 @@ TEST(GpuKernels, MoeBoundedOpsFollowTheDeviceCountsInAGraph) {
     const std::string where = "counts " + std::to_string(counts[0]) + " " +
                               std::to_string(counts[1]) + " " + std::to_string(counts[2]);
     EXPECT_EQ(d_off.download(), off_ref) << where;
-    const auto act = d_act.download();
     std::vector<char> act_live(rows, 0);
     std::fill_n(act_live.begin(), off_ref[local], 1);
-    EXPECT_LT(rel_error(live_rows_of(to_f32(act), act_live, width),
-                        live_rows_of(act_ref, act_live, width)),
-              kBf16Tolerance)
-        << where;
-    EXPECT_EQ(written_dead_elements(act, act_live, width), 0u)
-        << where << ": SwiGLU past the computed rows";
-    const auto out = d_out.download();
-    EXPECT_LT(
-        rel_error(live_rows_of(to_f32(out), b.live, width), live_rows_of(out_ref, b.live, width)),
-        kBf16Tolerance)
-        << where;
-    EXPECT_EQ(written_dead_elements(out, b.live, width), 0u)
-        << where << ": dead tokens' outputs written";
+    expect_only_live_rows(d_act.download(), act_ref, act_live, width, where + " (SwiGLU)");
+    expect_only_live_rows(d_out.download(), out_ref, b.live, width, where + " (combine)");
   }
   GPU_TEST_CUDA(cudaGraphExecDestroy(exec));
   GPU_TEST_CUDA(cudaGraphDestroy(graph));
@@ -651,11 +643,7 @@ TEST(GpuKernels, SwigluBoundedComputesOnlyLiveRows) {
     kernels::SwigluParams<bf16> gp{d_gu.get(), d_out.get(), rows, width};
     gp.live_rows = {d_counts.get(), region_rows};
     kernels::launch_swiglu(gp, nullptr);
-    const auto out = d_out.download();
-    EXPECT_LT(rel_error(live_rows_of(to_f32(out), live, width), live_rows_of(ref, live, width)),
-              kBf16Tolerance)
-        << "prefix " << prefix;
-    EXPECT_EQ(written_dead_elements(out, live, width), 0u) << "prefix " << prefix;
+    expect_only_live_rows(d_out.download(), ref, live, width, "prefix " + std::to_string(prefix));
   }
 }
 // ---- end of the bounded expert ops -------------------------------------------------------------
