@@ -689,12 +689,7 @@ TEST(GpuKernels, MoeGroupedMatmul) {
       DeviceBuffer<bf16> d_gu(static_cast<size_t>(rows) * c.n), d_sep(fused_ref.size()), d_fused(fused_ref.size());
       kernels::launch_moe_grouped_matmul({d_x.get(), d_w.get(), d_off.get(), d_gu.get(), rows, c.experts, c.n, c.k},
                                          kernels::GroupedGemmKind::Streaming, nullptr);
-      kernels::SwigluParams<bf16> sp;
-      sp.gate_up = d_gu.get();
-      sp.out = d_sep.get();
-      sp.num_rows = rows;
-      sp.width = width;
-      kernels::launch_swiglu(sp, nullptr);
+      kernels::launch_swiglu({d_gu.get(), d_sep.get(), rows, width}, nullptr);
       kernels::MoeGroupedMatmulParams<bf16> gp{d_x.get(), d_w.get(), d_off.get(), d_fused.get(), rows, c.experts, c.n, c.k};
       gp.swiglu = true;
       kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Streaming, nullptr);

@@ -758,11 +758,7 @@ void run_decode(const PagedAttentionParams<bf16>& p, int forced_splits, cudaStre
   auto kernel = decode_attention_kernel<kHeadDim, kWarps, kBn>;
   static const int64_t slots = [&] {  // resident CTAs on the whole device
     RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    int device = 0, sms = 0, per_sm = 0;
-    RELAY_CUDA_CHECK(cudaGetDevice(&device));
-    RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    RELAY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem_bytes));
-    return static_cast<int64_t>(sms) * std::max(per_sm, 1);
+    return resident_ctas(kernel, kWarps * 32, smem_bytes);
   }();
   const int group = p.num_q_heads / p.num_kv_heads;
   const int row_tiles = (group + 15) / 16;

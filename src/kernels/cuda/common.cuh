@@ -89,6 +89,14 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// 16 bytes read once in a kernel's life (streamed weights): through the read-only path without
+// allocating in L1, so they do not evict what is re-read.
+__device__ __forceinline__ void load_streaming_16(uint32_t (&r)[4], const void* p) {
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "l"(p));
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -192,6 +200,17 @@ void launch_dependent(const char* name, void (*kernel)(Params...), dim3 grid, di
   config.numAttrs = pdl_enabled() ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   RELAY_CHECK(err == cudaSuccess, "launch of ", name, " failed: ", cudaGetErrorString(err));
+}
+
+// CTAs of `kernel` resident on the current device at once (SMs x occupancy at this block size and
+// dynamic shared memory; at least one per SM): the grid a persistent or wave-sized launch fills.
+template <typename Kernel>
+int resident_ctas(Kernel kernel, int threads, size_t smem_bytes) {
+  int device = 0, sms = 0, per_sm = 0;
+  RELAY_CUDA_CHECK(cudaGetDevice(&device));
+  RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  RELAY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
+  return sms * std::max(per_sm, 1);
 }
 
 // Whether the calling thread's stream is capturing a CUDA graph (workspaces must not grow then).

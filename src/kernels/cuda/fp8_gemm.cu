@@ -337,9 +337,7 @@ __device__ __forceinline__ void load_16(uint32_t (&r)[4], const uint8_t* src, bo
   if constexpr (kVecBytes == 16) {
     if (row_ok && kk < k) {
       if constexpr (kWeights) {
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "l"(src));
+        load_streaming_16(r, src);
       } else {
         const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
         r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;

@@ -56,24 +56,6 @@ constexpr int kOutCols = kGated ? kCols / 2 : kCols;
 constexpr int kMaxExpertChunks = 16;  // experts in chunks of 32 (one ballot each)
 constexpr int kMaxExperts = 32 * kMaxExpertChunks;
 
-// x: read through the read-only (non-coherent) cache, where every CTA finds it.
-__device__ __forceinline__ Bf16x8 load_cached(const Bf16x8* p) {
-  Bf16x8 r;
-  uint32_t* u = reinterpret_cast<uint32_t*>(r.v);
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u[0]), "=r"(u[1]), "=r"(u[2]), "=r"(u[3]) : "l"(p));
-  return r;
-}
-
-// Weights: read once per step, so they skip L1.
-__device__ __forceinline__ Bf16x8 load_stream(const Bf16x8* p) {
-  Bf16x8 r;
-  uint32_t* u = reinterpret_cast<uint32_t*>(r.v);
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(u[0]), "=r"(u[1]), "=r"(u[2]), "=r"(u[3])
-               : "l"(p));
-  return r;
-}
-
 // One unit of work: a tile of output columns of one expert and that expert's rows.
 struct StreamingUnit {
   const bf16* w;  // the expert's weight [n, k]
@@ -107,7 +89,9 @@ __device__ __forceinline__ void load_unit(Bf16x8 (&raw)[kInFlight][kCols], const
     const int w_row = kGated && c >= kOutCols<kGated> ? width + col : col;
     const Bf16x8* row = reinterpret_cast<const Bf16x8*>(un.w + static_cast<int64_t>(w_row) * a.k);
 #pragma unroll
-    for (int i = 0; i < kInFlight; ++i) raw[i][c] = load_stream(row + min(v0 + i * kThreads, k_vecs - 1));
+    for (int i = 0; i < kInFlight; ++i) {
+      load_streaming_16(reinterpret_cast<uint32_t(&)[4]>(raw[i][c]), row + min(v0 + i * kThreads, k_vecs - 1));
+    }
   }
 }
 
@@ -186,7 +170,9 @@ __global__ void __launch_bounds__(kThreads) streaming_gemm_kernel(StreamingArgs 
           for (int r = 0; r < kRows; ++r) {
             if (r < rows) {
               const int64_t x_row = a.permuted_index != nullptr ? token_of[row0 + r] : row0 + r;
-              bf16x8_to_f32(load_cached(x + x_row * k_vecs + v), xf[r]);
+              // x: re-read by every CTA, so through the read-only cache (ld.global.nc).
+              const uint4 q = __ldg(reinterpret_cast<const uint4*>(x + x_row * k_vecs + v));
+              bf16x8_to_f32(reinterpret_cast<const Bf16x8&>(q), xf[r]);
             }
           }
 #pragma unroll
@@ -245,24 +231,12 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // The grid: the CTAs resident on the device at once, or fewer when there are fewer units (at most
 // `experts` active experts x column tiles).
-template <int kRows, int kInFlight, bool kGated>
-int resident_ctas() {
-  static const int resident = [] {
-    int device = 0, sms = 0, per_sm = 0;
-    RELAY_CUDA_CHECK(cudaGetDevice(&device));
-    RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    RELAY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, streaming_gemm_kernel<kRows, kInFlight, kGated>, kThreads, 0));
-    return sms * std::max(per_sm, 1);
-  }();
-  return resident;
-}
-
 template <int kRows, int kInFlight, bool kGated = false>
 void run(const StreamingArgs& a, int experts, cudaStream_t s) {
   const int width = kGated ? a.n / 2 : a.n;
   const int64_t units = static_cast<int64_t>(experts) * ceil_div(width, kOutCols<kGated>);
-  const int grid = static_cast<int>(std::min<int64_t>(resident_ctas<kRows, kInFlight, kGated>(), units));
+  static const int resident = resident_ctas(streaming_gemm_kernel<kRows, kInFlight, kGated>, kThreads, 0);
+  const int grid = static_cast<int>(std::min<int64_t>(resident, units));
   launch_dependent("streaming_gemm_kernel", streaming_gemm_kernel<kRows, kInFlight, kGated>, dim3(grid),
                    dim3(kThreads), 0, s, a);
 }
