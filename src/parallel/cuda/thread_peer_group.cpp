@@ -128,31 +128,19 @@ void ThreadPeerGroup::moe_dispatch(int rank, const bf16* hidden, const int32_t* 
   RELAY_CHECK(num_tokens <= moe_layout_.max_tokens, "MoE dispatch: rank ", rank, " has ",
               num_tokens, " tokens; the exchange was sized for ", moe_layout_.max_tokens,
               " per rank (--max-num-batched-tokens)");
-  MoeDispatchParams p;
+  MoeDispatchParams p = moe_params<MoeDispatchParams>(rank, num_tokens);
   p.ranks[0].hidden = hidden;
   p.ranks[0].topk_ids = topk_ids;
   p.ranks[0].topk_weights = topk_weights;
-  p.ranks[0].num_tokens = num_tokens;
-  p.ranks[0].rank = rank;
-  for (int q = 0; q < size(); ++q) p.ranks[0].windows[q] = moe_windows_[q];
-  p.layout = moe_layout_;
   p.num_experts = num_experts;
-  p.max_blocks = options_.max_blocks;
-  p.timeout_ns = options_.peer_timeout_ms * 1'000'000;
   launch_moe_dispatch(p, stream);
 }
 
 void ThreadPeerGroup::moe_combine(int rank, const bf16* expert_out, bf16* out, int num_tokens,
                                   cudaStream_t stream) const {
-  MoeCombineParams p;
+  MoeCombineParams p = moe_params<MoeCombineParams>(rank, num_tokens);
   p.ranks[0].expert_out = expert_out;
   p.ranks[0].out = out;
-  p.ranks[0].num_tokens = num_tokens;
-  p.ranks[0].rank = rank;
-  for (int q = 0; q < size(); ++q) p.ranks[0].windows[q] = moe_windows_[q];
-  p.layout = moe_layout_;
-  p.max_blocks = options_.max_blocks;
-  p.timeout_ns = options_.peer_timeout_ms * 1'000'000;
   launch_moe_combine(p, stream);
 }
 

@@ -73,6 +73,20 @@ class ThreadPeerGroup {
  private:
   class Communicator;
 
+  // A dispatch or combine launch as `rank` alone, its shared fields filled (the rank's view of
+  // every window, the layout, blocks and timeout); the caller adds its buffers.
+  template <typename Params>
+  Params moe_params(int rank, int num_tokens) const {
+    Params p;
+    p.ranks[0].num_tokens = num_tokens;
+    p.ranks[0].rank = rank;
+    for (int q = 0; q < size(); ++q) p.ranks[0].windows[q] = moe_windows_[q];
+    p.layout = moe_layout_;
+    p.max_blocks = options_.max_blocks;
+    p.timeout_ns = options_.peer_timeout_ms * 1'000'000;
+    return p;
+  }
+
   std::vector<int> devices_;
   ThreadPeerGroupOptions options_;
   std::vector<char*> all_reduce_windows_, moe_windows_;
