@@ -2,6 +2,7 @@
 #include "cli/backend_choice.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "core/error.h"
 #include "engine/cpu_backend.h"
@@ -28,10 +29,22 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
       "--kv-cache-memory", c.kv_cache_memory,
       "CPU KV pool size, e.g. 512MiB or 2GiB (default 256MiB; cuda uses the memory left)");
   sub.add_option("--threads", c.num_threads, "CPU threads for the cpu device (default: all cores)");
-  sub.add_option("--gpu", c.gpu, "CUDA device of rank 0 for the cuda device; rank r runs on --gpu + r unless --gpus "
-                 "lists the devices (default 0)")
+  sub.add_option(
+         "--gpu", c.gpu,
+         "CUDA device of rank 0 for the cuda device; rank r runs on --gpu + r unless --gpus "
+         "lists the devices (default 0)")
       ->check(CLI::NonNegativeNumber);
   add_parallel_options(sub, c.parallel, c.gpus, "--gpu, --gpu + 1, ...");
+  sub.add_option("--nnodes", c.nodes.nnodes,
+                 "cpu: processes (on one host or several) the --tp x --dp ranks are spread over, "
+                 "each started with the same flags and its own --node-rank (default 1)")
+      ->check(CLI::PositiveNumber);
+  sub.add_option("--node-rank", c.nodes.node_rank,
+                 "this process's node, 0..--nnodes-1; node 0 runs the engine and the server, the "
+                 "others follow it (default 0)")
+      ->check(CLI::NonNegativeNumber);
+  sub.add_option("--dist-init", c.nodes.dist_init,
+                 "HOST:PORT node 0 listens on and the other nodes connect to (with --nnodes)");
 }
 
 void add_parallel_options(CLI::App& sub, parallel::ParallelConfig& parallel, std::string& gpus,
@@ -112,10 +125,47 @@ size_t parse_bytes(const std::string& text, const std::string& option) {
   return static_cast<size_t>(v * scale);
 }
 
+namespace {
+
+CpuBackendOptions cpu_options(const BackendChoice& c) {
+  RELAY_CHECK(c.gpus.empty(), "--gpus places ranks on CUDA devices; it needs --device cuda");
+  RELAY_CHECK(c.dtype == "auto", "--dtype ", c.dtype,
+              " is a GPU weight format; the cpu device computes in fp32 (FP8 checkpoints are "
+              "dequantised at load): leave --dtype at auto or use --device cuda");
+  CpuBackendOptions o;
+  o.block_size = c.block_size;
+  o.num_blocks = c.num_kv_blocks;
+  o.kv_cache_bytes = parse_bytes(c.kv_cache_memory, "--kv-cache-memory");
+  o.num_threads = c.num_threads;
+  o.parallel = c.parallel;
+  o.nodes = c.nodes;
+  return o;
+}
+
+}  // namespace
+
+int follow_leader(const std::string& model_dir, const BackendChoice& c) {
+  c.parallel.validate();
+  c.nodes.validate(c.parallel);
+  RELAY_CHECK(c.device == "cpu",
+              "--nnodes: multi-node workers run on the cpu device; the cuda "
+              "device runs every rank as a thread of one process (use --gpus)");
+  CpuBackend backend(model_dir, cpu_options(c));
+  std::fprintf(stderr, "relay: node %d of %d loaded its ranks; following node 0 at %s\n",
+               c.nodes.node_rank, c.nodes.nnodes, c.nodes.dist_init.c_str());
+  backend.follow();
+  std::fprintf(stderr, "relay: node 0 shut the worker down\n");
+  return 0;
+}
+
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& c,
                                       int max_num_seqs, int max_num_batched_tokens) {
   c.parallel.validate();
+  c.nodes.validate(c.parallel);
   if (c.device == "cuda") {
+    RELAY_CHECK(c.nodes.nnodes == 1,
+                "--nnodes: multi-node workers run on the cpu device; the "
+                "cuda device runs every rank as a thread of one process (use --gpus)");
 #if RELAY_HAVE_CUDA
     CudaBackendOptions o;
     o.device = c.gpu;
@@ -135,17 +185,9 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
     fail("--device cuda: this relay was built without CUDA (no nvcc at build time)");
 #endif
   }
-  RELAY_CHECK(c.gpus.empty(), "--gpus places ranks on CUDA devices; it needs --device cuda");
-  RELAY_CHECK(c.dtype == "auto", "--dtype ", c.dtype,
-              " is a GPU weight format; the cpu device computes in fp32 (FP8 checkpoints are "
-              "dequantised at load): leave --dtype at auto or use --device cuda");
-  CpuBackendOptions o;
-  o.block_size = c.block_size;
-  o.num_blocks = c.num_kv_blocks;
-  o.kv_cache_bytes = parse_bytes(c.kv_cache_memory, "--kv-cache-memory");
-  o.num_threads = c.num_threads;
-  o.parallel = c.parallel;
-  return std::make_unique<CpuBackend>(model_dir, o);
+  RELAY_CHECK(!is_follower_node(c), "node ", c.nodes.node_rank,
+              " of a multi-node worker follows node 0 (follow_leader); it builds no engine");
+  return std::make_unique<CpuBackend>(model_dir, cpu_options(c));
 }
 
 }  // namespace relay::cli

@@ -27,10 +27,11 @@ struct BackendChoice {
   std::string gpus;                        // "0,1,2,3": the CUDA device of each rank, in rank order
   std::string dtype = "auto";              // cuda weights: auto (as stored), bf16 or fp8
   parallel::ParallelConfig parallel;       // --tp / --ep / --dp ranks
+  parallel::NodeConfig nodes;              // --nnodes / --node-rank / --dist-init (cpu device)
 };
 
 // Adds --device, --dtype, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu,
-// --gpus, --tp, --ep and --dp to `sub`.
+// --gpus, --tp, --ep, --dp, --nnodes, --node-rank and --dist-init to `sub`.
 void add_backend_options(CLI::App& sub, BackendChoice& choice);
 // Adds only --tp, --ep, --dp and --gpus (what add_backend_options adds for them), for commands
 // that shard a CUDA backend without the rest of the backend flags (`relay bench --mode model`);
@@ -46,6 +47,11 @@ std::vector<int> rank_devices(const parallel::ParallelConfig& parallel, const st
 // backend's per-step buffers and graphs.
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& choice,
                                       int max_num_seqs, int max_num_batched_tokens);
+// True for nodes 1.. of a multi-node worker (--node-rank > 0): they run no engine of their own.
+inline bool is_follower_node(const BackendChoice& choice) { return choice.nodes.node_rank > 0; }
+// A follower node: loads its ranks, runs node 0's steps until node 0 shuts the worker down, and
+// returns the exit code (0; a lost leader is a relay::Error).
+int follow_leader(const std::string& model_dir, const BackendChoice& choice);
 // "0,1,1" -> {0, 1, 1}; `option` names the flag in errors.
 std::vector<int> parse_device_list(const std::string& text, const std::string& option);
 // "512MiB", "2G", "1.5GiB", "1000000" -> bytes; `option` names the flag in errors.

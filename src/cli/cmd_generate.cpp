@@ -36,6 +36,7 @@ struct GenerateOptions {
 
 int run_generate(const GenerateOptions& o) {
   using Clock = std::chrono::steady_clock;
+  if (is_follower_node(o.backend)) return follow_leader(o.model_dir, o.backend);
   const Tokenizer tokenizer = Tokenizer::from_model_dir(o.model_dir);
   std::string prompt = o.prompt;
   if (o.chat) {

@@ -111,6 +111,7 @@ std::vector<float> all_token_logits(Backend& backend, std::span<const StepSequen
 }
 
 int run_score(ScoreOptions o) {
+  if (is_follower_node(o.backend)) return follow_leader(o.model_dir, o.backend);
   using Clock = std::chrono::steady_clock;
   const ModelConfig config = ModelConfig::load(o.model_dir);
   const std::vector<std::vector<int32_t>> prompts =

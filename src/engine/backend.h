@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -78,6 +79,9 @@ class Backend {
   // Runs one forward pass over `batch` and returns one SampledToken per sequence with sample=true,
   // in batch order.
   virtual std::vector<SampledToken> step(std::span<const StepSequence> batch) = 0;
+  // Why no later step can succeed (empty while steps can): a multi-node worker that lost a node.
+  // Read on the thread that calls step.
+  virtual std::string unusable_reason() const { return {}; }
 };
 
 }  // namespace relay

@@ -2,6 +2,8 @@
 #include "engine/cpu_backend.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "core/error.h"
@@ -9,18 +11,20 @@
 #include "engine/sampler.h"
 #include "model/registry.h"
 #include "parallel/local_group.h"
+#include "parallel/tcp_group.h"
 
 namespace relay {
 
 // One rank: its shard, KV pool, threads, and the flattened batch it runs this step.
 struct CpuBackend::Rank {
-  Rank(std::unique_ptr<Model> m, const KvCacheLayout& layout, int num_threads, int dp)
-      : model(std::move(m)), kv(layout), pool(num_threads), dp_rank(dp) {}
+  Rank(std::unique_ptr<Model> m, const KvCacheLayout& layout, int num_threads,
+       parallel::RankPlace where)
+      : model(std::move(m)), kv(layout), pool(num_threads), place(where) {}
 
   std::unique_ptr<Model> model;
   KvPool kv;
   ThreadPool pool;
-  int dp_rank;
+  parallel::RankPlace place;    // its TP / DP rank in the whole worker
   std::vector<size_t> members;  // indices into the step's batch of the sequences this rank runs
   ForwardBatch batch;
   std::vector<int32_t> token_ids, positions, query_starts, context_lens, block_tables, logit_rows;
@@ -30,11 +34,42 @@ struct CpuBackend::Rank {
 
 namespace {
 
-int threads_per_rank(int requested, int world) {
+using namespace std::chrono_literals;
+
+// NOTE: nodes are started by hand or by a launcher, in any order: the leader waits this long for
+// the others to join. A step's answers may take as long as the slowest node's forward pass.
+constexpr std::chrono::milliseconds kNodeSetupTimeout = 5min;
+constexpr std::chrono::milliseconds kNodeStepTimeout = 30min;
+
+int threads_per_rank(int requested, int num_local_ranks) {
   const int total = requested > 0
                         ? requested
                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, total / world);
+  return std::max(1, total / num_local_ranks);
+}
+
+// What every node must agree on to be one worker; compared before anything loads.
+std::string worker_fingerprint(const ModelConfig& c, const CpuBackendOptions& o) {
+  return str(c.architecture, " (", c.num_hidden_layers, " layers, hidden ", c.hidden_size,
+             ", vocab ", c.vocab_size, ", ", c.num_experts, " experts), ", o.parallel.describe(),
+             ", --nnodes ", o.nodes.nnodes, ", --block-size ", o.block_size);
+}
+
+void check_same_worker(parallel::TcpBootstrap& nodes, const std::string& mine) {
+  const std::vector<std::vector<uint8_t>> all =
+      nodes.all_gather(std::span(reinterpret_cast<const uint8_t*>(mine.data()), mine.size()));
+  const std::string leader(all[0].begin(), all[0].end());
+  for (size_t n = 1; n < all.size(); ++n) {
+    const std::string theirs(all[n].begin(), all[n].end());
+    RELAY_CHECK(theirs == leader, "--nnodes: node ", n, " was started for ", theirs,
+                " but node 0 for ", leader,
+                ": start every node with the same model and flags (only --node-rank differs)");
+  }
+}
+
+bool any_failed(std::span<const NodeResult> results) {
+  return std::any_of(results.begin(), results.end(),
+                     [](const NodeResult& r) { return !r.error.empty(); });
 }
 
 }  // namespace
@@ -43,26 +78,57 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
     : parallel_(o.parallel) {
   RELAY_CHECK(o.block_size > 0, "block_size must be positive, got ", o.block_size);
   parallel_.validate();
+  o.nodes.validate(parallel_);
   const int world = parallel_.world_size();
+  const int num_local = o.nodes.ranks_per_node(parallel_);
+  const int first_rank = o.nodes.first_rank(parallel_);
   const ModelConfig config = ModelConfig::load(model_dir);
   const Checkpoint ckpt(model_dir);
-  if (world > 1) comms_ = parallel::make_local_group(world);
-  for (int r = 0; r < world; ++r) {
-    const ShardSpec shard = make_shard(config, parallel_, r, world > 1 ? comms_[r].get() : nullptr);
-    std::unique_ptr<Model> model = build_model(config, ckpt, shard);
-    const KvCacheLayout layout = o.num_blocks > 0
-                                     ? model->kv_layout(o.block_size, o.num_blocks)
-                                     : model->kv_layout_for_budget(o.block_size, o.kv_cache_bytes);
-    if (r == 0) blocks_per_rank_ = layout.num_blocks;
-    // Every rank gets the same number of blocks (the ranks holding more KV heads set the count).
-    const KvCacheLayout same = model->kv_layout(o.block_size, blocks_per_rank_);
-    ranks_.push_back(std::make_unique<Rank>(std::move(model), same,
-                                            threads_per_rank(o.num_threads, world),
-                                            parallel::place_rank(parallel_, r).dp_rank));
+  if (o.nodes.nnodes > 1) {
+    nodes_ = std::make_unique<NodeGroup>(o.nodes, kNodeSetupTimeout, kNodeStepTimeout);
+    check_same_worker(nodes_->bootstrap(), worker_fingerprint(config, o));
+    comms_ = parallel::make_tcp_group(nodes_->bootstrap(), first_rank, num_local, world);
+  } else if (world > 1) {
+    comms_ = parallel::make_local_group(world);
+  }
+  std::vector<std::unique_ptr<Model>> models;
+  for (int i = 0; i < num_local; ++i) {
+    const ShardSpec shard =
+        make_shard(config, parallel_, first_rank + i, comms_.empty() ? nullptr : comms_[i].get());
+    models.push_back(build_model(config, ckpt, shard));
+  }
+  // Every rank gets the same number of blocks; global rank 0 (node 0's first) sets the count.
+  if (o.nodes.is_leader()) {
+    const KvCacheLayout layout =
+        o.num_blocks > 0 ? models[0]->kv_layout(o.block_size, o.num_blocks)
+                         : models[0]->kv_layout_for_budget(o.block_size, o.kv_cache_bytes);
+    blocks_per_rank_ = layout.num_blocks;
+  }
+  if (nodes_) {
+    auto count = static_cast<uint32_t>(blocks_per_rank_);
+    const std::vector<uint8_t> bytes = nodes_->bootstrap().broadcast(
+        std::span(reinterpret_cast<const uint8_t*>(&count), sizeof(count)));
+    RELAY_CHECK(bytes.size() == sizeof(count), "node 0 sent a KV block count of ", bytes.size(),
+                " bytes");
+    std::memcpy(&count, bytes.data(), sizeof(count));
+    blocks_per_rank_ = static_cast<int>(count);
+  }
+  for (int i = 0; i < num_local; ++i) {
+    const KvCacheLayout layout = models[i]->kv_layout(o.block_size, blocks_per_rank_);
+    ranks_.push_back(std::make_unique<Rank>(std::move(models[i]), layout,
+                                            threads_per_rank(o.num_threads, num_local),
+                                            parallel::place_rank(parallel_, first_rank + i)));
   }
 }
 
-CpuBackend::~CpuBackend() = default;
+CpuBackend::~CpuBackend() {
+  if (!nodes_ || !nodes_->config().is_leader() || !lost_.empty()) return;
+  try {
+    nodes_->send(NodeCommand::kShutdown);
+  } catch (const Error&) {
+    // NOTE: a follower that is already gone needs no goodbye; the destructor must not throw.
+  }
+}
 
 const ModelConfig& CpuBackend::config() const { return ranks_.front()->model->config(); }
 int CpuBackend::block_size() const { return ranks_.front()->kv.layout().block_size; }
@@ -73,7 +139,7 @@ std::vector<KvPoolExport> CpuBackend::kv_pool_exports() {
   for (auto& r : ranks_) {
     const ShardSpec& s = r->model->shard();
     out.push_back({reinterpret_cast<std::byte*>(r->kv.data()), r->kv.layout(), s.kv_head_begin,
-                   s.num_local_kv_heads, r->dp_rank, -1});
+                   s.num_local_kv_heads, r->place.dp_rank, -1});
   }
   return out;
 }
@@ -82,7 +148,7 @@ ThreadPool& CpuBackend::thread_pool(int rank) { return ranks_.at(rank)->pool; }
 void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
                              const std::vector<RowsOf>& rows_of) {
   const int bs = block_size();
-  const int32_t first_block = r.dp_rank * blocks_per_rank_;
+  const int32_t first_block = r.place.dp_rank * blocks_per_rank_;
   size_t max_blocks = 1;
   for (size_t i : r.members) max_blocks = std::max(max_blocks, batch[i].block_table.size());
   r.token_ids.clear();
@@ -121,99 +187,204 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
                          r.slot_mapping, r.logit_rows};
 }
 
-std::vector<float> CpuBackend::run(std::span<const StepSequence> batch,
-                                   const std::vector<RowsOf>& rows_of) {
+NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence> batch,
+                               std::exception_ptr& failure) {
+  NodeResult result;
+  try {
+    std::vector<RowsOf> rows_of;
+    for (const StepSequence& s : batch) {
+      rows_of.push_back(command == NodeCommand::kLogitsAll    ? RowsOf::kAll
+                        : command == NodeCommand::kLogitsLast ? RowsOf::kLast
+                        : s.sample                            ? RowsOf::kLast
+                                                              : RowsOf::kNone);
+    }
+    // Each sequence runs on the DP rank whose partition holds its first block (build_batch checks
+    // the rest); with dp = 1 every rank runs every sequence.
+    const std::vector<std::vector<size_t>> members =
+        split_by_kv_partition(batch, parallel_.dp, blocks_per_rank_);
+    for (auto& r : ranks_) r->members = members[r->place.dp_rank];
+
+    auto run_rank = [&](Rank& r) {
+      if (r.members.empty()) {
+        if (r.model->shard().dispatch_tokens) r.model->forward_idle(r.pool);
+        r.logits.clear();
+        return;
+      }
+      build_batch(r, batch, rows_of);
+      r.model->forward(r.batch, r.kv, r.pool, r.logits);
+    };
+    if (comms_.empty()) {
+      run_rank(*ranks_.front());
+    } else {
+      // The first rank to fail aborts the group so the others (on every node) leave their
+      // collectives; its error is the one reported.
+      run_on_rank_threads(
+          ranks_.size(), [&](size_t i) { run_rank(*ranks_[i]); },
+          [&](size_t i) { comms_[i]->abort(); });
+    }
+
+    // The logits of a sequence are on the TP-rank-0 rank of its DP group (with dp = 1, global rank
+    // 0; all TP ranks agree). List this process's, in batch order.
+    const size_t vocab = static_cast<size_t>(config().vocab_size);
+    auto num_rows = [&](size_t i) -> size_t {
+      return rows_of[i] == RowsOf::kNone   ? 0
+             : rows_of[i] == RowsOf::kLast ? 1
+                                           : batch[i].tokens.size();
+    };
+    struct Held {
+      size_t seq;
+      const float* rows;
+    };
+    std::vector<Held> held;
+    for (auto& r : ranks_) {
+      if (r->place.tp_rank != 0) continue;
+      size_t row = 0;
+      for (size_t i : r->members) {
+        held.push_back({i, r->logits.data() + row * vocab});
+        row += num_rows(i);
+      }
+    }
+    std::sort(held.begin(), held.end(), [](const Held& a, const Held& b) { return a.seq < b.seq; });
+    for (const Held& h : held) {
+      const StepSequence& s = batch[h.seq];
+      result.seqs.push_back(static_cast<uint32_t>(h.seq));
+      if (command != NodeCommand::kStep) {
+        result.logits.insert(result.logits.end(), h.rows, h.rows + num_rows(h.seq) * vocab);
+      } else if (s.sample) {
+        // The sampler applies penalties in place: sample from a copy of the rank's row.
+        std::vector<float> row(h.rows, h.rows + vocab);
+        SampledToken t =
+            sample_token(row, *s.sampling, s.prompt_tokens, s.output_tokens, s.sample_index);
+        t.seq_id = s.seq_id;
+        result.sampled.push_back(std::move(t));
+      }
+    }
+  } catch (const std::exception& e) {
+    failure = std::current_exception();
+    result = NodeResult{};
+    result.error = e.what();
+  }
+  return result;
+}
+
+std::vector<NodeResult> CpuBackend::run_step(NodeCommand command,
+                                             std::span<const StepSequence> batch) {
+  RELAY_CHECK(
+      !nodes_ || nodes_->config().is_leader(), "node ", nodes_->config().node_rank,
+      " of a multi-node worker follows node 0 (CpuBackend::follow); it does not take steps");
+  if (!lost_.empty()) fail(lost_);
   RELAY_CHECK(!batch.empty(), "step with an empty batch");
+  // Checked here, before any node starts, so that a bad batch fails the step on every rank alike.
   for (const StepSequence& s : batch) {
     RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
     RELAY_CHECK(s.num_computed >= 0, "sequence ", s.seq_id, " has num_computed ", s.num_computed);
     RELAY_CHECK(!s.block_table.empty(), "sequence ", s.seq_id, " has no KV blocks");
+    RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
+                " samples but has no SamplingParams");
   }
-  // Each sequence runs on the DP rank whose partition holds its first block (build_batch checks the
-  // rest); with dp = 1 every rank runs every sequence.
-  const std::vector<std::vector<size_t>> members =
-      split_by_kv_partition(batch, parallel_.dp, blocks_per_rank_);
-  for (auto& r : ranks_) r->members = members[r->dp_rank];
-
-  auto run_rank = [&](Rank& r) {
-    if (r.members.empty()) {
-      if (r.model->shard().dispatch_tokens) r.model->forward_idle(r.pool);
-      r.logits.clear();
-      return;
-    }
-    build_batch(r, batch, rows_of);
-    r.model->forward(r.batch, r.kv, r.pool, r.logits);
+  // A lost node ends the worker: its ranks' shards and KV are gone.
+  const auto lose = [&](const Error& e) {
+    lost_ = str("the multi-node worker lost a node and cannot run steps: ", e.what());
+    fail(lost_);
   };
-  if (ranks_.size() == 1) {
-    run_rank(*ranks_.front());
-  } else {
-    // The first rank to fail aborts the group so the others leave their collectives; its error is
-    // the one reported.
+  if (nodes_) {
     try {
-      run_on_rank_threads(
-          ranks_.size(), [&](size_t i) { run_rank(*ranks_[i]); },
-          [&](size_t i) { comms_[i]->abort(); });
-    } catch (...) {
-      comms_[0]->reset();
-      throw;
+      nodes_->send(command, batch);
+    } catch (const Error& e) {
+      lose(e);
     }
   }
+  std::exception_ptr failure;
+  NodeResult mine = compute(command, batch, failure);
+  std::vector<NodeResult> all;
+  if (nodes_) {
+    try {
+      all = nodes_->gather(std::move(mine));
+    } catch (const Error& e) {
+      lose(e);
+    }
+  } else {
+    all.push_back(std::move(mine));
+  }
+  if (!failure && !any_failed(all)) return all;
+  // Every node re-arms its collectives (a collective reset meets the other nodes' resets).
+  if (nodes_) {
+    try {
+      nodes_->send(NodeCommand::kReset);
+    } catch (const Error& e) {
+      lose(e);
+    }
+  }
+  if (!comms_.empty()) comms_.front()->reset();
+  if (!nodes_) std::rethrow_exception(failure);
+  // NOTE: every node's error is reported: the first to arrive is often a consequence (a rank that
+  // saw its peer abort), the cause is on another node.
+  std::string errors;
+  for (size_t n = 0; n < all.size(); ++n) {
+    if (!all[n].error.empty())
+      errors += str(errors.empty() ? "" : "; ", "node ", n, ": ", all[n].error);
+  }
+  fail(str("the step failed on ", errors));
+}
 
-  // Gather the logit rows in batch order: with dp = 1 from rank 0 (all ranks agree), else from the
-  // rank that ran each sequence.
-  const size_t vocab = static_cast<size_t>(config().vocab_size);
-  auto num_rows = [&](size_t i) -> size_t {
-    return rows_of[i] == RowsOf::kNone   ? 0
-           : rows_of[i] == RowsOf::kLast ? 1
-                                         : batch[i].tokens.size();
-  };
-  std::vector<size_t> first_row(batch.size(), 0), owner(batch.size(), 0);
-  for (size_t k = 0; k < ranks_.size(); ++k) {
-    Rank& r = *ranks_[k];
-    if (parallel::place_rank(parallel_, static_cast<int>(k)).tp_rank != 0) continue;
-    size_t row = 0;
-    for (size_t i : r.members) {
-      owner[i] = k;
-      first_row[i] = row;
-      row += num_rows(i);
+void CpuBackend::follow() {
+  RELAY_CHECK(nodes_ && !nodes_->config().is_leader(),
+              "follow() runs on nodes 1.. of a multi-node worker");
+  for (;;) {
+    const NodeStep step = nodes_->receive();
+    if (step.command == NodeCommand::kShutdown) return;
+    if (step.command == NodeCommand::kReset) {
+      if (!comms_.empty()) comms_.front()->reset();
+      continue;
     }
+    std::exception_ptr failure;
+    nodes_->reply(compute(step.command, step.batch, failure));
   }
-  std::vector<float> out;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const size_t n = num_rows(i);
-    const float* src = ranks_[owner[i]]->logits.data() + first_row[i] * vocab;
-    out.insert(out.end(), src, src + n * vocab);
-  }
-  return out;
 }
 
 std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) {
-  std::vector<RowsOf> rows_of;
-  for (const StepSequence& s : batch) {
-    RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
-                " samples but has no SamplingParams");
-    rows_of.push_back(s.sample ? RowsOf::kLast : RowsOf::kNone);
+  const std::vector<NodeResult> all = run_step(NodeCommand::kStep, batch);
+  // Each sampling sequence's token comes from the one node holding its logits.
+  std::vector<const SampledToken*> token(batch.size(), nullptr);
+  for (const NodeResult& r : all) {
+    size_t k = 0;
+    for (uint32_t i : r.seqs) {
+      RELAY_CHECK(i < batch.size(), "a node answered for sequence index ", i, " of ", batch.size());
+      if (batch[i].sample) token[i] = &r.sampled.at(k++);
+    }
   }
-  std::vector<float> logits = run(batch, rows_of);
   std::vector<SampledToken> out;
-  const size_t vocab = static_cast<size_t>(config().vocab_size);
-  size_t row = 0;
-  for (const StepSequence& s : batch) {
-    if (!s.sample) continue;
-    std::span<float> row_logits(logits.data() + row * vocab, vocab);
-    SampledToken t =
-        sample_token(row_logits, *s.sampling, s.prompt_tokens, s.output_tokens, s.sample_index);
-    t.seq_id = s.seq_id;
-    out.push_back(std::move(t));
-    ++row;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!batch[i].sample) continue;
+    RELAY_CHECK(token[i] != nullptr, "no node sampled sequence ", batch[i].seq_id);
+    out.push_back(*token[i]);
   }
   return out;
 }
 
 std::vector<float> CpuBackend::forward_logits(std::span<const StepSequence> batch, LogitRows rows) {
-  const std::vector<RowsOf> rows_of(batch.size(),
-                                    rows == LogitRows::kLastTokens ? RowsOf::kLast : RowsOf::kAll);
-  return run(batch, rows_of);
+  const std::vector<NodeResult> all = run_step(
+      rows == LogitRows::kLastTokens ? NodeCommand::kLogitsLast : NodeCommand::kLogitsAll, batch);
+  const size_t vocab = static_cast<size_t>(config().vocab_size);
+  const auto rows_of = [&](size_t i) {
+    return rows == LogitRows::kLastTokens ? size_t{1} : batch[i].tokens.size();
+  };
+  std::vector<const float*> first(batch.size(), nullptr);
+  for (const NodeResult& r : all) {
+    size_t at = 0;
+    for (uint32_t i : r.seqs) {
+      first.at(i) = r.logits.data() + at;
+      at += rows_of(i) * vocab;
+    }
+    RELAY_CHECK(at == r.logits.size(), "a node returned ", r.logits.size(), " logits for ", at,
+                " expected");
+  }
+  std::vector<float> out;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    RELAY_CHECK(first[i] != nullptr, "no node returned the logits of sequence ", batch[i].seq_id);
+    out.insert(out.end(), first[i], first[i] + rows_of(i) * vocab);
+  }
+  return out;
 }
 
 }  // namespace relay

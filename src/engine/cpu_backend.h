@@ -18,16 +18,28 @@
 //     (num_kv_partitions() tells the block manager, which keeps each sequence in one partition), so
 //     a sequence runs on the rank that holds its KV; a rank without sequences in a step still
 //     serves the others' expert-parallel MoE exchanges.
+//
+// Several nodes (options.nodes, parallel::NodeConfig): the ranks may also be spread over processes,
+// on one host or several. This process then builds only its node's ranks, their collectives cross
+// processes over TCP (parallel/tcp_group.h), and the nodes other than 0 are followers: follow()
+// runs every step node 0's backend sends them (engine/node_group.h) until node 0 shuts down. Node
+// 0's step() sends the batch to the followers, runs its own ranks, and merges what each node's
+// ranks sampled (or, for forward_logits, their logit rows). A step that fails on any rank fails on
+// node 0, after which every node re-arms its collectives; a node that disappears leaves node 0
+// failing every later step with the reason.
 #pragma once
 
 #include <cstddef>
+#include <exception>
 #include <filesystem>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "core/thread_pool.h"
 #include "engine/backend.h"
+#include "engine/node_group.h"
 #include "kvcache/kv_cache.h"
 #include "model/model.h"
 #include "parallel/communicator.h"
@@ -41,6 +53,7 @@ struct CpuBackendOptions {
   size_t kv_cache_bytes = size_t{256} << 20;  // ... else as many as fit in this budget per rank
   int num_threads = 0;                        // 0: one per hardware thread; divided among the ranks
   parallel::ParallelConfig parallel;          // tp / ep / dp ranks (threads of this process)
+  parallel::NodeConfig nodes;                 // the processes the ranks are spread over
 };
 
 class CpuBackend : public Backend {
@@ -54,6 +67,7 @@ class CpuBackend : public Backend {
   int num_kv_partitions() const override { return parallel_.dp; }
   std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
+  std::string unusable_reason() const override { return lost_; }
 
   enum class LogitRows {
     kLastTokens,  // the last token of every sequence (sampling or not): [num_seqs, vocab]
@@ -63,7 +77,12 @@ class CpuBackend : public Backend {
   // instead of sampling; for tests, benchmarks and tools that score text.
   std::vector<float> forward_logits(std::span<const StepSequence> batch, LogitRows rows);
 
+  // A follower node (nodes.node_rank > 0): runs node 0's steps until node 0 shuts the worker down
+  // (it returns) or its connection is lost (it throws relay::Error).
+  void follow();
+
   const parallel::ParallelConfig& parallel() const { return parallel_; }
+  // This process's ranks: `rank` is an index among them (global rank = first local rank + rank).
   KvPool& kv_pool(int rank = 0);
   ThreadPool& thread_pool(int rank = 0);
 
@@ -72,9 +91,15 @@ class CpuBackend : public Backend {
   // Which logit rows a sequence contributes: none, its last token, or all its tokens.
   enum class RowsOf { kNone, kLast, kAll };
 
-  // Runs `batch` on every rank (each its own sequences) and returns, per sequence in batch order,
-  // its logit rows concatenated, as rows_of says.
-  std::vector<float> run(std::span<const StepSequence> batch, const std::vector<RowsOf>& rows_of);
+  // Node 0: sends `command` with `batch` to the followers, runs it on this process's ranks and
+  // returns every node's result (index = node). When any rank failed, re-arms the collectives of
+  // every node and throws the first failure.
+  std::vector<NodeResult> run_step(NodeCommand command, std::span<const StepSequence> batch);
+  // Runs `batch` on this process's ranks (each its own sequences). The result lists the sequences
+  // whose logits this process holds (those of its TP-rank-0 ranks) with, for kStep, their sampled
+  // tokens, else their logit rows. A failure is returned in `failure` (and its text in the result).
+  NodeResult compute(NodeCommand command, std::span<const StepSequence> batch,
+                     std::exception_ptr& failure);
   // Flattens the sequences `members` of `batch` into rank r's ForwardBatch, with block ids local to
   // r.
   void build_batch(Rank& r, std::span<const StepSequence> batch,
@@ -82,9 +107,11 @@ class CpuBackend : public Backend {
 
   parallel::ParallelConfig parallel_;
   int blocks_per_rank_ = 0;
-  std::vector<std::unique_ptr<parallel::Communicator>>
-      comms_;  // one per rank (empty with one rank)
-  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<NodeGroup> nodes_;  // only with several nodes
+  std::string lost_;                  // node 0: why the multi-node worker can no longer run steps
+  // One per local rank (empty with one rank in all).
+  std::vector<std::unique_ptr<parallel::Communicator>> comms_;
+  std::vector<std::unique_ptr<Rank>> ranks_;  // this process's ranks, in global rank order
 };
 
 }  // namespace relay

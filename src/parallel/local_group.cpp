@@ -1,8 +1,8 @@
 // See local_group.h.
 #include "parallel/local_group.h"
 
+#include <algorithm>
 #include <condition_variable>
-#include <cstring>
 #include <mutex>
 
 #include "core/error.h"
@@ -67,15 +67,16 @@ class LocalCommunicator : public Communicator {
                  g.posted_count[r]));
       }
     }
+    // std::copy, not memcpy: a count of 0 may come with null buffers.
     scratch_.resize(count);
     const float* first = static_cast<const float*>(g.posted[0]);
-    std::memcpy(scratch_.data(), first, count * sizeof(float));
+    std::copy(first, first + count, scratch_.begin());
     for (int r = 1; r < g.size; ++r) {
       const float* src = static_cast<const float*>(g.posted[r]);
       for (size_t i = 0; i < count; ++i) scratch_[i] += src[i];
     }
     barrier();  // every rank has read every buffer: now each may overwrite its own
-    std::memcpy(data, scratch_.data(), count * sizeof(float));
+    std::copy(scratch_.begin(), scratch_.end(), data);
   }
 
   void all_to_all(std::span<const std::vector<float>> send,

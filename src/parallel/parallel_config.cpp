@@ -26,4 +26,23 @@ RankPlace place_rank(const ParallelConfig& c, int rank) {
   return RankPlace{rank % c.tp, rank / c.tp, rank};
 }
 
+void NodeConfig::validate(const ParallelConfig& parallel) const {
+  RELAY_CHECK(nnodes >= 1, "--nnodes must be at least 1, got ", nnodes);
+  RELAY_CHECK(node_rank >= 0 && node_rank < nnodes, "--node-rank ", node_rank, " is not in 0..",
+              nnodes - 1, " (--nnodes ", nnodes, ")");
+  if (nnodes == 1) {
+    RELAY_CHECK(dist_init.empty(),
+                "--dist-init connects the nodes of a multi-node worker; it "
+                "needs --nnodes 2 or more");
+    return;
+  }
+  RELAY_CHECK(!dist_init.empty(), "--nnodes ", nnodes,
+              " needs --dist-init HOST:PORT, the address node 0 listens on");
+  const int world = parallel.world_size();
+  RELAY_CHECK(world % nnodes == 0 && world >= nnodes, "--nnodes ", nnodes, " cannot split the ",
+              world, " ranks of ", parallel.describe(),
+              " evenly: every node hosts the same number "
+              "of ranks");
+}
+
 }  // namespace relay::parallel

@@ -36,4 +36,25 @@ struct RankPlace {
 };
 RankPlace place_rank(const ParallelConfig& config, int rank);
 
+// How the ranks of one worker are spread over processes, possibly on several hosts (SGLang's
+// --nnodes / --node-rank / --dist-init-addr): node n hosts the contiguous global ranks
+// [n W / nnodes, (n + 1) W / nnodes) of the W = tp x dp ranks. Node 0 is the leader (it runs the
+// scheduler and the server and sends every step to the others); every node is started with the same
+// flags but its own --node-rank, and they meet at node 0's --dist-init address.
+struct NodeConfig {
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string dist_init;  // "HOST:PORT" node 0 listens on; required when nnodes > 1
+
+  // Throws relay::Error naming the flag when the nodes cannot split `parallel`'s ranks evenly.
+  void validate(const ParallelConfig& parallel) const;
+  int ranks_per_node(const ParallelConfig& parallel) const {
+    return parallel.world_size() / nnodes;
+  }
+  int first_rank(const ParallelConfig& parallel) const {
+    return node_rank * ranks_per_node(parallel);
+  }
+  bool is_leader() const { return node_rank == 0; }
+};
+
 }  // namespace relay::parallel

@@ -3,6 +3,7 @@
 // and rank 0 answers with an empty message (welcome) or the text of the refusal.
 #include "parallel/tcp_bootstrap.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -28,20 +29,29 @@ constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 30;
 
 std::string errno_text() { return std::strerror(errno); }
 
-int remaining_ms(Clock::time_point deadline) {
+// poll()'s timeout argument for a wait until `deadline`; -1 (forever) for a kNoTimeout call.
+int poll_timeout_ms(Clock::time_point deadline, std::chrono::milliseconds timeout) {
+  if (timeout.count() < 0) return -1;
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   return left.count() > 0 ? static_cast<int>(left.count()) : 0;
 }
 
-// Waits until fd is readable (POLLIN) or writable (POLLOUT); false on timeout.
-bool wait_fd(int fd, short events, Clock::time_point deadline) {
+// Waits until one of `fds` has one of its events (or an error or hang-up, which poll() always
+// reports); false on timeout.
+bool wait_any(std::span<pollfd> fds, Clock::time_point deadline,
+              std::chrono::milliseconds timeout) {
   while (true) {
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, remaining_ms(deadline));
+    const int n = ::poll(fds.data(), fds.size(), poll_timeout_ms(deadline, timeout));
     if (n > 0) return true;
     if (n == 0) return false;
     if (errno != EINTR) fail(str("poll failed: ", errno_text()));
   }
+}
+
+// Waits until fd is readable (POLLIN) or writable (POLLOUT); false on timeout.
+bool wait_fd(int fd, short events, Clock::time_point deadline, std::chrono::milliseconds timeout) {
+  pollfd p{fd, events, 0};
+  return wait_any(std::span(&p, 1), deadline, timeout);
 }
 
 void put_u32(uint8_t* out, uint32_t v) {
@@ -77,14 +87,14 @@ void set_nodelay(int fd) {
 }
 
 // One non-blocking connect attempt bounded by the deadline; returns the socket or -1 (errno set).
-int try_connect(const addrinfo* ai, Clock::time_point deadline) {
+int try_connect(const addrinfo* ai, Clock::time_point deadline, std::chrono::milliseconds timeout) {
   const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
   if (fd < 0) return -1;
   const int flags = ::fcntl(fd, F_GETFL, 0);
   ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
   int rc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
   if (rc != 0 && errno == EINPROGRESS) {
-    if (!wait_fd(fd, POLLOUT, deadline)) {
+    if (!wait_fd(fd, POLLOUT, deadline, timeout)) {
       ::close(fd);
       errno = ETIMEDOUT;
       return -1;
@@ -104,6 +114,25 @@ int try_connect(const addrinfo* ai, Clock::time_point deadline) {
   ::fcntl(fd, F_SETFL, flags);
   set_nodelay(fd);
   return fd;
+}
+
+// The numeric address of the local end of a connected socket (an IPv4-mapped IPv6 address as plain
+// IPv4, so that it binds and connects whichever family the other side resolves it to).
+std::string local_address_of(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  RELAY_CHECK(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0,
+              "dist-init: getsockname failed: ", errno_text());
+  char text[NI_MAXHOST] = {};
+  const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&addr);
+  if (addr.ss_family == AF_INET6 && IN6_IS_ADDR_V4MAPPED(&v6->sin6_addr)) {
+    ::inet_ntop(AF_INET, v6->sin6_addr.s6_addr + 12, text, sizeof(text));
+    return text;
+  }
+  const int rc = ::getnameinfo(reinterpret_cast<const sockaddr*>(&addr), len, text, sizeof(text),
+                               nullptr, 0, NI_NUMERICHOST);
+  RELAY_CHECK(rc == 0, "dist-init: cannot format the local address: ", ::gai_strerror(rc));
+  return text;
 }
 
 }  // namespace
@@ -143,7 +172,7 @@ TcpBootstrap::TcpBootstrap(const DistInitAddress& address, int rank, int size,
   RELAY_CHECK(size >= 1 && rank >= 0 && rank < size, "dist-init: rank ", rank,
               " is not in a group of ", size);
   if (size == 1) return;
-  const auto deadline = Clock::now() + timeout_;
+  const Deadline deadline = deadline_after(timeout_);
   const std::string endpoint = str(address_.host, ":", address_.port);
 
   if (rank_ != 0) {
@@ -153,13 +182,13 @@ TcpBootstrap::TcpBootstrap(const DistInitAddress& address, int rank, int size,
     std::string last_error = "no address";
     while (fd < 0) {
       for (const addrinfo* p = ai.list; p && fd < 0; p = p->ai_next) {
-        fd = try_connect(p, deadline);
+        fd = try_connect(p, deadline.at, deadline.timeout);
         if (fd < 0) last_error = errno_text();
       }
       if (fd >= 0) break;
       // NOTE: rank 0 may not be listening yet (processes start in any order): retry until the
       // deadline rather than failing on the first refusal.
-      RELAY_CHECK(Clock::now() < deadline, "dist-init: rank ", rank_, " of ", size_,
+      RELAY_CHECK(Clock::now() < deadline.at, "dist-init: rank ", rank_, " of ", size_,
                   " could not connect to rank 0 at ", endpoint, " within ", timeout_.count(),
                   " ms: ", last_error);
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -169,10 +198,11 @@ TcpBootstrap::TcpBootstrap(const DistInitAddress& address, int rank, int size,
     put_u32(hello, kHelloMagic);
     put_u32(hello + 4, static_cast<uint32_t>(rank_));
     put_u32(hello + 8, static_cast<uint32_t>(size_));
-    send_message(fd, 0, hello);
-    const std::vector<uint8_t> answer = recv_message(fd, 0);
+    send_message(fd, 0, hello, deadline);
+    const std::vector<uint8_t> answer = recv_message(fd, 0, deadline);
     RELAY_CHECK(answer.empty(), "dist-init: rank 0 at ", endpoint, " refused rank ", rank_, ": ",
                 std::string(answer.begin(), answer.end()));
+    local_host_ = local_address_of(fd);
     return;
   }
 
@@ -196,15 +226,15 @@ TcpBootstrap::TcpBootstrap(const DistInitAddress& address, int rank, int size,
   int joined = 1;
   try {
     while (joined < size_) {
-      RELAY_CHECK(wait_fd(listener, POLLIN, deadline), "dist-init: rank 0 listening on ", endpoint,
-                  ": only ", joined, " of ", size_, " ranks joined within ", timeout_.count(),
-                  " ms");
+      RELAY_CHECK(wait_fd(listener, POLLIN, deadline.at, deadline.timeout),
+                  "dist-init: rank 0 listening on ", endpoint, ": only ", joined, " of ", size_,
+                  " ranks joined within ", timeout_.count(), " ms");
       const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) continue;
       set_nodelay(fd);
       std::vector<uint8_t> hello;
       try {
-        hello = recv_message(fd, -1);
+        hello = recv_message(fd, -1, deadline);
       } catch (const Error&) {
         ::close(fd);  // a client that is not a Relay rank (a port probe): ignore it
         continue;
@@ -225,7 +255,7 @@ TcpBootstrap::TcpBootstrap(const DistInitAddress& address, int rank, int size,
         refusal = str("rank ", their_rank, " joined twice");
       const std::string_view text = refusal;
       send_message(fd, their_rank,
-                   std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+                   std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()), deadline);
       if (!refusal.empty()) {
         ::close(fd);
         fail(str("dist-init at ", endpoint, ": ", refusal));
@@ -240,6 +270,7 @@ TcpBootstrap::TcpBootstrap(const DistInitAddress& address, int rank, int size,
     throw;
   }
   ::close(listener);
+  local_host_ = local_address_of(peers_[1]);
 }
 
 TcpBootstrap::~TcpBootstrap() {
@@ -253,16 +284,23 @@ std::string TcpBootstrap::where(int peer) const {
              "), talking to ", who);
 }
 
-void TcpBootstrap::send_message(int fd, int peer, std::span<const uint8_t> bytes) {
-  const auto deadline = Clock::now() + timeout_;
+std::string TcpBootstrap::local_host() const { return local_host_; }
+
+TcpBootstrap::Deadline TcpBootstrap::deadline_after(std::chrono::milliseconds timeout) const {
+  if (timeout.count() < 0) return {Clock::time_point::max(), kNoTimeout};
+  return {Clock::now() + timeout, timeout};
+}
+
+void TcpBootstrap::send_message(int fd, int peer, std::span<const uint8_t> bytes,
+                                const Deadline& deadline) {
   uint8_t header[8];
   const uint64_t n = bytes.size();
   for (int i = 0; i < 8; ++i) header[i] = static_cast<uint8_t>(n >> (8 * i));
   for (std::span<const uint8_t> part : {std::span<const uint8_t>(header), bytes}) {
     size_t done = 0;
     while (done < part.size()) {
-      RELAY_CHECK(wait_fd(fd, POLLOUT, deadline), where(peer), ": send timed out after ",
-                  timeout_.count(), " ms");
+      RELAY_CHECK(wait_fd(fd, POLLOUT, deadline.at, deadline.timeout), where(peer),
+                  ": send timed out after ", deadline.timeout.count(), " ms");
       const ssize_t sent = ::send(fd, part.data() + done, part.size() - done, MSG_NOSIGNAL);
       if (sent < 0 && errno == EINTR) continue;
       RELAY_CHECK(sent > 0, where(peer), ": send failed: ", errno_text());
@@ -271,13 +309,12 @@ void TcpBootstrap::send_message(int fd, int peer, std::span<const uint8_t> bytes
   }
 }
 
-std::vector<uint8_t> TcpBootstrap::recv_message(int fd, int peer) {
-  const auto deadline = Clock::now() + timeout_;
+std::vector<uint8_t> TcpBootstrap::recv_message(int fd, int peer, const Deadline& deadline) {
   const auto read_exact = [&](uint8_t* out, size_t n) {
     size_t done = 0;
     while (done < n) {
-      RELAY_CHECK(wait_fd(fd, POLLIN, deadline), where(peer), ": no data within ", timeout_.count(),
-                  " ms");
+      RELAY_CHECK(wait_fd(fd, POLLIN, deadline.at, deadline.timeout), where(peer),
+                  ": no data within ", deadline.timeout.count(), " ms");
       const ssize_t got = ::recv(fd, out + done, n - done, 0);
       if (got < 0 && errno == EINTR) continue;
       RELAY_CHECK(got != 0, where(peer), ": the connection was closed");
@@ -296,24 +333,66 @@ std::vector<uint8_t> TcpBootstrap::recv_message(int fd, int peer) {
 }
 
 std::vector<uint8_t> TcpBootstrap::broadcast(std::span<const uint8_t> blob) {
+  return broadcast(blob, timeout_);
+}
+
+std::vector<uint8_t> TcpBootstrap::broadcast(std::span<const uint8_t> blob,
+                                             std::chrono::milliseconds timeout) {
   if (size_ == 1) return {blob.begin(), blob.end()};
-  if (rank_ != 0) return recv_message(peers_[0], 0);
-  for (int r = 1; r < size_; ++r) send_message(peers_[r], r, blob);
+  const Deadline deadline = deadline_after(timeout);
+  if (rank_ != 0) return recv_message(peers_[0], 0, deadline);
+  for (int r = 1; r < size_; ++r) send_message(peers_[r], r, blob, deadline);
   return {blob.begin(), blob.end()};
 }
 
-std::vector<std::vector<uint8_t>> TcpBootstrap::all_gather(std::span<const uint8_t> blob) {
-  std::vector<std::vector<uint8_t>> all(size_);
-  all[rank_].assign(blob.begin(), blob.end());
-  if (size_ == 1) return all;
+std::vector<std::vector<uint8_t>> TcpBootstrap::gather(std::span<const uint8_t> blob,
+                                                       std::chrono::milliseconds timeout) {
+  return gather_until(blob, deadline_after(timeout));
+}
+
+std::vector<std::vector<uint8_t>> TcpBootstrap::gather_until(std::span<const uint8_t> blob,
+                                                             const Deadline& deadline) {
   if (rank_ != 0) {
-    send_message(peers_[0], 0, blob);
-    for (int r = 0; r < size_; ++r) all[r] = recv_message(peers_[0], 0);
+    send_message(peers_[0], 0, blob, deadline);
+    return {};
+  }
+  std::vector<std::vector<uint8_t>> all(size_);
+  all[0].assign(blob.begin(), blob.end());
+  std::vector<int> waiting;
+  for (int r = 1; r < size_; ++r) waiting.push_back(r);
+  std::vector<pollfd> fds;
+  while (!waiting.empty()) {
+    // NOTE: rank 0 waits on every rank that still owes its blob at once, not on one after the
+    // other, so a rank that closed its connection fails the call at once even while an earlier
+    // rank is slow (which matters most under kNoTimeout).
+    fds.clear();
+    for (int r : waiting) fds.push_back({peers_[r], POLLIN, 0});
+    RELAY_CHECK(wait_any(fds, deadline.at, deadline.timeout), where(waiting.front()),
+                ": no data within ", deadline.timeout.count(), " ms (", waiting.size(),
+                " ranks had not sent their blob)");
+    std::vector<int> still_waiting;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) {
+        still_waiting.push_back(waiting[i]);
+        continue;
+      }
+      all[waiting[i]] = recv_message(fds[i].fd, waiting[i], deadline);
+    }
+    waiting = std::move(still_waiting);
+  }
+  return all;
+}
+
+std::vector<std::vector<uint8_t>> TcpBootstrap::all_gather(std::span<const uint8_t> blob) {
+  const Deadline deadline = deadline_after(timeout_);
+  std::vector<std::vector<uint8_t>> all = gather_until(blob, deadline);
+  if (rank_ != 0) {
+    all.resize(size_);
+    for (int r = 0; r < size_; ++r) all[r] = recv_message(peers_[0], 0, deadline);
     return all;
   }
-  for (int r = 1; r < size_; ++r) all[r] = recv_message(peers_[r], r);
   for (int r = 1; r < size_; ++r)
-    for (const auto& part : all) send_message(peers_[r], r, part);
+    for (const auto& part : all) send_message(peers_[r], r, part, deadline);
   return all;
 }
 

@@ -212,6 +212,11 @@ std::shared_ptr<RequestHandle> EngineLoop::submit_prefilled(int64_t id, EngineRe
   return handle;
 }
 
+std::string EngineLoop::unusable_reason() const {
+  std::lock_guard lock(unusable_mu_);
+  return unusable_;
+}
+
 void EngineLoop::fail_all(const std::string& message) {
   for (auto& [id, handle] : live_) {
     engine_.abort(id);
@@ -273,6 +278,11 @@ void EngineLoop::run() {
       // NOTE: a failed step leaves the batch half-applied; every live request is failed and freed
       // so the engine starts clean.
       fail_all(str("engine step failed: ", e.what()));
+      std::string why = engine_.backend().unusable_reason();
+      if (!why.empty()) {
+        std::lock_guard lock(unusable_mu_);
+        unusable_ = std::move(why);
+      }
     }
     const EngineStats s = engine_.stats();
     metrics_.set_engine({s.num_running, s.num_waiting, s.kv_cache_usage,

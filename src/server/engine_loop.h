@@ -91,6 +91,8 @@ class RequestSink {
   virtual int num_unfinished() const = 0;
   // Fails whatever is still in flight and stops taking requests.
   virtual void stop() = 0;
+  // Why every request will fail from now on (empty while requests can succeed): /health reports it.
+  virtual std::string unusable_reason() const { return {}; }
 };
 
 class EngineLoop : public RequestSink {
@@ -106,6 +108,8 @@ class EngineLoop : public RequestSink {
   int num_unfinished() const override { return num_unfinished_.load(); }
   // Stops the thread, failing whatever is still in flight.
   void stop() override;
+  // The backend's reason, as of its last failed step.
+  std::string unusable_reason() const override;
 
   // Runs fn(engine) on the engine thread before its next step and returns its result; for the
   // disaggregated worker's KV reservations and releases. The future holds fn's exception, or a
@@ -155,6 +159,8 @@ class EngineLoop : public RequestSink {
   void delivery_loop();
   void fail_all(const std::string& message);
 
+  mutable std::mutex unusable_mu_;
+  std::string unusable_;  // guarded by unusable_mu_: written by the engine thread, read by /health
   LLMEngine& engine_;
   Metrics& metrics_;
   std::mutex mu_;

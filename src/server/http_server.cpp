@@ -113,7 +113,8 @@ void raise_listen_backlog(int port) {
     if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &addr_len) != 0) continue;
     int bound = -1;
     if (addr.ss_family == AF_INET) bound = ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-    if (addr.ss_family == AF_INET6) bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+    if (addr.ss_family == AF_INET6)
+      bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
     if (bound == port) ::listen(fd, 4096);
   }
 }
@@ -344,6 +345,21 @@ struct HttpServer::State {
 
   void respond(Job job_value, httplib::Response& res) {
     auto job = std::make_shared<Job>(std::move(job_value));
+    if (!job->stream) {
+      // NOTE: the status line leaves with the first byte (a heartbeat), so a non-streaming
+      // response first waits up to one heartbeat interval for its outcome: a request that fails
+      // by then (a failed engine step) gets its HTTP error status, not a 200 with an error body.
+      // One that fails later can only report the error in the body.
+      const Clock::time_point deadline = Clock::now() + kHeartbeatInterval;
+      while (!job->all_done() && Clock::now() < deadline) {
+        poll(*job, [](size_t, const RequestOutput&) {});
+      }
+      if (const auto err = job->all_done() ? job_error(*job) : std::nullopt) {
+        res.status = err->status;
+        res.set_content(dump(err->body()), "application/json");
+        return;
+      }
+    }
     ++active_responses;
     // NOTE: httplib gzips a chunked "application/json" body when the client accepts gzip, which
     // buffers the heartbeats and hides a disconnect; with a charset parameter it sends bytes as
@@ -638,6 +654,15 @@ void HttpServer::start() {
   };
   svr.Get("/health", [&s](const httplib::Request&, httplib::Response& res) {
     const Phase p = s.phase.load();
+    // A ready server whose engine can run no more steps (a multi-node worker that lost a node) is
+    // unhealthy: a load balancer or orchestrator should route around it and restart it.
+    if (p == Phase::kReady && s.loop) {
+      if (const std::string why = s.loop->unusable_reason(); !why.empty()) {
+        res.status = 503;
+        res.set_content(dump(json{{"status", "unusable"}, {"reason", why}}), "application/json");
+        return;
+      }
+    }
     res.status = p == Phase::kReady ? 200 : 503;
     res.set_content(p == Phase::kReady     ? "{\"status\":\"ok\"}"
                     : p == Phase::kLoading ? "{\"status\":\"loading\"}"

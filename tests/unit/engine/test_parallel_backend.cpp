@@ -9,11 +9,16 @@
 // budget the transformers fixtures use (1e-4 + 1e-4 |x|), far below the top-1/top-2 gaps along
 // greedy paths.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <numeric>
+#include <thread>
 
 #include "core/error.h"
 #include "engine/cpu_backend.h"
@@ -286,6 +291,232 @@ TEST(ShardedBackend, ABadSequenceFailsTheStepAndTheNextStepStillRuns) {
   Seq straddling{3, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {3, 17}, 0};  // blocks on two ranks
   std::vector<StepSequence> wrong{make_step(straddling, 9)};
   EXPECT_THROW(backend.forward_logits(wrong, CpuBackend::LogitRows::kLastTokens), Error);
+}
+
+// ---- Several nodes: the ranks in several processes (here: threads, each with its own backend)
+// ----
+
+// A port that was free a moment ago (the kernel's pick for port 0).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Node 0's backend in the calling thread, nodes 1.. following it on their own threads until node 0
+// is destroyed. `options(n)` gives node n's options (their .nodes is filled in here).
+class MultiNode {
+ public:
+  MultiNode(const std::filesystem::path& dir, int nnodes,
+            const std::function<CpuBackendOptions(int)>& options) {
+    const std::string address = "127.0.0.1:" + std::to_string(free_port());
+    auto with_node = [&](int n) {
+      CpuBackendOptions o = options(n);
+      o.nodes = {nnodes, n, address};
+      return o;
+    };
+    errors_.resize(nnodes);
+    for (int n = 1; n < nnodes; ++n) {
+      followers_.emplace_back([this, dir, o = with_node(n), n] {
+        try {
+          CpuBackend follower(dir, o);
+          follower.follow();
+        } catch (const Error& e) {
+          errors_[n] = e.what();
+        }
+      });
+    }
+    try {
+      leader_ = std::make_unique<CpuBackend>(dir, with_node(0));
+    } catch (const Error& e) {
+      errors_[0] = e.what();
+    }
+  }
+  ~MultiNode() { join(); }
+
+  CpuBackend* leader() { return leader_.get(); }
+  // Destroys node 0 (which shuts the followers down) and returns every node's error, if any.
+  const std::vector<std::string>& join() {
+    leader_.reset();
+    for (auto& t : followers_) t.join();
+    followers_.clear();
+    return errors_;
+  }
+
+ private:
+  std::unique_ptr<CpuBackend> leader_;
+  std::vector<std::thread> followers_;
+  std::vector<std::string> errors_;
+};
+
+struct NodeCase {
+  parallel::ParallelConfig parallel;
+  int nnodes;
+};
+
+class MultiNodeBackendTest : public ::testing::TestWithParam<NodeCase> {};
+
+// The collectives across processes add in the same rank order as the threads of one process, so a
+// multi-node worker's logits are bit-identical to the one-process worker's of the same layout.
+TEST_P(MultiNodeBackendTest, EqualsOneProcessBitForBit) {
+  const NodeCase& c = GetParam();
+  const auto dir = std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
+  const auto fx =
+      test::ModelFixture::load(test::fixture_models_dir() / "relay-demo-moe-expected", dir);
+  std::vector<std::vector<int32_t>> prompts = fx.prompts;
+  prompts.resize(3);
+  const int steps = 4;
+  CpuBackendOptions o;
+  o.block_size = 8;
+  o.num_blocks = 32;
+  o.parallel = c.parallel;
+  o.num_threads = c.parallel.world_size();
+  CpuBackend one_process(dir, o);
+  Driver want(one_process, prompts, steps);
+  const auto want_logits = want.run(steps);
+
+  o.num_threads = c.parallel.world_size() / c.nnodes;
+  MultiNode nodes(dir, c.nnodes, [&](int) { return o; });
+  ASSERT_NE(nodes.leader(), nullptr) << nodes.join()[0];
+  ASSERT_EQ(nodes.leader()->num_kv_blocks(), o.num_blocks * c.parallel.dp);
+  Driver got(*nodes.leader(), prompts, steps);
+  EXPECT_EQ(got.run(steps), want_logits);
+  for (size_t i = 0; i < prompts.size(); ++i)
+    EXPECT_EQ(got.generated(i, prompts[i].size()), want.generated(i, prompts[i].size()));
+  for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, MultiNodeBackendTest,
+                         ::testing::Values(NodeCase{{2, 1, 1}, 2}, NodeCase{{2, 2, 1}, 2},
+                                           NodeCase{{1, 2, 2}, 2}, NodeCase{{4, 4, 1}, 2},
+                                           NodeCase{{1, 4, 4}, 4}),
+                         [](const ::testing::TestParamInfo<NodeCase>& info) {
+                           const NodeCase& c = info.param;
+                           return "tp" + std::to_string(c.parallel.tp) + "_ep" +
+                                  std::to_string(c.parallel.ep) + "_dp" +
+                                  std::to_string(c.parallel.dp) + "_nodes" +
+                                  std::to_string(c.nnodes);
+                         });
+
+// step() samples each sequence on the node holding its logits (under DP, the follower's rank for
+// the sequences in its partition): the tokens, logprobs and top logprobs are the one-process
+// worker's, with penalties that read the prompt and output tokens.
+TEST(MultiNodeBackend, SamplesOnTheNodeHoldingTheLogits) {
+  const auto dir = test::fixture_models_dir() / "qwen3-moe";
+  CpuBackendOptions o;
+  o.block_size = 8;
+  o.num_blocks = 16;
+  o.parallel = {1, 2, 2};
+  CpuBackend one_process(dir, o);
+  MultiNode nodes(dir, 2, [&](int) { return o; });
+  ASSERT_NE(nodes.leader(), nullptr) << nodes.join()[0];
+
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  greedy.num_logprobs = 3;
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_p = 0.9f;
+  sampled.seed = 1234;
+  sampled.repetition_penalty = 1.3f;
+  sampled.frequency_penalty = 0.5f;
+  const std::vector<int32_t> history{5, 6, 7, 5};
+  Seq a{1, {5, 6, 7}, {0}, 0};
+  Seq b{2, {8, 9, 10, 11}, {16}, 0};  // node 1's partition
+  Seq c{3, {12, 13}, {17}, 0};        // node 1's partition, not sampling
+  std::vector<StepSequence> batch{make_step(a, 3), make_step(b, 4), make_step(c, 2)};
+  batch[0].sample = true;
+  batch[0].sampling = &greedy;
+  batch[1].sample = true;
+  batch[1].sampling = &sampled;
+  batch[1].prompt_tokens = b.tokens;
+  batch[1].output_tokens = history;
+  batch[1].sample_index = 4;
+  const std::vector<SampledToken> want = one_process.step(batch);
+  const std::vector<SampledToken> got = nodes.leader()->step(batch);
+  ASSERT_EQ(got.size(), 2u);
+  ASSERT_EQ(want.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(got[i].seq_id, want[i].seq_id);
+    EXPECT_EQ(got[i].token, want[i].token);
+    EXPECT_EQ(got[i].logprob, want[i].logprob);
+    EXPECT_EQ(got[i].top, want[i].top);
+  }
+  EXPECT_EQ(got[0].top.size(), 3u);
+  for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
+}
+
+// A rank of node 1 fails (a token outside the vocabulary) while node 0's rank waits for it in the
+// MoE exchange: the step fails on node 0 naming the cause, every node re-arms its collectives, and
+// the next step runs.
+TEST(MultiNodeBackend, AFailedStepOnAFollowerFailsTheStepAndTheNextStepRuns) {
+  const auto dir = test::fixture_models_dir() / "qwen3-moe";
+  CpuBackendOptions o;
+  o.block_size = 8;
+  o.num_blocks = 16;
+  o.parallel = {1, 2, 2};
+  MultiNode nodes(dir, 2, [&](int) { return o; });
+  ASSERT_NE(nodes.leader(), nullptr) << nodes.join()[0];
+  Seq good{1, {5, 6, 7}, {0}, 0};
+  Seq bad{2, {8, 9, 10, 1 << 30}, {16}, 0};  // node 1's partition
+  std::vector<StepSequence> batch{make_step(good, 3), make_step(bad, 4)};
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      nodes.leader()->forward_logits(batch, CpuBackend::LogitRows::kLastTokens);
+      ADD_FAILURE() << "the step with a token outside the vocabulary ran";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("node 1: "), std::string::npos) << what;
+      EXPECT_NE(what.find("vocab"), std::string::npos) << what;
+    }
+    std::vector<StepSequence> retry{make_step(good, 3)};
+    EXPECT_EQ(nodes.leader()->forward_logits(retry, CpuBackend::LogitRows::kLastTokens).size(),
+              static_cast<size_t>(nodes.leader()->config().vocab_size));
+  }
+  for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
+}
+
+// Nodes started with different flags refuse to form a worker, each naming the difference.
+TEST(MultiNodeBackend, NodesWithDifferentFlagsRefuseToJoin) {
+  const auto dir = test::fixture_models_dir() / "qwen3-moe";
+  MultiNode nodes(dir, 2, [&](int n) {
+    CpuBackendOptions o;
+    o.num_blocks = 8;
+    o.parallel = {2, 1, 1};
+    o.block_size = n == 0 ? 8 : 16;
+    return o;
+  });
+  EXPECT_EQ(nodes.leader(), nullptr);
+  for (const std::string& e : nodes.join()) {
+    EXPECT_NE(e.find("node 1 was started for"), std::string::npos) << e;
+    EXPECT_NE(e.find("--block-size 16"), std::string::npos) << e;
+  }
+}
+
+TEST(MultiNodeBackend, RefusesNodeCountsThatDoNotSplitTheRanks) {
+  const auto dir = test::fixture_models_dir() / "qwen3-moe";
+  CpuBackendOptions o;
+  o.num_blocks = 8;
+  o.parallel = {2, 1, 1};
+  for (auto [nodes, needle] :
+       {std::pair{parallel::NodeConfig{4, 0, "127.0.0.1:1"}, "evenly"},
+        std::pair{parallel::NodeConfig{2, 2, "127.0.0.1:1"}, "--node-rank"},
+        std::pair{parallel::NodeConfig{2, 0, ""}, "--dist-init"},
+        std::pair{parallel::NodeConfig{1, 0, "127.0.0.1:1"}, "--nnodes 2"}}) {
+    o.nodes = nodes;
+    try {
+      CpuBackend backend(dir, o);
+      ADD_FAILURE() << "expected an error mentioning " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

@@ -157,5 +157,136 @@ TEST(TcpBootstrap, PortProbesAreIgnored) {
   for (const auto& e : errors) EXPECT_EQ(e, "");
 }
 
+TEST(TcpBootstrap, GatherGivesRankZeroEveryBlobAndTheOthersNothing) {
+  for (int size : {1, 4}) {
+    const DistInitAddress addr{"127.0.0.1", free_port()};
+    std::vector<std::vector<std::vector<uint8_t>>> got(size);
+    const auto errors = run_ranks(size, [&](int rank) {
+      TcpBootstrap boot(addr, rank, size, 10s);
+      // Ranks arrive out of order, and rank 1's blob is empty.
+      std::this_thread::sleep_for(std::chrono::milliseconds(10 * (size - rank)));
+      got[rank] = boot.gather(std::vector<uint8_t>(rank == 1 ? 0 : rank + 3, uint8_t(rank)), 5s);
+    });
+    for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+    ASSERT_EQ(got[0].size(), static_cast<size_t>(size));
+    for (int s = 0; s < size; ++s)
+      EXPECT_EQ(got[0][s], std::vector<uint8_t>(s == 1 ? 0 : s + 3, uint8_t(s))) << "from " << s;
+    for (int r = 1; r < size; ++r) EXPECT_TRUE(got[r].empty()) << "rank " << r;
+  }
+}
+
+TEST(TcpBootstrap, NoTimeoutWaitsPastTheConstructionTimeout) {
+  const DistInitAddress addr{"127.0.0.1", free_port()};
+  std::vector<std::vector<uint8_t>> got(3);
+  std::vector<std::vector<std::vector<uint8_t>>> gathered(3);
+  const auto errors = run_ranks(3, [&](int rank) {
+    TcpBootstrap boot(addr, rank, 3, 300ms);
+    // A leader that takes longer than the construction timeout to send its next step.
+    if (rank == 0) std::this_thread::sleep_for(400ms);
+    got[rank] = boot.broadcast(std::vector<uint8_t>{1, 2, 3}, TcpBootstrap::kNoTimeout);
+    // Followers that take longer than it to answer.
+    if (rank != 0) std::this_thread::sleep_for(400ms);
+    gathered[rank] = boot.gather(std::vector<uint8_t>{uint8_t(rank)}, TcpBootstrap::kNoTimeout);
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(got[r], (std::vector<uint8_t>{1, 2, 3})) << "rank " << r;
+  }
+  ASSERT_EQ(gathered[0].size(), 3u);
+  for (int s = 0; s < 3; ++s) EXPECT_EQ(gathered[0][s], std::vector<uint8_t>{uint8_t(s)});
+}
+
+TEST(TcpBootstrap, APerCallTimeoutFailsNamingIt) {
+  const DistInitAddress addr{"127.0.0.1", free_port()};
+  std::atomic<bool> follower_done{false};
+  const auto errors = run_ranks(2, [&](int rank) {
+    TcpBootstrap boot(addr, rank, 2, 10s);
+    if (rank == 0) {  // never broadcasts, but stays connected
+      while (!follower_done) std::this_thread::sleep_for(5ms);
+      return;
+    }
+    try {
+      boot.broadcast({}, 100ms);
+    } catch (const Error&) {
+      follower_done = true;
+      throw;
+    }
+    follower_done = true;
+  });
+  EXPECT_TRUE(errors[1].find("no data within 100 ms") != std::string::npos) << errors[1];
+}
+
+TEST(TcpBootstrap, AClosedConnectionFailsAtOnceWithoutATimeout) {
+  // Followers waiting for a leader that exits.
+  {
+    const DistInitAddress addr{"127.0.0.1", free_port()};
+    std::vector<double> waited_s(3, 0.0);
+    const auto errors = run_ranks(3, [&](int rank) {
+      TcpBootstrap boot(addr, rank, 3, 10s);
+      if (rank == 0) {  // exits without broadcasting
+        std::this_thread::sleep_for(100ms);
+        return;
+      }
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        boot.broadcast({}, TcpBootstrap::kNoTimeout);
+      } catch (const Error&) {
+        waited_s[rank] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        throw;
+      }
+    });
+    for (int r = 1; r < 3; ++r) {
+      EXPECT_NE(errors[r].find("the connection was closed"), std::string::npos) << errors[r];
+      EXPECT_LT(waited_s[r], 2.0) << "rank " << r;
+    }
+  }
+  // A leader gathering from a slow rank 1 while rank 2 exits: it fails on rank 2 at once.
+  {
+    const DistInitAddress addr{"127.0.0.1", free_port()};
+    std::atomic<bool> leader_done{false};
+    const auto errors = run_ranks(3, [&](int rank) {
+      TcpBootstrap boot(addr, rank, 3, 10s);
+      if (rank == 2) {  // exits without sending its blob
+        std::this_thread::sleep_for(100ms);
+        return;
+      }
+      if (rank == 1) {  // slow: sends nothing until the leader has failed
+        while (!leader_done) std::this_thread::sleep_for(5ms);
+        return;
+      }
+      try {
+        boot.gather({}, TcpBootstrap::kNoTimeout);
+      } catch (const Error&) {
+        leader_done = true;
+        throw;
+      }
+      leader_done = true;
+    });
+    EXPECT_NE(errors[0].find("talking to rank 2: the connection was closed"), std::string::npos)
+        << errors[0];
+  }
+}
+
+TEST(TcpBootstrap, LocalHostIsTheNumericAddressOfTheConnectionToRankZero) {
+  EXPECT_EQ(TcpBootstrap({"127.0.0.1", free_port()}, 0, 1).local_host(), "127.0.0.1");
+  for (const char* host : {"127.0.0.1", "localhost"}) {
+    const DistInitAddress addr{host, free_port()};
+    std::vector<std::string> local(3);
+    const auto errors = run_ranks(3, [&](int rank) {
+      TcpBootstrap boot(addr, rank, 3, 10s);
+      local[rank] = boot.local_host();
+      boot.barrier();
+    });
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(errors[r], "") << host << " rank " << r;
+      // "localhost" resolves to either loopback; every rank sees the one rank 0 listens on.
+      EXPECT_TRUE(local[r] == "127.0.0.1" || local[r] == "::1")
+          << host << " rank " << r << ": " << local[r];
+      EXPECT_EQ(local[r], local[0]) << host << " rank " << r;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace relay::parallel

@@ -1,0 +1,224 @@
+// See node_group.h. Wire format: little-endian fixed-width fields and length-prefixed (uint32)
+// arrays, in the order the encoders below write them; every message starts with a version byte so
+// nodes of different builds fail clearly instead of misreading each other.
+#include "engine/node_group.h"
+
+#include <bit>
+#include <cstring>
+#include <type_traits>
+
+#include "core/error.h"
+
+namespace relay {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the node messages are written in host byte order, which is little-endian here");
+
+constexpr uint8_t kWireVersion = 1;
+
+class Writer {
+ public:
+  template <typename T>
+  void put(const T& v) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    const auto* p = reinterpret_cast<const uint8_t*>(&v);
+    bytes_.insert(bytes_.end(), p, p + sizeof(T));
+  }
+  template <typename T>
+  void put_array(std::span<const T> values) {
+    put(static_cast<uint32_t>(values.size()));
+    const auto* p = reinterpret_cast<const uint8_t*>(values.data());
+    bytes_.insert(bytes_.end(), p, p + values.size_bytes());
+  }
+  void put_string(const std::string& s) { put_array(std::span<const char>(s.data(), s.size())); }
+  std::vector<uint8_t> take() { return std::move(bytes_); }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::span<const uint8_t> bytes) : bytes_(bytes) {}
+
+  template <typename T>
+  T get() {
+    T v;
+    need(sizeof(T));
+    std::memcpy(&v, bytes_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return v;
+  }
+  // A count of items that take at least `min_bytes_each` bytes each, checked against what is left
+  // (a corrupt count must fail here, not in a huge allocation).
+  uint32_t get_count(size_t min_bytes_each) {
+    const auto n = get<uint32_t>();
+    need(size_t{n} * min_bytes_each);
+    return n;
+  }
+  template <typename T>
+  std::vector<T> get_array() {
+    const uint32_t n = get<uint32_t>();
+    need(size_t{n} * sizeof(T));
+    std::vector<T> out(n);
+    std::memcpy(out.data(), bytes_.data() + at_, size_t{n} * sizeof(T));
+    at_ += size_t{n} * sizeof(T);
+    return out;
+  }
+  std::string get_string() {
+    const std::vector<char> chars = get_array<char>();
+    return {chars.begin(), chars.end()};
+  }
+  void expect_end() const {
+    RELAY_CHECK(at_ == bytes_.size(), "node message: ", bytes_.size() - at_,
+                " bytes left over after the last field");
+  }
+
+ private:
+  void need(size_t n) const {
+    RELAY_CHECK(n <= bytes_.size() - at_, "node message truncated: needs ", n, " more bytes at ",
+                at_, " of ", bytes_.size());
+  }
+  std::span<const uint8_t> bytes_;
+  size_t at_ = 0;
+};
+
+void check_version(Reader& r) {
+  const auto v = r.get<uint8_t>();
+  RELAY_CHECK(v == kWireVersion, "node message of wire version ", int{v}, ", this relay speaks ",
+              int{kWireVersion}, ": start every node with the same relay build");
+}
+
+// The sampler reads a sequence's earlier tokens only for its penalties.
+bool reads_history(const SamplingParams& p) {
+  return p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.repetition_penalty != 1.0f;
+}
+
+}  // namespace
+
+std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequence> batch) {
+  Writer w;
+  w.put(kWireVersion);
+  w.put(command);
+  w.put(static_cast<uint32_t>(batch.size()));
+  for (const StepSequence& s : batch) {
+    w.put(s.seq_id);
+    w.put(s.num_computed);
+    w.put_array(s.tokens);
+    w.put_array(s.block_table);
+    w.put(static_cast<uint8_t>(s.sample));
+    if (!s.sample) continue;
+    RELAY_CHECK(s.sampling != nullptr, "sequence ", s.seq_id, " samples but has no SamplingParams");
+    w.put(*s.sampling);
+    w.put(s.sample_index);
+    const bool history = reads_history(*s.sampling);
+    w.put_array(history ? s.prompt_tokens : std::span<const int32_t>());
+    w.put_array(history ? s.output_tokens : std::span<const int32_t>());
+  }
+  return w.take();
+}
+
+NodeStep decode_step(std::span<const uint8_t> bytes) {
+  Reader r(bytes);
+  check_version(r);
+  NodeStep step;
+  step.command = r.get<NodeCommand>();
+  const uint32_t n = r.get_count(sizeof(int64_t) + sizeof(int32_t));
+  // The spans of `batch` point into these vectors: size them first so they never move.
+  step.tokens.resize(n);
+  step.block_tables.resize(n);
+  step.prompt_tokens.resize(n);
+  step.output_tokens.resize(n);
+  step.sampling.resize(n);
+  step.batch.resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    StepSequence& s = step.batch[i];
+    s.seq_id = r.get<int64_t>();
+    s.num_computed = r.get<int32_t>();
+    step.tokens[i] = r.get_array<int32_t>();
+    step.block_tables[i] = r.get_array<int32_t>();
+    s.tokens = step.tokens[i];
+    s.block_table = step.block_tables[i];
+    s.sample = r.get<uint8_t>() != 0;
+    if (!s.sample) continue;
+    step.sampling[i] = r.get<SamplingParams>();
+    s.sampling = &step.sampling[i];
+    s.sample_index = r.get<uint64_t>();
+    step.prompt_tokens[i] = r.get_array<int32_t>();
+    step.output_tokens[i] = r.get_array<int32_t>();
+    s.prompt_tokens = step.prompt_tokens[i];
+    s.output_tokens = step.output_tokens[i];
+  }
+  r.expect_end();
+  return step;
+}
+
+std::vector<uint8_t> encode_result(const NodeResult& result) {
+  Writer w;
+  w.put(kWireVersion);
+  w.put_string(result.error);
+  w.put_array(std::span<const uint32_t>(result.seqs));
+  w.put(static_cast<uint32_t>(result.sampled.size()));
+  for (const SampledToken& t : result.sampled) {
+    w.put(t.seq_id);
+    w.put(t.token);
+    w.put(t.logprob);
+    w.put(static_cast<uint32_t>(t.top.size()));
+    for (const auto& [token, logprob] : t.top) w.put(token), w.put(logprob);
+  }
+  w.put_array(std::span<const float>(result.logits));
+  return w.take();
+}
+
+NodeResult decode_result(std::span<const uint8_t> bytes) {
+  Reader r(bytes);
+  check_version(r);
+  NodeResult result;
+  result.error = r.get_string();
+  result.seqs = r.get_array<uint32_t>();
+  result.sampled.resize(r.get_count(sizeof(int64_t) + sizeof(int32_t) + sizeof(float)));
+  for (SampledToken& t : result.sampled) {
+    t.seq_id = r.get<int64_t>();
+    t.token = r.get<int32_t>();
+    t.logprob = r.get<float>();
+    t.top.resize(r.get_count(sizeof(int32_t) + sizeof(float)));
+    for (auto& [token, logprob] : t.top) token = r.get<int32_t>(), logprob = r.get<float>();
+  }
+  result.logits = r.get_array<float>();
+  r.expect_end();
+  return result;
+}
+
+NodeGroup::NodeGroup(const parallel::NodeConfig& nodes, std::chrono::milliseconds setup_timeout,
+                     std::chrono::milliseconds step_timeout)
+    : config_(nodes),
+      step_timeout_(step_timeout),
+      bootstrap_(parallel::parse_dist_init(nodes.dist_init), nodes.node_rank, nodes.nnodes,
+                 setup_timeout) {}
+
+void NodeGroup::send(NodeCommand command, std::span<const StepSequence> batch) {
+  RELAY_CHECK(config_.is_leader(), "only node 0 sends steps");
+  const std::vector<uint8_t> bytes = encode_step(command, batch);
+  bootstrap_.broadcast(bytes, step_timeout_);
+}
+
+std::vector<NodeResult> NodeGroup::gather(NodeResult mine) {
+  RELAY_CHECK(config_.is_leader(), "only node 0 gathers step results");
+  std::vector<std::vector<uint8_t>> all = bootstrap_.gather(encode_result(mine), step_timeout_);
+  std::vector<NodeResult> out;
+  out.push_back(std::move(mine));
+  for (size_t n = 1; n < all.size(); ++n) out.push_back(decode_result(all[n]));
+  return out;
+}
+
+NodeStep NodeGroup::receive() {
+  RELAY_CHECK(!config_.is_leader(), "node 0 does not receive steps");
+  return decode_step(bootstrap_.broadcast({}, parallel::TcpBootstrap::kNoTimeout));
+}
+
+void NodeGroup::reply(const NodeResult& result) {
+  bootstrap_.gather(encode_result(result), step_timeout_);
+}
+
+}  // namespace relay

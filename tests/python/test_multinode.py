@@ -1,0 +1,131 @@
+"""Multi-node workers on the CPU backend (--nnodes / --node-rank / --dist-init): the ranks of one
+worker in several processes, as on several hosts. `relay generate` and `relay serve` give the
+one-process text; a follower that disappears makes node 0 fail requests with the reason instead of
+hanging or crashing; nodes started with different flags, and layouts no node count can split, are
+refused with a message naming the flag."""
+import concurrent.futures as cf
+import subprocess
+
+import openai
+import pytest
+import requests
+
+from relay_server import MODEL, RelayServer, free_port
+
+PROMPT = "def merge_sort(values):"
+
+
+def node_args(nnodes, rank, address):
+    return ["--nnodes", nnodes, "--node-rank", rank, "--dist-init", address]
+
+
+def start_followers(relay_bin, command, nnodes, address, *args):
+    """Nodes 1..nnodes-1 of a worker, started with node 0's flags."""
+    return [subprocess.Popen([str(relay_bin), command, "--threads", "1", *map(str, args),
+                              *map(str, node_args(nnodes, n, address))],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for n in range(1, nnodes)]
+
+
+def generate_cmd(relay_bin, *args):
+    return [str(relay_bin), "generate", "--threads", "1", "--prompt", PROMPT, "--max-tokens", "24",
+            "--ignore-eos", *map(str, args)]
+
+
+@pytest.fixture(scope="module")
+def one_process_text(relay_bin):
+    r = subprocess.run(generate_cmd(relay_bin), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("layout,nnodes", [(["--tp", 2], 2), (["--dp", 2, "--ep", 2], 2),
+                                           (["--tp", 4, "--ep", 4], 2)],
+                         ids=["tp2_2nodes", "dp2ep2_2nodes", "tp4ep4_2nodes"])
+def test_generate_across_processes_equals_one_process(relay_bin, one_process_text, layout, nnodes):
+    address = f"127.0.0.1:{free_port()}"
+    followers = start_followers(relay_bin, "generate", nnodes, address, "--prompt", PROMPT,
+                                "--max-tokens", 24, "--ignore-eos", *layout)
+    leader = subprocess.run(generate_cmd(relay_bin, *layout, *node_args(nnodes, 0, address)),
+                            capture_output=True, text=True, timeout=300)
+    assert leader.returncode == 0, leader.stderr
+    assert leader.stdout == one_process_text
+    for f in followers:
+        out, err = f.communicate(timeout=60)
+        assert f.returncode == 0, err
+        assert "following node 0" in err and "shut the worker down" in err
+
+
+def test_server_across_processes_and_a_lost_follower(relay_bin):
+    prompts = [f"def task_{i}(items, n={i}):" for i in range(6)]
+
+    def complete(client, prompt):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    one = RelayServer(relay_bin)
+    one.wait_ready()
+    try:
+        want = [complete(one.client(), p) for p in prompts]
+    finally:
+        assert one.stop() == 0
+
+    address = f"127.0.0.1:{free_port()}"
+    layout = ["--dp", 2, "--ep", 2]
+    [follower] = start_followers(relay_bin, "serve", 2, address, *layout)
+    leader = RelayServer(relay_bin, *layout, *node_args(2, 0, address))
+    try:
+        leader.wait_ready()
+        client = leader.client()
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: complete(client, p), prompts))
+        assert got == want
+
+        # Node 1 vanishes: its ranks (half the experts, half the KV) are gone. Node 0 fails the
+        # requests with the reason and keeps answering; it does not hang or crash.
+        follower.kill()
+        follower.wait(timeout=30)
+        for _ in range(2):
+            with pytest.raises(openai.InternalServerError) as err:
+                complete(client, prompts[0])
+            assert "lost a node" in str(err.value), str(err.value)
+        health = requests.get(leader.base + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "unusable", health.text
+        assert "lost a node" in health.json()["reason"]
+        assert leader.proc.poll() is None
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        assert leader.stop() == 0, leader.log_text()
+
+
+def test_nodes_with_different_flags_are_refused(relay_bin):
+    address = f"127.0.0.1:{free_port()}"
+    [follower] = start_followers(relay_bin, "generate", 2, address, "--prompt", PROMPT,
+                                 "--tp", 2, "--block-size", 32)
+    leader = subprocess.run(generate_cmd(relay_bin, "--tp", 2, *node_args(2, 0, address)),
+                            capture_output=True, text=True, timeout=120)
+    _, follower_err = follower.communicate(timeout=60)
+    for rc, err in [(leader.returncode, leader.stderr), (follower.returncode, follower_err)]:
+        assert rc != 0 and "relay: error:" in err and "node 1 was started for" in err, err
+        assert "--block-size 32" in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp", 2, "--nnodes", 4, "--dist-init", "127.0.0.1:1"], "evenly"),
+    (["--tp", 2, "--nnodes", 2], "--dist-init"),
+    (["--tp", 2, "--nnodes", 2, "--node-rank", 2, "--dist-init", "127.0.0.1:1"], "--node-rank"),
+    (["--dist-init", "127.0.0.1:1"], "--nnodes 2"),
+    (["--tp", 2, "--nnodes", 2, "--dist-init", "127.0.0.1:1", "--device", "cuda"], "cpu device"),
+])
+def test_bad_node_flags_name_the_flag(relay_bin, args, needle):
+    r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", *map(str, args)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "relay: error:" in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_disaggregated_roles_refuse_several_nodes(relay_bin):
+    r = subprocess.run([str(relay_bin), "serve", "--role", "prefill", "--tp", "2", "--nnodes", "2",
+                        "--dist-init", "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--role prefill with --nnodes 2" in r.stderr, r.stderr
