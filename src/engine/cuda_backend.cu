@@ -168,6 +168,16 @@ struct RankEngine {
   // receive buffer (group size x max_num_tokens, a fixed shape for the graphs; the ops' work is
   // bounded by the receive counts on the device, enqueue_moe).
   int moe_tokens = 0;
+  // DP + EP: how many tokens the sources can dispatch to this rank in the running step, set by the
+  // backend before each step to the sum over the DP ranks of what they send (step_tokens) — every
+  // token goes at most once to each rank. A decode graph is captured with moe_graph_tokens() instead
+  // and replays only in steps whose sum is within it. The expert GEMMs and SwiGLU size their
+  // launches, and pick their variant, from the bound in force (moe_bound_tokens) rather than from
+  // the receive buffer's capacity; the rows past it are the padded slots the permute sorts last.
+  int moe_step_tokens = 0;
+  int moe_bound_tokens = 0;  // the bound the launches being enqueued use
+  int moe_sources = 1;       // ranks that dispatch tokens to this one (DP + EP: the group size)
+  int moe_graph_tokens() const { return std::min(moe_tokens, moe_sources * opt.max_num_seqs); }
   // The permute's expert count: local_experts, plus the absent id under EP.
   int route_experts() const { return shard.ep_size > 1 ? local_experts + 1 : local_experts; }
   int64_t max_qkv_width = 0;   // qkv activation row: qkv_dim, or a packed FP8 q|k|v's rows
@@ -938,7 +948,9 @@ struct RankEngine {
       kernels::launch_moe_localize_experts(
           {topk_ids, topk_weights, T * top_k, shard.expert_begin, local_experts}, stream);
     }
-    const int R = tokens * top_k;
+    // Under DP + EP the live rows are the received tokens' routes, at most moe_bound_tokens x top_k
+    // (see moe_step_tokens); the permute and combine keep the buffer's shape and their device bounds.
+    const int R = (dispatch ? std::min(tokens, moe_bound_tokens) : tokens) * top_k;
     // The permuted rows of this rank's experts, [0, expert_offsets[local_experts]): under EP the
     // absent id sorts after them and its rows are never computed, so they need not be copied or
     // activated. (With all experts here the bound would be every row.)
@@ -1108,15 +1120,35 @@ struct RankEngine {
     return std::min(p, std::max(w, max_blocks));
   }
 
-  // Runs the forward for a step; decode batches through (and into) the graph cache.
-  Shape run(std::span<const StepSequence> batch, const std::vector<int32_t>& rows) {
+  // Whether run() takes `batch` through a decode graph (under DP + EP also: if the step's senders
+  // fit the graph's bound): every sequence decodes one token and samples.
+  bool graph_eligible(std::span<const StepSequence> batch) const {
     bool decode = opt.cuda_graphs && static_cast<int>(batch.size()) <= opt.max_num_seqs;
     for (const StepSequence& s : batch) decode = decode && s.tokens.size() == 1 && s.sample;
+    return decode;
+  }
+  // The token rows a step of `batch` sends through the MoE layers: a graph step's padded batch, or
+  // its tokens (an upper bound either way, which is what moe_step_tokens needs).
+  int step_tokens(std::span<const StepSequence> batch) const {
+    if (batch.empty()) return 0;
+    if (graph_eligible(batch))
+      return std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
+    int tokens = 0;
+    for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
+    return tokens;
+  }
+
+  // Runs the forward for a step; decode batches through (and into) the graph cache.
+  Shape run(std::span<const StepSequence> batch, const std::vector<int32_t>& rows) {
+    const bool decode =
+        graph_eligible(batch) && (!dispatch || moe_step_tokens <= moe_graph_tokens());
     if (!decode) {
       const Shape sh = upload_batch(batch, 0, width_of(batch, false), rows);
+      moe_bound_tokens = moe_step_tokens;
       enqueue_forward(sh);
       return sh;
     }
+    moe_bound_tokens = moe_graph_tokens();  // what the captured graph keeps
     const int padded = std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
     const int width = width_of(batch, true);
     const Shape sh = upload_batch(batch, padded, width, rows);
@@ -1239,6 +1271,7 @@ struct RankEngine {
     std::vector<int32_t> first(all_rows.begin(),
                                all_rows.begin() + std::min<size_t>(chunk, all_rows.size()));
     const Shape sh = upload_batch(batch, 0, width_of(batch, false), first);
+    moe_bound_tokens = moe_step_tokens;
     enqueue_forward(sh);
     std::vector<float> out(all_rows.size() * size_t(vocab));
     for (size_t begin = 0; begin < all_rows.size(); begin += chunk) {
@@ -1269,6 +1302,7 @@ struct RankEngine {
       rows.push_back(t - 1);  // each sequence's last token, as a step samples it
     }
     const Shape sh = batch.empty() ? Shape{} : upload_batch(batch, 0, width_of(batch, false), rows);
+    moe_bound_tokens = moe_step_tokens;
     auto enqueue = [&] { batch.empty() ? enqueue_idle() : enqueue_forward(sh); };
     enqueue();  // warm-up: workspaces, cuBLASLt plans, lazy module loads
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -1337,6 +1371,7 @@ struct RankEngine {
   void bind() const { RELAY_CUDA_CHECK(cudaSetDevice(opt.device)); }
   // A DP + EP rank's step without sequences (enqueue_idle), to completion.
   void idle_step() {
+    moe_bound_tokens = moe_step_tokens;
     enqueue_idle();
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
@@ -1391,6 +1426,8 @@ struct CudaBackend::Impl {
       e->moe_reduce = !dispatch && (e->shard.ep_size > 1 || e->shard.tp_size > 1);
       e->dispatch = dispatch;
       e->moe_tokens = dispatch ? world * o.max_num_tokens : o.max_num_tokens;
+      e->moe_sources = dispatch ? world : 1;
+      e->moe_step_tokens = e->moe_bound_tokens = e->moe_tokens;
       e->bind();
       RELAY_CUDA_CHECK(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
       RELAY_CUDA_CHECK(cudaEventCreate(&e->step_begin));
@@ -1439,8 +1476,9 @@ struct CudaBackend::Impl {
     return parallel::place_rank(parallel, static_cast<int>(r));
   }
 
-  // Splits the batch among the DP groups and checks every rank's part before anything runs.
-  std::vector<RankPart> split(std::span<const StepSequence> batch) const {
+  // Splits the batch among the DP groups, checks every rank's part before anything runs and sets
+  // each rank's moe_step_tokens.
+  std::vector<RankPart> split(std::span<const StepSequence> batch) {
     RELAY_CHECK(!batch.empty(), "step with an empty batch");
     std::vector<std::vector<size_t>> members =
         split_by_kv_partition(batch, parallel.dp, blocks_per_rank);
@@ -1458,6 +1496,11 @@ struct CudaBackend::Impl {
     }
     // Once per DP group: its TP ranks share the block ids, the limits and the vocabulary.
     for (int g = 0; g < parallel.dp; ++g) ranks[g * parallel.tp]->check_batch(parts[g].seqs);
+    // What every rank may receive in this step under DP + EP (moe_step_tokens): all the DP
+    // groups' tokens.
+    int total = 0;
+    for (int g = 0; g < parallel.dp; ++g) total += ranks[g * parallel.tp]->step_tokens(parts[g].seqs);
+    for (auto& e : ranks) e->moe_step_tokens = std::min(total, e->moe_tokens);
     return parts;
   }
 
