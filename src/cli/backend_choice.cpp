@@ -20,6 +20,7 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
                  "checkpoint dequantised at load) or fp8 (block-scaled FP8; a bf16 checkpoint "
                  "quantised at load). The cpu device always computes in fp32 (default auto)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8"}));
+  add_load_format_option(sub, c.load_format);
   sub.add_option("--block-size", c.block_size, "tokens per KV block (default 16)")
       ->check(CLI::PositiveNumber);
   sub.add_option("--num-kv-blocks", c.num_kv_blocks,
@@ -45,6 +46,14 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
       ->check(CLI::NonNegativeNumber);
   sub.add_option("--dist-init", c.nodes.dist_init,
                  "HOST:PORT node 0 listens on and the other nodes connect to (with --nnodes)");
+}
+
+void add_load_format_option(CLI::App& sub, std::string& load_format) {
+  sub.add_option("--load-format", load_format,
+                 "auto (the model directory's safetensors) or dummy (random weights made at load "
+                 "from its config.json: for speed measurements; see make-model --config-only) "
+                 "(default auto)")
+      ->check(CLI::IsMember({"auto", "dummy"}));
 }
 
 void add_parallel_options(CLI::App& sub, parallel::ParallelConfig& parallel, std::string& gpus,
@@ -139,6 +148,7 @@ CpuBackendOptions cpu_options(const BackendChoice& c) {
   o.num_threads = c.num_threads;
   o.parallel = c.parallel;
   o.nodes = c.nodes;
+  o.load_format = parse_load_format(c.load_format);
   return o;
 }
 
@@ -176,6 +186,7 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                                     : WeightFormat::kAuto;
     o.block_size = c.block_size;
     o.num_kv_blocks = c.num_kv_blocks;
+    o.load_format = parse_load_format(c.load_format);
     o.max_num_seqs = max_num_seqs;
     o.max_num_tokens = max_num_batched_tokens;
     return std::make_unique<CudaBackend>(model_dir, o);

@@ -26,6 +26,7 @@ struct BackendChoice {
   int gpu = 0;                             // CUDA device index (of rank 0; rank r on gpu + r)
   std::string gpus;                        // "0,1,2,3": the CUDA device of each rank, in rank order
   std::string dtype = "auto";              // cuda weights: auto (as stored), bf16 or fp8
+  std::string load_format = "auto";        // auto (the safetensors) or dummy (random weights)
   parallel::ParallelConfig parallel;       // --tp / --ep / --dp ranks
   parallel::NodeConfig nodes;              // --nnodes / --node-rank / --dist-init (cpu device)
 };
@@ -33,6 +34,8 @@ struct BackendChoice {
 // Adds --device, --dtype, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu,
 // --gpus, --tp, --ep, --dp, --nnodes, --node-rank and --dist-init to `sub`.
 void add_backend_options(CLI::App& sub, BackendChoice& choice);
+// Adds --load-format (auto | dummy), for the commands that load a model.
+void add_load_format_option(CLI::App& sub, std::string& load_format);
 // Adds only --tp, --ep, --dp and --gpus (what add_backend_options adds for them), for commands
 // that shard a CUDA backend without the rest of the backend flags (`relay bench --mode model`);
 // `gpus_default` ends the --gpus help: where the ranks go without it.

@@ -34,6 +34,7 @@ struct BenchArgs {
   parallel::ParallelConfig parallel;  // model mode: --tp / --ep / --dp
   std::string gpus;                   // model mode: --gpus
   int max_num_batched_tokens = 0;     // model mode: the backend's step capacity (0: the default)
+  std::string load_format = "auto";   // model mode: auto | dummy
 };
 
 // The CUDA device of every model-mode rank (empty for the other modes), or relay::Error naming
@@ -45,6 +46,8 @@ std::vector<int> check_sharding(const BenchArgs& a) {
   if (a.parallel.ep != 1) given = str("--ep ", a.parallel.ep);
   if (a.parallel.tp != 1) given = str("--tp ", a.parallel.tp);
   if (a.mode != "model") {
+    RELAY_CHECK(a.load_format == "auto", "--load-format ", a.load_format,
+                " loads the model mode's weights; --mode ", a.mode, " has none");
     RELAY_CHECK(a.max_num_batched_tokens == 0, "--max-num-batched-tokens sizes the model mode's backend; --mode ",
                 a.mode, " has none");
     RELAY_CHECK(given.empty(), given, ": --tp, --ep, --dp and --gpus shard the model mode's backend "
@@ -99,6 +102,7 @@ CommandRegistrar bench_command({
                      "collectives mode: GPUs, one thread each; 1 emulates 2, 4 and 8 peers on GPU 0")
           ->check(CLI::Range(1, 8));
       add_parallel_options(sub, a->parallel, a->gpus, "0, 1, 2, ...");
+      add_load_format_option(sub, a->load_format);
       sub.add_option("--max-num-batched-tokens", a->max_num_batched_tokens,
                      "model mode: tokens per step the backend is sized for (default 16384, or the longest "
                      "--prefill-lengths); under DP + EP each rank's MoE receive buffer holds dp x this many")
@@ -109,6 +113,7 @@ CommandRegistrar bench_command({
         CudaBenchOptions o{a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches,
                            a->decode_contexts, a->dtype, a->ranks, a->parallel, devices};
         o.max_num_tokens = a->max_num_batched_tokens;
+        o.load_format = a->load_format;
         return run_cuda_bench(o);
 #else
         (void)devices;

@@ -31,6 +31,9 @@ CommandRegistrar make_model_command({
           "--config-patch", o->config_patch,
           "JSON merged into the preset's config.json, e.g. '{\"norm_topk_prob\": false}'");
       sub.add_option("--threads", o->num_threads, "random-number threads (default: all cores)");
+      sub.add_flag("--config-only", o->config_only,
+                   "write config.json and the tokenizer, no weights: a model directory for "
+                   "--load-format dummy (random weights made at load)");
       return [o, dtype] {
         o->dtype = *dtype == "f32" ? DType::F32 : DType::BF16;
         o->tokenizer_dir = default_model_dir();

@@ -52,7 +52,8 @@ int threads_per_rank(int requested, int num_local_ranks) {
 std::string worker_fingerprint(const ModelConfig& c, const CpuBackendOptions& o) {
   return str(c.architecture, " (", c.num_hidden_layers, " layers, hidden ", c.hidden_size,
              ", vocab ", c.vocab_size, ", ", c.num_experts, " experts), ", o.parallel.describe(),
-             ", --nnodes ", o.nodes.nnodes, ", --block-size ", o.block_size);
+             ", --nnodes ", o.nodes.nnodes, ", --block-size ", o.block_size,
+             o.load_format == LoadFormat::kDummy ? ", --load-format dummy" : "");
 }
 
 void check_same_worker(parallel::TcpBootstrap& nodes, const std::string& mine) {
@@ -83,7 +84,7 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   const int num_local = o.nodes.ranks_per_node(parallel_);
   const int first_rank = o.nodes.first_rank(parallel_);
   const ModelConfig config = ModelConfig::load(model_dir);
-  const Checkpoint ckpt(model_dir);
+  const Checkpoint ckpt = open_checkpoint(model_dir, o.load_format);
   if (o.nodes.nnodes > 1) {
     nodes_ = std::make_unique<NodeGroup>(o.nodes, kNodeSetupTimeout, kNodeStepTimeout);
     check_same_worker(nodes_->bootstrap(), worker_fingerprint(config, o));

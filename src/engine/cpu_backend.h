@@ -41,6 +41,7 @@
 #include "engine/backend.h"
 #include "engine/node_group.h"
 #include "kvcache/kv_cache.h"
+#include "model/dummy_weights.h"
 #include "model/model.h"
 #include "parallel/communicator.h"
 #include "parallel/parallel_config.h"
@@ -54,6 +55,7 @@ struct CpuBackendOptions {
   int num_threads = 0;                        // 0: one per hardware thread; divided among the ranks
   parallel::ParallelConfig parallel;          // tp / ep / dp ranks (threads of this process)
   parallel::NodeConfig nodes;                 // the processes the ranks are spread over
+  LoadFormat load_format = LoadFormat::kAuto;  // kDummy: random weights (model/dummy_weights.h)
 };
 
 class CpuBackend : public Backend {

@@ -251,7 +251,7 @@ struct RankEngine {
     RELAY_CHECK(cfg.architecture == "Qwen3ForCausalLM" || cfg.architecture == "Qwen3MoeForCausalLM",
                 "the CUDA backend runs Qwen3ForCausalLM and Qwen3MoeForCausalLM, not ",
                 cfg.architecture);
-    Checkpoint ckpt(dir);
+    const Checkpoint ckpt = open_checkpoint(dir, opt.load_format);
     quant_cfg = quant::QuantConfig::load(dir);
     hidden = static_cast<int>(cfg.hidden_size);
     q_heads = shard.num_local_q_heads;

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "model/dummy_weights.h"
 #include "parallel/parallel_config.h"
 
 namespace relay {
@@ -52,6 +53,7 @@ struct CudaBackendOptions {
   int num_kv_blocks = 0;       // > 0: exactly this many blocks, else all memory left
   size_t memory_reserve_bytes = size_t{1} << 30;  // per rank: left free for cuBLAS, workspaces, graphs
   bool cuda_graphs = true;
+  LoadFormat load_format = LoadFormat::kAuto;  // kDummy: random weights (model/dummy_weights.h)
   parallel::ParallelConfig parallel;  // tp / ep / dp ranks (threads of this process)
   // devices[r] runs rank r (repeats allowed); empty: rank r on device + r.
   std::vector<int> devices;

@@ -451,6 +451,7 @@ void emit_profile(Reporter& rep, const BenchLayout& layout, CudaBackend& backend
 void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   CudaBackendOptions bo;
   bo.weights = o.dtype == "fp8" ? WeightFormat::kFp8 : o.dtype == "bf16" ? WeightFormat::kBf16 : WeightFormat::kAuto;
+  bo.load_format = parse_load_format(o.load_format);
   bo.max_num_seqs = 256;
   for (int b : o.decode_batches) bo.max_num_seqs = std::max(bo.max_num_seqs, b);
   bo.max_num_tokens = 16384;
@@ -477,7 +478,7 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   const CudaLoadStats& ls = backend.load_stats();
   const int dp = backend.num_kv_partitions();
   const int blocks_per_partition = backend.num_kv_blocks() / dp;
-  emit({{"mode", "load"}, {"fp8_linears", ls.fp8_linears}, {"weight_bytes", ls.weight_bytes}, {"seconds", ls.load_seconds},
+  emit({{"mode", "load"}, {"load_format", o.load_format}, {"fp8_linears", ls.fp8_linears}, {"weight_bytes", ls.weight_bytes}, {"seconds", ls.load_seconds},
         {"gbps", ls.weight_bytes / ls.load_seconds / 1e9}, {"kv_pool_bytes", ls.kv_pool_bytes},
         {"free_bytes_before_kv", ls.free_bytes_before_kv},
         {"kv_fraction_of_free", double(ls.kv_pool_bytes) / ls.free_bytes_before_kv}, {"kv_blocks", backend.num_kv_blocks()},

@@ -34,6 +34,7 @@ struct CudaBenchOptions {
   // Model mode: tokens per step the backend is sized for (0: 16384, or the longest prefill). Under
   // DP + EP each rank's MoE receive buffer holds dp x this many tokens.
   int max_num_tokens = 0;
+  std::string load_format = "auto";  // model mode: auto | dummy (random weights, no checkpoint)
 };
 
 // Returns the process exit code.

@@ -94,13 +94,6 @@ uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
-enum class Init { Normal, Ones, Zeros };
-
-Init init_for(const std::string& name) {
-  if (name.ends_with("norm.weight")) return Init::Ones;  // every RMSNorm: layers, q/k, final
-  if (name.ends_with(".bias")) return Init::Zeros;
-  return Init::Normal;
-}
 
 void store(float v, DType dtype, uint8_t* out) {
   if (dtype == DType::BF16) {
@@ -184,15 +177,22 @@ void fill_normal(uint64_t seed, uint64_t name_hash, DType dtype, int64_t first, 
   }
 }
 
-// Fills bytes [byte_offset, byte_offset + out.size()) of tensor `spec`.
-void fill_chunk(const TensorSpec& spec, uint64_t seed, int num_threads, size_t byte_offset,
-                std::span<uint8_t> out) {
+}  // namespace
+
+WeightInit weight_init_for(const std::string& name) {
+  if (name.ends_with("norm.weight")) return WeightInit::kOnes;
+  if (name.ends_with(".bias")) return WeightInit::kZeros;
+  return WeightInit::kNormal;
+}
+
+void fill_random_tensor(const TensorSpec& spec, uint64_t seed, int num_threads,
+                        size_t byte_offset, std::span<uint8_t> out) {
   const size_t esize = dtype_size(spec.dtype);
-  const Init init = init_for(spec.name);
-  if (init != Init::Normal) {
+  const WeightInit init = weight_init_for(spec.name);
+  if (init != WeightInit::kNormal) {
     const size_t n = out.size() / esize;
     for (size_t i = 0; i < n; ++i)
-      store(init == Init::Ones ? 1.0f : 0.0f, spec.dtype, out.data() + i * esize);
+      store(init == WeightInit::kOnes ? 1.0f : 0.0f, spec.dtype, out.data() + i * esize);
     return;
   }
   const int64_t first = static_cast<int64_t>(byte_offset / esize);
@@ -215,6 +215,8 @@ void fill_chunk(const TensorSpec& spec, uint64_t seed, int num_threads, size_t b
   }
   for (std::thread& t : threads) t.join();
 }
+
+namespace {
 
 void write_json(const std::filesystem::path& path, const json& j) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -335,6 +337,13 @@ MakeModelResult make_model(const MakeModelOptions& o) {
   for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
     fs::copy_file(o.tokenizer_dir / f, o.out_dir / f, fs::copy_options::overwrite_existing);
   }
+  MakeModelResult r;
+  if (o.config_only) {
+    log(str("make-model: ", o.preset, " with ", c.num_hidden_layers, " layers, config and "
+            "tokenizer only -> ", o.out_dir.string(), " (load it with --load-format dummy)"));
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return r;
+  }
 
   // Shards are filled greedily in state_dict order, as save_pretrained does; a tensor larger than
   // the limit gets a shard of its own.
@@ -373,7 +382,7 @@ MakeModelResult make_model(const MakeModelOptions& o) {
     }
     write_safetensors_streamed(
         o.out_dir / file, shard_specs, [&](size_t i, size_t offset, std::span<uint8_t> out) {
-          fill_chunk(shard_specs[i], o.seed, num_threads, offset, out);
+          fill_random_tensor(shard_specs[i], o.seed, num_threads, offset, out);
           written += out.size();
           if (written >= next_report) {
             const double secs =
@@ -389,7 +398,6 @@ MakeModelResult make_model(const MakeModelOptions& o) {
                {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}});
   }
 
-  MakeModelResult r;
   r.num_tensors = static_cast<int64_t>(specs.size());
   r.num_shards = static_cast<int64_t>(shards.size());
   r.total_bytes = total_bytes;

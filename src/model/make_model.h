@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,17 @@ nlohmann::json model_preset_config(const std::string& preset);
 // (absent when tie_word_embeddings).
 std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, DType dtype);
 
+// How make_model initialises tensor `name`: every RMSNorm weight (layers, q/k, final) to 1, biases
+// to 0, the rest normal(0, 0.02).
+enum class WeightInit { kNormal, kOnes, kZeros };
+WeightInit weight_init_for(const std::string& name);
+
+// Bytes [byte_offset, byte_offset + out.size()) of tensor `spec` as make_model writes it: normal(0,
+// 0.02), norm weights 1, biases 0, a pure function of (seed, name, element index). `byte_offset` and
+// out.size() are multiples of the element size.
+void fill_random_tensor(const TensorSpec& spec, uint64_t seed, int num_threads, size_t byte_offset,
+                        std::span<uint8_t> out);
+
 struct MakeModelOptions {
   std::string preset;
   std::filesystem::path out_dir;
@@ -47,6 +59,9 @@ struct MakeModelOptions {
   DType dtype = DType::BF16;     // BF16 or F32
   int64_t shard_size_mb = 5000;  // max shard size in 10^6 bytes, as transformers counts
   int num_threads = 0;           // random-number threads; 0: all cores
+  // Only config.json, generation_config.json and the tokenizer: a directory for
+  // `--load-format dummy`, for shapes whose weights would not fit on disk (Qwen3-235B-A22B).
+  bool config_only = false;
   std::function<void(const std::string&)> log;  // progress lines; may be empty
 };
 

@@ -325,6 +325,15 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir) : dir_(dir) {
   }
 }
 
+Checkpoint::Checkpoint(const std::filesystem::path& dir, std::vector<TensorView> views,
+                       std::vector<std::vector<uint8_t>> storage)
+    : dir_(dir), views_(std::move(views)), storage_(std::move(storage)) {
+  for (const TensorView& v : views_) {
+    RELAY_CHECK(index_.emplace(v.name, &v).second, dir.string(), ": tensor ", v.name,
+                " appears twice");
+  }
+}
+
 bool Checkpoint::has(const std::string& name) const { return index_.contains(name); }
 
 const TensorView& Checkpoint::get(const std::string& name) const {

@@ -78,6 +78,12 @@ class SafetensorsFile {
 class Checkpoint {
  public:
   explicit Checkpoint(const std::filesystem::path& dir);
+  // A checkpoint of in-memory tensors (the dummy load format, model/dummy_weights.h): `views`
+  // point into `storage`, which the checkpoint keeps; `dir` names it in messages.
+  Checkpoint(const std::filesystem::path& dir, std::vector<TensorView> views,
+             std::vector<std::vector<uint8_t>> storage);
+  Checkpoint(Checkpoint&&) = default;
+  Checkpoint& operator=(Checkpoint&&) = default;
 
   bool has(const std::string& name) const;
   // The tensor `name`; throws naming the checkpoint and the tensor when it is missing.
@@ -90,6 +96,10 @@ class Checkpoint {
  private:
   std::filesystem::path dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  // In-memory checkpoints: index_ points into views_, whose data point into storage_ (moving the
+  // vectors keeps their buffers, so the pointers survive a move of the checkpoint).
+  std::vector<TensorView> views_;
+  std::vector<std::vector<uint8_t>> storage_;
   std::map<std::string, const TensorView*> index_;
 };
 

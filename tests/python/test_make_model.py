@@ -139,3 +139,24 @@ def test_errors_are_reported(relay_bin, tmp_path):
     bad = subprocess.run([str(relay_bin), "make-model", "--preset", "tiny-moe", "--out", str(tmp_path / "y"),
                           "--dtype", "f16"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0
+
+
+def test_config_only_directory_runs_with_dummy_weights(relay_bin, tmp_path):
+    """make-model --config-only writes a model directory without weights; `--load-format dummy`
+    makes random ones at load (vLLM's flag), the same on every run, through generate and serve."""
+    out = tmp_path / "config-only"
+    # The tiny preset with the tokenizer's vocabulary, so a real prompt's ids fit.
+    make_model(relay_bin, out, "--preset", "tiny-moe", "--config-only", "--config-patch", '{"vocab_size": 151936}')
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    cmd = [str(relay_bin), "generate", "--model", str(out), "--prompt", "def f(x):", "--max-tokens", "8",
+           "--ignore-eos", "--threads", "2"]
+    missing = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "relay: error:" in missing.stderr
+    runs = [subprocess.run(cmd + ["--load-format", "dummy", *layout], capture_output=True, text=True, timeout=120)
+            for layout in ([], [], ["--tp", "2"])]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert runs[0].stdout == runs[1].stdout
+    bad = subprocess.run(cmd + ["--load-format", "pt"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--load-format" in bad.stderr

@@ -289,5 +289,37 @@ TEST(CpuBackend, SizesThePoolFromAByteBudget) {
   EXPECT_EQ(backend.block_size(), 16);
 }
 
+// The dummy load format runs through the ordinary loader, sharded too: random weights give finite
+// logits, the same on every run, and a TP 2 split of them the one-rank logits (fp32 tolerance).
+TEST(CpuBackend, RunsDummyWeightsFromTheConfigAlone) {
+  const auto dir = test::fixture_models_dir() / "qwen3-moe";
+  CpuBackendOptions o;
+  o.block_size = 8;
+  o.num_blocks = 8;
+  o.num_threads = 1;
+  o.load_format = LoadFormat::kDummy;
+  std::vector<int32_t> tokens{3, 1, 4, 1, 5, 9, 2, 6}, blocks{0, 1};
+  StepSequence st;
+  st.tokens = tokens;
+  st.block_table = blocks;
+  auto logits = [&](const CpuBackendOptions& opt) {
+    CpuBackend backend(dir, opt);
+    return backend.forward_logits(std::span(&st, 1), CpuBackend::LogitRows::kAllTokens);
+  };
+  const std::vector<float> one = logits(o);
+  for (float v : one) ASSERT_TRUE(std::isfinite(v));
+  EXPECT_EQ(logits(o), one);
+  CpuBackendOptions tp = o;
+  tp.parallel = {2, 1, 1};
+  tp.num_threads = 2;
+  const std::vector<float> sharded = logits(tp);
+  ASSERT_EQ(sharded.size(), one.size());
+  for (size_t i = 0; i < one.size(); ++i)
+    ASSERT_NEAR(sharded[i], one[i], 1e-4f + 1e-4f * std::fabs(one[i])) << i;
+  // Not the checkpoint's weights.
+  o.load_format = LoadFormat::kAuto;
+  EXPECT_NE(logits(o), one);
+}
+
 }  // namespace
 }  // namespace relay
