@@ -4,6 +4,10 @@ device(s) answer the same greedy requests; the texts must be identical. Prints e
 prefill worker logged (tokens, bytes, copies, ms, GB/s) and the router's TTFT for a long prompt.
 
     python3 bench/disagg_check.py --relay build/relay [--device cuda] [--model DIR] [--long-prompt N]
+        [--colocated-args "--gpu 0"] [--prefill-args "--tp 2 --gpus 0,1"] [--decode-args "--dp 2 --ep 2 --gpus 2,3"]
+
+The --*-args strings (split on spaces) go to that server only: on a machine with several GPUs they
+place the prefill and decode workers on different GPUs, each sharded its own way.
 """
 import argparse
 import json
@@ -74,13 +78,18 @@ def main():
     ap.add_argument("--num-kv-blocks", type=int, default=4096)
     ap.add_argument("--long-prompt", type=int, default=3000, help="token ids in the hand-off measurement")
     ap.add_argument("--out", default="")
+    ap.add_argument("--colocated-args", default="", help="extra arguments of the colocated server")
+    ap.add_argument("--prefill-args", default="", help="extra arguments of the prefill worker")
+    ap.add_argument("--decode-args", default="", help="extra arguments of the decode worker")
     a = ap.parse_args()
+    extra = {"colocated": a.colocated_args.split(), "prefill": a.prefill_args.split(),
+             "decode": a.decode_args.split()}
     common = ["--device", a.device, "--num-kv-blocks", a.num_kv_blocks] + (["--model", a.model] if a.model else [])
     model = os.path.basename(os.path.normpath(a.model)) if a.model else "relay-demo-moe"
     prompts = ["def fibonacci(n):", "import os\n\ndef walk(path):", "class Stack:\n    def __init__(self):"]
     long_prompt = list(range(1000, 1000 + a.long_prompt))
 
-    colocated = Server(a.relay, common)
+    colocated = Server(a.relay, common + extra["colocated"])
     colocated.wait()
     want = [complete(colocated, model, p, 32)[0] for p in prompts]
     want_long, _ = complete(colocated, model, long_prompt, 8)
@@ -88,7 +97,7 @@ def main():
 
     router = Server(a.relay, ["--role", "router"] + (["--model", a.model] if a.model else []))
     router.wait()
-    workers = [Server(a.relay, ["--role", role, "--router", f"127.0.0.1:{router.port}"] + common)
+    workers = [Server(a.relay, ["--role", role, "--router", f"127.0.0.1:{router.port}"] + common + extra[role])
                for role in ("prefill", "decode")]
     for w in workers:
         w.wait()
@@ -104,6 +113,7 @@ def main():
         w.stop()
     ok = got == want and got_long == want_long
     result = {"mode": "disagg_check", "device": a.device, "model": model, "identical_text": ok,
+              "colocated_args": a.colocated_args, "prefill_args": a.prefill_args, "decode_args": a.decode_args,
               "requests": len(prompts) + 2, "long_prompt_tokens": a.long_prompt,
               "long_request_s": round(long_s, 4), "long_prompt_1_token_s": round(warm_long_s, 4),
               "handoffs": [{"tokens": int(t), "bytes": int(b), "copies": int(c), "ms": float(ms), "gbps": float(g)}
