@@ -582,6 +582,46 @@ struct HttpServer::State {
     respond(std::move(job), res);
   }
 
+  // vLLM's /tokenize: the ids (and, on request, the vocabulary strings) of a prompt or of chat
+  // messages rendered by the chat template, with the context they would have.
+  void tokenize(const httplib::Request& req, httplib::Response& res) {
+    check_ready();
+    const TokenizeRequest r = parse_tokenize_request(req.body);
+    if (r.model) check_model(*r.model);
+    std::string text;
+    if (r.prompt) {
+      text = *r.prompt;
+    } else {
+      try {
+        text = chat_template->render(r.messages, r.tools, r.add_generation_prompt,
+                                     r.chat_template_kwargs);
+      } catch (const Error& e) {
+        throw bad_param("messages",
+                        str("the chat template could not render these messages: ", e.what()));
+      }
+    }
+    const std::vector<int32_t> ids = model.tokenizer->encode(text);
+    json body = {{"count", ids.size()}, {"max_model_len", model.max_model_len}, {"tokens", ids},
+                 {"token_strs", nullptr}};
+    if (r.return_token_strs) {
+      json strs = json::array();
+      for (int32_t id : ids) strs.push_back(std::string(model.tokenizer->id_to_token(id).value_or("")));
+      body["token_strs"] = std::move(strs);
+    }
+    res.set_content(dump(body), "application/json");
+  }
+
+  // vLLM's /detokenize: the text of token ids (special tokens kept, as vLLM does).
+  void detokenize(const httplib::Request& req, httplib::Response& res) {
+    check_ready();
+    const DetokenizeRequest r = parse_detokenize_request(req.body);
+    if (r.model) check_model(*r.model);
+    check_token_ids(r.tokens, model.vocab_size, "tokens");
+    const std::vector<int32_t> ids(r.tokens.begin(), r.tokens.end());
+    res.set_content(dump({{"prompt", utf8::sanitize(model.tokenizer->decode(ids))}}),
+                    "application/json");
+  }
+
   void models(httplib::Response& res) {
     check_ready();
     json m = {{"id", options.served_model_name}, {"object", "model"},
@@ -672,6 +712,15 @@ void HttpServer::start() {
   svr.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {
     res.set_content(s.metrics.render(), "text/plain; version=0.0.4");
   });
+  svr.Get("/version", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(dump(json{{"version", RELAY_VERSION}}), "application/json");
+  });
+  svr.Post("/tokenize", guarded([&s](const httplib::Request& req, httplib::Response& res) {
+             s.tokenize(req, res);
+           }));
+  svr.Post("/detokenize", guarded([&s](const httplib::Request& req, httplib::Response& res) {
+             s.detokenize(req, res);
+           }));
   svr.Get("/v1/models",
           guarded([&s](const httplib::Request&, httplib::Response& res) { s.models(res); }));
   svr.Post("/v1/chat/completions",

@@ -374,6 +374,48 @@ CompletionRequest parse_completion_request(std::string_view body) {
   return r;
 }
 
+TokenizeRequest parse_tokenize_request(std::string_view body) {
+  const json j = parse_object(body);
+  Fields f(j);
+  TokenizeRequest r;
+  r.model = f.string("model");
+  r.prompt = f.string("prompt");
+  if (f.get("messages") != nullptr) {
+    if (r.prompt) throw bad_param("messages", "give either 'prompt' or 'messages', not both");
+    r.messages = validate_messages(f.get("messages"));
+    r.tools = validate_tools(f.get("tools"));
+    if (const json* v = f.get("chat_template_kwargs")) {
+      if (!v->is_object())
+        throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+      r.chat_template_kwargs = *v;
+    }
+    r.add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+  } else if (!r.prompt) {
+    throw bad_param("prompt", "'prompt' (a string) or 'messages' is required");
+  }
+  // NOTE: Qwen tokenizers add no special tokens of their own (no BOS), so add_special_tokens
+  // changes nothing; it is accepted for vLLM's clients.
+  f.boolean("add_special_tokens");
+  r.return_token_strs = f.boolean("return_token_strs").value_or(false);
+  f.reject_unknown();
+  return r;
+}
+
+DetokenizeRequest parse_detokenize_request(std::string_view body) {
+  const json j = parse_object(body);
+  Fields f(j);
+  DetokenizeRequest r;
+  r.model = f.string("model");
+  const json* tokens = f.get("tokens");
+  if (tokens == nullptr || !tokens->is_array() ||
+      !std::all_of(tokens->begin(), tokens->end(), [](const json& t) { return t.is_number_integer(); })) {
+    throw bad_param("tokens", "'tokens' must be a list of token ids");
+  }
+  for (const json& t : *tokens) r.tokens.push_back(t.get<int64_t>());
+  f.reject_unknown();
+  return r;
+}
+
 int64_t check_context_length(int64_t num_prompt_tokens, const GenerationOptions& options,
                              int64_t max_model_len, const std::string& prompt_param) {
   const int64_t wanted = options.max_tokens.value_or(0);

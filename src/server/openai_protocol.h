@@ -78,9 +78,29 @@ struct CompletionRequest {
   GenerationOptions options;
 };
 
+// vLLM's POST /tokenize: a completion prompt (a string) or chat messages, rendered as
+// /v1/chat/completions renders them.
+struct TokenizeRequest {
+  std::optional<std::string> model;  // checked when given
+  std::optional<std::string> prompt;  // exactly one of prompt and messages
+  nlohmann::ordered_json messages;    // array, or null for a prompt
+  nlohmann::ordered_json tools;       // array, or null
+  nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
+  bool add_generation_prompt = true;
+  bool return_token_strs = false;  // also each token's text
+};
+
+// vLLM's POST /detokenize.
+struct DetokenizeRequest {
+  std::optional<std::string> model;
+  std::vector<int64_t> tokens;
+};
+
 // Parse and validate a body; throw ApiError (400) naming the parameter on any problem.
 ChatRequest parse_chat_request(std::string_view body);
 CompletionRequest parse_completion_request(std::string_view body);
+TokenizeRequest parse_tokenize_request(std::string_view body);
+DetokenizeRequest parse_detokenize_request(std::string_view body);
 
 // Server-side checks with the numbers only the server knows.
 // 400 code "context_length_exceeded" when the prompt plus max_tokens does not fit; otherwise the

@@ -274,3 +274,42 @@ def test_metrics(server, client):
     assert sum(phases) <= m["relay:engine_step_seconds_total" + kind("decode")] * 1.001 + 1e-6
     assert m["relay:output_deliveries_total" + label] >= 3
     assert m["relay:output_delivery_seconds_total" + label] > 0
+
+
+def test_tokenize_detokenize_and_version(server, client):
+    """vLLM's /tokenize, /detokenize and /version: ids as HF `tokenizers` encodes them, a chat's ids
+    as /v1/chat/completions counts them, and errors as OpenAI error bodies."""
+    from tokenizers import Tokenizer
+
+    from conftest import DEMO_MODEL
+    hf = Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
+    text = "def héllo(world):\n    return 'ünïcode' + \"<|im_end|>\""
+    r = requests.post(server.base + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == hf.encode(text).ids
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    assert body["token_strs"] == [hf.id_to_token(i) for i in body["tokens"]]
+
+    messages = [{"role": "user", "content": "Write a stack class."}]
+    r = requests.post(server.base + "/tokenize", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert r.json()["count"] == usage.prompt_tokens and r.json()["token_strs"] is None
+
+    r = requests.post(server.base + "/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": hf.decode(body["tokens"], skip_special_tokens=False)}
+
+    for path, payload, status, param in [
+            ("/tokenize", {}, 400, "prompt"),
+            ("/tokenize", {"prompt": "x", "messages": messages}, 400, "messages"),
+            ("/tokenize", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+            ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+            ("/detokenize", {"tokens": [1, -5]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens")]:
+        r = requests.post(server.base + path, json=payload)
+        assert r.status_code == status, (path, payload, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+
+    r = requests.get(server.base + "/version")
+    assert r.status_code == 200 and r.json()["version"]

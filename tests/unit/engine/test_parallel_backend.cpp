@@ -9,9 +9,6 @@
 // budget the transformers fixtures use (1e-4 + 1e-4 |x|), far below the top-1/top-2 gaps along
 // greedy paths.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +21,7 @@
 #include "engine/cpu_backend.h"
 #include "fixtures.h"
 #include "quant/convert/quantize_checkpoint.h"
+#include "../free_port.h"
 
 namespace relay {
 namespace {
@@ -296,18 +294,7 @@ TEST(ShardedBackend, ABadSequenceFailsTheStepAndTheNextStepStillRuns) {
 // ---- Several nodes: the ranks in several processes (here: threads, each with its own backend)
 // ----
 
-// A port that was free a moment ago (the kernel's pick for port 0).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using test::free_port;
 
 // Node 0's backend in the calling thread, nodes 1.. following it on their own threads until node 0
 // is destroyed. `options(n)` gives node n's options (their .nodes is filled in here).

@@ -10,24 +10,14 @@
 
 #include "core/error.h"
 #include "parallel/tcp_bootstrap.h"
+#include "../free_port.h"
 
 namespace relay::parallel {
 namespace {
 
 using namespace std::chrono_literals;
 
-// A port that was free a moment ago (the kernel's pick for port 0).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using test::free_port;
 
 // Runs fn(rank) on one thread per rank; returns the messages of the relay::Errors thrown.
 template <typename Fn>

@@ -18,6 +18,7 @@
 #include "parallel/local_group.h"
 #include "parallel/tcp_bootstrap.h"
 #include "parallel/tcp_group.h"
+#include "../free_port.h"
 
 namespace relay::parallel {
 namespace {
@@ -27,18 +28,7 @@ using Clock = std::chrono::steady_clock;
 using Comms = std::vector<std::unique_ptr<Communicator>>;
 using Layout = std::vector<int>;  // ranks hosted by each process
 
-// A port that was free a moment ago (the kernel's pick for port 0).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using test::free_port;
 
 int world_of(const Layout& layout) { return std::accumulate(layout.begin(), layout.end(), 0); }
 
