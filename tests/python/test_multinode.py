@@ -4,6 +4,7 @@ one-process text; a follower that disappears makes node 0 fail requests with the
 hanging or crashing; nodes started with different flags, and layouts no node count can split, are
 refused with a message naming the flag."""
 import concurrent.futures as cf
+import json
 import subprocess
 
 import openai
@@ -129,3 +130,28 @@ def test_disaggregated_roles_refuse_several_nodes(relay_bin):
     r = subprocess.run([str(relay_bin), "serve", "--role", "prefill", "--tp", "2", "--nnodes", "2",
                         "--dist-init", "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--role prefill with --nnodes 2" in r.stderr, r.stderr
+
+
+def test_score_across_processes_is_bit_identical_to_one_process(relay_bin, tmp_path):
+    """`relay score` (every position's logits) with the TP 2 + EP 2 ranks in two processes gives the
+    one-process TP 2 + EP 2 bytes: the TCP collectives add in the same rank order."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[1, 2, 3, 4, 5, 6, 7], list(range(100, 140))]))
+    layout = ["--tp", 2, "--ep", 2, "--chunk-tokens", 16]
+
+    def score_cmd(out, *extra):
+        return [str(relay_bin), "score", "--threads", "1", "--prompts", str(prompts), "--out", str(out),
+                *map(str, layout), *map(str, extra)]
+
+    one = subprocess.run(score_cmd(tmp_path / "one.f32"), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    address = f"127.0.0.1:{free_port()}"
+    [follower] = start_followers(relay_bin, "score", 2, address, "--prompts", prompts, "--out",
+                                 tmp_path / "unused.f32", *layout)
+    leader = subprocess.run(score_cmd(tmp_path / "two.f32", *node_args(2, 0, address)), capture_output=True,
+                            text=True, timeout=300)
+    assert leader.returncode == 0, leader.stderr
+    _, err = follower.communicate(timeout=60)
+    assert follower.returncode == 0, err
+    assert (tmp_path / "two.f32").read_bytes() == (tmp_path / "one.f32").read_bytes()
+    assert not (tmp_path / "unused.f32").exists()
