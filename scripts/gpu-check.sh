@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: build (or take a prebuilt CUDA build), run every GPU test, then a
-# benchmark — ceilings, kernels, collectives, PyTorch's peers, and prefill/decode (bf16 and FP8) plus
+# benchmark — ceilings, kernels, collectives, PyTorch's peers, and prefill/decode (bf16 and FP8; two
+# sharded layouts with their ranks sharing the GPU; the full 48-layer 30B-A3B with dummy weights) plus
 # FP8-vs-bf16 logits and Relay-vs-transformers logits (bf16 and FP8, bench/hf_compare.py) on the
 # 12-layer benchmark model (made on the machine with `relay make-model --preset 30b-a3b --layers 12`).
 #
@@ -105,6 +106,18 @@ PY
   "$bin/relay" bench --mode model $quick --model "$mdir" --out "$results" 2>&1 | tee "$logs/bench-model.log"
   "$bin/relay" bench --mode model $quick --dtype fp8 --model "$mdir" --out "$results" 2>&1 |
     tee "$logs/bench-model-fp8.log"
+  echo "== sharded ranks sharing this GPU (correct and finishing, not scaling): TP 2 + EP 2, DP 2 + EP 2"
+  for layout in "--tp 2 --ep 2" "--dp 2 --ep 2"; do
+    # shellcheck disable=SC2086
+    "$bin/relay" bench --mode model --model "$mdir" $layout --gpus 0,0 --max-num-batched-tokens 2048 \
+      --prefill-lengths 512,2048 --decode-batches 1,8,64 --decode-contexts 512 --out "$results" 2>&1 |
+      tee -a "$logs/bench-sharded.log" || true
+  done
+  echo "== dummy weights (--load-format dummy): Qwen3-30B-A3B's 48 layers, never written to disk"
+  cfg=/tmp/relay-30b-a3b-config
+  [ -f "$cfg/config.json" ] || "$bin/relay" make-model --preset 30b-a3b --config-only --out "$cfg" | tail -1
+  "$bin/relay" bench --mode model --model "$cfg" --load-format dummy --prefill-lengths 4096 \
+    --decode-batches 1,64 --decode-contexts 1024 --out "$results" 2>&1 | tee "$logs/bench-dummy.log" || true
   echo "== relay bench (FP8 vs bf16 logits)"
   "$bin/relay" bench --mode accuracy --model "$mdir" --out "$results" 2>&1 | tee "$logs/bench-accuracy.log"
   echo "== Relay vs transformers logits (bf16; FP8 against transformers' own FP8 execution)"
