@@ -125,11 +125,14 @@ int run_serve(const ServeOptions& o) {
   using Clock = std::chrono::steady_clock;
   RELAY_CHECK(o.role == "all" || o.role == "router" || o.role == "prefill" || o.role == "decode",
               "--role must be all, router, prefill or decode, got '", o.role, "'");
+  if (o.backend.nodes.nnodes > 1) {
+    RELAY_CHECK(o.role != "router", "--nnodes spreads a worker's ranks over processes; the router "
+                "runs no ranks");
+    RELAY_CHECK(o.role == "all", "--role ", o.role, " with --nnodes ", o.backend.nodes.nnodes,
+                ": a disaggregated worker exports its KV pools to the transfer engine, which sees "
+                "only one process's ranks; run multi-node workers with --role all");
+  }
   if (o.role == "router") return run_router(o);
-  RELAY_CHECK(o.role == "all" || o.backend.nodes.nnodes == 1, "--role ", o.role, " with --nnodes ",
-              o.backend.nodes.nnodes,
-              ": a disaggregated worker exports its KV pools to the transfer engine, which sees "
-              "only one process's ranks; run multi-node workers with --role all");
   if (is_follower_node(o.backend)) return follow_leader(o.model_dir, o.backend);
   // Block the shutdown signals before any thread starts, so that every thread inherits the mask and
   // only sigwait below receives them; a client that hangs up must not kill the process either.

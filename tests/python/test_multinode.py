@@ -130,6 +130,9 @@ def test_disaggregated_roles_refuse_several_nodes(relay_bin):
     r = subprocess.run([str(relay_bin), "serve", "--role", "prefill", "--tp", "2", "--nnodes", "2",
                         "--dist-init", "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--role prefill with --nnodes 2" in r.stderr, r.stderr
+    r = subprocess.run([str(relay_bin), "serve", "--role", "router", "--nnodes", "2", "--dist-init", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "the router runs no ranks" in r.stderr, r.stderr
 
 
 def test_score_across_processes_is_bit_identical_to_one_process(relay_bin, tmp_path):
