@@ -62,7 +62,7 @@ class Reader {
     const uint32_t n = get<uint32_t>();
     need(size_t{n} * sizeof(T));
     std::vector<T> out(n);
-    std::memcpy(out.data(), bytes_.data() + at_, size_t{n} * sizeof(T));
+    if (n > 0) std::memcpy(out.data(), bytes_.data() + at_, size_t{n} * sizeof(T));
     at_ += size_t{n} * sizeof(T);
     return out;
   }

@@ -1,0 +1,47 @@
+// libFuzzer target for the messages between the nodes of a multi-node worker (engine/node_group.h),
+// the bytes a follower reads off its socket. The first byte picks the decoder (a step or a result);
+// decoding must either succeed or throw relay::Error. A decoded result must re-encode to the same
+// bytes, and a decoded step's spans must point inside the storage the step owns.
+#include <cstdint>
+#include <cstdlib>
+#include <span>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/node_group.h"
+
+namespace {
+
+template <typename T>
+bool inside(std::span<const T> s, const std::vector<T>& owner) {
+  return s.empty() || (s.data() >= owner.data() && s.data() + s.size() <= owner.data() + owner.size());
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
+  if (size == 0) return 0;
+  const std::span<const uint8_t> message(bytes + 1, size - 1);
+  try {
+    if (bytes[0] & 1) {
+      const relay::NodeResult r = relay::decode_result(message);
+      const std::vector<uint8_t> again = relay::encode_result(r);
+      if (again.size() != message.size() || !std::equal(again.begin(), again.end(), message.begin()))
+        std::abort();
+    } else {
+      const relay::NodeStep step = relay::decode_step(message);
+      for (size_t i = 0; i < step.batch.size(); ++i) {
+        const relay::StepSequence& s = step.batch[i];
+        if (!inside(s.tokens, step.tokens[i]) || !inside(s.block_table, step.block_tables[i]) ||
+            !inside(s.prompt_tokens, step.prompt_tokens[i]) ||
+            !inside(s.output_tokens, step.output_tokens[i]) ||
+            (s.sample && s.sampling != &step.sampling[i]) || (!s.sample && s.sampling != nullptr))
+          std::abort();
+      }
+      (void)relay::encode_step(step.command, step.batch);
+    }
+  } catch (const relay::Error&) {
+    // a damaged message is the expected outcome for most inputs
+  }
+  return 0;
+}
