@@ -293,6 +293,16 @@ json validate_tools(const json* tools) {
   return tools->empty() ? json(nullptr) : *tools;
 }
 
+// What the chat template takes besides the messages and tools (chat completions and /tokenize).
+void read_template_inputs(Fields& f, json& chat_template_kwargs, bool& add_generation_prompt) {
+  if (const json* v = f.get("chat_template_kwargs")) {
+    if (!v->is_object())
+      throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    chat_template_kwargs = *v;
+  }
+  add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+}
+
 }  // namespace
 
 ChatRequest parse_chat_request(std::string_view body) {
@@ -317,12 +327,7 @@ ChatRequest parse_chat_request(std::string_view body) {
       throw bad_param("tool_choice", "'tool_choice' requires 'tools'");
     }
   }
-  if (const json* v = f.get("chat_template_kwargs")) {
-    if (!v->is_object())
-      throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
-    r.chat_template_kwargs = *v;
-  }
-  r.add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+  read_template_inputs(f, r.chat_template_kwargs, r.add_generation_prompt);
   r.options = read_options(f, {"max_tokens", "max_completion_tokens"});
   r.options.logprobs = f.boolean("logprobs").value_or(false);
   if (auto k = f.integer("top_logprobs", 0, kMaxTopLogprobs)) {
@@ -384,12 +389,7 @@ TokenizeRequest parse_tokenize_request(std::string_view body) {
     if (r.prompt) throw bad_param("messages", "give either 'prompt' or 'messages', not both");
     r.messages = validate_messages(f.get("messages"));
     r.tools = validate_tools(f.get("tools"));
-    if (const json* v = f.get("chat_template_kwargs")) {
-      if (!v->is_object())
-        throw bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object");
-      r.chat_template_kwargs = *v;
-    }
-    r.add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+    read_template_inputs(f, r.chat_template_kwargs, r.add_generation_prompt);
   } else if (!r.prompt) {
     throw bad_param("prompt", "'prompt' (a string) or 'messages' is required");
   }
