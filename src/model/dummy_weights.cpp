@@ -7,6 +7,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/hash.h"
 #include "model/make_model.h"
 
 namespace relay {
@@ -17,12 +18,6 @@ namespace {
 constexpr int64_t kWindowAlign = 64;
 // Extra pool elements beyond the largest tensor: the room the windows' offsets vary in.
 constexpr int64_t kPoolSlack = int64_t{1} << 20;
-
-uint64_t name_hash(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
-  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
-  return h;
-}
 
 int64_t numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -75,7 +70,7 @@ Checkpoint make_dummy_checkpoint(const ModelConfig& config, const std::filesyste
     } else {
       const int64_t windows = (pool - n) / kWindowAlign + 1;
       const int64_t offset =
-          static_cast<int64_t>(name_hash(s.name) % static_cast<uint64_t>(windows)) * kWindowAlign;
+          static_cast<int64_t>(fnv1a(s.name) % static_cast<uint64_t>(windows)) * kWindowAlign;
       v.data = storage[0].data() + offset * 2;
     }
     views.push_back(std::move(v));

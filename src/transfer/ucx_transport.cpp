@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/hash.h"
 #include "transfer/address_codec.h"
 
 namespace relay {
@@ -51,15 +52,6 @@ constexpr size_t kMaxPutsInFlight = 256;
 constexpr int kIdlePollMs = 100;
 // At most this long (or timeout_ms, if shorter) for closing endpoints, per call.
 constexpr int kCloseWaitMs = 2000;
-
-uint64_t fnv1a(std::string_view text) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (char c : text) {
-    h ^= static_cast<uint8_t>(c);
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
 
 std::string hex_u64(uint64_t value) {
   char buf[16];
