@@ -234,7 +234,7 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
     };
     struct Held {
       size_t seq;
-      const float* rows;
+      float* rows;  // into the rank's logits, which nothing reads after this step
     };
     std::vector<Held> held;
     for (auto& r : ranks_) {
@@ -252,10 +252,9 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
       if (command != NodeCommand::kStep) {
         result.logits.insert(result.logits.end(), h.rows, h.rows + num_rows(h.seq) * vocab);
       } else if (s.sample) {
-        // The sampler applies penalties in place: sample from a copy of the rank's row.
-        std::vector<float> row(h.rows, h.rows + vocab);
-        SampledToken t =
-            sample_token(row, *s.sampling, s.prompt_tokens, s.output_tokens, s.sample_index);
+        // In place: the sampler's penalties and temperature change only this row of this step.
+        SampledToken t = sample_token(std::span<float>(h.rows, vocab), *s.sampling,
+                                      s.prompt_tokens, s.output_tokens, s.sample_index);
         t.seq_id = s.seq_id;
         result.sampled.push_back(std::move(t));
       }

@@ -205,7 +205,8 @@ void NodeGroup::send(NodeCommand command, std::span<const StepSequence> batch) {
 
 std::vector<NodeResult> NodeGroup::gather(NodeResult mine) {
   RELAY_CHECK(config_.is_leader(), "only node 0 gathers step results");
-  std::vector<std::vector<uint8_t>> all = bootstrap_.gather(encode_result(mine), step_timeout_);
+  // The leader's own result stays in memory: it sends the bootstrap no blob of its own.
+  std::vector<std::vector<uint8_t>> all = bootstrap_.gather({}, step_timeout_);
   std::vector<NodeResult> out;
   out.push_back(std::move(mine));
   for (size_t n = 1; n < all.size(); ++n) out.push_back(decode_result(all[n]));

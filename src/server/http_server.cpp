@@ -510,6 +510,17 @@ struct HttpServer::State {
     write(dump(body));
   }
 
+  // The chat template's prompt for `messages`; a template error is the request's 400.
+  std::string render_chat(const json& messages, const json& tools, bool add_generation_prompt,
+                          const json& kwargs) const {
+    try {
+      return chat_template->render(messages, tools, add_generation_prompt, kwargs);
+    } catch (const Error& e) {
+      throw bad_param("messages",
+                      str("the chat template could not render these messages: ", e.what()));
+    }
+  }
+
   // ---- endpoints ----
 
   void chat_completions(const httplib::Request& req, httplib::Response& res) {
@@ -517,14 +528,8 @@ struct HttpServer::State {
     ChatRequest r = parse_chat_request(req.body);
     check_model(r.model);
     const bool use_tools = !r.tools.is_null() && r.tool_choice != "none";
-    std::string prompt;
-    try {
-      prompt = chat_template->render(r.messages, use_tools ? r.tools : json(nullptr),
-                                     r.add_generation_prompt, r.chat_template_kwargs);
-    } catch (const Error& e) {
-      throw bad_param("messages",
-                      str("the chat template could not render these messages: ", e.what()));
-    }
+    const std::string prompt = render_chat(r.messages, use_tools ? r.tools : json(nullptr),
+                                           r.add_generation_prompt, r.chat_template_kwargs);
     const std::vector<int32_t> ids = model.tokenizer->encode(prompt);
     const int64_t max_tokens = check_context_length(static_cast<int64_t>(ids.size()), r.options,
                                                     model.max_model_len, "messages");
@@ -588,18 +593,9 @@ struct HttpServer::State {
     check_ready();
     const TokenizeRequest r = parse_tokenize_request(req.body);
     if (r.model) check_model(*r.model);
-    std::string text;
-    if (r.prompt) {
-      text = *r.prompt;
-    } else {
-      try {
-        text = chat_template->render(r.messages, r.tools, r.add_generation_prompt,
-                                     r.chat_template_kwargs);
-      } catch (const Error& e) {
-        throw bad_param("messages",
-                        str("the chat template could not render these messages: ", e.what()));
-      }
-    }
+    const std::string text =
+        r.prompt ? *r.prompt
+                 : render_chat(r.messages, r.tools, r.add_generation_prompt, r.chat_template_kwargs);
     const std::vector<int32_t> ids = model.tokenizer->encode(text);
     json body = {{"count", ids.size()}, {"max_model_len", model.max_model_len}, {"tokens", ids},
                  {"token_strs", nullptr}};

@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 
-from relay_server import MODEL, RelayServer, free_port
+from relay_server import RelayServer, completion_text, free_port
 
 PROMPT = "def merge_sort(values):"
 
@@ -61,9 +61,7 @@ def test_server_across_processes_and_a_lost_follower(relay_bin):
     prompts = [f"def task_{i}(items, n={i}):" for i in range(6)]
 
     def complete(client, prompt):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        return r.choices[0].text
+        return completion_text(client, prompt, max_tokens=12, extra_body={"ignore_eos": True})
 
     one = RelayServer(relay_bin)
     one.wait_ready()

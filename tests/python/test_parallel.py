@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from relay_server import MODEL, RelayServer
+from relay_server import RelayServer, completion_text
 
 PROMPT = "def merge_sort(values):"
 LAYOUTS = [["--tp", 2], ["--tp", 4], ["--tp", 2, "--ep", 2], ["--tp", 4, "--ep", 4], ["--dp", 2],
@@ -42,9 +42,7 @@ def test_dp_ep_server_under_load_and_preemption_equals_one_rank(relay_bin):
     prompts = [f"def task_{i}(items, n={i}):" for i in range(12)]
 
     def complete(client, prompt):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        return r.choices[0].text
+        return completion_text(client, prompt, max_tokens=20, extra_body={"ignore_eos": True})
 
     one = RelayServer(relay_bin)
     one.wait_ready()
