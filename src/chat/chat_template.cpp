@@ -1,5 +1,6 @@
 // ChatTemplate: transformers' apply_chat_template around a Template (see chat_template.h).
 #include "chat/chat_template.h"
+#include "core/json.h"
 
 #include <filesystem>
 #include <fstream>
@@ -26,9 +27,9 @@ std::string read_file(const std::string& path) {
 
 nlohmann::ordered_json read_json(const std::string& path) {
   try {
-    return nlohmann::ordered_json::parse(read_file(path));
-  } catch (const nlohmann::json::exception& e) {
-    throw TemplateError(str(path, ": invalid JSON: ", e.what()));
+    return parse_json<nlohmann::ordered_json>(read_file(path), path);
+  } catch (const JsonError& e) {
+    throw TemplateError(e.what());
   }
 }
 

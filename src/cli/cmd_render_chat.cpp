@@ -12,6 +12,7 @@
 #include "chat/chat_template.h"
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/json.h"
 
 namespace relay::cli {
 namespace {
@@ -32,13 +33,8 @@ int run_render_chat(const RenderChatOptions& o) {
     return chat::ChatTemplate::from_string(source, tokens);
   }();
   const std::string input{std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>()};
-  nlohmann::ordered_json body;
-  try {
-    // ordered_json: key order reaches the prompt through tojson, as in Python.
-    body = nlohmann::ordered_json::parse(input);
-  } catch (const nlohmann::json::exception& e) {
-    fail(str("stdin is not valid JSON: ", e.what()));
-  }
+  // ordered_json: key order reaches the prompt through tojson, as in Python.
+  const auto body = parse_json<nlohmann::ordered_json>(input, "stdin");
   RELAY_CHECK(body.is_object(), "stdin must hold a JSON object with \"messages\"");
   RELAY_CHECK(body.contains("messages"), "the request has no \"messages\"");
   const nlohmann::ordered_json tools = body.value("tools", nlohmann::ordered_json());

@@ -25,6 +25,7 @@
 #include "cli/backend_choice.h"
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/json.h"
 #include "engine/cpu_backend.h"
 #include "model/config.h"
 #if RELAY_HAVE_CUDA
@@ -57,14 +58,7 @@ const char* json_kind(const nlohmann::json& v) {
 // Reads and checks the prompts file against the model's vocabulary and context.
 std::vector<std::vector<int32_t>> read_prompts(const std::string& path, const ModelConfig& config,
                                                const std::string& model_dir) {
-  std::ifstream in(path, std::ios::binary);
-  RELAY_CHECK(in.good(), "--prompts ", path, ": cannot open the file");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    fail(str(path, ": not valid JSON (", e.what(), ")"));
-  }
+  const nlohmann::json j = parse_json_file(path);
   RELAY_CHECK(j.is_array(), path,
               ": expected a JSON list of prompts, each a list of token ids; got ", json_kind(j));
   RELAY_CHECK(!j.empty(), path, ": the list of prompts is empty");

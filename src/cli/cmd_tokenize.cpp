@@ -13,6 +13,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/json.h"
 #include "tokenizer/tokenizer.h"
 
 namespace relay::cli {
@@ -64,12 +65,7 @@ std::string ids_to_json(const std::vector<int32_t>& ids) {
 }
 
 std::vector<int32_t> json_to_ids(const std::string& text) {
-  nlohmann::json ids;
-  try {
-    ids = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    fail(str("--decode expects a JSON list of token ids: ", e.what()));
-  }
+  const nlohmann::json ids = parse_json(text, "--decode's input (a JSON list of token ids)");
   RELAY_CHECK(ids.is_array(), "--decode expects a JSON list of token ids, got ", ids.type_name());
   std::vector<int32_t> values;
   for (const auto& id : ids) {
@@ -92,12 +88,7 @@ int run_batch(const Tokenizer& tokenizer, const TokenizeOptions& o, double load_
     if (o.decode) {
       out += nlohmann::json(tokenizer.decode(json_to_ids(line), o.skip_special_tokens)).dump();
     } else {
-      nlohmann::json text;
-      try {
-        text = nlohmann::json::parse(line);
-      } catch (const nlohmann::json::exception& e) {
-        fail(str("--batch expects one JSON string per line: ", e.what()));
-      }
+      const nlohmann::json text = parse_json(line, "--batch's input line (a JSON string)");
       RELAY_CHECK(text.is_string(), "--batch expects one JSON string per line, got ",
                   text.type_name());
       const std::string& input = text.get_ref<const std::string&>();

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "disagg/protocol.h"
 
 namespace relay::disagg {
@@ -31,7 +32,7 @@ std::unique_ptr<httplib::Client> client(const std::string& url,
 std::string error_of(const httplib::Result& r) {
   if (!r) return httplib::to_string(r.error());
   try {
-    return json::parse(r->body).at("error").get<std::string>();
+    return parse_json(r->body, "an error reply").at("error").get<std::string>();
   } catch (const std::exception&) {
     return str("HTTP ", r->status);
   }
@@ -81,7 +82,7 @@ DisaggRouter::~DisaggRouter() {
 void DisaggRouter::add_routes(httplib::Server& svr) {
   svr.Post("/disagg/heartbeat", [this](const httplib::Request& req, httplib::Response& res) {
     try {
-      const json j = json::parse(req.body);
+      const json j = parse_json(req.body, "a heartbeat");
       WorkerLoad load;
       load.num_running = field<int>(j, "num_running", "heartbeat");
       load.num_waiting = field<int>(j, "num_waiting", "heartbeat");
@@ -240,7 +241,7 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       return "";
     }
     decode_url = *d;
-    reservation = json::parse(r->body);
+    reservation = parse_json(r->body, "a reserve reply");
     break;
   }
   if (live.aborted) {
@@ -292,7 +293,7 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
     finish_failed(live, str("prefill worker ", *p, ": ", error_of(pr)));
     return "";
   }
-  const json first = json::parse(pr->body).at("first");
+  const json first = parse_json(pr->body, "a prefill reply").at("first");
 
   // 3. Decode, streaming the outputs into the handle.
   httplib::Request req;
@@ -309,10 +310,15 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       const std::string line = buffer.substr(0, nl);
       buffer.erase(0, nl + 1);
       if (line.empty()) continue;  // the worker's heartbeat
-      const json j = json::parse(line, nullptr, false);
-      if (j.is_discarded() || (j.contains("error") && !j.contains("id"))) {
-        stream_error =
-            j.is_discarded() ? "malformed output line" : j.at("error").get<std::string>();
+      json j;
+      try {
+        j = parse_json(line, "a decode output line");
+      } catch (const JsonError& e) {
+        stream_error = e.what();
+        return false;
+      }
+      if (j.contains("error") && !j.contains("id")) {
+        stream_error = j.at("error").get<std::string>();
         return false;
       }
       RequestOutput out = output_from_json(j);

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "disagg/protocol.h"
 #include "transfer/kv_pool.h"
 #include "transfer/layout_mapper.h"
@@ -125,7 +126,7 @@ void DisaggWorker::stop() {
 }
 
 void DisaggWorker::reserve(const std::string& body, std::string& reply, int& status) {
-  const json j = json::parse(body);
+  const json j = parse_json(body, "a reserve message");
   const std::vector<int32_t> prompt = field<std::vector<int32_t>>(j, "prompt", "reserve");
   const int64_t id = loop_.new_id();
   auto [reservation, partition] = wait_engine(loop_.call([id, &prompt](LLMEngine& e) {
@@ -154,7 +155,7 @@ void DisaggWorker::reserve(const std::string& body, std::string& reply, int& sta
 }
 
 void DisaggWorker::release(const std::string& body) {
-  const int64_t id = field<int64_t>(json::parse(body), "id", "release");
+  const int64_t id = field<int64_t>(parse_json(body, "a release message"), "id", "release");
   {
     std::lock_guard lock(mu_);
     reservations_.erase(id);
@@ -163,7 +164,7 @@ void DisaggWorker::release(const std::string& body) {
 }
 
 void DisaggWorker::prefill(const std::string& body, std::string& reply, int& status) {
-  const json j = json::parse(body);
+  const json j = parse_json(body, "a prefill message");
   EngineRequest request = request_from_json(field<json>(j, "request", "prefill"));
   const json kv = field<json>(j, "kv", "prefill");
   const auto timeout = std::chrono::milliseconds(field<int64_t>(j, "timeout_ms", "prefill"));
@@ -265,7 +266,7 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
 void DisaggWorker::generate(const httplib::Request& req, httplib::Response& res) {
   std::shared_ptr<server::RequestHandle> handle;
   try {
-    const json j = json::parse(req.body);
+    const json j = parse_json(req.body, "a generate message");
     const int64_t id = field<int64_t>(j, "id", "generate");
     EngineRequest request = request_from_json(field<json>(j, "request", "generate"));
     const FirstToken first = first_token_from_json(field<json>(j, "first", "generate"));

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace relay {
 namespace {
@@ -221,10 +222,7 @@ void check_token_ids(const ModelConfig& c, const std::string& source) {
 }
 
 json read_json_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(str(path.string(), ": cannot open"));
-  json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) fail(str(path.string(), ": not valid JSON"));
+  json j = parse_json_file(path);
   if (!j.is_object()) fail(str(path.string(), ": expected a JSON object"));
   return j;
 }

@@ -20,6 +20,7 @@
 
 #include "core/error.h"
 #include "core/hash.h"
+#include "core/json.h"
 
 namespace relay {
 namespace {
@@ -299,8 +300,8 @@ MakeModelResult make_model(const MakeModelOptions& o) {
 
   json config = model_preset_config(o.preset);
   if (!o.config_patch.empty()) {
-    const json patch = json::parse(o.config_patch, nullptr, /*allow_exceptions=*/false);
-    RELAY_CHECK(!patch.is_discarded() && patch.is_object(),
+    const json patch = parse_json(o.config_patch, "make-model: the config patch");
+    RELAY_CHECK(patch.is_object(),
                 "make-model: the config patch is not a JSON object: ", o.config_patch);
     config.merge_patch(patch);
   }

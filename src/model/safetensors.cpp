@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace relay {
 namespace {
@@ -97,9 +98,12 @@ TensorSlice slice_tensor(const TensorView& t, int64_t row_begin, int64_t rows, i
 std::map<std::string, TensorView> SafetensorsFile::parse_header(
     std::string_view header_json, const uint8_t* data, size_t data_bytes, const std::string& file,
     std::map<std::string, std::string>* metadata) {
-  const json header = json::parse(header_json.begin(), header_json.end(), nullptr,
-                                  /*allow_exceptions=*/false);
-  if (header.is_discarded()) fail(str(file, ": corrupt safetensors header (not valid JSON)"));
+  json header;
+  try {
+    header = parse_json(header_json, str(file, ": the safetensors header"));
+  } catch (const JsonError& e) {
+    fail(str(file, ": corrupt safetensors header (", e.what(), ")"));
+  }
   if (!header.is_object()) fail(str(file, ": corrupt safetensors header (not a JSON object)"));
 
   std::map<std::string, TensorView> tensors;
@@ -283,10 +287,8 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir) : dir_(dir) {
 
   if (fs::exists(index_path)) {
     const std::string what = index_path.string();
-    std::ifstream in(index_path, std::ios::binary);
-    if (!in) fail(str(what, ": cannot open"));
-    const json index = json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (index.is_discarded() || !index.is_object()) fail(str(what, ": not a valid JSON object"));
+    const json index = parse_json_file(index_path);
+    if (!index.is_object()) fail(str(what, ": not a JSON object"));
     if (!index.contains("weight_map") || !index["weight_map"].is_object()) {
       fail(str(what, ": missing the weight_map object"));
     }

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace relay::quant {
 
@@ -112,14 +113,7 @@ nlohmann::json QuantConfig::to_json() const {
 
 QuantConfig QuantConfig::load(const std::filesystem::path& dir) {
   const std::filesystem::path path = dir / "config.json";
-  std::ifstream in(path);
-  RELAY_CHECK(in.good(), "cannot open ", path.string());
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    fail(str(path.string(), ": invalid JSON: ", e.what()));
-  }
+  const nlohmann::json j = parse_json_file(path);
   if (!j.contains("quantization_config") || j.at("quantization_config").is_null())
     return QuantConfig{};
   return from_json(j.at("quantization_config"), path.string());

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace relay::server {
 
@@ -105,10 +106,9 @@ class Fields {
 json parse_object(std::string_view body) {
   json j;
   try {
-    j = json::parse(body);
-  } catch (const json::parse_error& e) {
-    throw ApiError{400, str("the request body is not valid JSON: ", e.what()),
-                   "invalid_request_error", "", ""};
+    j = parse_json<json>(body, "the request body");
+  } catch (const JsonError& e) {
+    throw ApiError{400, e.what(), "invalid_request_error", e.param(), ""};
   }
   if (!j.is_object()) {
     throw ApiError{400, "the request body must be a JSON object", "invalid_request_error", "", ""};
@@ -262,11 +262,12 @@ json validate_messages(const json* messages) {
         }
         json& args = call["function"]["arguments"];
         if (args.is_string()) {
+          const std::string param = where + ".tool_calls";
           try {
-            args = json::parse(args.get<std::string>());
-          } catch (const json::parse_error&) {
-            throw bad_param(where + ".tool_calls",
-                            "tool call 'arguments' must be a JSON object encoded as a string");
+            args = parse_json<json>(args.get<std::string>(), str("'", param, "' arguments"));
+          } catch (const JsonError& e) {
+            throw bad_param(param, str(e.what(), "; tool call 'arguments' must be a JSON object "
+                                                 "encoded as a string"));
           }
         }
       }

@@ -1,5 +1,6 @@
 // The reasoning / tool-call state machine (see output_parser.h).
 #include "server/output_parser.h"
+#include "core/json.h"
 
 #include <algorithm>
 
@@ -30,7 +31,12 @@ bool is_blank(std::string_view s) {
 
 // {"name": "...", "arguments": {...}} -> a tool call; anything else -> false.
 bool parse_tool_call(std::string_view body, ParsedToolCall& call) {
-  const nlohmann::json j = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+  nlohmann::json j;
+  try {
+    j = parse_json(body, "a tool call");
+  } catch (const JsonError&) {
+    return false;  // malformed or nested too deep: the text stays content
+  }
   if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return false;
   const auto args = j.find("arguments");
   if (args != j.end() && !args->is_object()) return false;

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "tokenizer/added_tokens.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/normalizer.h"
@@ -192,16 +193,7 @@ Tokenizer Tokenizer::from_model_dir(const std::string& model_dir) {
 }
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  RELAY_CHECK(in.good(), path, ": cannot open the tokenizer file");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  json root;
-  try {
-    root = json::parse(buffer.str());
-  } catch (const json::exception& e) {
-    fail(str(path, ": malformed JSON: ", e.what()));
-  }
+  const json root = parse_json_file(path);
   const Fields f(path);
   if (!root.is_object()) f.fail_at("(top level)", "expected an object");
 

@@ -121,7 +121,7 @@ def test_help_and_errors(relay_bin, tmp_path):
     assert proc.returncode == 1 and b"tokenizer.json: cannot open" in proc.stderr
     (tmp_path / "tokenizer.json").write_text('{"model": ')
     proc = subprocess.run([str(relay_bin), "tokenize", "--model", str(tmp_path)], input=b"x", capture_output=True)
-    assert proc.returncode == 1 and b"malformed JSON" in proc.stderr
+    assert proc.returncode == 1 and b"is not valid JSON" in proc.stderr
 
 
 def variant(tmp_path, name, edit):

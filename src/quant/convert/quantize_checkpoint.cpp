@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "model/safetensors.h"
 #include "quant/weight_quant.h"
 
@@ -51,13 +52,7 @@ std::string module_of(const std::string& tensor_name) {
 }
 
 nlohmann::ordered_json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  RELAY_CHECK(in.good(), "cannot open ", path.string());
-  try {
-    return nlohmann::ordered_json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    fail(str(path.string(), ": invalid JSON: ", e.what()));
-  }
+  return parse_json_file<nlohmann::ordered_json>(path);
 }
 
 void write_json(const fs::path& path, const nlohmann::ordered_json& j) {
