@@ -96,7 +96,7 @@ def main():
     colocated.stop()
 
     router = Server(a.relay, ["--role", "router"] + (["--model", a.model] if a.model else []))
-    router.wait()
+    router.wait("/version")  # its /health is 503 until a prefill and a decode worker are up
     workers = [Server(a.relay, ["--role", role, "--router", f"127.0.0.1:{router.port}"] + common + extra[role])
                for role in ("prefill", "decode")]
     for w in workers:

@@ -42,9 +42,9 @@ python3 bench/disagg_check.py --relay "$bin/relay" --device cuda --model "$mdir"
 
 # Serving: the colocated server, then router + prefill + decode (each with half the KV pages).
 serve_opts=(--device cuda --model "$mdir" --served-model-name bench --max-num-seqs 128 --max-model-len 8192)
-wait_health() {
+wait_health() {  # $1 = port, $2 = path (default /health)
   for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
+    curl -sf "http://127.0.0.1:$1${2:-/health}" >/dev/null && return 0
     sleep 0.5
   done
   echo "server on port $1 did not come up" >&2
@@ -62,7 +62,7 @@ kill -TERM $pid; wait $pid || true
 echo "== serving, disaggregated (prefill + decode on one GPU, CUDA IPC)"
 "$bin/relay" serve --role router --model "$mdir" --served-model-name bench --port 8200 > /tmp/router.log 2>&1 &
 pids=($!)
-wait_health 8200
+wait_health 8200 /version  # the router's /health is 503 until its workers are up
 for role in prefill decode; do
   port=$([ $role = prefill ] && echo 8201 || echo 8202)
   "$bin/relay" serve "${serve_opts[@]}" --num-kv-blocks 16384 --role $role --router 127.0.0.1:8200 --port $port \
@@ -70,7 +70,7 @@ for role in prefill decode; do
   pids+=($!)
 done
 wait_health 8201 && wait_health 8202
-sleep 2  # first heartbeats
+wait_health 8200  # both workers registered
 load disaggregated 8200
 grep -c "KV hand-off" /tmp/prefill.log || true
 grep "KV hand-off" /tmp/prefill.log | tail -3 || true

@@ -20,6 +20,7 @@
 #include "disagg/router.h"
 #include "disagg/worker.h"
 #include "engine/llm_engine.h"
+#include "http/server.h"
 #include "model/config.h"
 #include "server/http_server.h"
 #include "tokenizer/tokenizer.h"
@@ -40,6 +41,9 @@ struct ServeOptions {
   int max_queue = 256;
   double drain_timeout_s = 30.0;
   bool no_prefix_caching = false;
+  int max_connections = 4096;
+  double request_head_timeout_s = 10.0;
+  double keep_alive_timeout_s = 60.0;
   // Disaggregation.
   std::string role = "all";  // all (one process), router, prefill, decode
   std::string router;        // workers: the router's host:port
@@ -77,6 +81,9 @@ server::ServerOptions server_options(const ServeOptions& o) {
   if (so.served_model_name.empty()) so.served_model_name = o.model_dir;
   so.max_queue = o.max_queue;
   so.max_num_seqs = o.max_num_seqs;
+  so.max_connections = o.max_connections;
+  so.request_head_timeout_s = o.request_head_timeout_s;
+  so.keep_alive_timeout_s = o.keep_alive_timeout_s;
   return so;
 }
 
@@ -109,7 +116,7 @@ int run_router(const ServeOptions& o) {
   disagg::RouterOptions router_options;
   router_options.wait_for_workers_s = o.worker_wait_s;
   disagg::DisaggRouter router(router_options, registry, http.metrics());
-  http.add_routes([&](httplib::Server& s) { router.add_routes(s); });
+  http.add_routes([&](http::Server& s) { router.add_routes(s); });
   http.start();
   const int max_model_len =
       static_cast<int>(o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings);
@@ -143,7 +150,7 @@ int run_serve(const ServeOptions& o) {
   const bool is_worker = o.role != "all";
   std::atomic<disagg::DisaggWorker*> worker{nullptr};
   if (is_worker) {
-    http.add_routes([&](httplib::Server& s) {
+    http.add_routes([&](http::Server& s) {
       disagg::add_worker_routes(s, o.role, [&] { return worker.load(); });
     });
   }
@@ -227,6 +234,17 @@ CommandRegistrar serve_command({
                      "seconds running requests get to finish after SIGTERM (default 30)")
           ->check(CLI::NonNegativeNumber);
       sub.add_flag("--no-prefix-caching", o->no_prefix_caching, "recompute shared prompt prefixes");
+      sub.add_option("--max-connections", o->max_connections,
+                     "open client connections; past it the longest-idle one is closed (default "
+                     "4096)")
+          ->check(CLI::PositiveNumber);
+      sub.add_option("--request-head-timeout", o->request_head_timeout_s,
+                     "seconds a client has to send a request's head, from its first byte; a new "
+                     "connection also has this long to start one (default 10)")
+          ->check(CLI::PositiveNumber);
+      sub.add_option("--keep-alive-timeout", o->keep_alive_timeout_s,
+                     "seconds an idle kept-alive connection stays open (default 60)")
+          ->check(CLI::PositiveNumber);
       add_backend_options(sub, o->backend);
       sub.add_option(
              "--role", o->role,

@@ -10,6 +10,13 @@ namespace relay::disagg {
 
 WorkerRegistry::WorkerRegistry(RegistryOptions options) : options_(options) {}
 
+int WorkerRegistry::num_up(const std::string& role, Clock::time_point now) const {
+  std::lock_guard lock(mu_);
+  int n = 0;
+  for (const auto& [url, w] : workers_) n += w.role == role && is_up(w, now);
+  return n;
+}
+
 bool WorkerRegistry::is_up(const WorkerState& w, Clock::time_point now) const {
   return w.up && now - w.last_seen <= options_.heartbeat_timeout;
 }

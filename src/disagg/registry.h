@@ -90,6 +90,8 @@ class WorkerRegistry {
 
   std::vector<WorkerState> workers(Clock::time_point now) const;
   AutoscaleSignals signals(Clock::time_point now) const;
+  // Workers of `role` that are up now.
+  int num_up(const std::string& role, Clock::time_point now) const;
 
  private:
   bool is_up(const WorkerState& w, Clock::time_point now) const;

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/json.h"
 #include "disagg/protocol.h"
+#include "http/server.h"
 
 namespace relay::disagg {
 
@@ -79,8 +80,9 @@ DisaggRouter::~DisaggRouter() {
   metrics_.set_extra(nullptr);
 }
 
-void DisaggRouter::add_routes(httplib::Server& svr) {
-  svr.Post("/disagg/heartbeat", [this](const httplib::Request& req, httplib::Response& res) {
+void DisaggRouter::add_routes(http::Server& svr) {
+  // Both answer on the event loop: a heartbeat is a few fields into the registry.
+  svr.route_inline("POST", "/disagg/heartbeat", [this](const http::Request& req) {
     try {
       const json j = parse_json(req.body, "a heartbeat");
       WorkerLoad load;
@@ -97,13 +99,12 @@ void DisaggRouter::add_routes(httplib::Server& svr) {
       registry_.heartbeat(field<std::string>(j, "url", "heartbeat"),
                           field<std::string>(j, "role", "heartbeat"), load, Clock::now());
       publish_gauges();
-      res.set_content("{}", "application/json");
+      return http::Response{200, "application/json", "{}", {}};
     } catch (const std::exception& e) {
-      res.status = 400;
-      res.set_content(json{{"error", e.what()}}.dump(), "application/json");
+      return http::Response{400, "application/json", json{{"error", e.what()}}.dump(), {}};
     }
   });
-  svr.Get("/disagg/workers", [this](const httplib::Request&, httplib::Response& res) {
+  svr.route_inline("GET", "/disagg/workers", [this](const http::Request&) {
     json out = json::array();
     for (const WorkerState& w : registry_.workers(Clock::now())) {
       out.push_back({{"url", w.url},
@@ -118,7 +119,7 @@ void DisaggRouter::add_routes(httplib::Server& svr) {
                      {"layout", w.load.layout},
                      {"kv_transport", w.load.kv_transport}});
     }
-    res.set_content(out.dump(), "application/json");
+    return http::Response{200, "application/json", out.dump(), {}};
   });
 }
 
@@ -216,9 +217,13 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
     if (live.aborted) break;
     auto d = registry_.pick("decode", Clock::now(), full);
     if (!d) {
+      // None up: fail now (a request that waited would only fail later); all full: wait for room.
+      if (registry_.num_up("decode", Clock::now()) == 0) {
+        finish_failed(live, "no decode worker is up", 503);
+        return "";
+      }
       if (Clock::now() > wait_until) {
-        finish_failed(live, full.empty() ? "no decode worker is up" : "every decode worker is full",
-                      503);
+        finish_failed(live, "every decode worker is full", 503);
         return "";
       }
       full.clear();  // look again at everyone once they had time to free pages
@@ -237,7 +242,7 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       continue;
     }
     if (r->status != 200) {
-      finish_failed(live, str("decode worker ", *d, ": ", error_of(r)));
+      finish_failed(live, str("decode worker ", *d, ": ", error_of(r)), 502);
       return "";
     }
     decode_url = *d;
@@ -260,11 +265,9 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
         ->Post("/disagg/release", json{{"id", reservation_id}}.dump(), "application/json");
   };
 
-  // 2. The prompt on a prefill worker, its KV written into the reservation.
-  std::optional<std::string> p;
-  while (!(p = registry_.pick("prefill", Clock::now())) && Clock::now() < wait_until &&
-         !live.aborted)
-    wait_a_little();
+  // 2. The prompt on a prefill worker, its KV written into the reservation. (Prefill workers
+  // queue prompts, so one that is up always takes it: none picked means none is up.)
+  const std::optional<std::string> p = registry_.pick("prefill", Clock::now());
   if (!p || live.aborted) {
     release();
     if (live.aborted) {
@@ -290,7 +293,7 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
   }
   if (pr->status != 200) {
     release();
-    finish_failed(live, str("prefill worker ", *p, ": ", error_of(pr)));
+    finish_failed(live, str("prefill worker ", *p, ": ", error_of(pr)), 502);
     return "";
   }
   const json first = parse_json(pr->body, "a prefill reply").at("first");
@@ -348,8 +351,16 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       stream_error = str("HTTP ", res.status, " ", res.body);
     }
   }
-  finish_failed(live, str("decode worker ", decode_url, " failed: ", stream_error));
+  finish_failed(live, str("decode worker ", decode_url, " failed: ", stream_error), 502);
   return "";
+}
+
+std::string DisaggRouter::unusable_reason() const {
+  const Clock::time_point now = Clock::now();
+  const bool decode = registry_.num_up("decode", now) > 0;
+  const bool prefill = registry_.num_up("prefill", now) > 0;
+  if (decode && prefill) return {};
+  return str("no ", decode ? "prefill" : prefill ? "decode" : "prefill or decode", " worker is up");
 }
 
 }  // namespace relay::disagg

@@ -3,15 +3,17 @@
 //
 // Each request runs on its own thread through three control messages (worker.h has the routes):
 //   1. reserve KV pages on a decode worker (the smallest batch); a full one answers 503 and the
-//      next one is tried; when none has room the request waits (bounded) and tries again;
+//      next one is tried; when none has room the request waits (bounded) and tries again, and
+//      when none is up at all it fails at once (503);
 //   2. send the prompt and that reservation to a prefill worker (the fewest queued prompt tokens),
 //      which computes it, samples the first token and writes the KV straight into the reserved
 //      pages; a prefill worker that cannot be reached is marked down and the request is re-sent to
 //      another (the reservation is released and taken anew);
 //   3. start the request on the decode worker and relay its stream of outputs into the request's
 //      handle, which the front end formats exactly as for a local engine.
-// A decode worker that dies mid-stream ends its requests with an error (their tokens already went
-// out, so they are not restarted) and is marked down; workers that beat again are used again.
+// A decode worker that dies mid-stream ends its requests with an error (502: their tokens already
+// went out, so they are not restarted) and is marked down; workers that beat again are used again.
+// While no prefill or no decode worker is up, /health answers 503 with the reason.
 // Nothing waits unbounded: every call has a timeout, and a client that goes away aborts the
 // request, which closes the decode stream, which aborts it on the decode worker.
 #pragma once
@@ -26,7 +28,7 @@
 #include "server/engine_loop.h"
 #include "server/metrics.h"
 
-namespace httplib {
+namespace relay::http {
 class Server;
 }
 
@@ -45,12 +47,14 @@ class DisaggRouter : public server::RequestSink {
   ~DisaggRouter() override;
 
   // POST /disagg/heartbeat (workers), GET /disagg/workers (for people and tests).
-  void add_routes(httplib::Server& server);
+  void add_routes(http::Server& server);
 
   std::shared_ptr<server::RequestHandle> submit(EngineRequest request) override;
   void abort(int64_t id) override;
   int num_unfinished() const override { return num_unfinished_.load(); }
   void stop() override;
+  // While no prefill or no decode worker is up, every request fails (503), and /health says why.
+  std::string unusable_reason() const override;
 
  private:
   struct Live;
@@ -58,7 +62,8 @@ class DisaggRouter : public server::RequestSink {
   // One attempt: reserve, prefill, stream. Returns an error message to retry with, or "" when the
   // request ended (finished, failed for good, or aborted).
   std::string attempt(Live& live, const EngineRequest& request, bool& retry);
-  void finish_failed(Live& live, const std::string& message, int http_status = 500);
+  // http_status: 503 when no worker can take the request, 502 when a worker failed it.
+  void finish_failed(Live& live, const std::string& message, int http_status);
   void finish_aborted(Live& live);
   void publish_gauges();
 

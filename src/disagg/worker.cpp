@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/json.h"
 #include "disagg/protocol.h"
+#include "http/server.h"
 #include "transfer/kv_pool.h"
 #include "transfer/layout_mapper.h"
 #include "transfer/ucx_transport.h"
@@ -263,10 +264,10 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
               .dump();
 }
 
-void DisaggWorker::generate(const httplib::Request& req, httplib::Response& res) {
+void DisaggWorker::generate(http::Exchange& ex) {
   std::shared_ptr<server::RequestHandle> handle;
   try {
-    const json j = parse_json(req.body, "a generate message");
+    const json j = parse_json(ex.request().body, "a generate message");
     const int64_t id = field<int64_t>(j, "id", "generate");
     EngineRequest request = request_from_json(field<json>(j, "request", "generate"));
     const FirstToken first = first_token_from_json(field<json>(j, "first", "generate"));
@@ -277,42 +278,35 @@ void DisaggWorker::generate(const httplib::Request& req, httplib::Response& res)
     }
     handle = loop_.submit_prefilled(id, std::move(request), first.token, first.num_cached_tokens);
   } catch (const std::exception& e) {
-    res.status = 400;
-    res.set_content(error_json(e.what()), "application/json");
+    ex.respond(http::Response{400, "application/json", error_json(e.what()), {}});
     return;
   }
-  res.set_chunked_content_provider(
-      "application/x-ndjson",
-      [handle](size_t, httplib::DataSink& sink) {
-        Clock::time_point last_write = Clock::now();
-        while (!handle->done()) {
-          for (const RequestOutput& o : handle->next(kPollInterval)) {
-            const std::string line = output_to_json(o).dump() + "\n";
-            if (!sink.write(line.data(), line.size())) return false;
-            last_write = Clock::now();
-          }
-          if (Clock::now() - last_write > kStreamHeartbeat) {
-            if (!sink.write("\n", 1)) return false;
-            last_write = Clock::now();
-          }
-        }
-        if (!handle->error().empty()) {
-          const std::string line = error_json(handle->error()) + "\n";
-          sink.write(line.data(), line.size());
-        }
-        sink.done();
-        return true;
-      },
-      [this, handle](bool success) {
-        if (!success) loop_.abort(handle->id());  // the router went away
-      });
+  // One output per line; a blank line when nothing happened for a while, so a router that went
+  // away is noticed by a failed write and the request aborted.
+  bool ok = ex.start_stream(200, "application/x-ndjson");
+  Clock::time_point last_write = Clock::now();
+  while (ok && !handle->done()) {
+    for (const RequestOutput& o : handle->next(kPollInterval)) {
+      ok = ok && ex.write(output_to_json(o).dump() + "\n");
+      last_write = Clock::now();
+    }
+    if (ok && Clock::now() - last_write > kStreamHeartbeat) {
+      ok = ex.write("\n");
+      last_write = Clock::now();
+    }
+  }
+  if (!ok) {
+    loop_.abort(handle->id());
+    return;
+  }
+  if (!handle->error().empty()) ex.write(error_json(handle->error()) + "\n");
 }
 
-void add_worker_routes(httplib::Server& svr, const std::string& role,
+void add_worker_routes(http::Server& svr, const std::string& role,
                        std::function<DisaggWorker*()> worker) {
   // Runs a control message: 503 while loading, 400 for a malformed one, 500 for an engine failure.
   auto guarded = [worker](auto fn) {
-    return [worker, fn](const httplib::Request& req, httplib::Response& res) {
+    return [worker, fn](const http::Request& req) {
       std::string reply = "{}";
       int status = 200;
       DisaggWorker* w = worker();
@@ -323,6 +317,9 @@ void add_worker_routes(httplib::Server& svr, const std::string& role,
         } else {
           fn(*w, req, reply, status);
         }
+      } catch (const JsonError& e) {
+        status = 400;
+        reply = error_json(str("malformed message: ", e.what()));
       } catch (const json::exception& e) {
         status = 400;
         reply = error_json(str("malformed message: ", e.what()));
@@ -330,31 +327,32 @@ void add_worker_routes(httplib::Server& svr, const std::string& role,
         status = 500;
         reply = error_json(e.what());
       }
-      res.status = status;
-      res.set_content(reply, "application/json");
+      return http::Response{status, "application/json", reply, {}};
     };
   };
-  using Req = const httplib::Request&;
-  using Res = httplib::Response&;
+  using Req = const http::Request&;
   if (role == "decode") {
-    svr.Post("/disagg/reserve", guarded([](DisaggWorker& w, Req q, std::string& r, int& s) {
-               w.reserve(q.body, r, s);
-             }));
-    svr.Post("/disagg/release",
-             guarded([](DisaggWorker& w, Req q, std::string&, int&) { w.release(q.body); }));
+    svr.route_blocking("POST", "/disagg/reserve",
+                       guarded([](DisaggWorker& w, Req q, std::string& r, int& s) {
+                         w.reserve(q.body, r, s);
+                       }));
+    svr.route_blocking(
+        "POST", "/disagg/release",
+        guarded([](DisaggWorker& w, Req q, std::string&, int&) { w.release(q.body); }));
     // Streams, so it writes its own response.
-    svr.Post("/disagg/generate", [worker](Req q, Res p) {
+    svr.route("POST", "/disagg/generate", [worker](http::Exchange& ex) {
       if (DisaggWorker* w = worker()) {
-        w->generate(q, p);
+        w->generate(ex);
       } else {
-        p.status = 503;
-        p.set_content(error_json("the worker is still loading"), "application/json");
+        ex.respond(http::Response{503, "application/json",
+                                  error_json("the worker is still loading"), {}});
       }
     });
   } else {
-    svr.Post("/disagg/prefill", guarded([](DisaggWorker& w, Req q, std::string& r, int& s) {
-               w.prefill(q.body, r, s);
-             }));
+    svr.route_blocking("POST", "/disagg/prefill",
+                       guarded([](DisaggWorker& w, Req q, std::string& r, int& s) {
+                         w.prefill(q.body, r, s);
+                       }));
   }
 }
 

@@ -39,11 +39,10 @@
 
 #include <nlohmann/json.hpp>
 
-namespace httplib {
+namespace relay::http {
 class Server;
-struct Request;
-struct Response;
-}  // namespace httplib
+class Exchange;
+}  // namespace relay::http
 
 namespace relay::disagg {
 
@@ -75,7 +74,7 @@ class DisaggWorker {
   void reserve(const std::string& body, std::string& reply, int& status);
   void release(const std::string& body);
   void prefill(const std::string& body, std::string& reply, int& status);
-  void generate(const httplib::Request& req, httplib::Response& res);
+  void generate(http::Exchange& ex);
 
  private:
   void heartbeat_loop();
@@ -108,7 +107,7 @@ class DisaggWorker {
 
 // Adds the role's routes to `server` (before it starts listening); until `worker()` returns a
 // worker (the model is still loading) they answer 503.
-void add_worker_routes(httplib::Server& server, const std::string& role,
+void add_worker_routes(http::Server& server, const std::string& role,
                        std::function<DisaggWorker*()> worker);
 
 }  // namespace relay::disagg

@@ -217,13 +217,13 @@ std::string EngineLoop::unusable_reason() const {
   return unusable_;
 }
 
-void EngineLoop::fail_all(const std::string& message) {
+void EngineLoop::fail_all(const std::string& message, int http_status) {
   for (auto& [id, handle] : live_) {
     engine_.abort(id);
     metrics_.request_finished(
         "error", std::chrono::duration<double>(Clock::now() - handle->arrival_).count(), 0.0);
     // Through the delivery queue, so the failure reaches the handle after its earlier outputs.
-    pending_.push_back({std::move(handle), {}, message, 500});
+    pending_.push_back({std::move(handle), {}, message, http_status});
   }
   live_.clear();
   hand_off();
@@ -296,7 +296,7 @@ void EngineLoop::run() {
     tasks.swap(tasks_);
   }
   for (auto& task : tasks) task(engine_);
-  fail_all("the server is shutting down");
+  fail_all("the server is shutting down", 503);
   {
     std::lock_guard lock(delivery_mu_);
     delivery_stopping_ = true;

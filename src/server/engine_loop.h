@@ -157,7 +157,7 @@ class EngineLoop : public RequestSink {
   // Engine thread: passes what deliver() queued to the delivery thread.
   void hand_off();
   void delivery_loop();
-  void fail_all(const std::string& message);
+  void fail_all(const std::string& message, int http_status = 500);
 
   mutable std::mutex unusable_mu_;
   std::string unusable_;  // guarded by unusable_mu_: written by the engine thread, read by /health

@@ -1,20 +1,18 @@
 // Routes and response formatting of the OpenAI-compatible server (see http_server.h).
 #include "server/http_server.h"
 
-#include <httplib.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
+#include <openssl/crypto.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <optional>
 #include <random>
 
 #include "core/error.h"
+#include "http/server.h"
 #include "server/openai_protocol.h"
 #include "server/output_parser.h"
 #include "tokenizer/utf8.h"
@@ -76,56 +74,55 @@ struct Job {
   }
 };
 
-// Writes one response's bytes, remembering whether the client is still there and when the last
-// bytes went out (for heartbeats).
-struct ResponseWriter {
-  httplib::DataSink& sink;
-  bool ok = true;
-  Clock::time_point last_write = Clock::now();
+// The OpenAI error of a status the transport answers by itself (http/server.h).
+ApiError transport_error(int status, const std::string& message) {
+  const char* type = status == 503 ? "service_unavailable"
+                     : status >= 500 ? "internal_server_error"
+                                     : "invalid_request_error";
+  const char* code = status == 404   ? "not_found"
+                     : status == 405 ? "method_not_allowed"
+                     : status == 408 ? "request_timeout"
+                     : status == 413 ? "request_too_large"
+                     : status == 431 ? "request_header_fields_too_large"
+                                     : "";
+  return ApiError{status, message, type, "", code};
+}
 
-  bool operator()(const std::string& data) {
-    if (ok) ok = sink.write(data.data(), data.size());
-    last_write = Clock::now();
-    return ok;
-  }
-};
+// Compares an API key in constant time, so its bytes cannot be found one at a time by timing.
+bool same_key(std::string_view given, std::string_view expected) {
+  return given.size() == expected.size() &&
+         CRYPTO_memcmp(given.data(), expected.data(), expected.size()) == 0;
+}
 
-// NOTE: Debian's cpp-httplib is a compiled library whose listen() passes a backlog of 5 (its
-// CPPHTTPLIB_LISTEN_BACKLOG macro reaches only the header, not the library): a load generator that
-// opens hundreds of connections at once overflows that accept queue, and connections the kernel
-// completed but could not queue are dropped later (the client sees a reset: httpx ReadError). A
-// second listen() on the bound socket raises the backlog (up to net.core.somaxconn); the socket is
-// found among the process's descriptors as the listening one bound to `port`.
-void raise_listen_backlog(int port) {
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
-    int fd = -1;
-    try {
-      fd = std::stoi(entry.path().filename().string());
-    } catch (const std::exception&) {
-      continue;
-    }
-    int listening = 0;
-    socklen_t len = sizeof(listening);
-    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening) continue;
-    sockaddr_storage addr{};
-    socklen_t addr_len = sizeof(addr);
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &addr_len) != 0) continue;
-    int bound = -1;
-    if (addr.ss_family == AF_INET) bound = ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-    if (addr.ss_family == AF_INET6)
-      bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
-    if (bound == port) ::listen(fd, 4096);
-  }
+http::Response json_response(int status, const json& body) {
+  return http::Response{status, "application/json", dump(body), {}};
 }
 
 }  // namespace
 
 struct HttpServer::State {
-  explicit State(ServerOptions o) : options(std::move(o)), metrics(options.served_model_name) {}
+  explicit State(ServerOptions o)
+      : options(std::move(o)), svr(transport_options(options)), metrics(options.served_model_name) {}
+
+  static http::Options transport_options(const ServerOptions& o) {
+    http::Options t;
+    t.host = o.host;
+    t.port = o.port;
+    // NOTE: every generation request holds a worker while it runs, so the pool covers every
+    // request that may be in flight, plus some for tokenization and rejections; connections wait
+    // for requests on the event loop and hold no worker.
+    t.num_workers = o.max_num_seqs + o.max_queue + 16;
+    t.max_connections = o.max_connections;
+    t.request_head_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.request_head_timeout_s * 1000));
+    t.keep_alive_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.keep_alive_timeout_s * 1000));
+    t.error_body = [](int status, const std::string& message) {
+      return dump(transport_error(status, message).body());
+    };
+    return t;
+  }
 
   ServerOptions options;
-  httplib::Server svr;
+  http::Server svr;
   Metrics metrics;
   std::atomic<Phase> phase{Phase::kLoading};
   ServedModel model;
@@ -148,10 +145,9 @@ struct HttpServer::State {
     return buf;
   }
 
-  void send_error(httplib::Response& res, const ApiError& e) {
-    res.status = e.status;
-    res.set_content(dump(e.body()), "application/json");
+  http::Response error_response(const ApiError& e) {
     metrics.request_rejected(e.status);
+    return json_response(e.status, e.body());
   }
 
   void check_ready() const {
@@ -343,63 +339,64 @@ struct HttpServer::State {
 
   // ---- responses ----
 
-  void respond(Job job_value, httplib::Response& res) {
-    auto job = std::make_shared<Job>(std::move(job_value));
-    if (!job->stream) {
-      // NOTE: the status line leaves with the first byte (a heartbeat), so a non-streaming
-      // response first waits up to one heartbeat interval for its outcome: a request that fails
-      // by then (a failed engine step) gets its HTTP error status, not a 200 with an error body.
-      // One that fails later can only report the error in the body.
-      const Clock::time_point deadline = Clock::now() + kHeartbeatInterval;
-      while (!job->all_done() && Clock::now() < deadline) {
-        poll(*job, [](size_t, const RequestOutput&) {});
-      }
-      if (const auto err = job->all_done() ? job_error(*job) : std::nullopt) {
-        res.status = err->status;
-        res.set_content(dump(err->body()), "application/json");
+  // Answers a submitted job on `ex`. A failure the job meets before its response starts gets its
+  // HTTP status (503 when no capacity, 500 when the engine failed): a non-streaming response is
+  // written only once every choice is done; a stream starts with its first output, or after one
+  // heartbeat interval when none came, and a later failure can only be an error event in it. A
+  // client that goes away (Exchange::client_connected, or a failed write) aborts the job, which
+  // frees its KV blocks.
+  void respond(Job job, http::Exchange& ex) {
+    ++active_responses;
+    struct Done {
+      std::atomic<int>& n;
+      ~Done() { --n; }
+    } done{active_responses};
+    std::vector<std::pair<size_t, RequestOutput>> early;  // outputs before a stream started
+    const Clock::time_point first_byte_by = Clock::now() + kHeartbeatInterval;
+    while (!job.all_done() && !(job.stream && (!early.empty() || Clock::now() > first_byte_by))) {
+      poll(job, [&](size_t i, const RequestOutput& out) {
+        if (job.stream) early.emplace_back(i, out);
+      });
+      if (!ex.client_connected()) return abort_job(job);
+    }
+    if (job.all_done() && early.empty()) {
+      if (const auto err = job_error(job)) {
+        ex.respond(json_response(err->status, err->body()));
         return;
       }
     }
-    ++active_responses;
-    // NOTE: httplib gzips a chunked "application/json" body when the client accepts gzip, which
-    // buffers the heartbeats and hides a disconnect; with a charset parameter it sends bytes as
-    // they come.
-    const char* content_type =
-        job->stream ? "text/event-stream" : "application/json; charset=utf-8";
-    res.set_chunked_content_provider(
-        content_type,
-        [this, job](size_t, httplib::DataSink& sink) {
-          ResponseWriter write{sink};
-          if (job->stream) {
-            stream_job(*job, write);
-          } else {
-            complete_job(*job, write);
-          }
-          if (!write.ok) {
-            abort_job(*job);
-            return false;
-          }
-          sink.done();
-          return true;
-        },
-        [this, job](bool success) {
-          if (!success) abort_job(*job);
-          --active_responses;
-        });
+    if (!job.stream) {
+      ex.respond(http::Response{200, "application/json", complete_job(job), {}});
+      return;
+    }
+    if (!ex.start_stream(200, "text/event-stream") || !stream_job(job, ex, early)) abort_job(job);
   }
 
   // Waits for the job, calling on_output per output, and writes `heartbeat` whenever nothing was
-  // written for a while: a write to a client that hung up fails, which ends the wait.
-  void wait_with_heartbeat(Job& job, ResponseWriter& write, const std::string& heartbeat,
-                           const std::function<void(size_t, const RequestOutput&)>& on_output) {
-    while (write.ok && !job.all_done()) {
-      poll(job, [&](size_t i, const RequestOutput& out) { on_output(i, out); });
-      if (Clock::now() - write.last_write > kHeartbeatInterval) write(heartbeat);
+  // written for a while: a write to a client that hung up fails, which ends the wait. False when
+  // the client is gone.
+  bool wait_with_heartbeat(Job& job, http::Exchange& ex, const std::string& heartbeat,
+                           const std::function<bool(size_t, const RequestOutput&)>& on_output) {
+    Clock::time_point last_write = Clock::now();
+    bool ok = true;
+    while (ok && !job.all_done()) {
+      poll(job, [&](size_t i, const RequestOutput& out) {
+        if (ok && on_output(i, out)) last_write = Clock::now();
+        ok = ok && !ex.failed();
+      });
+      if (ok && Clock::now() - last_write > kHeartbeatInterval) {
+        ok = ex.write(heartbeat);
+        last_write = Clock::now();
+      }
     }
+    return ok;
   }
 
-  void stream_job(Job& job, ResponseWriter& write) {
-    auto sse = [&](const json& j) { return write("data: " + dump(j) + "\n\n"); };
+  // Streams the job as server-sent events, starting with the outputs that came before the stream
+  // started. False when the client is gone.
+  bool stream_job(Job& job, http::Exchange& ex,
+                  const std::vector<std::pair<size_t, RequestOutput>>& early) {
+    auto sse = [&](const json& j) { return ex.write("data: " + dump(j) + "\n\n"); };
     std::vector<int> num_calls(job.choices.size(), 0);
     if (job.chat) {
       for (size_t i = 0; i < job.choices.size(); ++i) {
@@ -409,11 +406,12 @@ struct HttpServer::State {
                                      {"logprobs", nullptr},
                                      {"finish_reason", nullptr}}});
         if (job.include_usage) c["usage"] = nullptr;
-        if (!sse(c)) return;
+        if (!sse(c)) return false;
       }
     }
     bool echoed = job.echo_text.empty();
-    wait_with_heartbeat(job, write, ": keep-alive\n\n", [&](size_t i, const RequestOutput& out) {
+    // Writes the chunk of one output (if it has anything to say); true when it wrote.
+    auto on_output = [&](size_t i, const RequestOutput& out) {
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
       bool has_content = !out.logprobs.empty();
       if (job.chat) {
@@ -450,13 +448,18 @@ struct HttpServer::State {
         choice["finish_reason"] = finish_name(out.finish, num_calls[i] > 0);
         has_content = true;
       }
-      if (!has_content) return;
+      if (!has_content) return false;
       json c = chunk_base(job);
       c["choices"] = json::array({choice});
       if (job.include_usage) c["usage"] = nullptr;
       sse(c);
-    });
-    if (!write.ok) return;
+      return true;
+    };
+    for (const auto& [i, out] : early) {
+      on_output(i, out);
+      if (ex.failed()) return false;
+    }
+    if (!wait_with_heartbeat(job, ex, ": keep-alive\n\n", on_output)) return false;
     if (const auto err = job_error(job)) {
       sse(err->body());
     } else if (job.include_usage) {
@@ -465,16 +468,11 @@ struct HttpServer::State {
       c["usage"] = usage(job);
       sse(c);
     }
-    write("data: [DONE]\n\n");
+    return ex.write("data: [DONE]\n\n");
   }
 
-  void complete_job(Job& job, ResponseWriter& write) {
-    wait_with_heartbeat(job, write, " ", [](size_t, const RequestOutput&) {});
-    if (!write.ok) return;
-    if (const auto err = job_error(job)) {
-      write(dump(err->body()));
-      return;
-    }
+  // The body of a finished, successful non-streaming job.
+  std::string complete_job(Job& job) {
     json choices = json::array();
     for (size_t i = 0; i < job.choices.size(); ++i) {
       const Choice& c = job.choices[i];
@@ -507,7 +505,7 @@ struct HttpServer::State {
         {"id", job.id},           {"object", job.chat ? "chat.completion" : "text_completion"},
         {"created", job.created}, {"model", options.served_model_name},
         {"choices", choices},     {"usage", usage(job)}};
-    write(dump(body));
+    return dump(body);
   }
 
   // The chat template's prompt for `messages`; a template error is the request's 400.
@@ -523,9 +521,9 @@ struct HttpServer::State {
 
   // ---- endpoints ----
 
-  void chat_completions(const httplib::Request& req, httplib::Response& res) {
+  void chat_completions(http::Exchange& ex) {
     check_ready();
-    ChatRequest r = parse_chat_request(req.body);
+    ChatRequest r = parse_chat_request(ex.request().body);
     check_model(r.model);
     const bool use_tools = !r.tools.is_null() && r.tool_choice != "none";
     const std::string prompt = render_chat(r.messages, use_tools ? r.tools : json(nullptr),
@@ -553,12 +551,12 @@ struct HttpServer::State {
     for (size_t i = 0; i < job.choices.size(); ++i) {
       job.parsers.emplace_back(job.parse_reasoning, job.starts_in_reasoning, job.parse_tools);
     }
-    respond(std::move(job), res);
+    respond(std::move(job), ex);
   }
 
-  void completions(const httplib::Request& req, httplib::Response& res) {
+  void completions(http::Exchange& ex) {
     check_ready();
-    CompletionRequest r = parse_completion_request(req.body);
+    CompletionRequest r = parse_completion_request(ex.request().body);
     check_model(r.model);
     std::vector<int32_t> ids;
     std::string prompt_text;
@@ -584,12 +582,12 @@ struct HttpServer::State {
     job.num_prompt_tokens = static_cast<int>(ids.size());
     if (r.echo) job.echo_text = prompt_text;
     submit(job, ids, r.options, max_tokens);
-    respond(std::move(job), res);
+    respond(std::move(job), ex);
   }
 
   // vLLM's /tokenize: the ids (and, on request, the vocabulary strings) of a prompt or of chat
   // messages rendered by the chat template, with the context they would have.
-  void tokenize(const httplib::Request& req, httplib::Response& res) {
+  http::Response tokenize(const http::Request& req) {
     check_ready();
     const TokenizeRequest r = parse_tokenize_request(req.body);
     if (r.model) check_model(*r.model);
@@ -604,26 +602,51 @@ struct HttpServer::State {
       for (int32_t id : ids) strs.push_back(std::string(model.tokenizer->id_to_token(id).value_or("")));
       body["token_strs"] = std::move(strs);
     }
-    res.set_content(dump(body), "application/json");
+    return json_response(200, body);
   }
 
   // vLLM's /detokenize: the text of token ids (special tokens kept, as vLLM does).
-  void detokenize(const httplib::Request& req, httplib::Response& res) {
+  http::Response detokenize(const http::Request& req) {
     check_ready();
     const DetokenizeRequest r = parse_detokenize_request(req.body);
     if (r.model) check_model(*r.model);
     check_token_ids(r.tokens, model.vocab_size, "tokens");
     const std::vector<int32_t> ids(r.tokens.begin(), r.tokens.end());
-    res.set_content(dump({{"prompt", utf8::sanitize(model.tokenizer->decode(ids))}}),
-                    "application/json");
+    return json_response(200, {{"prompt", utf8::sanitize(model.tokenizer->decode(ids))}});
   }
 
-  void models(httplib::Response& res) {
+  http::Response models() {
     check_ready();
     json m = {{"id", options.served_model_name}, {"object", "model"},
               {"created", unix_time()},          {"owned_by", "relay"},
               {"root", options.model_path},      {"max_model_len", model.max_model_len}};
-    res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
+    return json_response(200, {{"object", "list"}, {"data", json::array({m})}});
+  }
+
+  http::Response health() const {
+    const Phase p = phase.load();
+    // A ready server whose engine can run no more steps (a multi-node worker that lost a node, a
+    // router with no worker of a role up) is unhealthy: a load balancer or orchestrator should
+    // route around it and restart it.
+    if (p == Phase::kReady && loop) {
+      if (const std::string why = loop->unusable_reason(); !why.empty()) {
+        return json_response(503, {{"status", "unusable"}, {"reason", why}});
+      }
+    }
+    return json_response(p == Phase::kReady ? 200 : 503,
+                         {{"status", p == Phase::kReady     ? "ok"
+                                     : p == Phase::kLoading ? "loading"
+                                                            : "draining"}});
+  }
+
+  // /v1 routes with --api-key: the key, compared in constant time.
+  std::optional<http::Response> authenticate(const http::Request& req) {
+    if (options.api_key.empty() || !req.path.starts_with("/v1/")) return std::nullopt;
+    if (same_key(req.header("Authorization"), "Bearer " + options.api_key)) return std::nullopt;
+    return error_response(ApiError{401,
+                                   "Incorrect or missing API key (send 'Authorization: Bearer "
+                                   "<key>')",
+                                   "invalid_request_error", "", "invalid_api_key"});
   }
 };
 
@@ -634,104 +657,46 @@ HttpServer::~HttpServer() { stop(); }
 
 void HttpServer::start() {
   State& s = *state_;
-  httplib::Server& svr = s.svr;
-  // NOTE: every streaming response holds a thread while it runs, so the pool covers every request
-  // that may be in flight, plus some for health checks, metrics and rejections.
-  const size_t num_threads = static_cast<size_t>(s.options.max_num_seqs + s.options.max_queue + 16);
-  svr.new_task_queue = [num_threads] { return new httplib::ThreadPool(num_threads); };
-  svr.set_payload_max_length(size_t{64} << 20);
-  // A client keeps its connection for as many requests as it likes (httplib closes after 5 by
-  // default, which makes a load generator reconnect in bursts).
-  svr.set_keep_alive_max_count(100000);
-
-  static thread_local Clock::time_point request_start;
-  svr.set_pre_routing_handler([&s](const httplib::Request& req, httplib::Response& res) {
-    request_start = Clock::now();
-    if (!s.options.api_key.empty() && req.path.rfind("/v1/", 0) == 0 &&
-        req.get_header_value("Authorization") != "Bearer " + s.options.api_key) {
-      s.send_error(
-          res, ApiError{401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                        "invalid_request_error", "", "invalid_api_key"});
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
-  svr.set_logger([](const httplib::Request& req, const httplib::Response& res) {
-    const double secs = std::chrono::duration<double>(Clock::now() - request_start).count();
-    std::fprintf(stderr, "relay: %s \"%s %s\" %d %.3fs\n", req.remote_addr.c_str(),
-                 req.method.c_str(), req.path.c_str(), res.status, secs);
-  });
-  svr.set_error_handler([&s](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty() || res.status != 404) return;
-    s.send_error(res, ApiError{404, str("no route for ", req.method, " ", req.path),
-                               "invalid_request_error", "", "not_found"});
-  });
-  svr.set_exception_handler(
-      [&s](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-        std::string message = "internal error";
-        try {
-          std::rethrow_exception(ep);
-        } catch (const std::exception& e) {
-          message = e.what();
-        } catch (...) {
-        }
-        s.send_error(res, ApiError{500, message, "internal_server_error", "", ""});
-      });
-
-  // Runs a handler, turning ApiError into its JSON answer.
-  auto guarded = [&s](auto handler) {
-    return [&s, handler](const httplib::Request& req, httplib::Response& res) {
+  http::Server& svr = s.svr;
+  svr.set_guard([&s](const http::Request& req) { return s.authenticate(req); });
+  // An ApiError from a handler is its request's answer.
+  auto answer = [&s](auto handler) {
+    return [&s, handler](const http::Request& req) -> http::Response {
       try {
-        handler(req, res);
+        return handler(req);
       } catch (const ApiError& e) {
-        s.send_error(res, e);
+        return s.error_response(e);
       }
     };
   };
-  svr.Get("/health", [&s](const httplib::Request&, httplib::Response& res) {
-    const Phase p = s.phase.load();
-    // A ready server whose engine can run no more steps (a multi-node worker that lost a node) is
-    // unhealthy: a load balancer or orchestrator should route around it and restart it.
-    if (p == Phase::kReady && s.loop) {
-      if (const std::string why = s.loop->unusable_reason(); !why.empty()) {
-        res.status = 503;
-        res.set_content(dump(json{{"status", "unusable"}, {"reason", why}}), "application/json");
-        return;
+  auto answer_stream = [&s](auto handler) {
+    return [&s, handler](http::Exchange& ex) {
+      try {
+        handler(ex);
+      } catch (const ApiError& e) {
+        if (!ex.responded()) ex.respond(s.error_response(e));
       }
-    }
-    res.status = p == Phase::kReady ? 200 : 503;
-    res.set_content(p == Phase::kReady     ? "{\"status\":\"ok\"}"
-                    : p == Phase::kLoading ? "{\"status\":\"loading\"}"
-                                           : "{\"status\":\"draining\"}",
-                    "application/json");
+    };
+  };
+  // Cheap routes answer on the event loop, so they answer under any load.
+  svr.route_inline("GET", "/health", [&s](const http::Request&) { return s.health(); });
+  svr.route_inline("GET", "/metrics", [&s](const http::Request&) {
+    return http::Response{200, "text/plain; version=0.0.4", s.metrics.render(), {}};
   });
-  svr.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {
-    res.set_content(s.metrics.render(), "text/plain; version=0.0.4");
+  svr.route_inline("GET", "/version", [](const http::Request&) {
+    return json_response(200, {{"version", RELAY_VERSION}});
   });
-  svr.Get("/version", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content(dump(json{{"version", RELAY_VERSION}}), "application/json");
-  });
-  svr.Post("/tokenize", guarded([&s](const httplib::Request& req, httplib::Response& res) {
-             s.tokenize(req, res);
-           }));
-  svr.Post("/detokenize", guarded([&s](const httplib::Request& req, httplib::Response& res) {
-             s.detokenize(req, res);
-           }));
-  svr.Get("/v1/models",
-          guarded([&s](const httplib::Request&, httplib::Response& res) { s.models(res); }));
-  svr.Post("/v1/chat/completions",
-           guarded([&s](const httplib::Request& req, httplib::Response& res) {
-             s.chat_completions(req, res);
-           }));
-  svr.Post("/v1/completions", guarded([&s](const httplib::Request& req, httplib::Response& res) {
-             s.completions(req, res);
-           }));
-
-  port_ = s.options.port == 0 ? svr.bind_to_any_port(s.options.host) : s.options.port;
-  if (s.options.port != 0 && !svr.bind_to_port(s.options.host, s.options.port)) port_ = -1;
-  RELAY_CHECK(port_ > 0, "cannot listen on ", s.options.host, ":", s.options.port);
-  raise_listen_backlog(port_);
-  listen_thread_ = std::thread([&svr] { svr.listen_after_bind(); });
+  svr.route_inline("GET", "/v1/models", answer([&s](const http::Request&) { return s.models(); }));
+  svr.route_blocking("POST", "/tokenize",
+                     answer([&s](const http::Request& req) { return s.tokenize(req); }));
+  svr.route_blocking("POST", "/detokenize",
+                     answer([&s](const http::Request& req) { return s.detokenize(req); }));
+  svr.route("POST", "/v1/chat/completions",
+            answer_stream([&s](http::Exchange& ex) { s.chat_completions(ex); }));
+  svr.route("POST", "/v1/completions",
+            answer_stream([&s](http::Exchange& ex) { s.completions(ex); }));
+  svr.start();
+  port_ = svr.port();
 }
 
 void HttpServer::attach(LLMEngine& engine, chat::ChatTemplate chat_template) {
@@ -750,7 +715,7 @@ void HttpServer::attach(const ServedModel& model, RequestSink& sink,
   s.phase = Phase::kReady;
 }
 
-void HttpServer::add_routes(const std::function<void(httplib::Server&)>& add) { add(state_->svr); }
+void HttpServer::add_routes(const std::function<void(http::Server&)>& add) { add(state_->svr); }
 
 Metrics& HttpServer::metrics() { return state_->metrics; }
 
@@ -773,9 +738,9 @@ bool HttpServer::drain(double timeout_s) {
 
 void HttpServer::stop() {
   if (!state_) return;
-  state_->svr.stop();
-  if (listen_thread_.joinable()) listen_thread_.join();
+  // The requests first: their handlers then return, and the HTTP server's workers can be joined.
   if (state_->loop) state_->loop->stop();
+  state_->svr.stop();
 }
 
 }  // namespace relay::server

@@ -2,26 +2,29 @@
 //
 // Life cycle: start() binds and answers at once (/health is 503 and /v1 routes are 503 while the
 // model loads), attach() hands over the loaded engine, drain() stops taking new requests (503) and
-// waits for the running ones, stop() closes the listener. Each request is validated completely
-// (openai_protocol.h) before it reaches the engine; the engine thread (engine_loop.h) runs the
-// steps and the HTTP thread of each request only formats its outputs. Every generation response,
-// streamed or not, is written through a chunked provider that also sends a heartbeat (an SSE
-// comment, or JSON-insignificant whitespace) while the request waits, so a client that went away is
-// noticed by a failed write and its request is aborted, freeing its KV blocks.
+// waits for the running ones, stop() fails what is left and closes the listener. Each request is
+// validated completely (openai_protocol.h) before it reaches the engine; the engine thread
+// (engine_loop.h) runs the steps and the worker thread of each request only formats its outputs.
+// The transport is http/server.h: /health, /metrics, /version and /v1/models answer on its event
+// loop, so they answer under any load; generation runs on its workers. A non-streaming response is
+// written once the request is done, so a failure carries its HTTP status (500, or 503 for no
+// capacity and shutdown); a stream starts with its first output and sends an SSE comment as a
+// heartbeat while it waits. A client that goes away (found by http::Exchange::client_connected, or
+// a failed write) has its request aborted, freeing its KV blocks; one that only half-closes keeps
+// it.
 #pragma once
 
 #include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "chat/chat_template.h"
 #include "engine/llm_engine.h"
 #include "server/engine_loop.h"
 #include "server/metrics.h"
 
-namespace httplib {
+namespace relay::http {
 class Server;
 }
 
@@ -42,6 +45,11 @@ struct ServerOptions {
   std::string model_path;         // also accepted as the model name
   int max_queue = 256;            // requests waiting beyond max_num_seqs before 429
   int max_num_seqs = 64;
+  // The transport's limits (http/server.h): open connections, and how long a client may take to
+  // start and send a request head.
+  int max_connections = 4096;
+  double request_head_timeout_s = 10.0;
+  double keep_alive_timeout_s = 60.0;
 };
 
 class HttpServer {
@@ -59,7 +67,7 @@ class HttpServer {
   // tokenized and checked here with `model` (which, like the sink, must outlive the server).
   void attach(const ServedModel& model, RequestSink& sink, chat::ChatTemplate chat_template);
   // Extra routes (a worker's internal API) on the same listener; call before start().
-  void add_routes(const std::function<void(httplib::Server&)>& add);
+  void add_routes(const std::function<void(http::Server&)>& add);
   Metrics& metrics();
   // Refuses new requests (503) and waits until running ones finish or `timeout_s` passes; then
   // fails what is left. Returns whether everything finished in time.
@@ -70,7 +78,6 @@ class HttpServer {
   struct State;
   std::unique_ptr<State> state_;
   int port_ = 0;
-  std::thread listen_thread_;
 };
 
 }  // namespace relay::server

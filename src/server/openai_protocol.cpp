@@ -103,6 +103,12 @@ class Fields {
   std::set<std::string> seen_;
 };
 
+// An object's "type" member when it is a string, else "" (nlohmann's value() throws on a mismatch).
+std::string type_of(const json& obj) {
+  const auto it = obj.find("type");
+  return it != obj.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
 json parse_object(std::string_view body) {
   json j;
   try {
@@ -199,7 +205,7 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
     throw bad_param("logit_bias", "'logit_bias' is not supported");
   }
   if (const json* v = f.get("response_format")) {
-    if (!v->is_object() || v->value("type", "") != "text") {
+    if (!v->is_object() || type_of(*v) != "text") {
       throw bad_param("response_format",
                       "only 'response_format' {\"type\": \"text\"} is supported");
     }
@@ -216,7 +222,7 @@ json normalize_content(const json& content, size_t index) {
     throw bad_param(param, str("'", param, "' must be a string or a list of parts"));
   std::string text;
   for (const json& part : content) {
-    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+    if (!part.is_object() || type_of(part) != "text" || !part.contains("text") ||
         !part["text"].is_string()) {
       throw bad_param(param,
                       str("'", param, "' parts must be {\"type\": \"text\", \"text\": ...}"));
@@ -283,7 +289,7 @@ json validate_tools(const json* tools) {
   for (size_t i = 0; i < tools->size(); ++i) {
     const json& t = (*tools)[i];
     const std::string where = str("tools[", i, "]");
-    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
+    if (!t.is_object() || type_of(t) != "function" || !t.contains("function") ||
         !t["function"].is_object() || !t["function"].contains("name") ||
         !t["function"]["name"].is_string()) {
       throw bad_param(
@@ -319,7 +325,7 @@ ChatRequest parse_chat_request(std::string_view body) {
       if (r.tool_choice != "auto" && r.tool_choice != "none" && r.tool_choice != "required") {
         throw bad_param("tool_choice", "'tool_choice' must be auto, none, required or a function");
       }
-    } else if (v->is_object() && v->value("type", "") == "function") {
+    } else if (v->is_object() && type_of(*v) == "function") {
       r.tool_choice = "required";
     } else {
       throw bad_param("tool_choice", "'tool_choice' must be auto, none, required or a function");

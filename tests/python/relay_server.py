@@ -34,14 +34,15 @@ class RelayServer:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.base = f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout=120):
-        """Polls /health; returns every status seen before it answered 200."""
+    def wait_ready(self, timeout=120, path="/health"):
+        """Polls /health; returns every status seen before it answered 200. A router answers 503 there
+        until its workers are up: wait for it on path="/version" (200 once it listens)."""
         seen = []
         deadline = time.time() + timeout
         while time.time() < deadline:
             assert self.proc.poll() is None, f"relay serve exited early:\n{self.log_text()}"
             try:
-                r = requests.get(self.base + "/health", timeout=2)
+                r = requests.get(self.base + path, timeout=2)
                 seen.append(r.status_code)
                 if r.status_code == 200:
                     return seen

@@ -45,10 +45,18 @@ class Deployment:
     def __init__(self, relay_bin, prefill_args=(), decode_args=(), router_args=()):
         self.relay_bin = relay_bin
         self.router = RelayServer(relay_bin, "--role", "router", "--heartbeat-interval", 0.2, *router_args)
-        self.router.wait_ready()
+        self.router.wait_ready(path="/version")
+        # No worker yet: the router is unhealthy and says why, and a request fails at once with 503.
+        health = requests.get(self.router.base + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["reason"] == "no prefill or decode worker is up"
+        start = time.time()
+        r = requests.post(self.router.base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+        assert r.status_code == 503 and time.time() - start < 2, (r.status_code, r.text)
+        assert r.json()["error"]["type"] == "service_unavailable"
         self.prefill = self.worker("prefill", *prefill_args)
         self.decode = self.worker("decode", *decode_args)
         wait_workers(self.router, 2)
+        assert requests.get(self.router.base + "/health", timeout=5).status_code == 200
 
     def worker(self, role, *args, port=None):
         w = RelayServer(self.relay_bin, "--role", role, "--router", f"127.0.0.1:{self.router.port}",
@@ -156,20 +164,33 @@ def test_decode_worker_dies_mid_stream_then_rejoins(relay_bin, colocated):
         stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2000, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
-        d.decode.proc.send_signal(signal.SIGKILL)
-        d.decode.proc.wait()
-        with pytest.raises(Exception):
-            for _ in stream:
-                pass
-        # The router marks it down; with no decode worker a new request is refused, not hung.
+        with cf.ThreadPoolExecutor(1) as pool:
+            # A non-streaming request in flight too: it must fail with an error status, not 200.
+            pending = pool.submit(requests.post, d.router.base + "/v1/completions", timeout=60,
+                                  json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2000, "ignore_eos": True})
+            time.sleep(1.0)
+            d.decode.proc.send_signal(signal.SIGKILL)
+            d.decode.proc.wait()
+            with pytest.raises(Exception):
+                for _ in stream:
+                    pass
+            failed = pending.result()
+        assert failed.status_code == 502, failed.text
+        assert "decode worker" in failed.json()["error"]["message"]
+        # The router marks it down; with no decode worker a new request is refused at once, and
+        # the router's /health says why.
         deadline = time.time() + 10
         while any(w["up"] for w in workers(d.router) if w["role"] == "decode") and time.time() < deadline:
             time.sleep(0.1)
         assert not any(w["up"] for w in workers(d.router) if w["role"] == "decode")
+        start = time.time()
         r = requests.post(d.router.base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4},
                           timeout=30)
+        assert r.status_code == 503 and time.time() - start < 2, r.text
         err = r.json()["error"]
         assert err["type"] == "service_unavailable" and "decode" in err["message"], r.text
+        health = requests.get(d.router.base + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["reason"] == "no decode worker is up"
         # The same worker comes back on the same address and is used again.
         port = d.decode.port
         d.decode = d.worker("decode", port=port)
@@ -204,7 +225,7 @@ def test_kv_handoff_past_its_deadline_fails_cleanly(relay_bin):
     try:
         r = requests.post(d.router.base + "/v1/completions",
                           json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 4}, timeout=60)
-        # (The response had started, with heartbeat whitespace, so the status is 200 and the body the error.)
+        assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["type"] == "service_unavailable" and "deadline" in err["message"], r.text
         for w in (d.prefill, d.decode):
