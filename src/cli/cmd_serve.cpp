@@ -16,6 +16,7 @@
 #include "cli/backend_choice.h"
 #include "cli/command.h"
 #include "core/error.h"
+#include "disagg/auth.h"
 #include "disagg/registry.h"
 #include "disagg/router.h"
 #include "disagg/worker.h"
@@ -55,7 +56,28 @@ struct ServeOptions {
   double prefill_capacity = 0.0;      // router: prompt tokens/s per prefill worker (0: measured)
   int decode_target_batch = 32;       // router: sequences per decode worker before scaling out
   double worker_wait_s = 30.0;        // router: how long a request waits for a worker with room
+  std::string disagg_secret_file;     // the control plane's shared secret (disagg/auth.h)
+  bool insecure_control_plane = false;
 };
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+// The control plane's authentication for a disaggregated role: the shared secret's signatures, or
+// nothing where that is allowed (a loopback listener, or --insecure-control-plane said so).
+std::shared_ptr<disagg::ControlPlaneAuth> control_plane_auth(const ServeOptions& o) {
+  if (!o.disagg_secret_file.empty()) {
+    return disagg::ControlPlaneAuth::from_file(o.disagg_secret_file);
+  }
+  RELAY_CHECK(is_loopback(o.host) || o.insecure_control_plane, "--role ", o.role, " on --host ",
+              o.host, ": the control plane would accept anyone who reaches this port (a fake ",
+              "worker would receive users' prompts); give every process of the deployment the ",
+              "same --disagg-secret-file (e.g. from `openssl rand -hex 32`), or pass ",
+              "--insecure-control-plane on a network only the deployment can reach");
+  std::fprintf(stderr, "relay: the control plane is not authenticated (no --disagg-secret-file)\n");
+  return nullptr;
+}
 
 // Blocks SIGTERM/SIGINT in every thread (taken by sigwait) and ignores SIGPIPE.
 sigset_t block_shutdown_signals() {
@@ -115,6 +137,8 @@ int run_router(const ServeOptions& o) {
   server::HttpServer http(server_options(o));
   disagg::RouterOptions router_options;
   router_options.wait_for_workers_s = o.worker_wait_s;
+  router_options.auth = control_plane_auth(o);
+  router_options.api_key = o.api_key;
   disagg::DisaggRouter router(router_options, registry, http.metrics());
   http.add_routes([&](http::Server& s) { router.add_routes(s); });
   http.start();
@@ -149,9 +173,11 @@ int run_serve(const ServeOptions& o) {
   server::HttpServer http(so);
   const bool is_worker = o.role != "all";
   std::atomic<disagg::DisaggWorker*> worker{nullptr};
+  std::shared_ptr<disagg::ControlPlaneAuth> auth;
   if (is_worker) {
+    auth = control_plane_auth(o);
     http.add_routes([&](http::Server& s) {
-      disagg::add_worker_routes(s, o.role, [&] { return worker.load(); });
+      disagg::add_worker_routes(s, o.role, [&] { return worker.load(); }, auth);
     });
   }
   http.start();
@@ -195,6 +221,7 @@ int run_serve(const ServeOptions& o) {
   wo.transfer_timeout_s = o.kv_transfer_timeout_s;
   wo.ucx_transports = o.ucx_transports;
   wo.kv_transport = o.kv_transport;
+  wo.auth = auth;
   disagg::DisaggWorker w(wo, engine, loop);
   worker = &w;
   w.start();
@@ -278,6 +305,13 @@ CommandRegistrar serve_command({
              "--worker-wait", o->worker_wait_s,
              "router: seconds a request waits for a worker with room before 503 (default 30)")
           ->check(CLI::NonNegativeNumber);
+      sub.add_option("--disagg-secret-file", o->disagg_secret_file,
+                     "router/prefill/decode: a file holding the control plane's shared secret (16+ "
+                     "bytes); every control message is signed with it and unsigned ones refused")
+          ->check(CLI::ExistingFile);
+      sub.add_flag("--insecure-control-plane", o->insecure_control_plane,
+                   "router/prefill/decode: run without --disagg-secret-file on a non-loopback "
+                   "--host (only on a network nothing else can reach)");
       sub.add_option(
              "--decode-target-batch", o->decode_target_batch,
              "router: sequences per decode worker before decode_replicas_needed grows (default 32)")

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "disagg/auth.h"
 #include "disagg/protocol.h"
 #include "http/server.h"
 
@@ -28,6 +29,20 @@ std::unique_ptr<httplib::Client> client(const std::string& url,
   c->set_read_timeout(read_timeout);
   c->set_write_timeout(std::chrono::seconds(10));
   return c;
+}
+
+// A control message's headers: its signature when the control plane is authenticated.
+httplib::Headers signed_headers(ControlPlaneAuth* auth, const std::string& path,
+                                const std::string& body) {
+  httplib::Headers headers;
+  if (auth != nullptr) {
+    for (auto& [name, value] : auth->sign("POST", path, body)) headers.emplace(name, value);
+  }
+  return headers;
+}
+
+http::Response refused(const std::string& why) {
+  return http::Response{401, "application/json", json{{"error", "refused: " + why}}.dump(), {}};
 }
 
 std::string error_of(const httplib::Result& r) {
@@ -83,6 +98,9 @@ DisaggRouter::~DisaggRouter() {
 void DisaggRouter::add_routes(http::Server& svr) {
   // Both answer on the event loop: a heartbeat is a few fields into the registry.
   svr.route_inline("POST", "/disagg/heartbeat", [this](const http::Request& req) {
+    if (options_.auth) {
+      if (auto why = options_.auth->verify(req)) return refused(*why);
+    }
     try {
       const json j = parse_json(req.body, "a heartbeat");
       WorkerLoad load;
@@ -104,7 +122,14 @@ void DisaggRouter::add_routes(http::Server& svr) {
       return http::Response{400, "application/json", json{{"error", e.what()}}.dump(), {}};
     }
   });
-  svr.route_inline("GET", "/disagg/workers", [this](const http::Request&) {
+  svr.route_inline("GET", "/disagg/workers", [this](const http::Request& req) {
+    if (options_.auth || !options_.api_key.empty()) {
+      const bool key = !options_.api_key.empty() &&
+                       http::same_secret(req.header("Authorization"), "Bearer " + options_.api_key);
+      std::optional<std::string> why = "an API key or a signature is required";
+      if (!key && options_.auth) why = options_.auth->verify(req);
+      if (!key && why) return refused(*why);
+    }
     json out = json::array();
     for (const WorkerState& w : registry_.workers(Clock::now())) {
       out.push_back({{"url", w.url},
@@ -121,6 +146,14 @@ void DisaggRouter::add_routes(http::Server& svr) {
     }
     return http::Response{200, "application/json", out.dump(), {}};
   });
+}
+
+httplib::Result DisaggRouter::post(const std::string& url, const std::string& path,
+                                   const std::string& body,
+                                   std::chrono::milliseconds read_timeout) {
+  return client(url, read_timeout)
+      ->Post(path.c_str(), signed_headers(options_.auth.get(), path, body), body,
+             "application/json");
 }
 
 std::shared_ptr<server::RequestHandle> DisaggRouter::submit(EngineRequest request) {
@@ -230,9 +263,8 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       wait_a_little();
       continue;
     }
-    auto r =
-        client(*d, std::chrono::seconds(30))
-            ->Post("/disagg/reserve", json{{"prompt", request.prompt}}.dump(), "application/json");
+    auto r = post(*d, "/disagg/reserve", json{{"prompt", request.prompt}}.dump(),
+                  std::chrono::seconds(30));
     if (!r) {
       registry_.mark_down(*d);
       continue;
@@ -252,8 +284,8 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
   if (live.aborted) {
     // Not started anywhere yet: the request just ends.
     if (!decode_url.empty()) {
-      client(decode_url, std::chrono::seconds(5))
-          ->Post("/disagg/release", json{{"id", reservation.at("id")}}.dump(), "application/json");
+      post(decode_url, "/disagg/release", json{{"id", reservation.at("id")}}.dump(),
+           std::chrono::seconds(5));
     }
     finish_aborted(live);
     return "";
@@ -261,8 +293,8 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
   registry_.assigned(decode_url, n);
   const int64_t reservation_id = reservation.at("id").get<int64_t>();
   auto release = [&] {
-    client(decode_url, std::chrono::seconds(5))
-        ->Post("/disagg/release", json{{"id", reservation_id}}.dump(), "application/json");
+    post(decode_url, "/disagg/release", json{{"id", reservation_id}}.dump(),
+         std::chrono::seconds(5));
   };
 
   // 2. The prompt on a prefill worker, its KV written into the reservation. (Prefill workers
@@ -282,8 +314,7 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       {"request", request_to_json(request)},
       {"kv", reservation.at("kv")},
       {"timeout_ms", static_cast<int64_t>(options_.prefill_timeout_s * 1000)}};
-  auto pr = client(*p, ms(options_.prefill_timeout_s + 5))
-                ->Post("/disagg/prefill", prefill_msg.dump(), "application/json");
+  auto pr = post(*p, "/disagg/prefill", prefill_msg.dump(), ms(options_.prefill_timeout_s + 5));
   if (!pr || pr->status == 502 || pr->status == 504) {
     // The prefill worker is gone, or the hand-off failed: send the prompt again, elsewhere.
     if (!pr) registry_.mark_down(*p);
@@ -305,6 +336,8 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
   req.body =
       json{{"id", reservation_id}, {"request", request_to_json(request)}, {"first", first}}.dump();
   req.set_header("Content-Type", "application/json");
+  for (auto& [name, value] : signed_headers(options_.auth.get(), req.path, req.body))
+    req.set_header(name.c_str(), value.c_str());
   std::string buffer, stream_error;
   bool finished = false;
   req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {

@@ -31,14 +31,23 @@
 namespace relay::http {
 class Server;
 }
+namespace httplib {
+class Result;
+}
 
 namespace relay::disagg {
+
+class ControlPlaneAuth;
 
 struct RouterOptions {
   double wait_for_workers_s = 30.0;  // how long a request waits for a worker with room (then 503)
   double prefill_timeout_s = 60.0;   // prompt computed and KV landed
   double stream_timeout_s = 30.0;    // silence on a decode stream (it beats every 0.5 s)
   int max_attempts = 3;              // prefill attempts per request
+  // The shared secret's signatures (disagg/auth.h): heartbeats must carry one and calls to workers
+  // are signed. Null: an unauthenticated control plane (loopback deployments, tests).
+  std::shared_ptr<ControlPlaneAuth> auth;
+  std::string api_key;  // --api-key: also lets a person read /disagg/workers
 };
 
 class DisaggRouter : public server::RequestSink {
@@ -46,7 +55,8 @@ class DisaggRouter : public server::RequestSink {
   DisaggRouter(RouterOptions options, WorkerRegistry& registry, server::Metrics& metrics);
   ~DisaggRouter() override;
 
-  // POST /disagg/heartbeat (workers), GET /disagg/workers (for people and tests).
+  // POST /disagg/heartbeat (workers, signed), GET /disagg/workers (for people and tests: signed,
+  // or with the API key, when either is configured).
   void add_routes(http::Server& server);
 
   std::shared_ptr<server::RequestHandle> submit(EngineRequest request) override;
@@ -66,6 +76,9 @@ class DisaggRouter : public server::RequestSink {
   void finish_failed(Live& live, const std::string& message, int http_status);
   void finish_aborted(Live& live);
   void publish_gauges();
+  // POSTs a control message to a worker (signed when the control plane is authenticated).
+  httplib::Result post(const std::string& url, const std::string& path, const std::string& body,
+                       std::chrono::milliseconds read_timeout);
 
   RouterOptions options_;
   WorkerRegistry& registry_;

@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <random>
 
 #include "core/error.h"
 #include "core/json.h"
+#include "disagg/auth.h"
 #include "disagg/protocol.h"
 #include "http/server.h"
 #include "transfer/kv_pool.h"
@@ -303,10 +305,19 @@ void DisaggWorker::generate(http::Exchange& ex) {
 }
 
 void add_worker_routes(http::Server& svr, const std::string& role,
-                       std::function<DisaggWorker*()> worker) {
+                       std::function<DisaggWorker*()> worker,
+                       std::shared_ptr<ControlPlaneAuth> auth) {
+  // Only the router's signed messages are obeyed (when the control plane is authenticated).
+  auto refusal = [auth](const http::Request& req) -> std::optional<http::Response> {
+    if (!auth) return std::nullopt;
+    const std::optional<std::string> why = auth->verify(req);
+    if (!why) return std::nullopt;
+    return http::Response{401, "application/json", error_json("refused: " + *why), {}};
+  };
   // Runs a control message: 503 while loading, 400 for a malformed one, 500 for an engine failure.
-  auto guarded = [worker](auto fn) {
-    return [worker, fn](const http::Request& req) {
+  auto guarded = [worker, refusal](auto fn) {
+    return [worker, refusal, fn](const http::Request& req) {
+      if (auto no = refusal(req)) return *no;
       std::string reply = "{}";
       int status = 200;
       DisaggWorker* w = worker();
@@ -340,8 +351,10 @@ void add_worker_routes(http::Server& svr, const std::string& role,
         "POST", "/disagg/release",
         guarded([](DisaggWorker& w, Req q, std::string&, int&) { w.release(q.body); }));
     // Streams, so it writes its own response.
-    svr.route("POST", "/disagg/generate", [worker](http::Exchange& ex) {
-      if (DisaggWorker* w = worker()) {
+    svr.route("POST", "/disagg/generate", [worker, refusal](http::Exchange& ex) {
+      if (auto no = refusal(ex.request())) {
+        ex.respond(*no);
+      } else if (DisaggWorker* w = worker()) {
         w->generate(ex);
       } else {
         ex.respond(http::Response{503, "application/json",
@@ -367,6 +380,7 @@ void DisaggWorker::heartbeat_loop() {
   }
   const auto interval = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(options_.heartbeat_interval_s));
+  bool refused_logged = false;
   for (;;) {
     // Expired reservations go back to the pool.
     std::vector<int64_t> expired;
@@ -402,7 +416,20 @@ void DisaggWorker::heartbeat_loop() {
                  {"queued_prompt_tokens", queued_prompt_tokens_.load()},
                  {"prefill_tokens_total", prefill_tokens_done_.load()}});
     // NOTE: a router that is down or restarting just misses beats; the next one re-registers.
-    router->Post("/disagg/heartbeat", beat.dump(), "application/json");
+    const std::string body = beat.dump();
+    httplib::Headers headers;
+    if (options_.auth) {
+      for (auto& [name, value] : options_.auth->sign("POST", "/disagg/heartbeat", body))
+        headers.emplace(name, value);
+    }
+    const auto r = router->Post("/disagg/heartbeat", headers, body, "application/json");
+    if (r && r->status == 401 && !refused_logged) {
+      // Once: a worker the router refuses keeps beating (the router may be restarted with the
+      // right secret), but one line says why it never shows up.
+      std::fprintf(stderr, "relay: the router refused this worker's heartbeat: %s\n",
+                   r->body.c_str());
+      refused_logged = true;
+    }
   }
 }
 

@@ -46,6 +46,8 @@ class Exchange;
 
 namespace relay::disagg {
 
+class ControlPlaneAuth;
+
 struct WorkerOptions {
   std::string role;    // "prefill" or "decode"
   std::string router;  // the router's "host:port"; empty: no heartbeats
@@ -57,6 +59,8 @@ struct WorkerOptions {
   std::string ucx_transports;           // UCX_TLS-style transport list; empty: UCX chooses
   std::string kv_transport =
       "auto";  // "auto" (ucx for host pools, cuda_ipc for device), "ucx", "cuda_ipc"
+  // Signs the heartbeats (disagg/auth.h); null: an unauthenticated control plane.
+  std::shared_ptr<ControlPlaneAuth> auth;
 };
 
 class DisaggWorker {
@@ -106,8 +110,10 @@ class DisaggWorker {
 };
 
 // Adds the role's routes to `server` (before it starts listening); until `worker()` returns a
-// worker (the model is still loading) they answer 503.
+// worker (the model is still loading) they answer 503. With `auth`, a message without the
+// router's valid signature gets 401 and does nothing.
 void add_worker_routes(http::Server& server, const std::string& role,
-                       std::function<DisaggWorker*()> worker);
+                       std::function<DisaggWorker*()> worker,
+                       std::shared_ptr<ControlPlaneAuth> auth);
 
 }  // namespace relay::disagg

@@ -9,6 +9,7 @@
 #include "http/server.h"
 
 #include <netinet/in.h>
+#include <openssl/crypto.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/resource.h>
@@ -110,6 +111,11 @@ bool send_all(int fd, std::initializer_list<std::string_view> parts,
 }
 
 }  // namespace
+
+bool same_secret(std::string_view given, std::string_view expected) {
+  return given.size() == expected.size() &&
+         CRYPTO_memcmp(given.data(), expected.data(), expected.size()) == 0;
+}
 
 std::string Request::header(std::string_view name) const {
   for (const auto& [n, v] : headers) {

@@ -112,6 +112,10 @@ class Exchange {
   bool probed_ = false;
 };
 
+// Whether a secret a client sent (an API key) equals the expected one, compared in constant time so
+// its bytes cannot be found one at a time by timing answers.
+bool same_secret(std::string_view given, std::string_view expected);
+
 using Handler = std::function<Response(const Request&)>;
 using WorkerHandler = std::function<void(Exchange&)>;
 // Runs before routing on the event loop: returns a response to answer with instead of the route's

@@ -1,8 +1,6 @@
 // Routes and response formatting of the OpenAI-compatible server (see http_server.h).
 #include "server/http_server.h"
 
-#include <openssl/crypto.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -86,12 +84,6 @@ ApiError transport_error(int status, const std::string& message) {
                      : status == 431 ? "request_header_fields_too_large"
                                      : "";
   return ApiError{status, message, type, "", code};
-}
-
-// Compares an API key in constant time, so its bytes cannot be found one at a time by timing.
-bool same_key(std::string_view given, std::string_view expected) {
-  return given.size() == expected.size() &&
-         CRYPTO_memcmp(given.data(), expected.data(), expected.size()) == 0;
 }
 
 http::Response json_response(int status, const json& body) {
@@ -642,7 +634,9 @@ struct HttpServer::State {
   // /v1 routes with --api-key: the key, compared in constant time.
   std::optional<http::Response> authenticate(const http::Request& req) {
     if (options.api_key.empty() || !req.path.starts_with("/v1/")) return std::nullopt;
-    if (same_key(req.header("Authorization"), "Bearer " + options.api_key)) return std::nullopt;
+    if (http::same_secret(req.header("Authorization"), "Bearer " + options.api_key)) {
+      return std::nullopt;
+    }
     return error_response(ApiError{401,
                                    "Incorrect or missing API key (send 'Authorization: Bearer "
                                    "<key>')",

@@ -5,8 +5,13 @@ only its requests and is marked down, and is used again once it re-joins; a KV h
 its deadline fails that request cleanly and frees the blocks on both sides; the router exports the
 autoscaling signals."""
 import concurrent.futures as cf
+import hashlib
+import hmac
+import json
 import re
+import secrets
 import signal
+import subprocess
 import time
 
 import httpx
@@ -28,7 +33,8 @@ def complete(client, prompt, max_tokens=20, stream=False):
 
 
 def workers(router):
-    return requests.get(router.base + "/disagg/workers", timeout=5).json()
+    headers = {"Authorization": f"Bearer {router.api_key}"} if router.api_key else {}
+    return requests.get(router.base + "/disagg/workers", headers=headers, timeout=5).json()
 
 
 def wait_workers(router, expected_up, timeout=60):
@@ -42,15 +48,18 @@ def wait_workers(router, expected_up, timeout=60):
 
 
 class Deployment:
-    def __init__(self, relay_bin, prefill_args=(), decode_args=(), router_args=()):
+    def __init__(self, relay_bin, prefill_args=(), decode_args=(), router_args=(), secret_file=None, api_key=None):
         self.relay_bin = relay_bin
-        self.router = RelayServer(relay_bin, "--role", "router", "--heartbeat-interval", 0.2, *router_args)
+        self.secret_args = ("--disagg-secret-file", secret_file) if secret_file else ()
+        self.router = RelayServer(relay_bin, "--role", "router", "--heartbeat-interval", 0.2, *self.secret_args,
+                                  *router_args, api_key=api_key)
         self.router.wait_ready(path="/version")
         # No worker yet: the router is unhealthy and says why, and a request fails at once with 503.
         health = requests.get(self.router.base + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["reason"] == "no prefill or decode worker is up"
         start = time.time()
-        r = requests.post(self.router.base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+        r = requests.post(self.router.base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30,
+                          headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         assert r.status_code == 503 and time.time() - start < 2, (r.status_code, r.text)
         assert r.json()["error"]["type"] == "service_unavailable"
         self.prefill = self.worker("prefill", *prefill_args)
@@ -60,7 +69,7 @@ class Deployment:
 
     def worker(self, role, *args, port=None):
         w = RelayServer(self.relay_bin, "--role", role, "--router", f"127.0.0.1:{self.router.port}",
-                        "--heartbeat-interval", 0.2, *args, port=port)
+                        "--heartbeat-interval", 0.2, *self.secret_args, *args, port=port)
         w.wait_ready()
         return w
 
@@ -232,3 +241,71 @@ def test_kv_handoff_past_its_deadline_fails_cleanly(relay_bin):
             assert w.wait_idle()["relay:kv_cache_usage_perc{model_name=\"relay-demo-moe\"}"] == 0
     finally:
         d.stop()
+
+
+def signed(secret, method, path, body, timestamp=None, nonce=None):
+    """The control plane's signature headers (disagg/auth.h), computed independently of Relay."""
+    timestamp = str(int(time.time()) if timestamp is None else timestamp)
+    nonce = nonce or secrets.token_hex(16)
+    message = "\n".join([method, path, timestamp, nonce, hashlib.sha256(body).hexdigest()]).encode()
+    signature = hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return {"X-Relay-Timestamp": timestamp, "X-Relay-Nonce": nonce, "X-Relay-Signature": signature}
+
+
+def test_authenticated_control_plane(relay_bin, colocated, tmp_path):
+    secret = secrets.token_hex(32).encode()
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(secret + b"\n")
+    d = Deployment(relay_bin, secret_file=secret_file, api_key="sk-test")
+    try:
+        # The deployment works as before, its messages signed.
+        client = d.router.client()
+        assert complete(client, PROMPTS[0]) == colocated[PROMPTS[0]]
+        router, decode = d.router.base, d.decode.base
+        beat = json.dumps({"url": "http://127.0.0.1:9", "role": "decode", "num_running": 0, "num_waiting": 0,
+                           "kv_cache_usage": 0, "queued_prompt_tokens": 0, "prefill_tokens_total": 0,
+                           "max_num_seqs": 64, "num_kv_blocks": 1000, "block_size": 16, "layout": "tp=1",
+                           "kv_transport": "ucx"}).encode()
+        # A fake decode worker's heartbeat: unsigned, signed with another secret, or replayed.
+        r = requests.post(router + "/disagg/heartbeat", data=beat, timeout=5)
+        assert r.status_code == 401 and "unsigned" in r.json()["error"]
+        r = requests.post(router + "/disagg/heartbeat", data=beat, timeout=5,
+                          headers=signed(b"another secret of 32 bytes......", "POST", "/disagg/heartbeat", beat))
+        assert r.status_code == 401 and "wrong signature" in r.json()["error"]
+        old = signed(secret, "POST", "/disagg/heartbeat", beat, timestamp=int(time.time()) - 600)
+        r = requests.post(router + "/disagg/heartbeat", data=beat, timeout=5, headers=old)
+        assert r.status_code == 401 and "window" in r.json()["error"]
+        assert sorted(w["url"] for w in workers(d.router)) == sorted([d.prefill.base, d.decode.base])
+        # /disagg/workers needs the API key (or a signature).
+        assert requests.get(router + "/disagg/workers", timeout=5).status_code == 401
+        # A worker obeys only signed messages: no reservation for a stranger, nor a replayed one.
+        body = json.dumps({"prompt": [1, 2, 3]}).encode()
+        r = requests.post(decode + "/disagg/reserve", data=body, timeout=5)
+        assert r.status_code == 401
+        headers = signed(secret, "POST", "/disagg/reserve", body)
+        r = requests.post(decode + "/disagg/reserve", data=body, timeout=5, headers=headers)
+        assert r.status_code == 200, r.text
+        release = json.dumps({"id": r.json()["id"]}).encode()
+        assert requests.post(decode + "/disagg/release", data=release, timeout=5,
+                             headers=signed(secret, "POST", "/disagg/release", release)).status_code == 200
+        r = requests.post(decode + "/disagg/reserve", data=body, timeout=5, headers=headers)
+        assert r.status_code == 401 and "replayed" in r.json()["error"]
+        # A worker started with another secret never joins, and says why in its log.
+        wrong = tmp_path / "wrong"
+        wrong.write_text(secrets.token_hex(32))
+        stranger = RelayServer(relay_bin, "--role", "decode", "--router", f"127.0.0.1:{d.router.port}",
+                               "--heartbeat-interval", 0.2, "--disagg-secret-file", wrong)
+        stranger.wait_ready()
+        time.sleep(1.0)
+        assert stranger.base not in [w["url"] for w in workers(d.router)]
+        assert "the router refused this worker's heartbeat" in stranger.log_text()
+        assert stranger.stop() == 0
+    finally:
+        d.stop()
+
+
+def test_a_control_plane_open_to_the_network_needs_a_secret(relay_bin):
+    for role in ("router", "prefill", "decode"):
+        proc = subprocess.run([str(relay_bin), "serve", "--role", role, "--host", "0.0.0.0", "--port", "0"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and "--disagg-secret-file" in proc.stderr, proc.stderr
