@@ -5,8 +5,16 @@
 // blocks it needs. The backend runs the model over that flattened batch, writes K/V into the paged
 // cache, and samples a token for each sequence that asks for one. Backends own the KV pool; block
 // ids are indices into it, shared by every layer (a block id names the same slot in each layer).
+//
+// Prompt logprobs (vLLM's prompt_logprobs) ride on the same step: a sequence that asks for them
+// (num_prompt_logprobs >= 0) gets, in the same forward pass, the logprob of every prompt token that
+// follows a row of its chunk, written to the vector its prompt_logprobs points at. They come back
+// through that pointer rather than through step()'s result so that the result keeps one shape
+// (one token per sampling sequence) for every backend, and a backend that does not compute them
+// (supports_prompt_logprobs() false; the engine refuses such requests) needs no change at all.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -34,6 +42,14 @@ struct SamplingParams {
   int num_logprobs = -1;  // -1: none; 0: the chosen token's logprob; k: and the top k
 };
 
+// A token's logprob under the log-softmax of the raw logits (vLLM's default), with the most likely
+// tokens of that row, best first (the lowest id first on ties).
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
 // One sequence's part of a step.
 struct StepSequence {
   int64_t seq_id = 0;
@@ -44,14 +60,27 @@ struct StepSequence {
   const SamplingParams* sampling = nullptr;  // when sample
   std::span<const int32_t> output_tokens;    // generated so far, for penalties
   uint64_t sample_index = 0;                 // how many tokens this sequence sampled before
-  std::span<const int32_t> prompt_tokens;  // the prompt, for repetition_penalty (vLLM counts both)
+  // The prompt: for repetition_penalty (vLLM counts both) and for prompt logprobs.
+  std::span<const int32_t> prompt_tokens;
+  // Prompt logprobs, -1: none; k >= 0: row j of `tokens` is scored against its next prompt token,
+  // prompt_tokens[num_computed + j + 1], for every j where that index is inside the prompt (so the
+  // last row of a chunk that ends the prompt is not: it is the row that samples). The backend
+  // replaces *prompt_logprobs with one entry per such row, in order (num_prompt_logprob_rows()):
+  // that token's logprob and the k most likely tokens of the row, from the raw logits.
+  int num_prompt_logprobs = -1;
+  std::vector<TokenLogprob>* prompt_logprobs = nullptr;  // output, when num_prompt_logprobs >= 0
+
+  // How many rows of `tokens` prompt logprobs score (0 unless asked).
+  size_t num_prompt_logprob_rows() const {
+    if (num_prompt_logprobs < 0) return 0;
+    const int64_t rows = static_cast<int64_t>(prompt_tokens.size()) - num_computed - 1;
+    return static_cast<size_t>(std::clamp<int64_t>(rows, 0, static_cast<int64_t>(tokens.size())));
+  }
 };
 
-struct SampledToken {
+// A sampled token, with its logprob and top tokens when SamplingParams::num_logprobs asked.
+struct SampledToken : TokenLogprob {
   int64_t seq_id = 0;
-  int32_t token = 0;
-  float logprob = 0.0f;                        // log-softmax of the raw logits (vLLM's default)
-  std::vector<std::pair<int32_t, float>> top;  // the num_logprobs most likely, best first
 };
 
 // One rank's KV pool as a transfer engine sees it: where its bytes are and what they hold. Block
@@ -77,8 +106,11 @@ class Backend {
   // Every rank's KV pool, for disaggregated hand-offs; empty when this backend cannot export it.
   virtual std::vector<KvPoolExport> kv_pool_exports() { return {}; }
   // Runs one forward pass over `batch` and returns one SampledToken per sequence with sample=true,
-  // in batch order.
+  // in batch order; fills the prompt logprobs of the sequences that ask for them.
   virtual std::vector<SampledToken> step(std::span<const StepSequence> batch) = 0;
+  // Whether step() computes prompt logprobs (StepSequence::num_prompt_logprobs); a backend without
+  // them ignores the field, so the engine refuses requests that ask.
+  virtual bool supports_prompt_logprobs() const { return false; }
   // Why no later step can succeed (empty while steps can): a multi-node worker that lost a node.
   // Read on the thread that calls step.
   virtual std::string unusable_reason() const { return {}; }

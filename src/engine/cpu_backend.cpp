@@ -192,10 +192,14 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
                                std::exception_ptr& failure) {
   NodeResult result;
   try {
+    // A step's sequence with prompt logprob rows needs every row's logits; the one that samples
+    // is its last. Every node derives the same rows from the batch, as the LM head's collectives
+    // require.
     std::vector<RowsOf> rows_of;
     for (const StepSequence& s : batch) {
       rows_of.push_back(command == NodeCommand::kLogitsAll    ? RowsOf::kAll
                         : command == NodeCommand::kLogitsLast ? RowsOf::kLast
+                        : s.num_prompt_logprob_rows() > 0     ? RowsOf::kAll
                         : s.sample                            ? RowsOf::kLast
                                                               : RowsOf::kNone);
     }
@@ -235,13 +239,14 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
     struct Held {
       size_t seq;
       float* rows;  // into the rank's logits, which nothing reads after this step
+      ThreadPool* pool;
     };
     std::vector<Held> held;
     for (auto& r : ranks_) {
       if (r->place.tp_rank != 0) continue;
       size_t row = 0;
       for (size_t i : r->members) {
-        held.push_back({i, r->logits.data() + row * vocab});
+        held.push_back({i, r->logits.data() + row * vocab, &r->pool});
         row += num_rows(i);
       }
     }
@@ -251,10 +256,31 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
       result.seqs.push_back(static_cast<uint32_t>(h.seq));
       if (command != NodeCommand::kStep) {
         result.logits.insert(result.logits.end(), h.rows, h.rows + num_rows(h.seq) * vocab);
-      } else if (s.sample) {
+        continue;
+      }
+      // Prompt logprobs before sampling, which changes its row in place (never a scored row: the
+      // row that samples is the prompt's last, which has no next prompt token).
+      if (const size_t scored = s.num_prompt_logprob_rows(); scored > 0) {
+        const std::span<const int32_t> targets =
+            s.prompt_tokens.subspan(s.num_computed + 1, scored);
+        for (int32_t t : targets) {
+          RELAY_CHECK(t >= 0 && static_cast<size_t>(t) < vocab, "sequence ", s.seq_id,
+                      ": prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
+        }
+        std::vector<TokenLogprob>& rows = result.prompt_logprobs.emplace_back(scored);
+        h.pool->parallel_for(static_cast<int64_t>(scored), 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> scratch;
+          for (int64_t j = begin; j < end; ++j) {
+            rows[j] = token_logprob(std::span<const float>(h.rows + j * vocab, vocab), targets[j],
+                                    s.num_prompt_logprobs, scratch);
+          }
+        });
+      }
+      if (s.sample) {
         // In place: the sampler's penalties and temperature change only this row of this step.
-        SampledToken t = sample_token(std::span<float>(h.rows, vocab), *s.sampling,
-                                      s.prompt_tokens, s.output_tokens, s.sample_index);
+        float* last = h.rows + (num_rows(h.seq) - 1) * vocab;
+        SampledToken t = sample_token(std::span<float>(last, vocab), *s.sampling, s.prompt_tokens,
+                                      s.output_tokens, s.sample_index);
         t.seq_id = s.seq_id;
         result.sampled.push_back(std::move(t));
       }
@@ -281,6 +307,8 @@ std::vector<NodeResult> CpuBackend::run_step(NodeCommand command,
     RELAY_CHECK(!s.block_table.empty(), "sequence ", s.seq_id, " has no KV blocks");
     RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
                 " samples but has no SamplingParams");
+    RELAY_CHECK(s.num_prompt_logprobs >= -1, "sequence ", s.seq_id, " has num_prompt_logprobs ",
+                s.num_prompt_logprobs);
   }
   // A lost node ends the worker: its ranks' shards and KV are gone.
   const auto lose = [&](const Error& e) {
@@ -343,20 +371,39 @@ void CpuBackend::follow() {
 }
 
 std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) {
-  const std::vector<NodeResult> all = run_step(NodeCommand::kStep, batch);
-  // Each sampling sequence's token comes from the one node holding its logits.
+  for (const StepSequence& s : batch) {
+    RELAY_CHECK(s.num_prompt_logprobs < 0 || s.prompt_logprobs != nullptr, "sequence ", s.seq_id,
+                " asks for prompt logprobs but has no prompt_logprobs output");
+  }
+  std::vector<NodeResult> all = run_step(NodeCommand::kStep, batch);
+  // Each sampling sequence's token, and each scored sequence's prompt logprobs, come from the one
+  // node holding its logits.
   std::vector<const SampledToken*> token(batch.size(), nullptr);
-  for (const NodeResult& r : all) {
-    size_t k = 0;
+  std::vector<std::vector<TokenLogprob>*> scored(batch.size(), nullptr);
+  for (NodeResult& r : all) {
+    size_t k = 0, p = 0;
     for (uint32_t i : r.seqs) {
       RELAY_CHECK(i < batch.size(), "a node answered for sequence index ", i, " of ", batch.size());
       if (batch[i].sample) token[i] = &r.sampled.at(k++);
+      const size_t rows = batch[i].num_prompt_logprob_rows();
+      if (rows == 0) continue;
+      scored[i] = &r.prompt_logprobs.at(p++);
+      RELAY_CHECK(scored[i]->size() == rows, "a node returned ", scored[i]->size(),
+                  " prompt logprob rows for sequence ", batch[i].seq_id, ", expected ", rows);
     }
   }
   std::vector<SampledToken> out;
   for (size_t i = 0; i < batch.size(); ++i) {
-    if (!batch[i].sample) continue;
-    RELAY_CHECK(token[i] != nullptr, "no node sampled sequence ", batch[i].seq_id);
+    const StepSequence& s = batch[i];
+    if (s.num_prompt_logprob_rows() > 0) {
+      RELAY_CHECK(scored[i] != nullptr, "no node returned the prompt logprobs of sequence ",
+                  s.seq_id);
+      *s.prompt_logprobs = std::move(*scored[i]);
+    } else if (s.num_prompt_logprobs >= 0) {
+      s.prompt_logprobs->clear();
+    }
+    if (!s.sample) continue;
+    RELAY_CHECK(token[i] != nullptr, "no node sampled sequence ", s.seq_id);
     out.push_back(*token[i]);
   }
   return out;

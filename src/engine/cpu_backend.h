@@ -5,6 +5,11 @@
 // flattened batch followed by the shared sampler (sampler.h). It is slow next to a GPU but it is
 // the oracle the CUDA backend is tested against, and it lets every other part of Relay run in CI.
 //
+// Logit rows: a step computes the LM head only for the rows it reads (RowsOf): the last row of a
+// sequence that samples, or every row of a chunk with prompt logprobs (backend.h), which are
+// scored against the next prompt token with the sampler's log_softmax and top-k (token_logprob),
+// spread over the rank's threads, before the last row is sampled if the chunk ends the prompt.
+//
 // Parallelism (options.parallel, parallel/parallel_config.h): the backend then runs tp x dp ranks
 // as threads of this process, each with its own shard of the weights (model/shard.h), its own KV
 // pool and its own slice of the threads, connected by the shared-memory communicator
@@ -24,9 +29,9 @@
 // processes over TCP (parallel/tcp_group.h), and the nodes other than 0 are followers: follow()
 // runs every step node 0's backend sends them (engine/node_group.h) until node 0 shuts down. Node
 // 0's step() sends the batch to the followers, runs its own ranks, and merges what each node's
-// ranks sampled (or, for forward_logits, their logit rows). A step that fails on any rank fails on
-// node 0, after which every node re-arms its collectives; a node that disappears leaves node 0
-// failing every later step with the reason.
+// ranks sampled and scored (or, for forward_logits, their logit rows). A step that fails on any
+// rank fails on node 0, after which every node re-arms its collectives; a node that disappears
+// leaves node 0 failing every later step with the reason.
 #pragma once
 
 #include <cstddef>
@@ -69,6 +74,7 @@ class CpuBackend : public Backend {
   int num_kv_partitions() const override { return parallel_.dp; }
   std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
+  bool supports_prompt_logprobs() const override { return true; }
   std::string unusable_reason() const override { return lost_; }
 
   enum class LogitRows {
@@ -99,7 +105,8 @@ class CpuBackend : public Backend {
   std::vector<NodeResult> run_step(NodeCommand command, std::span<const StepSequence> batch);
   // Runs `batch` on this process's ranks (each its own sequences). The result lists the sequences
   // whose logits this process holds (those of its TP-rank-0 ranks) with, for kStep, their sampled
-  // tokens, else their logit rows. A failure is returned in `failure` (and its text in the result).
+  // tokens and prompt logprobs, else their logit rows. A failure is returned in `failure` (and its
+  // text in the result).
   NodeResult compute(NodeCommand command, std::span<const StepSequence> batch,
                      std::exception_ptr& failure);
   // Flattens the sequences `members` of `batch` into rank r's ForwardBatch, with block ids local to

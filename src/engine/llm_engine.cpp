@@ -37,6 +37,10 @@ struct LLMEngine::Request {
   StopConditions stop;
   bool want_logprobs;
   bool hold_kv = false;
+  int num_prompt_logprobs = -1;
+  bool prompt_logprobs_due = false;  // asked for and not yet delivered
+  // By prompt position ([0] stays empty) while the prompt is computed.
+  std::vector<std::optional<TokenLogprob>> prompt_logprobs;
   IncrementalDetokenizer detokenizer;
   std::string text;     // the output text so far
   size_t num_sent = 0;  // bytes of `text` already returned
@@ -80,7 +84,16 @@ void LLMEngine::validate(int64_t id, const EngineRequest& request) const {
   for (const std::string& s : request.stop.stop_strings) {
     RELAY_CHECK(!s.empty(), "request ", id, " has an empty stop string");
   }
-  RELAY_CHECK(request.stop.max_tokens >= 1, "max_tokens must be at least 1, got ",
+  RELAY_CHECK(request.num_prompt_logprobs >= -1,
+              "num_prompt_logprobs must be -1 (none) or at least 0, got ",
+              request.num_prompt_logprobs);
+  const bool scores_prompt = request.num_prompt_logprobs >= 0;
+  RELAY_CHECK(!scores_prompt || backend_->supports_prompt_logprobs(), "request ", id,
+              " asks for prompt logprobs (num_prompt_logprobs ", request.num_prompt_logprobs,
+              "), which this backend does not compute");
+  // NOTE: max_tokens 0 is vLLM's scoring request (echo with prompt logprobs): nothing to sample.
+  RELAY_CHECK(request.stop.max_tokens >= (scores_prompt ? 0 : 1), "max_tokens must be at least ",
+              scores_prompt ? "0" : "1 (0 only with prompt logprobs)", ", got ",
               request.stop.max_tokens);
   const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.stop.max_tokens;
   RELAY_CHECK(total <= max_model_len_, "prompt (", request.prompt.size(),
@@ -95,9 +108,16 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
   seq->id = id;
   seq->tokens = std::move(request.prompt);
   seq->sampling = request.sampling;
+  seq->wants_prompt_logprobs = request.num_prompt_logprobs >= 0;
+  seq->prompt_only = request.stop.max_tokens == 0;
   auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_,
                                      request.sampling.num_logprobs >= 0);
   r->hold_kv = request.hold_kv;
+  if (seq->wants_prompt_logprobs) {
+    r->num_prompt_logprobs = request.num_prompt_logprobs;
+    r->prompt_logprobs_due = true;
+    r->prompt_logprobs.resize(seq->tokens.size());
+  }
   requests_.emplace(id, std::move(r));
   scheduler_.add(std::move(seq));
 }
@@ -123,6 +143,10 @@ RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request
                                                const SampledToken& first, int num_cached_tokens) {
   RELAY_CHECK(held_kv_.count(id) == 1 && blocks_.has_sequence(id), "request ", id,
               " has no KV reservation");
+  RELAY_CHECK(request.num_prompt_logprobs < 0, "request ", id,
+              ": prompt logprobs are computed where the prompt is prefilled, a prefilled request "
+              "cannot ask for them (num_prompt_logprobs ",
+              request.num_prompt_logprobs, ")");
   validate(id, request);
   const int64_t n = static_cast<int64_t>(request.prompt.size());
   RELAY_CHECK(static_cast<int64_t>(blocks_.block_table(id).size()) * blocks_.block_size() >= n,
@@ -193,6 +217,8 @@ std::vector<RequestOutput> LLMEngine::step() {
   last_step_.schedule_s = std::chrono::duration<double>(now - start).count();
   std::vector<StepSequence> batch;
   batch.reserve(plan.chunks.size());
+  // The backend's prompt logprob rows of the chunks that ask (by batch index; empty when none).
+  std::vector<std::vector<TokenLogprob>> prompt_rows;
   for (const ScheduledChunk& c : plan.chunks) {
     Request& r = *requests_.at(c.seq->id);
     if (!r.first_scheduled) r.first_scheduled = now;
@@ -206,6 +232,11 @@ std::vector<RequestOutput> LLMEngine::step() {
     s.output_tokens = c.seq->output_tokens();
     s.prompt_tokens = std::span<const int32_t>(c.seq->tokens).first(c.seq->num_prompt_tokens);
     s.sample_index = static_cast<uint64_t>(c.seq->num_output_tokens());
+    if (r.prompt_logprobs_due) {
+      if (prompt_rows.empty()) prompt_rows.resize(plan.chunks.size());
+      s.num_prompt_logprobs = r.num_prompt_logprobs;
+      s.prompt_logprobs = &prompt_rows[batch.size()];
+    }
     batch.push_back(s);
   }
   const Clock::time_point forward_start = Clock::now();
@@ -213,6 +244,10 @@ std::vector<RequestOutput> LLMEngine::step() {
   const Clock::time_point forward_end = Clock::now();
   last_step_.schedule_s += std::chrono::duration<double>(forward_start - now).count();
   last_step_.forward_s = std::chrono::duration<double>(forward_end - forward_start).count();
+  // Before update(), which may grow the token lists the batch's spans point into.
+  for (const StepSequence& s : batch) {
+    if (s.prompt_logprobs != nullptr) keep_prompt_logprobs(*requests_.at(s.seq_id), s);
+  }
   scheduler_.update(plan, sampled);
 
   std::vector<RequestOutput> outputs;
@@ -221,7 +256,22 @@ std::vector<RequestOutput> LLMEngine::step() {
     Request& r = *requests_.at(tok.seq_id);
     RequestOutput out;
     out.id = r.id;
+    // The first sampled token completes the prompt: its output is the request's first.
+    if (r.prompt_logprobs_due) deliver_prompt_logprobs(r, out);
     on_token(r, tok, out);
+    outputs.push_back(std::move(out));
+  }
+  // A prompt-only request (max_tokens 0) ends with its prompt, having sampled nothing.
+  for (const ScheduledChunk& c : plan.chunks) {
+    const Sequence& seq = *c.seq;
+    if (!seq.prompt_only || seq.num_computed < seq.num_prompt_tokens) continue;
+    Request& r = *requests_.at(seq.id);
+    RequestOutput out;
+    out.id = r.id;
+    out.num_prompt_tokens = seq.num_prompt_tokens;
+    out.num_cached_tokens = std::max(0, seq.num_cached_prompt_tokens);
+    deliver_prompt_logprobs(r, out);
+    finish(r, FinishReason::kLength, out);
     outputs.push_back(std::move(out));
   }
   for (RequestOutput& out : outputs) {
@@ -300,6 +350,27 @@ void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput&
   }
   out.text = r.text.substr(r.num_sent, r.text.size() - hold - r.num_sent);
   r.num_sent = r.text.size() - hold;
+}
+
+void LLMEngine::keep_prompt_logprobs(Request& r, const StepSequence& chunk) {
+  std::vector<TokenLogprob>& rows = *chunk.prompt_logprobs;
+  RELAY_CHECK(rows.size() == chunk.num_prompt_logprob_rows(), "request ", r.id,
+              ": the backend returned ", rows.size(),
+              " prompt logprob rows for a chunk that scores ", chunk.num_prompt_logprob_rows());
+  // A recompute after preemption scores the same positions again: it overwrites them.
+  for (size_t j = 0; j < rows.size(); ++j) {
+    r.prompt_logprobs[static_cast<size_t>(chunk.num_computed) + 1 + j] = std::move(rows[j]);
+  }
+}
+
+void LLMEngine::deliver_prompt_logprobs(Request& r, RequestOutput& out) {
+  for (size_t pos = 1; pos < r.prompt_logprobs.size(); ++pos) {
+    RELAY_CHECK(r.prompt_logprobs[pos].has_value(), "request ", r.id,
+                ": no prompt logprob was computed for prompt position ", pos);
+  }
+  out.prompt_logprobs = std::move(r.prompt_logprobs);
+  r.prompt_logprobs.clear();
+  r.prompt_logprobs_due = false;
 }
 
 void LLMEngine::finish(Request& r, FinishReason reason, RequestOutput& out) {

@@ -5,6 +5,14 @@
 // step() runs one scheduler step and returns, per request that progressed, the new token ids, the
 // text that became final, logprobs when asked, and a finish reason once it is done.
 //
+// Prompt logprobs (vLLM's prompt_logprobs, for echo and scoring): a request with
+// num_prompt_logprobs >= 0 computes every prompt position (no prefix-cache hit; scheduler.h) and
+// the backend scores each prompt token against the logits of the position before it, chunk by
+// chunk (backend.h). The engine keeps the rows by prompt position until the prompt is done, so a
+// request preempted mid-prompt and recomputed overwrites positions instead of repeating them, then
+// delivers all of them once, in the request's first output. With max_tokens 0 the request stops
+// there: that first output is also its last (finish "length"), and nothing is sampled.
+//
 // Stopping: max_tokens and the context length give "length"; an EOS id (unless ignore_eos), a
 // stop_token_id or a stop string gives "stop". Stop strings are matched on the decoded text; text
 // that could still be the beginning of a stop string is held back until it cannot (so a stop string
@@ -40,7 +48,7 @@ struct EngineConfig {
 };
 
 struct StopConditions {
-  int64_t max_tokens = 16;
+  int64_t max_tokens = 16;  // >= 1; 0 only with prompt logprobs (score the prompt, sample nothing)
   int64_t min_tokens = 0;  // EOS and stop tokens are ignored before this many tokens
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop_strings;
@@ -53,6 +61,10 @@ struct EngineRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   StopConditions stop;
+  // Prompt logprobs, -1: none; k >= 0: the logprob of every prompt token given the tokens before it
+  // (raw logits' log-softmax, as vLLM) and its k most likely alternatives. Needs a backend that
+  // supports them (LLMEngine::supports_prompt_logprobs).
+  int num_prompt_logprobs = -1;
   // Disaggregated prefill: when the request finishes, its KV blocks stay allocated (listed in the
   // final output's kv_blocks) until release_kv(id), so they can be sent to a decode worker.
   bool hold_kv = false;
@@ -61,17 +73,14 @@ struct EngineRequest {
 enum class FinishReason { kNone, kStop, kLength, kAbort };
 const char* finish_reason_name(FinishReason r);  // "stop", "length", "abort" ("" for kNone)
 
-struct TokenLogprob {
-  int32_t token = 0;
-  float logprob = 0.0f;
-  std::vector<std::pair<int32_t, float>> top;
-};
-
 struct RequestOutput {
   int64_t id = 0;
   std::vector<int32_t> new_tokens;
   std::string text;                    // text that became final this step
   std::vector<TokenLogprob> logprobs;  // one per new token, when the request asked for logprobs
+  // The request's first output, when it asked for prompt logprobs: one per prompt position, the
+  // first nullopt (no token precedes it), as vLLM's prompt_logprobs; empty in every other output.
+  std::vector<std::optional<TokenLogprob>> prompt_logprobs;
   FinishReason finish = FinishReason::kNone;
   int num_prompt_tokens = 0;
   int num_output_tokens = 0;       // generated so far
@@ -106,8 +115,8 @@ class LLMEngine {
   ~LLMEngine();
 
   // Queues a request under a caller-chosen id (unique among live requests). Throws relay::Error
-  // when the prompt is empty, a token is out of the vocabulary, or prompt + max_tokens exceeds
-  // max_model_len().
+  // when the prompt is empty, a token is out of the vocabulary, prompt + max_tokens exceeds
+  // max_model_len(), or it asks for prompt logprobs the backend does not compute.
   void add_request(int64_t id, EngineRequest request);
   // Drops a request and frees its KV blocks now. Returns its final output (finish kAbort), or
   // nothing for an unknown id.
@@ -138,6 +147,7 @@ class LLMEngine {
   StepComposition last_step() const { return last_step_; }
   int max_model_len() const { return max_model_len_; }
   int max_num_seqs() const { return scheduler_.config().max_num_seqs; }
+  bool supports_prompt_logprobs() const { return backend_->supports_prompt_logprobs(); }
   const ModelConfig& model_config() const { return backend_->config(); }
   const Tokenizer& tokenizer() const { return tokenizer_; }
   Backend& backend() { return *backend_; }
@@ -148,6 +158,10 @@ class LLMEngine {
   void validate(int64_t id, const EngineRequest& request) const;
   // Appends the text of new token `token` and decides whether the request stops.
   void on_token(Request& r, const SampledToken& sampled, RequestOutput& out);
+  // Stores the prompt logprob rows the backend returned for `chunk` by prompt position.
+  void keep_prompt_logprobs(Request& r, const StepSequence& chunk);
+  // Moves the finished prompt logprobs into the request's first output.
+  void deliver_prompt_logprobs(Request& r, RequestOutput& out);
   void finish(Request& r, FinishReason reason, RequestOutput& out);
 
   std::unique_ptr<Backend> backend_;

@@ -15,7 +15,8 @@ namespace {
 static_assert(std::endian::native == std::endian::little,
               "the node messages are written in host byte order, which is little-endian here");
 
-constexpr uint8_t kWireVersion = 1;
+// 2: prompt logprobs (a step's num_prompt_logprobs, a result's prompt_logprobs).
+constexpr uint8_t kWireVersion = 2;
 
 class Writer {
  public:
@@ -95,6 +96,23 @@ bool reads_history(const SamplingParams& p) {
   return p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.repetition_penalty != 1.0f;
 }
 
+// A TokenLogprob on the wire: token, logprob, then the count and pairs of its top tokens.
+constexpr size_t kMinLogprobBytes = sizeof(int32_t) + sizeof(float) + sizeof(uint32_t);
+
+void put_logprob(Writer& w, const TokenLogprob& t) {
+  w.put(t.token);
+  w.put(t.logprob);
+  w.put(static_cast<uint32_t>(t.top.size()));
+  for (const auto& [token, logprob] : t.top) w.put(token), w.put(logprob);
+}
+
+void get_logprob(Reader& r, TokenLogprob& t) {
+  t.token = r.get<int32_t>();
+  t.logprob = r.get<float>();
+  t.top.resize(r.get_count(sizeof(int32_t) + sizeof(float)));
+  for (auto& [token, logprob] : t.top) token = r.get<int32_t>(), logprob = r.get<float>();
+}
+
 }  // namespace
 
 std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequence> batch) {
@@ -108,12 +126,17 @@ std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequen
     w.put_array(s.tokens);
     w.put_array(s.block_table);
     w.put(static_cast<uint8_t>(s.sample));
-    if (!s.sample) continue;
-    RELAY_CHECK(s.sampling != nullptr, "sequence ", s.seq_id, " samples but has no SamplingParams");
-    w.put(*s.sampling);
-    w.put(s.sample_index);
-    const bool history = reads_history(*s.sampling);
-    w.put_array(history ? s.prompt_tokens : std::span<const int32_t>());
+    w.put(s.num_prompt_logprobs);
+    bool history = false;
+    if (s.sample) {
+      RELAY_CHECK(s.sampling != nullptr, "sequence ", s.seq_id,
+                  " samples but has no SamplingParams");
+      w.put(*s.sampling);
+      w.put(s.sample_index);
+      history = reads_history(*s.sampling);
+    }
+    w.put_array(history || s.num_prompt_logprobs >= 0 ? s.prompt_tokens
+                                                      : std::span<const int32_t>());
     w.put_array(history ? s.output_tokens : std::span<const int32_t>());
   }
   return w.take();
@@ -141,10 +164,14 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
     s.tokens = step.tokens[i];
     s.block_table = step.block_tables[i];
     s.sample = r.get<uint8_t>() != 0;
-    if (!s.sample) continue;
-    step.sampling[i] = r.get<SamplingParams>();
-    s.sampling = &step.sampling[i];
-    s.sample_index = r.get<uint64_t>();
+    s.num_prompt_logprobs = r.get<int32_t>();
+    RELAY_CHECK(s.num_prompt_logprobs >= -1, "node message: sequence ", s.seq_id,
+                " has num_prompt_logprobs ", s.num_prompt_logprobs);
+    if (s.sample) {
+      step.sampling[i] = r.get<SamplingParams>();
+      s.sampling = &step.sampling[i];
+      s.sample_index = r.get<uint64_t>();
+    }
     step.prompt_tokens[i] = r.get_array<int32_t>();
     step.output_tokens[i] = r.get_array<int32_t>();
     s.prompt_tokens = step.prompt_tokens[i];
@@ -162,10 +189,12 @@ std::vector<uint8_t> encode_result(const NodeResult& result) {
   w.put(static_cast<uint32_t>(result.sampled.size()));
   for (const SampledToken& t : result.sampled) {
     w.put(t.seq_id);
-    w.put(t.token);
-    w.put(t.logprob);
-    w.put(static_cast<uint32_t>(t.top.size()));
-    for (const auto& [token, logprob] : t.top) w.put(token), w.put(logprob);
+    put_logprob(w, t);
+  }
+  w.put(static_cast<uint32_t>(result.prompt_logprobs.size()));
+  for (const std::vector<TokenLogprob>& rows : result.prompt_logprobs) {
+    w.put(static_cast<uint32_t>(rows.size()));
+    for (const TokenLogprob& t : rows) put_logprob(w, t);
   }
   w.put_array(std::span<const float>(result.logits));
   return w.take();
@@ -177,13 +206,15 @@ NodeResult decode_result(std::span<const uint8_t> bytes) {
   NodeResult result;
   result.error = r.get_string();
   result.seqs = r.get_array<uint32_t>();
-  result.sampled.resize(r.get_count(sizeof(int64_t) + sizeof(int32_t) + sizeof(float)));
+  result.sampled.resize(r.get_count(sizeof(int64_t) + kMinLogprobBytes));
   for (SampledToken& t : result.sampled) {
     t.seq_id = r.get<int64_t>();
-    t.token = r.get<int32_t>();
-    t.logprob = r.get<float>();
-    t.top.resize(r.get_count(sizeof(int32_t) + sizeof(float)));
-    for (auto& [token, logprob] : t.top) token = r.get<int32_t>(), logprob = r.get<float>();
+    get_logprob(r, t);
+  }
+  result.prompt_logprobs.resize(r.get_count(sizeof(uint32_t)));
+  for (std::vector<TokenLogprob>& rows : result.prompt_logprobs) {
+    rows.resize(r.get_count(kMinLogprobBytes));
+    for (TokenLogprob& t : rows) get_logprob(r, t);
   }
   result.logits = r.get_array<float>();
   r.expect_end();

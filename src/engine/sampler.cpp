@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <unordered_map>
 
 #include "core/error.h"
@@ -47,6 +46,42 @@ void log_softmax(std::span<const float> logits, std::span<float> out) {
   for (float l : logits) sum += std::exp(static_cast<double>(l) - max_logit);
   double log_sum = max_logit + std::log(sum);
   for (size_t i = 0; i < logits.size(); ++i) out[i] = static_cast<float>(logits[i] - log_sum);
+}
+
+std::vector<std::pair<int32_t, float>> top_logprobs(std::span<const float> logprobs, int k) {
+  const size_t n = std::min(static_cast<size_t>(std::max(k, 0)), logprobs.size());
+  std::vector<std::pair<int32_t, float>> top;
+  if (n == 0) return top;
+  // NOTE: one pass with a heap of the n best so far (its front the worst of them): prompt logprobs
+  // run this on every row of a prompt, where sorting ids over a 150k vocabulary per row would cost
+  // more than the row's forward pass. Ids arrive in increasing order, so on equal logprobs the
+  // earlier (lower) id is kept, the same total order as a full sort.
+  const auto better = [](const std::pair<int32_t, float>& a, const std::pair<int32_t, float>& b) {
+    return a.second > b.second || (a.second == b.second && a.first < b.first);
+  };
+  top.reserve(n);
+  for (size_t i = 0; i < logprobs.size(); ++i) {
+    const std::pair<int32_t, float> candidate{static_cast<int32_t>(i), logprobs[i]};
+    if (top.size() < n) {
+      top.push_back(candidate);
+      std::push_heap(top.begin(), top.end(), better);
+    } else if (better(candidate, top.front())) {
+      std::pop_heap(top.begin(), top.end(), better);
+      top.back() = candidate;
+      std::push_heap(top.begin(), top.end(), better);
+    }
+  }
+  std::sort_heap(top.begin(), top.end(), better);
+  return top;
+}
+
+TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int num_top,
+                           std::vector<float>& scratch) {
+  RELAY_CHECK(token >= 0 && static_cast<size_t>(token) < logits.size(), "logprob of token ", token,
+              " outside the vocabulary [0, ", logits.size(), ")");
+  scratch.resize(logits.size());
+  log_softmax(logits, scratch);
+  return {token, scratch[token], top_logprobs(scratch, num_top)};
 }
 
 void apply_penalties(std::span<float> logits, std::span<const int32_t> prompt_tokens,
@@ -178,13 +213,7 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& p, std:
   }
   if (p.num_logprobs >= 0) {
     out.logprob = logprobs[out.token];
-    size_t k = std::min(static_cast<size_t>(p.num_logprobs), logprobs.size());
-    std::vector<int32_t> ids(logprobs.size());
-    std::iota(ids.begin(), ids.end(), 0);
-    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
-      return logprobs[a] > logprobs[b] || (logprobs[a] == logprobs[b] && a < b);
-    });
-    for (size_t i = 0; i < k; ++i) out.top.emplace_back(ids[i], logprobs[ids[i]]);
+    out.top = top_logprobs(logprobs, p.num_logprobs);
   }
   return out;
 }

@@ -1,12 +1,13 @@
 // Token sampling over one row of fp32 logits, with vLLM's semantics; shared by every backend.
 //
 // sample_token applies, in vLLM's order: logprobs of the raw logits (before any processing, vLLM's
-// default "raw_logprobs"), then repetition / frequency / presence penalties, then greedy argmax when
-// temperature is 0; otherwise logits / temperature, min-p, top-k, top-p, and a draw from the
+// default "raw_logprobs"), then repetition / frequency / presence penalties, then greedy argmax
+// when temperature is 0; otherwise logits / temperature, min-p, top-k, top-p, and a draw from the
 // remaining distribution. The draw uses one uniform number that is a pure function of (seed,
 // sample_index) — a splitmix64 hash — so a sequence recomputed after preemption, or run in another
 // batch or on another backend, draws the same token from the same logits. The building blocks are
-// exposed for tests and for backends that fuse some of them on the device.
+// exposed for tests and for backends that fuse some of them on the device; token_logprob scores a
+// given token (prompt logprobs) with the same log-softmax and top-k as a sampled one.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,14 @@ double sample_uniform(uint64_t seed, uint64_t index);
 
 // out[i] = logits[i] - logsumexp(logits), accumulated in double.
 void log_softmax(std::span<const float> logits, std::span<float> out);
+// The k most likely (token, logprob) of a log-softmax row, best first, the lowest id first on ties;
+// k is capped at the row's size.
+std::vector<std::pair<int32_t, float>> top_logprobs(std::span<const float> logprobs, int k);
+// vLLM's logprob of `token` at one row of raw logits: log_softmax(logits)[token] and the num_top
+// most likely tokens of the row (prompt logprobs; sample_token does the same for the sampled
+// token). `scratch` receives the log-softmax row.
+TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int num_top,
+                           std::vector<float>& scratch);
 
 // vLLM's penalties: repetition_penalty r divides positive logits by r and multiplies negative ones by
 // r for every token seen in the prompt or the output; then logit -= frequency_penalty * count and

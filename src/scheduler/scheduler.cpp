@@ -60,6 +60,10 @@ SchedulerOutput Scheduler::schedule() {
   auto is_decode = [](const Sequence* s) {
     return static_cast<int>(s->tokens.size()) - s->num_computed == 1;
   };
+  // Whether a chunk of n tokens from s->num_computed samples.
+  auto samples = [](const Sequence* s, int n) {
+    return !s->prompt_only && s->num_computed + n == static_cast<int>(s->tokens.size());
+  };
   int decodes_after = static_cast<int>(std::count_if(running_.begin(), running_.end(), is_decode));
   bool preempted = false;
 
@@ -93,7 +97,7 @@ SchedulerOutput Scheduler::schedule() {
       if (is_decode(victim)) --decodes_after;
     }
     if (self_preempted) continue;
-    out.chunks.push_back({seq, n, seq->num_computed + n == static_cast<int>(seq->tokens.size())});
+    out.chunks.push_back({seq, n, samples(seq, n)});
     budget -= n;
     ++i;
   }
@@ -101,17 +105,19 @@ SchedulerOutput Scheduler::schedule() {
   while (!preempted && !waiting_.empty() && budget > 0 &&
          static_cast<int>(running_.size()) < config_.max_num_seqs) {
     Sequence* seq = waiting_.front();
-    const PrefixHit hit = blocks_.find_cached_prefix(seq->tokens);
+    // NOTE: prompt logprobs read every prompt position's logits: a hit would skip them.
+    const bool reads_cache = !(seq->wants_prompt_logprobs && seq->num_output_tokens() == 0);
+    const PrefixHit hit = reads_cache ? blocks_.find_cached_prefix(seq->tokens) : PrefixHit{};
     const int num_hit = static_cast<int>(hit.num_tokens(blocks_.block_size()));
     const int n = std::min(static_cast<int>(seq->tokens.size()) - num_hit, budget);
     if (!blocks_.allocate(seq->id, num_hit + n, &hit)) break;
     waiting_.pop_front();
-    stats_.prefix_cache_queries += seq->tokens.size();
+    if (reads_cache) stats_.prefix_cache_queries += seq->tokens.size();
     stats_.prefix_cache_hits += num_hit;
     if (seq->num_cached_prompt_tokens < 0) seq->num_cached_prompt_tokens = num_hit;
     seq->num_computed = num_hit;
     running_.push_back(seq);
-    out.chunks.push_back({seq, n, num_hit + n == static_cast<int>(seq->tokens.size())});
+    out.chunks.push_back({seq, n, samples(seq, n)});
     budget -= n;
   }
   out.num_batched_tokens = config_.max_num_batched_tokens - budget;

@@ -22,6 +22,14 @@
 // own, so the oldest running sequence of each partition always makes progress and every request
 // completes.
 //
+// Prompt logprobs: a sequence that asks for them (wants_prompt_logprobs) needs the logits of every
+// prompt position, so it takes no prefix-cache hit while its prompt is not done (it has sampled
+// nothing yet, which covers a recompute after preemption mid-prompt); its computed blocks still
+// enter the cache for later prompts. Once it has sampled, its prompt logprobs are delivered and a
+// recompute may reuse cached blocks like any other. A prompt_only sequence (max_tokens 0) computes
+// its prompt and samples nothing: the chunk that ends its prompt has sample = false, after which it
+// has no token left to compute and the caller finishes it.
+//
 // Partitions: with data-parallel attention one scheduler serves every DP rank, each rank's KV pool
 // being one partition of the block manager (see block_manager.h), which binds each sequence to one.
 // Preempting a sequence of another partition would free blocks on another rank, of no use to the
@@ -54,6 +62,8 @@ struct Sequence {
   int num_cached_prompt_tokens = -1;  // prefix-cache hit at first admission (-1: not admitted yet)
   int num_preemptions = 0;
   SamplingParams sampling;
+  bool wants_prompt_logprobs = false;  // no prefix-cache hit until its prompt is done
+  bool prompt_only = false;            // max_tokens 0: never samples; finished after its prompt
 
   int num_output_tokens() const { return static_cast<int>(tokens.size()) - num_prompt_tokens; }
   std::span<const int32_t> output_tokens() const {
@@ -65,7 +75,7 @@ struct Sequence {
 struct ScheduledChunk {
   Sequence* seq = nullptr;
   int num_tokens = 0;   // tokens[seq->num_computed, seq->num_computed + num_tokens)
-  bool sample = false;  // the chunk ends at the sequence's last token
+  bool sample = false;  // the chunk ends at the sequence's last token (never for prompt_only)
 };
 
 struct SchedulerOutput {

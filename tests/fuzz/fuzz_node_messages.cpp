@@ -1,7 +1,9 @@
 // libFuzzer target for the messages between the nodes of a multi-node worker (engine/node_group.h),
 // the bytes a follower reads off its socket. The first byte picks the decoder (a step or a result);
 // decoding must either succeed or throw relay::Error. A decoded result must re-encode to the same
-// bytes, and a decoded step's spans must point inside the storage the step owns.
+// bytes, and a decoded step's spans must point inside the storage the step owns, its
+// num_prompt_logprobs be -1 or more and its prompt_logprobs output unset (a follower answers in
+// its NodeResult).
 #include <cstdint>
 #include <cstdlib>
 #include <span>
@@ -35,7 +37,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
         if (!inside(s.tokens, step.tokens[i]) || !inside(s.block_table, step.block_tables[i]) ||
             !inside(s.prompt_tokens, step.prompt_tokens[i]) ||
             !inside(s.output_tokens, step.output_tokens[i]) ||
-            (s.sample && s.sampling != &step.sampling[i]) || (!s.sample && s.sampling != nullptr))
+            (s.sample && s.sampling != &step.sampling[i]) || (!s.sample && s.sampling != nullptr) ||
+            s.num_prompt_logprobs < -1 || s.prompt_logprobs != nullptr)
           std::abort();
       }
       (void)relay::encode_step(step.command, step.batch);

@@ -1,6 +1,7 @@
 // The messages between the nodes of a multi-node worker (engine/node_group.h): a step and its
-// results survive the wire exactly, a sequence's history travels only when its penalties read it,
-// and a damaged or foreign message fails with a message instead of being misread.
+// results survive the wire exactly, a sequence's history travels only when its penalties read it
+// (its prompt also when it asks for prompt logprobs), and a damaged or foreign message fails with a
+// message instead of being misread.
 #include <gtest/gtest.h>
 
 #include "core/error.h"
@@ -75,11 +76,57 @@ TEST(NodeMessages, AStepRoundTrips) {
   EXPECT_EQ(decode_step(encode_step(NodeCommand::kShutdown, {})).command, NodeCommand::kShutdown);
 }
 
+// A sequence asking for prompt logprobs sends its prompt (the targets) whether or not it samples;
+// the output pointer stays on the leader.
+TEST(NodeMessages, PromptLogprobsSendThePrompt) {
+  const std::vector<int32_t> prompt{1, 2, 3, 8, 9}, chunk{1, 2, 3}, tail{8, 9}, blocks{0};
+  SamplingParams plain;
+  std::vector<TokenLogprob> rows;
+  std::vector<StepSequence> batch(3);
+  batch[0] = sequence(1, chunk, 0, blocks);
+  batch[0].prompt_tokens = prompt;
+  batch[0].num_prompt_logprobs = 4;
+  batch[0].prompt_logprobs = &rows;
+  batch[1] = sequence(2, tail, 3, blocks);
+  batch[1].prompt_tokens = prompt;
+  batch[1].num_prompt_logprobs = 0;
+  batch[1].prompt_logprobs = &rows;
+  batch[1].sample = true;
+  batch[1].sampling = &plain;
+  batch[2] = sequence(3, chunk, 0, blocks);
+  batch[2].prompt_tokens = prompt;  // no penalties, no prompt logprobs: not sent
+
+  const NodeStep got = decode_step(encode_step(NodeCommand::kStep, batch));
+  ASSERT_EQ(got.batch.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(got.batch[i].num_prompt_logprobs, batch[i].num_prompt_logprobs);
+    EXPECT_EQ(got.batch[i].prompt_logprobs, nullptr);
+    EXPECT_EQ(got.batch[i].num_prompt_logprob_rows(),
+              i == 2 ? 0u : batch[i].num_prompt_logprob_rows());
+  }
+  EXPECT_EQ(got.batch[0].num_prompt_logprob_rows(), 3u);
+  EXPECT_EQ(got.batch[1].num_prompt_logprob_rows(), 1u);  // the last row samples
+  EXPECT_EQ(std::vector(got.batch[0].prompt_tokens.begin(), got.batch[0].prompt_tokens.end()),
+            prompt);
+  EXPECT_EQ(std::vector(got.batch[1].prompt_tokens.begin(), got.batch[1].prompt_tokens.end()),
+            prompt);
+  EXPECT_TRUE(got.batch[2].prompt_tokens.empty());
+  EXPECT_TRUE(got.batch[1].output_tokens.empty());
+}
+
+SampledToken sampled(int64_t seq_id, TokenLogprob t) {
+  SampledToken s;
+  static_cast<TokenLogprob&>(s) = std::move(t);
+  s.seq_id = seq_id;
+  return s;
+}
+
 TEST(NodeMessages, AResultRoundTrips) {
   NodeResult r;
   r.seqs = {0, 2, 5};
-  r.sampled.push_back({7, 42, -0.25f, {{42, -0.25f}, {3, -2.5f}}});
-  r.sampled.push_back({9, 1, -1.0f, {}});
+  r.sampled.push_back(sampled(7, {42, -0.25f, {{42, -0.25f}, {3, -2.5f}}}));
+  r.sampled.push_back(sampled(9, {1, -1.0f, {}}));
+  r.prompt_logprobs = {{{5, -1.5f, {{2, -0.5f}}}, {6, -0.75f, {{6, -0.75f}}}}, {}};
   r.logits = {1.0f, -2.0f, 3.5f};
   const NodeResult got = decode_result(encode_result(r));
   EXPECT_EQ(got.error, "");
@@ -90,6 +137,14 @@ TEST(NodeMessages, AResultRoundTrips) {
   EXPECT_EQ(got.sampled[0].logprob, -0.25f);
   EXPECT_EQ(got.sampled[0].top, r.sampled[0].top);
   EXPECT_TRUE(got.sampled[1].top.empty());
+  ASSERT_EQ(got.prompt_logprobs.size(), 2u);
+  ASSERT_EQ(got.prompt_logprobs[0].size(), 2u);
+  for (size_t j = 0; j < 2; ++j) {
+    EXPECT_EQ(got.prompt_logprobs[0][j].token, r.prompt_logprobs[0][j].token);
+    EXPECT_EQ(got.prompt_logprobs[0][j].logprob, r.prompt_logprobs[0][j].logprob);
+    EXPECT_EQ(got.prompt_logprobs[0][j].top, r.prompt_logprobs[0][j].top);
+  }
+  EXPECT_TRUE(got.prompt_logprobs[1].empty());
   EXPECT_EQ(got.logits, r.logits);
 
   NodeResult failed;
@@ -124,6 +179,20 @@ TEST(NodeMessages, DamagedOrForeignMessagesFail) {
   std::vector<uint8_t> huge = bytes;
   huge[2] = huge[3] = huge[4] = huge[5] = 0xff;
   EXPECT_NE(error_of([&] { decode_step(huge); }).find("truncated"), std::string::npos);
+  // num_prompt_logprobs follows the sample flag: version, command, count, id, num_computed, the
+  // two arrays (2 tokens, 1 block), then the flag.
+  std::vector<uint8_t> negative = bytes;
+  const size_t at = 1 + 1 + 4 + 8 + 4 + (4 + 2 * 4) + (4 + 4) + 1;
+  negative[at] = negative[at + 1] = negative[at + 2] = negative[at + 3] = 0xfe;
+  EXPECT_NE(error_of([&] { decode_step(negative); }).find("num_prompt_logprobs"),
+            std::string::npos);
+  // A result's prompt logprob counts are checked against the bytes left too.
+  NodeResult result;
+  result.prompt_logprobs = {{{1, -1.0f, {}}}};
+  std::vector<uint8_t> rows = encode_result(result);
+  const size_t rows_at = 1 + 4 + 4 + 4 + 4;  // version, error, seqs, sampled, sequences
+  rows[rows_at] = rows[rows_at + 1] = rows[rows_at + 2] = rows[rows_at + 3] = 0xff;
+  EXPECT_NE(error_of([&] { decode_result(rows); }).find("truncated"), std::string::npos);
 }
 
 }  // namespace

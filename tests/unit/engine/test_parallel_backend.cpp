@@ -439,6 +439,64 @@ TEST(MultiNodeBackend, SamplesOnTheNodeHoldingTheLogits) {
   for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
 }
 
+// Prompt logprobs come from the node holding each sequence's logits (node 1's rank for the DP
+// partition it holds; node 0's TP rank 0 under TP), next to a sampled token, bit for bit the
+// one-process worker's: a chunk in the middle of a prompt (every row scored) and a chunk that
+// ends its prompt (every row but the sampled last).
+TEST(MultiNodeBackend, PromptLogprobsComeFromTheNodeHoldingTheLogits) {
+  const auto dir = test::fixture_models_dir() / "qwen3-moe";
+  for (const parallel::ParallelConfig p :
+       {parallel::ParallelConfig{1, 2, 2}, parallel::ParallelConfig{2, 1, 1}}) {
+    SCOPED_TRACE(p.describe());
+    CpuBackendOptions o;
+    o.block_size = 8;
+    o.num_blocks = 16;
+    o.parallel = p;
+    CpuBackend one_process(dir, o);
+    MultiNode nodes(dir, 2, [&](int) { return o; });
+    ASSERT_NE(nodes.leader(), nullptr) << nodes.join()[0];
+
+    SamplingParams greedy;
+    greedy.temperature = 0.0f;
+    greedy.num_logprobs = 1;
+    const std::vector<int32_t> prompt_a{5, 6, 7, 8, 9, 10}, prompt_b{8, 9, 10, 11, 12};
+    Seq a{1, prompt_a, {0}, 0};
+    Seq b{2, prompt_b, {p.dp > 1 ? 16 : 1}, 0};  // under DP, node 1's partition
+    auto step = [&](CpuBackend& backend) {
+      std::vector<std::vector<TokenLogprob>> rows(2);
+      std::vector<StepSequence> batch{make_step(a, 4), make_step(b, 5)};
+      batch[0].prompt_tokens = prompt_a;
+      batch[0].num_prompt_logprobs = 3;
+      batch[0].prompt_logprobs = &rows[0];
+      batch[1].prompt_tokens = prompt_b;
+      batch[1].num_prompt_logprobs = 2;
+      batch[1].prompt_logprobs = &rows[1];
+      batch[1].sample = true;
+      batch[1].sampling = &greedy;
+      const std::vector<SampledToken> sampled = backend.step(batch);
+      EXPECT_EQ(sampled.size(), 1u);
+      return std::pair{rows, sampled.empty() ? SampledToken{} : sampled[0]};
+    };
+    const auto [want_rows, want_token] = step(one_process);
+    const auto [got_rows, got_token] = step(*nodes.leader());
+    EXPECT_EQ(got_token.token, want_token.token);
+    EXPECT_EQ(got_token.logprob, want_token.logprob);
+    ASSERT_EQ(want_rows[0].size(), 4u);  // positions 1..4 of a
+    ASSERT_EQ(want_rows[1].size(), 4u);  // positions 1..4 of b; its row 4 samples
+    for (size_t i = 0; i < 2; ++i) {
+      ASSERT_EQ(got_rows[i].size(), want_rows[i].size());
+      for (size_t j = 0; j < want_rows[i].size(); ++j) {
+        EXPECT_EQ(got_rows[i][j].token, (i == 0 ? prompt_a : prompt_b)[j + 1]);
+        EXPECT_EQ(got_rows[i][j].token, want_rows[i][j].token);
+        EXPECT_EQ(got_rows[i][j].logprob, want_rows[i][j].logprob);
+        EXPECT_EQ(got_rows[i][j].top, want_rows[i][j].top);
+        EXPECT_EQ(got_rows[i][j].top.size(), i == 0 ? 3u : 2u);
+      }
+    }
+    for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
+  }
+}
+
 // A rank of node 1 fails (a token outside the vocabulary) while node 0's rank waits for it in the
 // MoE exchange: the step fails on node 0 naming the cause, every node re-arms its collectives, and
 // the next step runs.

@@ -1,5 +1,5 @@
 // The sampler's semantics (vLLM's): masks, penalties, greedy, determinism in (seed, sample_index),
-// and logprobs of the raw logits.
+// and logprobs of the raw logits (of a sampled token, or of a given one for prompt logprobs).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -204,6 +204,46 @@ TEST(Sampler, LogprobsAreOfTheRawLogitsAndSumToOne) {
   EXPECT_FLOAT_EQ(s.top[2].second, lp[5]);
   auto probs = probs_of(base);
   EXPECT_NEAR(std::exp(s.top[0].second), probs[2], 1e-6);
+}
+
+// top_logprobs keeps the k best in one pass; on a vocabulary with many ties and random values it
+// equals a full sort by (logprob, then lower id), for every k up to past the vocabulary.
+TEST(Sampler, TopLogprobsEqualAFullSort) {
+  std::vector<float> lp(3000);
+  for (size_t i = 0; i < lp.size(); ++i) lp[i] = -static_cast<float>((i * 7919) % 97) / 8.0f;
+  std::vector<int32_t> ids(lp.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::sort(ids.begin(), ids.end(),
+            [&](int32_t a, int32_t b) { return lp[a] > lp[b] || (lp[a] == lp[b] && a < b); });
+  for (int k : {0, 1, 5, 64, 2999, 3000, 5000}) {
+    const auto top = top_logprobs(lp, k);
+    ASSERT_EQ(top.size(), std::min<size_t>(k, lp.size())) << "k " << k;
+    for (size_t i = 0; i < top.size(); ++i) {
+      EXPECT_EQ(top[i].first, ids[i]) << "k " << k << " rank " << i;
+      EXPECT_EQ(top[i].second, lp[ids[i]]) << "k " << k << " rank " << i;
+    }
+  }
+  EXPECT_TRUE(top_logprobs(lp, -1).empty());
+}
+
+// token_logprob scores a given token (prompt logprobs) exactly as sample_token scores the one it
+// draws: the raw logits' log-softmax and the same top tokens.
+TEST(Sampler, TokenLogprobScoresAGivenTokenLikeASampledOne) {
+  const std::vector<float> base{0.3f, -1.0f, 2.5f, 2.5f, 0.0f, 1.0f};
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  greedy.num_logprobs = 4;
+  std::vector<float> l = base;
+  const SampledToken s = sample_token(l, greedy, {}, {}, 0);
+  std::vector<float> scratch;
+  const TokenLogprob t = token_logprob(base, s.token, 4, scratch);
+  EXPECT_EQ(t.token, s.token);
+  EXPECT_EQ(t.logprob, s.logprob);
+  EXPECT_EQ(t.top, s.top);
+  const TokenLogprob other = token_logprob(base, 4, 0, scratch);
+  EXPECT_EQ(other.logprob, scratch[4]);
+  EXPECT_TRUE(other.top.empty());
+  EXPECT_THROW(token_logprob(base, 6, 1, scratch), Error);
 }
 
 TEST(Sampler, RejectsInvalidParameters) {

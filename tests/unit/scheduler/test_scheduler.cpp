@@ -1,8 +1,10 @@
 // Scheduler: chunked prefill mixed with decodes, budgets and max_num_seqs, prefix hits, abort,
-// preemption under tiny KV pools completing every request with the unconstrained run's output, and
-// preemption within a KV partition (DP attention ranks).
+// preemption under tiny KV pools completing every request with the unconstrained run's output,
+// preemption within a KV partition (DP attention ranks), and the sequences of prompt-logprob
+// requests (no prefix hit until the prompt is done, prompt-only sequences that never sample).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <numeric>
 #include <random>
@@ -18,21 +20,31 @@ namespace {
 using testing::FakeBackend;
 
 // Drives scheduler + fake backend the way LLMEngine does: schedule, build the batch, step, update,
-// finish sequences that reached max_tokens.
+// finish sequences that reached max_tokens (prompt-only ones once their prompt is computed).
 struct Harness {
+  // One chunk as scheduled (recorded before the step computes it).
+  struct Chunk {
+    int64_t id;
+    int start, num_tokens, num_preemptions;
+    bool sample;
+  };
+
   Harness(int num_blocks, int block_size, SchedulerConfig cfg, int num_partitions = 1)
       : backend(num_blocks, block_size),
         blocks(num_blocks, block_size, true, num_partitions),
         sched(cfg, blocks) {}
 
-  void add(int64_t id, std::vector<int32_t> prompt, int max_tokens, float temperature = 0.0f) {
+  // The sequence stays valid until it finishes (tests may set its flags before it runs).
+  Sequence* add(int64_t id, std::vector<int32_t> prompt, int max_tokens, float temperature = 0.0f) {
     auto seq = std::make_unique<Sequence>();
     seq->id = id;
     seq->tokens = std::move(prompt);
     seq->sampling.temperature = temperature;
     seq->sampling.seed = static_cast<uint64_t>(id) * 7919;
     max_tokens_[id] = max_tokens;
+    Sequence* added = seq.get();
     sched.add(std::move(seq));
+    return added;
   }
 
   // One engine step; returns the scheduler output's chunk count.
@@ -50,11 +62,15 @@ struct Harness {
       s.output_tokens = c.seq->output_tokens();
       s.sample_index = static_cast<uint64_t>(c.seq->num_output_tokens());
       batch.push_back(s);
+      chunks.push_back(
+          {c.seq->id, c.seq->num_computed, c.num_tokens, c.seq->num_preemptions, c.sample});
     }
     const auto sampled = backend.step(batch);
     sched.update(out, sampled);
     for (const ScheduledChunk& c : out.chunks) {
-      if (c.sample && c.seq->num_output_tokens() >= max_tokens_[c.seq->id]) {
+      const bool prompt_done =
+          c.seq->prompt_only && c.seq->num_computed == c.seq->num_prompt_tokens;
+      if (prompt_done || (c.sample && c.seq->num_output_tokens() >= max_tokens_[c.seq->id])) {
         const int64_t id = c.seq->id;
         EXPECT_EQ(outputs.count(id), 0u) << "sequence " << id << " finished twice";
         outputs[id] =
@@ -76,6 +92,7 @@ struct Harness {
   Scheduler sched;
   std::map<int64_t, std::vector<int32_t>> outputs;
   std::map<int64_t, int> max_tokens_;
+  std::vector<Chunk> chunks;
 };
 
 std::vector<int32_t> prompt_of(int n, int32_t salt) {
@@ -169,6 +186,91 @@ TEST(Scheduler, PrefixHitSkipsComputation) {
   cold.add(2, b, 2);
   cold.run_to_completion();
   EXPECT_EQ(h.outputs[2], cold.outputs[2]);
+}
+
+// A sequence asking for prompt logprobs computes every prompt position even when its prefix is
+// cached (no hit, no prefix query counted), and its own blocks still serve later prompts.
+TEST(Scheduler, PromptLogprobsSkipPrefixHitsButFillTheCache) {
+  auto prompt = prompt_of(16, 9);
+  prompt.insert(prompt.end(), {1, 2, 3});
+  Harness h(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 64});
+  h.add(1, prompt, 2);
+  h.run_to_completion();
+  const SchedulerStats before = h.sched.stats();
+  h.add(2, prompt, 2)->wants_prompt_logprobs = true;
+  h.step();
+  const Harness::Chunk& first = h.chunks.back();
+  EXPECT_EQ(first.id, 2);
+  EXPECT_EQ(first.start, 0);
+  EXPECT_EQ(first.num_tokens, 19);  // 16 of them were cached
+  EXPECT_EQ(h.sched.find(2)->num_cached_prompt_tokens, 0);
+  EXPECT_EQ(h.sched.stats().prefix_cache_hits, before.prefix_cache_hits);
+  EXPECT_EQ(h.sched.stats().prefix_cache_queries, before.prefix_cache_queries);
+  h.run_to_completion();
+  EXPECT_EQ(h.outputs[2], h.outputs[1]);
+
+  Harness fresh(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 64});
+  fresh.add(1, prompt, 2)->wants_prompt_logprobs = true;
+  fresh.run_to_completion();
+  fresh.add(2, prompt, 2);
+  fresh.step();
+  EXPECT_EQ(fresh.sched.find(2)->num_cached_prompt_tokens, 16);
+  fresh.run_to_completion();
+  EXPECT_EQ(fresh.outputs[2], fresh.outputs[1]);
+}
+
+// A pool too small for two prompts: B (asking for prompt logprobs) is preempted mid-prompt while
+// the older A decodes, again and again until A finishes. Each re-admission recomputes B from
+// position 0, although its first blocks are still in the prefix cache (without the flag it resumes
+// from them), and B's output is the unconstrained run's.
+TEST(Scheduler, PromptLogprobsRecomputeTheWholePromptAfterPreemption) {
+  Harness roomy(256, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 8});
+  roomy.add(1, prompt_of(24, 1), 8);
+  roomy.add(2, prompt_of(24, 2), 4);
+  roomy.run_to_completion();
+  // Where B's chunks start after each (re)admission.
+  auto restarts = [&](bool prompt_logprobs) {
+    Harness h(10, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 8});
+    h.add(1, prompt_of(24, 1), 8);
+    h.add(2, prompt_of(24, 2), 4)->wants_prompt_logprobs = prompt_logprobs;
+    h.run_to_completion();
+    EXPECT_EQ(h.outputs.at(1), roomy.outputs.at(1));
+    EXPECT_EQ(h.outputs.at(2), roomy.outputs.at(2));
+    std::vector<int> starts;
+    int preemptions = -1;
+    for (const Harness::Chunk& c : h.chunks) {
+      if (c.id != 2 || c.num_preemptions == preemptions) continue;
+      preemptions = c.num_preemptions;
+      starts.push_back(c.start);
+    }
+    return starts;
+  };
+  const std::vector<int> with = restarts(true), without = restarts(false);
+  EXPECT_GT(with.size(), 1u);  // preempted at least once
+  for (int start : with) EXPECT_EQ(start, 0);
+  EXPECT_TRUE(std::any_of(without.begin(), without.end(), [](int start) { return start > 0; }));
+}
+
+// max_tokens 0: the sequence's chunks never sample; it is finished once its prompt is computed,
+// while a neighbour decodes as usual.
+TEST(Scheduler, APromptOnlySequenceSamplesNothing) {
+  Harness h(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 8});
+  h.add(1, prompt_of(3, 1), 5);
+  Sequence* scored = h.add(2, prompt_of(20, 2), 0);
+  scored->wants_prompt_logprobs = true;
+  scored->prompt_only = true;
+  h.run_to_completion();
+  int computed = 0;
+  for (const Harness::Chunk& c : h.chunks) {
+    if (c.id != 2) continue;
+    EXPECT_FALSE(c.sample);
+    EXPECT_EQ(c.start, computed);
+    computed += c.num_tokens;
+  }
+  EXPECT_EQ(computed, 20);
+  EXPECT_TRUE(h.outputs.at(2).empty());
+  EXPECT_EQ(h.outputs.at(1).size(), 5u);
+  EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
 }
 
 TEST(Scheduler, AbortFreesBlocksAtOnce) {
