@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 
 #include "core/error.h"
 #include "http/server.h"
@@ -122,6 +123,8 @@ struct HttpServer::State {
   std::unique_ptr<EngineLoop> own_loop;  // when serving a local engine
   RequestSink* loop = nullptr;           // where requests go
   std::atomic<int> active_responses{0};
+  std::mutex ignored_mu;
+  std::set<std::string> logged_ignored;  // names already logged by note_ignored
   std::mutex rng_mu;
   std::mt19937_64 rng{std::random_device{}()};
 
@@ -140,6 +143,18 @@ struct HttpServer::State {
   http::Response error_response(const ApiError& e) {
     metrics.request_rejected(e.status);
     return json_response(e.status, e.body());
+  }
+
+  // Logs each ignored request field's name the first time a request sends it (a bounded set:
+  // a client inventing names cannot grow it forever).
+  void note_ignored(const std::vector<std::string>& fields) {
+    constexpr size_t kMaxLogged = 1000;
+    std::lock_guard lock(ignored_mu);
+    for (const std::string& name : fields) {
+      if (logged_ignored.size() >= kMaxLogged || !logged_ignored.insert(name).second) continue;
+      std::fprintf(stderr, "relay: ignoring the unknown request field '%s' (logged once)\n",
+                   name.c_str());
+    }
   }
 
   void check_ready() const {
@@ -261,7 +276,9 @@ struct HttpServer::State {
     return {{"content", content}};
   }
 
-  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t text_offset,
+  // The legacy completions logprobs of `lps`; `text_offset` is the first token's offset in the
+  // choice's text (echo included) and is advanced past them, so a stream's chunks continue it.
+  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t& text_offset,
                            bool as_ids) const {
     json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
          offsets = json::array();
@@ -402,6 +419,7 @@ struct HttpServer::State {
       }
     }
     bool echoed = job.echo_text.empty();
+    std::vector<size_t> text_offset(job.choices.size(), job.echo_text.size());
     // Writes the chunk of one output (if it has anything to say); true when it wrote.
     auto on_output = [&](size_t i, const RequestOutput& out) {
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
@@ -434,7 +452,7 @@ struct HttpServer::State {
         has_content = has_content || !text.empty();
         choice["text"] = text;
         if (!out.logprobs.empty())
-          choice["logprobs"] = completion_logprobs(out.logprobs, 0, job.tokens_as_ids);
+          choice["logprobs"] = completion_logprobs(out.logprobs, text_offset[i], job.tokens_as_ids);
       }
       if (out.finish != FinishReason::kNone) {
         choice["finish_reason"] = finish_name(out.finish, num_calls[i] > 0);
@@ -469,6 +487,7 @@ struct HttpServer::State {
     for (size_t i = 0; i < job.choices.size(); ++i) {
       const Choice& c = job.choices[i];
       json choice = {{"index", i}, {"logprobs", nullptr}};
+      size_t text_offset = job.echo_text.size();
       if (job.chat) {
         ParsedDelta d = job.parsers[i].feed(c.text);
         ParsedDelta rest = job.parsers[i].finish();
@@ -489,7 +508,7 @@ struct HttpServer::State {
         choice["finish_reason"] = finish_name(c.finish, false);
         if (job.logprobs)
           choice["logprobs"] =
-              completion_logprobs(c.logprobs, job.echo_text.size(), job.tokens_as_ids);
+              completion_logprobs(c.logprobs, text_offset, job.tokens_as_ids);
       }
       choices.push_back(std::move(choice));
     }
@@ -516,6 +535,7 @@ struct HttpServer::State {
   void chat_completions(http::Exchange& ex) {
     check_ready();
     ChatRequest r = parse_chat_request(ex.request().body);
+    note_ignored(r.ignored_fields);
     check_model(r.model);
     const bool use_tools = !r.tools.is_null() && r.tool_choice != "none";
     const std::string prompt = render_chat(r.messages, use_tools ? r.tools : json(nullptr),
@@ -549,6 +569,7 @@ struct HttpServer::State {
   void completions(http::Exchange& ex) {
     check_ready();
     CompletionRequest r = parse_completion_request(ex.request().body);
+    note_ignored(r.ignored_fields);
     check_model(r.model);
     std::vector<int32_t> ids;
     std::string prompt_text;
@@ -582,6 +603,7 @@ struct HttpServer::State {
   http::Response tokenize(const http::Request& req) {
     check_ready();
     const TokenizeRequest r = parse_tokenize_request(req.body);
+    note_ignored(r.ignored_fields);
     if (r.model) check_model(*r.model);
     const std::string text =
         r.prompt ? *r.prompt
@@ -601,6 +623,7 @@ struct HttpServer::State {
   http::Response detokenize(const http::Request& req) {
     check_ready();
     const DetokenizeRequest r = parse_detokenize_request(req.body);
+    note_ignored(r.ignored_fields);
     if (r.model) check_model(*r.model);
     check_token_ids(r.tokens, model.vocab_size, "tokens");
     const std::vector<int32_t> ids(r.tokens.begin(), r.tokens.end());

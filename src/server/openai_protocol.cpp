@@ -82,18 +82,22 @@ class Fields {
     return v->get<std::string>();
   }
 
-  // Unknown fields are errors, except those that never change what is generated.
-  void reject_unknown() const {
-    static const std::set<std::string> kIgnored = {"user",
-                                                   "metadata",
-                                                   "store",
-                                                   "service_tier",
-                                                   "parallel_tool_calls",
-                                                   "prompt_cache_key",
-                                                   "safety_identifier"};
+  // Appends the fields nothing read to `ignored` (prefixed, for nested objects), as vLLM ignores
+  // fields it does not know (newer clients send reasoning_effort, modalities, verbosity, ...);
+  // those that never change what is generated are not even listed.
+  void list_unknown(std::vector<std::string>& ignored, const std::string& prefix = "") const {
+    static const std::set<std::string> kHarmless = {"user",
+                                                    "metadata",
+                                                    "store",
+                                                    "service_tier",
+                                                    "parallel_tool_calls",
+                                                    "prompt_cache_key",
+                                                    "safety_identifier"};
     for (const auto& [key, value] : obj_.items()) {
-      if (seen_.count(key) == 0 && kIgnored.count(key) == 0) {
-        throw bad_param(key, str("unrecognized request argument supplied: '", key, "'"));
+      // A null counts as absent, as everywhere here.
+      if (seen_.count(key) == 0 && !value.is_null() &&
+          (!prefix.empty() || kHarmless.count(key) == 0)) {
+        ignored.push_back(prefix + key);
       }
     }
   }
@@ -129,7 +133,8 @@ std::string read_model(Fields& f) {
 }
 
 // Fields common to both endpoints; `max_tokens_names` lists the spellings of max_tokens.
-GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max_tokens_names) {
+GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max_tokens_names,
+                               std::vector<std::string>& ignored) {
   GenerationOptions o;
   for (const char* name : max_tokens_names) {
     if (auto v = f.integer(name, 1, INT32_MAX)) o.max_tokens = *v;
@@ -193,13 +198,7 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
     Fields so(*v);
     o.include_usage = so.boolean("include_usage").value_or(false);
     so.boolean("continuous_usage_stats");
-    try {
-      so.reject_unknown();
-    } catch (const ApiError& e) {
-      throw bad_param(
-          "stream_options." + e.param,
-          str("unrecognized request argument supplied: 'stream_options.", e.param, "'"));
-    }
+    so.list_unknown(ignored, "stream_options.");
   }
   if (const json* v = f.get("logit_bias"); v != nullptr && !(v->is_object() && v->empty())) {
     throw bad_param("logit_bias", "'logit_bias' is not supported");
@@ -335,14 +334,14 @@ ChatRequest parse_chat_request(std::string_view body) {
     }
   }
   read_template_inputs(f, r.chat_template_kwargs, r.add_generation_prompt);
-  r.options = read_options(f, {"max_tokens", "max_completion_tokens"});
+  r.options = read_options(f, {"max_tokens", "max_completion_tokens"}, r.ignored_fields);
   r.options.logprobs = f.boolean("logprobs").value_or(false);
   if (auto k = f.integer("top_logprobs", 0, kMaxTopLogprobs)) {
     if (!r.options.logprobs)
       throw bad_param("top_logprobs", "'top_logprobs' requires 'logprobs': true");
     r.options.top_logprobs = *k;
   }
-  f.reject_unknown();
+  f.list_unknown(r.ignored_fields);
   return r;
 }
 
@@ -371,7 +370,7 @@ CompletionRequest parse_completion_request(std::string_view body) {
     throw bad_param("prompt", "'prompt' must be a non-empty string or list of token ids");
   }
   r.echo = f.boolean("echo").value_or(false);
-  r.options = read_options(f, {"max_tokens"});
+  r.options = read_options(f, {"max_tokens"}, r.ignored_fields);
   if (!r.options.max_tokens) r.options.max_tokens = 16;  // OpenAI's default for completions
   if (auto k = f.integer("logprobs", 0, kMaxTopLogprobs)) {
     r.options.logprobs = true;
@@ -382,7 +381,7 @@ CompletionRequest parse_completion_request(std::string_view body) {
       v != nullptr && !(v->is_number_integer() && v->get<int64_t>() == 1)) {
     throw bad_param("best_of", "'best_of' other than 1 is not supported");
   }
-  f.reject_unknown();
+  f.list_unknown(r.ignored_fields);
   return r;
 }
 
@@ -404,7 +403,7 @@ TokenizeRequest parse_tokenize_request(std::string_view body) {
   // changes nothing; it is accepted for vLLM's clients.
   f.boolean("add_special_tokens");
   r.return_token_strs = f.boolean("return_token_strs").value_or(false);
-  f.reject_unknown();
+  f.list_unknown(r.ignored_fields);
   return r;
 }
 
@@ -419,7 +418,7 @@ DetokenizeRequest parse_detokenize_request(std::string_view body) {
     throw bad_param("tokens", "'tokens' must be a list of token ids");
   }
   for (const json& t : *tokens) r.tokens.push_back(t.get<int64_t>());
-  f.reject_unknown();
+  f.list_unknown(r.ignored_fields);
   return r;
 }
 

@@ -1,8 +1,9 @@
 // Parsing and validating OpenAI-style request bodies, and the error bodies that answer bad ones.
 //
 // Everything a client can get wrong is caught here, before the request touches the engine: JSON
-// syntax, the type and range of every field, unknown fields (an unknown field is an error, as in
-// OpenAI's API, except a few that never change the output), and combinations that make no sense.
+// syntax and depth, the type and range of every field, and combinations that make no sense. Fields
+// Relay does not know are ignored, as vLLM ignores them (clients send newer OpenAI fields such as
+// reasoning_effort or modalities); each request lists them (ignored_fields) for the server to log.
 // Each failure is an ApiError whose `param` names the offending field, so one bad request gets a
 // precise 400 and nothing else is disturbed. Checks that need the tokenizer or the model (context
 // length, token ids in range, the model name) are made by the server with the helpers at the end.
@@ -68,6 +69,7 @@ struct ChatRequest {
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
   GenerationOptions options;
+  std::vector<std::string> ignored_fields;  // unknown fields, ignored (nested ones as "a.b")
 };
 
 struct CompletionRequest {
@@ -76,6 +78,7 @@ struct CompletionRequest {
   std::vector<int64_t> prompt_ids;
   bool echo = false;
   GenerationOptions options;
+  std::vector<std::string> ignored_fields;  // unknown fields, ignored (nested ones as "a.b")
 };
 
 // vLLM's POST /tokenize: a completion prompt (a string) or chat messages, rendered as
@@ -88,12 +91,14 @@ struct TokenizeRequest {
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
   bool return_token_strs = false;  // also each token's text
+  std::vector<std::string> ignored_fields;  // unknown fields, ignored (nested ones as "a.b")
 };
 
 // vLLM's POST /detokenize.
 struct DetokenizeRequest {
   std::optional<std::string> model;
   std::vector<int64_t> tokens;
+  std::vector<std::string> ignored_fields;  // unknown fields, ignored (nested ones as "a.b")
 };
 
 // Parse and validate a body; throw ApiError (400) naming the parameter on any problem.

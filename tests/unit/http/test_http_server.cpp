@@ -88,6 +88,17 @@ class Client {
   std::string received_;
 };
 
+// Waits up to `timeout` for `done()`; a test that waits fails instead of hanging.
+template <typename Pred>
+bool eventually(Pred done, std::chrono::milliseconds timeout = 10s) {
+  const auto deadline = Clock::now() + timeout;
+  while (!done()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
 std::string get(std::string_view path, std::string_view extra = "") {
   return std::string("GET ") + std::string(path) + " HTTP/1.1\r\nHost: x\r\n" + std::string(extra) +
          "\r\n";
@@ -264,7 +275,7 @@ TEST(HttpServer, ConnectionCapEvictsTheLongestIdleAndLetsHealthChecksIn) {
     busy.push_back(std::make_unique<Client>(s.port()));
     busy.back()->send(post("/wait", ""));
   }
-  while (s.waiting < 8) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(eventually([&] { return s.waiting == 8; })) << s.waiting;
   Client health(s.port());
   health.send(get("/health"));
   EXPECT_NE(health.read_until("}").find("200 OK"), std::string::npos);
@@ -298,17 +309,15 @@ TEST(HttpServer, AClosedClientIsGoneAHalfClosedOneIsNot) {
   {
     Client closed(s.port());
     closed.send(post("/wait", ""));
-    while (s.waiting < 1) std::this_thread::sleep_for(10ms);
+    ASSERT_TRUE(eventually([&] { return s.waiting == 1; }));
     closed.close();
   }
-  const auto deadline = Clock::now() + 3s;
-  while (s.saw_gone < 1 && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
-  EXPECT_EQ(s.saw_gone, 1);
+  EXPECT_TRUE(eventually([&] { return s.saw_gone == 1; }, 3s));
 
   Client half(s.port());
   half.send(post("/wait", ""));
   half.half_close();
-  while (s.waiting < 2) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(eventually([&] { return s.waiting == 2; }));
   std::this_thread::sleep_for(500ms);
   EXPECT_EQ(s.saw_gone, 1) << "a half-closed client was taken for gone";
   s.release = true;
@@ -331,7 +340,7 @@ TEST(HttpServer, StopEndsRunningHandlers) {
   auto s = std::make_unique<TestServer>();
   Client c(s->port());
   c.send(post("/wait", ""));
-  while (s->waiting < 1) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(eventually([&] { return s->waiting == 1; }));
   const auto start = Clock::now();
   s->server->stop();
   EXPECT_LT(Clock::now() - start, 3s);
