@@ -43,6 +43,10 @@ python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-te
 # CUTLASS/CuTe headers for the CUDA build's grouped GEMM (cutlass_library/source/include). The wheel
 # declares Python dependencies only its Python generator needs; the headers need none.
 python3 -m pip install -q --disable-pip-version-check --no-deps nvidia-cutlass==4.2.0.0
+# lm-eval for tests/python/test_lm_eval.py (its local-completions model against the server). Its
+# declared dependencies (datasets, evaluate, scikit-learn, ...) serve its task harness; the API
+# model needs only requests, aiohttp, tenacity and tqdm (pinned in requirements-test.txt).
+python3 -m pip install -q --disable-pip-version-check --no-deps lm-eval==0.4.13
 
 # xgrammar (Apache-2.0): the grammar engine behind structured outputs (src/grammar). Its PyPI wheel
 # has no C++ API, so the static library and headers are built from the pinned PyPI source

@@ -209,8 +209,9 @@ int run_serve(const ServeOptions& o) {
     return wait_and_drain(signals, http, o.drain_timeout_s);
   }
   server::EngineLoop loop(engine, http.metrics());
+  // NOTE: a disaggregated worker's own OpenAI routes run locally, prompt logprobs included.
   http.attach(server::ServedModel{&engine.tokenizer(), engine.model_config().vocab_size,
-                                  engine.max_model_len()},
+                                  engine.max_model_len(), engine.supports_prompt_logprobs()},
               loop, std::move(chat_template));
   disagg::WorkerOptions wo;
   wo.role = o.role;

@@ -86,15 +86,18 @@ json output_to_json(const RequestOutput& o) {
     logprobs.push_back(
         {{"token", lp.token}, {"logprob", lp.logprob}, {"top", top_to_json(lp.top)}});
   }
-  return {{"id", o.id},
-          {"new_tokens", o.new_tokens},
-          {"text", o.text},
-          {"logprobs", logprobs},
-          {"finish", finish_reason_name(o.finish)},
+  json out = {{"id", o.id},
+              {"new_tokens", o.new_tokens},
+              {"text", o.text},
+              {"logprobs", logprobs},
+              {"finish", finish_reason_name(o.finish)},
           {"num_prompt_tokens", o.num_prompt_tokens},
           {"num_output_tokens", o.num_output_tokens},
-          {"num_cached_tokens", o.num_cached_tokens},
-          {"queue_time_s", o.queue_time_s}};
+              {"num_cached_tokens", o.num_cached_tokens},
+              {"queue_time_s", o.queue_time_s}};
+  if (o.stop_token) out["stop_token"] = *o.stop_token;
+  if (o.stop_string) out["stop_string"] = *o.stop_string;
+  return out;
 }
 
 RequestOutput output_from_json(const json& j) {
@@ -112,6 +115,8 @@ RequestOutput output_from_json(const json& j) {
   o.num_output_tokens = field<int>(j, "num_output_tokens", "output");
   o.num_cached_tokens = field<int>(j, "num_cached_tokens", "output");
   o.queue_time_s = field<double>(j, "queue_time_s", "output");
+  if (j.contains("stop_token")) o.stop_token = field<int32_t>(j, "stop_token", "output");
+  if (j.contains("stop_string")) o.stop_string = field<std::string>(j, "stop_string", "output");
   return o;
 }
 

@@ -48,6 +48,7 @@ struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top;
+  int32_t rank = 0;  // 1 + the number of tokens more likely than `token` (vLLM's rank); 0: unknown
 };
 
 // One sequence's part of a step.

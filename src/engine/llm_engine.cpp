@@ -307,6 +307,7 @@ void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput&
                                    sampled.token) != stop.stop_token_ids.end();
     if (is_eos || is_stop) {
       r.text += r.detokenizer.flush();
+      if (!is_eos) out.stop_token = sampled.token;
       finish(r, FinishReason::kStop, out);
       return;
     }
@@ -318,14 +319,17 @@ void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput&
     // Only a match overlapping the new text can be new; find the earliest one.
     const size_t from = old_size >= r.max_stop_len ? old_size - r.max_stop_len + 1 : 0;
     size_t best = std::string::npos, best_len = 0;
+    const std::string* matched = nullptr;
     for (const std::string& s : stop.stop_strings) {
       const size_t pos = r.text.find(s, from);
       if (pos < best) {
         best = pos;
         best_len = s.size();
+        matched = &s;
       }
     }
     if (best != std::string::npos) {
+      out.stop_string = *matched;
       r.text.resize(best + (stop.include_stop_str_in_output ? best_len : 0));
       r.num_sent = std::min(r.num_sent, r.text.size());
       finish(r, FinishReason::kStop, out);

@@ -82,6 +82,10 @@ struct RequestOutput {
   // first nullopt (no token precedes it), as vLLM's prompt_logprobs; empty in every other output.
   std::vector<std::optional<TokenLogprob>> prompt_logprobs;
   FinishReason finish = FinishReason::kNone;
+  // vLLM's stop_reason, with finish kStop: the stop_token_ids entry or the stop string that ended
+  // the request (neither: the model's EOS).
+  std::optional<int32_t> stop_token;
+  std::optional<std::string> stop_string;
   int num_prompt_tokens = 0;
   int num_output_tokens = 0;       // generated so far
   int num_cached_tokens = 0;       // prompt tokens served from the prefix cache

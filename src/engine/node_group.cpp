@@ -96,12 +96,13 @@ bool reads_history(const SamplingParams& p) {
   return p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.repetition_penalty != 1.0f;
 }
 
-// A TokenLogprob on the wire: token, logprob, then the count and pairs of its top tokens.
-constexpr size_t kMinLogprobBytes = sizeof(int32_t) + sizeof(float) + sizeof(uint32_t);
+// A TokenLogprob on the wire: token, logprob, rank, then the count and pairs of its top tokens.
+constexpr size_t kMinLogprobBytes = 2 * sizeof(int32_t) + sizeof(float) + sizeof(uint32_t);
 
 void put_logprob(Writer& w, const TokenLogprob& t) {
   w.put(t.token);
   w.put(t.logprob);
+  w.put(t.rank);
   w.put(static_cast<uint32_t>(t.top.size()));
   for (const auto& [token, logprob] : t.top) w.put(token), w.put(logprob);
 }
@@ -109,6 +110,7 @@ void put_logprob(Writer& w, const TokenLogprob& t) {
 void get_logprob(Reader& r, TokenLogprob& t) {
   t.token = r.get<int32_t>();
   t.logprob = r.get<float>();
+  t.rank = r.get<int32_t>();
   t.top.resize(r.get_count(sizeof(int32_t) + sizeof(float)));
   for (auto& [token, logprob] : t.top) token = r.get<int32_t>(), logprob = r.get<float>();
 }

@@ -75,13 +75,19 @@ std::vector<std::pair<int32_t, float>> top_logprobs(std::span<const float> logpr
   return top;
 }
 
+int32_t rank_of(std::span<const float> logprobs, int32_t token) {
+  const float value = logprobs[static_cast<size_t>(token)];
+  return 1 + static_cast<int32_t>(
+                 std::count_if(logprobs.begin(), logprobs.end(), [&](float x) { return x > value; }));
+}
+
 TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int num_top,
                            std::vector<float>& scratch) {
   RELAY_CHECK(token >= 0 && static_cast<size_t>(token) < logits.size(), "logprob of token ", token,
               " outside the vocabulary [0, ", logits.size(), ")");
   scratch.resize(logits.size());
   log_softmax(logits, scratch);
-  return {token, scratch[token], top_logprobs(scratch, num_top)};
+  return {token, scratch[token], top_logprobs(scratch, num_top), rank_of(scratch, token)};
 }
 
 void apply_penalties(std::span<float> logits, std::span<const int32_t> prompt_tokens,
@@ -214,6 +220,7 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& p, std:
   if (p.num_logprobs >= 0) {
     out.logprob = logprobs[out.token];
     out.top = top_logprobs(logprobs, p.num_logprobs);
+    out.rank = rank_of(logprobs, out.token);
   }
   return out;
 }

@@ -30,6 +30,8 @@ std::vector<std::pair<int32_t, float>> top_logprobs(std::span<const float> logpr
 // vLLM's logprob of `token` at one row of raw logits: log_softmax(logits)[token] and the num_top
 // most likely tokens of the row (prompt logprobs; sample_token does the same for the sampled
 // token). `scratch` receives the log-softmax row.
+// 1 + the number of entries of `logprobs` larger than that of `token` (ties share a rank).
+int32_t rank_of(std::span<const float> logprobs, int32_t token);
 TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int num_top,
                            std::vector<float>& scratch);
 

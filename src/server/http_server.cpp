@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -11,6 +12,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "http/server.h"
 #include "server/openai_protocol.h"
 #include "server/output_parser.h"
@@ -37,12 +39,19 @@ int64_t unix_time() {
       .count();
 }
 
-// One choice of a request (n > 1 runs n engine requests over the same prompt).
+// One choice of a request: an engine request over one prompt (n > 1 runs n per prompt, and a
+// completions batch runs n for each of its prompts).
 struct Choice {
-  std::shared_ptr<RequestHandle> handle;
+  std::shared_ptr<RequestHandle> handle;  // none for an echo that needs no engine (max_tokens 0)
+  std::vector<int32_t> prompt;            // its prompt's ids (echo with logprobs lists them)
+  std::string echo_text;                  // completions with echo: the prompt's text
   std::string text;
   std::vector<TokenLogprob> logprobs;
+  // The prompt's logprobs, from the engine's first output ([0] empty), when the job asked.
+  std::vector<std::optional<TokenLogprob>> prompt_logprobs;
   FinishReason finish = FinishReason::kNone;
+  std::optional<int32_t> stop_token;  // vLLM's stop_reason
+  std::optional<std::string> stop_string;
   int num_output_tokens = 0;
   int num_cached_tokens = 0;
   std::string error;
@@ -58,9 +67,11 @@ struct Job {
   bool stream = false;
   bool include_usage = false;
   bool logprobs = false;
+  int top_logprobs = 0;
   bool tokens_as_ids = false;  // return_tokens_as_token_ids
-  int num_prompt_tokens = 0;
-  std::string echo_text;  // completions with echo
+  bool echo = false;           // completions: the prompt leads each choice's text and logprobs
+  std::optional<int> prompt_logprobs;  // vLLM's prompt_logprobs field, with this many alternatives
+  int num_prompt_tokens = 0;           // every prompt's, once (n choices share one)
   // Chat output parsing, one parser per choice.
   bool parse_reasoning = false;
   bool starts_in_reasoning = false;
@@ -85,6 +96,26 @@ ApiError transport_error(int status, const std::string& message) {
                      : status == 431 ? "request_header_fields_too_large"
                                      : "";
   return ApiError{status, message, type, "", code};
+}
+
+// vLLM's GET /tokenizer_info: the model's tokenizer_config.json (special tokens as plain strings),
+// with the chat template the server renders with and the context it serves. lm-eval's remote
+// tokenizer reads eos_token and chat_template from it.
+json tokenizer_info(const std::string& model_dir, int max_model_len) {
+  namespace fs = std::filesystem;
+  json info = json::object();
+  const fs::path config = fs::path(model_dir) / "tokenizer_config.json";
+  if (fs::exists(config)) info = parse_json_file<json>(config);
+  for (auto& [key, value] : info.items()) {
+    // AddedToken objects ({"content": ...}) of older configs, as the string they stand for.
+    if (key.ends_with("_token") && value.is_object() && value.contains("content")) {
+      value = json(value["content"]);
+    }
+  }
+  const fs::path jinja = fs::path(model_dir) / "chat_template.jinja";
+  if (fs::exists(jinja)) info["chat_template"] = read_text_file(jinja);
+  info["model_max_length"] = max_model_len;
+  return info;
 }
 
 http::Response json_response(int status, const json& body) {
@@ -123,6 +154,7 @@ struct HttpServer::State {
   std::unique_ptr<EngineLoop> own_loop;  // when serving a local engine
   RequestSink* loop = nullptr;           // where requests go
   std::atomic<int> active_responses{0};
+  std::string tokenizer_info_body;  // GET /tokenizer_info, made once the model is attached
   std::mutex ignored_mu;
   std::set<std::string> logged_ignored;  // names already logged by note_ignored
   std::mutex rng_mu;
@@ -184,16 +216,38 @@ struct HttpServer::State {
     }
   }
 
-  // Submits the n choices of a request.
+  // The checks of a request's options against the model, before any of its choices is submitted:
+  // stop tokens in the vocabulary, room for `num_choices` more requests, and prompt logprobs
+  // (asked by `param`, or nothing) only where the engine computes them.
+  void check_job(const GenerationOptions& o, size_t num_choices, const char* prompt_logprobs_param) {
+    check_token_ids(o.stop_token_ids, model.vocab_size, "stop_token_ids");
+    if (prompt_logprobs_param != nullptr && !model.prompt_logprobs) {
+      throw bad_param(prompt_logprobs_param,
+                      str("'", prompt_logprobs_param, "' needs prompt logprobs, which this "
+                          "deployment does not compute (the CPU backend does; the CUDA backend "
+                          "and disaggregated routers do not yet)"));
+    }
+    check_capacity(static_cast<int>(num_choices));
+  }
+
+  // Submits the n choices of one prompt. `num_prompt_logprobs` >= 0 asks the engine for the
+  // prompt's logprobs; with max_tokens 0 and none asked (an echo) no engine request is needed.
   void submit(Job& job, const std::vector<int32_t>& prompt, const GenerationOptions& o,
-              int64_t max_tokens) {
-    const int64_t vocab = model.vocab_size;
-    check_token_ids(o.stop_token_ids, vocab, "stop_token_ids");
-    check_capacity(static_cast<int>(o.n));
+              int64_t max_tokens, int num_prompt_logprobs, const std::string& echo_text = "") {
     const uint64_t seed = o.seed ? *o.seed : random64();
     for (int64_t i = 0; i < o.n; ++i) {
+      Choice c;
+      c.prompt = prompt;
+      c.echo_text = echo_text;
+      if (max_tokens == 0 && num_prompt_logprobs < 0) {
+        c.finish = FinishReason::kLength;
+        c.done = true;
+        job.choices.push_back(std::move(c));
+        continue;
+      }
       EngineRequest r;
       r.prompt = prompt;
+      r.num_prompt_logprobs = num_prompt_logprobs;
       r.sampling.temperature = static_cast<float>(o.temperature);
       r.sampling.top_k = o.top_k < 0 ? 0 : static_cast<int>(o.top_k);
       r.sampling.top_p = static_cast<float>(o.top_p);
@@ -210,7 +264,6 @@ struct HttpServer::State {
       r.stop.ignore_eos = o.ignore_eos;
       r.stop.include_stop_str_in_output = o.include_stop_str_in_output;
       r.stop.skip_special_tokens = o.skip_special_tokens;
-      Choice c;
       c.handle = loop->submit(std::move(r));
       job.choices.push_back(std::move(c));
     }
@@ -218,7 +271,7 @@ struct HttpServer::State {
 
   void abort_job(Job& job) {
     for (Choice& c : job.choices) {
-      if (!c.done) loop->abort(c.handle->id());
+      if (!c.done && c.handle) loop->abort(c.handle->id());
     }
   }
 
@@ -232,10 +285,13 @@ struct HttpServer::State {
       for (RequestOutput& out : c.handle->next(wait)) {
         c.text += out.text;
         c.logprobs.insert(c.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
+        if (!out.prompt_logprobs.empty()) c.prompt_logprobs = out.prompt_logprobs;
         c.num_output_tokens = out.num_output_tokens;
         c.num_cached_tokens = out.num_cached_tokens;
         if (out.finish != FinishReason::kNone) {
           c.finish = out.finish;
+          c.stop_token = out.stop_token;
+          c.stop_string = out.stop_string;
           c.done = true;
         }
         on_output(i, out);
@@ -276,26 +332,74 @@ struct HttpServer::State {
     return {{"content", content}};
   }
 
-  // The legacy completions logprobs of `lps`; `text_offset` is the first token's offset in the
-  // choice's text (echo included) and is advanced past them, so a stream's chunks continue it.
-  json completion_logprobs(const std::vector<TokenLogprob>& lps, size_t& text_offset,
-                           bool as_ids) const {
+  // The legacy completions logprobs of a choice's new tokens `lps`, led by its prompt's tokens when
+  // `echo` (the first with null logprobs: nothing precedes it; each other with its top
+  // job.top_logprobs alternatives and itself, as vLLM lists them). `text_offset` is the first
+  // token's offset in the choice's text and is advanced past them, so a stream's chunks continue it.
+  json completion_logprobs(const Job& job, const Choice& c, bool echo,
+                           const std::vector<TokenLogprob>& lps, size_t& text_offset) const {
     json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
          offsets = json::array();
-    for (const TokenLogprob& lp : lps) {
-      const std::string t = token_text(lp.token, as_ids);
-      tokens.push_back(t);
-      token_logprobs.push_back(lp.logprob);
-      json alts = json::object();
-      for (const auto& [id, v] : lp.top) alts[token_text(id, as_ids)] = v;
-      top.push_back(alts);
+    auto add = [&](int32_t token, const TokenLogprob* lp, bool with_itself) {
+      tokens.push_back(token_text(token, job.tokens_as_ids));
+      if (lp == nullptr) {
+        token_logprobs.push_back(nullptr);
+        top.push_back(nullptr);
+      } else {
+        token_logprobs.push_back(lp->logprob);
+        json alts = json::object();
+        const size_t k = std::min(lp->top.size(), static_cast<size_t>(job.top_logprobs));
+        for (size_t i = 0; i < k; ++i) alts[token_text(lp->top[i].first, job.tokens_as_ids)] = lp->top[i].second;
+        if (with_itself) alts[token_text(token, job.tokens_as_ids)] = lp->logprob;
+        top.push_back(alts);
+      }
       offsets.push_back(text_offset);
-      text_offset += model.tokenizer->token_bytes(lp.token).size();
+      text_offset += model.tokenizer->token_bytes(token).size();
+    };
+    if (echo) {
+      for (size_t pos = 0; pos < c.prompt.size(); ++pos) {
+        const bool scored = pos > 0 && pos < c.prompt_logprobs.size() && c.prompt_logprobs[pos];
+        add(c.prompt[pos], scored ? &*c.prompt_logprobs[pos] : nullptr, true);
+      }
     }
+    for (const TokenLogprob& lp : lps) add(lp.token, &lp, false);
     return {{"tokens", tokens},
             {"token_logprobs", token_logprobs},
             {"top_logprobs", top},
             {"text_offset", offsets}};
+  }
+
+  // vLLM's prompt_logprobs of a choice: per prompt position null (the first) or
+  // {"<token id>": {"logprob", "rank", "decoded_token"}} for the prompt token and its top k.
+  json prompt_logprobs_json(const Choice& c, int k) const {
+    json out = json::array();
+    for (size_t pos = 0; pos < c.prompt.size(); ++pos) {
+      if (pos == 0 || pos >= c.prompt_logprobs.size() || !c.prompt_logprobs[pos]) {
+        out.push_back(nullptr);
+        continue;
+      }
+      const TokenLogprob& lp = *c.prompt_logprobs[pos];
+      json entry = json::object();
+      auto add = [&](int32_t id, float logprob, int rank) {
+        const std::string key = std::to_string(id);
+        if (entry.contains(key)) return;
+        entry[key] = {{"logprob", logprob},
+                      {"rank", rank},
+                      {"decoded_token", utf8::sanitize(model.tokenizer->token_bytes(id))}};
+      };
+      add(lp.token, lp.logprob, lp.rank);
+      const size_t n = std::min(lp.top.size(), static_cast<size_t>(k));
+      for (size_t i = 0; i < n; ++i) add(lp.top[i].first, lp.top[i].second, static_cast<int>(i) + 1);
+      out.push_back(std::move(entry));
+    }
+    return out;
+  }
+
+  // vLLM's stop_reason: the stop token id or stop string that ended the choice, or null.
+  static json stop_reason(const Choice& c) {
+    if (c.stop_token) return *c.stop_token;
+    if (c.stop_string) return *c.stop_string;
+    return nullptr;
   }
 
   json usage(const Job& job) const {
@@ -418,10 +522,12 @@ struct HttpServer::State {
         if (!sse(c)) return false;
       }
     }
-    bool echoed = job.echo_text.empty();
-    std::vector<size_t> text_offset(job.choices.size(), job.echo_text.size());
+    // Completions with echo: a choice's first chunk leads with its prompt (and its logprobs).
+    std::vector<bool> echoed(job.choices.size(), !job.echo);
+    std::vector<size_t> text_offset(job.choices.size(), 0);
     // Writes the chunk of one output (if it has anything to say); true when it wrote.
     auto on_output = [&](size_t i, const RequestOutput& out) {
+      const Choice& ch = job.choices[i];
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
       bool has_content = !out.logprobs.empty();
       if (job.chat) {
@@ -444,18 +550,18 @@ struct HttpServer::State {
         if (!out.logprobs.empty())
           choice["logprobs"] = chat_logprobs(out.logprobs, job.tokens_as_ids);
       } else {
-        std::string text = out.text;
-        if (!echoed) {
-          text = job.echo_text + text;
-          echoed = true;
-        }
+        const bool echo_now = !echoed[i];
+        echoed[i] = true;
+        const std::string text = echo_now ? ch.echo_text + out.text : out.text;
         has_content = has_content || !text.empty();
         choice["text"] = text;
-        if (!out.logprobs.empty())
-          choice["logprobs"] = completion_logprobs(out.logprobs, text_offset[i], job.tokens_as_ids);
+        if (job.logprobs && (echo_now || !out.logprobs.empty())) {
+          choice["logprobs"] = completion_logprobs(job, ch, echo_now, out.logprobs, text_offset[i]);
+        }
       }
       if (out.finish != FinishReason::kNone) {
         choice["finish_reason"] = finish_name(out.finish, num_calls[i] > 0);
+        choice["stop_reason"] = stop_reason(ch);
         has_content = true;
       }
       if (!has_content) return false;
@@ -465,6 +571,13 @@ struct HttpServer::State {
       sse(c);
       return true;
     };
+    // Choices that needed no engine (an echo with max_tokens 0) are complete already.
+    for (size_t i = 0; i < job.choices.size(); ++i) {
+      if (job.choices[i].handle) continue;
+      RequestOutput done;
+      done.finish = job.choices[i].finish;
+      on_output(i, done);
+    }
     for (const auto& [i, out] : early) {
       on_output(i, out);
       if (ex.failed()) return false;
@@ -487,7 +600,7 @@ struct HttpServer::State {
     for (size_t i = 0; i < job.choices.size(); ++i) {
       const Choice& c = job.choices[i];
       json choice = {{"index", i}, {"logprobs", nullptr}};
-      size_t text_offset = job.echo_text.size();
+      size_t text_offset = 0;
       if (job.chat) {
         ParsedDelta d = job.parsers[i].feed(c.text);
         ParsedDelta rest = job.parsers[i].finish();
@@ -504,18 +617,24 @@ struct HttpServer::State {
         choice["finish_reason"] = finish_name(c.finish, !d.tool_calls.empty());
         if (job.logprobs) choice["logprobs"] = chat_logprobs(c.logprobs, job.tokens_as_ids);
       } else {
-        choice["text"] = job.echo_text + c.text;
+        choice["text"] = c.echo_text + c.text;
         choice["finish_reason"] = finish_name(c.finish, false);
-        if (job.logprobs)
-          choice["logprobs"] =
-              completion_logprobs(c.logprobs, text_offset, job.tokens_as_ids);
+        if (job.logprobs) {
+          choice["logprobs"] = completion_logprobs(job, c, job.echo, c.logprobs, text_offset);
+        }
+        if (job.prompt_logprobs) choice["prompt_logprobs"] = prompt_logprobs_json(c, *job.prompt_logprobs);
       }
+      choice["stop_reason"] = stop_reason(c);
       choices.push_back(std::move(choice));
     }
     json body = {
         {"id", job.id},           {"object", job.chat ? "chat.completion" : "text_completion"},
         {"created", job.created}, {"model", options.served_model_name},
         {"choices", choices},     {"usage", usage(job)}};
+    // vLLM puts a chat request's prompt logprobs beside its choices (they share one prompt).
+    if (job.chat && job.prompt_logprobs) {
+      body["prompt_logprobs"] = prompt_logprobs_json(job.choices.front(), *job.prompt_logprobs);
+    }
     return dump(body);
   }
 
@@ -550,8 +669,10 @@ struct HttpServer::State {
     job.stream = r.options.stream;
     job.include_usage = r.options.include_usage;
     job.logprobs = r.options.logprobs;
+    job.top_logprobs = static_cast<int>(r.options.top_logprobs);
     job.tokens_as_ids = r.options.return_tokens_as_token_ids;
     job.num_prompt_tokens = static_cast<int>(ids.size());
+    if (r.options.prompt_logprobs) job.prompt_logprobs = static_cast<int>(*r.options.prompt_logprobs);
     const auto thinking = r.chat_template_kwargs.find("enable_thinking");
     job.parse_reasoning = thinking == r.chat_template_kwargs.end() || thinking->is_null() ||
                           (thinking->is_boolean() && thinking->get<bool>());
@@ -559,7 +680,9 @@ struct HttpServer::State {
     job.starts_in_reasoning =
         std::string_view(prompt).substr(0, prompt.find_last_not_of(" \n") + 1).ends_with("<think>");
     job.parse_tools = use_tools;
-    submit(job, ids, r.options, max_tokens);
+    check_job(r.options, static_cast<size_t>(r.options.n),
+              job.prompt_logprobs ? "prompt_logprobs" : nullptr);
+    submit(job, ids, r.options, max_tokens, job.prompt_logprobs.value_or(-1));
     for (size_t i = 0; i < job.choices.size(); ++i) {
       job.parsers.emplace_back(job.parse_reasoning, job.starts_in_reasoning, job.parse_tools);
     }
@@ -571,19 +694,28 @@ struct HttpServer::State {
     CompletionRequest r = parse_completion_request(ex.request().body);
     note_ignored(r.ignored_fields);
     check_model(r.model);
-    std::vector<int32_t> ids;
-    std::string prompt_text;
-    if (r.prompt_text) {
-      ids = model.tokenizer->encode(*r.prompt_text);
-      prompt_text = *r.prompt_text;
-      if (ids.empty()) throw bad_param("prompt", "'prompt' encodes to no tokens");
-    } else {
-      check_token_ids(r.prompt_ids, model.vocab_size, "prompt");
-      ids.assign(r.prompt_ids.begin(), r.prompt_ids.end());
-      if (r.echo) prompt_text = model.tokenizer->decode(ids);
+    // Every prompt is checked before any is submitted: a bad one fails the whole request.
+    struct Prompt {
+      std::vector<int32_t> ids;
+      std::string text;  // for echo
+      int64_t max_tokens = 0;
+    };
+    std::vector<Prompt> prompts;
+    for (const CompletionPrompt& p : r.prompts) {
+      Prompt one;
+      if (p.text) {
+        one.ids = model.tokenizer->encode(*p.text);
+        one.text = *p.text;
+        if (one.ids.empty()) throw bad_param("prompt", "'prompt' encodes to no tokens");
+      } else {
+        check_token_ids(p.ids, model.vocab_size, "prompt");
+        one.ids.assign(p.ids.begin(), p.ids.end());
+        if (r.echo) one.text = model.tokenizer->decode(one.ids);
+      }
+      one.max_tokens = check_context_length(static_cast<int64_t>(one.ids.size()), r.options,
+                                            model.max_model_len, "prompt");
+      prompts.push_back(std::move(one));
     }
-    const int64_t max_tokens = check_context_length(static_cast<int64_t>(ids.size()), r.options,
-                                                    model.max_model_len, "prompt");
     Job job;
     job.id = random_id("cmpl-");
     job.created = unix_time();
@@ -591,10 +723,21 @@ struct HttpServer::State {
     job.stream = r.options.stream;
     job.include_usage = r.options.include_usage;
     job.logprobs = r.options.logprobs;
+    job.top_logprobs = static_cast<int>(r.options.top_logprobs);
     job.tokens_as_ids = r.options.return_tokens_as_token_ids;
-    job.num_prompt_tokens = static_cast<int>(ids.size());
-    if (r.echo) job.echo_text = prompt_text;
-    submit(job, ids, r.options, max_tokens);
+    job.echo = r.echo;
+    if (r.options.prompt_logprobs) job.prompt_logprobs = static_cast<int>(*r.options.prompt_logprobs);
+    // The engine scores the prompt for echo with logprobs and for prompt_logprobs, with as many
+    // alternatives as the larger of the two asks.
+    int num_prompt_logprobs = job.prompt_logprobs.value_or(-1);
+    if (job.echo && job.logprobs) num_prompt_logprobs = std::max(num_prompt_logprobs, job.top_logprobs);
+    check_job(r.options, prompts.size() * static_cast<size_t>(r.options.n),
+              job.prompt_logprobs ? "prompt_logprobs"
+              : num_prompt_logprobs >= 0 ? "echo" : nullptr);
+    for (const Prompt& p : prompts) {
+      job.num_prompt_tokens += static_cast<int>(p.ids.size());
+      submit(job, p.ids, r.options, p.max_tokens, num_prompt_logprobs, r.echo ? p.text : "");
+    }
     respond(std::move(job), ex);
   }
 
@@ -704,6 +847,10 @@ void HttpServer::start() {
     return json_response(200, {{"version", RELAY_VERSION}});
   });
   svr.route_inline("GET", "/v1/models", answer([&s](const http::Request&) { return s.models(); }));
+  svr.route_inline("GET", "/tokenizer_info", answer([&s](const http::Request&) {
+                     s.check_ready();
+                     return http::Response{200, "application/json", s.tokenizer_info_body, {}};
+                   }));
   svr.route_blocking("POST", "/tokenize",
                      answer([&s](const http::Request& req) { return s.tokenize(req); }));
   svr.route_blocking("POST", "/detokenize",
@@ -719,7 +866,8 @@ void HttpServer::start() {
 void HttpServer::attach(LLMEngine& engine, chat::ChatTemplate chat_template) {
   State& s = *state_;
   s.own_loop = std::make_unique<EngineLoop>(engine, s.metrics);
-  attach(ServedModel{&engine.tokenizer(), engine.model_config().vocab_size, engine.max_model_len()},
+  attach(ServedModel{&engine.tokenizer(), engine.model_config().vocab_size, engine.max_model_len(),
+                     engine.supports_prompt_logprobs()},
          *s.own_loop, std::move(chat_template));
 }
 
@@ -727,6 +875,7 @@ void HttpServer::attach(const ServedModel& model, RequestSink& sink,
                         chat::ChatTemplate chat_template) {
   State& s = *state_;
   s.model = model;
+  s.tokenizer_info_body = dump(tokenizer_info(s.options.model_path, model.max_model_len));
   s.chat_template.emplace(std::move(chat_template));
   s.loop = &sink;
   s.phase = Phase::kReady;

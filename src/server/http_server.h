@@ -35,6 +35,7 @@ struct ServedModel {
   const Tokenizer* tokenizer = nullptr;
   int64_t vocab_size = 0;
   int max_model_len = 0;
+  bool prompt_logprobs = false;  // the engine computes prompt logprobs (echo + logprobs)
 };
 
 struct ServerOptions {

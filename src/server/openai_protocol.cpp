@@ -28,6 +28,7 @@ namespace {
 
 constexpr int64_t kMaxN = 16;
 constexpr int64_t kMaxTopLogprobs = 20;
+constexpr size_t kMaxPrompts = 1024;  // prompts in one completions request
 constexpr size_t kMaxStopStrings = 16;
 
 // Reads the fields of one JSON object, remembering which were read so that the rest can be
@@ -133,11 +134,12 @@ std::string read_model(Fields& f) {
 }
 
 // Fields common to both endpoints; `max_tokens_names` lists the spellings of max_tokens.
+// `min_max_tokens`: 1, or 0 where the caller allows max_tokens 0 (completions with echo).
 GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max_tokens_names,
-                               std::vector<std::string>& ignored) {
+                               int64_t min_max_tokens, std::vector<std::string>& ignored) {
   GenerationOptions o;
   for (const char* name : max_tokens_names) {
-    if (auto v = f.integer(name, 1, INT32_MAX)) o.max_tokens = *v;
+    if (auto v = f.integer(name, min_max_tokens, INT32_MAX)) o.max_tokens = *v;
   }
   o.min_tokens = f.integer("min_tokens", 0, INT32_MAX).value_or(0);
   o.temperature = f.number("temperature", 0.0, 2.0).value_or(1.0);
@@ -189,7 +191,11 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
   o.include_stop_str_in_output = f.boolean("include_stop_str_in_output").value_or(false);
   o.skip_special_tokens = f.boolean("skip_special_tokens").value_or(true);
   o.return_tokens_as_token_ids = f.boolean("return_tokens_as_token_ids").value_or(false);
+  o.prompt_logprobs = f.integer("prompt_logprobs", 0, kMaxTopLogprobs);
   o.stream = f.boolean("stream").value_or(false);
+  if (o.prompt_logprobs && o.stream) {  // as vLLM
+    throw bad_param("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
+  }
   if (const json* v = f.get("stream_options")) {
     if (!o.stream) {
       throw bad_param("stream_options", "'stream_options' is only allowed when 'stream' is true");
@@ -334,7 +340,7 @@ ChatRequest parse_chat_request(std::string_view body) {
     }
   }
   read_template_inputs(f, r.chat_template_kwargs, r.add_generation_prompt);
-  r.options = read_options(f, {"max_tokens", "max_completion_tokens"}, r.ignored_fields);
+  r.options = read_options(f, {"max_tokens", "max_completion_tokens"}, 1, r.ignored_fields);
   r.options.logprobs = f.boolean("logprobs").value_or(false);
   if (auto k = f.integer("top_logprobs", 0, kMaxTopLogprobs)) {
     if (!r.options.logprobs)
@@ -352,26 +358,46 @@ CompletionRequest parse_completion_request(std::string_view body) {
   r.model = read_model(f);
   const json* prompt = f.get("prompt");
   if (prompt == nullptr) throw bad_param("prompt", "'prompt' is required");
-  // A prompt is a string, a list of token ids, or a list holding exactly one of those.
-  const json* p = prompt;
-  if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
-  if (p->is_string()) {
-    r.prompt_text = p->get<std::string>();
-    if (r.prompt_text->empty()) throw bad_param("prompt", "'prompt' must not be empty");
-  } else if (p->is_array() && !p->empty() && std::all_of(p->begin(), p->end(), [](const json& t) {
-               return t.is_number_integer();
-             })) {
-    for (const json& t : *p) r.prompt_ids.push_back(t.get<int64_t>());
-  } else if (p->is_array() && p->size() > 1) {
-    throw bad_param("prompt",
-                    "'prompt' must be one string or one list of token ids (batches of "
-                    "prompts are not supported; send one request per prompt)");
+  // A prompt is a string or a list of token ids; a batch is a list of either.
+  auto read_prompt = [](const json& p) -> std::optional<CompletionPrompt> {
+    if (p.is_string()) {
+      if (p.get_ref<const std::string&>().empty()) {
+        throw bad_param("prompt", "'prompt' must not be empty");
+      }
+      return CompletionPrompt{p.get<std::string>(), {}};
+    }
+    if (p.is_array() && !p.empty() &&
+        std::all_of(p.begin(), p.end(), [](const json& t) { return t.is_number_integer(); })) {
+      CompletionPrompt out;
+      for (const json& t : p) out.ids.push_back(t.get<int64_t>());
+      return out;
+    }
+    return std::nullopt;
+  };
+  if (auto one = read_prompt(*prompt)) {
+    r.prompts.push_back(std::move(*one));
+  } else if (prompt->is_array() && !prompt->empty()) {
+    if (prompt->size() > kMaxPrompts) {
+      throw bad_param("prompt", str("'prompt' holds at most ", kMaxPrompts, " prompts"));
+    }
+    for (const json& p : *prompt) {
+      auto each = read_prompt(p);
+      if (!each) {
+        throw bad_param("prompt",
+                        "'prompt' must be a string, a list of token ids, or a list of either");
+      }
+      r.prompts.push_back(std::move(*each));
+    }
   } else {
     throw bad_param("prompt", "'prompt' must be a non-empty string or list of token ids");
   }
   r.echo = f.boolean("echo").value_or(false);
-  r.options = read_options(f, {"max_tokens"}, r.ignored_fields);
+  r.options = read_options(f, {"max_tokens"}, 0, r.ignored_fields);
   if (!r.options.max_tokens) r.options.max_tokens = 16;  // OpenAI's default for completions
+  // max_tokens 0 returns the prompt alone (with its logprobs): vLLM's scoring request.
+  if (*r.options.max_tokens == 0 && !r.echo) {
+    throw bad_param("max_tokens", "'max_tokens' may be 0 only with 'echo': true");
+  }
   if (auto k = f.integer("logprobs", 0, kMaxTopLogprobs)) {
     r.options.logprobs = true;
     r.options.top_logprobs = *k;
@@ -425,7 +451,8 @@ DetokenizeRequest parse_detokenize_request(std::string_view body) {
 int64_t check_context_length(int64_t num_prompt_tokens, const GenerationOptions& options,
                              int64_t max_model_len, const std::string& prompt_param) {
   const int64_t wanted = options.max_tokens.value_or(0);
-  if (num_prompt_tokens + std::max<int64_t>(wanted, 1) > max_model_len) {
+  // Room for max_tokens, or (unset) for at least one token; max_tokens 0 needs only the prompt.
+  if (num_prompt_tokens + (options.max_tokens ? wanted : 1) > max_model_len) {
     ApiError e =
         bad_param(prompt_param, str("This model's maximum context length is ", max_model_len,
                                     " tokens. However, you requested ", num_prompt_tokens + wanted,

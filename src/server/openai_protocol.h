@@ -37,7 +37,7 @@ ApiError bad_param(const std::string& param, const std::string& message);
 
 // Sampling and stopping options shared by chat and text completions.
 struct GenerationOptions {
-  std::optional<int64_t> max_tokens;  // unset: up to the context length
+  std::optional<int64_t> max_tokens;  // unset: up to the context length; 0 only with echo
   int64_t min_tokens = 0;
   double temperature = 1.0;
   double top_p = 1.0;
@@ -56,6 +56,8 @@ struct GenerationOptions {
   bool include_stop_str_in_output = false;
   bool skip_special_tokens = true;
   bool return_tokens_as_token_ids = false;  // logprob tokens as "token_id:N" (a vLLM extension)
+  // vLLM's prompt_logprobs: the logprob of every prompt token and its k most likely alternatives.
+  std::optional<int64_t> prompt_logprobs;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
 };
@@ -72,10 +74,17 @@ struct ChatRequest {
   std::vector<std::string> ignored_fields;  // unknown fields, ignored (nested ones as "a.b")
 };
 
+// One prompt of a completions request: text, or token ids.
+struct CompletionPrompt {
+  std::optional<std::string> text;  // exactly one of these
+  std::vector<int64_t> ids;
+};
+
 struct CompletionRequest {
   std::string model;
-  std::optional<std::string> prompt_text;  // exactly one of these
-  std::vector<int64_t> prompt_ids;
+  // A string or a list of token ids, or a batch of either: choices are answered prompt by prompt,
+  // choice index = prompt index * n + sample index (OpenAI's order).
+  std::vector<CompletionPrompt> prompts;
   bool echo = false;
   GenerationOptions options;
   std::vector<std::string> ignored_fields;  // unknown fields, ignored (nested ones as "a.b")

@@ -303,7 +303,6 @@ def test_tokenize_detokenize_and_version(server, client):
     for path, payload, status, param in [
             ("/tokenize", {}, 400, "prompt"),
             ("/tokenize", {"prompt": "x", "messages": messages}, 400, "messages"),
-            ("/tokenize", {"prompt": "x", "best_of": 2}, 400, "best_of"),
             ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
             ("/detokenize", {"tokens": [1, -5]}, 400, "tokens"),
             ("/detokenize", {"tokens": "abc"}, 400, "tokens")]:

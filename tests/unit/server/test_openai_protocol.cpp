@@ -179,24 +179,51 @@ TEST(OpenAIProtocol, MalformedJsonAndNonObjects) {
 
 TEST(OpenAIProtocol, CompletionPrompts) {
   CompletionRequest r = parse_completion_request(R"({"model": "m", "prompt": "def f():"})");
-  EXPECT_EQ(*r.prompt_text, "def f():");
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(*r.prompts[0].text, "def f():");
   EXPECT_EQ(*r.options.max_tokens, 16);  // OpenAI's default
   r = parse_completion_request(
       R"({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2})");
-  EXPECT_EQ(r.prompt_ids, (std::vector<int64_t>{1, 2, 3}));
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].ids, (std::vector<int64_t>{1, 2, 3}));
   EXPECT_TRUE(r.options.logprobs);
   EXPECT_EQ(r.options.top_logprobs, 2);
   r = parse_completion_request(R"({"model": "m", "prompt": ["x"]})");
-  EXPECT_EQ(*r.prompt_text, "x");
+  EXPECT_EQ(*r.prompts.at(0).text, "x");
   r = parse_completion_request(R"({"model": "m", "prompt": [[7, 8]], "echo": true})");
-  EXPECT_EQ(r.prompt_ids, (std::vector<int64_t>{7, 8}));
+  EXPECT_EQ(r.prompts.at(0).ids, (std::vector<int64_t>{7, 8}));
   EXPECT_TRUE(r.echo);
+  // Batches: strings, or lists of ids (lm-eval sends these), in order.
+  r = parse_completion_request(R"({"model": "m", "prompt": ["a", "b", "c"]})");
+  ASSERT_EQ(r.prompts.size(), 3u);
+  EXPECT_EQ(*r.prompts[2].text, "c");
+  r = parse_completion_request(
+      R"({"model": "m", "prompt": [[1, 2], [3]], "echo": true, "max_tokens": 0, "logprobs": 1})");
+  ASSERT_EQ(r.prompts.size(), 2u);
+  EXPECT_EQ(r.prompts[1].ids, std::vector<int64_t>{3});
+  EXPECT_EQ(*r.options.max_tokens, 0);
+  r = parse_completion_request(R"({"model": "m", "prompt": "x", "prompt_logprobs": 3})");
+  EXPECT_EQ(*r.options.prompt_logprobs, 3);
 
   EXPECT_EQ(completion_error({{"model", "m"}}).param, "prompt");
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", ""}}).param, "prompt");
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", json::array()}}).param, "prompt");
-  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", {"a", "b"}}}).param, "prompt");
+  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", {"a", ""}}}).param, "prompt");
+  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", {"a", 1}}}).param, "prompt");
+  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", {json::array({1}), "a", 5}}}).param,
+            "prompt");
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", 5}}).param, "prompt");
+  EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", "x"}, {"max_tokens", 0}}).param,
+            "max_tokens");
+  EXPECT_EQ(completion_error({{"model", "m"},
+                              {"prompt", "x"},
+                              {"stream", true},
+                              {"prompt_logprobs", 1}})
+                .param,
+            "prompt_logprobs");
+  EXPECT_EQ(
+      completion_error({{"model", "m"}, {"prompt", "x"}, {"prompt_logprobs", 21}}).param,
+      "prompt_logprobs");
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", "x"}, {"logprobs", true}}).param,
             "logprobs");
   EXPECT_EQ(completion_error({{"model", "m"}, {"prompt", "x"}, {"suffix", "y"}}).param, "suffix");
