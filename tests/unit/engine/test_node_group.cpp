@@ -124,9 +124,9 @@ SampledToken sampled(int64_t seq_id, TokenLogprob t) {
 TEST(NodeMessages, AResultRoundTrips) {
   NodeResult r;
   r.seqs = {0, 2, 5};
-  r.sampled.push_back(sampled(7, {42, -0.25f, {{42, -0.25f}, {3, -2.5f}}}));
+  r.sampled.push_back(sampled(7, {42, -0.25f, {{42, -0.25f}, {3, -2.5f}}, 1}));
   r.sampled.push_back(sampled(9, {1, -1.0f, {}}));
-  r.prompt_logprobs = {{{5, -1.5f, {{2, -0.5f}}}, {6, -0.75f, {{6, -0.75f}}}}, {}};
+  r.prompt_logprobs = {{{5, -1.5f, {{2, -0.5f}}, 4}, {6, -0.75f, {{6, -0.75f}}, 1}}, {}};
   r.logits = {1.0f, -2.0f, 3.5f};
   const NodeResult got = decode_result(encode_result(r));
   EXPECT_EQ(got.error, "");
@@ -136,6 +136,7 @@ TEST(NodeMessages, AResultRoundTrips) {
   EXPECT_EQ(got.sampled[0].token, 42);
   EXPECT_EQ(got.sampled[0].logprob, -0.25f);
   EXPECT_EQ(got.sampled[0].top, r.sampled[0].top);
+  EXPECT_EQ(got.sampled[0].rank, 1);
   EXPECT_TRUE(got.sampled[1].top.empty());
   ASSERT_EQ(got.prompt_logprobs.size(), 2u);
   ASSERT_EQ(got.prompt_logprobs[0].size(), 2u);
@@ -143,6 +144,7 @@ TEST(NodeMessages, AResultRoundTrips) {
     EXPECT_EQ(got.prompt_logprobs[0][j].token, r.prompt_logprobs[0][j].token);
     EXPECT_EQ(got.prompt_logprobs[0][j].logprob, r.prompt_logprobs[0][j].logprob);
     EXPECT_EQ(got.prompt_logprobs[0][j].top, r.prompt_logprobs[0][j].top);
+    EXPECT_EQ(got.prompt_logprobs[0][j].rank, r.prompt_logprobs[0][j].rank);
   }
   EXPECT_TRUE(got.prompt_logprobs[1].empty());
   EXPECT_EQ(got.logits, r.logits);
