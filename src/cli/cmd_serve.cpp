@@ -211,7 +211,9 @@ int run_serve(const ServeOptions& o) {
   server::EngineLoop loop(engine, http.metrics());
   // NOTE: a disaggregated worker's own OpenAI routes run locally, prompt logprobs included.
   http.attach(server::ServedModel{&engine.tokenizer(), engine.model_config().vocab_size,
-                                  engine.max_model_len(), engine.supports_prompt_logprobs()},
+                                  engine.max_model_len(), engine.supports_prompt_logprobs(),
+                                  engine.supports_token_constraints(),
+                                  engine.model_config().eos_token_ids},
               loop, std::move(chat_template));
   disagg::WorkerOptions wo;
   wo.role = o.role;

@@ -70,6 +70,13 @@ struct StepSequence {
   // that token's logprob and the k most likely tokens of the row, from the raw logits.
   int num_prompt_logprobs = -1;
   std::vector<TokenLogprob>* prompt_logprobs = nullptr;  // output, when num_prompt_logprobs >= 0
+  // Constraints on the sampled token (structured outputs, logit_bias), applied to the logits after
+  // the penalties and before temperature and the truncations; logprobs stay those of the raw logits
+  // (vLLM's default). `allowed_tokens`: a bitmask, bit i of word i / 32 set when token i may be
+  // sampled (grammar/grammar.h's layout), empty for no mask; `logit_bias`: (token, bias) added to
+  // the logits. A backend without them (supports_token_constraints() false) must not get them.
+  std::span<const uint32_t> allowed_tokens;
+  std::span<const std::pair<int32_t, float>> logit_bias;
 
   // How many rows of `tokens` prompt logprobs score (0 unless asked).
   size_t num_prompt_logprob_rows() const {
@@ -112,6 +119,9 @@ class Backend {
   // Whether step() computes prompt logprobs (StepSequence::num_prompt_logprobs); a backend without
   // them ignores the field, so the engine refuses requests that ask.
   virtual bool supports_prompt_logprobs() const { return false; }
+  // Whether step() applies StepSequence::allowed_tokens and logit_bias; the engine refuses requests
+  // with a grammar or a logit_bias otherwise.
+  virtual bool supports_token_constraints() const { return false; }
   // Why no later step can succeed (empty while steps can): a multi-node worker that lost a node.
   // Read on the thread that calls step.
   virtual std::string unusable_reason() const { return {}; }

@@ -280,7 +280,8 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
         // In place: the sampler's penalties and temperature change only this row of this step.
         float* last = h.rows + (num_rows(h.seq) - 1) * vocab;
         SampledToken t = sample_token(std::span<float>(last, vocab), *s.sampling, s.prompt_tokens,
-                                      s.output_tokens, s.sample_index);
+                                      s.output_tokens, s.sample_index,
+                                      {s.allowed_tokens, s.logit_bias});
         t.seq_id = s.seq_id;
         result.sampled.push_back(std::move(t));
       }

@@ -75,6 +75,7 @@ class CpuBackend : public Backend {
   std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
   bool supports_prompt_logprobs() const override { return true; }
+  bool supports_token_constraints() const override { return true; }
   std::string unusable_reason() const override { return lost_; }
 
   enum class LogitRows {

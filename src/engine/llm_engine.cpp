@@ -3,6 +3,7 @@
 #include "engine/llm_engine.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/error.h"
 
@@ -41,6 +42,14 @@ struct LLMEngine::Request {
   bool prompt_logprobs_due = false;  // asked for and not yet delivered
   // By prompt position ([0] stays empty) while the prompt is computed.
   std::vector<std::optional<TokenLogprob>> prompt_logprobs;
+  // Token constraints. The grammar is kWaiting inside the model's reasoning block, kActive while it
+  // constrains, kDone once a stop token completed it.
+  enum class GrammarPhase { kNone, kWaiting, kActive, kDone };
+  GrammarPhase grammar_phase = GrammarPhase::kNone;
+  std::optional<GrammarMatcher> matcher;
+  std::vector<uint32_t> bitmask;  // the matcher's allowed tokens for the next sample
+  ReasoningTokens reasoning;
+  std::vector<std::pair<int32_t, float>> logit_bias;
   IncrementalDetokenizer detokenizer;
   std::string text;     // the output text so far
   size_t num_sent = 0;  // bytes of `text` already returned
@@ -87,6 +96,14 @@ void LLMEngine::validate(int64_t id, const EngineRequest& request) const {
   RELAY_CHECK(request.num_prompt_logprobs >= -1,
               "num_prompt_logprobs must be -1 (none) or at least 0, got ",
               request.num_prompt_logprobs);
+  const bool constrains = request.grammar != nullptr || !request.logit_bias.empty();
+  RELAY_CHECK(!constrains || backend_->supports_token_constraints(), "request ", id,
+              " has a grammar or a logit_bias, which this backend does not apply");
+  for (const auto& [token, bias] : request.logit_bias) {
+    RELAY_CHECK(token >= 0 && token < vocab, "logit_bias token ", token,
+                " is outside the vocabulary [0, ", vocab, ")");
+    RELAY_CHECK(std::isfinite(bias), "logit_bias of token ", token, " is not finite");
+  }
   const bool scores_prompt = request.num_prompt_logprobs >= 0;
   RELAY_CHECK(!scores_prompt || backend_->supports_prompt_logprobs(), "request ", id,
               " asks for prompt logprobs (num_prompt_logprobs ", request.num_prompt_logprobs,
@@ -113,6 +130,17 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
   auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_,
                                      request.sampling.num_logprobs >= 0);
   r->hold_kv = request.hold_kv;
+  r->logit_bias = std::move(request.logit_bias);
+  r->reasoning = request.reasoning;
+  if (request.grammar) {
+    r->matcher.emplace(*request.grammar);
+    const int64_t vocab = backend_->config().vocab_size;
+    RELAY_CHECK(r->matcher->vocab_size() == vocab, "request ", id, ": its grammar covers ",
+                r->matcher->vocab_size(), " tokens, the model ", vocab);
+    r->bitmask.resize(token_bitmask_words(vocab));
+    r->grammar_phase = request.reasoning.starts_inside ? Request::GrammarPhase::kWaiting
+                                                       : Request::GrammarPhase::kActive;
+  }
   if (seq->wants_prompt_logprobs) {
     r->num_prompt_logprobs = request.num_prompt_logprobs;
     r->prompt_logprobs_due = true;
@@ -237,6 +265,10 @@ std::vector<RequestOutput> LLMEngine::step() {
       s.num_prompt_logprobs = r.num_prompt_logprobs;
       s.prompt_logprobs = &prompt_rows[batch.size()];
     }
+    if (c.sample) {
+      s.allowed_tokens = allowed_tokens(r, c.seq->num_output_tokens() == 0);
+      s.logit_bias = r.logit_bias;
+    }
     batch.push_back(s);
   }
   const Clock::time_point forward_start = Clock::now();
@@ -257,7 +289,9 @@ std::vector<RequestOutput> LLMEngine::step() {
     RequestOutput out;
     out.id = r.id;
     // The first sampled token completes the prompt: its output is the request's first.
+    const bool first_output = scheduler_.find(r.id)->num_output_tokens() == 1;
     if (r.prompt_logprobs_due) deliver_prompt_logprobs(r, out);
+    if (r.matcher) advance_grammar(r, tok.token, first_output);
     on_token(r, tok, out);
     outputs.push_back(std::move(out));
   }
@@ -354,6 +388,38 @@ void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput&
   }
   out.text = r.text.substr(r.num_sent, r.text.size() - hold - r.num_sent);
   r.num_sent = r.text.size() - hold;
+}
+
+std::span<const uint32_t> LLMEngine::allowed_tokens(Request& r, bool first_output) {
+  if (r.grammar_phase != Request::GrammarPhase::kActive) return {};
+  r.matcher->fill_next_token_bitmask(r.bitmask);
+  // A reasoning model may open its block first; the grammar then waits for the block's end.
+  if (first_output && r.reasoning.open >= 0) {
+    r.bitmask[static_cast<size_t>(r.reasoning.open) / 32] |= 1u << (r.reasoning.open % 32);
+  }
+  return r.bitmask;
+}
+
+void LLMEngine::advance_grammar(Request& r, int32_t token, bool first_output) {
+  using Phase = Request::GrammarPhase;
+  switch (r.grammar_phase) {
+    case Phase::kWaiting:
+      if (token == r.reasoning.close) r.grammar_phase = Phase::kActive;
+      return;
+    case Phase::kActive:
+      if (first_output && token == r.reasoning.open) {
+        r.grammar_phase = Phase::kWaiting;
+        return;
+      }
+      // NOTE: the token came from the matcher's own mask, so the grammar takes it.
+      RELAY_CHECK(r.matcher->accept_token(token), "request ", r.id, ": the grammar refused token ",
+                  token, ", which its mask allowed");
+      if (r.matcher->is_terminated()) r.grammar_phase = Phase::kDone;
+      return;
+    case Phase::kNone:
+    case Phase::kDone:
+      return;
+  }
 }
 
 void LLMEngine::keep_prompt_logprobs(Request& r, const StepSequence& chunk) {

@@ -13,6 +13,15 @@
 // delivers all of them once, in the request's first output. With max_tokens 0 the request stops
 // there: that first output is also its last (finish "length"), and nothing is sampled.
 //
+// Structured outputs: a request may carry a compiled grammar (grammar/grammar.h) and a logit_bias.
+// Before each token it samples, the engine fills the grammar matcher's bitmask of allowed tokens
+// and hands it to the backend with the biases (StepSequence::allowed_tokens, logit_bias); the
+// sampled token then advances the matcher. A model that reasons first (Qwen3's <think>…</think>,
+// EngineRequest::reasoning) may open its block as its first token, or starts inside it when the
+// prompt opened it; the grammar then waits for the block's end and constrains what follows (as
+// vLLM's reasoning-aware structured outputs do). Once the grammar is complete only a stop token is
+// allowed; after it (ignore_eos) nothing more is constrained.
+//
 // Stopping: max_tokens and the context length give "length"; an EOS id (unless ignore_eos), a
 // stop_token_id or a stop string gives "stop". Stop strings are matched on the decoded text; text
 // that could still be the beginning of a stop string is held back until it cannot (so a stop string
@@ -34,6 +43,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "grammar/grammar.h"
 #include "kvcache/block_manager.h"
 #include "scheduler/scheduler.h"
 #include "tokenizer/tokenizer.h"
@@ -57,6 +67,14 @@ struct StopConditions {
   bool skip_special_tokens = true;
 };
 
+// The tokens that open and close a reasoning block (Qwen3's <think> and </think>), for a grammar
+// that applies after it; -1: the model does not reason (the grammar applies from the first token).
+struct ReasoningTokens {
+  int32_t open = -1;
+  int32_t close = -1;
+  bool starts_inside = false;  // the prompt opened the block (the model is reasoning already)
+};
+
 struct EngineRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
@@ -68,6 +86,11 @@ struct EngineRequest {
   // Disaggregated prefill: when the request finishes, its KV blocks stay allocated (listed in the
   // final output's kv_blocks) until release_kv(id), so they can be sent to a decode worker.
   bool hold_kv = false;
+  // Structured output (null: none) and OpenAI's logit_bias: both need a backend that applies
+  // token constraints (Backend::supports_token_constraints).
+  std::shared_ptr<const CompiledGrammar> grammar;
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  ReasoningTokens reasoning;
 };
 
 enum class FinishReason { kNone, kStop, kLength, kAbort };
@@ -152,6 +175,7 @@ class LLMEngine {
   int max_model_len() const { return max_model_len_; }
   int max_num_seqs() const { return scheduler_.config().max_num_seqs; }
   bool supports_prompt_logprobs() const { return backend_->supports_prompt_logprobs(); }
+  bool supports_token_constraints() const { return backend_->supports_token_constraints(); }
   const ModelConfig& model_config() const { return backend_->config(); }
   const Tokenizer& tokenizer() const { return tokenizer_; }
   Backend& backend() { return *backend_; }
@@ -166,6 +190,10 @@ class LLMEngine {
   void keep_prompt_logprobs(Request& r, const StepSequence& chunk);
   // Moves the finished prompt logprobs into the request's first output.
   void deliver_prompt_logprobs(Request& r, RequestOutput& out);
+  // The bitmask of tokens the request's grammar allows next (empty when none constrains it now).
+  std::span<const uint32_t> allowed_tokens(Request& r, bool first_output);
+  // Advances the request's grammar past its sampled token.
+  void advance_grammar(Request& r, int32_t token, bool first_output);
   void finish(Request& r, FinishReason reason, RequestOutput& out);
 
   std::unique_ptr<Backend> backend_;

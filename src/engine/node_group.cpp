@@ -136,6 +136,15 @@ std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequen
       w.put(*s.sampling);
       w.put(s.sample_index);
       history = reads_history(*s.sampling);
+      w.put_array(s.allowed_tokens);
+      std::vector<int32_t> bias_tokens;
+      std::vector<float> biases;
+      for (const auto& [token, bias] : s.logit_bias) {
+        bias_tokens.push_back(token);
+        biases.push_back(bias);
+      }
+      w.put_array(std::span<const int32_t>(bias_tokens));
+      w.put_array(std::span<const float>(biases));
     }
     w.put_array(history || s.num_prompt_logprobs >= 0 ? s.prompt_tokens
                                                       : std::span<const int32_t>());
@@ -156,6 +165,8 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
   step.prompt_tokens.resize(n);
   step.output_tokens.resize(n);
   step.sampling.resize(n);
+  step.allowed_tokens.resize(n);
+  step.logit_bias.resize(n);
   step.batch.resize(n);
   for (uint32_t i = 0; i < n; ++i) {
     StepSequence& s = step.batch[i];
@@ -173,6 +184,14 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
       step.sampling[i] = r.get<SamplingParams>();
       s.sampling = &step.sampling[i];
       s.sample_index = r.get<uint64_t>();
+      step.allowed_tokens[i] = r.get_array<uint32_t>();
+      s.allowed_tokens = step.allowed_tokens[i];
+      const std::vector<int32_t> bias_tokens = r.get_array<int32_t>();
+      const std::vector<float> biases = r.get_array<float>();
+      RELAY_CHECK(bias_tokens.size() == biases.size(), "node message: sequence ", s.seq_id, " has ",
+                  bias_tokens.size(), " logit_bias tokens for ", biases.size(), " biases");
+      for (size_t k = 0; k < biases.size(); ++k) step.logit_bias[i].emplace_back(bias_tokens[k], biases[k]);
+      s.logit_bias = step.logit_bias[i];
     }
     step.prompt_tokens[i] = r.get_array<int32_t>();
     step.output_tokens[i] = r.get_array<int32_t>();

@@ -44,6 +44,8 @@ struct NodeStep {
   std::vector<StepSequence> batch;  // spans into the vectors below
   std::vector<std::vector<int32_t>> tokens, block_tables, prompt_tokens, output_tokens;
   std::vector<SamplingParams> sampling;  // one per sequence (read only when it samples)
+  std::vector<std::vector<uint32_t>> allowed_tokens;  // token constraints of sampling sequences
+  std::vector<std::vector<std::pair<int32_t, float>>> logit_bias;
 };
 
 // What one node answers for a step.

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "grammar/grammar.h"
 
 namespace relay {
 
@@ -194,8 +195,24 @@ int32_t sample_categorical(std::span<const float> logits, double u) {
   return last_possible;  // u within rounding of 1
 }
 
+void apply_token_constraints(std::span<float> logits, const TokenConstraints& c) {
+  const auto vocab = static_cast<int64_t>(logits.size());
+  for (const auto& [token, bias] : c.logit_bias) {
+    RELAY_CHECK(token >= 0 && token < vocab, "logit_bias token ", token, " outside [0, ", vocab, ")");
+    logits[static_cast<size_t>(token)] += bias;
+  }
+  if (c.allowed_tokens.empty()) return;
+  RELAY_CHECK(c.allowed_tokens.size() == token_bitmask_words(vocab), "a token bitmask of ",
+              c.allowed_tokens.size(), " words for a vocabulary of ", vocab);
+  RELAY_CHECK(std::any_of(c.allowed_tokens.begin(), c.allowed_tokens.end(),
+                          [](uint32_t w) { return w != 0; }),
+              "the token bitmask allows no token");
+  apply_token_bitmask(logits, c.allowed_tokens);
+}
+
 SampledToken sample_token(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> prompt_tokens,
-                          std::span<const int32_t> output_tokens, uint64_t sample_index) {
+                          std::span<const int32_t> output_tokens, uint64_t sample_index,
+                          const TokenConstraints& constraints) {
   RELAY_CHECK(!logits.empty(), "sampling an empty logits row");
   RELAY_CHECK(p.temperature >= 0.0f, "temperature must be >= 0, got ", p.temperature);
   RELAY_CHECK(p.top_p > 0.0f && p.top_p <= 1.0f, "top_p must be in (0, 1], got ", p.top_p);
@@ -207,6 +224,7 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& p, std:
     log_softmax(logits, logprobs);
   }
   apply_penalties(logits, prompt_tokens, output_tokens, p);
+  apply_token_constraints(logits, constraints);
   // NOTE: vLLM treats temperatures below 1e-5 as greedy too (dividing by them overflows).
   if (p.temperature < 1e-5f) {
     out.token = argmax(logits);

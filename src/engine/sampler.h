@@ -1,7 +1,8 @@
 // Token sampling over one row of fp32 logits, with vLLM's semantics; shared by every backend.
 //
 // sample_token applies, in vLLM's order: logprobs of the raw logits (before any processing, vLLM's
-// default "raw_logprobs"), then repetition / frequency / presence penalties, then greedy argmax
+// default "raw_logprobs"), then repetition / frequency / presence penalties, then the request's
+// token constraints (logit_bias, a structured-output grammar's bitmask), then greedy argmax
 // when temperature is 0; otherwise logits / temperature, min-p, top-k, top-p, and a draw from the
 // remaining distribution. The draw uses one uniform number that is a pure function of (seed,
 // sample_index) — a splitmix64 hash — so a sequence recomputed after preemption, or run in another
@@ -27,11 +28,11 @@ void log_softmax(std::span<const float> logits, std::span<float> out);
 // The k most likely (token, logprob) of a log-softmax row, best first, the lowest id first on ties;
 // k is capped at the row's size.
 std::vector<std::pair<int32_t, float>> top_logprobs(std::span<const float> logprobs, int k);
-// vLLM's logprob of `token` at one row of raw logits: log_softmax(logits)[token] and the num_top
-// most likely tokens of the row (prompt logprobs; sample_token does the same for the sampled
-// token). `scratch` receives the log-softmax row.
 // 1 + the number of entries of `logprobs` larger than that of `token` (ties share a rank).
 int32_t rank_of(std::span<const float> logprobs, int32_t token);
+// vLLM's logprob of `token` at one row of raw logits: log_softmax(logits)[token], its rank and the
+// num_top most likely tokens of the row (prompt logprobs; sample_token does the same for the
+// sampled token). `scratch` receives the log-softmax row.
 TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int num_top,
                            std::vector<float>& scratch);
 
@@ -55,10 +56,20 @@ int32_t argmax(std::span<const float> logits);
 // Draws from softmax(logits) by inverting its CDF (in token-id order) at u in [0, 1).
 int32_t sample_categorical(std::span<const float> logits, double u);
 
+// Constraints on the sampled token (StepSequence::allowed_tokens and logit_bias; empty: none).
+struct TokenConstraints {
+  std::span<const uint32_t> allowed_tokens;  // bitmask of the tokens that may be sampled
+  std::span<const std::pair<int32_t, float>> logit_bias;
+};
+
+// Adds the biases, then sets every token the bitmask does not allow to -inf (throws relay::Error
+// when it allows none, or a bias names a token outside the vocabulary).
+void apply_token_constraints(std::span<float> logits, const TokenConstraints& c);
+
 // The whole pipeline. `logits` is scratch: it is modified. seq_id of the result is left 0.
 // logprob and top are filled only when params.num_logprobs >= 0 (they cost a pass over the vocabulary).
 SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
                           std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,
-                          uint64_t sample_index);
+                          uint64_t sample_index, const TokenConstraints& constraints = {});
 
 }  // namespace relay

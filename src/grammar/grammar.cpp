@@ -46,6 +46,11 @@ class CompiledGrammar {
 
 namespace {
 
+// NOTE: JSON may have whitespace between any two tokens, as vLLM allows, but at most this many
+// characters in one place: an unbounded run let a weak model "write" spaces until max_tokens and
+// never finish its object (deep pretty-printed JSON stays well inside it).
+constexpr int kMaxJsonWhitespace = 64;
+
 const char* kind_name(GrammarKind kind) {
   switch (kind) {
     case GrammarKind::kJson:
@@ -175,7 +180,10 @@ GrammarSpec GrammarSpec::tool_calls(std::span<const ToolFunction> functions, Too
     }
     tags.push_back({{"type", "tag"},
                     {"begin", str(kToolCallBeforeName, name, kToolCallBeforeArguments)},
-                    {"content", {{"type", "json_schema"}, {"json_schema", std::move(parameters)}}},
+                    {"content",
+                     {{"type", "json_schema"},
+                      {"json_schema", std::move(parameters)},
+                      {"max_whitespace_cnt", kMaxJsonWhitespace}}},
                     {"end", kToolCallEnd}});
   }
   return {GrammarKind::kToolCalls,
@@ -217,10 +225,11 @@ struct GrammarCompiler::Impl {
         return compiler.CompileBuiltinJSONGrammar();
       case GrammarKind::kJsonSchema:
       case GrammarKind::kJsonSchemaStrict:
-        // Any whitespace between tokens, as vLLM allows by default.
+        // Any whitespace between tokens, as vLLM allows by default, but a bounded run of it.
         return compiler.CompileJSONSchema(spec.text, /*any_whitespace=*/true, std::nullopt,
                                           std::nullopt,
-                                          spec.kind == GrammarKind::kJsonSchemaStrict);
+                                          spec.kind == GrammarKind::kJsonSchemaStrict,
+                                          kMaxJsonWhitespace);
       case GrammarKind::kRegex:
         return compiler.CompileRegex(spec.text);
       case GrammarKind::kEbnf:

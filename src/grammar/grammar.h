@@ -19,6 +19,9 @@
 //     logits with it (apply_token_bitmask), and the sampled token is accepted (accept_token).
 //     rollback() undoes accepted tokens, for speculative decoding's rejected drafts.
 //
+// JSON (schemas and tool-call arguments) may have whitespace between any two tokens, at most 64
+// characters in one place, so a model cannot stall an output in an endless run of spaces.
+//
 // The bitmask is xgrammar's layout, ceil(vocab_size / 32) 32-bit words: bit (i % 32) of word i / 32
 // set means token i is allowed. Ids past the tokenizer's vocabulary (the embedding's padding rows)
 // are always clear.

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "grammar/grammar.h"
 #include "http/server.h"
 #include "server/openai_protocol.h"
 #include "server/output_parser.h"
@@ -155,6 +156,8 @@ struct HttpServer::State {
   RequestSink* loop = nullptr;           // where requests go
   std::atomic<int> active_responses{0};
   std::string tokenizer_info_body;  // GET /tokenizer_info, made once the model is attached
+  std::once_flag compiler_once;
+  std::unique_ptr<GrammarCompiler> compiler;  // structured outputs (grammar_compiler())
   std::mutex ignored_mu;
   std::set<std::string> logged_ignored;  // names already logged by note_ignored
   std::mutex rng_mu;
@@ -230,10 +233,85 @@ struct HttpServer::State {
     check_capacity(static_cast<int>(num_choices));
   }
 
+  // What a job asks of the sampler besides its options: a compiled grammar (structured output or
+  // a forced tool call), logit biases, and where a reasoning model's thinking ends.
+  struct Constraints {
+    std::shared_ptr<const CompiledGrammar> grammar;
+    std::vector<std::pair<int32_t, float>> logit_bias;
+    ReasoningTokens reasoning;
+  };
+
+  // Built at the first constrained request: building it decodes the whole vocabulary (~50 ms).
+  GrammarCompiler& grammar_compiler() {
+    std::call_once(compiler_once, [&] {
+      GrammarCompilerOptions o;
+      o.vocab_size = static_cast<int32_t>(model.vocab_size);
+      o.stop_token_ids = model.stop_token_ids;
+      compiler = std::make_unique<GrammarCompiler>(*model.tokenizer, o);
+    });
+    return *compiler;
+  }
+
+  static GrammarSpec spec_of(const OutputConstraint& c) {
+    using Kind = OutputConstraint::Kind;
+    switch (c.kind) {
+      case Kind::kJsonObject:
+        return GrammarSpec::json();
+      case Kind::kJsonSchema:
+        return GrammarSpec::json_schema(c.text, c.strict);
+      case Kind::kRegex:
+        return GrammarSpec::regex(c.text);
+      case Kind::kChoice:
+        return GrammarSpec::choice(c.choices);
+      case Kind::kGrammar:
+        return GrammarSpec::ebnf(c.text);
+    }
+    fail("unknown output constraint");
+  }
+
+  // A job's constraints: its structured-output constraint or forced tool calls (`tool_calls`, with
+  // the request field `tool_param` that asked) compiled here on the request's thread, so a bad
+  // schema is its 400; its logit_bias checked against the vocabulary.
+  Constraints constraints(const GenerationOptions& o,
+                          const std::optional<GrammarSpec>& tool_calls = std::nullopt) {
+    Constraints c;
+    std::optional<GrammarSpec> spec;
+    std::string param = "tool_choice";
+    try {
+      if (o.constraint) {
+        spec = spec_of(*o.constraint);
+        param = o.constraint->param;
+      } else {
+        spec = tool_calls;
+      }
+    } catch (const Error& e) {
+      throw bad_param(param, e.what());
+    }
+    if ((spec || !o.logit_bias.empty()) && !model.token_constraints) {
+      const std::string field = spec ? param : "logit_bias";
+      throw bad_param(field, str("'", field, "' needs token constraints in the sampler, which this "
+                                 "deployment does not apply (the CPU backend does; the CUDA backend "
+                                 "and disaggregated routers do not yet)"));
+    }
+    for (const auto& [token, bias] : o.logit_bias) {
+      check_token_ids({token}, model.vocab_size, "logit_bias");
+      c.logit_bias.emplace_back(static_cast<int32_t>(token), static_cast<float>(bias));
+    }
+    if (spec) {
+      try {
+        c.grammar = grammar_compiler().compile(*spec);
+      } catch (const Error& e) {
+        throw bad_param(param, e.what());
+      }
+    }
+    return c;
+  }
+
   // Submits the n choices of one prompt. `num_prompt_logprobs` >= 0 asks the engine for the
   // prompt's logprobs; with max_tokens 0 and none asked (an echo) no engine request is needed.
   void submit(Job& job, const std::vector<int32_t>& prompt, const GenerationOptions& o,
-              int64_t max_tokens, int num_prompt_logprobs, const std::string& echo_text = "") {
+              int64_t max_tokens, int num_prompt_logprobs, const Constraints& constraints,
+              const std::string& echo_text = "") {
     const uint64_t seed = o.seed ? *o.seed : random64();
     for (int64_t i = 0; i < o.n; ++i) {
       Choice c;
@@ -248,6 +326,9 @@ struct HttpServer::State {
       EngineRequest r;
       r.prompt = prompt;
       r.num_prompt_logprobs = num_prompt_logprobs;
+      r.grammar = constraints.grammar;
+      r.logit_bias = constraints.logit_bias;
+      r.reasoning = constraints.reasoning;
       r.sampling.temperature = static_cast<float>(o.temperature);
       r.sampling.top_k = o.top_k < 0 ? 0 : static_cast<int>(o.top_k);
       r.sampling.top_p = static_cast<float>(o.top_p);
@@ -649,6 +730,27 @@ struct HttpServer::State {
     }
   }
 
+  // The grammar of the tool calls a chat request forces (tool_choice "required" or a named
+  // function): Qwen3's <tool_call> text, with each function's parameters as its schema.
+  static std::optional<GrammarSpec> forced_tool_calls(const ChatRequest& r) {
+    if (r.tool_choice != "required") return std::nullopt;
+    std::vector<ToolFunction> functions;
+    for (const json& tool : r.tools) {
+      const json& f = tool["function"];
+      const std::string name = f["name"].get<std::string>();
+      if (!r.tool_choice_function.empty() && name != r.tool_choice_function) continue;
+      const auto parameters = f.find("parameters");
+      functions.push_back({name, parameters == f.end() || parameters->is_null() ? "" : dump(*parameters)});
+    }
+    const bool one = !r.tool_choice_function.empty() || !r.parallel_tool_calls;
+    try {
+      return GrammarSpec::tool_calls(functions, one ? ToolCallCount::kExactlyOne
+                                                    : ToolCallCount::kOneOrMore);
+    } catch (const Error& e) {
+      throw bad_param("tools", e.what());
+    }
+  }
+
   // ---- endpoints ----
 
   void chat_completions(http::Exchange& ex) {
@@ -682,7 +784,14 @@ struct HttpServer::State {
     job.parse_tools = use_tools;
     check_job(r.options, static_cast<size_t>(r.options.n),
               job.prompt_logprobs ? "prompt_logprobs" : nullptr);
-    submit(job, ids, r.options, max_tokens, job.prompt_logprobs.value_or(-1));
+    Constraints c = constraints(r.options, forced_tool_calls(r));
+    // A reasoning model thinks first: the constraint applies to what follows its thinking.
+    if (job.parse_reasoning) {
+      const auto open = model.tokenizer->token_to_id("<think>");
+      const auto close = model.tokenizer->token_to_id("</think>");
+      if (open && close) c.reasoning = {*open, *close, job.starts_in_reasoning};
+    }
+    submit(job, ids, r.options, max_tokens, job.prompt_logprobs.value_or(-1), c);
     for (size_t i = 0; i < job.choices.size(); ++i) {
       job.parsers.emplace_back(job.parse_reasoning, job.starts_in_reasoning, job.parse_tools);
     }
@@ -734,9 +843,10 @@ struct HttpServer::State {
     check_job(r.options, prompts.size() * static_cast<size_t>(r.options.n),
               job.prompt_logprobs ? "prompt_logprobs"
               : num_prompt_logprobs >= 0 ? "echo" : nullptr);
+    const Constraints c = constraints(r.options);
     for (const Prompt& p : prompts) {
       job.num_prompt_tokens += static_cast<int>(p.ids.size());
-      submit(job, p.ids, r.options, p.max_tokens, num_prompt_logprobs, r.echo ? p.text : "");
+      submit(job, p.ids, r.options, p.max_tokens, num_prompt_logprobs, c, r.echo ? p.text : "");
     }
     respond(std::move(job), ex);
   }
@@ -867,7 +977,8 @@ void HttpServer::attach(LLMEngine& engine, chat::ChatTemplate chat_template) {
   State& s = *state_;
   s.own_loop = std::make_unique<EngineLoop>(engine, s.metrics);
   attach(ServedModel{&engine.tokenizer(), engine.model_config().vocab_size, engine.max_model_len(),
-                     engine.supports_prompt_logprobs()},
+                     engine.supports_prompt_logprobs(), engine.supports_token_constraints(),
+                     engine.model_config().eos_token_ids},
          *s.own_loop, std::move(chat_template));
 }
 

@@ -36,6 +36,10 @@ struct ServedModel {
   int64_t vocab_size = 0;
   int max_model_len = 0;
   bool prompt_logprobs = false;  // the engine computes prompt logprobs (echo + logprobs)
+  // The engine applies token constraints (structured outputs, logit_bias, forced tool calls); the
+  // grammars are compiled here, over `vocab_size` tokens, completing at `stop_token_ids`.
+  bool token_constraints = false;
+  std::vector<int32_t> stop_token_ids;
 };
 
 struct ServerOptions {

@@ -2,6 +2,7 @@
 #include "server/openai_protocol.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <set>
 
@@ -29,6 +30,7 @@ namespace {
 constexpr int64_t kMaxN = 16;
 constexpr int64_t kMaxTopLogprobs = 20;
 constexpr size_t kMaxPrompts = 1024;  // prompts in one completions request
+constexpr size_t kMaxLogitBias = 1024;  // tokens in one logit_bias
 constexpr size_t kMaxStopStrings = 16;
 
 // Reads the fields of one JSON object, remembering which were read so that the rest can be
@@ -134,6 +136,102 @@ std::string read_model(Fields& f) {
 }
 
 // Fields common to both endpoints; `max_tokens_names` lists the spellings of max_tokens.
+// A JSON schema given as an object or as a string holding one, as compact JSON text.
+std::string schema_text(const json& v, const std::string& param) {
+  json schema = v;
+  if (v.is_string()) {
+    try {
+      schema = parse_json<json>(v.get_ref<const std::string&>(), str("'", param, "'"));
+    } catch (const JsonError& e) {
+      throw bad_param(param, e.what());
+    }
+  }
+  if (!schema.is_object()) throw bad_param(param, str("'", param, "' must be a JSON schema object"));
+  return schema.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::vector<std::string> choice_list(const json& v, const std::string& param) {
+  if (!v.is_array() || v.empty() ||
+      !std::all_of(v.begin(), v.end(), [](const json& c) { return c.is_string(); })) {
+    throw bad_param(param, str("'", param, "' must be a non-empty list of strings"));
+  }
+  return v.get<std::vector<std::string>>();
+}
+
+// The structured-output constraint of a request: OpenAI's response_format, vLLM's
+// structured_outputs, or vLLM's older guided_json / guided_regex / guided_choice / guided_grammar;
+// at most one of them.
+void read_constraint(Fields& f, GenerationOptions& o, std::vector<std::string>& ignored) {
+  using Kind = OutputConstraint::Kind;
+  std::vector<OutputConstraint> found;
+  auto add = [&](Kind kind, std::string param, std::string text = "", bool strict = false,
+                 std::vector<std::string> choices = {}) {
+    found.push_back({kind, std::move(text), strict, std::move(choices), std::move(param)});
+  };
+  if (const json* v = f.get("response_format")) {
+    if (!v->is_object()) throw bad_param("response_format", "'response_format' must be an object");
+    const std::string type = type_of(*v);
+    if (type == "json_object") {
+      add(Kind::kJsonObject, "response_format");
+    } else if (type == "json_schema") {
+      const auto spec = v->find("json_schema");
+      if (spec == v->end() || !spec->is_object() || !spec->contains("schema")) {
+        throw bad_param("response_format",
+                        "'response_format' of type json_schema needs "
+                        "{\"json_schema\": {\"name\", \"schema\", \"strict\"}}");
+      }
+      const auto strict = spec->find("strict");
+      add(Kind::kJsonSchema, "response_format.json_schema.schema",
+          schema_text((*spec)["schema"], "response_format.json_schema.schema"),
+          strict != spec->end() && strict->is_boolean() && strict->get<bool>());
+    } else if (type != "text") {
+      throw bad_param("response_format",
+                      "'response_format' type must be text, json_object or json_schema");
+    }
+  }
+  if (const json* v = f.get("structured_outputs")) {
+    if (!v->is_object()) {
+      throw bad_param("structured_outputs", "'structured_outputs' must be an object");
+    }
+    Fields so(*v);
+    if (const json* j = so.get("json")) {
+      add(Kind::kJsonSchema, "structured_outputs.json", schema_text(*j, "structured_outputs.json"));
+    }
+    if (auto regex = so.string("regex")) add(Kind::kRegex, "structured_outputs.regex", *regex);
+    if (const json* c = so.get("choice")) {
+      add(Kind::kChoice, "structured_outputs.choice", "", false,
+          choice_list(*c, "structured_outputs.choice"));
+    }
+    if (auto grammar = so.string("grammar")) {
+      add(Kind::kGrammar, "structured_outputs.grammar", *grammar);
+    }
+    if (so.boolean("json_object").value_or(false)) add(Kind::kJsonObject, "structured_outputs.json_object");
+    if (so.get("structural_tag") != nullptr) {
+      throw bad_param("structured_outputs.structural_tag", "'structural_tag' is not supported");
+    }
+    // Tuning options of vLLM's backends that do not change what is valid: accepted, ignored.
+    for (const char* knob : {"disable_fallback", "disable_any_whitespace",
+                             "disable_additional_properties", "whitespace_pattern", "backend"}) {
+      so.get(knob);
+    }
+    so.list_unknown(ignored, "structured_outputs.");
+  }
+  if (const json* v = f.get("guided_json")) {
+    add(Kind::kJsonSchema, "guided_json", schema_text(*v, "guided_json"));
+  }
+  if (auto regex = f.string("guided_regex")) add(Kind::kRegex, "guided_regex", *regex);
+  if (const json* v = f.get("guided_choice")) {
+    add(Kind::kChoice, "guided_choice", "", false, choice_list(*v, "guided_choice"));
+  }
+  if (auto grammar = f.string("guided_grammar")) add(Kind::kGrammar, "guided_grammar", *grammar);
+  for (const char* knob : {"guided_decoding_backend", "guided_whitespace_pattern"}) f.get(knob);
+  if (found.size() > 1) {
+    throw bad_param(found[1].param, str("give one structured-output constraint, not both '",
+                                        found[0].param, "' and '", found[1].param, "'"));
+  }
+  if (!found.empty()) o.constraint = std::move(found.front());
+}
+
 // `min_max_tokens`: 1, or 0 where the caller allows max_tokens 0 (completions with echo).
 GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max_tokens_names,
                                int64_t min_max_tokens, std::vector<std::string>& ignored) {
@@ -206,15 +304,26 @@ GenerationOptions read_options(Fields& f, std::initializer_list<const char*> max
     so.boolean("continuous_usage_stats");
     so.list_unknown(ignored, "stream_options.");
   }
-  if (const json* v = f.get("logit_bias"); v != nullptr && !(v->is_object() && v->empty())) {
-    throw bad_param("logit_bias", "'logit_bias' is not supported");
-  }
-  if (const json* v = f.get("response_format")) {
-    if (!v->is_object() || type_of(*v) != "text") {
-      throw bad_param("response_format",
-                      "only 'response_format' {\"type\": \"text\"} is supported");
+  if (const json* v = f.get("logit_bias")) {
+    if (!v->is_object()) throw bad_param("logit_bias", "'logit_bias' must be an object of token id -> bias");
+    if (v->size() > kMaxLogitBias) {
+      throw bad_param("logit_bias", str("'logit_bias' takes at most ", kMaxLogitBias, " tokens"));
+    }
+    for (const auto& [key, bias] : v->items()) {
+      int64_t token = -1;
+      const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), token);
+      if (ec != std::errc() || end != key.data() + key.size()) {
+        throw bad_param("logit_bias", str("'logit_bias' keys must be token ids, got '", key, "'"));
+      }
+      if (!bias.is_number() || !std::isfinite(bias.get<double>()) || bias.get<double>() < -100 ||
+          bias.get<double>() > 100) {
+        throw bad_param("logit_bias", str("'logit_bias' of token ", key,
+                                          " must be a number between -100 and 100"));
+      }
+      o.logit_bias.emplace_back(token, bias.get<double>());
     }
   }
+  read_constraint(f, o, ignored);
   return o;
 }
 
@@ -330,17 +439,33 @@ ChatRequest parse_chat_request(std::string_view body) {
       if (r.tool_choice != "auto" && r.tool_choice != "none" && r.tool_choice != "required") {
         throw bad_param("tool_choice", "'tool_choice' must be auto, none, required or a function");
       }
-    } else if (v->is_object() && type_of(*v) == "function") {
+    } else if (v->is_object() && type_of(*v) == "function" && v->contains("function") &&
+               (*v)["function"].is_object() && (*v)["function"].contains("name") &&
+               (*v)["function"]["name"].is_string()) {
       r.tool_choice = "required";
+      r.tool_choice_function = (*v)["function"]["name"].get<std::string>();
     } else {
       throw bad_param("tool_choice", "'tool_choice' must be auto, none, required or a function");
     }
     if (r.tool_choice == "required" && r.tools.is_null()) {
       throw bad_param("tool_choice", "'tool_choice' requires 'tools'");
     }
+    if (!r.tool_choice_function.empty() &&
+        std::none_of(r.tools.begin(), r.tools.end(), [&](const json& t) {
+          return t["function"]["name"] == r.tool_choice_function;
+        })) {
+      throw bad_param("tool_choice", str("'tool_choice' names the function '",
+                                         r.tool_choice_function, "', which is not in 'tools'"));
+    }
   }
   read_template_inputs(f, r.chat_template_kwargs, r.add_generation_prompt);
   r.options = read_options(f, {"max_tokens", "max_completion_tokens"}, 1, r.ignored_fields);
+  r.parallel_tool_calls = f.boolean("parallel_tool_calls").value_or(true);
+  if (r.tool_choice == "required" && r.options.constraint) {
+    throw bad_param(r.options.constraint->param,
+                    str("'", r.options.constraint->param,
+                        "' cannot be combined with a tool_choice that forces a call"));
+  }
   r.options.logprobs = f.boolean("logprobs").value_or(false);
   if (auto k = f.integer("top_logprobs", 0, kMaxTopLogprobs)) {
     if (!r.options.logprobs)

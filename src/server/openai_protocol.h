@@ -35,6 +35,17 @@ struct ApiError {
 
 ApiError bad_param(const std::string& param, const std::string& message);
 
+// A structured-output constraint, as one of OpenAI's response_format, vLLM's structured_outputs or
+// its older guided_* fields asks (the server compiles it with grammar/grammar.h).
+struct OutputConstraint {
+  enum class Kind { kJsonObject, kJsonSchema, kRegex, kChoice, kGrammar };
+  Kind kind = Kind::kJsonObject;
+  std::string text;                  // the JSON schema (compact JSON), the regex or the grammar
+  bool strict = false;               // a JSON schema's "strict": no property it does not name
+  std::vector<std::string> choices;  // kChoice
+  std::string param;                 // the request field it came from, for errors
+};
+
 // Sampling and stopping options shared by chat and text completions.
 struct GenerationOptions {
   std::optional<int64_t> max_tokens;  // unset: up to the context length; 0 only with echo
@@ -60,6 +71,8 @@ struct GenerationOptions {
   std::optional<int64_t> prompt_logprobs;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  std::optional<OutputConstraint> constraint;
+  std::vector<std::pair<int64_t, double>> logit_bias;  // (token id, bias in [-100, 100])
 };
 
 struct ChatRequest {
@@ -68,6 +81,8 @@ struct ChatRequest {
       messages;                  // array of {role, content (string), ...}: content parts are joined
   nlohmann::ordered_json tools;  // array, or null when absent
   std::string tool_choice = "auto";  // "auto", "none" or "required"; a named function is "required"
+  std::string tool_choice_function;  // the function tool_choice names, if it names one
+  bool parallel_tool_calls = true;
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
   GenerationOptions options;

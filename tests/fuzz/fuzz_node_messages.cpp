@@ -37,6 +37,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
         if (!inside(s.tokens, step.tokens[i]) || !inside(s.block_table, step.block_tables[i]) ||
             !inside(s.prompt_tokens, step.prompt_tokens[i]) ||
             !inside(s.output_tokens, step.output_tokens[i]) ||
+            !inside(s.allowed_tokens, step.allowed_tokens[i]) ||
+            !inside(s.logit_bias, step.logit_bias[i]) ||
             (s.sample && s.sampling != &step.sampling[i]) || (!s.sample && s.sampling != nullptr) ||
             s.num_prompt_logprobs < -1 || s.prompt_logprobs != nullptr)
           std::abort();

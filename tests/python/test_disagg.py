@@ -142,6 +142,18 @@ def test_client_disconnect_aborts_on_the_decode_worker(deployment):
     assert deployment.router.wait_idle(timeout=15)[f'relay:num_requests_running{{model_name="{MODEL}"}}'] == 0
 
 
+def test_features_the_router_cannot_carry_yet_are_400s(deployment):
+    # Grammars, logit_bias and prompt logprobs are applied where the tokens are sampled, and the
+    # control messages do not carry them yet: refused up front, naming the field.
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "response_format": {"type": "json_object"}}, "response_format"),
+            ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+            ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo")]:
+        r = requests.post(deployment.router.base + path, json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_router_exports_autoscaling_signals(deployment):
     m = deployment.router.metrics()
     label = '{model_name="relay-demo-moe"}'

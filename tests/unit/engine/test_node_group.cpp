@@ -40,6 +40,11 @@ TEST(NodeMessages, AStepRoundTrips) {
   batch[1] = sequence(-3, tokens_b, 0, blocks_b);
   batch[2] = batch[0];
   batch[2].sampling = &penalised;
+  // Token constraints travel with a sampling sequence.
+  const std::vector<uint32_t> mask{0xf0u, 0x1u};
+  const std::vector<std::pair<int32_t, float>> bias{{3, 2.5f}, {40, -100.0f}};
+  batch[2].allowed_tokens = mask;
+  batch[2].logit_bias = bias;
 
   const NodeStep got = decode_step(encode_step(NodeCommand::kStep, batch));
   EXPECT_EQ(got.command, NodeCommand::kStep);
@@ -64,6 +69,10 @@ TEST(NodeMessages, AStepRoundTrips) {
     EXPECT_EQ(s.sampling->num_logprobs, want.sampling->num_logprobs);
     EXPECT_EQ(s.sampling->presence_penalty, want.sampling->presence_penalty);
     EXPECT_EQ(s.sample_index, want.sample_index);
+    EXPECT_EQ(std::vector(s.allowed_tokens.begin(), s.allowed_tokens.end()),
+              std::vector(want.allowed_tokens.begin(), want.allowed_tokens.end()));
+    EXPECT_EQ(std::vector(s.logit_bias.begin(), s.logit_bias.end()),
+              std::vector(want.logit_bias.begin(), want.logit_bias.end()));
   }
   // The history only goes with the sequence whose penalties read it.
   EXPECT_TRUE(got.batch[0].prompt_tokens.empty());

@@ -90,6 +90,8 @@ class FakeBackend : public Backend {
 };
 
 // Samples script[sample_index] for every sequence (then repeats the last id); computes nothing.
+// It takes token constraints: each sample's bitmask is recorded (empty when unconstrained), and a
+// scripted token the bitmask does not allow fails the test.
 class ScriptedBackend : public Backend {
  public:
   explicit ScriptedBackend(std::vector<int32_t> script, int num_blocks = 64)
@@ -101,6 +103,7 @@ class ScriptedBackend : public Backend {
   const ModelConfig& config() const override { return config_; }
   int block_size() const override { return 4; }
   int num_kv_blocks() const override { return num_blocks_; }
+  bool supports_token_constraints() const override { return true; }
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override {
     std::vector<SampledToken> out;
     for (const StepSequence& s : batch) {
@@ -108,12 +111,21 @@ class ScriptedBackend : public Backend {
       SampledToken t;
       t.seq_id = s.seq_id;
       t.token = script_[std::min<size_t>(s.sample_index, script_.size() - 1)];
+      masks.emplace_back(s.allowed_tokens.begin(), s.allowed_tokens.end());
+      biases.emplace_back(s.logit_bias.begin(), s.logit_bias.end());
+      if (!s.allowed_tokens.empty()) {
+        EXPECT_TRUE(s.allowed_tokens[t.token / 32] >> (t.token % 32) & 1)
+            << "sample " << s.sample_index << ": the mask forbids the scripted token " << t.token;
+      }
       t.logprob = -0.5f;
       for (int k = 0; k < s.sampling->num_logprobs; ++k) t.top.emplace_back(k, -1.0f - k);
       out.push_back(t);
     }
     return out;
   }
+
+  std::vector<std::vector<uint32_t>> masks;  // per sample, in order
+  std::vector<std::vector<std::pair<int32_t, float>>> biases;
 
  private:
   std::vector<int32_t> script_;
