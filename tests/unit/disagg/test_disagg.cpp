@@ -156,7 +156,9 @@ TEST(Protocol, MalformedMessagesNameTheField) {
   };
   EXPECT_NE(message({{"sampling", nlohmann::json::object()}}).find("\"prompt\""),
             std::string::npos);
-  nlohmann::json j = request_to_json(EngineRequest{{1}, {}, {}, false});
+  EngineRequest one;
+  one.prompt = {1};
+  nlohmann::json j = request_to_json(one);
   j["stop"]["max_tokens"] = "many";
   EXPECT_NE(message(j).find("\"max_tokens\" has the wrong type"), std::string::npos);
   nlohmann::json out = output_to_json(RequestOutput{});
