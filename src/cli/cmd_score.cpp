@@ -58,6 +58,7 @@ const char* json_kind(const nlohmann::json& v) {
 // Reads and checks the prompts file against the model's vocabulary and context.
 std::vector<std::vector<int32_t>> read_prompts(const std::string& path, const ModelConfig& config,
                                                const std::string& model_dir) {
+  RELAY_CHECK(std::filesystem::exists(path), "--prompts ", path, ": cannot open the file");
   const nlohmann::json j = parse_json_file(path);
   RELAY_CHECK(j.is_array(), path,
               ": expected a JSON list of prompts, each a list of token ids; got ", json_kind(j));

@@ -665,12 +665,16 @@ void Server::Impl::worker_loop() {
       try {
         job.handler(exchange);
       } catch (const std::exception& e) {
-        if (!exchange.responded()) exchange.respond(error(500, e.what()));
+        if (!exchange.responded() && !exchange.failed()) exchange.respond(error(500, e.what()));
       }
-      if (!exchange.responded()) exchange.respond(error(500, "the handler sent no response"));
+      // A handler that found its client gone answers nothing; one that forgot to is a bug.
+      if (!exchange.responded() && !exchange.failed()) {
+        exchange.respond(error(500, "the handler sent no response"));
+      }
     }
     exchange.finish();
-    options.access_log(job.request, exchange.status(),
+    // 499 (nginx's "client closed request") for a request whose client left before its answer.
+    options.access_log(job.request, exchange.responded() ? exchange.status() : 499,
                        std::chrono::duration<double>(Clock::now() - job.start).count());
     job.connection->hand_back(job.keep_alive && !exchange.failed() && !job.request.http10);
   }

@@ -143,3 +143,12 @@ def test_tokenizer_info(server):
     config = json.loads((DEMO_MODEL / "tokenizer_config.json").read_text())
     assert info["eos_token"] == config["eos_token"] and info["chat_template"] == config["chat_template"]
     assert info["tokenizer_class"] == "Qwen2Tokenizer" and info["model_max_length"] == 4096
+
+
+def test_the_openai_client_reads_echoed_logprobs(server, reference):
+    r = server.client().completions.create(model=MODEL, prompt=PROMPT_IDS, echo=True, logprobs=1, max_tokens=1,
+                                           temperature=0)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(PROMPT_IDS) + 1
+    assert abs(lp.token_logprobs[2] - reference[1][PROMPT_IDS[2]]) < 1e-4
+    assert r.choices[0].text.startswith("The quick brown fox")

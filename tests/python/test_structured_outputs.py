@@ -134,3 +134,20 @@ def test_bad_constraints_are_400s_naming_the_field(server, fields, param):
     r = chat(server, **fields)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_the_openai_client(server):
+    client = server.client()
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Answer."}], max_tokens=400, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Answer."}], max_tokens=60, temperature=0, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "set_mode"}})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "set_mode"
+    r = client.completions.create(model=MODEL, prompt="def f(", max_tokens=3, temperature=0,
+                                  extra_body={"guided_choice": ["x)", "y)"]})
+    assert r.choices[0].text in ("x)", "y)")

@@ -149,8 +149,10 @@ TEST(OpenAIProtocol, BadChatInputsNameTheParameter) {
       {chat({{"tool_choice", "sometimes"}}), "tool_choice"},
       {chat({{"tool_choice", "required"}}), "tool_choice"},
       {chat({{"chat_template_kwargs", 1}}), "chat_template_kwargs"},
-      {chat({{"logit_bias", {{"5", 10}}}}), "logit_bias"},
-      {chat({{"response_format", {{"type", "json_object"}}}}), "response_format"},
+      {chat({{"logit_bias", {{"five", 10}}}}), "logit_bias"},
+      {chat({{"logit_bias", {{"5", 200}}}}), "logit_bias"},
+      {chat({{"response_format", {{"type", "yaml"}}}}), "response_format"},
+      {chat({{"guided_regex", "a"}, {"guided_choice", {"b"}}}), "guided_choice"},
   };
   for (const Case& c : cases) {
     const ApiError e = chat_error(c.body);
