@@ -1,11 +1,11 @@
 // `relay quantize`: converts a bf16/f32 Hugging Face checkpoint into an FP8 one (block-scaled as
 // the Qwen3-*-FP8 checkpoints, or MXFP8) in the same layout; see
-// quant/convert/quantize_checkpoint.h.
+// convert/quantize_checkpoint.h.
 #include <iostream>
 
 #include "cli/command.h"
 #include "core/error.h"
-#include "quant/convert/quantize_checkpoint.h"
+#include "convert/quantize_checkpoint.h"
 
 namespace relay::cli {
 namespace {

@@ -144,7 +144,13 @@ int run_router(const ServeOptions& o) {
   http.start();
   const int max_model_len =
       static_cast<int>(o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings);
-  http.attach(server::ServedModel{&tokenizer, config.vocab_size, max_model_len}, router,
+  // NOTE: the router neither scores prompts nor constrains tokens: its workers would have to carry
+  // them, and its control messages do not yet (a request asking gets 400).
+  server::ServedModel served;
+  served.tokenizer = &tokenizer;
+  served.vocab_size = config.vocab_size;
+  served.max_model_len = max_model_len;
+  http.attach(served, router,
               std::move(chat_template));
   std::fprintf(stderr,
                "relay: router listening on http://%s:%d (workers register with --router %s:%d)\n",

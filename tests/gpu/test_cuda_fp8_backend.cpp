@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <iostream>
 
-#include "quant/convert/quantize_checkpoint.h"
+#include "convert/quantize_checkpoint.h"
 #include "tests/gpu/backend_test_util.h"
 #include "tests/gpu/gpu_test_util.h"
 

@@ -20,7 +20,7 @@
 #include "core/error.h"
 #include "engine/cpu_backend.h"
 #include "fixtures.h"
-#include "quant/convert/quantize_checkpoint.h"
+#include "convert/quantize_checkpoint.h"
 #include "../free_port.h"
 
 namespace relay {

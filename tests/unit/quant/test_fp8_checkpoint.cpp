@@ -20,7 +20,7 @@
 #include "core/thread_pool.h"
 #include "model/registry.h"
 #include "model/safetensors.h"
-#include "quant/convert/quantize_checkpoint.h"
+#include "convert/quantize_checkpoint.h"
 #include "quant/quant_config.h"
 #include "quant/weight_quant.h"
 

@@ -13,7 +13,7 @@
 #include "core/error.h"
 #include "model/make_model.h"
 #include "model/safetensors.h"
-#include "quant/convert/quantize_checkpoint.h"
+#include "convert/quantize_checkpoint.h"
 #include "quant/fp8_format.h"
 #include "quant/weight_quant.h"
 

@@ -1,7 +1,7 @@
 // See quantize_checkpoint.h. Each output shard is described up front (names, dtypes, shapes: the
 // safetensors header comes first), then filled chunk by chunk; a quantised weight is computed on
 // its first chunk and its codes and scales are served from that one cached result.
-#include "quant/convert/quantize_checkpoint.h"
+#include "convert/quantize_checkpoint.h"
 
 #include <algorithm>
 #include <chrono>
