@@ -12,6 +12,7 @@ import tempfile
 import time
 
 import openai
+import pytest
 import requests
 
 MODEL = "relay-demo-moe"
@@ -115,3 +116,14 @@ def completion_text(client, prompt, max_tokens=16, **kw):
 
 def access_log_lines(server, route):
     return [l for l in server.log_text().splitlines() if re.search(rf'"(GET|POST) {re.escape(route)}"', l)]
+
+
+def server_fixture(*args, **kwargs):
+    """A module-scoped pytest fixture: a `relay serve` with these arguments, ready, stopped after."""
+    @pytest.fixture(scope="module")
+    def server(relay_bin):
+        s = RelayServer(relay_bin, *args, **kwargs)
+        s.wait_ready()
+        yield s
+        s.stop()
+    return server

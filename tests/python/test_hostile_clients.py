@@ -12,16 +12,11 @@ import time
 import pytest
 import requests
 
-from relay_server import MODEL, RelayServer
+from relay_server import MODEL, RelayServer, server_fixture
 
 
-@pytest.fixture(scope="module")
-def server(relay_bin):
-    s = RelayServer(relay_bin, "--max-num-seqs", "4", "--max-queue", "4", "--request-head-timeout", "2",
-                    "--keep-alive-timeout", "5")
-    s.wait_ready()
-    yield s
-    s.stop()
+server = server_fixture("--max-num-seqs", "4", "--max-queue", "4", "--request-head-timeout", "2",
+                        "--keep-alive-timeout", "5")
 
 
 def raw(server, data, timeout=10, half_close=False):

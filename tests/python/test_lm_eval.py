@@ -17,7 +17,7 @@ from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer
 
 from conftest import DEMO_MODEL
-from relay_server import MODEL, RelayServer
+from relay_server import MODEL, server_fixture
 
 PAIRS = [
     ("def fibonacci(n):\n    if n <", " 2:\n        return n"),
@@ -28,12 +28,7 @@ PAIRS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(relay_bin):
-    s = RelayServer(relay_bin)
-    s.wait_ready()
-    yield s
-    s.stop()
+server = server_fixture()
 
 
 def relay_score_loglikelihoods(relay_bin, tmp_path, pairs):

@@ -10,17 +10,12 @@ import pytest
 import requests
 
 from conftest import DEMO_MODEL
-from relay_server import MODEL, RelayServer
+from relay_server import MODEL, server_fixture
 
 PROMPT_IDS = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562]  # "The quick brown fox jumps over the lazy dog"
 
 
-@pytest.fixture(scope="module")
-def server(relay_bin):
-    s = RelayServer(relay_bin)
-    s.wait_ready()
-    yield s
-    s.stop()
+server = server_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import re
 import pytest
 import requests
 
-from relay_server import MODEL, RelayServer
+from relay_server import MODEL, server_fixture
 
 TOOLS = [{"type": "function", "function": {
     "name": "set_mode", "description": "Set the mode.",
@@ -18,12 +18,7 @@ TOOLS = [{"type": "function", "function": {
         "name": "stop_all", "parameters": {"type": "object", "properties": {}}}}]
 
 
-@pytest.fixture(scope="module")
-def server(relay_bin):
-    s = RelayServer(relay_bin)
-    s.wait_ready()
-    yield s
-    s.stop()
+server = server_fixture()
 
 
 def chat(server, **fields):

@@ -4,6 +4,7 @@
 // message instead of being misread.
 #include <gtest/gtest.h>
 
+#include "../error_text.h"
 #include "core/error.h"
 #include "engine/node_group.h"
 
@@ -167,14 +168,7 @@ TEST(NodeMessages, DamagedOrForeignMessagesFail) {
   const std::vector<int32_t> tokens{1, 2}, blocks{0};
   const std::vector<StepSequence> batch{sequence(1, tokens, 0, blocks)};
   std::vector<uint8_t> bytes = encode_step(NodeCommand::kLogitsAll, batch);
-  auto error_of = [](auto&& fn) -> std::string {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "";
-  };
+  auto error_of = [](auto&& fn) { return test::error_text(fn); };
   for (size_t cut : {size_t{0}, size_t{1}, bytes.size() / 2, bytes.size() - 1}) {
     const std::vector<uint8_t> part(bytes.begin(), bytes.begin() + static_cast<long>(cut));
     EXPECT_NE(error_of([&] { decode_step(part); }).find("truncated"), std::string::npos)

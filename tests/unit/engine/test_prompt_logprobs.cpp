@@ -11,6 +11,7 @@
 #include <map>
 #include <numeric>
 
+#include "../error_text.h"
 #include "../scheduler/fake_backend.h"
 #include "core/error.h"
 #include "engine/cpu_backend.h"
@@ -256,14 +257,7 @@ TEST(PromptLogprobs, MaxTokensZeroScoresThePromptAndSamplesNothing) {
 }
 
 TEST(PromptLogprobs, RequestsThatCannotBeServedAreRefused) {
-  auto error_of = [](auto&& fn) -> std::string {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "";
-  };
+  auto error_of = [](auto&& fn) { return test::error_text(fn); };
   auto engine = make_engine(backend_options());
   EXPECT_TRUE(engine->supports_prompt_logprobs());
   EXPECT_NE(error_of([&] {
