@@ -496,11 +496,9 @@ Exchange::Exchange(std::shared_ptr<Connection> connection, const Request& reques
 
 Exchange::~Exchange() = default;
 
-bool Exchange::send(std::string_view head, std::string_view body) {
+bool Exchange::send(std::initializer_list<std::string_view> parts) {
   if (failed_) return false;
-  if (!send_all(connection_->fd(), {head, body}, connection_->options().write_timeout)) {
-    failed_ = true;
-  }
+  if (!send_all(connection_->fd(), parts, connection_->options().write_timeout)) failed_ = true;
   return !failed_;
 }
 
@@ -508,9 +506,9 @@ bool Exchange::respond(const Response& r) {
   RELAY_CHECK(state_ == State::kNone, "a response was already sent for ", request_.path);
   state_ = State::kWhole;
   status_ = r.status;
-  return send(response_head(r.status, r.content_type, r.headers,
-                            str("Content-Length: ", r.body.size(), "\r\n"), keep_alive_),
-              r.body);
+  return send({response_head(r.status, r.content_type, r.headers,
+                             str("Content-Length: ", r.body.size(), "\r\n"), keep_alive_),
+               r.body});
 }
 
 bool Exchange::start_stream(int status, const std::string& content_type, const Headers& headers) {
@@ -519,30 +517,26 @@ bool Exchange::start_stream(int status, const std::string& content_type, const H
   status_ = status;
   if (request_.http10) {
     // No chunked encoding in HTTP/1.0: the stream ends when the connection closes.
-    return send(response_head(status, content_type, headers, "", false));
+    return send({response_head(status, content_type, headers, "", false)});
   }
-  return send(response_head(status, content_type, headers, "Transfer-Encoding: chunked\r\n",
-                            keep_alive_));
+  return send({response_head(status, content_type, headers, "Transfer-Encoding: chunked\r\n",
+                             keep_alive_)});
 }
 
 bool Exchange::write(std::string_view data) {
   RELAY_CHECK(state_ == State::kStream, "write() before start_stream() for ", request_.path);
   if (data.empty()) return !failed_;
-  if (request_.http10) return send(data);
+  if (request_.http10) return send({data});
   char size[24];
   std::snprintf(size, sizeof size, "%zx\r\n", data.size());
-  // The chunk's trailing CRLF goes out with the next piece: one send per chunk.
-  if (failed_) return false;
-  if (!send_all(connection_->fd(), {size, data, "\r\n"}, connection_->options().write_timeout)) {
-    failed_ = true;
-  }
-  return !failed_;
+  // Size line, data and CRLF in one gathered send: one TCP segment per chunk where it fits.
+  return send({size, data, "\r\n"});
 }
 
 void Exchange::finish() {
   if (state_ != State::kStream) return;
   state_ = State::kFinished;
-  if (!request_.http10) send("0\r\n\r\n");
+  if (!request_.http10) send({"0\r\n\r\n"});
 }
 
 bool Exchange::client_connected() {
@@ -572,7 +566,7 @@ bool Exchange::client_connected() {
   }
   if (!probed_ && state_ == State::kNone) {
     probed_ = true;
-    return send("HTTP/1.1 100 Continue\r\n\r\n");
+    return send({"HTTP/1.1 100 Continue\r\n\r\n"});
   }
   // A stream probes with its own writes; after the probe, the reset (if any) arrives within a
   // round trip and is seen above on a later call.

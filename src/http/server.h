@@ -37,6 +37,7 @@
 
 #include <chrono>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -100,7 +101,8 @@ class Exchange {
 
  private:
   enum class State { kNone, kWhole, kStream, kFinished };
-  bool send(std::string_view head, std::string_view body = {});
+  // Writes `parts` in one gathered send, bounded by write_timeout; false once the client is gone.
+  bool send(std::initializer_list<std::string_view> parts);
 
   std::shared_ptr<Connection> connection_;
   const Request& request_;
