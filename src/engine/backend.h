@@ -10,8 +10,21 @@
 // (num_prompt_logprobs >= 0) gets, in the same forward pass, the logprob of every prompt token that
 // follows a row of its chunk, written to the vector its prompt_logprobs points at. They come back
 // through that pointer rather than through step()'s result so that the result keeps one shape
-// (one token per sampling sequence) for every backend, and a backend that does not compute them
+// (sampled tokens only) for every backend, and a backend that does not compute them
 // (supports_prompt_logprobs() false; the engine refuses such requests) needs no change at all.
+//
+// Drafts (speculative decoding): a decoding sequence may carry, after its last token, k draft
+// tokens proposed to follow it (num_draft_tokens). The backend computes the logits of all 1 + k
+// rows in the one forward pass and verifies the drafts in order (sampler.h, sample_with_drafts):
+// row j samples the token after draft j - 1 exactly as a step without drafts would sample it at
+// that point (its penalties counting the drafts before it, sample index sample_index + j, its own
+// row of allowed_tokens), and draft j is accepted while it equals row j's token. The extra tokens
+// come back in step()'s result, not through an output pointer as prompt logprobs do: they are
+// sampled tokens like the one a step always returned, each with its logprobs, and what the
+// scheduler commits. So the result holds, per sampling sequence, its accepted drafts and then the
+// token sampled after them (1 + accepted entries, consecutive, all with its seq_id); a backend that
+// never gets drafts (supports_draft_tokens() false; the engine refuses them) returns one token per
+// sampling sequence as before, and needs no change at all.
 #pragma once
 
 #include <algorithm>
@@ -36,8 +49,11 @@ struct StepSequence {
   int32_t num_computed = 0;              // tokens already in the KV cache (position of tokens[0])
   std::span<const int32_t> block_table;  // KV blocks covering num_computed + tokens.size()
   bool sample = false;                   // sample after the last token of `tokens`
+  // Of `tokens`, the trailing drafts (only with sample, fewer than tokens.size()): the backend
+  // samples after each of the last 1 + num_draft_tokens tokens and verifies them (see above).
+  int32_t num_draft_tokens = 0;
   const SamplingParams* sampling = nullptr;  // when sample
-  std::span<const int32_t> output_tokens;    // generated so far, for penalties
+  std::span<const int32_t> output_tokens;    // generated so far (drafts excluded), for penalties
   uint64_t sample_index = 0;                 // how many tokens this sequence sampled before
   // The prompt: for repetition_penalty (vLLM counts both) and for prompt logprobs.
   std::span<const int32_t> prompt_tokens;
@@ -51,8 +67,9 @@ struct StepSequence {
   // Constraints on the sampled token (structured outputs, logit_bias), applied to the logits after
   // the penalties and before temperature and the truncations; logprobs stay those of the raw logits
   // (vLLM's default). `allowed_tokens`: a bitmask, bit i of word i / 32 set when token i may be
-  // sampled (grammar/grammar.h's layout), empty for no mask; `logit_bias`: (token, bias) added to
-  // the logits. A backend without them (supports_token_constraints() false) must not get them.
+  // sampled (grammar/grammar.h's layout), empty for no mask — with drafts, one bitmask per sampled
+  // row, back to back; `logit_bias`: (token, bias) added to the logits of every sampled row. A
+  // backend without them (supports_token_constraints() false) must not get them.
   std::span<const uint32_t> allowed_tokens;
   std::span<const std::pair<int32_t, float>> logit_bias;
 
@@ -87,8 +104,9 @@ class Backend {
   virtual int num_kv_partitions() const { return 1; }
   // Every rank's KV pool, for disaggregated hand-offs; empty when this backend cannot export it.
   virtual std::vector<KvPoolExport> kv_pool_exports() { return {}; }
-  // Runs one forward pass over `batch` and returns one SampledToken per sequence with sample=true,
-  // in batch order; fills the prompt logprobs of the sequences that ask for them.
+  // Runs one forward pass over `batch` and returns, per sequence with sample=true and in batch
+  // order, its accepted drafts and the token sampled after them (one token without drafts); fills
+  // the prompt logprobs of the sequences that ask for them.
   virtual std::vector<SampledToken> step(std::span<const StepSequence> batch) = 0;
   // Whether step() computes prompt logprobs (StepSequence::num_prompt_logprobs); a backend without
   // them ignores the field, so the engine refuses requests that ask.
@@ -96,6 +114,9 @@ class Backend {
   // Whether step() applies StepSequence::allowed_tokens and logit_bias; the engine refuses requests
   // with a grammar or a logit_bias otherwise.
   virtual bool supports_token_constraints() const { return false; }
+  // Whether step() verifies drafts (StepSequence::num_draft_tokens); the engine refuses drafts
+  // otherwise, since a backend without them would take the drafts for committed tokens.
+  virtual bool supports_draft_tokens() const { return false; }
   // Why no later step can succeed (empty while steps can): a multi-node worker that lost a node.
   // Read on the thread that calls step.
   virtual std::string unusable_reason() const { return {}; }

@@ -192,14 +192,15 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
                                std::exception_ptr& failure) {
   NodeResult result;
   try {
-    // A step's sequence with prompt logprob rows needs every row's logits; the one that samples
-    // is its last. Every node derives the same rows from the batch, as the LM head's collectives
-    // require.
+    // A step's sequence with prompt logprob rows or drafts needs every row's logits; the ones
+    // that sample are its last 1 + num_draft_tokens. Every node derives the same rows from the
+    // batch, as the LM head's collectives require.
     std::vector<RowsOf> rows_of;
     for (const StepSequence& s : batch) {
+      const bool all_rows = s.num_prompt_logprob_rows() > 0 || s.num_draft_tokens > 0;
       rows_of.push_back(command == NodeCommand::kLogitsAll    ? RowsOf::kAll
                         : command == NodeCommand::kLogitsLast ? RowsOf::kLast
-                        : s.num_prompt_logprob_rows() > 0     ? RowsOf::kAll
+                        : all_rows                            ? RowsOf::kAll
                         : s.sample                            ? RowsOf::kLast
                                                               : RowsOf::kNone);
     }
@@ -258,8 +259,8 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
         result.logits.insert(result.logits.end(), h.rows, h.rows + num_rows(h.seq) * vocab);
         continue;
       }
-      // Prompt logprobs before sampling, which changes its row in place (never a scored row: the
-      // row that samples is the prompt's last, which has no next prompt token).
+      // Prompt logprobs before sampling, which changes its rows in place (never a scored row: the
+      // first row that samples is the prompt's last, which has no next prompt token).
       if (const size_t scored = s.num_prompt_logprob_rows(); scored > 0) {
         const std::span<const int32_t> targets =
             s.prompt_tokens.subspan(s.num_computed + 1, scored);
@@ -277,13 +278,16 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
         });
       }
       if (s.sample) {
-        // In place: the sampler's penalties and temperature change only this row of this step.
-        float* last = h.rows + (num_rows(h.seq) - 1) * vocab;
-        SampledToken t = sample_token(std::span<float>(last, vocab), *s.sampling, s.prompt_tokens,
-                                      s.output_tokens, s.sample_index,
-                                      {s.allowed_tokens, s.logit_bias});
-        t.seq_id = s.seq_id;
-        result.sampled.push_back(std::move(t));
+        // In place: the sampler's penalties and temperature change only this step's rows. The last
+        // row samples, and with drafts the one before each draft: they verify it.
+        const size_t first = num_rows(h.seq) - 1 - static_cast<size_t>(s.num_draft_tokens);
+        const std::span<float> rows(h.rows + first * vocab, (num_rows(h.seq) - first) * vocab);
+        for (SampledToken& t : sample_with_drafts(
+                 rows, s.tokens.last(s.num_draft_tokens), *s.sampling, s.prompt_tokens,
+                 s.output_tokens, s.sample_index, {s.allowed_tokens, s.logit_bias})) {
+          t.seq_id = s.seq_id;
+          result.sampled.push_back(std::move(t));
+        }
       }
     }
   } catch (const std::exception& e) {
@@ -310,6 +314,12 @@ std::vector<NodeResult> CpuBackend::run_step(NodeCommand command,
                 " samples but has no SamplingParams");
     RELAY_CHECK(s.num_prompt_logprobs >= -1, "sequence ", s.seq_id, " has num_prompt_logprobs ",
                 s.num_prompt_logprobs);
+    RELAY_CHECK(
+        s.num_draft_tokens == 0 || (s.sample && s.num_draft_tokens > 0 &&
+                                    static_cast<size_t>(s.num_draft_tokens) < s.tokens.size()),
+        "sequence ", s.seq_id, " has num_draft_tokens ", s.num_draft_tokens,
+        ": drafts need a sampling sequence and a token before them (it has ", s.tokens.size(),
+        " tokens)");
   }
   // A lost node ends the worker: its ranks' shards and KV are gone.
   const auto lose = [&](const Error& e) {
@@ -377,15 +387,24 @@ std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) 
                 " asks for prompt logprobs but has no prompt_logprobs output");
   }
   std::vector<NodeResult> all = run_step(NodeCommand::kStep, batch);
-  // Each sampling sequence's token, and each scored sequence's prompt logprobs, come from the one
-  // node holding its logits.
-  std::vector<const SampledToken*> token(batch.size(), nullptr);
+  // Each sampling sequence's tokens (its accepted drafts, then the token after them, consecutive
+  // under its id), and each scored sequence's prompt logprobs, come from the one node holding its
+  // logits.
+  std::vector<std::span<const SampledToken>> tokens(batch.size());
   std::vector<std::vector<TokenLogprob>*> scored(batch.size(), nullptr);
   for (NodeResult& r : all) {
     size_t k = 0, p = 0;
     for (uint32_t i : r.seqs) {
       RELAY_CHECK(i < batch.size(), "a node answered for sequence index ", i, " of ", batch.size());
-      if (batch[i].sample) token[i] = &r.sampled.at(k++);
+      if (batch[i].sample) {
+        size_t n = 0;
+        while (k + n < r.sampled.size() && r.sampled[k + n].seq_id == batch[i].seq_id) ++n;
+        RELAY_CHECK(n >= 1 && n <= 1 + static_cast<size_t>(batch[i].num_draft_tokens),
+                    "a node returned ", n, " tokens for sequence ", batch[i].seq_id,
+                    ", which verified ", batch[i].num_draft_tokens, " drafts");
+        tokens[i] = std::span<const SampledToken>(r.sampled).subspan(k, n);
+        k += n;
+      }
       const size_t rows = batch[i].num_prompt_logprob_rows();
       if (rows == 0) continue;
       scored[i] = &r.prompt_logprobs.at(p++);
@@ -404,8 +423,8 @@ std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) 
       s.prompt_logprobs->clear();
     }
     if (!s.sample) continue;
-    RELAY_CHECK(token[i] != nullptr, "no node sampled sequence ", s.seq_id);
-    out.push_back(*token[i]);
+    RELAY_CHECK(!tokens[i].empty(), "no node sampled sequence ", s.seq_id);
+    out.insert(out.end(), tokens[i].begin(), tokens[i].end());
   }
   return out;
 }

@@ -8,7 +8,10 @@
 // Logit rows: a step computes the LM head only for the rows it reads (RowsOf): the last row of a
 // sequence that samples, or every row of a chunk with prompt logprobs (backend.h), which are
 // scored against the next prompt token with the sampler's log_softmax and top-k (token_logprob),
-// spread over the rank's threads, before the last row is sampled if the chunk ends the prompt.
+// spread over the rank's threads, before the last row is sampled if the chunk ends the prompt, or
+// every row of a decode with drafts: its last token and each draft are one query row of the same
+// forward pass (attention sees each row's own causal context, as k + 1 single-token steps would),
+// and the sampler verifies the drafts on the last 1 + k rows (sample_with_drafts).
 //
 // Parallelism (options.parallel, parallel/parallel_config.h): the backend then runs tp x dp ranks
 // as threads of this process, each with its own shard of the weights (model/shard.h), its own KV
@@ -76,6 +79,7 @@ class CpuBackend : public Backend {
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
   bool supports_prompt_logprobs() const override { return true; }
   bool supports_token_constraints() const override { return true; }
+  bool supports_draft_tokens() const override { return true; }
   std::string unusable_reason() const override { return lost_; }
 
   enum class LogitRows {
@@ -106,8 +110,8 @@ class CpuBackend : public Backend {
   std::vector<NodeResult> run_step(NodeCommand command, std::span<const StepSequence> batch);
   // Runs `batch` on this process's ranks (each its own sequences). The result lists the sequences
   // whose logits this process holds (those of its TP-rank-0 ranks) with, for kStep, their sampled
-  // tokens and prompt logprobs, else their logit rows. A failure is returned in `failure` (and its
-  // text in the result).
+  // tokens (accepted drafts included) and prompt logprobs, else their logit rows. A failure is
+  // returned in `failure` (and its text in the result).
   NodeResult compute(NodeCommand command, std::span<const StepSequence> batch,
                      std::exception_ptr& failure);
   // Flattens the sequences `members` of `batch` into rank r's ForwardBatch, with block ids local to

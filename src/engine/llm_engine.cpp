@@ -47,10 +47,13 @@ struct LLMEngine::Request {
   enum class GrammarPhase { kNone, kWaiting, kActive, kDone };
   GrammarPhase grammar_phase = GrammarPhase::kNone;
   std::optional<GrammarMatcher> matcher;
-  std::vector<uint32_t> bitmask;  // the matcher's allowed tokens for the next sample
+  // The matcher's allowed tokens for the next sample (with drafts, one bitmask per sampled row).
+  std::vector<uint32_t> bitmask;
   ReasoningTokens reasoning;
   std::vector<std::pair<int32_t, float>> logit_bias;
   IncrementalDetokenizer detokenizer;
+  // What a decode with drafts computes (its StepSequence::tokens): its last token, then the drafts.
+  std::vector<int32_t> step_tokens;
   std::string text;     // the output text so far
   size_t num_sent = 0;  // bytes of `text` already returned
   size_t max_stop_len = 0;
@@ -137,7 +140,6 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
     const int64_t vocab = backend_->config().vocab_size;
     RELAY_CHECK(r->matcher->vocab_size() == vocab, "request ", id, ": its grammar covers ",
                 r->matcher->vocab_size(), " tokens, the model ", vocab);
-    r->bitmask.resize(token_bitmask_words(vocab));
     r->grammar_phase = request.reasoning.starts_inside ? Request::GrammarPhase::kWaiting
                                                        : Request::GrammarPhase::kActive;
   }
@@ -241,6 +243,7 @@ std::vector<RequestOutput> LLMEngine::step() {
   const SchedulerOutput plan = scheduler_.schedule();
   if (plan.empty()) return {};
   last_step_ = {static_cast<int>(plan.chunks.size()), plan.num_batched_tokens};
+  for (const ScheduledChunk& c : plan.chunks) last_step_.num_draft_tokens += c.num_draft_tokens;
   const Clock::time_point now = Clock::now();
   last_step_.schedule_s = std::chrono::duration<double>(now - start).count();
   std::vector<StepSequence> batch;
@@ -252,7 +255,15 @@ std::vector<RequestOutput> LLMEngine::step() {
     if (!r.first_scheduled) r.first_scheduled = now;
     StepSequence s;
     s.seq_id = c.seq->id;
-    s.tokens = std::span<const int32_t>(c.seq->tokens).subspan(c.seq->num_computed, c.num_tokens);
+    const auto drafts = std::span<const int32_t>(c.seq->draft_tokens).first(c.num_draft_tokens);
+    if (drafts.empty()) {
+      s.tokens = std::span<const int32_t>(c.seq->tokens).subspan(c.seq->num_computed, c.num_tokens);
+    } else {
+      r.step_tokens.assign(1, c.seq->tokens.back());
+      r.step_tokens.insert(r.step_tokens.end(), drafts.begin(), drafts.end());
+      s.tokens = r.step_tokens;
+      s.num_draft_tokens = c.num_draft_tokens;
+    }
     s.num_computed = c.seq->num_computed;
     s.block_table = blocks_.block_table(c.seq->id);
     s.sample = c.sample;
@@ -266,7 +277,11 @@ std::vector<RequestOutput> LLMEngine::step() {
       s.prompt_logprobs = &prompt_rows[batch.size()];
     }
     if (c.sample) {
-      s.allowed_tokens = allowed_tokens(r, c.seq->num_output_tokens() == 0);
+      // NOTE: set_drafts kept only drafts the grammar allows, from the state it is still in.
+      RELAY_CHECK(
+          walk_grammar(r, drafts, c.seq->num_output_tokens() == 0, &r.bitmask) == drafts.size(),
+          "request ", r.id, ": its grammar refuses a draft set_drafts accepted");
+      s.allowed_tokens = r.bitmask;
       s.logit_bias = r.logit_bias;
     }
     batch.push_back(s);
@@ -284,16 +299,29 @@ std::vector<RequestOutput> LLMEngine::step() {
 
   std::vector<RequestOutput> outputs;
   outputs.reserve(sampled.size());
-  for (const SampledToken& tok : sampled) {
-    Request& r = *requests_.at(tok.seq_id);
+  // A request's committed tokens are consecutive: its accepted drafts, then the token after them.
+  for (size_t i = 0; i < sampled.size();) {
+    Request& r = *requests_.at(sampled[i].seq_id);
+    size_t n = 1;
+    while (i + n < sampled.size() && sampled[i + n].seq_id == r.id) ++n;
+    const int num_outputs = scheduler_.find(r.id)->num_output_tokens();
     RequestOutput out;
     out.id = r.id;
-    // The first sampled token completes the prompt: its output is the request's first.
-    const bool first_output = scheduler_.find(r.id)->num_output_tokens() == 1;
-    if (r.prompt_logprobs_due) deliver_prompt_logprobs(r, out);
-    if (r.matcher) advance_grammar(r, tok.token, first_output);
-    on_token(r, tok, out);
+    // Token by token, as if each came from its own step; those after the one that finishes the
+    // request are dropped.
+    for (size_t j = 0; j < n && out.finish == FinishReason::kNone; ++j) {
+      const int num_later = static_cast<int>(n - 1 - j);
+      // The first sampled token completes the prompt: its output is the request's first.
+      const bool first_output = num_outputs - num_later == 1;
+      if (r.prompt_logprobs_due) deliver_prompt_logprobs(r, out);
+      // NOTE: every token came from the matcher's own mask, so the grammar takes it.
+      RELAY_CHECK(!r.matcher || advance_grammar(r, sampled[i + j].token, first_output), "request ",
+                  r.id, ": the grammar refused token ", sampled[i + j].token,
+                  ", which its mask allowed");
+      on_token(r, sampled[i + j], out, num_later);
+    }
     outputs.push_back(std::move(out));
+    i += n;
   }
   // A prompt-only request (max_tokens 0) ends with its prompt, having sampled nothing.
   for (const ScheduledChunk& c : plan.chunks) {
@@ -324,12 +352,32 @@ std::vector<RequestOutput> LLMEngine::step() {
   return outputs;
 }
 
-void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput& out) {
+void LLMEngine::set_drafts(int64_t id, std::span<const int32_t> drafts) {
+  RELAY_CHECK(backend_->supports_draft_tokens(), "request ", id, " was given ", drafts.size(),
+              " draft tokens, which this backend does not verify");
+  const auto it = requests_.find(id);
+  Sequence* seq = scheduler_.find(id);
+  RELAY_CHECK(it != requests_.end() && seq != nullptr, "set_drafts: no request ", id);
+  Request& r = *it->second;
+  const int64_t vocab = backend_->config().vocab_size;
+  for (int32_t t : drafts) {
+    RELAY_CHECK(t >= 0 && t < vocab, "request ", id, ": draft token ", t,
+                " is outside the vocabulary [0, ", vocab, ")");
+  }
+  // A step commits its accepted drafts and one token more, all within max_tokens.
+  const int64_t room = r.stop.max_tokens - seq->num_output_tokens() - 1;
+  drafts = drafts.first(static_cast<size_t>(std::clamp<int64_t>(room, 0, drafts.size())));
+  drafts = drafts.first(walk_grammar(r, drafts, seq->num_output_tokens() == 0, nullptr));
+  seq->draft_tokens.assign(drafts.begin(), drafts.end());
+}
+
+void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput& out,
+                         int num_later) {
   const Sequence& seq = *scheduler_.find(r.id);
   out.new_tokens.push_back(sampled.token);
   if (r.want_logprobs) out.logprobs.push_back({sampled.token, sampled.logprob, sampled.top});
   out.num_prompt_tokens = seq.num_prompt_tokens;
-  out.num_output_tokens = seq.num_output_tokens();
+  out.num_output_tokens = seq.num_output_tokens() - num_later;
   out.num_cached_tokens = std::max(0, seq.num_cached_prompt_tokens);
 
   const StopConditions& stop = r.stop;
@@ -371,7 +419,7 @@ void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput&
     }
   }
   if (out.num_output_tokens >= stop.max_tokens ||
-      static_cast<int64_t>(seq.tokens.size()) >= max_model_len_) {
+      static_cast<int64_t>(seq.tokens.size()) - num_later >= max_model_len_) {
     r.text += r.detokenizer.flush();
     finish(r, FinishReason::kLength, out);
     return;
@@ -386,40 +434,65 @@ void LLMEngine::on_token(Request& r, const SampledToken& sampled, RequestOutput&
       }
     }
   }
-  out.text = r.text.substr(r.num_sent, r.text.size() - hold - r.num_sent);
+  out.text += r.text.substr(r.num_sent, r.text.size() - hold - r.num_sent);
   r.num_sent = r.text.size() - hold;
 }
 
-std::span<const uint32_t> LLMEngine::allowed_tokens(Request& r, bool first_output) {
-  if (r.grammar_phase != Request::GrammarPhase::kActive) return {};
-  r.matcher->fill_next_token_bitmask(r.bitmask);
-  // A reasoning model may open its block first; the grammar then waits for the block's end.
-  if (first_output && r.reasoning.open >= 0) {
-    r.bitmask[static_cast<size_t>(r.reasoning.open) / 32] |= 1u << (r.reasoning.open % 32);
+size_t LLMEngine::walk_grammar(Request& r, std::span<const int32_t> drafts, bool first_output,
+                               std::vector<uint32_t>* masks) {
+  using Phase = Request::GrammarPhase;
+  if (masks != nullptr) masks->clear();
+  // Nothing constrains these requests again.
+  if (r.grammar_phase == Phase::kNone || r.grammar_phase == Phase::kDone) return drafts.size();
+  const Phase phase = r.grammar_phase;
+  const int num_accepted = r.matcher->num_accepted_tokens();
+  const size_t words = token_bitmask_words(r.matcher->vocab_size());
+  bool constrained = false;
+  size_t allowed = 0;
+  for (;; ++allowed) {
+    // Only the request's first token may open a reasoning block.
+    const bool first = first_output && allowed == 0;
+    if (masks != nullptr) {
+      masks->resize((allowed + 1) * words);
+      const std::span<uint32_t> row(masks->data() + allowed * words, words);
+      if (r.grammar_phase == Phase::kActive) {
+        r.matcher->fill_next_token_bitmask(row);
+        // A reasoning model may open its block first; the grammar then waits for the block's end.
+        if (first && r.reasoning.open >= 0) {
+          row[static_cast<size_t>(r.reasoning.open) / 32] |= 1u << (r.reasoning.open % 32);
+        }
+        constrained = true;
+      } else {
+        std::fill(row.begin(), row.end(), ~0u);
+      }
+    }
+    if (allowed == drafts.size() || !advance_grammar(r, drafts[allowed], first)) break;
   }
-  return r.bitmask;
+  r.matcher->rollback(r.matcher->num_accepted_tokens() - num_accepted);
+  r.grammar_phase = phase;
+  if (masks != nullptr && !constrained) masks->clear();
+  return allowed;
 }
 
-void LLMEngine::advance_grammar(Request& r, int32_t token, bool first_output) {
+bool LLMEngine::advance_grammar(Request& r, int32_t token, bool first_output) {
   using Phase = Request::GrammarPhase;
   switch (r.grammar_phase) {
     case Phase::kWaiting:
       if (token == r.reasoning.close) r.grammar_phase = Phase::kActive;
-      return;
+      return true;
     case Phase::kActive:
       if (first_output && token == r.reasoning.open) {
         r.grammar_phase = Phase::kWaiting;
-        return;
+        return true;
       }
-      // NOTE: the token came from the matcher's own mask, so the grammar takes it.
-      RELAY_CHECK(r.matcher->accept_token(token), "request ", r.id, ": the grammar refused token ",
-                  token, ", which its mask allowed");
+      if (!r.matcher->accept_token(token)) return false;
       if (r.matcher->is_terminated()) r.grammar_phase = Phase::kDone;
-      return;
+      return true;
     case Phase::kNone:
     case Phase::kDone:
-      return;
+      break;
   }
+  return true;
 }
 
 void LLMEngine::keep_prompt_logprobs(Request& r, const StepSequence& chunk) {
@@ -444,7 +517,7 @@ void LLMEngine::deliver_prompt_logprobs(Request& r, RequestOutput& out) {
 }
 
 void LLMEngine::finish(Request& r, FinishReason reason, RequestOutput& out) {
-  out.text = r.text.substr(r.num_sent);
+  out.text += r.text.substr(r.num_sent);
   r.num_sent = r.text.size();
   out.finish = reason;
   if (r.first_scheduled) {

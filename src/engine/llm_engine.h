@@ -22,14 +22,26 @@
 // vLLM's reasoning-aware structured outputs do). Once the grammar is complete only a stop token is
 // allowed; after it (ignore_eos) nothing more is constrained.
 //
+// Speculative decoding: a proposer (n-gram, MTP) gives a request draft tokens for its next step
+// (set_drafts). The scheduler budgets 1 + k tokens for that decode and allocates their KV, the
+// backend verifies the drafts in the step's forward pass (backend.h), and the step commits the
+// accepted drafts and the token sampled after them; update() releases the KV of the rejected ones
+// (scheduler.h). Each committed token then goes through everything a sampled token goes through
+// (grammar, logprobs, detokenization, the stop checks below), in order, and the tokens after the
+// one that finishes the request are dropped. Verification samples every row exactly as a step
+// without drafts would (sampler.h): a request gets the same tokens with or without drafts, greedy
+// or seeded, so a proposer changes only how many steps it takes. With a grammar, the backend gets
+// the mask of each row by walking the matcher through the drafts and rolling it back; drafts the
+// grammar refuses, or that max_tokens leaves no room for, are dropped when they are set.
+//
 // Stopping: max_tokens and the context length give "length"; an EOS id (unless ignore_eos), a
 // stop_token_id or a stop string gives "stop". Stop strings are matched on the decoded text; text
 // that could still be the beginning of a stop string is held back until it cannot (so a stop string
 // never leaks to the client in pieces), and the match is cut out of the text (kept with
 // include_stop_str_in_output). Stop tokens are counted as generated but add no text.
 //
-// The engine is single-threaded: one thread calls add_request/abort/step (the server's engine
-// loop). A request that could never fit in the KV pool is refused by add_request with an Error.
+// The engine is single-threaded: one thread calls add_request/abort/set_drafts/step (the server's
+// engine loop). A request that could never fit in the KV pool is refused by add_request with an Error.
 #pragma once
 
 #include <chrono>
@@ -128,12 +140,13 @@ struct EngineStats {
 // prefill chunks is longer by design), and split each step into its phases to show what the host
 // adds to the backend's compute.
 struct StepComposition {
-  int num_seqs = 0;         // sequences in the batch
-  int num_tokens = 0;       // tokens computed
-  double schedule_s = 0.0;  // scheduling and building the flattened batch
-  double forward_s = 0.0;   // Backend::step (the forward pass and sampling)
-  double outputs_s = 0.0;   // scheduler update, detokenization, stop checks, finishing requests
-  bool decode_only() const { return num_seqs > 0 && num_tokens == num_seqs; }
+  int num_seqs = 0;          // sequences in the batch
+  int num_tokens = 0;        // tokens computed
+  int num_draft_tokens = 0;  // of num_tokens, drafts verified
+  double schedule_s = 0.0;   // scheduling and building the flattened batch
+  double forward_s = 0.0;    // Backend::step (the forward pass and sampling)
+  double outputs_s = 0.0;    // scheduler update, detokenization, stop checks, finishing requests
+  bool decode_only() const { return num_seqs > 0 && num_tokens - num_draft_tokens == num_seqs; }
 };
 
 class LLMEngine {
@@ -150,6 +163,14 @@ class LLMEngine {
   std::optional<RequestOutput> abort(int64_t id);
   // Runs one step; returns an output for every request that produced a token or finished.
   std::vector<RequestOutput> step();
+  // Speculative decoding: proposes `drafts` as the tokens following request `id`'s last one, for
+  // its next step only, replacing any not used yet (an empty list withdraws them). The step that
+  // runs the request verifies them and commits the accepted ones and one token more; a step that
+  // runs it otherwise (a prompt chunk, or no budget or KV blocks to spare) drops them. Drafts that
+  // max_tokens leaves no room for, and those from the first one the request's grammar refuses, are
+  // dropped now. Throws relay::Error when the backend does not verify drafts
+  // (supports_draft_tokens), for an unknown request, or for a token outside the vocabulary.
+  void set_drafts(int64_t id, std::span<const int32_t> drafts);
 
   // Disaggregated decode. reserve_kv allocates blocks for `prompt` under a new request id, reusing
   // its leading full blocks from the prefix cache (nothing when the pool or max_num_seqs has no
@@ -176,6 +197,7 @@ class LLMEngine {
   int max_num_seqs() const { return scheduler_.config().max_num_seqs; }
   bool supports_prompt_logprobs() const { return backend_->supports_prompt_logprobs(); }
   bool supports_token_constraints() const { return backend_->supports_token_constraints(); }
+  bool supports_draft_tokens() const { return backend_->supports_draft_tokens(); }
   const ModelConfig& model_config() const { return backend_->config(); }
   const Tokenizer& tokenizer() const { return tokenizer_; }
   Backend& backend() { return *backend_; }
@@ -184,16 +206,20 @@ class LLMEngine {
   struct Request;
   // The checks add_request and add_prefilled_request share.
   void validate(int64_t id, const EngineRequest& request) const;
-  // Appends the text of new token `token` and decides whether the request stops.
-  void on_token(Request& r, const SampledToken& sampled, RequestOutput& out);
+  // Appends the text of new token `token` and decides whether the request stops. The sequence
+  // already holds it and the `num_later` tokens committed after it in the same step.
+  void on_token(Request& r, const SampledToken& sampled, RequestOutput& out, int num_later = 0);
   // Stores the prompt logprob rows the backend returned for `chunk` by prompt position.
   void keep_prompt_logprobs(Request& r, const StepSequence& chunk);
   // Moves the finished prompt logprobs into the request's first output.
   void deliver_prompt_logprobs(Request& r, RequestOutput& out);
-  // The bitmask of tokens the request's grammar allows next (empty when none constrains it now).
-  std::span<const uint32_t> allowed_tokens(Request& r, bool first_output);
-  // Advances the request's grammar past its sampled token.
-  void advance_grammar(Request& r, int32_t token, bool first_output);
+  // Walks the request's grammar through `drafts` from its state now, and back: returns how many
+  // of them it allows in a row, and, given `masks`, writes the bitmask of the tokens allowed after
+  // its last token and after each allowed draft (one per row; empty when no row is constrained).
+  size_t walk_grammar(Request& r, std::span<const int32_t> drafts, bool first_output,
+                      std::vector<uint32_t>* masks);
+  // Advances the request's grammar past a token; false (and no change) when the grammar refuses it.
+  bool advance_grammar(Request& r, int32_t token, bool first_output);
   void finish(Request& r, FinishReason reason, RequestOutput& out);
 
   std::unique_ptr<Backend> backend_;

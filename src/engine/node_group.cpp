@@ -16,7 +16,9 @@ static_assert(std::endian::native == std::endian::little,
               "the node messages are written in host byte order, which is little-endian here");
 
 // 2: prompt logprobs (a step's num_prompt_logprobs, a result's prompt_logprobs).
-constexpr uint8_t kWireVersion = 2;
+// 3: drafts (a sampling sequence's num_draft_tokens; a result's sampled tokens may hold several per
+//    sequence, its accepted drafts then the token after them).
+constexpr uint8_t kWireVersion = 3;
 
 class Writer {
  public:
@@ -135,6 +137,7 @@ std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequen
                   " samples but has no SamplingParams");
       w.put(*s.sampling);
       w.put(s.sample_index);
+      w.put(s.num_draft_tokens);
       history = reads_history(*s.sampling);
       w.put_array(s.allowed_tokens);
       std::vector<int32_t> bias_tokens;
@@ -184,7 +187,16 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
       step.sampling[i] = r.get<SamplingParams>();
       s.sampling = &step.sampling[i];
       s.sample_index = r.get<uint64_t>();
+      s.num_draft_tokens = r.get<int32_t>();
+      RELAY_CHECK(
+          s.num_draft_tokens >= 0 && static_cast<size_t>(s.num_draft_tokens) < s.tokens.size(),
+          "node message: sequence ", s.seq_id, " has ", s.num_draft_tokens, " drafts among its ",
+          s.tokens.size(), " tokens");
       step.allowed_tokens[i] = r.get_array<uint32_t>();
+      RELAY_CHECK(
+          step.allowed_tokens[i].size() % (1 + static_cast<size_t>(s.num_draft_tokens)) == 0,
+          "node message: sequence ", s.seq_id, " has a token bitmask of ",
+          step.allowed_tokens[i].size(), " words for ", 1 + s.num_draft_tokens, " sampled rows");
       s.allowed_tokens = step.allowed_tokens[i];
       const std::vector<int32_t> bias_tokens = r.get_array<int32_t>();
       const std::vector<float> biases = r.get_array<float>();

@@ -9,12 +9,13 @@
 // leader, which is what they need: one broadcast and one gather per step.
 //
 // A step message carries everything a follower needs to run and sample its sequences (tokens,
-// block tables, sampling parameters and prompt-logprob counts; the prompt tokens only for a
-// sequence whose penalties read them or that asks for prompt logprobs, whose targets they are; the
-// output tokens only for penalties). Sampling is a pure function of (seed, sample index), so a
-// sequence samples the same token on whichever node holds its logits; its prompt logprobs come back
-// from that node too (a follower's decoded step has no prompt_logprobs output: they travel in its
-// NodeResult).
+// block tables, sampling parameters, draft counts and prompt-logprob counts; the prompt tokens only
+// for a sequence whose penalties read them or that asks for prompt logprobs, whose targets they
+// are; the output tokens only for penalties). Sampling is a pure function of (seed, sample index),
+// so a sequence samples the same token on whichever node holds its logits, and verifies its drafts
+// there (its result then holds its accepted drafts and the token after them); its prompt logprobs
+// come back from that node too (a follower's decoded step has no prompt_logprobs output: they
+// travel in its NodeResult).
 #pragma once
 
 #include <chrono>
@@ -52,7 +53,9 @@ struct NodeStep {
 struct NodeResult {
   std::string error;                  // empty: the step ran on every rank of the node
   std::vector<uint32_t> seqs;         // batch indices of the sequences this node holds, ascending
-  std::vector<SampledToken> sampled;  // kStep: one per sequence of `seqs` that samples
+  // kStep: per sequence of `seqs` that samples, its accepted drafts and the token sampled after
+  // them (one token without drafts), consecutive.
+  std::vector<SampledToken> sampled;
   // kStep: one per sequence of `seqs` with prompt logprob rows (num_prompt_logprob_rows() > 0), in
   // order, each holding its rows.
   std::vector<std::vector<TokenLogprob>> prompt_logprobs;

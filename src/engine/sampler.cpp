@@ -243,4 +243,31 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& p, std:
   return out;
 }
 
+std::vector<SampledToken> sample_with_drafts(
+    std::span<float> logits, std::span<const int32_t> drafts, const SamplingParams& p,
+    std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,
+    uint64_t sample_index, const TokenConstraints& constraints) {
+  const size_t rows = drafts.size() + 1;
+  RELAY_CHECK(!logits.empty() && logits.size() % rows == 0, "sampling ", rows, " rows (",
+              drafts.size(), " drafts) from ", logits.size(), " logits");
+  RELAY_CHECK(constraints.allowed_tokens.size() % rows == 0, "a token bitmask of ",
+              constraints.allowed_tokens.size(), " words for ", rows, " rows");
+  const size_t vocab = logits.size() / rows;
+  const size_t words = constraints.allowed_tokens.size() / rows;
+  // Row j's penalties count drafts[0, j) as output, as they would be once accepted.
+  std::vector<int32_t> history;
+  if (!drafts.empty()) history.assign(output_tokens.begin(), output_tokens.end());
+  std::vector<SampledToken> out;
+  for (size_t j = 0; j < rows; ++j) {
+    const TokenConstraints row{constraints.allowed_tokens.subspan(j * words, words),
+                               constraints.logit_bias};
+    out.push_back(sample_token(logits.subspan(j * vocab, vocab), p, prompt_tokens,
+                               drafts.empty() ? output_tokens : std::span<const int32_t>(history),
+                               sample_index + j, row));
+    if (j == drafts.size() || out.back().token != drafts[j]) break;
+    history.push_back(drafts[j]);
+  }
+  return out;
+}
+
 }  // namespace relay

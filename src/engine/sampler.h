@@ -9,6 +9,16 @@
 // batch or on another backend, draws the same token from the same logits. The building blocks are
 // exposed for tests and for backends that fuse some of them on the device; token_logprob scores a
 // given token (prompt logprobs) with the same log-softmax and top-k as a sampled one.
+//
+// Drafts (speculative decoding, backend.h): sample_with_drafts verifies draft tokens against the
+// target's rows of logits. Each draft is a point mass q = [d], for which rejection sampling accepts
+// d with probability min(1, p(d) / q(d)) = p(d) and otherwise samples from max(p - q, 0)
+// renormalised, that is from p with d removed. Here the acceptance test and the draw on rejection
+// share the row's one uniform u = sample_uniform(seed, index): the row's token is the inverse CDF
+// of its distribution p at u, which is d on an interval of u of length p(d) (accept), and
+// otherwise distributed as p without d, renormalised (the correction). So the output distribution
+// is exactly the target's, and a sequence draws the very tokens it draws without drafts, in any
+// batch, on any backend: greedy rows accept drafts while they equal the argmax.
 #pragma once
 
 #include <cstdint>
@@ -71,5 +81,17 @@ void apply_token_constraints(std::span<float> logits, const TokenConstraints& c)
 SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
                           std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,
                           uint64_t sample_index, const TokenConstraints& constraints = {});
+
+// Verifies `drafts` (see the file comment). `logits` holds 1 + drafts.size() rows, row j the
+// target's logits for the token after drafts[0, j); constraints.allowed_tokens is empty or one
+// bitmask per row, logit_bias applies to every row. Row j is sampled by sample_token with the
+// drafts before it counted as output (penalties) and sample index sample_index + j, and draft j
+// is accepted while it equals row j's token. Returns the accepted drafts, then the token sampled at
+// the row after them (1 + accepted tokens, with their logprobs); rows after a rejection are not
+// sampled. Without drafts this is sample_token. `logits` is scratch.
+std::vector<SampledToken> sample_with_drafts(
+    std::span<float> logits, std::span<const int32_t> drafts, const SamplingParams& params,
+    std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,
+    uint64_t sample_index, const TokenConstraints& constraints = {});
 
 }  // namespace relay

@@ -144,14 +144,12 @@ bool BlockManager::allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit*
   if (is_new) {
     const bool use_hit = hit != nullptr && !hit->blocks.empty();
     seq.partition = use_hit ? hit->partition : most_free_partition();
-    seq.last_hash = root_hash(seq.partition);
     if (use_hit) {
       for (int32_t b : hit->blocks) {
         if (blocks_[b].ref_count++ == 0) unlink_free(b);
         seq.table.push_back(b);
       }
-      seq.num_hashed = static_cast<int>(hit->blocks.size());
-      seq.last_hash = hit->last_hash;
+      seq.hashes = hit->hashes;
     }
   }
   while (static_cast<int>(seq.table.size()) < blocks_for_tokens(num_tokens)) {
@@ -173,21 +171,21 @@ void BlockManager::cache_full_blocks(int64_t seq_id, std::span<const int32_t> to
   SeqBlocks& seq = it->second;
   const int num_full = static_cast<int>(
       std::min<int64_t>(num_computed_tokens / block_size_, static_cast<int64_t>(seq.table.size())));
-  for (; seq.num_hashed < num_full; ++seq.num_hashed) {
-    const auto chunk =
-        tokens.subspan(static_cast<size_t>(seq.num_hashed) * block_size_, block_size_);
-    const uint64_t h = chain_hash(seq.last_hash, chunk);
-    Block& b = blocks_[seq.table[seq.num_hashed]];
+  for (int i = static_cast<int>(seq.hashes.size()); i < num_full; ++i) {
+    const auto chunk = tokens.subspan(static_cast<size_t>(i) * block_size_, block_size_);
+    const uint64_t parent = seq.chain_end();
+    const uint64_t h = chain_hash(parent, chunk);
+    Block& b = blocks_[seq.table[i]];
     // NOTE: when another sequence already cached this prefix (both computed it in the same step),
     // the first copy stays the cached one and this block remains private.
     if (!b.cached && cached_.count(h) == 0) {
       b.cached = true;
       b.hash = h;
-      b.parent_hash = seq.last_hash;
+      b.parent_hash = parent;
       b.tokens.assign(chunk.begin(), chunk.end());
-      cached_.emplace(h, seq.table[seq.num_hashed]);
+      cached_.emplace(h, seq.table[i]);
     }
-    seq.last_hash = h;
+    seq.hashes.push_back(h);
   }
 }
 
@@ -195,24 +193,59 @@ void BlockManager::free(int64_t seq_id) {
   const auto it = seqs_.find(seq_id);
   if (it == seqs_.end()) return;
   const std::vector<int32_t>& table = it->second.table;
-  for (auto b = table.rbegin(); b != table.rend(); ++b) {
-    Block& block = blocks_[*b];
-    RELAY_CHECK(block.ref_count > 0, "block ", *b, " of sequence ", seq_id, " is already free");
-    if (--block.ref_count == 0) {
-      if (block.cached) {
-        push_free_back(*b);
-      } else {
-        push_free_front(*b);
-      }
+  for (auto b = table.rbegin(); b != table.rend(); ++b) release(seq_id, *b);
+  seqs_.erase(it);
+}
+
+int64_t BlockManager::truncate(int64_t seq_id, int64_t num_tokens) {
+  const auto it = seqs_.find(seq_id);
+  RELAY_CHECK(it != seqs_.end(), "truncate: unknown sequence ", seq_id);
+  RELAY_CHECK(num_tokens >= 0, "truncate: sequence ", seq_id, " cannot keep ", num_tokens,
+              " tokens");
+  SeqBlocks& seq = it->second;
+  // The blocks to keep: those holding the first num_tokens tokens; the last of them holds the cut
+  // unless it ends at a block boundary.
+  size_t keep = std::min(seq.table.size(), static_cast<size_t>(blocks_for_tokens(num_tokens)));
+  int64_t kept = num_tokens;
+  if (num_tokens % block_size_ != 0 && keep == static_cast<size_t>(blocks_for_tokens(num_tokens))) {
+    Block& cut = blocks_[seq.table[keep - 1]];
+    if (cut.ref_count > 1) {
+      --keep;
+      kept = static_cast<int64_t>(keep) * block_size_;
+    } else if (cut.cached) {
+      uncache(cut);
     }
   }
-  seqs_.erase(it);
+  // Tail first, as free() does.
+  while (seq.table.size() > keep) {
+    release(seq_id, seq.table.back());
+    seq.table.pop_back();
+  }
+  seq.hashes.resize(std::min(seq.hashes.size(), static_cast<size_t>(kept / block_size_)));
+  return kept;
 }
 
 std::span<const int32_t> BlockManager::block_table(int64_t seq_id) const {
   const auto it = seqs_.find(seq_id);
   RELAY_CHECK(it != seqs_.end(), "block_table: unknown sequence ", seq_id);
   return it->second.table;
+}
+
+void BlockManager::uncache(Block& b) {
+  cached_.erase(b.hash);
+  b.cached = false;
+  b.tokens.clear();
+}
+
+void BlockManager::release(int64_t seq_id, int32_t block) {
+  Block& b = blocks_[block];
+  RELAY_CHECK(b.ref_count > 0, "block ", block, " of sequence ", seq_id, " is already free");
+  if (--b.ref_count > 0) return;
+  if (b.cached) {
+    push_free_back(block);
+  } else {
+    push_free_front(block);
+  }
 }
 
 void BlockManager::unlink_free(int32_t block) {
@@ -263,12 +296,7 @@ int32_t BlockManager::pop_free(int partition) {
   const int32_t block = free_lists_[partition].head;
   RELAY_CHECK(block != kNone, "partition ", partition, " of the KV pool has no free block");
   unlink_free(block);
-  Block& b = blocks_[block];
-  if (b.cached) {
-    cached_.erase(b.hash);
-    b.cached = false;
-    b.tokens.clear();
-  }
+  if (blocks_[block].cached) uncache(blocks_[block]);
   return block;
 }
 
@@ -277,16 +305,18 @@ void BlockManager::check_invariants() const {
   for (const auto& [id, seq] : seqs_) {
     RELAY_CHECK(seq.partition >= 0 && seq.partition < num_partitions(), "sequence ", id,
                 " is bound to partition ", seq.partition, " outside [0, ", num_partitions(), ")");
-    RELAY_CHECK(seq.num_hashed <= static_cast<int>(seq.table.size()), "sequence ", id, " hashed ",
-                seq.num_hashed, " blocks of ", seq.table.size());
-    RELAY_CHECK(seq.num_hashed > 0 || seq.last_hash == root_hash(seq.partition), "sequence ", id,
-                " hashed no block but its chain does not start at partition ", seq.partition,
-                "'s root");
-    for (int32_t b : seq.table) {
+    RELAY_CHECK(seq.hashes.size() <= seq.table.size(), "sequence ", id, " hashed ",
+                seq.hashes.size(), " blocks of ", seq.table.size());
+    for (size_t i = 0; i < seq.table.size(); ++i) {
+      const int32_t b = seq.table[i];
       RELAY_CHECK(b >= 0 && b < num_blocks_, "sequence ", id, " holds block id ", b,
                   " outside the pool");
       RELAY_CHECK(partition_of_block(b) == seq.partition, "sequence ", id, " of partition ",
                   seq.partition, " holds block ", b, " of partition ", partition_of_block(b));
+      // A cached block's hash names its tokens: any sequence holding it has those tokens there.
+      RELAY_CHECK(!blocks_[b].cached || (i < seq.hashes.size() && blocks_[b].hash == seq.hashes[i]),
+                  "sequence ", id, " holds cached block ", b, " at block ", i,
+                  i < seq.hashes.size() ? " under another hash" : ", past the blocks it hashed");
       ++refs[b];
     }
   }

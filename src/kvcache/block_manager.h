@@ -26,6 +26,16 @@
 // tokens and parent hash, so a 64-bit hash collision can never hand a sequence the wrong K/V.
 //
 // Allocation is all-or-nothing: a call that cannot get every block it needs changes nothing.
+//
+// Truncation (rollback, as llama.cpp's seq_rm): a speculative step writes K/V for draft tokens that
+// may be rejected, so a sequence's tail can be cut back to its first n tokens. Blocks wholly past
+// them are released like free() releases them. The block holding the cut stays, and the sequence
+// will write the rest of its slots again: if the prefix cache lists it (it was full), its hash
+// would name tokens it no longer holds, so it leaves the cache; if another sequence shares it (a
+// prefix hit), its slots are that sequence's K/V and must not be rewritten, so it is released too
+// and the sequence keeps only the blocks before it. Either way a cached block appears in block
+// tables only among a sequence's hashed blocks, under the hash that sequence chained for its place
+// (check_invariants verifies it), so no hash ever outlives the tokens it names.
 #pragma once
 
 #include <cstdint>
@@ -89,6 +99,11 @@ class BlockManager {
                          int64_t num_computed_tokens);
   // Releases every block of `seq_id` (a no-op for an unknown id).
   void free(int64_t seq_id);
+  // Keeps the K/V of the first `num_tokens` tokens of `seq_id` and releases the blocks wholly past
+  // them (see Truncation above). Returns how many tokens the sequence keeps: `num_tokens`, or the
+  // start of the block holding the cut when another sequence shares that block (the caller
+  // recomputes from there). The sequence stays bound to its partition, even with no block left.
+  int64_t truncate(int64_t seq_id, int64_t num_tokens);
 
   bool has_sequence(int64_t seq_id) const { return seqs_.count(seq_id) != 0; }
   std::span<const int32_t> block_table(int64_t seq_id) const;
@@ -97,7 +112,8 @@ class BlockManager {
 
   // Verifies every invariant (free xor used, reference counts equal block-table occurrences, each
   // free list's length and links and that it holds only its partition's blocks, each block table
-  // within one partition, the cache index); throws relay::Error naming the first broken one.
+  // within one partition, the cache index, cached blocks in block tables only where the sequence
+  // hashed them and under that hash); throws relay::Error naming the first broken one.
   // O(num_blocks); for tests.
   void check_invariants() const;
 
@@ -116,8 +132,11 @@ class BlockManager {
   struct SeqBlocks {
     std::vector<int32_t> table;  // every id in `partition`
     int partition = 0;
-    int num_hashed = 0;      // leading blocks already registered (or found) in the prefix cache
-    uint64_t last_hash = 0;  // chained hash of block num_hashed - 1 (the root when none)
+    // The chained hash of each leading block already registered (or found) in the prefix cache;
+    // kept per block so that truncation can cut the chain back.
+    std::vector<uint64_t> hashes;
+    // The hash the next block chains from: the last hashed block's, or the partition's root.
+    uint64_t chain_end() const { return hashes.empty() ? root_hash(partition) : hashes.back(); }
   };
   struct FreeList {
     int32_t head = kNone, tail = kNone;
@@ -136,7 +155,11 @@ class BlockManager {
   void unlink_free(int32_t block);
   void push_free_front(int32_t block);
   void push_free_back(int32_t block);
+  // Drops one reference of `seq_id`'s block; at 0 it joins the free list (at the back while cached,
+  // so it stays findable longest; at the front otherwise).
+  void release(int64_t seq_id, int32_t block);
   int32_t pop_free(int partition);  // takes the partition's LRU block, evicting it from the cache
+  void uncache(Block& b);           // takes a cached block out of the prefix cache
 
   int num_blocks_;
   int block_size_;

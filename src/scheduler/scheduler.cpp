@@ -2,6 +2,7 @@
 #include "scheduler/scheduler.h"
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "core/error.h"
 
@@ -49,6 +50,7 @@ Sequence* Scheduler::find(int64_t id) {
 void Scheduler::preempt(Sequence* seq) {
   blocks_.free(seq->id);
   seq->num_computed = 0;
+  seq->draft_tokens.clear();
   ++seq->num_preemptions;
   ++stats_.num_preemptions;
   waiting_.push_front(seq);
@@ -64,7 +66,24 @@ SchedulerOutput Scheduler::schedule() {
   auto samples = [](const Sequence* s, int n) {
     return !s->prompt_only && s->num_computed + n == static_cast<int>(s->tokens.size());
   };
-  int decodes_after = static_cast<int>(std::count_if(running_.begin(), running_.end(), is_decode));
+  // The drafts each decode verifies this step (absent: none), granted oldest first from the budget
+  // beyond one token per decode.
+  std::unordered_map<const Sequence*, int> drafts;
+  int decode_tokens_after =
+      static_cast<int>(std::count_if(running_.begin(), running_.end(), is_decode));
+  int spare = budget - decode_tokens_after;
+  for (const Sequence* s : running_) {
+    if (spare <= 0) break;
+    if (!is_decode(s) || s->prompt_only || s->draft_tokens.empty()) continue;
+    const int k = std::min(static_cast<int>(s->draft_tokens.size()), spare);
+    drafts.emplace(s, k);
+    spare -= k;
+    decode_tokens_after += k;
+  }
+  auto num_drafts = [&](const Sequence* s) {
+    const auto it = drafts.find(s);
+    return it == drafts.end() ? 0 : it->second;
+  };
   bool preempted = false;
 
   // NOTE: i advances only past a sequence that stays running; one that preempts itself leaves
@@ -72,15 +91,21 @@ SchedulerOutput Scheduler::schedule() {
   for (size_t i = 0; i < running_.size();) {
     Sequence* seq = running_[i];
     const int left = static_cast<int>(seq->tokens.size()) - seq->num_computed;
-    if (is_decode(seq)) --decodes_after;
-    const int n = std::min(left, budget - decodes_after);
+    int k = num_drafts(seq);
+    if (is_decode(seq)) decode_tokens_after -= 1 + k;
+    // NOTE: a decode always gets its token (and drafts): the budget held them back until here.
+    const int n = std::min(left, budget - decode_tokens_after - k);
     if (n <= 0) {
       ++i;
       continue;
     }
     const int partition = blocks_.partition_of(seq->id);
     bool self_preempted = false;
-    while (!blocks_.allocate(seq->id, seq->num_computed + n)) {
+    while (!blocks_.allocate(seq->id, seq->num_computed + n + k)) {
+      if (k > 0) {  // drafts never preempt: without them the decode may fit
+        k = 0;
+        continue;
+      }
       // Only a sequence of the same partition frees blocks `seq` can use: the others' KV is on
       // other DP ranks. The newest such one is at index i or later, so it has no chunk yet.
       const auto newest = std::find_if(running_.rbegin(), running_.rend(), [&](const Sequence* s) {
@@ -94,11 +119,11 @@ SchedulerOutput Scheduler::schedule() {
         self_preempted = true;
         break;
       }
-      if (is_decode(victim)) --decodes_after;
+      if (is_decode(victim)) decode_tokens_after -= 1 + num_drafts(victim);
     }
     if (self_preempted) continue;
-    out.chunks.push_back({seq, n, samples(seq, n)});
-    budget -= n;
+    out.chunks.push_back({seq, n + k, samples(seq, n), k});
+    budget -= n + k;
     ++i;
   }
 
@@ -128,15 +153,36 @@ void Scheduler::update(const SchedulerOutput& out, std::span<const SampledToken>
   size_t next = 0;
   for (const ScheduledChunk& c : out.chunks) {
     Sequence* seq = c.seq;
-    seq->num_computed += c.num_tokens;
+    // The chunk's tokens in `sampled`: its accepted drafts, then the token sampled after them.
+    size_t n = 0;
+    if (c.sample) {
+      while (next + n < sampled.size() && sampled[next + n].seq_id == seq->id) ++n;
+      RELAY_CHECK(n >= 1, "the backend returned no sampled token for sequence ", seq->id);
+      RELAY_CHECK(n <= 1 + static_cast<size_t>(c.num_draft_tokens), "the backend returned ", n,
+                  " tokens for sequence ", seq->id, ", which verified ", c.num_draft_tokens,
+                  " drafts");
+      for (size_t j = 0; j + 1 < n; ++j) {
+        RELAY_CHECK(sampled[next + j].token == seq->draft_tokens[j], "sequence ", seq->id,
+                    ": accepted token ", j, " is ", sampled[next + j].token, " but draft ", j,
+                    " was ", seq->draft_tokens[j]);
+      }
+    }
+    const int num_rejected = c.num_draft_tokens - static_cast<int>(n > 0 ? n - 1 : 0);
+    seq->num_computed += c.num_tokens - num_rejected;
+    for (size_t j = 0; j < n; ++j) seq->tokens.push_back(sampled[next + j].token);
+    next += n;
+    seq->draft_tokens.clear();
+    if (num_rejected > 0) {
+      // The blocks past the sequence's tokens hold only rejected drafts. Never shared: those
+      // positions were computed this step, after any prefix hit and any cached block.
+      const auto num_tokens = static_cast<int64_t>(seq->tokens.size());
+      RELAY_CHECK(blocks_.truncate(seq->id, num_tokens) == num_tokens, "sequence ", seq->id,
+                  ": the rollback of its rejected drafts reached a shared block");
+    }
     blocks_.cache_full_blocks(seq->id, seq->tokens, seq->num_computed);
-    if (!c.sample) continue;
-    RELAY_CHECK(next < sampled.size() && sampled[next].seq_id == seq->id,
-                "the backend returned no sampled token for sequence ", seq->id);
-    seq->tokens.push_back(sampled[next++].token);
   }
   RELAY_CHECK(next == sampled.size(), "the backend returned ", sampled.size(),
-              " sampled tokens for ", next, " sampling sequences");
+              " tokens, of which the sampling sequences committed ", next);
 }
 
 bool Scheduler::finish(int64_t id) {

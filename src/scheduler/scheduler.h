@@ -7,12 +7,14 @@
 // just a prefill over prompt + generated tokens.
 //
 // Each step (schedule()):
+//  0. The budget beyond one token per running decode goes to the decodes' drafts (below), oldest
+//     decode first, each taking all of its drafts or what is left of that budget.
 //  1. Running sequences, oldest first, each take min(tokens left, budget) tokens of the
-//     max_num_batched_tokens budget, with one token held back for every decode later in the list,
-//     so every running decode is in every step and prefills get what remains. A sequence whose
-//     blocks cannot be allocated preempts the newest running sequence of its own KV partition
-//     (frees its blocks, puts it at the front of the waiting queue to be recomputed) until it fits,
-//     or preempts itself when it is that newest one.
+//     max_num_batched_tokens budget, with the tokens of every decode later in the list held back
+//     (one, plus its drafts), so every running decode is in every step and prefills get what
+//     remains. A sequence whose blocks cannot be allocated preempts the newest running sequence of
+//     its own KV partition (frees its blocks, puts it at the front of the waiting queue to be
+//     recomputed) until it fits, or preempts itself when it is that newest one.
 //  2. If nothing was preempted, waiting sequences are admitted in FCFS order while there is budget,
 //     a free slot under max_num_seqs, and KV blocks for their first chunk; the full blocks of their
 //     prompt found in the prefix cache are taken as computed. Admission stops at the first sequence
@@ -29,6 +31,20 @@
 // recompute may reuse cached blocks like any other. A prompt_only sequence (max_tokens 0) computes
 // its prompt and samples nothing: the chunk that ends its prompt has sample = false, after which it
 // has no token left to compute and the caller finishes it.
+//
+// Drafts (speculative decoding): a decode may carry Sequence::draft_tokens, tokens proposed to
+// follow its last one. Its chunk then computes 1 + k tokens, its last token and its first k drafts
+// (ScheduledChunk::num_draft_tokens), with KV blocks for all of them, and samples after each: the
+// backend verifies the drafts in order. Drafts are opportunistic: they get only the budget beyond
+// one token per decode (so they never cost a decode its place; prefill chunks get what decodes and
+// drafts leave), and they never preempt — a decode whose drafts' blocks are not free runs without
+// them. Prefill chunks and admissions carry none.
+// update() commits, per sampling chunk, 1 + a tokens: the a accepted drafts (which must equal the
+// first a drafts) and the token sampled after them; num_computed then counts the last token and
+// the accepted drafts only, and the blocks holding nothing but rejected drafts are released
+// (BlockManager::truncate), so the next step writes over the rejected K/V and no block holding it
+// ever enters the prefix cache. A step consumes the drafts of every sequence it runs, verified or
+// not, and a preempted sequence loses its drafts.
 //
 // Partitions: with data-parallel attention one scheduler serves every DP rank, each rank's KV pool
 // being one partition of the block manager (see block_manager.h), which binds each sequence to one.
@@ -58,8 +74,10 @@ struct SchedulerConfig {
 // One sequence's share of a step.
 struct ScheduledChunk {
   Sequence* seq = nullptr;
-  int num_tokens = 0;   // tokens[seq->num_computed, seq->num_computed + num_tokens)
-  bool sample = false;  // the chunk ends at the sequence's last token (never for prompt_only)
+  // tokens[seq->num_computed, ...) and then the first num_draft_tokens of seq->draft_tokens
+  int num_tokens = 0;
+  bool sample = false;       // the chunk ends at the sequence's last token (never for prompt_only)
+  int num_draft_tokens = 0;  // of num_tokens, the drafts (a decode that samples: num_tokens - 1)
 };
 
 struct SchedulerOutput {
@@ -88,8 +106,12 @@ class Scheduler {
   void add_running(std::unique_ptr<Sequence> seq);
   // Picks this step's work and allocates its KV blocks.
   SchedulerOutput schedule();
-  // Records a computed step: advances num_computed, registers newly full blocks in the prefix
-  // cache, and appends each sampled token (one per chunk with sample, in order) to its sequence.
+  // Records a computed step. `sampled` holds, per chunk with sample and in chunk order, the tokens
+  // it commits: its accepted drafts (the first of its drafts, in order), then the token sampled
+  // after them — one token for a chunk without drafts, 1 + a for one with a accepted. Each is
+  // appended to its sequence, num_computed advances over the computed tokens that were not
+  // rejected, the rejected drafts' blocks are released and newly full blocks registered in the
+  // prefix cache (see Drafts above).
   void update(const SchedulerOutput& out, std::span<const SampledToken> sampled);
   // Removes a sequence (finished or aborted), freeing its blocks now. Returns false for unknown
   // ids.

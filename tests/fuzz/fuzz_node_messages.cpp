@@ -2,8 +2,14 @@
 // the bytes a follower reads off its socket. The first byte picks the decoder (a step or a result);
 // decoding must either succeed or throw relay::Error. A decoded result must re-encode to the same
 // bytes, and a decoded step's spans must point inside the storage the step owns, its
-// num_prompt_logprobs be -1 or more and its prompt_logprobs output unset (a follower answers in
-// its NodeResult).
+// num_prompt_logprobs be -1 or more, its prompt_logprobs output unset (a follower answers in its
+// NodeResult), and its drafts only on a sampling sequence, fewer than its tokens, with a bitmask
+// that splits into one per sampled row.
+//
+// The corpus (tests/fuzz/corpus_node_messages) holds the first byte, then what encode_step and
+// encode_result write for the batch and results of tests/unit/engine/test_node_group.cpp's round
+// trips (a step with drafts and per-row bitmasks, a shutdown, a result with a sequence's accepted
+// draft and one with an error); regenerate it when the wire version changes.
 #include <cstdint>
 #include <cstdlib>
 #include <span>
@@ -41,6 +47,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
             !inside(s.logit_bias, step.logit_bias[i]) ||
             (s.sample && s.sampling != &step.sampling[i]) || (!s.sample && s.sampling != nullptr) ||
             s.num_prompt_logprobs < -1 || s.prompt_logprobs != nullptr)
+          std::abort();
+        const auto rows = static_cast<size_t>(s.num_draft_tokens) + 1;
+        if (s.num_draft_tokens < 0 ||
+            (s.num_draft_tokens > 0 && (!s.sample || rows > s.tokens.size())) ||
+            s.allowed_tokens.size() % rows != 0)
           std::abort();
       }
       (void)relay::encode_step(step.command, step.batch);

@@ -1,9 +1,11 @@
 // LLMEngine: stop conditions (max_tokens, EOS, ignore_eos, min_tokens, stop tokens, stop strings
 // with hold-back), text assembly, logprobs, abort, and preemption through the engine, with backends
 // that script their output (so the text is known) or read their KV cache
-// (scheduler/fake_backend.h).
+// (scheduler/fake_backend.h); and drafts, whose accepted tokens go through all of it token by
+// token, giving exactly the outputs of a run without drafts.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
 
 #include "../scheduler/fake_backend.h"
@@ -28,9 +30,18 @@ struct Collected {
   int num_output_tokens = 0;
 };
 
-std::map<int64_t, Collected> run(LLMEngine& engine, int max_steps = 10000) {
+// Drafts for request `id` after its first `num_outputs` tokens (none when unset).
+using Proposer = std::function<std::vector<int32_t>(int64_t id, size_t num_outputs)>;
+
+std::map<int64_t, Collected> run(LLMEngine& engine, int max_steps = 10000,
+                                 const Proposer& propose = {}, std::vector<int64_t> ids = {}) {
   std::map<int64_t, Collected> all;
   for (int i = 0; i < max_steps && engine.has_work(); ++i) {
+    for (int64_t id : ids) {
+      if (all[id].finish == FinishReason::kNone) {
+        engine.set_drafts(id, propose(id, all[id].tokens.size()));
+      }
+    }
     for (const RequestOutput& out : engine.step()) {
       Collected& c = all[out.id];
       if (c.finish != FinishReason::kNone) ++c.num_outputs_after_finish;
@@ -224,6 +235,167 @@ TEST(LLMEngine, PreemptionKeepsOutputs) {
     EXPECT_EQ(got.at(id).text, c.text) << "request " << id;
   }
   EXPECT_DOUBLE_EQ(tight.stats().kv_cache_usage, 0.0);
+}
+
+// ---- Drafts -------------------------------------------------------------------------------------
+
+// Drafts of the scripted tokens that follow, `k` at a time, wrong from `right_for` on.
+Proposer script_drafts(const std::vector<int32_t>& script, int k, int right_for) {
+  return [script, k, right_for](int64_t, size_t num_outputs) {
+    std::vector<int32_t> drafts;
+    for (int j = 0; j < k; ++j) {
+      const int32_t t = script[std::min(num_outputs + j, script.size() - 1)];
+      drafts.push_back(j < right_for ? t : (t + 1) % 151936);
+    }
+    return drafts;
+  };
+}
+
+// The committed tokens go through the stop checks one at a time: a stop string, an EOS, a stop
+// token, min_tokens or max_tokens among the accepted drafts ends the request exactly where it ends
+// without drafts, with the same text and logprobs, and the tokens after that are dropped.
+TEST(LLMEngineDrafts, AcceptedTokensGoThroughTheStopChecksOneByOne) {
+  struct Case {
+    std::string text;
+    std::vector<int32_t> extra;
+    std::function<void(EngineRequest&)> configure;
+  };
+  const std::vector<int32_t> stop_ids = demo_tokenizer().encode(" gamma");
+  const std::vector<Case> cases{
+      {"alpha beta STOP gamma delta", {}, [](EngineRequest& r) { r.stop.stop_strings = {"STOP"}; }},
+      {"alpha beta STOP gamma delta",
+       {},
+       [](EngineRequest& r) {
+         r.stop.stop_strings = {"STOP"};
+         r.stop.include_stop_str_in_output = true;
+       }},
+      {"hello", {151645, 11, 12, 13}, [](EngineRequest&) {}},
+      {"hello", {151645, 151645, 151645, 11}, [](EngineRequest& r) { r.stop.min_tokens = 2; }},
+      {"x = 1\n\n\ny = 2", {}, [](EngineRequest& r) { r.stop.stop_strings = {"\n\n"}; }},
+      {"one two three four five six", {}, [](EngineRequest& r) { r.stop.max_tokens = 4; }},
+      {"alpha beta gamma delta",
+       {},
+       [&](EngineRequest& r) { r.stop.stop_token_ids = {stop_ids.front()}; }},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    EngineRequest r = request("x", 50);
+    r.sampling.num_logprobs = 1;
+    c.configure(r);
+    LLMEngine plain(scripted(c.text, c.extra), demo_tokenizer(), {});
+    plain.add_request(1, r);
+    const Collected want = run(plain).at(1);
+    std::vector<int32_t> script = demo_tokenizer().encode(c.text);
+    script.insert(script.end(), c.extra.begin(), c.extra.end());
+    for (const auto& [k, right_for] : std::vector<std::pair<int, int>>{{4, 4}, {3, 1}, {6, 6}}) {
+      SCOPED_TRACE(::testing::Message() << "case " << i << ", " << k << " drafts");
+      LLMEngine engine(scripted(c.text, c.extra), demo_tokenizer(), {});
+      engine.add_request(1, r);
+      const Collected got = run(engine, 10000, script_drafts(script, k, right_for), {1}).at(1);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.text, want.text);
+      EXPECT_EQ(got.finish, want.finish);
+      EXPECT_EQ(got.num_output_tokens, want.num_output_tokens);
+      EXPECT_EQ(got.num_outputs_after_finish, 0);
+      ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+      for (size_t j = 0; j < want.logprobs.size(); ++j) {
+        EXPECT_EQ(got.logprobs[j].token, want.logprobs[j].token);
+        EXPECT_EQ(got.logprobs[j].logprob, want.logprobs[j].logprob);
+      }
+      // Text held back for a stop string is never released early: no delta holds a cut piece.
+      if (!r.stop.stop_strings.empty() && !r.stop.include_stop_str_in_output) {
+        for (const std::string& d : got.deltas) EXPECT_EQ(d.find("ST"), std::string::npos) << d;
+      }
+    }
+  }
+}
+
+// Drafts make fewer steps; a step of decodes with drafts still counts as decode-only.
+TEST(LLMEngineDrafts, RightDraftsTakeFewerSteps) {
+  const std::string text = "def add(a, b):\n    return a + b\n";
+  const std::vector<int32_t> script = demo_tokenizer().encode(text);
+  LLMEngine engine(scripted(text), demo_tokenizer(), {});
+  engine.add_request(1, request("x", static_cast<int64_t>(script.size())));
+  engine.step();  // the prompt and the first token
+  engine.set_drafts(1, std::span(script).subspan(1, 4));
+  const std::vector<RequestOutput> out = engine.step();
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].new_tokens, std::vector<int32_t>(script.begin() + 1, script.begin() + 6));
+  EXPECT_EQ(engine.last_step().num_draft_tokens, 4);
+  EXPECT_EQ(engine.last_step().num_tokens, 5);
+  EXPECT_TRUE(engine.last_step().decode_only());
+  // Drafts past max_tokens are dropped: one step commits the remaining tokens and ends it.
+  const size_t left = script.size() - 6;
+  std::vector<int32_t> many(script.begin() + 6, script.end());
+  many.resize(many.size() + 10, 7);
+  engine.set_drafts(1, many);
+  const std::vector<RequestOutput> last = engine.step();
+  ASSERT_EQ(last.size(), 1u);
+  EXPECT_EQ(last[0].new_tokens.size(), left);
+  EXPECT_EQ(last[0].finish, FinishReason::kLength);
+  EXPECT_EQ(engine.last_step().num_draft_tokens, static_cast<int>(left) - 1);
+  EXPECT_FALSE(engine.has_work());
+}
+
+// Through a tiny pool that preempts, drafts right, right for a while and wrong keep every output
+// of the roomy run without drafts; the fake backend reads its context back from the cache, so a
+// rejected draft's K/V read as a committed token would change them.
+TEST(LLMEngineDrafts, PreemptionAndRollbackKeepOutputs) {
+  auto load = [](LLMEngine& e) {
+    for (int id = 0; id < 8; ++id) {
+      EngineRequest r = fake_request(
+          "def f" + std::to_string(id) + "(x): return x * " + std::to_string(id), 12 + id);
+      r.stop.ignore_eos = true;
+      r.sampling.temperature = id % 2 == 0 ? 0.0f : 0.9f;
+      r.sampling.seed = static_cast<uint64_t>(id);
+      e.add_request(id, r);
+    }
+  };
+  LLMEngine roomy(std::make_unique<testing::FakeBackend>(512, 4), demo_tokenizer(), {});
+  load(roomy);
+  const auto expected = run(roomy);
+  const std::vector<int64_t> ids{0, 1, 2, 3, 4, 5, 6, 7};
+  const Proposer propose = [&](int64_t id, size_t num_outputs) {
+    const std::vector<int32_t>& ref = expected.at(id).tokens;
+    std::vector<int32_t> drafts;
+    for (size_t j = 0; j < 5 && num_outputs + j < ref.size(); ++j) {
+      const bool right = id % 3 == 0 || (id % 3 == 1 && j < 2);
+      drafts.push_back(right ? ref[num_outputs + j] : (ref[num_outputs + j] + 1) % 1000);
+    }
+    return drafts;
+  };
+  LLMEngine tight(std::make_unique<testing::FakeBackend>(14, 4), demo_tokenizer(),
+                  {.max_num_seqs = 8, .max_num_batched_tokens = 16});
+  load(tight);
+  const auto got = run(tight, 10000, propose, ids);
+  EXPECT_GT(tight.stats().scheduler.num_preemptions, 0u);
+  for (const auto& [id, c] : expected) {
+    EXPECT_EQ(got.at(id).tokens, c.tokens) << "request " << id;
+    EXPECT_EQ(got.at(id).text, c.text) << "request " << id;
+  }
+  EXPECT_DOUBLE_EQ(tight.stats().kv_cache_usage, 0.0);
+}
+
+// A backend that does not verify drafts would compute them as committed tokens: the engine refuses
+// them, as it refuses drafts for unknown requests or outside the vocabulary.
+TEST(LLMEngineDrafts, AreRefusedWhereTheyCannotBeVerified) {
+  class NoDrafts : public testing::FakeBackend {
+   public:
+    using FakeBackend::FakeBackend;
+    bool supports_draft_tokens() const override { return false; }
+  };
+  const std::vector<int32_t> drafts{1, 2};
+  LLMEngine engine(std::make_unique<NoDrafts>(32, 4), demo_tokenizer(), {});
+  EXPECT_FALSE(engine.supports_draft_tokens());
+  engine.add_request(1, fake_request("def f(x):", 8));
+  EXPECT_THROW(engine.set_drafts(1, drafts), Error);
+  LLMEngine fake(std::make_unique<testing::FakeBackend>(32, 4), demo_tokenizer(), {});
+  EXPECT_TRUE(fake.supports_draft_tokens());
+  fake.add_request(1, fake_request("def f(x):", 8));
+  fake.set_drafts(1, drafts);
+  EXPECT_THROW(fake.set_drafts(2, drafts), Error);
+  const std::vector<int32_t> outside{1, 1000};
+  EXPECT_THROW(fake.set_drafts(1, outside), Error);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The messages between the nodes of a multi-node worker (engine/node_group.h): a step and its
-// results survive the wire exactly, a sequence's history travels only when its penalties read it
-// (its prompt also when it asks for prompt logprobs), and a damaged or foreign message fails with a
-// message instead of being misread.
+// results survive the wire exactly (drafts and the several tokens a sequence with drafts commits
+// included), a sequence's history travels only when its penalties read it (its prompt also when it
+// asks for prompt logprobs), and a damaged or foreign message fails with a message instead of being
+// misread (draft counts and per-row bitmasks out of bounds included).
 #include <gtest/gtest.h>
 
 #include "../error_text.h"
@@ -37,9 +38,11 @@ TEST(NodeMessages, AStepRoundTrips) {
   batch[0].sampling = &plain;
   batch[0].output_tokens = output;
   batch[0].sample_index = 2;
+  batch[0].num_draft_tokens = 2;
   batch[0].prompt_tokens = prompt;
   batch[1] = sequence(-3, tokens_b, 0, blocks_b);
   batch[2] = batch[0];
+  batch[2].num_draft_tokens = 0;
   batch[2].sampling = &penalised;
   // Token constraints travel with a sampling sequence.
   const std::vector<uint32_t> mask{0xf0u, 0x1u};
@@ -59,6 +62,7 @@ TEST(NodeMessages, AStepRoundTrips) {
     EXPECT_EQ(std::vector(s.block_table.begin(), s.block_table.end()),
               std::vector(want.block_table.begin(), want.block_table.end()));
     EXPECT_EQ(s.sample, want.sample);
+    EXPECT_EQ(s.num_draft_tokens, want.num_draft_tokens);
     if (!want.sample) {
       EXPECT_EQ(s.sampling, nullptr);
       continue;
@@ -124,6 +128,33 @@ TEST(NodeMessages, PromptLogprobsSendThePrompt) {
   EXPECT_TRUE(got.batch[1].output_tokens.empty());
 }
 
+// Drafts travel with a sampling sequence, with one bitmask per sampled row; a count that leaves no
+// token before the drafts, or a bitmask that does not split into the rows, fails to decode.
+TEST(NodeMessages, DraftsTravelWithinTheirBounds) {
+  const std::vector<int32_t> tokens{4, 5, 6}, blocks{0};
+  const std::vector<uint32_t> masks{1, 2, 3, 4, 5, 6};  // 3 rows of 2 words
+  SamplingParams plain;
+  std::vector<StepSequence> batch{sequence(1, tokens, 7, blocks)};
+  batch[0].sample = true;
+  batch[0].sampling = &plain;
+  batch[0].num_draft_tokens = 2;
+  batch[0].allowed_tokens = masks;
+  const NodeStep got = decode_step(encode_step(NodeCommand::kStep, batch));
+  EXPECT_EQ(got.batch[0].num_draft_tokens, 2);
+  EXPECT_EQ(std::vector(got.batch[0].allowed_tokens.begin(), got.batch[0].allowed_tokens.end()),
+            masks);
+  auto error_of = [&](int32_t num_drafts, std::span<const uint32_t> mask) {
+    batch[0].num_draft_tokens = num_drafts;
+    batch[0].allowed_tokens = mask;
+    return test::error_text([&] { decode_step(encode_step(NodeCommand::kStep, batch)); });
+  };
+  EXPECT_NE(error_of(3, {}).find("3 drafts among its 3 tokens"), std::string::npos);
+  EXPECT_NE(error_of(-1, {}).find("drafts"), std::string::npos);
+  EXPECT_NE(error_of(1, std::span<const uint32_t>(masks).subspan(1))
+                .find("bitmask of 5 words for 2 sampled rows"),
+            std::string::npos);
+}
+
 SampledToken sampled(int64_t seq_id, TokenLogprob t) {
   SampledToken s;
   static_cast<TokenLogprob&>(s) = std::move(t);
@@ -136,18 +167,21 @@ TEST(NodeMessages, AResultRoundTrips) {
   r.seqs = {0, 2, 5};
   r.sampled.push_back(sampled(7, {42, -0.25f, {{42, -0.25f}, {3, -2.5f}}, 1}));
   r.sampled.push_back(sampled(9, {1, -1.0f, {}}));
+  r.sampled.push_back(sampled(9, {3, -2.0f, {}}));  // 9 had a draft accepted
   r.prompt_logprobs = {{{5, -1.5f, {{2, -0.5f}}, 4}, {6, -0.75f, {{6, -0.75f}}, 1}}, {}};
   r.logits = {1.0f, -2.0f, 3.5f};
   const NodeResult got = decode_result(encode_result(r));
   EXPECT_EQ(got.error, "");
   EXPECT_EQ(got.seqs, r.seqs);
-  ASSERT_EQ(got.sampled.size(), 2u);
+  ASSERT_EQ(got.sampled.size(), 3u);
   EXPECT_EQ(got.sampled[0].seq_id, 7);
   EXPECT_EQ(got.sampled[0].token, 42);
   EXPECT_EQ(got.sampled[0].logprob, -0.25f);
   EXPECT_EQ(got.sampled[0].top, r.sampled[0].top);
   EXPECT_EQ(got.sampled[0].rank, 1);
   EXPECT_TRUE(got.sampled[1].top.empty());
+  EXPECT_EQ(got.sampled[2].seq_id, 9);
+  EXPECT_EQ(got.sampled[2].token, 3);
   ASSERT_EQ(got.prompt_logprobs.size(), 2u);
   ASSERT_EQ(got.prompt_logprobs[0].size(), 2u);
   for (size_t j = 0; j < 2; ++j) {

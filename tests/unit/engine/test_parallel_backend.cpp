@@ -497,6 +497,75 @@ TEST(MultiNodeBackend, PromptLogprobsComeFromTheNodeHoldingTheLogits) {
   }
 }
 
+// Drafts are verified on the node holding each sequence's logits: the tokens a step commits (the
+// accepted drafts, then the token after them) and their logprobs are the one-process worker's, bit
+// for bit, under DP + EP (the second sequence in node 1's partition) and TP: a greedy sequence
+// whose first draft is right and second wrong, and a seeded one with penalties.
+TEST(MultiNodeBackend, VerifiesDraftsOnTheNodeHoldingTheLogits) {
+  const auto dir = test::fixture_models_dir() / "qwen3-moe";
+  for (const parallel::ParallelConfig p :
+       {parallel::ParallelConfig{1, 2, 2}, parallel::ParallelConfig{2, 1, 1}}) {
+    SCOPED_TRACE(p.describe());
+    CpuBackendOptions o;
+    o.block_size = 8;
+    o.num_blocks = 16;
+    o.parallel = p;
+    CpuBackend one_process(dir, o);
+    MultiNode nodes(dir, 2, [&](int) { return o; });
+    ASSERT_NE(nodes.leader(), nullptr) << nodes.join()[0];
+
+    // The greedy token after 5 6 7, so that the first draft is accepted.
+    Seq probe{9, {5, 6, 7}, {5}, 0};
+    const std::vector<StepSequence> probe_batch{make_step(probe, 3)};
+    const std::vector<float> logits =
+        one_process.forward_logits(probe_batch, CpuBackend::LogitRows::kLastTokens);
+    const auto next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    SamplingParams greedy;
+    greedy.temperature = 0.0f;
+    greedy.num_logprobs = 3;
+    SamplingParams sampled;
+    sampled.temperature = 0.8f;
+    sampled.seed = 4321;
+    sampled.presence_penalty = 0.5f;
+    const std::vector<int32_t> history{10};
+    Seq a{1, {5, 6, 7, next, (next + 1) % 512}, {0}, 0};
+    Seq b{2, {8, 9, 10, 11, 12}, {p.dp > 1 ? 16 : 1}, 0};
+    auto step = [&](CpuBackend& backend) {
+      Seq a_run = a, b_run = b;
+      std::vector<StepSequence> prefill{make_step(a_run, 2), make_step(b_run, 2)};
+      EXPECT_TRUE(backend.step(prefill).empty());
+      a_run.num_computed = b_run.num_computed = 2;
+      std::vector<StepSequence> batch{make_step(a_run, 3), make_step(b_run, 3)};
+      for (StepSequence& s : batch) {
+        s.sample = true;
+        s.num_draft_tokens = 2;
+      }
+      batch[0].sampling = &greedy;
+      batch[1].sampling = &sampled;
+      batch[1].prompt_tokens = std::span<const int32_t>(b.tokens).first(3);
+      batch[1].output_tokens = history;
+      batch[1].sample_index = 1;
+      return backend.step(batch);
+    };
+    const std::vector<SampledToken> want = step(one_process);
+    const std::vector<SampledToken> got = step(*nodes.leader());
+    ASSERT_GE(want.size(), 3u);  // a: its first draft and the correction; b: 1 to 3 tokens
+    EXPECT_EQ(want[0].seq_id, 1);
+    EXPECT_EQ(want[0].token, next);
+    EXPECT_EQ(want[1].seq_id, 1);
+    EXPECT_NE(want[1].token, (next + 1) % 512);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].seq_id, want[i].seq_id) << i;
+      EXPECT_EQ(got[i].token, want[i].token) << i;
+      EXPECT_EQ(got[i].logprob, want[i].logprob) << i;
+      EXPECT_EQ(got[i].top, want[i].top) << i;
+    }
+    for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
+  }
+}
+
 // A rank of node 1 fails (a token outside the vocabulary) while node 0's rank waits for it in the
 // MoE exchange: the step fails on node 0 naming the cause, every node re-arms its collectives, and
 // the next step runs.

@@ -1,5 +1,7 @@
 // The sampler's semantics (vLLM's): masks, penalties, greedy, determinism in (seed, sample_index),
-// and logprobs of the raw logits (of a sampled token, or of a given one for prompt logprobs).
+// logprobs of the raw logits (of a sampled token, or of a given one for prompt logprobs), and the
+// verification of drafts: greedy acceptance, each row sampled as without drafts, and the rejection
+// rule for a point-mass draft against the exact probabilities of a fixed row.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -167,6 +169,162 @@ TEST(Sampler, SampledFrequenciesFollowTheDistribution) {
     ++counts[sample_token(l, p, {}, {}, i).token];
   }
   EXPECT_NEAR(counts[3] / static_cast<double>(n), 256.0 / (1 + 16 + 81 + 256), 0.015);
+}
+
+// ---- Drafts -------------------------------------------------------------------------------------
+
+// Concatenated rows of logits.
+std::vector<float> rows_of(const std::vector<std::vector<float>>& rows) {
+  std::vector<float> out;
+  for (const auto& r : rows) out.insert(out.end(), r.begin(), r.end());
+  return out;
+}
+
+std::vector<int32_t> tokens_of(const std::vector<SampledToken>& sampled) {
+  std::vector<int32_t> out;
+  for (const SampledToken& t : sampled) out.push_back(t.token);
+  return out;
+}
+
+// Greedy: drafts are accepted while they equal their row's argmax; the first that does not is
+// replaced by the argmax, and after k accepted drafts the last row gives the bonus token. Each
+// token's logprobs are its own row's.
+TEST(Sampler, GreedyDraftsAreAcceptedWhileTheyEqualTheArgmax) {
+  const std::vector<std::vector<float>> rows{{0, 1, 3, 2}, {4, 1, 0, 2}, {0, 1, 2, 5}};
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  greedy.num_logprobs = 1;
+  auto verify = [&](std::vector<int32_t> drafts) {
+    std::vector<float> l = rows_of(rows);
+    l.resize((drafts.size() + 1) * 4);
+    return sample_with_drafts(l, drafts, greedy, {}, {}, 0);
+  };
+  const std::vector<SampledToken> all = verify({2, 0});
+  EXPECT_EQ(tokens_of(all), (std::vector<int32_t>{2, 0, 3}));  // both accepted, then the bonus
+  EXPECT_EQ(tokens_of(verify({2, 1})), (std::vector<int32_t>{2, 0}));  // the correction at 1
+  EXPECT_EQ(tokens_of(verify({1, 0})), (std::vector<int32_t>{2}));
+  EXPECT_EQ(tokens_of(verify({})), (std::vector<int32_t>{2}));
+  for (size_t j = 0; j < all.size(); ++j) {
+    std::vector<float> lp(4);
+    log_softmax(rows[j], lp);
+    EXPECT_FLOAT_EQ(all[j].logprob, lp[static_cast<size_t>(all[j].token)]) << "row " << j;
+    ASSERT_EQ(all[j].top.size(), 1u);
+    EXPECT_EQ(all[j].top[0].first, all[j].token);
+  }
+  std::vector<float> short_rows(8);
+  const std::vector<int32_t> two{1, 2};
+  EXPECT_THROW(sample_with_drafts(short_rows, two, greedy, {}, {}, 0), Error);
+}
+
+// Row j's penalties count the drafts before it as output, and its constraints are its own bitmask.
+TEST(Sampler, EachDraftRowIsSampledAfterTheDraftsBeforeIt) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.frequency_penalty = 2.0f;
+  const std::vector<float> row{0.0f, 3.0f, 2.5f, 1.5f};
+  const std::vector<int32_t> drafts{1, 2};
+  std::vector<float> l = rows_of({row, row, row});
+  // Row 0 takes 1; row 1, with 1 penalised, takes 2; row 2, with 1 and 2 penalised, takes 3.
+  EXPECT_EQ(tokens_of(sample_with_drafts(l, drafts, p, {}, {}, 0)),
+            (std::vector<int32_t>{1, 2, 3}));
+  // The same with a history: 3 was output before, so row 2 takes 1 again.
+  const std::vector<int32_t> history{3};
+  l = rows_of({row, row, row});
+  EXPECT_EQ(tokens_of(sample_with_drafts(l, drafts, p, {}, history, 0)),
+            (std::vector<int32_t>{1, 2, 1}));
+  // Bitmasks per row: row 1 allows only token 3, so draft 2 is rejected for 3.
+  p.frequency_penalty = 0.0f;
+  const std::vector<uint32_t> masks{0xfu, 0x8u, 0xfu};
+  l = rows_of({row, row, row});
+  EXPECT_EQ(tokens_of(sample_with_drafts(l, drafts, p, {}, {}, 0, {masks, {}})),
+            (std::vector<int32_t>{1, 3}));
+  const std::vector<uint32_t> two_masks{0xfu, 0xfu};
+  l = rows_of({row, row, row});
+  EXPECT_THROW(sample_with_drafts(l, drafts, p, {}, {}, 0, {two_masks, {}}), Error);
+}
+
+// Seeded sampling with drafts draws, row by row, the tokens sample_token draws without them (the
+// same sample indices and histories): right drafts reproduce them all, a wrong one is replaced by
+// what would have been sampled there.
+TEST(Sampler, DraftsGiveTheTokensSampledWithoutThem) {
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.top_p = 0.95f;
+  p.min_p = 0.01f;
+  p.presence_penalty = 0.3f;
+  const size_t vocab = 40;
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    p.seed = seed;
+    std::vector<std::vector<float>> rows(3, std::vector<float>(vocab));
+    for (size_t j = 0; j < 3; ++j) {
+      for (size_t v = 0; v < vocab; ++v) {
+        rows[j][v] = 2.0f * std::sin(static_cast<float>(seed * 7 + j * 13 + v * v));
+      }
+    }
+    std::vector<int32_t> history{5}, without;
+    for (size_t j = 0; j < 3; ++j) {
+      std::vector<float> l = rows[j];
+      without.push_back(sample_token(l, p, {}, history, 11 + j).token);
+      history.push_back(without.back());
+    }
+    const std::vector<int32_t> before{5};
+    std::vector<float> l = rows_of(rows);
+    const std::vector<int32_t> right{without[0], without[1]};
+    ASSERT_EQ(tokens_of(sample_with_drafts(l, right, p, {}, before, 11)), without);
+    l = rows_of(rows);
+    const std::vector<int32_t> wrong{without[0], (without[1] + 1) % static_cast<int32_t>(vocab)};
+    ASSERT_EQ(tokens_of(sample_with_drafts(l, wrong, p, {}, before, 11)),
+              (std::vector<int32_t>{without[0], without[1]}));
+  }
+}
+
+// The acceptance rule against the exact probabilities of a fixed row: p is the row's distribution
+// after temperature and top-k; a draft d is accepted with probability p(d), and on rejection the
+// token follows p with d removed and renormalised (a draft outside the top k is never accepted).
+// Over fixed seeds the frequencies must lie within 4.5 standard deviations of those probabilities.
+TEST(Sampler, DraftAcceptanceIsTheRejectionRuleForAPointMass) {
+  const std::vector<float> row{1.0f, 0.2f, 0.7f, -0.5f, 0.4f, -3.0f};
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.top_k = 4;  // token 5 (and 3, the 5th largest) out
+  std::vector<double> prob(row.size(), 0.0);
+  double sum = 0.0;
+  for (size_t t = 0; t < row.size(); ++t) {
+    if (t == 3 || t == 5) continue;
+    sum += prob[t] = std::exp(static_cast<double>(row[t]) / p.temperature);
+  }
+  for (double& x : prob) x /= sum;
+  const int n = 40000;
+  const auto within = [&](double frequency, double expected, int trials) {
+    const double sigma = std::sqrt(expected * (1 - expected) / trials);
+    return std::fabs(frequency - expected) <= 4.5 * sigma + 1e-12;
+  };
+  for (const int32_t d : {0, 2, 4, 3}) {
+    int accepted = 0;
+    std::vector<int> rejected_as(row.size(), 0);
+    for (int i = 0; i < n; ++i) {
+      p.seed = 1000 + static_cast<uint64_t>(i);
+      std::vector<float> l = rows_of({row, row});
+      const std::vector<int32_t> draft{d};
+      const std::vector<SampledToken> got = sample_with_drafts(l, draft, p, {}, {}, 3);
+      if (got.size() == 2) {
+        ++accepted;
+      } else {
+        ++rejected_as[static_cast<size_t>(got[0].token)];
+      }
+    }
+    EXPECT_TRUE(within(accepted / static_cast<double>(n), prob[d], n))
+        << "draft " << d << " accepted " << accepted << " of " << n << ", p = " << prob[d];
+    const int rejections = n - accepted;
+    EXPECT_EQ(rejected_as[static_cast<size_t>(d)], 0);
+    for (size_t t = 0; t < row.size(); ++t) {
+      if (static_cast<int32_t>(t) == d) continue;
+      const double residual = prob[t] / (1.0 - prob[static_cast<size_t>(d)]);
+      EXPECT_TRUE(within(rejected_as[t] / static_cast<double>(rejections), residual, rejections))
+          << "draft " << d << ": token " << t << " drawn " << rejected_as[t] << " of " << rejections
+          << " rejections, expected " << residual;
+    }
+  }
 }
 
 TEST(Sampler, MasksRestrictWhatCanBeSampled) {

@@ -1,9 +1,12 @@
 // Token constraints through the engine: a grammar's bitmask reaches the backend before every
 // sample and follows the sampled tokens; a reasoning model's <think> block is left free and the
 // grammar applies after it; logit_bias reaches the sampler; backends without constraints refuse
-// them; and on the CPU backend a constrained request writes only what its grammar allows.
+// them; on the CPU backend a constrained request writes only what its grammar allows; and with
+// drafts every verified row gets the mask a step without drafts would have given it, while drafts
+// the grammar refuses are dropped when they are set.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -117,6 +120,84 @@ TEST(StructuredOutputs, AReasoningModelThinksFreelyThenFollowsTheGrammar) {
       EXPECT_TRUE(allows(seen.masks.front(), answer.front()));
     }
   }
+}
+
+// A row's mask with nothing constrained: no mask, or one allowing every token.
+bool unconstrained(const std::vector<uint32_t>& mask) {
+  return std::all_of(mask.begin(), mask.end(), [](uint32_t w) { return w == ~0u; });
+}
+
+// With drafts of the scripted tokens, k at a time, each verified row gets the mask the same token
+// got without drafts, through the reasoning block, its end and the grammar's completion.
+TEST(StructuredOutputs, EveryDraftRowGetsTheMaskOfItsPlace) {
+  const int32_t open = id_of("<think>"), close = id_of("</think>");
+  for (const bool reasoning : {false, true}) {
+    std::vector<int32_t> script;
+    if (reasoning) {
+      script.push_back(open);
+      for (int32_t t : tokenizer().encode("free text")) script.push_back(t);
+      script.push_back(close);
+    }
+    for (int32_t t : tokenizer().encode(R"({"a": 123})")) script.push_back(t);
+    script.push_back(kImEnd);
+    auto run = [&](int k) {
+      auto backend = std::make_unique<testing::ScriptedBackend>(script);
+      testing::ScriptedBackend& seen = *backend;
+      LLMEngine engine(std::move(backend), tokenizer(), {});
+      EngineRequest r = constrained(kSchema);
+      if (reasoning) r.reasoning = {open, close, false};
+      engine.add_request(1, r);
+      RequestOutput all;
+      for (int step = 0; step < 100 && all.finish == FinishReason::kNone; ++step) {
+        if (k > 0 && !all.new_tokens.empty()) {
+          const size_t at = all.new_tokens.size();
+          engine.set_drafts(1,
+                            std::span(script).subspan(at, std::min<size_t>(k, script.size() - at)));
+        }
+        for (RequestOutput& out : engine.step()) {
+          all.text += out.text;
+          all.new_tokens.insert(all.new_tokens.end(), out.new_tokens.begin(), out.new_tokens.end());
+          all.finish = out.finish;
+        }
+      }
+      return std::pair{all, seen.masks};
+    };
+    const auto [want, want_masks] = run(0);
+    ASSERT_EQ(want.finish, FinishReason::kStop);
+    for (int k : {2, 5}) {
+      SCOPED_TRACE(::testing::Message() << "reasoning " << reasoning << ", " << k << " drafts");
+      const auto [got, got_masks] = run(k);
+      EXPECT_EQ(got.text, want.text);
+      EXPECT_EQ(got.new_tokens, want.new_tokens);
+      // The drafts are right, so rows are sampled in the order of the tokens; the stop token's
+      // draft is followed by one more row, whose token the engine drops.
+      ASSERT_GE(got_masks.size(), want_masks.size());
+      EXPECT_LE(got_masks.size(), want_masks.size() + 1);
+      for (size_t i = 0; i < want_masks.size(); ++i) {
+        if (unconstrained(want_masks[i])) {
+          EXPECT_TRUE(unconstrained(got_masks[i])) << "row " << i;
+        } else {
+          EXPECT_EQ(got_masks[i], want_masks[i]) << "row " << i;
+        }
+      }
+    }
+  }
+}
+
+// Drafts from the first one the grammar refuses on are dropped when they are set: the step
+// verifies only the ones before it.
+TEST(StructuredOutputs, DraftsTheGrammarRefusesAreDropped) {
+  std::vector<int32_t> script = tokenizer().encode(R"({"a": 12})");
+  script.push_back(kImEnd);
+  LLMEngine engine(std::make_unique<testing::ScriptedBackend>(script), tokenizer(), {});
+  engine.add_request(1, constrained(kSchema));
+  ASSERT_EQ(engine.step().size(), 1u);  // the prompt, then "{"
+  const std::vector<int32_t> drafts{script[1], tokenizer().encode("hello").front(), script[2]};
+  engine.set_drafts(1, drafts);
+  const std::vector<RequestOutput> out = engine.step();
+  EXPECT_EQ(engine.last_step().num_draft_tokens, 1);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].new_tokens, (std::vector<int32_t>{script[1], script[2]}));
 }
 
 TEST(StructuredOutputs, LogitBiasReachesTheSampler) {

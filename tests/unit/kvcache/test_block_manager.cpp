@@ -1,6 +1,6 @@
 // Block manager: allocation, reference counts, prefix caching and LRU eviction, partitions (one per
-// DP attention rank), plus randomized runs of operations checked against the invariants after every
-// step.
+// DP attention rank), truncation (a speculative step's rollback) with shared and cached blocks,
+// plus randomized runs of operations checked against the invariants after every step.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -176,6 +176,90 @@ TEST(BlockManager, DecodeBlocksBecomeCachedAsTheyFill) {
   EXPECT_EQ(bm.find_cached_prefix(tokens).blocks.size(), 2u);
 }
 
+TEST(BlockManager, TruncateReleasesTheBlocksPastTheCut) {
+  BlockManager bm(8, 4);
+  ASSERT_TRUE(bm.allocate(1, 14));  // 4 blocks
+  const std::vector<int32_t> table(bm.block_table(1).begin(), bm.block_table(1).end());
+  EXPECT_EQ(bm.truncate(1, 6), 6);
+  EXPECT_EQ(std::vector<int32_t>(bm.block_table(1).begin(), bm.block_table(1).end()),
+            std::vector<int32_t>(table.begin(), table.begin() + 2));
+  EXPECT_EQ(bm.num_free_blocks(), 6);
+  bm.check_invariants();
+  EXPECT_EQ(bm.truncate(1, 8), 8);  // past the cut already: nothing changes
+  EXPECT_EQ(bm.truncate(1, 40), 40);
+  EXPECT_EQ(bm.block_table(1).size(), 2u);
+  EXPECT_EQ(bm.truncate(1, 0), 0);  // no block left, still bound to its partition
+  EXPECT_TRUE(bm.block_table(1).empty());
+  EXPECT_EQ(bm.partition_of(1), 0);
+  ASSERT_TRUE(bm.allocate(1, 3));
+  EXPECT_EQ(bm.block_table(1).size(), 1u);
+  bm.check_invariants();
+  EXPECT_THROW(bm.truncate(7, 0), Error);
+  EXPECT_THROW(bm.truncate(1, -1), Error);
+}
+
+// A cached block the cut goes through would be rewritten, so it leaves the cache; blocks wholly
+// past the cut still hold what their hash names and stay findable once free.
+TEST(BlockManager, TruncationLeavesNoStaleHash) {
+  BlockManager bm(8, 4);
+  const auto tokens = iota_tokens(10);
+  ASSERT_TRUE(bm.allocate(1, 10));
+  bm.cache_full_blocks(1, tokens, 10);
+  ASSERT_EQ(bm.num_cached_blocks(), 2);
+  const int32_t second = bm.block_table(1)[1];
+  EXPECT_EQ(bm.truncate(1, 6), 6);  // cuts the second (cached) block
+  EXPECT_EQ(bm.num_cached_blocks(), 1);
+  EXPECT_EQ(bm.find_cached_prefix(tokens).blocks.size(), 1u);
+  bm.check_invariants();
+  // The sequence writes other tokens there; the block is cached under their hash.
+  std::vector<int32_t> rewritten(tokens.begin(), tokens.begin() + 6);
+  rewritten.insert(rewritten.end(), {90, 91, 92});
+  ASSERT_TRUE(bm.allocate(1, 9));
+  EXPECT_EQ(bm.block_table(1)[1], second);
+  bm.cache_full_blocks(1, rewritten, 9);
+  EXPECT_EQ(bm.find_cached_prefix(rewritten).blocks.size(), 2u);
+  EXPECT_EQ(bm.find_cached_prefix(tokens).blocks.size(), 1u);
+  bm.check_invariants();
+  // A cut on a block boundary keeps both hashes true: the released block stays a hit.
+  EXPECT_EQ(bm.truncate(1, 4), 4);
+  EXPECT_EQ(bm.ref_count(second), 0);
+  EXPECT_EQ(bm.find_cached_prefix(rewritten).blocks.size(), 2u);
+  bm.check_invariants();
+  // Growing again chains from the first block, and the second block is a fresh one.
+  ASSERT_TRUE(bm.allocate(1, 9));
+  std::vector<int32_t> other(tokens.begin(), tokens.begin() + 4);
+  other.insert(other.end(), {70, 71, 72, 73, 74});
+  bm.cache_full_blocks(1, other, 9);
+  EXPECT_EQ(bm.find_cached_prefix(other).blocks.size(), 2u);
+  EXPECT_EQ(bm.find_cached_prefix(rewritten).blocks.size(), 2u);
+  bm.check_invariants();
+}
+
+// A block shared with another sequence (a prefix hit) is that sequence's K/V: a cut through it
+// releases it instead, and the truncated sequence keeps the blocks before it.
+TEST(BlockManager, TruncatingIntoASharedBlockKeepsTheOtherSequencesKv) {
+  BlockManager bm(8, 4);
+  const auto prompt = iota_tokens(10);
+  ASSERT_TRUE(bm.allocate(1, 10));
+  bm.cache_full_blocks(1, prompt, 10);
+  std::vector<int32_t> longer(prompt.begin(), prompt.begin() + 8);
+  longer.insert(longer.end(), {7, 7, 7});
+  const PrefixHit hit = bm.find_cached_prefix(longer);
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  ASSERT_TRUE(bm.allocate(2, 11, &hit));
+  EXPECT_EQ(bm.truncate(2, 6), 4);
+  EXPECT_EQ(bm.block_table(2).size(), 1u);
+  EXPECT_EQ(bm.ref_count(hit.blocks[0]), 2);
+  EXPECT_EQ(bm.ref_count(hit.blocks[1]), 1);  // sequence 1's only
+  EXPECT_EQ(bm.num_cached_blocks(), 2);
+  EXPECT_EQ(bm.find_cached_prefix(longer).blocks.size(), 2u);
+  bm.check_invariants();
+  bm.free(1);
+  bm.free(2);
+  EXPECT_EQ(bm.num_free_blocks(), 8);
+  bm.check_invariants();
+}
+
 TEST(BlockManager, PrefixCachingCanBeDisabled) {
   BlockManager bm(8, 4, /*enable_prefix_caching=*/false);
   const auto p = iota_tokens(9);
@@ -324,8 +408,9 @@ TEST(BlockManager, LongestHitWinsEvenInAFullPartition) {
   bm.check_invariants();
 }
 
-// Random allocate / grow / cache / free sequences over a small pool split into `num_partitions`,
-// from several fixed seeds. A shadow model tracks what each sequence's tokens are; after every
+// Random allocate / grow / cache / truncate / free sequences over a small pool split into
+// `num_partitions`, from several fixed seeds. A shadow model tracks what each sequence's tokens
+// are (and what each block holds, rejected drafts included); after every
 // operation the invariants hold, every hit block really holds the tokens it claims and lies in the
 // hit's partition, a sequence is bound where allocate promises and never leaves its partition,
 // can_allocate agrees with allocate, and freeing everything returns usage to 0.
@@ -363,7 +448,7 @@ void run_random_operations(int num_partitions) {
       }
     };
     for (int op = 0; op < 600; ++op) {
-      const int kind = static_cast<int>(rng() % 4);
+      const int kind = static_cast<int>(rng() % 5);
       if (kind == 0 || live.empty()) {  // new sequence, maybe with a prefix hit
         const auto tokens = random_tokens(1 + static_cast<int>(rng() % 12));
         const PrefixHit hit = bm.find_cached_prefix(tokens);
@@ -400,6 +485,25 @@ void run_random_operations(int num_partitions) {
           bm.cache_full_blocks(it->first, tokens, static_cast<int64_t>(tokens.size()));
           it->second = tokens;
         }
+      } else if (kind == 2) {  // a speculative step's rollback, or a cut anywhere
+        auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+        std::vector<int32_t>& tokens = it->second;
+        const int64_t id = it->first;
+        int64_t keep = static_cast<int64_t>(rng() % (tokens.size() + 1));
+        std::vector<int32_t> drafted = tokens;
+        const int k = 1 + static_cast<int>(rng() % 5);
+        for (int i = 0; i < k; ++i) drafted.push_back(static_cast<int32_t>(rng() % 5));
+        // Half the time k drafts are computed and the first `accepted` of them kept.
+        if (rng() % 2 == 0 && bm.allocate(id, static_cast<int64_t>(drafted.size()))) {
+          write_content(id, drafted, tokens.size());
+          keep = static_cast<int64_t>(tokens.size()) + static_cast<int64_t>(rng() % (k + 1));
+          tokens.assign(drafted.begin(), drafted.begin() + keep);
+        }
+        const int64_t kept = bm.truncate(id, keep);
+        const int64_t block_start = keep / block_size * block_size;
+        EXPECT_TRUE(kept == keep || kept == block_start) << kept << " of " << keep;
+        tokens.resize(static_cast<size_t>(kept));
+        bm.cache_full_blocks(id, tokens, kept);
       } else {  // free
         auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
         bm.free(it->first);

@@ -1,17 +1,21 @@
 // Test doubles for Backend: FakeBackend, whose "model" really reads its paged KV cache, and
-// ScriptedBackend, which samples a fixed script (so the text a test expects is known).
+// ScriptedBackend, which samples a fixed script (so the text a test expects is known). Both verify
+// drafts as backend.h asks: each sampled row's token is what a step without drafts would sample
+// there, and drafts are accepted while they equal it.
 //
 // The cache stores, per slot, the token id written there. Computing a token writes it into the slot
 // its block table names; sampling hashes the whole context *read back from the cache* through the
 // block table. So a wrong block table, a prefix hit that points at other content, a block reused
-// while still in use, or a position read before it was written changes the output (or fails a
-// check): equal outputs between a constrained and an unconstrained run prove the KV bookkeeping.
+// while still in use, a position read before it was written, or a rejected draft's slot read as if
+// it held a committed token changes the output (or fails a check): equal outputs between a
+// constrained and an unconstrained run prove the KV bookkeeping.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "engine/backend.h"
@@ -36,34 +40,24 @@ class FakeBackend : public Backend {
   int block_size() const override { return block_size_; }
   int num_kv_blocks() const override { return num_blocks_; }
 
+  bool supports_draft_tokens() const override { return true; }
+
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override {
     std::vector<SampledToken> out;
     StepRecord rec;
     for (const StepSequence& s : batch) {
       rec.tokens_per_seq.push_back(static_cast<int>(s.tokens.size()));
+      rec.drafts_per_seq.push_back(s.num_draft_tokens);
       for (size_t i = 0; i < s.tokens.size(); ++i) {
         slot(s, s.num_computed + static_cast<int>(i)) = s.tokens[i];
       }
       if (!s.sample) continue;
-      uint64_t h = 1469598103934665603ull;
-      const int context = s.num_computed + static_cast<int>(s.tokens.size());
-      for (int pos = 0; pos < context; ++pos) {
-        const int32_t t = slot(s, pos);
-        EXPECT_GE(t, 0) << "sequence " << s.seq_id << " reads unwritten position " << pos;
-        h = (h ^ static_cast<uint64_t>(t + 1)) * 1099511628211ull;
+      // Row j follows draft j - 1: its context ends there.
+      const int first_row = static_cast<int>(s.tokens.size()) - 1 - s.num_draft_tokens;
+      for (int j = 0; j <= s.num_draft_tokens; ++j) {
+        out.push_back(sample(s, s.num_computed + first_row + j + 1, s.sample_index + j));
+        if (j == s.num_draft_tokens || out.back().token != s.tokens[first_row + j + 1]) break;
       }
-      if (s.sampling->temperature > 0) {
-        h = (h ^ s.sampling->seed) * 1099511628211ull;
-        h = (h ^ s.sample_index) * 1099511628211ull;
-      }
-      SampledToken tok;
-      tok.seq_id = s.seq_id;
-      tok.token = static_cast<int32_t>((h >> 17) % kVocab);
-      tok.logprob = -static_cast<float>(tok.token % 7) / 8.0f;
-      for (int k = 0; k < s.sampling->num_logprobs; ++k) {
-        tok.top.emplace_back((tok.token + k) % kVocab, tok.logprob - static_cast<float>(k));
-      }
-      out.push_back(tok);
     }
     steps.push_back(rec);
     return out;
@@ -71,10 +65,33 @@ class FakeBackend : public Backend {
 
   struct StepRecord {
     std::vector<int> tokens_per_seq;
+    std::vector<int> drafts_per_seq;
   };
   std::vector<StepRecord> steps;
 
  private:
+  // The token after the first `context` positions: a hash of them read back from the cache.
+  SampledToken sample(const StepSequence& s, int context, uint64_t sample_index) {
+    uint64_t h = 1469598103934665603ull;
+    for (int pos = 0; pos < context; ++pos) {
+      const int32_t t = slot(s, pos);
+      EXPECT_GE(t, 0) << "sequence " << s.seq_id << " reads unwritten position " << pos;
+      h = (h ^ static_cast<uint64_t>(t + 1)) * 1099511628211ull;
+    }
+    if (s.sampling->temperature > 0) {
+      h = (h ^ s.sampling->seed) * 1099511628211ull;
+      h = (h ^ sample_index) * 1099511628211ull;
+    }
+    SampledToken tok;
+    tok.seq_id = s.seq_id;
+    tok.token = static_cast<int32_t>((h >> 17) % kVocab);
+    tok.logprob = -static_cast<float>(tok.token % 7) / 8.0f;
+    for (int k = 0; k < s.sampling->num_logprobs; ++k) {
+      tok.top.emplace_back((tok.token + k) % kVocab, tok.logprob - static_cast<float>(k));
+    }
+    return tok;
+  }
+
   int32_t& slot(const StepSequence& s, int pos) {
     const size_t block = static_cast<size_t>(pos / block_size_);
     EXPECT_LT(block, s.block_table.size())
@@ -90,8 +107,8 @@ class FakeBackend : public Backend {
 };
 
 // Samples script[sample_index] for every sequence (then repeats the last id); computes nothing.
-// It takes token constraints: each sample's bitmask is recorded (empty when unconstrained), and a
-// scripted token the bitmask does not allow fails the test.
+// It takes token constraints: each sampled row's bitmask is recorded (empty when unconstrained),
+// and a scripted token the bitmask does not allow fails the test.
 class ScriptedBackend : public Backend {
  public:
   explicit ScriptedBackend(std::vector<int32_t> script, int num_blocks = 64)
@@ -104,27 +121,36 @@ class ScriptedBackend : public Backend {
   int block_size() const override { return 4; }
   int num_kv_blocks() const override { return num_blocks_; }
   bool supports_token_constraints() const override { return true; }
+  bool supports_draft_tokens() const override { return true; }
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override {
     std::vector<SampledToken> out;
     for (const StepSequence& s : batch) {
       if (!s.sample) continue;
-      SampledToken t;
-      t.seq_id = s.seq_id;
-      t.token = script_[std::min<size_t>(s.sample_index, script_.size() - 1)];
-      masks.emplace_back(s.allowed_tokens.begin(), s.allowed_tokens.end());
-      biases.emplace_back(s.logit_bias.begin(), s.logit_bias.end());
-      if (!s.allowed_tokens.empty()) {
-        EXPECT_TRUE(s.allowed_tokens[t.token / 32] >> (t.token % 32) & 1)
-            << "sample " << s.sample_index << ": the mask forbids the scripted token " << t.token;
+      const size_t rows = 1 + static_cast<size_t>(s.num_draft_tokens);
+      const size_t words = s.allowed_tokens.size() / rows;
+      const auto drafts = s.tokens.last(static_cast<size_t>(s.num_draft_tokens));
+      for (size_t j = 0; j < rows; ++j) {
+        const uint64_t index = s.sample_index + j;
+        SampledToken t;
+        t.seq_id = s.seq_id;
+        t.token = script_[std::min<size_t>(index, script_.size() - 1)];
+        const auto mask = s.allowed_tokens.subspan(j * words, words);
+        masks.emplace_back(mask.begin(), mask.end());
+        biases.emplace_back(s.logit_bias.begin(), s.logit_bias.end());
+        if (!mask.empty()) {
+          EXPECT_TRUE(mask[t.token / 32] >> (t.token % 32) & 1)
+              << "sample " << index << ": the mask forbids the scripted token " << t.token;
+        }
+        t.logprob = -0.5f - static_cast<float>(index);
+        for (int k = 0; k < s.sampling->num_logprobs; ++k) t.top.emplace_back(k, -1.0f - k);
+        out.push_back(t);
+        if (j == drafts.size() || t.token != drafts[j]) break;
       }
-      t.logprob = -0.5f;
-      for (int k = 0; k < s.sampling->num_logprobs; ++k) t.top.emplace_back(k, -1.0f - k);
-      out.push_back(t);
     }
     return out;
   }
 
-  std::vector<std::vector<uint32_t>> masks;  // per sample, in order
+  std::vector<std::vector<uint32_t>> masks;  // per sampled row, in order
   std::vector<std::vector<std::pair<int32_t, float>>> biases;
 
  private:

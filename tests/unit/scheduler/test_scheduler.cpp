@@ -1,10 +1,13 @@
 // Scheduler: chunked prefill mixed with decodes, budgets and max_num_seqs, prefix hits, abort,
 // preemption under tiny KV pools completing every request with the unconstrained run's output,
-// preemption within a KV partition (DP attention ranks), and the sequences of prompt-logprob
-// requests (no prefix hit until the prompt is done, prompt-only sequences that never sample).
+// preemption within a KV partition (DP attention ranks), the sequences of prompt-logprob
+// requests (no prefix hit until the prompt is done, prompt-only sequences that never sample), and
+// decodes with drafts (1 + k tokens budgeted and allocated, variable commits, rollback of rejected
+// drafts) giving exactly the outputs of decoding without them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
@@ -19,14 +22,17 @@ namespace {
 
 using testing::FakeBackend;
 
-// Drives scheduler + fake backend the way LLMEngine does: schedule, build the batch, step, update,
-// finish sequences that reached max_tokens (prompt-only ones once their prompt is computed).
+// Drives scheduler + fake backend the way LLMEngine does: give drafts (when a drafter is set, to
+// every live sequence, at most what max_tokens leaves room for), schedule, build the batch, step,
+// update, finish sequences that reached max_tokens (prompt-only ones once their prompt is
+// computed).
 struct Harness {
   // One chunk as scheduled (recorded before the step computes it).
   struct Chunk {
     int64_t id;
     int start, num_tokens, num_preemptions;
     bool sample;
+    int num_draft_tokens;
   };
 
   Harness(int num_blocks, int block_size, SchedulerConfig cfg, int num_partitions = 1)
@@ -49,12 +55,32 @@ struct Harness {
 
   // One engine step; returns the scheduler output's chunk count.
   SchedulerOutput step() {
+    if (drafter) {
+      for (const auto& [id, max_tokens] : max_tokens_) {
+        Sequence* seq = outputs.count(id) ? nullptr : sched.find(id);
+        if (seq == nullptr) continue;
+        std::vector<int32_t> drafts = drafter(*seq);
+        drafts.resize(std::min<size_t>(
+            drafts.size(),
+            static_cast<size_t>(std::max(0, max_tokens - seq->num_output_tokens() - 1))));
+        seq->draft_tokens = drafts;
+      }
+    }
     SchedulerOutput out = sched.schedule();
     std::vector<StepSequence> batch;
+    std::vector<std::vector<int32_t>> with_drafts(out.chunks.size());
     for (const ScheduledChunk& c : out.chunks) {
       StepSequence s;
       s.seq_id = c.seq->id;
       s.tokens = std::span<const int32_t>(c.seq->tokens).subspan(c.seq->num_computed, c.num_tokens);
+      if (c.num_draft_tokens > 0) {
+        std::vector<int32_t>& t = with_drafts[batch.size()];
+        t.assign(1, c.seq->tokens.back());
+        t.insert(t.end(), c.seq->draft_tokens.begin(),
+                 c.seq->draft_tokens.begin() + c.num_draft_tokens);
+        s.tokens = t;
+        s.num_draft_tokens = c.num_draft_tokens;
+      }
       s.num_computed = c.seq->num_computed;
       s.block_table = blocks.block_table(c.seq->id);
       s.sample = c.sample;
@@ -62,8 +88,11 @@ struct Harness {
       s.output_tokens = c.seq->output_tokens();
       s.sample_index = static_cast<uint64_t>(c.seq->num_output_tokens());
       batch.push_back(s);
-      chunks.push_back(
-          {c.seq->id, c.seq->num_computed, c.num_tokens, c.seq->num_preemptions, c.sample});
+      chunks.push_back({c.seq->id, c.seq->num_computed, c.num_tokens, c.seq->num_preemptions,
+                        c.sample, c.num_draft_tokens});
+      EXPECT_GE(static_cast<int64_t>(s.block_table.size()) * blocks.block_size(),
+                c.seq->num_computed + c.num_tokens)
+          << "sequence " << c.seq->id << " has no KV slots for its drafts";
     }
     const auto sampled = backend.step(batch);
     sched.update(out, sampled);
@@ -90,6 +119,8 @@ struct Harness {
   FakeBackend backend;
   BlockManager blocks;
   Scheduler sched;
+  // The drafts a live sequence proposes before each step (none when unset).
+  std::function<std::vector<int32_t>(const Sequence&)> drafter;
   std::map<int64_t, std::vector<int32_t>> outputs;
   std::map<int64_t, int> max_tokens_;
   std::vector<Chunk> chunks;
@@ -402,7 +433,164 @@ TEST(Scheduler, PreemptionWithPartitionsKeepsEveryOutput) {
   }
 }
 
-// Random arrivals and aborts on a small pool; surviving requests match a roomy reference run.
+// ---- Drafts -------------------------------------------------------------------------------------
+
+// Runs `h` until every sequence of `ids` decodes (its prompt is done).
+void run_until_decoding(Harness& h, std::initializer_list<int64_t> ids) {
+  for (int i = 0; i < 100; ++i) {
+    if (std::all_of(ids.begin(), ids.end(),
+                    [&](int64_t id) { return h.sched.find(id)->num_output_tokens() > 0; }))
+      return;
+    h.step();
+  }
+  FAIL() << "the prompts did not finish";
+}
+
+// A decode with k drafts takes 1 + k tokens of the budget and KV slots for all of them; the budget
+// beyond one token per decode goes to drafts oldest first, and a running prefill gets what remains.
+TEST(Scheduler, ADecodeWithDraftsTakesOnePlusKTokens) {
+  Harness h(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 12});
+  h.add(1, prompt_of(3, 1), 50);
+  h.add(2, prompt_of(2, 2), 50);
+  h.add(3, prompt_of(2, 3), 50);
+  run_until_decoding(h, {1, 2, 3});
+  h.add(4, prompt_of(40, 4), 5);  // a long prompt: the budget left goes to it
+  h.sched.find(1)->draft_tokens = {1, 2, 3};
+  h.sched.find(2)->draft_tokens = std::vector<int32_t>(10, 7);  // more than the budget holds
+  const SchedulerOutput out = h.step();
+  ASSERT_EQ(out.chunks.size(), 3u);  // 3 gets its one token; 4 is not admitted: no budget left
+  EXPECT_EQ(out.chunks[0].num_tokens, 4);
+  EXPECT_EQ(out.chunks[0].num_draft_tokens, 3);
+  EXPECT_TRUE(out.chunks[0].sample);
+  EXPECT_EQ(out.chunks[1].num_tokens, 1 + 12 - 3 - 3);  // what is left beyond 1's and 3's token
+  EXPECT_EQ(out.chunks[1].num_draft_tokens, 12 - 3 - 3);
+  EXPECT_EQ(out.chunks[2].num_tokens, 1);
+  EXPECT_EQ(out.chunks[2].num_draft_tokens, 0);
+  EXPECT_EQ(out.num_batched_tokens, 12);
+  // The step consumed every draft, verified or not.
+  for (int64_t id : {1, 2, 3}) EXPECT_TRUE(h.sched.find(id)->draft_tokens.empty());
+  // Without drafts the prompt of 4 is admitted next to the decodes.
+  const SchedulerOutput next = h.step();
+  ASSERT_EQ(next.chunks.size(), 4u);
+  EXPECT_EQ(next.chunks[3].seq->id, 4);
+  EXPECT_EQ(next.chunks[3].num_tokens, 12 - 3);
+}
+
+// update() commits the accepted drafts and the token after them, counts them computed, and
+// releases the blocks that held only rejected drafts; a backend answer that commits more tokens
+// than it verified, or other tokens than the drafts, is refused.
+TEST(Scheduler, UpdateCommitsTheAcceptedDraftsAndRollsBackTheRest) {
+  BlockManager blocks(16, 4);
+  Scheduler sched({.max_num_seqs = 4, .max_num_batched_tokens = 16}, blocks);
+  auto seq = std::make_unique<Sequence>();
+  seq->id = 1;
+  seq->tokens = {10, 11, 12};
+  Sequence& s = *seq;
+  sched.add(std::move(seq));
+  const auto sampled = [](std::vector<int32_t> tokens) {
+    std::vector<SampledToken> out;
+    for (int32_t t : tokens) {
+      SampledToken s;
+      s.token = t;
+      s.seq_id = 1;
+      out.push_back(s);
+    }
+    return out;
+  };
+  sched.update(sched.schedule(), sampled({13}));  // the prompt, then its first token
+  ASSERT_EQ(s.num_computed, 3);
+  s.draft_tokens = {20, 21, 22, 23, 24, 25, 26};
+  SchedulerOutput out = sched.schedule();
+  ASSERT_EQ(out.chunks[0].num_draft_tokens, 7);
+  EXPECT_EQ(blocks.block_table(1).size(), 3u);  // 3 + 1 + 7 = 11 slots
+  EXPECT_THROW(sched.update(out, sampled({20, 21, 22, 23, 24, 25, 26, 27, 28})), Error);
+  EXPECT_THROW(sched.update(out, sampled({20, 99, 5})), Error);
+  sched.update(out, sampled({20, 21, 5}));  // two accepted, then the correction
+  EXPECT_EQ(s.tokens, (std::vector<int32_t>{10, 11, 12, 13, 20, 21, 5}));
+  EXPECT_EQ(s.num_computed, 6);
+  EXPECT_TRUE(s.draft_tokens.empty());
+  EXPECT_EQ(blocks.block_table(1).size(), 2u);  // slots for the 7 tokens
+  blocks.check_invariants();
+  // Every draft accepted: the bonus token follows and nothing is released.
+  s.draft_tokens = {30, 31};
+  out = sched.schedule();
+  sched.update(out, sampled({30, 31, 32}));
+  EXPECT_EQ(s.num_computed, 9);
+  EXPECT_EQ(s.tokens.size(), 10u);
+  EXPECT_EQ(blocks.block_table(1).size(), 3u);
+  blocks.check_invariants();
+}
+
+// When the blocks for a decode's drafts are not free it runs without them: drafts never preempt.
+TEST(Scheduler, DraftsNeverPreempt) {
+  Harness h(4, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 16});
+  h.add(1, prompt_of(3, 1), 12);
+  h.add(2, prompt_of(7, 2), 12);
+  run_until_decoding(h, {1, 2});  // 1 block for 1's 4 tokens, 2 blocks for 2's 8: 1 free
+  h.sched.find(1)->draft_tokens = std::vector<int32_t>(8, 3);  // needs 2 more blocks
+  const SchedulerOutput out = h.step();
+  EXPECT_EQ(out.chunks[0].num_tokens, 1);
+  EXPECT_EQ(out.chunks[0].num_draft_tokens, 0);
+  EXPECT_EQ(h.sched.stats().num_preemptions, 0u);
+}
+
+// Drafts that are all right, right for a while, or wrong, for greedy and seeded sequences, through
+// tiny pools that preempt and partitions: every request completes with exactly the outputs of the
+// run without drafts, and the fake backend, which reads its context back from the cache, shows no
+// rejected draft's K/V was read as a token. Right drafts take fewer steps.
+TEST(Scheduler, DraftsNeverChangeTheOutputs) {
+  const auto reference_outputs = tiny_pool_reference_outputs();
+  // Request id's drafts: the next k reference tokens, wrong from draft `right_for` on.
+  const auto drafter = [&](int k, int right_for) {
+    return [&, k, right_for](const Sequence& seq) {
+      const std::vector<int32_t>& ref = reference_outputs.at(seq.id);
+      std::vector<int32_t> drafts;
+      for (int j = 0; j < k; ++j) {
+        const size_t at = static_cast<size_t>(seq.num_output_tokens() + j);
+        if (at >= ref.size()) break;
+        const int right = (seq.id % 3 == 0) ? k : (seq.id % 3 == 1 ? right_for : 0);
+        drafts.push_back(j < right ? ref[at] : (ref[at] + 1) % FakeBackend::kVocab);
+      }
+      return drafts;
+    };
+  };
+  size_t steps_without = 0;
+  {
+    Harness h(1024, kTinyPoolBlock, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+    add_tiny_pool_load(h);
+    h.run_to_completion();
+    steps_without = h.backend.steps.size();
+  }
+  for (const auto& [num_partitions, num_blocks] :
+       std::vector<std::pair<int, int>>{{1, 1024}, {1, 11}, {1, 16}, {2, 24}, {4, 64}}) {
+    for (int budget : {8, 64}) {
+      for (const auto& [k, right_for] : std::vector<std::pair<int, int>>{{1, 1}, {3, 2}, {6, 4}}) {
+        SCOPED_TRACE(::testing::Message() << num_partitions << " x " << num_blocks / num_partitions
+                                          << " blocks, budget " << budget << ", k " << k);
+        Harness h(num_blocks, kTinyPoolBlock, {.max_num_seqs = 8, .max_num_batched_tokens = budget},
+                  num_partitions);
+        h.drafter = drafter(k, right_for);
+        add_tiny_pool_load(h);
+        h.run_to_completion();
+        ASSERT_EQ(h.outputs.size(), 12u);
+        for (const auto& [id, out] : reference_outputs) {
+          EXPECT_EQ(h.outputs[id], out) << "request " << id;
+        }
+        EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+        const bool verified = std::any_of(h.chunks.begin(), h.chunks.end(),
+                                          [](const auto& c) { return c.num_draft_tokens > 0; });
+        EXPECT_TRUE(verified);
+        if (num_blocks == 1024 && budget == 64) {
+          EXPECT_LT(h.backend.steps.size(), steps_without);
+        }
+      }
+    }
+  }
+}
+
+// Random arrivals and aborts on a small pool; surviving requests match a roomy reference run. With
+// even seeds the sequences also carry drafts of the reference tokens, right for a random while,
+// through prefix hits, preemptions and aborts.
 TEST(Scheduler, RandomArrivalsAndAbortsMatchReference) {
   for (uint32_t seed = 1; seed <= 8; ++seed) {
     std::mt19937 rng(seed);
@@ -427,6 +615,19 @@ TEST(Scheduler, RandomArrivalsAndAbortsMatchReference) {
     ref.run_to_completion();
 
     Harness h(9, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 6});
+    if (seed % 2 == 0) {
+      h.drafter = [&](const Sequence& seq) {
+        const std::vector<int32_t>& out = ref.outputs[seq.id];
+        std::vector<int32_t> drafts;
+        const int right = static_cast<int>(rng() % 4);
+        for (int j = 0; j < 3; ++j) {
+          const size_t at =
+              std::min(out.size() - 1, static_cast<size_t>(seq.num_output_tokens()) + j);
+          drafts.push_back(j < right ? out[at] : (out[at] + 1) % FakeBackend::kVocab);
+        }
+        return drafts;
+      };
+    }
     std::set<int64_t> aborted;
     for (int step = 0; step < 5000; ++step) {
       for (size_t i = 0; i < reqs.size(); ++i) {
@@ -440,6 +641,11 @@ TEST(Scheduler, RandomArrivalsAndAbortsMatchReference) {
       h.step();
     }
     EXPECT_FALSE(h.sched.has_work());
+    if (h.drafter) {
+      EXPECT_TRUE(std::any_of(h.chunks.begin(), h.chunks.end(),
+                              [](const auto& c) { return c.num_draft_tokens > 0; }));
+    }
+    EXPECT_GT(h.sched.stats().prefix_cache_hits, 0u) << "seed " << seed;
     EXPECT_EQ(h.outputs.size() + aborted.size(), reqs.size()) << "seed " << seed;
     for (const auto& [id, out] : h.outputs) {
       EXPECT_EQ(out, ref.outputs[id]) << "seed " << seed << " request " << id;
