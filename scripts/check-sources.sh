@@ -25,7 +25,8 @@ import sys
 
 LAYERS = [
     ["core"],
-    ["tokenizer", "chat", "http", "parallel", "transfer", "kvcache", "sequence", "kernels"],
+    ["tokenizer", "chat", "http", "parallel", "transfer", "kvcache", "sequence", "kernels",
+     "speculative"],
     ["quant", "grammar"],
     ["model"],
     ["scheduler"],

@@ -31,6 +31,7 @@ struct GenerateOptions {
   float min_p = 0.0f;
   uint64_t seed = 0;
   bool ignore_eos = false;
+  std::string speculative_config;  // vLLM's --speculative-config JSON
   BackendChoice backend;
 };
 
@@ -49,6 +50,9 @@ int run_generate(const GenerateOptions& o) {
   }
   EngineConfig config;
   config.max_num_seqs = 1;
+  if (!o.speculative_config.empty()) {
+    config.speculative = SpeculativeConfig::parse(o.speculative_config);
+  }
   LLMEngine engine(
       make_backend(o.model_dir, o.backend, config.max_num_seqs, config.max_num_batched_tokens),
       tokenizer, config);
@@ -93,6 +97,17 @@ int run_generate(const GenerateOptions& o) {
       "finish: %s\n",
       num_prompt_tokens, prefill_s, num_prompt_tokens / std::max(prefill_s, 1e-9),
       num_generated - 1, decode_s, (num_generated - 1) / std::max(decode_s, 1e-9), finish);
+  if (config.speculative.enabled()) {
+    const SpecDecodeStats s = engine.stats().spec_decode;
+    std::fprintf(stderr,
+                 "relay: speculative decoding (%s): %llu of %llu drafts accepted (%.2f), %.2f "
+                 "tokens per step with drafts\n",
+                 config.speculative.describe().c_str(),
+                 static_cast<unsigned long long>(s.num_accepted_tokens),
+                 static_cast<unsigned long long>(s.num_draft_tokens),
+                 s.num_draft_tokens ? static_cast<double>(s.num_accepted_tokens) / s.num_draft_tokens : 0.0,
+                 s.num_drafts ? 1.0 + static_cast<double>(s.num_accepted_tokens) / s.num_drafts : 0.0);
+  }
   return 0;
 }
 
@@ -121,6 +136,10 @@ CommandRegistrar generate_command({
       sub.add_option("--seed", o->seed,
                      "sampling seed (default 0); the output is a pure function of it");
       sub.add_flag("--ignore-eos", o->ignore_eos, "keep generating past end-of-sequence tokens");
+      sub.add_option("--speculative-config", o->speculative_config,
+                     "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                     "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}' (lossless: the "
+                     "same tokens, in fewer steps when drafts are accepted)");
       add_backend_options(sub, o->backend);
       return [o] { return run_generate(*o); };
     },

@@ -42,6 +42,7 @@ struct ServeOptions {
   int max_queue = 256;
   double drain_timeout_s = 30.0;
   bool no_prefix_caching = false;
+  std::string speculative_config;  // vLLM's --speculative-config JSON
   int max_connections = 4096;
   double request_head_timeout_s = 10.0;
   double keep_alive_timeout_s = 60.0;
@@ -169,6 +170,9 @@ int run_serve(const ServeOptions& o) {
                 ": a disaggregated worker exports its KV pools to the transfer engine, which sees "
                 "only one process's ranks; run multi-node workers with --role all");
   }
+  RELAY_CHECK(o.role != "router" || o.speculative_config.empty(),
+              "--speculative-config belongs on the decode workers (they verify the drafts), not "
+              "on the router");
   if (o.role == "router") return run_router(o);
   if (is_follower_node(o.backend)) return follow_leader(o.model_dir, o.backend);
   // Block the shutdown signals before any thread starts, so that every thread inherits the mask and
@@ -201,14 +205,17 @@ int run_serve(const ServeOptions& o) {
   ec.max_num_batched_tokens = o.max_num_batched_tokens;
   ec.max_model_len = o.max_model_len;
   ec.enable_prefix_caching = !o.no_prefix_caching;
+  if (!o.speculative_config.empty()) {
+    ec.speculative = SpeculativeConfig::parse(o.speculative_config);
+  }
   LLMEngine engine(std::move(backend), tokenizer, ec);
   std::fprintf(stderr,
                "relay: loaded '%s' in %.2f s: %d KV blocks of %d tokens, max_model_len %d, "
-               "max_num_seqs %d\n",
+               "max_num_seqs %d, speculative decoding %s\n",
                so.served_model_name.c_str(),
                std::chrono::duration<double>(Clock::now() - load_start).count(),
                engine.backend().num_kv_blocks(), engine.backend().block_size(),
-               engine.max_model_len(), o.max_num_seqs);
+               engine.max_model_len(), o.max_num_seqs, ec.speculative.describe().c_str());
   if (!is_worker) {
     http.attach(engine, std::move(chat_template));
     std::fprintf(stderr, "relay: ready\n");
@@ -270,6 +277,9 @@ CommandRegistrar serve_command({
                      "seconds running requests get to finish after SIGTERM (default 30)")
           ->check(CLI::NonNegativeNumber);
       sub.add_flag("--no-prefix-caching", o->no_prefix_caching, "recompute shared prompt prefixes");
+      sub.add_option("--speculative-config", o->speculative_config,
+                     "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                     "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}'");
       sub.add_option("--max-connections", o->max_connections,
                      "open client connections; past it the longest-idle one is closed (default "
                      "4096)")

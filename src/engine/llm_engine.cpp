@@ -81,6 +81,16 @@ LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
       len, static_cast<int64_t>(blocks_.blocks_per_partition()) * blocks_.block_size());
   max_model_len_ = static_cast<int>(len);
   RELAY_CHECK(max_model_len_ >= 2, "max_model_len ", max_model_len_, " leaves no room to generate");
+  speculative_ = config.speculative;
+  if (speculative_.enabled()) {
+    RELAY_CHECK(speculative_.method == SpeculativeConfig::Method::kNgram,
+                "--speculative-config: MTP drafting is not built yet (issue 26); use \"ngram\"");
+    RELAY_CHECK(backend_->supports_draft_tokens(), "--speculative-config ",
+                speculative_.describe(), ": this backend does not verify drafts (the CPU backend "
+                "does; the CUDA backend does not yet)");
+    spec_stats_.num_accepted_tokens_per_pos.assign(
+        static_cast<size_t>(speculative_.num_speculative_tokens), 0);
+  }
 }
 
 LLMEngine::~LLMEngine() = default;
@@ -233,17 +243,34 @@ std::optional<RequestOutput> LLMEngine::abort(int64_t id) {
 }
 
 EngineStats LLMEngine::stats() const {
-  return {scheduler_.num_running(), scheduler_.num_waiting(), blocks_.usage(), scheduler_.stats()};
+  return {scheduler_.num_running(), scheduler_.num_waiting(), blocks_.usage(), scheduler_.stats(),
+          spec_stats_};
+}
+
+void LLMEngine::propose_drafts() {
+  for (Sequence* seq : scheduler_.running()) {
+    // Only a decode (its last sampled token not yet computed) can carry drafts.
+    if (static_cast<int>(seq->tokens.size()) - seq->num_computed != 1) continue;
+    const std::vector<int32_t> drafts =
+        propose_ngram(seq->tokens, speculative_.prompt_lookup_min, speculative_.prompt_lookup_max,
+                      speculative_.num_speculative_tokens);
+    set_drafts(seq->id, drafts);
+  }
 }
 
 std::vector<RequestOutput> LLMEngine::step() {
   last_step_ = {};
   if (!scheduler_.has_work()) return {};
   const Clock::time_point start = Clock::now();
+  if (speculative_.enabled()) propose_drafts();
   const SchedulerOutput plan = scheduler_.schedule();
   if (plan.empty()) return {};
   last_step_ = {static_cast<int>(plan.chunks.size()), plan.num_batched_tokens};
-  for (const ScheduledChunk& c : plan.chunks) last_step_.num_draft_tokens += c.num_draft_tokens;
+  std::unordered_map<int64_t, int> drafts_verified;  // by request, for the spec-decode counters
+  for (const ScheduledChunk& c : plan.chunks) {
+    last_step_.num_draft_tokens += c.num_draft_tokens;
+    if (c.sample) drafts_verified[c.seq->id] = c.num_draft_tokens;
+  }
   const Clock::time_point now = Clock::now();
   last_step_.schedule_s = std::chrono::duration<double>(now - start).count();
   std::vector<StepSequence> batch;
@@ -304,6 +331,7 @@ std::vector<RequestOutput> LLMEngine::step() {
     Request& r = *requests_.at(sampled[i].seq_id);
     size_t n = 1;
     while (i + n < sampled.size() && sampled[i + n].seq_id == r.id) ++n;
+    if (const int k = drafts_verified.at(r.id); k > 0) count_drafts(k, static_cast<int>(n) - 1);
     const int num_outputs = scheduler_.find(r.id)->num_output_tokens();
     RequestOutput out;
     out.id = r.id;
@@ -350,6 +378,15 @@ std::vector<RequestOutput> LLMEngine::step() {
   }
   last_step_.outputs_s = std::chrono::duration<double>(Clock::now() - forward_end).count();
   return outputs;
+}
+
+void LLMEngine::count_drafts(int num_drafts, int num_accepted) {
+  ++spec_stats_.num_drafts;
+  spec_stats_.num_draft_tokens += static_cast<uint64_t>(num_drafts);
+  spec_stats_.num_accepted_tokens += static_cast<uint64_t>(num_accepted);
+  auto& per_pos = spec_stats_.num_accepted_tokens_per_pos;
+  if (per_pos.size() < static_cast<size_t>(num_drafts)) per_pos.resize(static_cast<size_t>(num_drafts), 0);
+  for (int pos = 0; pos < num_accepted; ++pos) ++per_pos[static_cast<size_t>(pos)];
 }
 
 void LLMEngine::set_drafts(int64_t id, std::span<const int32_t> drafts) {

@@ -58,6 +58,7 @@
 #include "grammar/grammar.h"
 #include "kvcache/block_manager.h"
 #include "scheduler/scheduler.h"
+#include "speculative/speculative.h"
 #include "tokenizer/tokenizer.h"
 
 namespace relay {
@@ -67,7 +68,11 @@ struct EngineConfig {
   int max_num_batched_tokens = 2048;
   int max_model_len = 0;  // 0: the model's max_position_embeddings (capped by the KV pool)
   bool enable_prefix_caching = true;
+  // Speculative decoding (--speculative-config): the engine proposes drafts for every decode
+  // before each step (speculative/speculative.h); needs a backend that verifies drafts.
+  SpeculativeConfig speculative;
 };
+
 
 struct StopConditions {
   int64_t max_tokens = 16;  // >= 1; 0 only with prompt logprobs (score the prompt, sample nothing)
@@ -133,6 +138,7 @@ struct EngineStats {
   int num_waiting = 0;
   double kv_cache_usage = 0.0;
   SchedulerStats scheduler;
+  SpecDecodeStats spec_decode;
 };
 
 // What the last step() computed and where its time went: the serving metrics time decode-only
@@ -218,6 +224,10 @@ class LLMEngine {
   // its last token and after each allowed draft (one per row; empty when no row is constrained).
   size_t walk_grammar(Request& r, std::span<const int32_t> drafts, bool first_output,
                       std::vector<uint32_t>* masks);
+  // Speculative decoding: asks the proposer for every running decode's drafts (before a step).
+  void propose_drafts();
+  // Records a verified step of `num_drafts` drafts, `num_accepted` of them accepted.
+  void count_drafts(int num_drafts, int num_accepted);
   // Advances the request's grammar past a token; false (and no change) when the grammar refuses it.
   bool advance_grammar(Request& r, int32_t token, bool first_output);
   void finish(Request& r, FinishReason reason, RequestOutput& out);
@@ -230,6 +240,8 @@ class LLMEngine {
   StepComposition last_step_;
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
   std::unordered_set<int64_t> held_kv_;  // reservations and finished hold_kv requests
+  SpeculativeConfig speculative_;
+  SpecDecodeStats spec_stats_;
 };
 
 }  // namespace relay

@@ -121,6 +121,8 @@ class Scheduler {
   bool finish_keeping_blocks(int64_t id);
 
   Sequence* find(int64_t id);
+  // The running sequences, oldest admission first.
+  std::span<Sequence* const> running() const { return running_; }
   int num_running() const { return static_cast<int>(running_.size()); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   bool has_work() const { return !running_.empty() || !waiting_.empty(); }

@@ -138,6 +138,20 @@ std::string Metrics::render() const {
           engine_.prefix_cache_queries);
   counter("relay:prefix_cache_hits_total", "Prefix cache hits, in cached tokens.",
           engine_.prefix_cache_hits);
+  // Speculative decoding, vLLM's spec_decode_* counters (all zero when it is off).
+  const SpecDecodeStats& spec = engine_.spec_decode;
+  counter("relay:spec_decode_num_drafts_total", "Number of spec decoding drafts.", spec.num_drafts);
+  counter("relay:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+          spec.num_draft_tokens);
+  counter("relay:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+          spec.num_accepted_tokens);
+  header(out, "relay:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+         "Accepted tokens per draft position.");
+  for (size_t pos = 0; pos < spec.num_accepted_tokens_per_pos.size(); ++pos) {
+    out += "relay:spec_decode_num_accepted_tokens_per_pos_total{" + model + ",position=\"" +
+           std::to_string(pos) + "\"} " + std::to_string(spec.num_accepted_tokens_per_pos[pos]) +
+           "\n";
+  }
   counter("relay:prompt_tokens_total", "Number of prefill tokens processed.", prompt_tokens_);
   counter("relay:generation_tokens_total", "Number of generation tokens processed.",
           generation_tokens_);

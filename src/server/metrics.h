@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "speculative/speculative.h"
+
 namespace relay::server {
 
 class Histogram {
@@ -38,6 +40,7 @@ struct EngineGauges {
   uint64_t num_preemptions = 0;
   uint64_t prefix_cache_queries = 0;
   uint64_t prefix_cache_hits = 0;
+  SpecDecodeStats spec_decode;  // speculative decoding's counters (zero without it)
 };
 
 // Where an engine step's wall time went, in seconds; the phases add up to the step's time.

@@ -1,0 +1,91 @@
+// See speculative.h.
+#include "speculative/speculative.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/json.h"
+
+namespace relay {
+
+SpeculativeConfig SpeculativeConfig::parse(std::string_view json_text) {
+  const nlohmann::json j = parse_json(json_text, "--speculative-config");
+  RELAY_CHECK(j.is_object(), "--speculative-config must be a JSON object, e.g. "
+              R"({"method": "ngram", "num_speculative_tokens": 3})");
+  SpeculativeConfig c;
+  auto integer = [&](const char* name, int lo, int hi, int fallback) {
+    const auto it = j.find(name);
+    if (it == j.end() || it->is_null()) return fallback;
+    RELAY_CHECK(it->is_number_integer(), "--speculative-config: '", name, "' must be an integer");
+    const int64_t v = it->get<int64_t>();
+    RELAY_CHECK(v >= lo && v <= hi, "--speculative-config: '", name, "' must be between ", lo,
+                " and ", hi, ", got ", v);
+    return static_cast<int>(v);
+  };
+  const auto method = j.find("method");
+  RELAY_CHECK(method != j.end() && method->is_string(),
+              "--speculative-config: 'method' is required (\"ngram\" or \"mtp\")");
+  const std::string name = method->get<std::string>();
+  if (name == "ngram") {
+    c.method = Method::kNgram;
+  } else if (name == "mtp") {
+    c.method = Method::kMtp;
+  } else {
+    fail(str("--speculative-config: unknown method '", name, "' (Relay has \"ngram\" and \"mtp\")"));
+  }
+  RELAY_CHECK(j.contains("num_speculative_tokens"),
+              "--speculative-config: 'num_speculative_tokens' is required");
+  c.num_speculative_tokens = integer("num_speculative_tokens", 1, kMaxSpeculativeTokens, 0);
+  c.prompt_lookup_max = integer("prompt_lookup_max", 1, 64, c.prompt_lookup_max);
+  c.prompt_lookup_min = integer("prompt_lookup_min", 1, 64, std::min(c.prompt_lookup_min,
+                                                                     c.prompt_lookup_max));
+  RELAY_CHECK(c.prompt_lookup_min <= c.prompt_lookup_max, "--speculative-config: ",
+              "'prompt_lookup_min' (", c.prompt_lookup_min, ") exceeds 'prompt_lookup_max' (",
+              c.prompt_lookup_max, ")");
+  if (const auto m = j.find("model"); m != j.end() && !m->is_null()) {
+    RELAY_CHECK(m->is_string(), "--speculative-config: 'model' must be a directory");
+    c.model = m->get<std::string>();
+  }
+  for (const auto& [key, value] : j.items()) {
+    static const char* const kKnown[] = {"method", "num_speculative_tokens", "prompt_lookup_max",
+                                         "prompt_lookup_min", "model"};
+    RELAY_CHECK(std::find(std::begin(kKnown), std::end(kKnown), key) != std::end(kKnown),
+                "--speculative-config: unknown field '", key, "'");
+    RELAY_CHECK(c.method == Method::kNgram || (key != "prompt_lookup_max" && key != "prompt_lookup_min"),
+                "--speculative-config: '", key, "' is an ngram option");
+    RELAY_CHECK(c.method == Method::kMtp || key != "model",
+                "--speculative-config: 'model' is an mtp option");
+  }
+  return c;
+}
+
+std::string SpeculativeConfig::describe() const {
+  switch (method) {
+    case Method::kNone:
+      return "off";
+    case Method::kNgram:
+      return str("ngram k=", num_speculative_tokens, " lookup ", prompt_lookup_min, "..",
+                 prompt_lookup_max);
+    case Method::kMtp:
+      return str("mtp k=", num_speculative_tokens);
+  }
+  return "";
+}
+
+std::vector<int32_t> propose_ngram(std::span<const int32_t> tokens, int min_n, int max_n, int k) {
+  const auto len = static_cast<int64_t>(tokens.size());
+  for (int64_t n = std::min<int64_t>(max_n, len - 1); n >= min_n; --n) {
+    const std::span<const int32_t> suffix = tokens.subspan(static_cast<size_t>(len - n));
+    // The latest earlier occurrence: the freshest context is the likeliest to be copied again.
+    for (int64_t start = len - n - 1; start >= 0; --start) {
+      if (tokens[static_cast<size_t>(start + n - 1)] != suffix.back()) continue;  // quick reject
+      if (!std::equal(suffix.begin(), suffix.end(), tokens.begin() + start)) continue;
+      const int64_t from = start + n;
+      const int64_t to = std::min<int64_t>(from + k, len);
+      return {tokens.begin() + from, tokens.begin() + to};
+    }
+  }
+  return {};
+}
+
+}  // namespace relay

@@ -1,0 +1,78 @@
+"""Speculative decoding with n-gram drafts (`--speculative-config`, vLLM's JSON) through `relay generate`
+and the server: the output is token for token the output without it (greedy and seeded sampling, with
+chunked prefill, a prefix hit and preemption in the run), the spec-decode metrics count the drafts, and
+configurations that cannot run fail at start with a message naming the field."""
+import concurrent.futures as cf
+import json
+import subprocess
+
+import requests
+
+from relay_server import MODEL, RelayServer
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "import os\nimport sys\nimport os\nimport",
+           "class Tree:\n    def __init__(self, left, right):\n        self.left = left\n", "for i in range(10):"]
+
+
+def generate(relay_bin, *args):
+    r = subprocess.run([str(relay_bin), "generate", "--prompt", PROMPTS[0], "--max-tokens", "48", "--ignore-eos",
+                        "--threads", "2", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout, r.stderr
+
+
+def test_generate_with_ngram_drafts_writes_the_same_text(relay_bin):
+    plain, _ = generate(relay_bin)
+    spec, log = generate(relay_bin, "--speculative-config", NGRAM)
+    assert spec == plain
+    assert "speculative decoding (ngram k=4 lookup 1..4):" in log and "drafts accepted" in log
+    sampled, _ = generate(relay_bin, "--temperature", "0.8", "--seed", "5")
+    assert generate(relay_bin, "--temperature", "0.8", "--seed", "5", "--speculative-config", NGRAM)[0] == sampled
+
+
+def serve_outputs(relay_bin, *args):
+    # A small KV pool and token budget: chunked prefill and preemption happen; the shared prefix of
+    # the first two requests hits the prefix cache.
+    server = RelayServer(relay_bin, "--num-kv-blocks", 40, "--max-num-batched-tokens", 48, "--max-num-seqs", 4, *args)
+    server.wait_ready()
+    try:
+        def one(i):
+            body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)] * (1 + i % 2), "max_tokens": 40,
+                    "ignore_eos": True, "temperature": 0 if i < 4 else 0.7, "seed": i}
+            r = requests.post(server.base + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        with cf.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(one, range(8)))
+        return texts, server.metrics()
+    finally:
+        assert server.stop() == 0
+
+
+def test_server_with_ngram_drafts_answers_the_same(relay_bin):
+    plain, plain_metrics = serve_outputs(relay_bin)
+    spec, metrics = serve_outputs(relay_bin, "--speculative-config", NGRAM)
+    assert spec == plain
+    label = f'{{model_name="{MODEL}"}}'
+    assert plain_metrics["relay:spec_decode_num_drafts_total" + label] == 0
+    drafts = metrics["relay:spec_decode_num_draft_tokens_total" + label]
+    accepted = metrics["relay:spec_decode_num_accepted_tokens_total" + label]
+    assert metrics["relay:spec_decode_num_drafts_total" + label] > 0 and 0 < accepted <= drafts
+    per_pos = [metrics[f'relay:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{MODEL}",position="{p}"}}']
+               for p in range(4)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert metrics["relay:num_preemptions_total" + label] > 0 or metrics["relay:prefix_cache_hits_total" + label] > 0
+
+
+def test_bad_configurations_fail_at_start(relay_bin):
+    for config, message in [('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method 'eagle'"),
+                            ('{"method": "ngram", "num_speculative_tokens": 99}', "'num_speculative_tokens' must be between"),
+                            ('{"method": "mtp", "num_speculative_tokens": 1}', "MTP drafting is not built yet"),
+                            ("not json", "not valid JSON")]:
+        r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--speculative-config", config],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and message in r.stderr, (config, r.stderr)
+    r = subprocess.run([str(relay_bin), "serve", "--role", "router", "--port", "0", "--speculative-config", NGRAM],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "belongs on the decode workers" in r.stderr

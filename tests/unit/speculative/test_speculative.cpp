@@ -1,0 +1,71 @@
+// speculative/speculative.h: vLLM's --speculative-config parsed with errors naming the field, and
+// the n-gram proposer's choice of suffix and occurrence.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "../error_text.h"
+#include "core/error.h"
+#include "speculative/speculative.h"
+
+namespace relay {
+namespace {
+
+using Tokens = std::vector<int32_t>;
+
+TEST(SpeculativeConfig, ParsesVllmsJson) {
+  SpeculativeConfig c = SpeculativeConfig::parse(
+      R"({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2})");
+  EXPECT_EQ(c.method, SpeculativeConfig::Method::kNgram);
+  EXPECT_EQ(c.num_speculative_tokens, 3);
+  EXPECT_EQ(c.prompt_lookup_max, 4);
+  EXPECT_EQ(c.prompt_lookup_min, 2);
+  EXPECT_EQ(c.describe(), "ngram k=3 lookup 2..4");
+  c = SpeculativeConfig::parse(R"({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 1})");
+  EXPECT_EQ(c.prompt_lookup_min, 1);  // the default never exceeds the maximum given
+  c = SpeculativeConfig::parse(R"({"method": "mtp", "num_speculative_tokens": 2, "model": "/m"})");
+  EXPECT_EQ(c.method, SpeculativeConfig::Method::kMtp);
+  EXPECT_EQ(c.model, "/m");
+  EXPECT_FALSE(SpeculativeConfig{}.enabled());
+}
+
+TEST(SpeculativeConfig, BadConfigurationsNameTheField) {
+  auto error = [](const std::string& json) {
+    return test::error_text([&] { SpeculativeConfig::parse(json); });
+  };
+  EXPECT_NE(error(R"({"method": "eagle", "num_speculative_tokens": 2})").find("unknown method 'eagle'"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"method": "ngram"})").find("'num_speculative_tokens' is required"), std::string::npos);
+  EXPECT_NE(error(R"({"method": "ngram", "num_speculative_tokens": 0})").find("between 1 and 16"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6, "prompt_lookup_max": 3})")
+                .find("exceeds 'prompt_lookup_max'"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"method": "ngram", "num_speculative_tokens": 2, "speed": 9})").find("unknown field 'speed'"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3})")
+                .find("is an ngram option"),
+            std::string::npos);
+  EXPECT_NE(error("[1]").find("must be a JSON object"), std::string::npos);
+  EXPECT_NE(error("{").find("not valid JSON"), std::string::npos);
+}
+
+TEST(NgramProposer, TheLongestSuffixAtItsLatestEarlierOccurrence) {
+  // ... 1 2 3 | 7 8 9 ... 1 2 3 | 4 5 ... 1 2 3: the 3-gram "1 2 3" last occurred before "4 5".
+  const Tokens t = {1, 2, 3, 7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 1, 2, 3};
+  EXPECT_EQ(propose_ngram(t, 1, 3, 2), (Tokens{4, 5}));
+  EXPECT_EQ(propose_ngram(t, 1, 3, 10), (Tokens{4, 5, 6, 1, 2, 3}));  // up to the end
+  // A longer suffix wins over a more recent shorter one: "9 0" occurred once, "0" twice.
+  const Tokens u = {9, 0, 5, 5, 0, 6, 9, 0};
+  EXPECT_EQ(propose_ngram(u, 1, 2, 1), Tokens{5});
+  EXPECT_EQ(propose_ngram(u, 1, 1, 1), Tokens{6});  // "0" alone: its latest occurrence
+  // No repeated suffix long enough: nothing.
+  EXPECT_TRUE(propose_ngram(Tokens{1, 2, 3, 4}, 1, 3, 4).empty());
+  EXPECT_TRUE(propose_ngram(u, 3, 5, 2).empty());
+  EXPECT_TRUE(propose_ngram(Tokens{7}, 1, 3, 2).empty());
+  EXPECT_TRUE(propose_ngram(Tokens{}, 1, 3, 2).empty());
+}
+
+}  // namespace
+}  // namespace relay
