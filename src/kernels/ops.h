@@ -14,6 +14,11 @@
 //   swiglu
 //   -> moe_grouped_matmul(down) -> moe_unpermute_combine)] x layers -> rms_norm(+residual) ->
 //   lm_head.
+// Qwen3.5 / Qwen3-Next (hybrid) layers add: gated attention (matmul(gate), partial rotary in
+// qk_norm_rope_kv_write, sigmoid_gate before matmul(o)); the Gated DeltaNet token mixer
+// (matmul(in_proj) -> causal_conv1d -> gated_delta_rule -> gated_rms_norm -> matmul(out_proj)),
+// whose state lives in per-sequence slots instead of the paged KV cache; and the MoE's shared
+// expert (dense MLP -> matmul(shared_expert_gate) -> sigmoid_gate accumulated into the output).
 //
 // The KV cache is paged and HND: for one layer, K and V are each
 // [num_blocks, num_kv_heads, block_size, head_dim] (see kvcache/kv_cache.h); a token's "slot" is
@@ -82,7 +87,7 @@ struct QkNormRopeKvWriteParams {
   const T* q_norm_weight = nullptr;    // [head_dim]
   const T* k_norm_weight = nullptr;    // [head_dim]
   const int32_t* positions = nullptr;  // [num_tokens]
-  const float* inv_freq = nullptr;     // [head_dim / 2]
+  const float* inv_freq = nullptr;     // [rotary_dim / 2] (head_dim / 2 by default, see below)
   float attention_scaling = 1.0f;
   const int64_t* slot_mapping =
       nullptr;           // [num_tokens]; slot = block * block_size + offset, -1 = don't store
@@ -99,6 +104,11 @@ struct QkNormRopeKvWriteParams {
   // padding after q and after k unread (the output of a packed FP8 q|k|v weight, quant/fp8_pack.h);
   // a row is then round_up(q, a) + round_up(kv, a) + kv wide.
   int section_align = 0;
+  // Partial rotary (Qwen3.5 / Qwen3-Next): RoPE turns only dims [0, rotary_dim) of each head,
+  // rotate-half within them (pairs i, i + rotary_dim / 2), and inv_freq holds rotary_dim / 2
+  // rates; dims [rotary_dim, head_dim) pass through (normed). 0 means head_dim (Qwen3). The CUDA
+  // kernel implements only the full rotation so far.
+  int rotary_dim = 0;
 };
 
 // Where q, k and v start in a row of qkv, and the row's width (QkNormRopeKvWriteParams). Shared by
@@ -350,6 +360,97 @@ struct LmHeadParams {
   int vocab_size = 0;
 };
 
+// out = x * sigmoid(gate), each gate value scaling width / gate_width consecutive columns of its
+// row; with accumulate, out += x * sigmoid(gate) instead. Gated attention's output gate (gate_width
+// = width, before o_proj) and the MoE shared expert's (gate_width = 1, added into the routed
+// experts' output). sigmoid(g) = 1 / (1 + exp(-g)) in fp32.
+template <typename T>
+struct SigmoidGateParams {
+  const T* x = nullptr;     // [num_rows, width]
+  const T* gate = nullptr;  // [num_rows, gate_width]; gate_width divides width
+  T* out = nullptr;         // [num_rows, width]; may alias x (without accumulate)
+  int num_rows = 0;
+  int width = 0;
+  int gate_width = 0;
+  bool accumulate = false;
+};
+
+// Gated DeltaNet's short convolution: a causal depthwise conv1d of kernel_size taps over each
+// sequence's new tokens, then SiLU, continuing from the sequence's conv state:
+//   out[t, c] = silu(sum_j weight[c, j] * in[t - (kernel_size - 1) + j, c]),   j < kernel_size
+// where the inputs before the sequence's first new token are the state's columns (the last
+// kernel_size - 1 inputs it saw, oldest first; zeros for a fresh sequence). Afterwards the state
+// holds the last kernel_size - 1 inputs, this step's included, so a prefill in one chunk, in
+// several, and one token at a time compute the same thing. Sequence s's state is the slot
+// state_slots[s]; slots of one batch must differ.
+template <typename T>
+struct CausalConv1dParams {
+  const T* x = nullptr;       // [num_tokens, x_stride]; columns [0, conv_dim) are the input
+  int64_t x_stride = 0;       // elements between consecutive tokens of x
+  const T* weight = nullptr;  // [conv_dim, kernel_size] (conv1d.weight [conv_dim, 1, K])
+  // Slot i's state at conv_states + i * state_stride: [conv_dim, kernel_size - 1].
+  T* conv_states = nullptr;
+  int64_t state_stride = 0;               // elements between consecutive slots
+  const int32_t* query_starts = nullptr;  // [num_seqs + 1], as PagedAttentionParams
+  const int32_t* state_slots = nullptr;   // [num_seqs]
+  const uint8_t* state_fresh = nullptr;   // [num_seqs]; 1: start from zeros, not the slot's state
+  T* out = nullptr;                       // [num_tokens, conv_dim]
+  int num_seqs = 0;
+  int num_tokens = 0;
+  int conv_dim = 0;
+  int kernel_size = 0;
+};
+
+// Gated DeltaNet's recurrence (the gated delta rule), token by token for each sequence and value
+// head, with an fp32 state S [key_dim, value_dim] per value head carried in the sequence's slot:
+//   q, k <- q * rsqrt(|q|^2 + 1e-6), k * rsqrt(|k|^2 + 1e-6);  q <- q / sqrt(key_dim)
+//   beta = sigmoid(b);  g = -exp(a_log) * softplus(a + dt_bias)   (softplus(x) = x above 20)
+//   S <- exp(g) * S;  S <- S + k (beta * (v - S^T k))^T;  out = S^T q
+// Value head h reads key head h / (num_v_heads / num_k_heads) (transformers' repeat_interleave).
+// A prefill chunk is its tokens' decode steps in turn, so any chunking gives the same state and
+// outputs (the GPU's chunked form is a faster order of the same sums). The gates are computed in
+// fp32 whatever T is. Sequence s's state is the slot state_slots[s]; slots of one batch must
+// differ.
+template <typename T>
+struct GatedDeltaRuleParams {
+  // [num_tokens, 2 * num_k_heads * key_dim + num_v_heads * value_dim]: q | k | v (conv output)
+  const T* qkv = nullptr;
+  const T* b = nullptr;          // [num_tokens, gate_stride]; columns [0, num_v_heads)
+  const T* a = nullptr;          // [num_tokens, gate_stride]; columns [0, num_v_heads)
+  int64_t gate_stride = 0;       // elements between consecutive tokens of b and of a
+  const float* a_log = nullptr;  // [num_v_heads] (A_log, kept fp32)
+  const T* dt_bias = nullptr;    // [num_v_heads]
+  // Slot i's state at states + i * state_stride: [num_v_heads, key_dim, value_dim], fp32.
+  float* states = nullptr;
+  int64_t state_stride = 0;               // elements between consecutive slots
+  const int32_t* query_starts = nullptr;  // [num_seqs + 1]
+  const int32_t* state_slots = nullptr;   // [num_seqs]
+  const uint8_t* state_fresh = nullptr;   // [num_seqs]; 1: start from a zero state
+  T* out = nullptr;                       // [num_tokens, num_v_heads, value_dim]
+  int num_seqs = 0;
+  int num_tokens = 0;
+  int num_k_heads = 0;
+  int num_v_heads = 0;  // a multiple of num_k_heads
+  int key_dim = 0;
+  int value_dim = 0;
+};
+
+// Gated DeltaNet's output norm, per head vector, norm before gate (transformers'
+// RMSNormGated): out = (weight * (x / sqrt(mean(x^2) + eps))) * silu(gate). The weight is plain,
+// not zero-centred, and shared by every head.
+template <typename T>
+struct GatedRmsNormParams {
+  const T* x = nullptr;       // [num_tokens, num_heads, head_dim]
+  const T* gate = nullptr;    // [num_tokens, gate_stride]; columns [0, num_heads * head_dim), as x
+  int64_t gate_stride = 0;    // elements between consecutive tokens of gate
+  const T* weight = nullptr;  // [head_dim]
+  T* out = nullptr;           // [num_tokens, num_heads, head_dim]; may alias x
+  int num_tokens = 0;
+  int num_heads = 0;
+  int head_dim = 0;
+  float eps = 1e-6f;
+};
+
 // CPU reference implementations (fp32), src/kernels/cpu/*.cpp.
 void launch_embedding(const EmbeddingParams<float>& p, ThreadPool& pool);
 void launch_rms_norm(const RmsNormParams<float>& p, ThreadPool& pool);
@@ -364,5 +465,9 @@ void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, Thr
 void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, ThreadPool& pool);
 void launch_lm_head(const LmHeadParams<float>& p, ThreadPool& pool);
 void launch_lm_head(const LmHeadParams<float, Bf16Bits>& p, ThreadPool& pool);
+void launch_sigmoid_gate(const SigmoidGateParams<float>& p, ThreadPool& pool);
+void launch_causal_conv1d(const CausalConv1dParams<float>& p, ThreadPool& pool);
+void launch_gated_delta_rule(const GatedDeltaRuleParams<float>& p, ThreadPool& pool);
+void launch_gated_rms_norm(const GatedRmsNormParams<float>& p, ThreadPool& pool);
 
 }  // namespace relay::kernels

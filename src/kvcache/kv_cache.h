@@ -1,13 +1,19 @@
-// The paged KV pool's storage and layout (the block manager that hands out block ids lives elsewhere).
+// The paged KV pool's storage and layout (the block manager that hands out block ids lives
+// elsewhere).
 //
 // One allocation holds every layer's K and V pages:
 //   pool[layer][kv][block][kv_head][token_in_block][head_dim]      (kv = 0 for K, 1 for V)
 // so for one layer, K and V are each [num_blocks, num_kv_heads, block_size, head_dim] — the HND
-// layout the kernels take (kernels/ops.h). A head slice of a block, heads [h0, h1), is one contiguous
-// range of (h1 - h0) * block_size * head_dim elements: the transfer engine moves exactly such ranges
-// between ranks that shard heads differently. A block id names the same page index in every layer.
-// KvCacheLayout is pure arithmetic over the shape (shared by the CPU pool here and device pools);
-// KvPool owns fp32 host storage for the CPU backend.
+// layout the kernels take (kernels/ops.h). A head slice of a block, heads [h0, h1), is one
+// contiguous range of (h1 - h0) * block_size * head_dim elements: the transfer engine moves exactly
+// such ranges between ranks that shard heads differently. A block id names the same page index in
+// every layer. KvCacheLayout is pure arithmetic over the shape (shared by the CPU pool here and
+// device pools); KvPool owns fp32 host storage for the CPU backend.
+//
+// `layer` counts the model's attention layers only: a hybrid model (Qwen3.5, Qwen3-Next) keeps
+// per-sequence recurrent state for its linear-attention layers instead (recurrent_state.h), so its
+// pool holds pages for its attention layers alone, numbered in layer order
+// (ModelConfig::kv_cache_layer). For an attention-only model that is every layer, as before.
 #pragma once
 
 #include <cstddef>
@@ -22,7 +28,7 @@ struct KvByteRange {
 };
 
 struct KvCacheLayout {
-  int num_layers = 0;
+  int num_layers = 0;  // attention layers (every layer of an attention-only model)
   int num_blocks = 0;
   int num_kv_heads = 0;
   int block_size = 0;  // tokens per block

@@ -1,9 +1,15 @@
 // Parsing config.json / generation_config.json into ModelConfig.
 //
-// The rules follow transformers' Qwen3Config / Qwen3MoeConfig, because checkpoints are judged by
-// what transformers computes from them: a field that is absent takes the transformers default
-// (head_dim 128 for the dense model, hidden/heads for the MoE model; num_key_value_heads equal to
-// the heads for the dense model), except the sizes that define the tensors, which must be present.
+// The rules follow transformers' Qwen3Config / Qwen3MoeConfig / Qwen3NextConfig /
+// Qwen3_5(Moe)TextConfig, because checkpoints are judged by what transformers computes from them: a
+// field that is absent takes the transformers default (head_dim 128 for the dense model,
+// hidden/heads for the MoE model, 256 for the hybrids; num_key_value_heads equal to the heads for
+// the dense model; partial_rotary_factor 0.25 and full_attention_interval 4 for the hybrids),
+// except the sizes that define the tensors, which must be present. Each architecture is one row of
+// kArchitectureRules: its family, its model_type, and where its fields live (a vision-language
+// checkpoint's text_config). Qwen3.5-MoE always renormalises its top-k and makes every layer MoE
+// (transformers deletes norm_topk_prob, decoder_sparse_step and mlp_only_layers for it);
+// Qwen3-Next reads them, with norm_topk_prob true by default.
 // RoPE parameters may sit in the legacy "rope_scaling" object ("type" or "rope_type" key,
 // rope_theta at the top level) or in transformers 5's "rope_parameters" object (rope_theta inside);
 // both mean the same. Derived YaRN values (attention_factor, original_max_position_embeddings,
@@ -130,27 +136,52 @@ double yarn_mscale(double scale, double mscale) {
   return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
 }
 
-// Reads rope_theta and the scaling parameters from either spelling into `c`.
-void parse_rope(const Fields& top, ModelConfig& c) {
+// partial_rotary_factor, read by `f` (the top level or the rope object): transformers rotates
+// int(head_dim * factor) dims. Qwen3 has no partial rotary; the hybrids do.
+void check_partial_rotary(const Fields& f, const ModelConfig& c, bool partial_allowed) {
+  const double factor = c.partial_rotary_factor;
+  if (!partial_allowed) {
+    if (factor != 1.0) {
+      f.bad("partial_rotary_factor", str("is ", factor, "; it must be 1.0 for ", c.architecture,
+                                         " (partial rotary embeddings are not supported)"));
+    }
+    return;
+  }
+  if (!(factor > 0.0 && factor <= 1.0)) {
+    f.bad("partial_rotary_factor", str("must be in (0, 1], got ", factor));
+  }
+  const int64_t dims = c.rotary_dim();
+  if (dims < 2 || dims % 2 != 0) {
+    f.bad("partial_rotary_factor", str("turns ", dims, " of head_dim ", c.head_dim,
+                                       " dims; RoPE needs a positive even number"));
+  }
+}
+
+// Reads rope_theta, partial_rotary_factor and the scaling parameters from either spelling into
+// `c`. transformers' priority: the rope object's value, then the top-level one, then the default.
+void parse_rope(const Fields& top, ModelConfig& c, double partial_default, bool partial_allowed) {
   const bool has_params = top.has("rope_parameters");
   const bool has_scaling = top.has("rope_scaling");
   const char* key = has_params ? "rope_parameters" : "rope_scaling";
   c.rope_theta = top.number("rope_theta", 10000.0);
+  c.partial_rotary_factor = top.number("partial_rotary_factor", partial_default);
   if (!has_params && !has_scaling) {
     if (c.rope_theta <= 0) top.bad("rope_theta", "must be positive");
+    check_partial_rotary(top, c, partial_allowed);
     return;
   }
   const json& obj = top.at(key);
   if (!obj.is_object()) top.bad(key, str("must be an object, got ", obj.dump()));
   if (obj.contains("full_attention") || obj.contains("sliding_attention")) {
-    top.bad(key, "is nested by layer type, which Qwen3 models do not use");
+    top.bad(key, "is nested by layer type, which Qwen models do not use");
   }
   const Fields f(obj, str(top.source(), ": ", key));
   c.rope_theta = f.number("rope_theta", c.rope_theta);
   if (c.rope_theta <= 0) f.bad("rope_theta", "must be positive");
-  if (f.has("partial_rotary_factor") && f.number("partial_rotary_factor", 1.0) != 1.0) {
-    f.bad("partial_rotary_factor", "must be 1.0 (partial rotary embeddings are not supported)");
-  }
+  c.partial_rotary_factor = f.number("partial_rotary_factor", c.partial_rotary_factor);
+  check_partial_rotary(f.has("partial_rotary_factor") ? f : top, c, partial_allowed);
+  // NOTE: Qwen3.5's mrope_section / mrope_interleaved are not read: for text, its three position
+  // rows (temporal, height, width) are all the token position, and interleaved MRoPE is 1-D RoPE.
   std::string type_name = f.string("rope_type", f.string("type", "default"));
   RopeScaling& r = c.rope_scaling;
   r = RopeScaling{};
@@ -191,21 +222,66 @@ void parse_rope(const Fields& top, ModelConfig& c) {
   }
 }
 
-void reject_sliding_window(const Fields& f, const ModelConfig& c) {
+// layer_types, or for the hybrids full_attention_interval (transformers: layer l is attention iff
+// (l + 1) % interval == 0). Sliding-window attention is refused in either spelling.
+void parse_layer_types(const Fields& f, ModelConfig& c, bool hybrid) {
   if (f.boolean("use_sliding_window", false)) {
     f.bad("use_sliding_window", "is true; sliding-window attention is not supported");
   }
-  if (!f.has("layer_types")) return;
+  c.layer_types.assign(c.num_hidden_layers, LayerType::kFullAttention);
+  if (!f.has("layer_types")) {
+    if (!hybrid) return;
+    const int64_t interval = f.positive("full_attention_interval", 4);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      if ((l + 1) % interval != 0) c.layer_types[l] = LayerType::kLinearAttention;
+    }
+    return;
+  }
   const json& types = f.at("layer_types");
   if (!types.is_array()) f.bad("layer_types", "must be a list");
   if (static_cast<int64_t>(types.size()) != c.num_hidden_layers) {
     f.bad("layer_types",
           str("has ", types.size(), " entries for ", c.num_hidden_layers, " layers"));
   }
-  for (const json& t : types) {
-    if (!t.is_string() || t.get<std::string>() != "full_attention") {
-      f.bad("layer_types", str("holds ", t.dump(), "; only full_attention layers are supported"));
+  for (size_t l = 0; l < types.size(); ++l) {
+    const json& t = types[l];
+    const std::string name = t.is_string() ? t.get<std::string>() : "";
+    if (name == "full_attention") continue;
+    if (hybrid && name == "linear_attention") {
+      c.layer_types[l] = LayerType::kLinearAttention;
+      continue;
     }
+    f.bad("layer_types",
+          str("holds ", t.dump(), "; only full_attention ",
+              hybrid ? "and linear_attention layers are" : "layers are", " supported"));
+  }
+}
+
+// The Gated DeltaNet sizes and what every hybrid model shares.
+void parse_hybrid(const Fields& f, ModelConfig& c) {
+  c.linear_num_key_heads = f.positive("linear_num_key_heads");
+  c.linear_num_value_heads = f.positive("linear_num_value_heads");
+  if (c.linear_num_value_heads % c.linear_num_key_heads != 0) {
+    f.bad("linear_num_value_heads",
+          str("(", c.linear_num_value_heads, ") must be a multiple of linear_num_key_heads (",
+              c.linear_num_key_heads, ")"));
+  }
+  c.linear_key_head_dim = f.positive("linear_key_head_dim");
+  c.linear_value_head_dim = f.positive("linear_value_head_dim");
+  c.linear_conv_kernel_dim = f.positive("linear_conv_kernel_dim");
+  // transformers ignores attn_output_gate and always gates: a checkpoint that says otherwise was
+  // not made by these architectures.
+  c.attn_output_gate = f.boolean("attn_output_gate", true);
+  if (!c.attn_output_gate) {
+    f.bad("attn_output_gate", str("is false; ", c.architecture, " attention is always gated"));
+  }
+  c.zero_centered_norms = true;
+  c.mtp_num_hidden_layers = f.has("mtp_num_hidden_layers")
+                                ? f.integer("mtp_num_hidden_layers")
+                                : f.integer("num_nextn_predict_layers", 0);
+  if (c.mtp_num_hidden_layers < 0) {
+    f.bad(f.has("mtp_num_hidden_layers") ? "mtp_num_hidden_layers" : "num_nextn_predict_layers",
+          str("must not be negative, got ", c.mtp_num_hidden_layers));
   }
 }
 
@@ -227,6 +303,80 @@ json read_json_file(const std::filesystem::path& path) {
   return j;
 }
 
+enum class Family { kQwen3, kQwen3Moe, kQwen3Next, kQwen3_5, kQwen3_5Moe };
+
+// How config.json reads for one architecture.
+struct ArchitectureRule {
+  const char* architecture;
+  Family family;
+  const char* model_type;       // config.json's model_type
+  const char* text_model_type;  // the text_config's, for a vision-language checkpoint; else null
+};
+
+constexpr ArchitectureRule kArchitectureRules[] = {
+    {"Qwen3ForCausalLM", Family::kQwen3, "qwen3", nullptr},
+    {"Qwen3MoeForCausalLM", Family::kQwen3Moe, "qwen3_moe", nullptr},
+    {"Qwen3NextForCausalLM", Family::kQwen3Next, "qwen3_next", nullptr},
+    {"Qwen3_5ForConditionalGeneration", Family::kQwen3_5, "qwen3_5", "qwen3_5_text"},
+    {"Qwen3_5ForCausalLM", Family::kQwen3_5, "qwen3_5_text", nullptr},
+    {"Qwen3_5MoeForConditionalGeneration", Family::kQwen3_5Moe, "qwen3_5_moe", "qwen3_5_moe_text"},
+    {"Qwen3_5MoeForCausalLM", Family::kQwen3_5Moe, "qwen3_5_moe_text", nullptr},
+};
+
+const ArchitectureRule& architecture_rule(const Fields& f, const std::string& name) {
+  std::string supported;
+  for (const ArchitectureRule& r : kArchitectureRules) {
+    if (name == r.architecture) return r;
+    supported += str(supported.empty() ? "" : ", ", r.architecture);
+  }
+  f.bad("architectures",
+        str("names unsupported architecture '", name, "' (supported: ", supported, ")"));
+}
+
+void parse_experts(const Fields& f, ModelConfig& c, Family family) {
+  // transformers 5 writes the expert count as num_local_experts; published checkpoints say
+  // num_experts. Either names the same field.
+  c.num_experts = f.has("num_experts") || !f.has("num_local_experts")
+                      ? f.positive("num_experts")
+                      : f.positive("num_local_experts");
+  c.num_experts_per_tok = f.positive("num_experts_per_tok");
+  if (c.num_experts_per_tok > c.num_experts) {
+    f.bad("num_experts_per_tok",
+          str("(", c.num_experts_per_tok, ") exceeds num_experts (", c.num_experts, ")"));
+  }
+  c.moe_intermediate_size = f.positive("moe_intermediate_size");
+  if (family != Family::kQwen3Moe) {
+    c.shared_expert_intermediate_size = f.positive("shared_expert_intermediate_size");
+  }
+  if (family == Family::kQwen3_5Moe) {
+    c.norm_topk_prob = true;
+    return;
+  }
+  c.norm_topk_prob = f.boolean("norm_topk_prob", family == Family::kQwen3Next);
+  c.decoder_sparse_step = f.positive("decoder_sparse_step", 1);
+  if (f.has("mlp_only_layers")) {
+    const json& layers = f.at("mlp_only_layers");
+    if (!layers.is_array()) f.bad("mlp_only_layers", "must be a list of layer indices");
+    std::set<int64_t> seen;
+    for (const json& l : layers) {
+      if (!l.is_number_integer()) f.bad("mlp_only_layers", str("holds non-integer ", l.dump()));
+      const int64_t layer = l.get<int64_t>();
+      if (layer < 0 || layer >= c.num_hidden_layers) {
+        f.bad("mlp_only_layers",
+              str("holds layer ", layer, " outside [0, ", c.num_hidden_layers, ")"));
+      }
+      if (seen.insert(layer).second) c.mlp_only_layers.push_back(layer);
+    }
+  }
+}
+
+// Adds the ids of `more` that `ids` lacks, in order.
+void merge_token_ids(std::vector<int32_t>& ids, const std::vector<int32_t>& more) {
+  for (int32_t id : more) {
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+  }
+}
+
 }  // namespace
 
 bool ModelConfig::layer_is_moe(int64_t layer) const {
@@ -237,31 +387,72 @@ bool ModelConfig::layer_is_moe(int64_t layer) const {
   return (layer + 1) % decoder_sparse_step == 0;
 }
 
+int64_t ModelConfig::rotary_dim() const {
+  return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor);
+}
+
+bool ModelConfig::layer_is_linear_attention(int64_t layer) const {
+  return !layer_types.empty() && layer_types.at(layer) == LayerType::kLinearAttention;
+}
+
+int ModelConfig::num_recurrent_layers() const {
+  return static_cast<int>(
+      std::count(layer_types.begin(), layer_types.end(), LayerType::kLinearAttention));
+}
+
+int ModelConfig::num_kv_cache_layers() const {
+  return static_cast<int>(num_hidden_layers) - num_recurrent_layers();
+}
+
+int ModelConfig::recurrent_layer(int64_t layer) const {
+  if (!layer_is_linear_attention(layer)) return -1;
+  return static_cast<int>(
+      std::count(layer_types.begin(), layer_types.begin() + layer, LayerType::kLinearAttention));
+}
+
+int ModelConfig::kv_cache_layer(int64_t layer) const {
+  if (layer_is_linear_attention(layer)) return -1;
+  const int linear_before =
+      layer_types.empty()
+          ? 0
+          : static_cast<int>(std::count(layer_types.begin(), layer_types.begin() + layer,
+                                        LayerType::kLinearAttention));
+  return static_cast<int>(layer) - linear_before;
+}
+
 ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& source) {
   if (!j.is_object()) fail(str(source, ": expected a JSON object"));
-  const Fields f(j, source);
+  const Fields top(j, source);
   ModelConfig c;
 
-  if (!f.has("architectures")) f.bad("architectures", "is missing");
-  const json& archs = f.at("architectures");
+  if (!top.has("architectures")) top.bad("architectures", "is missing");
+  const json& archs = top.at("architectures");
   if (!archs.is_array() || archs.size() != 1 || !archs[0].is_string()) {
-    f.bad("architectures", str("must be a list of one name, got ", archs.dump()));
+    top.bad("architectures", str("must be a list of one name, got ", archs.dump()));
   }
   c.architecture = archs[0].get<std::string>();
-  bool moe;
-  if (c.architecture == "Qwen3ForCausalLM") {
-    moe = false;
-    c.model_type = f.string("model_type", "qwen3");
-  } else if (c.architecture == "Qwen3MoeForCausalLM") {
-    moe = true;
-    c.model_type = f.string("model_type", "qwen3_moe");
-  } else {
-    f.bad("architectures", str("names unsupported architecture '", c.architecture,
-                               "' (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
+  const ArchitectureRule& rule = architecture_rule(top, c.architecture);
+  c.model_type = top.string("model_type", rule.model_type);
+  if (c.model_type != rule.model_type) {
+    top.bad("model_type", str("is '", c.model_type, "', which does not match ", c.architecture));
   }
-  if (c.model_type != (moe ? "qwen3_moe" : "qwen3")) {
-    f.bad("model_type", str("is '", c.model_type, "', which does not match ", c.architecture));
+  // A vision-language checkpoint keeps its language model's fields under text_config.
+  if (rule.text_model_type != nullptr) {
+    if (!top.has("text_config")) top.bad("text_config", "is missing");
+    if (!top.at("text_config").is_object()) top.bad("text_config", "must be an object");
   }
+  const Fields f = rule.text_model_type != nullptr
+                       ? Fields(top.at("text_config"), str(source, ": text_config"))
+                       : top;
+  if (rule.text_model_type != nullptr &&
+      f.string("model_type", rule.text_model_type) != rule.text_model_type) {
+    f.bad("model_type", str("is '", f.string("model_type", ""), "', which does not match ",
+                            c.architecture, " (expected '", rule.text_model_type, "')"));
+  }
+  const Family family = rule.family;
+  const bool hybrid = family != Family::kQwen3 && family != Family::kQwen3Moe;
+  const bool moe =
+      family == Family::kQwen3Moe || family == Family::kQwen3Next || family == Family::kQwen3_5Moe;
 
   const std::string act = f.string("hidden_act", "silu");
   if (act != "silu") f.bad("hidden_act", str("is '", act, "'; only silu is supported"));
@@ -270,60 +461,39 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
   c.hidden_size = f.positive("hidden_size");
   c.num_hidden_layers = f.positive("num_hidden_layers");
   c.num_attention_heads = f.positive("num_attention_heads");
-  c.num_key_value_heads = moe ? f.positive("num_key_value_heads")
+  c.num_key_value_heads = family != Family::kQwen3
+                              ? f.positive("num_key_value_heads")
                               : f.positive("num_key_value_heads", c.num_attention_heads);
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     f.bad("num_key_value_heads",
           str("(", c.num_key_value_heads, ") must divide num_attention_heads (",
               c.num_attention_heads, ")"));
   }
-  // NOTE: transformers' Qwen3Config declares head_dim = 128 as its default; Qwen3MoeConfig has no
-  // such field, so the attention layer falls back to hidden_size / num_attention_heads.
-  if (moe && !f.has("head_dim") && c.hidden_size % c.num_attention_heads != 0) {
+  // NOTE: transformers' Qwen3Config declares head_dim = 128 as its default (the hybrids' configs
+  // 256); Qwen3MoeConfig has no such field, so the attention layer falls back to
+  // hidden_size / num_attention_heads.
+  const bool head_dim_from_hidden = family == Family::kQwen3Moe;
+  if (head_dim_from_hidden && !f.has("head_dim") && c.hidden_size % c.num_attention_heads != 0) {
     f.bad("head_dim",
           str("is missing and hidden_size (", c.hidden_size,
               ") is not divisible by num_attention_heads (", c.num_attention_heads, ")"));
   }
-  c.head_dim = f.positive("head_dim", moe ? c.hidden_size / c.num_attention_heads : 128);
+  c.head_dim = f.positive("head_dim", head_dim_from_hidden ? c.hidden_size / c.num_attention_heads
+                                      : hybrid             ? 256
+                                                           : 128);
   if (c.head_dim % 2 != 0)
     f.bad("head_dim", str("must be even for rotary embeddings, got ", c.head_dim));
   c.max_position_embeddings = f.positive("max_position_embeddings", 32768);
   c.rms_norm_eps = f.number("rms_norm_eps", 1e-6);
   if (!(c.rms_norm_eps > 0)) f.bad("rms_norm_eps", str("must be positive, got ", c.rms_norm_eps));
-  c.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
+  c.tie_word_embeddings =
+      f.boolean("tie_word_embeddings", top.boolean("tie_word_embeddings", false));
   c.attention_bias = f.boolean("attention_bias", false);
-  reject_sliding_window(f, c);
-  parse_rope(f, c);
+  parse_layer_types(f, c, hybrid);
+  parse_rope(f, c, hybrid ? 0.25 : 1.0, hybrid);
+  if (hybrid) parse_hybrid(f, c);
+  if (moe) parse_experts(f, c, family);
 
-  if (moe) {
-    // transformers 5 writes the expert count as num_local_experts; published checkpoints say
-    // num_experts. Either names the same field.
-    c.num_experts = f.has("num_experts") || !f.has("num_local_experts")
-                        ? f.positive("num_experts")
-                        : f.positive("num_local_experts");
-    c.num_experts_per_tok = f.positive("num_experts_per_tok");
-    if (c.num_experts_per_tok > c.num_experts) {
-      f.bad("num_experts_per_tok",
-            str("(", c.num_experts_per_tok, ") exceeds num_experts (", c.num_experts, ")"));
-    }
-    c.moe_intermediate_size = f.positive("moe_intermediate_size");
-    c.norm_topk_prob = f.boolean("norm_topk_prob", false);
-    c.decoder_sparse_step = f.positive("decoder_sparse_step", 1);
-    if (f.has("mlp_only_layers")) {
-      const json& layers = f.at("mlp_only_layers");
-      if (!layers.is_array()) f.bad("mlp_only_layers", "must be a list of layer indices");
-      std::set<int64_t> seen;
-      for (const json& l : layers) {
-        if (!l.is_number_integer()) f.bad("mlp_only_layers", str("holds non-integer ", l.dump()));
-        const int64_t layer = l.get<int64_t>();
-        if (layer < 0 || layer >= c.num_hidden_layers) {
-          f.bad("mlp_only_layers",
-                str("holds layer ", layer, " outside [0, ", c.num_hidden_layers, ")"));
-        }
-        if (seen.insert(layer).second) c.mlp_only_layers.push_back(layer);
-      }
-    }
-  }
   bool any_dense_layer = false;
   for (int64_t l = 0; l < c.num_hidden_layers && !any_dense_layer; ++l) {
     any_dense_layer = !c.layer_is_moe(l);
@@ -334,7 +504,11 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
       any_dense_layer ? f.positive("intermediate_size") : f.integer("intermediate_size", 0);
 
   c.eos_token_ids = f.token_ids("eos_token_id");
-  const std::vector<int32_t> bos = f.token_ids("bos_token_id");
+  std::vector<int32_t> bos = f.token_ids("bos_token_id");
+  if (rule.text_model_type != nullptr) {
+    merge_token_ids(c.eos_token_ids, top.token_ids("eos_token_id"));
+    if (bos.empty()) bos = top.token_ids("bos_token_id");
+  }
   if (bos.size() > 1) f.bad("bos_token_id", "must be a single token id");
   c.bos_token_id = bos.empty() ? -1 : bos[0];
   check_token_ids(c, source);
@@ -350,11 +524,7 @@ ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
     const Fields f(g, gen_path.string());
     // generation_config.json is what transformers' generate() stops on; it may list more ids than
     // config.json (Qwen3 instruct models add <|endoftext|>), so the two are merged.
-    for (int32_t id : f.token_ids("eos_token_id")) {
-      if (std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end()) {
-        c.eos_token_ids.push_back(id);
-      }
-    }
+    merge_token_ids(c.eos_token_ids, f.token_ids("eos_token_id"));
     const std::vector<int32_t> bos = f.token_ids("bos_token_id");
     if (bos.size() > 1) f.bad("bos_token_id", "must be a single token id");
     if (c.bos_token_id < 0 && !bos.empty()) c.bos_token_id = bos[0];

@@ -1,6 +1,7 @@
 // See layers.h. Weight names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj,
 // model.layers.N.mlp.experts.E.gate_proj, ...); fused tensors are built at load by concatenating
 // the checkpoint's rows, so the math is unchanged and each step runs one matmul instead of three.
+// Row reorderings at load (take_rows) are exact too: they only move whole output rows.
 #include "model/layers.h"
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/ops.h"
+#include "kvcache/recurrent_state.h"
 #include "quant/quant_config.h"
 #include "quant/weight_quant.h"
 
@@ -43,6 +45,31 @@ std::vector<float> load_f32(const Checkpoint& ckpt, const std::string& name,
   std::vector<float> out(n);
   widen_into(ckpt, name, shape, out.data());
   return out;
+}
+
+std::vector<float> load_norm(const Checkpoint& ckpt, const std::string& name, int64_t size,
+                             bool zero_centered) {
+  std::vector<float> w = load_f32(ckpt, name, {size});
+  if (zero_centered) {
+    for (float& v : w) v = 1.0f + v;
+  }
+  return w;
+}
+
+Linear take_rows(const Linear& src, const std::vector<int64_t>& rows) {
+  Linear l;
+  l.in_features = src.in_features;
+  l.out_features = static_cast<int>(rows.size());
+  l.weight.resize(rows.size() * static_cast<size_t>(src.in_features));
+  if (!src.bias.empty()) l.bias.resize(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    RELAY_CHECK(rows[i] >= 0 && rows[i] < src.out_features, "take_rows: row ", rows[i],
+                " outside [0, ", src.out_features, ")");
+    std::copy_n(src.weight.data() + rows[i] * src.in_features, src.in_features,
+                l.weight.data() + i * src.in_features);
+    if (!src.bias.empty()) l.bias[i] = src.bias[rows[i]];
+  }
+  return l;
 }
 
 void Linear::forward(const float* x, int num_rows, float* out, ThreadPool& pool) const {
@@ -120,27 +147,49 @@ Linear load_linear(const Checkpoint& ckpt, const std::vector<std::string>& prefi
   return l;
 }
 
-FullAttention::FullAttention(const ModelConfig& c, const Checkpoint& ckpt, int layer,
-                             const RopeTables& rope, const ShardSpec& shard)
-    : layer_(layer),
+FullAttention::FullAttention(const ModelConfig& c, const Checkpoint& ckpt,
+                             const std::string& prefix, int kv_layer, const RopeTables& rope,
+                             const ShardSpec& shard)
+    : kv_layer_(kv_layer),
       num_q_heads_(shard.num_local_q_heads),
       num_kv_heads_(shard.num_local_kv_heads),
       head_dim_(static_cast<int>(c.head_dim)),
+      rotary_dim_(static_cast<int>(c.rotary_dim())),
+      gated_(c.attn_output_gate),
       tp_comm_(shard.tp_comm),
       eps_(static_cast<float>(c.rms_norm_eps)),
       rope_(rope) {
-  const std::string p = str("model.layers.", layer, ".self_attn.");
+  const std::string p = prefix + ".";
   const int64_t hd = c.head_dim;
   const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
   const IndexRange q_rows{shard.q_head_begin * hd, num_q_heads_ * hd};
   const IndexRange kv_rows{shard.kv_head_begin * hd, num_kv_heads_ * hd};
-  qkv_ = load_linear(ckpt, {p + "q_proj", p + "k_proj", p + "v_proj"}, {q_dim, kv_dim, kv_dim},
-                     c.hidden_size, c.attention_bias, {q_rows, kv_rows, kv_rows});
+  if (!gated_) {
+    qkv_ = load_linear(ckpt, {p + "q_proj", p + "k_proj", p + "v_proj"}, {q_dim, kv_dim, kv_dim},
+                       c.hidden_size, c.attention_bias, {q_rows, kv_rows, kv_rows});
+  } else {
+    // q_proj holds 2 * head_dim rows per head, [query | gate]: load this rank's heads with k and
+    // v, then keep the query rows (and k, v) as qkv_ and the gate rows as gate_.
+    const Linear all =
+        load_linear(ckpt, {p + "q_proj", p + "k_proj", p + "v_proj"}, {2 * q_dim, kv_dim, kv_dim},
+                    c.hidden_size, c.attention_bias,
+                    {IndexRange{2 * q_rows.begin, 2 * q_rows.count}, kv_rows, kv_rows});
+    std::vector<int64_t> qkv_rows, gate_rows;
+    for (int64_t h = 0; h < num_q_heads_; ++h) {
+      for (int64_t i = 0; i < hd; ++i) {
+        qkv_rows.push_back(2 * h * hd + i);
+        gate_rows.push_back(2 * h * hd + hd + i);
+      }
+    }
+    for (int64_t r = 2 * q_rows.count; r < all.out_features; ++r) qkv_rows.push_back(r);
+    qkv_ = take_rows(all, qkv_rows);
+    gate_ = take_rows(all, gate_rows);
+  }
   // Row-parallel: this rank's q-head columns; the bias joins the sum once, from TP rank 0.
   o_ = load_linear(ckpt, {p + "o_proj"}, {c.hidden_size}, q_dim,
                    c.attention_bias && shard.tp_rank == 0, {}, q_rows);
-  q_norm_ = load_f32(ckpt, p + "q_norm.weight", {c.head_dim});
-  k_norm_ = load_f32(ckpt, p + "k_norm.weight", {c.head_dim});
+  q_norm_ = load_norm(ckpt, p + "q_norm.weight", hd, c.zero_centered_norms);
+  k_norm_ = load_norm(ckpt, p + "k_norm.weight", hd, c.zero_centered_norms);
 }
 
 void FullAttention::forward(const float* x, const ForwardBatch& b, KvPool& kv, ThreadPool& pool,
@@ -161,20 +210,21 @@ void FullAttention::forward(const float* x, const ForwardBatch& b, KvPool& kv, T
   r.attention_scaling = rope_.attention_scaling;
   r.slot_mapping = b.slot_mapping.data();
   r.q_out = q_.data();
-  r.k_cache = kv.k(layer_);
-  r.v_cache = kv.v(layer_);
+  r.k_cache = kv.k(kv_layer_);
+  r.v_cache = kv.v(kv_layer_);
   r.num_tokens = t;
   r.num_q_heads = num_q_heads_;
   r.num_kv_heads = num_kv_heads_;
   r.head_dim = head_dim_;
   r.block_size = layout.block_size;
   r.eps = eps_;
+  r.rotary_dim = rotary_dim_;
   kernels::launch_qk_norm_rope_kv_write(r, pool);
 
   kernels::PagedAttentionParams<float> a;
   a.q = q_.data();
-  a.k_cache = kv.k(layer_);
-  a.v_cache = kv.v(layer_);
+  a.k_cache = kv.k(kv_layer_);
+  a.v_cache = kv.v(kv_layer_);
   a.query_starts = b.query_starts.data();
   a.context_lens = b.context_lens.data();
   a.block_tables = b.block_tables.data();
@@ -189,8 +239,105 @@ void FullAttention::forward(const float* x, const ForwardBatch& b, KvPool& kv, T
   a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
   kernels::launch_paged_attention(a, pool);
 
+  if (gated_) {
+    gate_out_.resize(attn_.size());
+    gate_.forward(x, t, gate_out_.data(), pool);
+    const int width = num_q_heads_ * head_dim_;
+    kernels::launch_sigmoid_gate({attn_.data(), gate_out_.data(), attn_.data(), t, width, width},
+                                 pool);
+  }
   o_.forward(attn_.data(), t, out, pool);
   if (tp_comm_ != nullptr) tp_comm_->all_reduce_sum(out, static_cast<size_t>(t) * o_.out_features);
+}
+
+GatedDeltaNet::GatedDeltaNet(const ModelConfig& c, const Checkpoint& ckpt,
+                             const std::string& prefix, int state_layer, Linear in_proj)
+    : state_layer_(state_layer),
+      num_k_heads_(static_cast<int>(c.linear_num_key_heads)),
+      num_v_heads_(static_cast<int>(c.linear_num_value_heads)),
+      key_dim_(static_cast<int>(c.linear_key_head_dim)),
+      value_dim_(static_cast<int>(c.linear_value_head_dim)),
+      conv_dim_(static_cast<int>(c.linear_conv_dim())),
+      kernel_size_(static_cast<int>(c.linear_conv_kernel_dim)),
+      eps_(static_cast<float>(c.rms_norm_eps)),
+      in_proj_(std::move(in_proj)) {
+  const std::string p = prefix + ".";
+  const int64_t v_dim = c.linear_value_dim(), heads = c.linear_num_value_heads;
+  RELAY_CHECK(in_proj_.out_features == conv_dim_ + v_dim + 2 * heads &&
+                  in_proj_.in_features == c.hidden_size,
+              prefix, ": the input projection is [", in_proj_.out_features, ", ",
+              in_proj_.in_features, "], expected [", conv_dim_ + v_dim + 2 * heads, ", ",
+              c.hidden_size, "] (q | k | v | z | b | a)");
+  out_proj_ = load_linear(ckpt, {p + "out_proj"}, {c.hidden_size}, v_dim, false);
+  conv_weight_ = load_f32(ckpt, p + "conv1d.weight", {conv_dim_, 1, kernel_size_});
+  a_log_ = load_f32(ckpt, p + "A_log", {heads});
+  dt_bias_ = load_f32(ckpt, p + "dt_bias", {heads});
+  norm_weight_ = load_f32(ckpt, p + "norm.weight", {c.linear_value_head_dim});
+}
+
+void GatedDeltaNet::forward(const float* x, const ForwardBatch& b, KvPool& /*kv*/, ThreadPool& pool,
+                            float* out) {
+  const int t = b.num_tokens();
+  const int64_t width = in_proj_.out_features;
+  const int v_dim = num_v_heads_ * value_dim_;
+  proj_.resize(static_cast<size_t>(t) * width);
+  conv_out_.resize(static_cast<size_t>(t) * conv_dim_);
+  core_.resize(static_cast<size_t>(t) * v_dim);
+  in_proj_.forward(x, t, proj_.data(), pool);
+  RecurrentStatePool& state = *b.recurrent_state;
+  const int64_t slot_stride = state.layout().slot_stride();
+
+  kernels::CausalConv1dParams<float> conv;
+  conv.x = proj_.data();
+  conv.x_stride = width;
+  conv.weight = conv_weight_.data();
+  conv.conv_states = state.conv(state_layer_);
+  conv.state_stride = slot_stride;
+  conv.query_starts = b.query_starts.data();
+  conv.state_slots = b.state_slots.data();
+  conv.state_fresh = b.state_fresh.data();
+  conv.out = conv_out_.data();
+  conv.num_seqs = b.num_seqs();
+  conv.num_tokens = t;
+  conv.conv_dim = conv_dim_;
+  conv.kernel_size = kernel_size_;
+  kernels::launch_causal_conv1d(conv, pool);
+
+  // in_proj's row: q | k | v (conv_dim_) | z (v_dim) | b (v heads) | a (v heads).
+  const float* z = proj_.data() + conv_dim_;
+  kernels::GatedDeltaRuleParams<float> d;
+  d.qkv = conv_out_.data();
+  d.b = z + v_dim;
+  d.a = d.b + num_v_heads_;
+  d.gate_stride = width;
+  d.a_log = a_log_.data();
+  d.dt_bias = dt_bias_.data();
+  d.states = state.ssm(state_layer_);
+  d.state_stride = slot_stride;
+  d.query_starts = b.query_starts.data();
+  d.state_slots = b.state_slots.data();
+  d.state_fresh = b.state_fresh.data();
+  d.out = core_.data();
+  d.num_seqs = b.num_seqs();
+  d.num_tokens = t;
+  d.num_k_heads = num_k_heads_;
+  d.num_v_heads = num_v_heads_;
+  d.key_dim = key_dim_;
+  d.value_dim = value_dim_;
+  kernels::launch_gated_delta_rule(d, pool);
+
+  kernels::GatedRmsNormParams<float> n;
+  n.x = core_.data();
+  n.gate = z;
+  n.gate_stride = width;
+  n.weight = norm_weight_.data();
+  n.out = core_.data();
+  n.num_tokens = t;
+  n.num_heads = num_v_heads_;
+  n.head_dim = value_dim_;
+  n.eps = eps_;
+  kernels::launch_gated_rms_norm(n, pool);
+  out_proj_.forward(core_.data(), t, out, pool);
 }
 
 DenseMlp::DenseMlp(const Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t width,
@@ -220,6 +367,13 @@ void DenseMlp::forward(const float* x, int num_tokens, ThreadPool& pool, float* 
     tp_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * down_.out_features);
 }
 
+std::unique_ptr<FeedForward> make_feed_forward(const ModelConfig& c, const Checkpoint& ckpt,
+                                               const std::string& prefix, int layer,
+                                               const ShardSpec& shard) {
+  if (c.layer_is_moe(layer)) return std::make_unique<SparseMoe>(c, ckpt, prefix, shard);
+  return std::make_unique<DenseMlp>(ckpt, prefix, c.hidden_size, c.intermediate_size, shard);
+}
+
 SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::string& prefix,
                      const ShardSpec& shard)
     : hidden_(static_cast<int>(c.hidden_size)),
@@ -238,15 +392,32 @@ SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::st
               " must be in [1, num_experts ", num_experts_, "]");
   const int64_t h = hidden_, w = width_, full_w = c.moe_intermediate_size;
   const IndexRange slice{shard.moe_width_begin, w};
-  gate_up_.resize(static_cast<size_t>(num_local_experts_) * 2 * w * h);
-  down_.resize(static_cast<size_t>(num_local_experts_) * h * w);
-  for (int e = 0; e < num_local_experts_; ++e) {
-    const std::string ep = str(prefix, ".experts.", expert_begin_ + e, ".");
-    float* gu = gate_up_.data() + static_cast<int64_t>(e) * 2 * w * h;
-    widen_slice_into(ckpt, ep + "gate_proj.weight", {full_w, h}, slice, {}, gu);
-    widen_slice_into(ckpt, ep + "up_proj.weight", {full_w, h}, slice, {}, gu + w * h);
-    widen_slice_into(ckpt, ep + "down_proj.weight", {h, full_w}, {}, slice,
-                     down_.data() + static_cast<int64_t>(e) * h * w);
+  if (ckpt.has(prefix + ".experts.gate_up_proj")) {
+    RELAY_CHECK(num_local_experts_ == num_experts_ && w == full_w, prefix,
+                ".experts.gate_up_proj: fused expert tensors are loaded on one rank only for now");
+    gate_up_ = load_f32(ckpt, prefix + ".experts.gate_up_proj", {num_experts_, 2 * w, h});
+    down_ = load_f32(ckpt, prefix + ".experts.down_proj", {num_experts_, h, w});
+  } else {
+    gate_up_.resize(static_cast<size_t>(num_local_experts_) * 2 * w * h);
+    down_.resize(static_cast<size_t>(num_local_experts_) * h * w);
+    for (int e = 0; e < num_local_experts_; ++e) {
+      const std::string ep = str(prefix, ".experts.", expert_begin_ + e, ".");
+      float* gu = gate_up_.data() + static_cast<int64_t>(e) * 2 * w * h;
+      widen_slice_into(ckpt, ep + "gate_proj.weight", {full_w, h}, slice, {}, gu);
+      widen_slice_into(ckpt, ep + "up_proj.weight", {full_w, h}, slice, {}, gu + w * h);
+      widen_slice_into(ckpt, ep + "down_proj.weight", {h, full_w}, {}, slice,
+                       down_.data() + static_cast<int64_t>(e) * h * w);
+    }
+  }
+  if (c.shared_expert_intermediate_size > 0) {
+    // NOTE: DenseMlp would slice the shared expert by intermediate_size's TP plan; sharding the
+    // hybrid models comes with its own plan (model/shard.cpp refuses them for now).
+    RELAY_CHECK(shard.tp_size == 1 && shard.ep_size == 1, prefix,
+                ".shared_expert: MoE layers with a shared expert run on one rank only for now");
+    shared_expert_ = std::make_unique<DenseMlp>(ckpt, prefix + ".shared_expert", c.hidden_size,
+                                                c.shared_expert_intermediate_size, shard);
+    shared_expert_gate_ =
+        load_linear(ckpt, {prefix + ".shared_expert_gate"}, {1}, c.hidden_size, false);
   }
 }
 
@@ -267,6 +438,25 @@ void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float*
   run_local_experts(x, topk_ids_.data(), topk_weights_.data(), num_tokens, pool, out);
   if (reduce_comm_ != nullptr)
     reduce_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * hidden_);
+  if (shared_expert_ != nullptr && num_tokens > 0) add_shared_expert(x, num_tokens, pool, out);
+}
+
+void SparseMoe::add_shared_expert(const float* x, int num_tokens, ThreadPool& pool, float* out) {
+  // out += sigmoid(shared_expert_gate(x)) * shared_expert(x): transformers adds the same two
+  // terms (routed + gated shared), and a sum of two does not depend on their order.
+  shared_out_.resize(static_cast<size_t>(num_tokens) * hidden_);
+  shared_gate_out_.resize(num_tokens);
+  shared_expert_->forward(x, num_tokens, pool, shared_out_.data());
+  shared_expert_gate_.forward(x, num_tokens, shared_gate_out_.data(), pool);
+  kernels::SigmoidGateParams<float> g;
+  g.x = shared_out_.data();
+  g.gate = shared_gate_out_.data();
+  g.out = out;
+  g.num_rows = num_tokens;
+  g.width = hidden_;
+  g.gate_width = 1;
+  g.accumulate = true;
+  kernels::launch_sigmoid_gate(g, pool);
 }
 
 void SparseMoe::route(const float* x, int num_tokens, ThreadPool& pool) {

@@ -2,11 +2,15 @@
 //
 // A decoder layer is: input norm -> token mixer -> residual -> post-attention norm -> feed-forward
 // -> residual. The token mixer and the feed-forward are interfaces because the family varies
-// exactly there: the mixer is full (softmax) attention over the paged KV cache today, and Qwen3.5's
-// linear attention later (with its own recurrent state); the feed-forward is a dense SwiGLU MLP or
-// a sparse mixture of experts, chosen per layer by the config. Each block owns its weights (widened
-// from the checkpoint to fp32 once, at load) and its scratch buffers, which grow to the largest
-// batch seen and are reused, so a steady decode loop does not allocate.
+// exactly there: the mixer is full (softmax) attention over the paged KV cache (gated, with partial
+// rotary, in Qwen3.5 / Qwen3-Next) or Gated DeltaNet linear attention over a per-sequence
+// recurrent state; the feed-forward is a dense SwiGLU MLP or a sparse mixture of experts (with a
+// sigmoid-gated shared expert in the hybrids), chosen per layer by the config. Each block owns its
+// weights (widened from the checkpoint to fp32 once, at load; a zero-centred norm's 1 + w folded
+// in) and its scratch buffers, which grow to the largest batch seen and are reused, so a steady
+// decode loop does not allocate. Blocks take their tensors' prefix ("model.layers.N.self_attn",
+// or under "model.language_model." for a Qwen3.5 vision-language checkpoint) from the
+// architecture file that builds them.
 #pragma once
 
 #include <memory>
@@ -29,6 +33,12 @@ class ThreadPool;
 std::vector<float> load_f32(const Checkpoint& ckpt, const std::string& name,
                             const std::vector<int64_t>& shape);
 
+// An RMSNorm weight [size]. Zero-centred (ModelConfig::zero_centered_norms) it is stored as 1 + w:
+// transformers also forms 1 + w in fp32 and multiplies the normalised row by it, so the result is
+// bit for bit the same and the norm kernels need not know the convention.
+std::vector<float> load_norm(const Checkpoint& ckpt, const std::string& name, int64_t size,
+                             bool zero_centered);
+
 // y = x @ weight^T + bias; weight [out_features, in_features] as nn.Linear stores it.
 struct Linear {
   std::vector<float> weight;  // [out_features, in_features]
@@ -46,6 +56,10 @@ struct IndexRange {
   int64_t count = -1;
 };
 
+// The rows `rows` of `src` (weight and bias), in that order: a fused checkpoint tensor taken apart
+// at load (Qwen3-Next's interleaved in_proj_qkvz, gated attention's [query | gate] q_proj).
+Linear take_rows(const Linear& src, const std::vector<int64_t>& rows);
+
 // Loads `prefix`.weight (and `prefix`.bias when with_bias) into one Linear. Several prefixes are
 // concatenated along the output dimension (q|k|v, gate|up), in order. A sharded rank keeps
 // rows[i] of prefix i (all rows when `rows` is empty) and the input columns `cols` of every weight:
@@ -58,32 +72,70 @@ Linear load_linear(const Checkpoint& ckpt, const std::vector<std::string>& prefi
 class TokenMixer {
  public:
   virtual ~TokenMixer() = default;
-  // x, out: [num_tokens, hidden]. Reads and writes this layer's cache state in `kv`.
+  // x, out: [num_tokens, hidden]. Reads and writes this layer's cache state: its pages of `kv`
+  // (attention) or its part of each sequence's slot of batch.recurrent_state (linear attention).
   virtual void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool,
                        float* out) = 0;
 };
 
 // Qwen3 attention: fused qkv projection (+ bias), per-head q/k RMSNorm, RoPE, paged GQA attention
-// over the KV cache of layer `layer`, o projection (+ bias). Under tensor parallelism the rank
-// holds the shard's q heads and KV heads (the pool holds only those) and o_proj's matching columns;
-// the partial o outputs are summed across the TP group (the bias is added once, by TP rank 0).
+// over KV-pool layer `kv_layer`, o projection (+ bias). Qwen3.5 / Qwen3-Next's gated attention
+// (config.attn_output_gate) adds the gate: q_proj's rows are per head [query | gate], split at load
+// into the q of qkv_ and a gate projection, and the attention output is multiplied by
+// sigmoid(gate) before o_proj; its q/k norms are zero-centred and RoPE turns only the first
+// rotary_dim dims. Under tensor parallelism the rank holds the shard's q heads and KV heads (the
+// pool holds only those) and o_proj's matching columns; the partial o outputs are summed across
+// the TP group (the bias is added once, by TP rank 0).
 class FullAttention : public TokenMixer {
  public:
-  FullAttention(const ModelConfig& config, const Checkpoint& ckpt, int layer,
-                const RopeTables& rope, const ShardSpec& shard);
+  // prefix: "model.layers.N.self_attn".
+  FullAttention(const ModelConfig& config, const Checkpoint& ckpt, const std::string& prefix,
+                int kv_layer, const RopeTables& rope, const ShardSpec& shard);
   void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool,
                float* out) override;
 
  private:
-  int layer_;
+  int kv_layer_;
   int num_q_heads_, num_kv_heads_, head_dim_;  // this rank's heads
+  int rotary_dim_;
+  bool gated_;
   parallel::Communicator* tp_comm_;
   float eps_;
   Linear qkv_;                          // [(q_heads + 2 kv_heads) * head_dim, hidden]
+  Linear gate_;                         // [q_heads * head_dim, hidden] when gated
   Linear o_;                            // [hidden, q_heads * head_dim]
   std::vector<float> q_norm_, k_norm_;  // [head_dim]
   RopeTables rope_;
-  std::vector<float> qkv_out_, q_, attn_;  // scratch
+  std::vector<float> qkv_out_, q_, attn_, gate_out_;  // scratch
+};
+
+// Gated DeltaNet, the linear attention of Qwen3.5 / Qwen3-Next (kernels/ops.h has the math):
+// in_proj -> causal conv1d + SiLU over q | k | v -> gated delta rule -> gated RMSNorm with
+// silu(z) -> out_proj. Each sequence's conv and SSM states live in its slot of the batch's
+// recurrent-state pool, at layer `state_layer` of the slot; nothing goes to the KV pool. The two
+// checkpoint layouts differ only in how the input projection is stored, so the architecture file
+// builds in_proj (rows [q | k | v | z | b | a]: q and k over every key head, v and z over every
+// value head, b and a one per value head) and this block loads the rest. One rank only for now.
+class GatedDeltaNet : public TokenMixer {
+ public:
+  // prefix: "model.layers.N.linear_attn".
+  GatedDeltaNet(const ModelConfig& config, const Checkpoint& ckpt, const std::string& prefix,
+                int state_layer, Linear in_proj);
+  void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool,
+               float* out) override;
+
+ private:
+  int state_layer_;
+  int num_k_heads_, num_v_heads_, key_dim_, value_dim_;  // per head dims
+  int conv_dim_, kernel_size_;
+  float eps_;
+  Linear in_proj_;                  // [conv_dim + v_heads * value_dim + 2 * v_heads, hidden]
+  Linear out_proj_;                 // [hidden, v_heads * value_dim]
+  std::vector<float> conv_weight_;  // [conv_dim, kernel_size]
+  std::vector<float> a_log_;        // [v_heads], as stored (F32 in the releases)
+  std::vector<float> dt_bias_;      // [v_heads]
+  std::vector<float> norm_weight_;  // [value_dim], plain (not zero-centred)
+  std::vector<float> proj_, conv_out_, core_;  // scratch
 };
 
 // Position-wise feed-forward.
@@ -113,7 +165,11 @@ class DenseMlp : public FeedForward {
 };
 
 // Qwen3-MoE sparse block: router softmax + top-k (+ renormalisation), experts as SwiGLU MLPs run as
-// grouped matmuls over tokens permuted by expert, weighted combine. No shared expert.
+// grouped matmuls over tokens permuted by expert, weighted combine. With
+// config.shared_expert_intermediate_size (Qwen3.5 / Qwen3-Next) a shared expert runs on every
+// token too, scaled by sigmoid(shared_expert_gate(x)), and is added to the routed sum. Experts are
+// read per expert (experts.E.gate_proj, ...) or fused 3-D (experts.gate_up_proj [E, 2I, H], gate
+// rows first, and experts.down_proj [E, H, I]: transformers' layout, which is this block's own).
 //
 // Sharded, the rank holds experts [expert_begin, expert_begin + num_local_experts) (EP) or a slice
 // of every expert's width (TP with ep = 1), and computes each token's weighted sum over the experts
@@ -138,6 +194,8 @@ class SparseMoe : public FeedForward {
                          ThreadPool& pool, float* out);
   // Router logits and top-k of x into topk_ids_ / topk_weights_.
   void route(const float* x, int num_tokens, ThreadPool& pool);
+  // out += sigmoid(shared_expert_gate(x)) * shared_expert(x).
+  void add_shared_expert(const float* x, int num_tokens, ThreadPool& pool, float* out);
   // Dispatch to the ranks of the experts, compute, combine (DP attention + EP).
   void dispatch_combine(const float* x, int num_tokens, ThreadPool& pool, float* out);
 
@@ -151,6 +209,9 @@ class SparseMoe : public FeedForward {
   Linear router_;                    // [num_experts, hidden]
   std::vector<float> gate_up_;       // [num_local_experts, 2 * width, hidden]
   std::vector<float> down_;          // [num_local_experts, hidden, width]
+  std::unique_ptr<DenseMlp> shared_expert_;  // null without one
+  Linear shared_expert_gate_;                // [1, hidden]
+  std::vector<float> shared_out_, shared_gate_out_;
   // scratch
   std::vector<float> router_logits_, topk_weights_, permuted_x_, gate_up_out_, act_, expert_out_;
   std::vector<int32_t> topk_ids_, local_ids_, permuted_index_, expert_offsets_;
@@ -158,6 +219,13 @@ class SparseMoe : public FeedForward {
   std::vector<std::vector<int32_t>> send_ids_, recv_ids_;
   std::vector<float> recv_x_, recv_weights_, recv_out_;
 };
+
+// Layer `layer`'s feed-forward: the sparse MoE block where config.layer_is_moe(layer) says so
+// (HF's rule: experts exist, not in mlp_only_layers, on the decoder_sparse_step), else a dense
+// SwiGLU MLP of width intermediate_size. prefix: "model.layers.N.mlp".
+std::unique_ptr<FeedForward> make_feed_forward(const ModelConfig& config, const Checkpoint& ckpt,
+                                               const std::string& prefix, int layer,
+                                               const ShardSpec& shard);
 
 struct DecoderLayer {
   std::vector<float> input_norm;           // [hidden]

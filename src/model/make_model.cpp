@@ -243,6 +243,9 @@ json model_preset_config(const std::string& preset) {
 }
 
 std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, DType dtype) {
+  RELAY_CHECK(!c.has_linear_attention() && c.shared_expert_intermediate_size == 0,
+              "make-model and --load-format dummy know the Qwen3 / Qwen3-MoE tensors only, not ",
+              c.architecture, "'s");
   std::vector<TensorSpec> specs;
   auto add = [&](std::string name, std::vector<int64_t> shape) {
     specs.push_back({std::move(name), dtype, std::move(shape)});

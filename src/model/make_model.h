@@ -32,7 +32,7 @@ nlohmann::json model_preset_config(const std::string& preset);
 // make_model writes them), with HF names and shapes: embed_tokens, then per layer the norms, the
 // attention (q/k/v/o, biases when attention_bias, q_norm/k_norm) and the MLP (router gate plus
 // per-expert gate/up/down for MoE layers, gate/up/down for dense ones), then model.norm and lm_head
-// (absent when tie_word_embeddings).
+// (absent when tie_word_embeddings). Qwen3 / Qwen3-MoE configs only (an error for the hybrids).
 std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, DType dtype);
 
 // How make_model initialises tensor `name`: every RMSNorm weight (layers, q/k, final) to 1, biases

@@ -4,12 +4,12 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/ops.h"
-#include "model/rope.h"
 
 namespace relay {
 
@@ -23,24 +23,82 @@ Model::Model(ModelConfig config, ShardSpec shard, std::vector<float> embedding,
       lm_head_(std::move(lm_head)) {}
 
 KvCacheLayout Model::kv_layout(int block_size, int num_blocks) const {
-  return KvCacheLayout{static_cast<int>(config_.num_hidden_layers),
-                       num_blocks,
-                       shard_.num_local_kv_heads,
-                       block_size,
-                       static_cast<int>(config_.head_dim),
-                       sizeof(float)};
+  return KvCacheLayout{.num_layers = config_.num_kv_cache_layers(),
+                       .num_blocks = num_blocks,
+                       .num_kv_heads = shard_.num_local_kv_heads,
+                       .block_size = block_size,
+                       .head_dim = static_cast<int>(config_.head_dim),
+                       .element_bytes = sizeof(float)};
 }
 
 KvCacheLayout Model::kv_layout_for_budget(int block_size, size_t bytes) const {
-  return KvCacheLayout::from_budget(static_cast<int>(config_.num_hidden_layers),
-                                    shard_.num_local_kv_heads, static_cast<int>(config_.head_dim),
-                                    block_size, sizeof(float), bytes);
+  return KvCacheLayout::from_budget(config_.num_kv_cache_layers(), shard_.num_local_kv_heads,
+                                    static_cast<int>(config_.head_dim), block_size, sizeof(float),
+                                    bytes);
+}
+
+RecurrentStateLayout recurrent_state_layout(const ModelConfig& c, const ShardSpec& shard,
+                                            int num_slots) {
+  RELAY_CHECK(c.has_linear_attention(), c.architecture,
+              " has no linear-attention layers, so no recurrent state");
+  RELAY_CHECK(shard.tp_size == 1, "the recurrent state is not sharded yet (tp ", shard.tp_size,
+              ")");
+  RecurrentStateLayout l;
+  l.num_layers = c.num_recurrent_layers();
+  l.num_slots = num_slots;
+  l.conv_dim = static_cast<int>(c.linear_conv_dim());
+  l.conv_width = static_cast<int>(c.linear_conv_kernel_dim - 1);
+  l.num_heads = static_cast<int>(c.linear_num_value_heads);
+  l.key_dim = static_cast<int>(c.linear_key_head_dim);
+  l.value_dim = static_cast<int>(c.linear_value_head_dim);
+  l.element_bytes = sizeof(float);
+  return l;
+}
+
+RecurrentStateLayout Model::recurrent_state_layout(int num_slots) const {
+  return relay::recurrent_state_layout(config_, shard_, num_slots);
+}
+
+void Model::check_recurrent_state(const ForwardBatch& b) const {
+  const int s = b.num_seqs();
+  RELAY_CHECK(b.recurrent_state != nullptr, "forward batch: ", config_.architecture, " has ",
+              config_.num_recurrent_layers(),
+              " linear-attention layers but the batch carries no recurrent-state pool");
+  const RecurrentStateLayout& l = b.recurrent_state->layout();
+  const RecurrentStateLayout want = recurrent_state_layout(l.num_slots);
+  RELAY_CHECK(l.num_layers == want.num_layers && l.conv_dim == want.conv_dim &&
+                  l.conv_width == want.conv_width && l.num_heads == want.num_heads &&
+                  l.key_dim == want.key_dim && l.value_dim == want.value_dim,
+              "recurrent-state pool shape (layers ", l.num_layers, ", conv ", l.conv_dim, " x ",
+              l.conv_width, ", heads ", l.num_heads, " x ", l.key_dim, " x ", l.value_dim,
+              ") does not match the model (layers ", want.num_layers, ", conv ", want.conv_dim,
+              " x ", want.conv_width, ", heads ", want.num_heads, " x ", want.key_dim, " x ",
+              want.value_dim, ")");
+  RELAY_CHECK(b.state_slots.size() == static_cast<size_t>(s) &&
+                  b.state_fresh.size() == static_cast<size_t>(s),
+              "forward batch: ", s, " sequences but ", b.state_slots.size(), " state slots and ",
+              b.state_fresh.size(), " fresh flags");
+  std::vector<bool> taken(l.num_slots, false);
+  for (int i = 0; i < s; ++i) {
+    const int32_t slot = b.state_slots[i];
+    RELAY_CHECK(slot >= 0 && slot < l.num_slots, "forward batch: sequence ", i, " has state slot ",
+                slot, ", the pool has ", l.num_slots);
+    RELAY_CHECK(!taken[slot], "forward batch: state slot ", slot,
+                " is given to two sequences of one batch");
+    taken[slot] = true;
+    // A recurrent state cannot be rebuilt from the KV cache: a sequence that starts from zero
+    // must bring its whole context in this step.
+    const int n = b.query_starts[i + 1] - b.query_starts[i];
+    RELAY_CHECK(!b.state_fresh[i] || b.context_lens[i] == n, "forward batch: sequence ", i,
+                " starts a fresh recurrent state but has ", b.context_lens[i] - n,
+                " earlier tokens in the KV cache");
+  }
 }
 
 void Model::check_batch(const ForwardBatch& b, const KvPool& kv) const {
   const KvCacheLayout& l = kv.layout();
   const int t = b.num_tokens(), s = b.num_seqs();
-  RELAY_CHECK(l.num_layers == config_.num_hidden_layers &&
+  RELAY_CHECK(l.num_layers == config_.num_kv_cache_layers() &&
                   l.num_kv_heads == shard_.num_local_kv_heads && l.head_dim == config_.head_dim,
               "KV pool shape (layers ", l.num_layers, ", kv heads ", l.num_kv_heads, ", head_dim ",
               l.head_dim, ") does not match the model");
@@ -81,6 +139,7 @@ void Model::check_batch(const ForwardBatch& b, const KvPool& kv) const {
   }
   for (int32_t r : b.logit_rows)
     RELAY_CHECK(r >= 0 && r < t, "logit row ", r, " out of [0, ", t, ")");
+  if (config_.has_linear_attention()) check_recurrent_state(b);
 }
 
 void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool,
@@ -146,31 +205,40 @@ void Model::forward_idle(ThreadPool& pool) {
   for (DecoderLayer& layer : layers_) layer.ffn->forward(nullptr, 0, pool, nullptr);
 }
 
-std::unique_ptr<Model> load_decoder(
-    const ModelConfig& c, const Checkpoint& ckpt, const ShardSpec& shard,
-    const std::function<std::unique_ptr<FeedForward>(int layer)>& make_ffn) {
+void log_unloaded_tensors(const Checkpoint& ckpt, const std::string& prefix,
+                          const std::string& why) {
+  const std::vector<std::string> names = ckpt.names();
+  const auto count = std::count_if(names.begin(), names.end(),
+                                   [&](const std::string& n) { return n.starts_with(prefix); });
+  if (count == 0) return;
+  std::fprintf(stderr, "relay: %s: %zu %s* tensors not loaded (%s)\n", ckpt.dir().c_str(),
+               static_cast<size_t>(count), prefix.c_str(), why.c_str());
+}
+
+std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt,
+                                    const ShardSpec& shard, const DecoderBlocks& blocks) {
   RELAY_CHECK(c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads == 0,
               "num_attention_heads ", c.num_attention_heads,
               " must be a multiple of num_key_value_heads ", c.num_key_value_heads);
-  const RopeTables rope = compute_rope(c);
-  std::vector<float> embedding =
-      load_f32(ckpt, "model.embed_tokens.weight", {c.vocab_size, c.hidden_size});
+  const std::string embed_name = blocks.prefix + "embed_tokens.weight";
+  std::vector<float> embedding = load_f32(ckpt, embed_name, {c.vocab_size, c.hidden_size});
   std::vector<DecoderLayer> layers;
   layers.reserve(c.num_hidden_layers);
   for (int i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
-    const std::string p = str("model.layers.", i, ".");
-    layer.input_norm = load_f32(ckpt, p + "input_layernorm.weight", {c.hidden_size});
-    layer.post_attention_norm =
-        load_f32(ckpt, p + "post_attention_layernorm.weight", {c.hidden_size});
-    layer.mixer = std::make_unique<FullAttention>(c, ckpt, i, rope, shard);
-    layer.ffn = make_ffn(i);
+    const std::string p = str(blocks.prefix, "layers.", i, ".");
+    layer.input_norm =
+        load_norm(ckpt, p + "input_layernorm.weight", c.hidden_size, c.zero_centered_norms);
+    layer.post_attention_norm = load_norm(ckpt, p + "post_attention_layernorm.weight",
+                                          c.hidden_size, c.zero_centered_norms);
+    layer.mixer = blocks.mixer(i, p);
+    layer.ffn = blocks.ffn(i, p);
     layers.push_back(std::move(layer));
   }
-  std::vector<float> final_norm = load_f32(ckpt, "model.norm.weight", {c.hidden_size});
+  std::vector<float> final_norm =
+      load_norm(ckpt, blocks.prefix + "norm.weight", c.hidden_size, c.zero_centered_norms);
   LmHeadWeights lm_head;
-  const std::string lm_name =
-      c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+  const std::string lm_name = c.tie_word_embeddings ? embed_name : "lm_head.weight";
   const TensorView& lm = ckpt.get(lm_name, {c.vocab_size, c.hidden_size});
   if (lm.dtype == DType::BF16) {
     lm_head.bf16.resize(lm.numel());

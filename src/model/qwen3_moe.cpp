@@ -3,16 +3,21 @@
 // MLP of width intermediate_size elsewhere, exactly as HF's Qwen3MoeDecoderLayer decides.
 #include "core/error.h"
 #include "model/architectures.h"
+#include "model/rope.h"
 
 namespace relay {
 
 std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& c, const Checkpoint& ckpt,
                                        const ShardSpec& shard) {
-  return load_decoder(c, ckpt, shard, [&](int layer) -> std::unique_ptr<FeedForward> {
-    const std::string prefix = str("model.layers.", layer, ".mlp");
-    if (c.layer_is_moe(layer)) return std::make_unique<SparseMoe>(c, ckpt, prefix, shard);
-    return std::make_unique<DenseMlp>(ckpt, prefix, c.hidden_size, c.intermediate_size, shard);
-  });
+  const RopeTables rope = compute_rope(c);
+  DecoderBlocks blocks;
+  blocks.mixer = [&](int layer, const std::string& p) -> std::unique_ptr<TokenMixer> {
+    return std::make_unique<FullAttention>(c, ckpt, p + "self_attn", layer, rope, shard);
+  };
+  blocks.ffn = [&](int layer, const std::string& p) {
+    return make_feed_forward(c, ckpt, p + "mlp", layer, shard);
+  };
+  return load_decoder(c, ckpt, shard, blocks);
 }
 
 }  // namespace relay

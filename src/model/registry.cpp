@@ -16,6 +16,11 @@ struct Architecture {
 constexpr Architecture kArchitectures[] = {
     {"Qwen3ForCausalLM", build_qwen3},
     {"Qwen3MoeForCausalLM", build_qwen3_moe},
+    {"Qwen3NextForCausalLM", build_qwen3_next},
+    {"Qwen3_5ForConditionalGeneration", build_qwen3_5},
+    {"Qwen3_5ForCausalLM", build_qwen3_5},
+    {"Qwen3_5MoeForConditionalGeneration", build_qwen3_5},
+    {"Qwen3_5MoeForCausalLM", build_qwen3_5},
 };
 
 }  // namespace

@@ -63,8 +63,9 @@ RopeTables yarn(const ModelConfig& c, int dim) {
 }  // namespace
 
 RopeTables compute_rope(const ModelConfig& c) {
-  const int dim = static_cast<int>(c.head_dim);
-  RELAY_CHECK(dim > 0 && dim % 2 == 0, "RoPE needs an even head_dim, got ", dim);
+  // transformers computes every rope type over the rotated dims only (partial rotary: Qwen3.5).
+  const int dim = static_cast<int>(c.rotary_dim());
+  RELAY_CHECK(dim > 0 && dim % 2 == 0, "RoPE needs an even number of rotated dims, got ", dim);
   switch (c.rope_scaling.type) {
     case RopeScaling::Type::None:
     case RopeScaling::Type::Linear: {

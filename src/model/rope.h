@@ -16,7 +16,7 @@
 namespace relay {
 
 struct RopeTables {
-  std::vector<float> inv_freq;  // [head_dim / 2]
+  std::vector<float> inv_freq;  // [rotary_dim / 2] (ModelConfig::rotary_dim: head_dim for Qwen3)
   float attention_scaling = 1.0f;
 };
 

@@ -30,6 +30,12 @@ ShardSpec plan_shard(const ModelConfig& c, const parallel::ParallelConfig& p, in
   p.validate();
   ShardSpec s = unsharded(c);
   if (p.world_size() == 1) return s;
+  // NOTE: the hybrids' Gated DeltaNet layers, recurrent state, gated q_proj and shared experts have
+  // no slicing plan yet; refusing here keeps every backend from running half a plan.
+  RELAY_CHECK(!c.has_linear_attention(), c.architecture,
+              " (linear-attention layers) runs on one rank only for now: use --tp 1 --ep 1 --dp 1, "
+              "got ",
+              p.describe());
   RELAY_CHECK(rank >= 0 && rank < p.world_size(), "rank ", rank, " outside a group of ",
               p.world_size());
   const parallel::RankPlace at = parallel::place_rank(p, rank);

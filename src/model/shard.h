@@ -7,6 +7,9 @@
 // num_local_experts). Embedding, norms, router and lm_head are replicated. Every split is checked
 // against the config here, with a message that names the field that does not divide.
 //
+// The hybrid models (Qwen3.5, Qwen3-Next) are not sharded yet: plan_shard refuses any layout with
+// more than one rank for them.
+//
 // KV heads when tp > num_key_value_heads: each rank holds the one KV head its q heads read
 // (replicated on tp / num_kv_heads ranks), so the k/v projections are computed redundantly and each
 // rank's KV cache holds one head. That is what makes TP = 8 work on a 4-KV-head model.

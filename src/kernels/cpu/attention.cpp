@@ -2,7 +2,9 @@
 //
 // Both follow Hugging Face's Qwen3Attention in fp32. The RoPE angle is the fp32 product
 // position * inv_freq[i] and cos/sin are scaled by attention_scaling before use, as HF's
-// rotary embedding does (with YaRN this is where mscale enters). Attention computes the scores of a
+// rotary embedding does (with YaRN this is where mscale enters). With partial rotary (Qwen3.5),
+// only the first rotary_dim dims of a head turn, exactly as HF's apply_rotary_pos_emb splits
+// q[..., :rotary_dim] from the pass-through rest. Attention computes the scores of a
 // query row against its whole visible context, then an exact softmax (max-subtracted, fp32) and the
 // weighted sum of V — the same arithmetic as eager attention, with no online-softmax rescaling.
 // Work is split over (token, q head) pairs; each task keeps its score row in thread-local scratch.
@@ -10,6 +12,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/ops.h"
@@ -20,13 +23,13 @@ using cpu::dot;
 
 namespace {
 
-// In-place RMSNorm of one head vector followed by rotate-half RoPE.
-void norm_rope_head(float* v, const float* norm_weight, int head_dim, float eps, const float* cos_v,
-                    const float* sin_v) {
+// In-place RMSNorm of one head vector followed by rotate-half RoPE of its first rotary_dim dims.
+void norm_rope_head(float* v, const float* norm_weight, int head_dim, int rotary_dim, float eps,
+                    const float* cos_v, const float* sin_v) {
   float variance = dot(v, v, head_dim) / static_cast<float>(head_dim);
   float inv_rms = 1.0f / std::sqrt(variance + eps);
   for (int i = 0; i < head_dim; ++i) v[i] = norm_weight[i] * (v[i] * inv_rms);
-  int half = head_dim / 2;
+  int half = rotary_dim / 2;
   for (int i = 0; i < half; ++i) {
     float a = v[i], b = v[i + half];
     // HF: q * cos + rotate_half(q) * sin, with rotate_half(q) = [-q2, q1] and cos/sin repeated
@@ -40,13 +43,16 @@ void norm_rope_head(float* v, const float* norm_weight, int head_dim, float eps,
 
 void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<float>& p, ThreadPool& pool) {
   const int hd = p.head_dim;
+  const int rd = p.rotary_dim == 0 ? hd : p.rotary_dim;
+  RELAY_CHECK(rd > 0 && rd % 2 == 0 && rd <= hd, "qk_norm_rope_kv_write: rotary_dim ", rd,
+              " must be even and in (0, head_dim ", hd, "]");
   const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, hd, p.section_align);
   const int64_t row = sec.row;
   pool.parallel_for(p.num_tokens, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> cos_v(hd / 2), sin_v(hd / 2), k(hd);
+    std::vector<float> cos_v(rd / 2), sin_v(rd / 2), k(hd);
     for (int64_t t = begin; t < end; ++t) {
       float pos = static_cast<float>(p.positions[t]);
-      for (int i = 0; i < hd / 2; ++i) {
+      for (int i = 0; i < rd / 2; ++i) {
         float angle = pos * p.inv_freq[i];
         cos_v[i] = std::cos(angle) * p.attention_scaling;
         sin_v[i] = std::sin(angle) * p.attention_scaling;
@@ -55,7 +61,7 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<float>& p, Threa
       float* q = p.q_out + t * static_cast<int64_t>(p.num_q_heads) * hd;
       std::copy_n(src, static_cast<int64_t>(p.num_q_heads) * hd, q);
       for (int h = 0; h < p.num_q_heads; ++h) {
-        norm_rope_head(q + h * hd, p.q_norm_weight, hd, p.eps, cos_v.data(), sin_v.data());
+        norm_rope_head(q + h * hd, p.q_norm_weight, hd, rd, p.eps, cos_v.data(), sin_v.data());
       }
       int64_t slot = p.slot_mapping[t];
       if (slot < 0) continue;
@@ -65,7 +71,7 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<float>& p, Threa
       for (int h = 0; h < p.num_kv_heads; ++h) {
         int64_t dst = ((block * p.num_kv_heads + h) * p.block_size + offset) * hd;
         std::copy_n(k_src + h * hd, hd, k.data());
-        norm_rope_head(k.data(), p.k_norm_weight, hd, p.eps, cos_v.data(), sin_v.data());
+        norm_rope_head(k.data(), p.k_norm_weight, hd, rd, p.eps, cos_v.data(), sin_v.data());
         std::copy_n(k.data(), hd, p.k_cache + dst);
         std::copy_n(v_src + h * hd, hd, p.v_cache + dst);
       }

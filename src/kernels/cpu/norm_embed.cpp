@@ -1,8 +1,10 @@
-// CPU reference for the row-wise ops: embedding lookup, RMSNorm (+ residual), SwiGLU.
+// CPU reference for the row-wise ops: embedding lookup, RMSNorm (+ residual), SwiGLU, and the
+// sigmoid gate (Qwen3.5's gated attention and shared expert).
 //
-// All three are memory-bound and independent per row, so they split rows over the pool (SwiGLU only
+// All are memory-bound and independent per row, so they split rows over the pool (SwiGLU only
 // its live rows, LiveRows in kernels/ops.h). RMSNorm follows HF's Qwen3RMSNorm exactly in fp32:
-// variance = mean(x^2), x * rsqrt(variance + eps), then times weight.
+// variance = mean(x^2), x * rsqrt(variance + eps), then times weight. A zero-centred (1 + w) norm
+// runs here too: its loader stores 1 + w, which is what HF multiplies by (in fp32).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -62,6 +64,25 @@ void launch_swiglu(const SwigluParams<float>& p, ThreadPool& pool) {
       for (int i = 0; i < p.width; ++i) {
         float g = gate[i];
         y[i] = (g / (1.0f + std::exp(-g))) * up[i];
+      }
+    }
+  });
+}
+
+void launch_sigmoid_gate(const SigmoidGateParams<float>& p, ThreadPool& pool) {
+  RELAY_CHECK(p.gate_width > 0 && p.width % p.gate_width == 0, "sigmoid_gate: gate_width ",
+              p.gate_width, " must divide width ", p.width);
+  const int group = p.width / p.gate_width;
+  pool.parallel_for(p.num_rows, row_grain(p.width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = p.x + r * p.width;
+      const float* gate = p.gate + r * p.gate_width;
+      float* y = p.out + r * p.width;
+      for (int g = 0; g < p.gate_width; ++g) {
+        const float s = 1.0f / (1.0f + std::exp(-gate[g]));
+        for (int i = g * group; i < (g + 1) * group; ++i) {
+          y[i] = p.accumulate ? y[i] + x[i] * s : x[i] * s;
+        }
       }
     }
   });

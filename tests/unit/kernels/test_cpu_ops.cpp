@@ -149,19 +149,21 @@ TEST_F(CpuOps, Swiglu) {
   }
 }
 
-// Reference q/k norm + rotate-half RoPE of one head, in double from the fp32 angle.
+// Reference q/k norm + rotate-half RoPE of one head's first rd dims (all by default), in double
+// from the fp32 angle.
 std::vector<double> ref_norm_rope(const float* v, const std::vector<float>& w, const std::vector<float>& inv_freq,
-                                  int pos, float scaling, int hd) {
+                                  int pos, float scaling, int hd, int rd = 0) {
+  if (rd == 0) rd = hd;
   double ss = 0;
   for (int i = 0; i < hd; ++i) ss += static_cast<double>(v[i]) * v[i];
   double inv = 1.0 / std::sqrt(ss / hd + 1e-6);
   std::vector<double> n(hd), out(hd);
-  for (int i = 0; i < hd; ++i) n[i] = w[i] * v[i] * inv;
-  for (int i = 0; i < hd / 2; ++i) {
+  for (int i = 0; i < hd; ++i) n[i] = out[i] = w[i] * v[i] * inv;
+  for (int i = 0; i < rd / 2; ++i) {
     double angle = static_cast<float>(pos) * inv_freq[i];  // HF forms the angle in fp32
     double c = std::cos(angle) * scaling, s = std::sin(angle) * scaling;
-    out[i] = n[i] * c - n[i + hd / 2] * s;
-    out[i + hd / 2] = n[i + hd / 2] * c + n[i] * s;
+    out[i] = n[i] * c - n[i + rd / 2] * s;
+    out[i + rd / 2] = n[i + rd / 2] * c + n[i] * s;
   }
   return out;
 }
@@ -199,6 +201,34 @@ TEST_F(CpuOps, QkNormRopeWritesQAndThePagedCache) {
   }
   // Exactly 4 tokens x 2 heads x hd elements were written to each cache.
   EXPECT_EQ(std::count_if(kc.begin(), kc.end(), [](float v) { return v != -99.0f; }), 4 * kvh * hd);
+}
+
+TEST_F(CpuOps, QkNormRopeWithPartialRotaryTurnsOnlyTheFirstDims) {
+  // Qwen3.5's shape in small: 8 of 32 dims rotate (pairs i, i + 4), the other 24 pass through.
+  const int tokens = 3, qh = 2, kvh = 1, hd = 32, rd = 8, bs = 4, blocks = 2;
+  auto qkv = random_vec(tokens * (qh + 2 * kvh) * hd, rng);
+  auto qw = random_vec(hd, rng), kw = random_vec(hd, rng);
+  std::vector<float> inv_freq(rd / 2);
+  for (int i = 0; i < rd / 2; ++i) inv_freq[i] = std::pow(1e7f, -2.0f * i / rd);
+  std::vector<int32_t> positions{0, 5, 300};
+  std::vector<int64_t> slots{0, 1, 6};
+  std::vector<float> q(tokens * qh * hd), kc(blocks * kvh * bs * hd), vc(kc.size());
+  QkNormRopeKvWriteParams<float> p{qkv.data(), qw.data(), kw.data(), positions.data(), inv_freq.data(), 1.0f,
+                                   slots.data(), q.data(), kc.data(), vc.data(), tokens, qh, kvh, hd, bs, 1e-6f};
+  p.rotary_dim = rd;
+  launch_qk_norm_rope_kv_write(p, pool);
+  const int row = (qh + 2 * kvh) * hd;
+  for (int t = 0; t < tokens; ++t) {
+    for (int h = 0; h < qh; ++h) {
+      auto want = ref_norm_rope(&qkv[t * row + h * hd], qw, inv_freq, positions[t], 1.0f, hd, rd);
+      for (int i = 0; i < hd; ++i) ASSERT_NEAR(q[(t * qh + h) * hd + i], want[i], 2e-5 * (1 + std::fabs(want[i])));
+    }
+    auto want = ref_norm_rope(&qkv[t * row + qh * hd], kw, inv_freq, positions[t], 1.0f, hd, rd);
+    const float* kslot = &kc[((slots[t] / bs * kvh) * bs + slots[t] % bs) * hd];
+    for (int i = 0; i < hd; ++i) ASSERT_NEAR(kslot[i], want[i], 2e-5 * (1 + std::fabs(want[i])));
+  }
+  p.rotary_dim = 7;  // not a whole number of pairs
+  EXPECT_THROW(launch_qk_norm_rope_kv_write(p, pool), Error);
 }
 
 // Paged attention for a mixed batch, against attention over the logical (unpaged) sequences.

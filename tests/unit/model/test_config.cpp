@@ -249,6 +249,145 @@ TEST(ModelConfig, RejectsWhatRelayCannotRun) {
   expect_error(json::array(), {"object"});
 }
 
+std::filesystem::path fixture(const std::string& name) {
+  return std::filesystem::path(RELAY_FIXTURES_DIR) / "models" / name;
+}
+
+std::vector<LayerType> pattern(const std::string& s) {  // 'L' linear, 'A' attention
+  std::vector<LayerType> v;
+  for (char ch : s) v.push_back(ch == 'L' ? LayerType::kLinearAttention : LayerType::kFullAttention);
+  return v;
+}
+
+TEST(ModelConfig, Qwen3_5MoeVisionLanguageCheckpointReadsItsTextConfig) {
+  const ModelConfig c = ModelConfig::load(fixture("qwen3_5-moe"));
+  EXPECT_EQ(c.architecture, "Qwen3_5MoeForConditionalGeneration");
+  EXPECT_EQ(c.model_type, "qwen3_5_moe");
+  EXPECT_EQ(c.vocab_size, 512);
+  EXPECT_EQ(c.hidden_size, 48);
+  EXPECT_EQ(c.layer_types, pattern("LLLALLLA"));
+  EXPECT_EQ(c.num_kv_cache_layers(), 2);
+  EXPECT_EQ(c.num_recurrent_layers(), 6);
+  EXPECT_EQ(c.kv_cache_layer(3), 0);
+  EXPECT_EQ(c.kv_cache_layer(7), 1);
+  EXPECT_EQ(c.kv_cache_layer(4), -1);
+  EXPECT_EQ(c.recurrent_layer(4), 3);
+  EXPECT_EQ(c.recurrent_layer(7), -1);
+  EXPECT_EQ(c.linear_num_key_heads, 2);
+  EXPECT_EQ(c.linear_num_value_heads, 4);
+  EXPECT_EQ(c.linear_conv_dim(), 2 * 2 * 16 + 4 * 16);
+  EXPECT_EQ(c.linear_conv_kernel_dim, 4);
+  EXPECT_EQ(c.head_dim, 32);
+  EXPECT_EQ(c.rotary_dim(), 8);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e7);
+  EXPECT_TRUE(c.attn_output_gate);
+  EXPECT_TRUE(c.zero_centered_norms);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 32);
+  EXPECT_EQ(c.mtp_num_hidden_layers, 1);
+  for (int l = 0; l < 8; ++l) EXPECT_TRUE(c.layer_is_moe(l));
+}
+
+TEST(ModelConfig, Qwen3NextDerivesItsLayersFromTheInterval) {
+  // Released-4.57 spelling: top-level rope_theta and partial_rotary_factor, no layer_types.
+  const ModelConfig c = ModelConfig::load(fixture("qwen3-next"));
+  EXPECT_EQ(c.layer_types, pattern("LLALLA"));
+  EXPECT_EQ(c.rotary_dim(), 8);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e7);
+  EXPECT_EQ(c.linear_value_head_dim, 32);
+  EXPECT_EQ(c.mlp_only_layers, std::vector<int64_t>{1});
+  EXPECT_FALSE(c.layer_is_moe(1));
+  EXPECT_TRUE(c.layer_is_moe(2));
+  EXPECT_EQ(c.intermediate_size, 80);
+  EXPECT_EQ(c.mtp_num_hidden_layers, 0);
+
+  json j = json::parse(std::ifstream(fixture("qwen3-next") / "config.json"));
+  j.erase("full_attention_interval");  // transformers' default interval is 4
+  j.erase("partial_rotary_factor");    // and the hybrids' partial rotary 0.25
+  j.erase("norm_topk_prob");           // Qwen3-Next renormalises by default
+  const ModelConfig d = ModelConfig::from_json(j, "x");
+  EXPECT_EQ(d.layer_types, pattern("LLLALL"));
+  EXPECT_EQ(d.rotary_dim(), 8);
+  EXPECT_TRUE(d.norm_topk_prob);
+  // A rope_parameters value wins over the top-level one.
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5e6}, {"partial_rotary_factor", 0.5}};
+  j["partial_rotary_factor"] = 0.25;
+  const ModelConfig e = ModelConfig::from_json(j, "x");
+  EXPECT_EQ(e.rotary_dim(), 16);
+  EXPECT_DOUBLE_EQ(e.rope_theta, 5e6);
+}
+
+TEST(ModelConfig, DenseAndTextOnlyQwen3_5) {
+  const ModelConfig dense = ModelConfig::load(fixture("qwen3_5-dense"));
+  EXPECT_EQ(dense.architecture, "Qwen3_5ForConditionalGeneration");
+  EXPECT_FALSE(dense.is_moe());
+  EXPECT_EQ(dense.intermediate_size, 96);
+  EXPECT_EQ(dense.layer_types, pattern("LLLA"));
+  const ModelConfig text = ModelConfig::load(fixture("qwen3_5-moe-text"));
+  EXPECT_EQ(text.model_type, "qwen3_5_moe_text");
+  EXPECT_EQ(text.layer_types, pattern("LLLALLLA"));
+  EXPECT_EQ(text.mtp_num_hidden_layers, 0);
+  // Qwen3 models: every layer attention, KV layer = layer, nothing recurrent.
+  const ModelConfig q = ModelConfig::from_json(moe_config(), "x");
+  EXPECT_FALSE(q.has_linear_attention());
+  EXPECT_EQ(q.num_kv_cache_layers(), 4);
+  EXPECT_EQ(q.kv_cache_layer(3), 3);
+  EXPECT_EQ(q.rotary_dim(), q.head_dim);
+  EXPECT_FALSE(q.zero_centered_norms);
+  // A config built by hand (no layer_types) is attention-only too.
+  ModelConfig by_hand;
+  by_hand.num_hidden_layers = 3;
+  EXPECT_EQ(by_hand.num_kv_cache_layers(), 3);
+  EXPECT_EQ(by_hand.kv_cache_layer(2), 2);
+  EXPECT_FALSE(by_hand.layer_is_linear_attention(2));
+}
+
+TEST(ModelConfig, RejectsHybridConfigsRelayCannotRun) {
+  const json next = json::parse(std::ifstream(fixture("qwen3-next") / "config.json"));
+  auto with = [&](const char* key, json v) {
+    json j = next;
+    j[key] = std::move(v);
+    return j;
+  };
+  auto without = [&](const char* key) {
+    json j = next;
+    j.erase(key);
+    return j;
+  };
+  expect_error(without("linear_num_key_heads"), {"linear_num_key_heads", "missing"});
+  expect_error(without("linear_conv_kernel_dim"), {"linear_conv_kernel_dim", "missing"});
+  expect_error(without("shared_expert_intermediate_size"),
+               {"shared_expert_intermediate_size", "missing"});
+  expect_error(with("linear_num_value_heads", 3), {"linear_num_value_heads", "multiple"});
+  expect_error(with("layer_types", {"linear_attention", "full_attention"}), {"layer_types", "2"});
+  expect_error(with("layer_types", json(6, "sliding_attention")),
+               {"layer_types", "sliding_attention"});
+  expect_error(with("full_attention_interval", 0), {"full_attention_interval"});
+  expect_error(with("partial_rotary_factor", 1.5), {"partial_rotary_factor"});
+  expect_error(with("partial_rotary_factor", 0.01), {"partial_rotary_factor", "even"});
+  expect_error(with("attn_output_gate", false), {"attn_output_gate"});
+  expect_error(with("model_type", "qwen3_moe"), {"model_type"});
+  // Qwen3 keeps refusing linear attention and partial rotary.
+  json q = moe_config();
+  q["layer_types"] = {"linear_attention", "full_attention", "full_attention", "full_attention"};
+  expect_error(q, {"layer_types", "linear_attention"});
+  q = moe_config();
+  q["partial_rotary_factor"] = 0.5;
+  expect_error(q, {"partial_rotary_factor"});
+  // A vision-language checkpoint needs its text_config, of the matching model_type.
+  json vlm = json::parse(std::ifstream(fixture("qwen3_5-moe") / "config.json"));
+  json no_text = vlm;
+  no_text.erase("text_config");
+  expect_error(no_text, {"text_config", "missing"});
+  json wrong_text = vlm;
+  wrong_text["text_config"]["model_type"] = "qwen3_5_text";
+  expect_error(wrong_text, {"text_config", "model_type", "qwen3_5_moe_text"});
+  json bad_field = vlm;
+  bad_field["text_config"].erase("num_experts");
+  expect_error(bad_field, {"text_config", "num_experts"});
+}
+
 TEST(ModelConfig, LoadNamesTheFile) {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "relay_test_config";
   std::filesystem::create_directories(dir);

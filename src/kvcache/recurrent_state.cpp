@@ -1,0 +1,19 @@
+// See recurrent_state.h for the layout.
+#include "kvcache/recurrent_state.h"
+
+#include "core/error.h"
+
+namespace relay {
+
+RecurrentStatePool::RecurrentStatePool(const RecurrentStateLayout& layout) : layout_(layout) {
+  RELAY_CHECK(layout.element_bytes == sizeof(float),
+              "the CPU recurrent-state pool stores fp32, got element size ", layout.element_bytes);
+  RELAY_CHECK(layout.num_layers > 0 && layout.num_slots > 0 && layout.conv_dim > 0 &&
+                  layout.conv_width >= 0 && layout.num_heads > 0 && layout.key_dim > 0 &&
+                  layout.value_dim > 0,
+              "recurrent-state pool needs positive sizes (layers ", layout.num_layers, ", slots ",
+              layout.num_slots, ", conv_dim ", layout.conv_dim, ", heads ", layout.num_heads, ")");
+  data_.assign(static_cast<size_t>(layout.num_elements()), 0.0f);
+}
+
+}  // namespace relay

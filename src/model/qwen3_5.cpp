@@ -1,0 +1,47 @@
+// Qwen3.5: Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM, and the dense
+// Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM.
+//
+// A hybrid decoder: Gated DeltaNet in the layers config.layer_types marks linear_attention (three
+// of every four in the releases), gated attention with partial rotary in the others, and the MoE
+// with its sigmoid-gated shared expert (or, dense, a SwiGLU MLP) in every layer; every decoder norm
+// is zero-centred. The Gated DeltaNet input projection is stored split and contiguous
+// (in_proj_qkv = q | k | v over all heads, in_proj_z, in_proj_b, in_proj_a), so concatenated in
+// that order it is the block's in_proj as is. A vision-language checkpoint keeps the language
+// model under model.language_model. (transformers' text class strips that prefix); its vision
+// tower (model.visual.*) is not loaded, and neither are the MTP layers (mtp.*) until Relay runs
+// MTP. Experts may be stored per expert or fused 3-D (SparseMoe reads both).
+#include "core/error.h"
+#include "model/architectures.h"
+#include "model/rope.h"
+
+namespace relay {
+
+std::unique_ptr<Model> build_qwen3_5(const ModelConfig& c, const Checkpoint& ckpt,
+                                     const ShardSpec& shard) {
+  log_unloaded_tensors(ckpt, "model.visual.", "the vision encoder is not run");
+  log_unloaded_tensors(ckpt, "mtp.", "multi-token prediction is not run yet");
+  const RopeTables rope = compute_rope(c);
+  DecoderBlocks blocks;
+  blocks.prefix =
+      ckpt.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
+  blocks.mixer = [&](int layer, const std::string& p) -> std::unique_ptr<TokenMixer> {
+    if (!c.layer_is_linear_attention(layer)) {
+      return std::make_unique<FullAttention>(c, ckpt, p + "self_attn", c.kv_cache_layer(layer),
+                                             rope, shard);
+    }
+    const std::string la = p + "linear_attn.";
+    Linear in_proj = load_linear(
+        ckpt, {la + "in_proj_qkv", la + "in_proj_z", la + "in_proj_b", la + "in_proj_a"},
+        {c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads,
+         c.linear_num_value_heads},
+        c.hidden_size, false);
+    return std::make_unique<GatedDeltaNet>(c, ckpt, p + "linear_attn", c.recurrent_layer(layer),
+                                           std::move(in_proj));
+  };
+  blocks.ffn = [&](int layer, const std::string& p) {
+    return make_feed_forward(c, ckpt, p + "mlp", layer, shard);
+  };
+  return load_decoder(c, ckpt, shard, blocks);
+}
+
+}  // namespace relay
