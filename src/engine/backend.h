@@ -72,6 +72,13 @@ struct StepSequence {
   // backend without them (supports_token_constraints() false) must not get them.
   std::span<const uint32_t> allowed_tokens;
   std::span<const std::pair<int32_t, float>> logit_bias;
+  // The sequence's recurrent-state slots (kvcache/state_slots.h) when the model has
+  // linear-attention layers, empty otherwise. The step advances the state in state_slots[0] over
+  // `tokens`, from a zero state when num_computed is 0. With drafts, state_slots[0] ends holding
+  // the state after the last committed token (the last token and the accepted drafts); the other
+  // slots, one per draft, are the backend's scratch space for the states after each draft and hold
+  // nothing between steps.
+  std::span<const int32_t> state_slots;
 
   // How many rows of `tokens` prompt logprobs score (0 unless asked).
   size_t num_prompt_logprob_rows() const {
@@ -102,6 +109,10 @@ class Backend {
   // The pool is split into this many equal ranges of block ids, one per data-parallel rank; every
   // block of a sequence must come from one range (its KV lives on that rank).
   virtual int num_kv_partitions() const { return 1; }
+  // The slots of the recurrent-state pool (one sequence's state of every linear-attention layer
+  // each), 0 for a model without such layers. With DP attention they split into num_kv_partitions
+  // equal ranges, one per rank, as the KV blocks do.
+  virtual int num_state_slots() const { return 0; }
   // Every rank's KV pool, for disaggregated hand-offs; empty when this backend cannot export it.
   virtual std::vector<KvPoolExport> kv_pool_exports() { return {}; }
   // Runs one forward pass over `batch` and returns, per sequence with sample=true and in batch

@@ -61,16 +61,40 @@ struct LLMEngine::Request {
   std::optional<Clock::time_point> first_scheduled;
 };
 
+namespace {
+
+// The recurrent-state slots of a hybrid model's backend (null when it has none): each sequence
+// takes its state slot and one scratch slot per draft position.
+std::unique_ptr<StateSlotManager> make_state_slots(const Backend& backend,
+                                                   const EngineConfig& config) {
+  const int num_slots = backend.num_state_slots();
+  if (num_slots == 0) return nullptr;
+  const int per_sequence =
+      1 + (config.speculative.enabled() ? config.speculative.num_speculative_tokens : 0);
+  const int partitions = backend.num_kv_partitions();
+  RELAY_CHECK(num_slots % partitions == 0 && num_slots / partitions >= per_sequence,
+              "the backend's ", num_slots, " recurrent-state slots do not give each of its ",
+              partitions, " partitions room for one sequence's ", per_sequence,
+              " slots (1 + num_speculative_tokens)");
+  return std::make_unique<StateSlotManager>(num_slots, per_sequence, partitions);
+}
+
+}  // namespace
+
 LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
                      const EngineConfig& config)
     : backend_(std::move(backend)),
       tokenizer_(std::move(tokenizer)),
       max_model_len_(0),
-      blocks_(backend_->num_kv_blocks(), backend_->block_size(), config.enable_prefix_caching,
+      // NOTE: a recurrent layer's state is built from every token, so a hybrid model caches no
+      // prefix (scheduler.h).
+      blocks_(backend_->num_kv_blocks(), backend_->block_size(),
+              config.enable_prefix_caching && backend_->num_state_slots() == 0,
               backend_->num_kv_partitions()),
+      states_(make_state_slots(*backend_, config)),
       scheduler_({.max_num_seqs = config.max_num_seqs,
                   .max_num_batched_tokens = config.max_num_batched_tokens},
-                 blocks_) {
+                 blocks_, states_.get()) {
   const int64_t model_len = backend_->config().max_position_embeddings;
   int64_t len = config.max_model_len > 0 ? config.max_model_len : model_len;
   RELAY_CHECK(model_len <= 0 || len <= model_len, "max_model_len ", len,
@@ -117,6 +141,9 @@ void LLMEngine::validate(int64_t id, const EngineRequest& request) const {
                 " is outside the vocabulary [0, ", vocab, ")");
     RELAY_CHECK(std::isfinite(bias), "logit_bias of token ", token, " is not finite");
   }
+  RELAY_CHECK(!request.hold_kv || states_ == nullptr, "request ", id,
+              ": a model with recurrent layers cannot hand its prompt to a decode worker (its "
+              "state does not travel with the KV yet)");
   const bool scores_prompt = request.num_prompt_logprobs >= 0;
   RELAY_CHECK(!scores_prompt || backend_->supports_prompt_logprobs(), "request ", id,
               " asks for prompt logprobs (num_prompt_logprobs ", request.num_prompt_logprobs,
@@ -165,6 +192,9 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
 std::optional<LLMEngine::KvReservation> LLMEngine::reserve_kv(int64_t id,
                                                               std::span<const int32_t> prompt) {
   const int64_t n = static_cast<int64_t>(prompt.size());
+  RELAY_CHECK(states_ == nullptr, "request ", id,
+              ": a model with recurrent layers cannot receive a prefilled prompt (its state does "
+              "not travel with the KV yet)");
   RELAY_CHECK(n >= 1 && n < max_model_len_, "a KV reservation of ", n,
               " tokens does not fit max_model_len ", max_model_len_);
   RELAY_CHECK(requests_.count(id) == 0 && !blocks_.has_sequence(id), "request id ", id,
@@ -243,8 +273,8 @@ std::optional<RequestOutput> LLMEngine::abort(int64_t id) {
 }
 
 EngineStats LLMEngine::stats() const {
-  return {scheduler_.num_running(), scheduler_.num_waiting(), blocks_.usage(), scheduler_.stats(),
-          spec_stats_};
+  return {scheduler_.num_running(), scheduler_.num_waiting(), blocks_.usage(),
+          states_ != nullptr ? states_->usage() : 0.0, scheduler_.stats(), spec_stats_};
 }
 
 void LLMEngine::propose_drafts() {
@@ -293,6 +323,7 @@ std::vector<RequestOutput> LLMEngine::step() {
     }
     s.num_computed = c.seq->num_computed;
     s.block_table = blocks_.block_table(c.seq->id);
+    if (states_ != nullptr) s.state_slots = states_->slots(c.seq->id);
     s.sample = c.sample;
     s.sampling = &c.seq->sampling;
     s.output_tokens = c.seq->output_tokens();

@@ -40,6 +40,13 @@
 // never leaks to the client in pieces), and the match is cut out of the text (kept with
 // include_stop_str_in_output). Stop tokens are counted as generated but add no text.
 //
+// Hybrid models (linear-attention layers, backend num_state_slots() > 0): the engine gives every
+// running sequence its recurrent-state slots through a StateSlotManager (1 + num_speculative_tokens
+// each, the extra ones the backend's scratch for draft positions) that the scheduler takes at
+// admission and returns at finish or preemption. Such a model takes no prefix-cache hit and cannot
+// hand a prompt over between disaggregated workers yet (its state would have to travel with its
+// KV), so hold_kv requests and KV reservations are refused.
+//
 // The engine is single-threaded: one thread calls add_request/abort/set_drafts/step (the server's
 // engine loop). A request that could never fit in the KV pool is refused by add_request with an Error.
 #pragma once
@@ -57,6 +64,7 @@
 #include "engine/backend.h"
 #include "grammar/grammar.h"
 #include "kvcache/block_manager.h"
+#include "kvcache/state_slots.h"
 #include "scheduler/scheduler.h"
 #include "speculative/speculative.h"
 #include "tokenizer/tokenizer.h"
@@ -70,7 +78,7 @@ struct EngineConfig {
   bool enable_prefix_caching = true;
   // Speculative decoding (--speculative-config): the engine proposes drafts for every decode
   // before each step (speculative/speculative.h); needs a backend that verifies drafts.
-  SpeculativeConfig speculative;
+  SpeculativeConfig speculative{};
 };
 
 
@@ -137,6 +145,7 @@ struct EngineStats {
   int num_running = 0;
   int num_waiting = 0;
   double kv_cache_usage = 0.0;
+  double state_slot_usage = 0.0;  // recurrent-state slots in use, 0..1 (0 without such layers)
   SchedulerStats scheduler;
   SpecDecodeStats spec_decode;
 };
@@ -236,6 +245,7 @@ class LLMEngine {
   Tokenizer tokenizer_;
   int max_model_len_;
   BlockManager blocks_;
+  std::unique_ptr<StateSlotManager> states_;  // null for a model without recurrent layers
   Scheduler scheduler_;
   StepComposition last_step_;
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;

@@ -160,6 +160,14 @@ bool BlockManager::allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit*
   return true;
 }
 
+void BlockManager::bind(int64_t seq_id, int partition) {
+  RELAY_CHECK(partition >= 0 && partition < num_partitions(), "bind: partition ", partition,
+              " is not one of the ", num_partitions());
+  const auto [it, is_new] = seqs_.try_emplace(seq_id);
+  RELAY_CHECK(is_new, "bind: sequence ", seq_id, " already has its partition");
+  it->second.partition = partition;
+}
+
 void BlockManager::cache_full_blocks(int64_t seq_id, std::span<const int32_t> tokens,
                                      int64_t num_computed_tokens) {
   if (!enable_prefix_caching_) return;

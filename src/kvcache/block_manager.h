@@ -93,6 +93,10 @@ class BlockManager {
   // the partition with the most free blocks (the lowest index on ties); an existing one grows in
   // its own. Returns false, changing nothing, when that partition lacks free blocks.
   bool allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit = nullptr);
+  // Binds a new sequence, with no blocks yet, to `partition`: its first allocate (without a hit)
+  // grows it there. A hybrid model's sequence must live where its recurrent-state slot is
+  // (state_slots.h). free() undoes it.
+  void bind(int64_t seq_id, int partition);
   // Registers the full blocks among the first `num_computed_tokens` of `tokens` (the sequence's
   // whole token list) in the prefix cache. Call after the step that computed them.
   void cache_full_blocks(int64_t seq_id, std::span<const int32_t> tokens,

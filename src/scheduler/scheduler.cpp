@@ -8,8 +8,12 @@
 
 namespace relay {
 
-Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks)
-    : config_(config), blocks_(blocks) {
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks,
+                     StateSlotManager* states)
+    : config_(config), blocks_(blocks), states_(states) {
+  RELAY_CHECK(states == nullptr || states->num_partitions() == blocks.num_partitions(),
+              "the state slots have ", states ? states->num_partitions() : 0,
+              " partitions but the KV blocks ", blocks.num_partitions());
   RELAY_CHECK(config.max_num_seqs > 0, "max_num_seqs must be positive, got ", config.max_num_seqs);
   // NOTE: each running decode needs one token of the budget, so the budget must cover a full batch.
   RELAY_CHECK(config.max_num_batched_tokens >= config.max_num_seqs, "max_num_batched_tokens (",
@@ -37,6 +41,10 @@ void Scheduler::add_running(std::unique_ptr<Sequence> seq) {
               seq->num_computed,
       "prefilled sequence ", seq->id, " has no KV blocks covering its ", seq->num_computed,
       " tokens");
+  // NOTE: the state would have to travel with the KV (one contiguous range per slot); the
+  // disaggregated path does not carry it yet, so a hybrid model serves without disaggregation.
+  RELAY_CHECK(states_ == nullptr, "sequence ", seq->id,
+              ": a prefilled hand-over of a model with recurrent layers is not supported");
   if (seq->num_cached_prompt_tokens < 0) seq->num_cached_prompt_tokens = 0;
   running_.push_back(seq.get());
   seqs_.emplace(seq->id, std::move(seq));
@@ -49,11 +57,23 @@ Sequence* Scheduler::find(int64_t id) {
 
 void Scheduler::preempt(Sequence* seq) {
   blocks_.free(seq->id);
+  if (states_ != nullptr) states_->free(seq->id);
   seq->num_computed = 0;
   seq->draft_tokens.clear();
   ++seq->num_preemptions;
   ++stats_.num_preemptions;
   waiting_.push_front(seq);
+}
+
+bool Scheduler::bind_state_partition(const Sequence* seq) {
+  int best = -1;
+  for (int p = 0; p < states_->num_partitions(); ++p) {
+    if (states_->num_free_sequences(p) == 0) continue;
+    if (best < 0 || blocks_.num_free_blocks(p) > blocks_.num_free_blocks(best)) best = p;
+  }
+  if (best < 0) return false;
+  blocks_.bind(seq->id, best);
+  return true;
 }
 
 SchedulerOutput Scheduler::schedule() {
@@ -130,12 +150,22 @@ SchedulerOutput Scheduler::schedule() {
   while (!preempted && !waiting_.empty() && budget > 0 &&
          static_cast<int>(running_.size()) < config_.max_num_seqs) {
     Sequence* seq = waiting_.front();
-    // NOTE: prompt logprobs read every prompt position's logits: a hit would skip them.
-    const bool reads_cache = !(seq->wants_prompt_logprobs && seq->num_output_tokens() == 0);
+    // NOTE: prompt logprobs read every prompt position's logits, and a recurrent layer's state is
+    // built from every token: a hit would skip them.
+    const bool reads_cache =
+        states_ == nullptr && !(seq->wants_prompt_logprobs && seq->num_output_tokens() == 0);
     const PrefixHit hit = reads_cache ? blocks_.find_cached_prefix(seq->tokens) : PrefixHit{};
     const int num_hit = static_cast<int>(hit.num_tokens(blocks_.block_size()));
     const int n = std::min(static_cast<int>(seq->tokens.size()) - num_hit, budget);
-    if (!blocks_.allocate(seq->id, num_hit + n, &hit)) break;
+    if (states_ != nullptr && !bind_state_partition(seq)) break;
+    if (!blocks_.allocate(seq->id, num_hit + n, &hit)) {
+      blocks_.free(seq->id);  // undoes bind_state_partition's binding
+      break;
+    }
+    if (states_ != nullptr) {
+      RELAY_CHECK(states_->allocate(seq->id, blocks_.partition_of(seq->id)), "sequence ", seq->id,
+                  ": its partition has no state slot left");
+    }
     waiting_.pop_front();
     if (reads_cache) stats_.prefix_cache_queries += seq->tokens.size();
     stats_.prefix_cache_hits += num_hit;
@@ -200,6 +230,8 @@ bool Scheduler::finish_keeping_blocks(int64_t id) {
   } else if (auto w = std::find(waiting_.begin(), waiting_.end(), seq); w != waiting_.end()) {
     waiting_.erase(w);
   }
+  // NOTE: the state is dropped even when the blocks are kept: add_running refuses hybrid models.
+  if (states_ != nullptr) states_->free(id);
   seqs_.erase(it);
   return true;
 }

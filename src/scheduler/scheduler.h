@@ -46,6 +46,15 @@
 // ever enters the prefix cache. A step consumes the drafts of every sequence it runs, verified or
 // not, and a preempted sequence loses its drafts.
 //
+// Recurrent state (hybrid models: Qwen3.5, Qwen3-Next): when constructed with a StateSlotManager,
+// every running sequence also owns its state slots (state_slots.h), taken at admission and
+// returned at finish or preemption (a recompute starts from a zero state, as from no KV). A
+// sequence is admitted only with its slots, in a partition that has them (among those, the one
+// with the most free blocks) and its blocks come from that partition too; running sequences never
+// need more slots, so slots bound admission alone. Such a model takes no prefix-cache hit (a hit
+// would skip the tokens that build the state; see state_slots.h for the snapshot design), and a
+// prefilled hand-over (add_running) is refused, as its state would have to travel with its KV.
+//
 // Partitions: with data-parallel attention one scheduler serves every DP rank, each rank's KV pool
 // being one partition of the block manager (see block_manager.h), which binds each sequence to one.
 // Preempting a sequence of another partition would free blocks on another rank, of no use to the
@@ -61,6 +70,7 @@
 #include <vector>
 
 #include "kvcache/block_manager.h"
+#include "kvcache/state_slots.h"
 #include "sequence/sampling.h"
 #include "sequence/sequence.h"
 
@@ -96,7 +106,10 @@ struct SchedulerStats {
 
 class Scheduler {
  public:
-  Scheduler(const SchedulerConfig& config, BlockManager& blocks);
+  // `states`: the recurrent-state slots of a hybrid model (nullptr for attention-only models), with
+  // as many partitions as `blocks`.
+  Scheduler(const SchedulerConfig& config, BlockManager& blocks,
+            StateSlotManager* states = nullptr);
 
   // Queues a new sequence (tokens = its prompt, non-empty; id unused so far).
   void add(std::unique_ptr<Sequence> seq);
@@ -129,12 +142,17 @@ class Scheduler {
   const SchedulerStats& stats() const { return stats_; }
   const SchedulerConfig& config() const { return config_; }
   const BlockManager& blocks() const { return blocks_; }
+  const StateSlotManager* states() const { return states_; }
 
  private:
   void preempt(Sequence* seq);
+  // Binds a waiting sequence of a hybrid model to the partition it can get state slots in (the
+  // one with the most free blocks among those); false when no partition has slots.
+  bool bind_state_partition(const Sequence* seq);
 
   SchedulerConfig config_;
   BlockManager& blocks_;
+  StateSlotManager* states_;
   std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
   std::vector<Sequence*> running_;  // oldest admission first
   std::deque<Sequence*> waiting_;   // FCFS; preempted sequences go back to the front

@@ -285,7 +285,7 @@ void EngineLoop::run() {
       }
     }
     const EngineStats s = engine_.stats();
-    metrics_.set_engine({s.num_running, s.num_waiting, s.kv_cache_usage,
+    metrics_.set_engine({s.num_running, s.num_waiting, s.kv_cache_usage, s.state_slot_usage,
                          s.scheduler.num_preemptions, s.scheduler.prefix_cache_queries,
                          s.scheduler.prefix_cache_hits, s.spec_decode});
   }

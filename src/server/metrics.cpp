@@ -132,6 +132,10 @@ std::string Metrics::render() const {
         engine_.num_waiting);
   gauge("relay:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
         engine_.kv_cache_usage);
+  gauge("relay:state_slot_usage_perc",
+        "Recurrent-state slot usage of linear-attention layers (hybrid models; 0 otherwise). 1 "
+        "means 100 percent usage.",
+        engine_.state_slot_usage);
   counter("relay:num_preemptions_total", "Cumulative number of preemptions.",
           engine_.num_preemptions);
   counter("relay:prefix_cache_queries_total", "Prefix cache queries, in queried tokens.",

@@ -37,10 +37,11 @@ struct EngineGauges {
   int num_running = 0;
   int num_waiting = 0;
   double kv_cache_usage = 0.0;  // 0..1
+  double state_slot_usage = 0.0;  // 0..1, hybrid models' recurrent-state slots
   uint64_t num_preemptions = 0;
   uint64_t prefix_cache_queries = 0;
   uint64_t prefix_cache_hits = 0;
-  SpecDecodeStats spec_decode;  // speculative decoding's counters (zero without it)
+  SpecDecodeStats spec_decode{};  // speculative decoding's counters (zero without it)
 };
 
 // Where an engine step's wall time went, in seconds; the phases add up to the step's time.

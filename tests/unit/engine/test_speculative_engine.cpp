@@ -88,7 +88,9 @@ TEST(SpeculativeEngine, NgramDraftsAreLosslessAndSaveSteps) {
       }
     }
     EXPECT_EQ(per_pos, spec.stats.num_accepted_tokens);
-    if (temperature == 0.0f) EXPECT_LT(spec.steps, plain.steps);
+    if (temperature == 0.0f) {
+      EXPECT_LT(spec.steps, plain.steps);
+    }
   }
 }
 

@@ -346,6 +346,28 @@ TEST(BlockManager, GrowthStaysInItsPartitionAndAFullPartitionRefuses) {
   bm.check_invariants();
 }
 
+// bind() puts a new sequence in a chosen partition (where its recurrent-state slot is) even when
+// another has more free blocks; free() undoes a binding that never got blocks.
+TEST(BlockManager, BindChoosesThePartitionOfANewSequence) {
+  BlockManager bm(8, 4, true, 2);
+  ASSERT_TRUE(bm.allocate(1, 4));  // partition 0 (ties go to the lowest)
+  bm.bind(2, 0);                   // although partition 1 has more free blocks
+  EXPECT_EQ(bm.partition_of(2), 0);
+  EXPECT_TRUE(bm.block_table(2).empty());
+  ASSERT_TRUE(bm.allocate(2, 12));
+  for (int32_t b : bm.block_table(2)) EXPECT_EQ(bm.partition_of_block(b), 0);
+  EXPECT_FALSE(bm.allocate(2, 13));  // partition 0 is full; partition 1's blocks are not its
+  bm.check_invariants();
+  bm.bind(3, 0);
+  EXPECT_FALSE(bm.allocate(3, 1));
+  bm.free(3);
+  EXPECT_FALSE(bm.has_sequence(3));
+  EXPECT_THROW(bm.bind(2, 1), Error);   // already bound
+  EXPECT_THROW(bm.bind(4, 2), Error);   // no such partition
+  EXPECT_THROW(bm.bind(4, -1), Error);
+  bm.check_invariants();
+}
+
 TEST(BlockManager, PrefixHitsArePerPartition) {
   BlockManager bm(8, 4, true, 2);
   const auto prompt = iota_tokens(9);  // 2 full blocks + 1 token

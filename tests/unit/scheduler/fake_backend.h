@@ -9,6 +9,13 @@
 // while still in use, a position read before it was written, or a rejected draft's slot read as if
 // it held a committed token changes the output (or fails a check): equal outputs between a
 // constrained and an unconstrained run prove the KV bookkeeping.
+//
+// With state slots (a stand-in for a hybrid model's recurrent layers) each sequence also folds
+// every token it computes into the state in its first slot, from a fresh state when it starts at
+// position 0, and keeps the state after its last committed token (the accepted drafts' row, the
+// others going to its scratch slots). Every sampled row checks that state against the fold of the
+// context read back from the cache, so a slot shared, not reset for a recompute, or left holding a
+// rejected draft fails the test.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -26,10 +33,11 @@ class FakeBackend : public Backend {
  public:
   static constexpr int32_t kVocab = 1000;
 
-  FakeBackend(int num_blocks, int block_size)
+  FakeBackend(int num_blocks, int block_size, int num_state_slots = 0)
       : num_blocks_(num_blocks),
         block_size_(block_size),
-        slots_(static_cast<size_t>(num_blocks) * block_size, -1) {
+        slots_(static_cast<size_t>(num_blocks) * block_size, -1),
+        states_(static_cast<size_t>(num_state_slots), 0) {
     config_.vocab_size = kVocab;
     config_.max_position_embeddings = 1 << 20;
     config_.eos_token_ids = {kEos};
@@ -39,6 +47,7 @@ class FakeBackend : public Backend {
   const ModelConfig& config() const override { return config_; }
   int block_size() const override { return block_size_; }
   int num_kv_blocks() const override { return num_blocks_; }
+  int num_state_slots() const override { return static_cast<int>(states_.size()); }
 
   bool supports_draft_tokens() const override { return true; }
 
@@ -51,12 +60,33 @@ class FakeBackend : public Backend {
       for (size_t i = 0; i < s.tokens.size(); ++i) {
         slot(s, s.num_computed + static_cast<int>(i)) = s.tokens[i];
       }
-      if (!s.sample) continue;
       // Row j follows draft j - 1: its context ends there.
       const int first_row = static_cast<int>(s.tokens.size()) - 1 - s.num_draft_tokens;
-      for (int j = 0; j <= s.num_draft_tokens; ++j) {
-        out.push_back(sample(s, s.num_computed + first_row + j + 1, s.sample_index + j));
-        if (j == s.num_draft_tokens || out.back().token != s.tokens[first_row + j + 1]) break;
+      // The recurrent state after each row (after the chunk's last token when it does not sample).
+      std::vector<uint64_t> row_states;
+      if (!states_.empty()) {
+        EXPECT_GE(s.state_slots.size(), static_cast<size_t>(1 + s.num_draft_tokens))
+            << "sequence " << s.seq_id << " has no scratch slot for each draft";
+        uint64_t state = s.num_computed == 0 ? kFreshState : state_slot(s, 0);
+        for (size_t i = 0; i < s.tokens.size(); ++i) {
+          state = fold(state, s.tokens[i]);
+          if (static_cast<int>(i) >= first_row) row_states.push_back(state);
+        }
+      }
+      size_t num_rows = 1;  // the last token's row and one per accepted draft
+      if (s.sample) {
+        for (int j = 0; j <= s.num_draft_tokens; ++j) {
+          const uint64_t* state = row_states.empty() ? nullptr : &row_states[j];
+          out.push_back(sample(s, s.num_computed + first_row + j + 1, s.sample_index + j, state));
+          if (j == s.num_draft_tokens || out.back().token != s.tokens[first_row + j + 1]) break;
+          ++num_rows;
+        }
+      }
+      if (!row_states.empty()) {
+        for (size_t j = 1; j < row_states.size(); ++j) state_slot(s, j) = row_states[j];
+        // The state after the last committed token (the token sampled after it is computed next
+        // step).
+        state_slot(s, 0) = row_states[num_rows - 1];
       }
     }
     steps.push_back(rec);
@@ -71,12 +101,18 @@ class FakeBackend : public Backend {
 
  private:
   // The token after the first `context` positions: a hash of them read back from the cache.
-  SampledToken sample(const StepSequence& s, int context, uint64_t sample_index) {
-    uint64_t h = 1469598103934665603ull;
+  // With state slots, `state` is the sequence's recurrent state after position context - 1.
+  SampledToken sample(const StepSequence& s, int context, uint64_t sample_index,
+                      const uint64_t* state) {
+    uint64_t h = kFreshState;
     for (int pos = 0; pos < context; ++pos) {
       const int32_t t = slot(s, pos);
       EXPECT_GE(t, 0) << "sequence " << s.seq_id << " reads unwritten position " << pos;
-      h = (h ^ static_cast<uint64_t>(t + 1)) * 1099511628211ull;
+      h = fold(h, t);
+    }
+    if (state != nullptr) {
+      EXPECT_EQ(*state, h) << "sequence " << s.seq_id << ": its recurrent state after " << context
+                           << " tokens is not that of its context";
     }
     if (s.sampling->temperature > 0) {
       h = (h ^ s.sampling->seed) * 1099511628211ull;
@@ -92,6 +128,20 @@ class FakeBackend : public Backend {
     return tok;
   }
 
+  static constexpr uint64_t kFreshState = 1469598103934665603ull;
+  static uint64_t fold(uint64_t state, int32_t token) {
+    return (state ^ static_cast<uint64_t>(token + 1)) * 1099511628211ull;
+  }
+
+  uint64_t& state_slot(const StepSequence& s, size_t i) {
+    EXPECT_LT(i, s.state_slots.size()) << "sequence " << s.seq_id;
+    const int32_t slot = i < s.state_slots.size() ? s.state_slots[i] : 0;
+    EXPECT_TRUE(slot >= 0 && static_cast<size_t>(slot) < states_.size())
+        << "sequence " << s.seq_id << " names state slot " << slot;
+    return states_[static_cast<size_t>(std::clamp<int32_t>(slot, 0,
+                                                            static_cast<int32_t>(states_.size()) - 1))];
+  }
+
   int32_t& slot(const StepSequence& s, int pos) {
     const size_t block = static_cast<size_t>(pos / block_size_);
     EXPECT_LT(block, s.block_table.size())
@@ -104,6 +154,7 @@ class FakeBackend : public Backend {
   int num_blocks_;
   int block_size_;
   std::vector<int32_t> slots_;
+  std::vector<uint64_t> states_;  // per state slot
 };
 
 // Samples script[sample_index] for every sequence (then repeats the last id); computes nothing.

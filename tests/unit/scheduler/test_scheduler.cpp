@@ -3,7 +3,9 @@
 // preemption within a KV partition (DP attention ranks), the sequences of prompt-logprob
 // requests (no prefix hit until the prompt is done, prompt-only sequences that never sample), and
 // decodes with drafts (1 + k tokens budgeted and allocated, variable commits, rollback of rejected
-// drafts) giving exactly the outputs of decoding without them.
+// drafts) giving exactly the outputs of decoding without them, and the recurrent-state slots of
+// hybrid models (admission bounded by slots, no prefix hits, a fresh state after preemption, the
+// state after the accepted drafts kept, the partition chosen by slots).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -35,10 +37,15 @@ struct Harness {
     int num_draft_tokens;
   };
 
-  Harness(int num_blocks, int block_size, SchedulerConfig cfg, int num_partitions = 1)
-      : backend(num_blocks, block_size),
+  // With num_state_slots, the sequences also hold recurrent-state slots (a hybrid model's).
+  Harness(int num_blocks, int block_size, SchedulerConfig cfg, int num_partitions = 1,
+          int num_state_slots = 0, int slots_per_sequence = 1)
+      : backend(num_blocks, block_size, num_state_slots),
         blocks(num_blocks, block_size, true, num_partitions),
-        sched(cfg, blocks) {}
+        states(num_state_slots > 0 ? std::make_unique<StateSlotManager>(
+                                         num_state_slots, slots_per_sequence, num_partitions)
+                                   : nullptr),
+        sched(cfg, blocks, states.get()) {}
 
   // The sequence stays valid until it finishes (tests may set its flags before it runs).
   Sequence* add(int64_t id, std::vector<int32_t> prompt, int max_tokens, float temperature = 0.0f) {
@@ -83,6 +90,7 @@ struct Harness {
       }
       s.num_computed = c.seq->num_computed;
       s.block_table = blocks.block_table(c.seq->id);
+      if (states) s.state_slots = states->slots(c.seq->id);
       s.sample = c.sample;
       s.sampling = &c.seq->sampling;
       s.output_tokens = c.seq->output_tokens();
@@ -108,6 +116,16 @@ struct Harness {
       }
     }
     blocks.check_invariants();
+    if (states) {
+      states->check_invariants();
+      // Exactly the running sequences own slots, in the partition of their blocks.
+      EXPECT_EQ(states->num_free_slots(),
+                states->num_slots() - sched.num_running() * states->slots_per_sequence());
+      for (const Sequence* seq : sched.running()) {
+        EXPECT_EQ(states->partition_of(seq->id), blocks.partition_of(seq->id))
+            << "sequence " << seq->id;
+      }
+    }
     return out;
   }
 
@@ -118,6 +136,7 @@ struct Harness {
 
   FakeBackend backend;
   BlockManager blocks;
+  std::unique_ptr<StateSlotManager> states;
   Scheduler sched;
   // The drafts a live sequence proposes before each step (none when unset).
   std::function<std::vector<int32_t>(const Sequence&)> drafter;
@@ -538,22 +557,25 @@ TEST(Scheduler, DraftsNeverPreempt) {
 // tiny pools that preempt and partitions: every request completes with exactly the outputs of the
 // run without drafts, and the fake backend, which reads its context back from the cache, shows no
 // rejected draft's K/V was read as a token. Right drafts take fewer steps.
+// A drafter for the tiny-pool load: request id's drafts are its next k reference tokens, all right
+// for ids 0 mod 3, wrong from draft `right_for` on for ids 1 mod 3, all wrong for ids 2 mod 3.
+std::function<std::vector<int32_t>(const Sequence&)> reference_drafter(
+    const std::map<int64_t, std::vector<int32_t>>& reference_outputs, int k, int right_for) {
+  return [&reference_outputs, k, right_for](const Sequence& seq) {
+    const std::vector<int32_t>& ref = reference_outputs.at(seq.id);
+    std::vector<int32_t> drafts;
+    for (int j = 0; j < k; ++j) {
+      const size_t at = static_cast<size_t>(seq.num_output_tokens() + j);
+      if (at >= ref.size()) break;
+      const int right = (seq.id % 3 == 0) ? k : (seq.id % 3 == 1 ? right_for : 0);
+      drafts.push_back(j < right ? ref[at] : (ref[at] + 1) % FakeBackend::kVocab);
+    }
+    return drafts;
+  };
+}
+
 TEST(Scheduler, DraftsNeverChangeTheOutputs) {
   const auto reference_outputs = tiny_pool_reference_outputs();
-  // Request id's drafts: the next k reference tokens, wrong from draft `right_for` on.
-  const auto drafter = [&](int k, int right_for) {
-    return [&, k, right_for](const Sequence& seq) {
-      const std::vector<int32_t>& ref = reference_outputs.at(seq.id);
-      std::vector<int32_t> drafts;
-      for (int j = 0; j < k; ++j) {
-        const size_t at = static_cast<size_t>(seq.num_output_tokens() + j);
-        if (at >= ref.size()) break;
-        const int right = (seq.id % 3 == 0) ? k : (seq.id % 3 == 1 ? right_for : 0);
-        drafts.push_back(j < right ? ref[at] : (ref[at] + 1) % FakeBackend::kVocab);
-      }
-      return drafts;
-    };
-  };
   size_t steps_without = 0;
   {
     Harness h(1024, kTinyPoolBlock, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
@@ -569,7 +591,7 @@ TEST(Scheduler, DraftsNeverChangeTheOutputs) {
                                           << " blocks, budget " << budget << ", k " << k);
         Harness h(num_blocks, kTinyPoolBlock, {.max_num_seqs = 8, .max_num_batched_tokens = budget},
                   num_partitions);
-        h.drafter = drafter(k, right_for);
+        h.drafter = reference_drafter(reference_outputs, k, right_for);
         add_tiny_pool_load(h);
         h.run_to_completion();
         ASSERT_EQ(h.outputs.size(), 12u);
@@ -652,6 +674,139 @@ TEST(Scheduler, RandomArrivalsAndAbortsMatchReference) {
     }
     EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
   }
+}
+
+// ---- Recurrent-state slots (hybrid models) ------------------------------------------------------
+
+// Slots bound admission: with slots for three sequences no more than three run (max_num_seqs
+// allows eight), the rest wait in FCFS order, and every request completes with the output it gets
+// without state. A shared prefix gives no hit: the state is built from every token.
+TEST(Scheduler, StateSlotsBoundAdmissionAndSkipThePrefixCache) {
+  const auto system = prompt_of(16, 9);
+  auto run = [&](Harness& h) {
+    for (int id = 0; id < 6; ++id) {
+      auto prompt = system;
+      prompt.push_back(id);
+      h.add(id, prompt, 5 + id);
+      if (id == 0) h.step();  // the first fills the prefix cache before the others arrive
+    }
+    while (h.sched.has_work()) {
+      EXPECT_LE(h.sched.num_running(), h.states ? 3 : 8);
+      h.step();
+    }
+  };
+  Harness reference(256, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+  run(reference);
+  EXPECT_GT(reference.sched.stats().prefix_cache_hits, 0u);
+
+  Harness h(256, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64}, 1, /*num_state_slots=*/3);
+  run(h);
+  EXPECT_EQ(h.outputs, reference.outputs);
+  EXPECT_EQ(h.sched.stats().prefix_cache_hits, 0u);
+  EXPECT_EQ(h.states->num_free_slots(), 3);
+  EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+}
+
+// Preemption returns a sequence's slots and its recompute starts from a fresh state (the fake
+// backend checks every sampled row's state against its context): the tiny-pool load completes with
+// the unconstrained outputs whether blocks or slots are what runs short.
+TEST(Scheduler, StateSlotsThroughPreemptionKeepEveryOutput) {
+  const auto reference_outputs = tiny_pool_reference_outputs();
+  uint64_t num_preemptions = 0;
+  for (int num_blocks : {11, 16, 40}) {
+    for (int num_slots : {1, 3, 8}) {
+      for (int budget : {8, 64}) {
+        SCOPED_TRACE(::testing::Message() << num_blocks << " blocks, " << num_slots
+                                          << " slots, budget " << budget);
+        Harness h(num_blocks, kTinyPoolBlock,
+                  {.max_num_seqs = 8, .max_num_batched_tokens = budget}, 1, num_slots);
+        add_tiny_pool_load(h);
+        h.run_to_completion();
+        ASSERT_EQ(h.outputs.size(), 12u);
+        for (const auto& [id, out] : reference_outputs) {
+          EXPECT_EQ(h.outputs[id], out) << "request " << id;
+        }
+        EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+        EXPECT_EQ(h.states->num_free_slots(), num_slots);
+        num_preemptions += h.sched.stats().num_preemptions;
+      }
+    }
+  }
+  EXPECT_GT(num_preemptions, 0u);
+}
+
+// With drafts each sequence holds 1 + k slots, the extra ones the backend's scratch states for the
+// draft positions; the state kept is the one after the accepted drafts, so outputs never change.
+TEST(Scheduler, StateSlotsWithDraftsKeepEveryOutput) {
+  const auto reference_outputs = tiny_pool_reference_outputs();
+  for (const auto& [num_partitions, num_blocks] :
+       std::vector<std::pair<int, int>>{{1, 1024}, {1, 16}, {2, 24}}) {
+    for (const auto& [k, right_for] : std::vector<std::pair<int, int>>{{1, 1}, {3, 2}}) {
+      SCOPED_TRACE(::testing::Message() << num_partitions << " x " << num_blocks / num_partitions
+                                        << " blocks, k " << k);
+      const int per_sequence = 1 + k;
+      Harness h(num_blocks, kTinyPoolBlock, {.max_num_seqs = 8, .max_num_batched_tokens = 64},
+                num_partitions, num_partitions * 3 * per_sequence, per_sequence);
+      h.drafter = reference_drafter(reference_outputs, k, right_for);
+      add_tiny_pool_load(h);
+      h.run_to_completion();
+      ASSERT_EQ(h.outputs.size(), 12u);
+      for (const auto& [id, out] : reference_outputs) {
+        EXPECT_EQ(h.outputs[id], out) << "request " << id;
+      }
+      EXPECT_TRUE(std::any_of(h.chunks.begin(), h.chunks.end(),
+                              [](const auto& c) { return c.num_draft_tokens > 0; }));
+      EXPECT_EQ(h.states->num_free_slots(), h.states->num_slots());
+    }
+  }
+}
+
+// With DP partitions a sequence goes where it can get its slots, even when another partition has
+// more free blocks, and its blocks follow it there. Two partitions of 8 blocks, two slots each: A
+// and C land in partition 0, B (six blocks) in 1; D then goes to partition 1 although partition 0
+// has more free blocks, and E waits for a slot while blocks are free.
+TEST(Scheduler, StateSlotsChooseAPartitionWithRoom) {
+  auto load = [](Harness& h) {
+    h.add(1, prompt_of(2, 1), 2);   // A
+    h.add(2, prompt_of(22, 2), 2);  // B
+    h.add(3, prompt_of(2, 3), 2);   // C
+    h.add(4, prompt_of(2, 4), 2);   // D
+    h.add(5, prompt_of(2, 5), 2);   // E
+  };
+  Harness reference(256, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+  load(reference);
+  reference.run_to_completion();
+
+  Harness h(16, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64}, /*num_partitions=*/2,
+            /*num_state_slots=*/4);
+  load(h);
+  h.step();
+  EXPECT_EQ(h.blocks.partition_of(1), 0);
+  EXPECT_EQ(h.blocks.partition_of(2), 1);
+  EXPECT_EQ(h.blocks.partition_of(3), 0);
+  EXPECT_EQ(h.blocks.partition_of(4), 1);
+  EXPECT_EQ(h.sched.num_running(), 4);
+  EXPECT_EQ(h.sched.num_waiting(), 1);
+  EXPECT_FALSE(h.blocks.has_sequence(5));
+  EXPECT_GT(h.blocks.num_free_blocks(0), 0);
+  h.run_to_completion();
+  EXPECT_EQ(h.outputs, reference.outputs);
+}
+
+TEST(Scheduler, StateSlotsRefuseAHandOverAndMismatchedPartitions) {
+  BlockManager bm(8, 4, true, 2);
+  StateSlotManager one_partition(4, 1, 1);
+  EXPECT_THROW((Scheduler({.max_num_seqs = 2, .max_num_batched_tokens = 8}, bm, &one_partition)),
+               Error);
+  StateSlotManager states(4, 1, 2);
+  Scheduler s({.max_num_seqs = 2, .max_num_batched_tokens = 8}, bm, &states);
+  ASSERT_TRUE(bm.allocate(7, 4));
+  auto seq = std::make_unique<Sequence>();
+  seq->id = 7;
+  seq->tokens = {1, 2, 3, 4, 5};
+  seq->num_prompt_tokens = 4;
+  seq->num_computed = 4;
+  EXPECT_THROW(s.add_running(std::move(seq)), Error);
 }
 
 TEST(Scheduler, RejectsBadConfigAndDuplicates) {
