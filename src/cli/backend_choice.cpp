@@ -169,7 +169,8 @@ int follow_leader(const std::string& model_dir, const BackendChoice& c) {
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& c,
-                                      int max_num_seqs, int max_num_batched_tokens) {
+                                      int max_num_seqs, int max_num_batched_tokens,
+                                      int max_draft_tokens) {
   c.parallel.validate();
   c.nodes.validate(c.parallel);
   if (c.device == "cuda") {
@@ -198,7 +199,9 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
   }
   RELAY_CHECK(!is_follower_node(c), "node ", c.nodes.node_rank,
               " of a multi-node worker follows node 0 (follow_leader); it builds no engine");
-  return std::make_unique<CpuBackend>(model_dir, cpu_options(c));
+  CpuBackendOptions o = cpu_options(c);
+  o.num_state_slots = max_num_seqs * (1 + max_draft_tokens);
+  return std::make_unique<CpuBackend>(model_dir, o);
 }
 
 }  // namespace relay::cli

@@ -54,7 +54,8 @@ int run_generate(const GenerateOptions& o) {
     config.speculative = SpeculativeConfig::parse(o.speculative_config);
   }
   LLMEngine engine(
-      make_backend(o.model_dir, o.backend, config.max_num_seqs, config.max_num_batched_tokens),
+      make_backend(o.model_dir, o.backend, config.max_num_seqs, config.max_num_batched_tokens,
+                   config.speculative.enabled() ? config.speculative.num_speculative_tokens : 0),
       tokenizer, config);
 
   EngineRequest request;

@@ -199,7 +199,6 @@ int run_serve(const ServeOptions& o) {
                o.backend.device.c_str());
   const Tokenizer tokenizer = Tokenizer::from_model_dir(o.model_dir);
   chat::ChatTemplate chat_template = chat::ChatTemplate::from_model_dir(o.model_dir);
-  auto backend = make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens);
   EngineConfig ec;
   ec.max_num_seqs = o.max_num_seqs;
   ec.max_num_batched_tokens = o.max_num_batched_tokens;
@@ -208,13 +207,22 @@ int run_serve(const ServeOptions& o) {
   if (!o.speculative_config.empty()) {
     ec.speculative = SpeculativeConfig::parse(o.speculative_config);
   }
+  auto backend =
+      make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens,
+                   ec.speculative.enabled() ? ec.speculative.num_speculative_tokens : 0);
+  RELAY_CHECK(!is_worker || backend->num_state_slots() == 0, "--role ", o.role, ": ",
+              backend->config().architecture,
+              " has linear-attention layers, whose recurrent state does not travel between "
+              "disaggregated workers yet; serve it without --role");
   LLMEngine engine(std::move(backend), tokenizer, ec);
+  const int state_slots = engine.backend().num_state_slots();
   std::fprintf(stderr,
-               "relay: loaded '%s' in %.2f s: %d KV blocks of %d tokens, max_model_len %d, "
+               "relay: loaded '%s' in %.2f s: %d KV blocks of %d tokens%s, max_model_len %d, "
                "max_num_seqs %d, speculative decoding %s\n",
                so.served_model_name.c_str(),
                std::chrono::duration<double>(Clock::now() - load_start).count(),
                engine.backend().num_kv_blocks(), engine.backend().block_size(),
+               state_slots > 0 ? str(", ", state_slots, " recurrent-state slots").c_str() : "",
                engine.max_model_len(), o.max_num_seqs, ec.speculative.describe().c_str());
   if (!is_worker) {
     http.attach(engine, std::move(chat_template));

@@ -23,12 +23,15 @@ struct CpuBackend::Rank {
 
   std::unique_ptr<Model> model;
   KvPool kv;
+  std::unique_ptr<RecurrentStatePool> state;  // hybrid models only
   ThreadPool pool;
   parallel::RankPlace place;    // its TP / DP rank in the whole worker
   std::vector<size_t> members;  // indices into the step's batch of the sequences this rank runs
   ForwardBatch batch;
   std::vector<int32_t> token_ids, positions, query_starts, context_lens, block_tables, logit_rows;
   std::vector<int64_t> slot_mapping;
+  std::vector<int32_t> state_slots, snapshot_slots;  // local slot ids
+  std::vector<uint8_t> state_fresh;
   std::vector<float> logits;
 };
 
@@ -98,11 +101,27 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
         make_shard(config, parallel_, first_rank + i, comms_.empty() ? nullptr : comms_[i].get());
     models.push_back(build_model(config, ckpt, shard));
   }
+  // The recurrent-state pool comes out of the KV budget.
+  size_t kv_bytes = o.kv_cache_bytes;
+  if (config.has_linear_attention()) {
+    // NOTE: the draft rollback runs where the tokens are known, on node 0 after the step
+    // (roll_back_states): with ranks elsewhere their states would stay unrolled.
+    RELAY_CHECK(world == 1, config.architecture, " runs on one rank for now (the recurrent state "
+                "is not sharded), got ", parallel_.describe());
+    RELAY_CHECK(o.num_state_slots > 0, "a model with linear-attention layers needs recurrent-state "
+                "slots, got ", o.num_state_slots);
+    state_slots_per_rank_ = o.num_state_slots;
+    const size_t state_bytes = models[0]->recurrent_state_layout(o.num_state_slots).total_bytes();
+    RELAY_CHECK(o.num_blocks > 0 || state_bytes < kv_bytes, "--kv-cache-memory ", kv_bytes,
+                " bytes cannot hold the recurrent state of ", o.num_state_slots, " slots (",
+                state_bytes, " bytes: one per running sequence and draft position) and any KV");
+    if (o.num_blocks == 0) kv_bytes -= state_bytes;
+  }
   // Every rank gets the same number of blocks; global rank 0 (node 0's first) sets the count.
   if (o.nodes.is_leader()) {
-    const KvCacheLayout layout =
-        o.num_blocks > 0 ? models[0]->kv_layout(o.block_size, o.num_blocks)
-                         : models[0]->kv_layout_for_budget(o.block_size, o.kv_cache_bytes);
+    const KvCacheLayout layout = o.num_blocks > 0
+                                     ? models[0]->kv_layout(o.block_size, o.num_blocks)
+                                     : models[0]->kv_layout_for_budget(o.block_size, kv_bytes);
     blocks_per_rank_ = layout.num_blocks;
   }
   if (nodes_) {
@@ -119,6 +138,10 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
     ranks_.push_back(std::make_unique<Rank>(std::move(models[i]), layout,
                                             threads_per_rank(o.num_threads, num_local),
                                             parallel::place_rank(parallel_, first_rank + i)));
+    if (state_slots_per_rank_ > 0) {
+      ranks_.back()->state = std::make_unique<RecurrentStatePool>(
+          ranks_.back()->model->recurrent_state_layout(state_slots_per_rank_));
+    }
   }
 }
 
@@ -186,6 +209,59 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
   r.batch = ForwardBatch{r.token_ids,    r.positions,    r.query_starts,
                          r.context_lens, r.block_tables, static_cast<int>(max_blocks),
                          r.slot_mapping, r.logit_rows};
+  if (r.state == nullptr) return;
+  // The recurrent state: each sequence's slot, fresh from position 0, and with drafts the
+  // snapshots of the rows a rollback may return to (the last token's and each draft's but the
+  // last, whose state is the one the slot ends with).
+  const int32_t first_slot = r.place.dp_rank * state_slots_per_rank_;
+  auto local_slot = [&](const StepSequence& s, size_t i) {
+    RELAY_CHECK(i < s.state_slots.size(), "sequence ", s.seq_id, " verifies ", s.num_draft_tokens,
+                " drafts with ", s.state_slots.size(),
+                " recurrent-state slots; it needs one more than its drafts");
+    const int32_t slot = s.state_slots[i] - first_slot;
+    RELAY_CHECK(slot >= 0 && slot < state_slots_per_rank_, "sequence ", s.seq_id,
+                ": recurrent-state slot ", s.state_slots[i], " is not on its DP rank ",
+                r.place.dp_rank);
+    return slot;
+  };
+  r.state_slots.clear();
+  r.state_fresh.clear();
+  r.snapshot_slots.assign(r.token_ids.size(), -1);
+  bool snapshots = false;
+  for (size_t m = 0; m < r.members.size(); ++m) {
+    const StepSequence& s = batch[r.members[m]];
+    r.state_slots.push_back(local_slot(s, 0));
+    r.state_fresh.push_back(s.num_computed == 0 ? 1 : 0);
+    const int32_t first_row = r.query_starts[m + 1] - 1 - s.num_draft_tokens;
+    for (int32_t j = 0; j < s.num_draft_tokens; ++j) {
+      r.snapshot_slots[first_row + j] = local_slot(s, 1 + static_cast<size_t>(j));
+      snapshots = true;
+    }
+  }
+  r.batch.recurrent_state = r.state.get();
+  r.batch.state_slots = r.state_slots;
+  r.batch.state_fresh = r.state_fresh;
+  if (snapshots) r.batch.state_snapshot_slots = r.snapshot_slots;
+}
+
+void CpuBackend::roll_back_states(std::span<const StepSequence> batch,
+                                  std::span<const SampledToken> sampled) {
+  if (state_slots_per_rank_ == 0) return;
+  size_t next = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const StepSequence& s = batch[i];
+    if (!s.sample) continue;
+    size_t n = 0;
+    while (next + n < sampled.size() && sampled[next + n].seq_id == s.seq_id) ++n;
+    next += n;
+    const size_t accepted = n - 1;
+    if (s.num_draft_tokens == 0 || accepted == static_cast<size_t>(s.num_draft_tokens)) continue;
+    for (auto& r : ranks_) {
+      if (std::find(r->members.begin(), r->members.end(), i) == r->members.end()) continue;
+      const int32_t first_slot = r->place.dp_rank * state_slots_per_rank_;
+      r->state->copy_slot(s.state_slots[0] - first_slot, s.state_slots[1 + accepted] - first_slot);
+    }
+  }
 }
 
 NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence> batch,
@@ -426,6 +502,7 @@ std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) 
     RELAY_CHECK(!tokens[i].empty(), "no node sampled sequence ", s.seq_id);
     out.insert(out.end(), tokens[i].begin(), tokens[i].end());
   }
+  roll_back_states(batch, out);
   return out;
 }
 

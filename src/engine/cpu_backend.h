@@ -13,6 +13,14 @@
 // forward pass (attention sees each row's own causal context, as k + 1 single-token steps would),
 // and the sampler verifies the drafts on the last 1 + k rows (sample_with_drafts).
 //
+// Hybrid models (Qwen3.5, Qwen3-Next): each rank also owns a recurrent-state pool
+// (kvcache/recurrent_state.h) of options.num_state_slots slots, taken out of the KV budget. A
+// sequence's StepSequence::state_slots[0] is its state, started fresh when it computes from
+// position 0; a decode with k drafts snapshots the state after its last token and after each of
+// its first k - 1 drafts into its k scratch slots (ForwardBatch::state_snapshot_slots) and, once
+// the sampler has verified them, copies the snapshot after the last accepted draft back into its
+// state slot, so rejected drafts leave no trace in the state, as they leave none in the KV.
+//
 // Parallelism (options.parallel, parallel/parallel_config.h): the backend then runs tp x dp ranks
 // as threads of this process, each with its own shard of the weights (model/shard.h), its own KV
 // pool and its own slice of the threads, connected by the shared-memory communicator
@@ -49,6 +57,7 @@
 #include "engine/backend.h"
 #include "engine/node_group.h"
 #include "kvcache/kv_cache.h"
+#include "kvcache/recurrent_state.h"
 #include "model/dummy_weights.h"
 #include "model/model.h"
 #include "parallel/communicator.h"
@@ -64,6 +73,10 @@ struct CpuBackendOptions {
   parallel::ParallelConfig parallel;          // tp / ep / dp ranks (threads of this process)
   parallel::NodeConfig nodes;                 // the processes the ranks are spread over
   LoadFormat load_format = LoadFormat::kAuto;  // kDummy: random weights (model/dummy_weights.h)
+  // Recurrent-state slots per rank, for a model with linear-attention layers (ignored otherwise):
+  // a running sequence takes one plus one per draft it may verify. Their memory comes out of
+  // kv_cache_bytes.
+  int num_state_slots = 64;
 };
 
 class CpuBackend : public Backend {
@@ -75,6 +88,7 @@ class CpuBackend : public Backend {
   int block_size() const override;
   int num_kv_blocks() const override { return blocks_per_rank_ * parallel_.dp; }
   int num_kv_partitions() const override { return parallel_.dp; }
+  int num_state_slots() const override { return state_slots_per_rank_ * parallel_.dp; }
   std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
   bool supports_prompt_logprobs() const override { return true; }
@@ -119,8 +133,14 @@ class CpuBackend : public Backend {
   void build_batch(Rank& r, std::span<const StepSequence> batch,
                    const std::vector<RowsOf>& rows_of);
 
+  // After a step verified drafts: restores, in every rank that ran the sequence, the state after
+  // its last accepted draft from its snapshot (see the top of this file).
+  void roll_back_states(std::span<const StepSequence> batch,
+                        std::span<const SampledToken> sampled);
+
   parallel::ParallelConfig parallel_;
   int blocks_per_rank_ = 0;
+  int state_slots_per_rank_ = 0;  // 0: the model has no linear-attention layers
   std::unique_ptr<NodeGroup> nodes_;  // only with several nodes
   std::string lost_;                  // node 0: why the multi-node worker can no longer run steps
   // One per local rank (empty with one rank in all).

@@ -279,8 +279,10 @@ EngineStats LLMEngine::stats() const {
 
 void LLMEngine::propose_drafts() {
   for (Sequence* seq : scheduler_.running()) {
-    // Only a decode (its last sampled token not yet computed) can carry drafts.
+    // Only a decode (its last sampled token not yet computed) can carry drafts, and drafts given
+    // through set_drafts for this step come first.
     if (static_cast<int>(seq->tokens.size()) - seq->num_computed != 1) continue;
+    if (!seq->draft_tokens.empty()) continue;
     const std::vector<int32_t> drafts =
         propose_ngram(seq->tokens, speculative_.prompt_lookup_min, speculative_.prompt_lookup_max,
                       speculative_.num_speculative_tokens);
@@ -435,6 +437,10 @@ void LLMEngine::set_drafts(int64_t id, std::span<const int32_t> drafts) {
   // A step commits its accepted drafts and one token more, all within max_tokens.
   const int64_t room = r.stop.max_tokens - seq->num_output_tokens() - 1;
   drafts = drafts.first(static_cast<size_t>(std::clamp<int64_t>(room, 0, drafts.size())));
+  if (states_ != nullptr) {  // one scratch state slot per draft
+    drafts = drafts.first(
+        std::min(drafts.size(), static_cast<size_t>(states_->slots_per_sequence() - 1)));
+  }
   drafts = drafts.first(walk_grammar(r, drafts, seq->num_output_tokens() == 0, nullptr));
   seq->draft_tokens.assign(drafts.begin(), drafts.end());
 }

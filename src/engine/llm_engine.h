@@ -182,8 +182,10 @@ class LLMEngine {
   // its next step only, replacing any not used yet (an empty list withdraws them). The step that
   // runs the request verifies them and commits the accepted ones and one token more; a step that
   // runs it otherwise (a prompt chunk, or no budget or KV blocks to spare) drops them. Drafts that
-  // max_tokens leaves no room for, and those from the first one the request's grammar refuses, are
-  // dropped now. Throws relay::Error when the backend does not verify drafts
+  // max_tokens leaves no room for, those from the first one the request's grammar refuses, and for
+  // a hybrid model those beyond its scratch state slots (num_speculative_tokens), are dropped now.
+  // With --speculative-config, the proposer runs at the start of each step for the decodes that
+  // were given no drafts this way. Throws relay::Error when the backend does not verify drafts
   // (supports_draft_tokens), for an unknown request, or for a token outside the vocabulary.
   void set_drafts(int64_t id, std::span<const int32_t> drafts);
 

@@ -394,6 +394,9 @@ struct CausalConv1dParams {
   const int32_t* query_starts = nullptr;  // [num_seqs + 1], as PagedAttentionParams
   const int32_t* state_slots = nullptr;   // [num_seqs]
   const uint8_t* state_fresh = nullptr;   // [num_seqs]; 1: start from zeros, not the slot's state
+  // [num_tokens] or null: after token t, its sequence's state is also copied into slot
+  // snapshot_slots[t] when that is >= 0 (drafts: the states a rollback may return to)
+  const int32_t* snapshot_slots = nullptr;
   T* out = nullptr;                       // [num_tokens, conv_dim]
   int num_seqs = 0;
   int num_tokens = 0;
@@ -426,6 +429,7 @@ struct GatedDeltaRuleParams {
   const int32_t* query_starts = nullptr;  // [num_seqs + 1]
   const int32_t* state_slots = nullptr;   // [num_seqs]
   const uint8_t* state_fresh = nullptr;   // [num_seqs]; 1: start from a zero state
+  const int32_t* snapshot_slots = nullptr;  // [num_tokens] or null, as CausalConv1dParams
   T* out = nullptr;                       // [num_tokens, num_v_heads, value_dim]
   int num_seqs = 0;
   int num_tokens = 0;

@@ -61,6 +61,8 @@ class RecurrentStatePool {
   float* ssm(int layer) { return data_.data() + layout_.ssm_offset(0, layer); }
   float* data() { return data_.data(); }
   const float* data() const { return data_.data(); }
+  // Copies slot `src`'s whole state (every layer) over slot `dst`'s: a rollback to a snapshot.
+  void copy_slot(int dst, int src);
 
  private:
   RecurrentStateLayout layout_;

@@ -12,9 +12,12 @@
 // which the forward reads and advances past the new tokens. state_fresh[s] = 1 says the sequence
 // starts here (its first chunk: context_lens[s] equals its new tokens) and its state starts from
 // zero, whatever the slot held before; 0 continues the slot's state, which must then be this
-// sequence's state after its first context_lens[s] - (new tokens) tokens. Recurrent state cannot
-// be rolled back, so every new token of such a sequence is committed (no drafts). Attention-only
-// models ignore the three fields, and callers that build only the fields above keep compiling.
+// sequence's state after its first context_lens[s] - (new tokens) tokens. A recurrent state cannot
+// be rolled back, so a step verifying drafts keeps the states it may need to return to:
+// state_snapshot_slots[t] >= 0 asks for a copy of the sequence's state after token row t in that
+// slot (the backend then keeps the one after the last accepted draft); empty or -1: none.
+// Attention-only models ignore these fields, and callers that build only the fields above keep
+// compiling.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +41,9 @@ struct ForwardBatch {
   RecurrentStatePool* recurrent_state = nullptr;
   std::span<const int32_t> state_slots{};  // [num_seqs], distinct slots of recurrent_state
   std::span<const uint8_t> state_fresh{};  // [num_seqs], 1 = start from a zero state
+  // [num_tokens] or empty: the slot receiving the state after each row (-1: none); never one of
+  // state_slots, each slot at most once
+  std::span<const int32_t> state_snapshot_slots{};
 
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
   int num_seqs() const { return static_cast<int>(context_lens.size()); }

@@ -296,6 +296,7 @@ void GatedDeltaNet::forward(const float* x, const ForwardBatch& b, KvPool& /*kv*
   conv.query_starts = b.query_starts.data();
   conv.state_slots = b.state_slots.data();
   conv.state_fresh = b.state_fresh.data();
+  conv.snapshot_slots = b.state_snapshot_slots.empty() ? nullptr : b.state_snapshot_slots.data();
   conv.out = conv_out_.data();
   conv.num_seqs = b.num_seqs();
   conv.num_tokens = t;
@@ -317,6 +318,7 @@ void GatedDeltaNet::forward(const float* x, const ForwardBatch& b, KvPool& /*kv*
   d.query_starts = b.query_starts.data();
   d.state_slots = b.state_slots.data();
   d.state_fresh = b.state_fresh.data();
+  d.snapshot_slots = conv.snapshot_slots;
   d.out = core_.data();
   d.num_seqs = b.num_seqs();
   d.num_tokens = t;

@@ -93,6 +93,19 @@ void Model::check_recurrent_state(const ForwardBatch& b) const {
                 " starts a fresh recurrent state but has ", b.context_lens[i] - n,
                 " earlier tokens in the KV cache");
   }
+  if (b.state_snapshot_slots.empty()) return;
+  RELAY_CHECK(b.state_snapshot_slots.size() == static_cast<size_t>(b.num_tokens()),
+              "forward batch: ", b.num_tokens(), " tokens but ", b.state_snapshot_slots.size(),
+              " state snapshot slots");
+  for (int t = 0; t < b.num_tokens(); ++t) {
+    const int32_t slot = b.state_snapshot_slots[t];
+    if (slot < 0) continue;
+    RELAY_CHECK(slot < l.num_slots, "forward batch: row ", t, " has state snapshot slot ", slot,
+                ", the pool has ", l.num_slots);
+    RELAY_CHECK(!taken[slot], "forward batch: state snapshot slot ", slot,
+                " is a sequence's state or another row's snapshot");
+    taken[slot] = true;
+  }
 }
 
 void Model::check_batch(const ForwardBatch& b, const KvPool& kv) const {

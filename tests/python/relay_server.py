@@ -70,12 +70,12 @@ class RelayServer:
         label_text = ",".join([f'model_name="{MODEL}"'] + [f'{k}="{v}"' for k, v in labels.items()])
         return self.metrics()[f"{name}{{{label_text}}}"]
 
-    def wait_idle(self, timeout=30):
+    def wait_idle(self, timeout=30, model=MODEL):
         """Waits until no request runs or waits and the KV pool is empty; returns the last sample."""
         deadline = time.time() + timeout
         while True:
             m = self.metrics()
-            label = f'{{model_name="{MODEL}"}}'
+            label = f'{{model_name="{model}"}}'
             idle = (m["relay:num_requests_running" + label] == 0 and m["relay:num_requests_waiting" + label] == 0
                     and m["relay:kv_cache_usage_perc" + label] == 0)
             if idle or time.time() > deadline:

@@ -77,6 +77,13 @@ void launch_causal_conv1d(const CausalConv1dParams<float>& p, ThreadPool& pool) 
           }
           out[c] = silu(acc);
         }
+        if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
+          float* snap = p.conv_states + p.snapshot_slots[t] * p.state_stride;
+          for (int c = c0; c < c1; ++c) {
+            std::copy_n(window.data() + static_cast<size_t>(c - c0) * width, width,
+                        snap + static_cast<int64_t>(c) * width);
+          }
+        }
       }
       for (int c = c0; c < c1; ++c) {
         std::copy_n(window.data() + static_cast<size_t>(c - c0) * width, width,
@@ -141,6 +148,11 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<float>& p, ThreadPool& p
             }
             std::copy(o.begin(), o.end(),
                       p.out + (static_cast<int64_t>(t) * p.num_v_heads + h) * dv);
+            if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
+              std::copy_n(state, static_cast<int64_t>(dk) * dv,
+                          p.states + p.snapshot_slots[t] * p.state_stride +
+                              static_cast<int64_t>(h) * dk * dv);
+            }
           }
         }
       });

@@ -62,9 +62,10 @@ TEST_F(HybridOps, SigmoidGatePerColumnAndPerRowAccumulated) {
 }
 
 // A batch of sequences over state slots: sequence s has lengths[s] new tokens, slot slots[s],
-// and starts fresh when fresh[s].
+// and starts fresh when fresh[s]; snapshots (when not empty) names, per token, the slot that gets a
+// copy of the state after it (-1: none).
 struct Batch {
-  std::vector<int32_t> starts{0}, slots;
+  std::vector<int32_t> starts{0}, slots, snapshots;
   std::vector<uint8_t> fresh;
   int num_tokens() const { return starts.back(); }
   int num_seqs() const { return static_cast<int>(slots.size()); }
@@ -95,6 +96,7 @@ void run_conv(const ConvCase& cc, const Batch& b, const float* x, float* states,
   p.query_starts = b.starts.data();
   p.state_slots = b.slots.data();
   p.state_fresh = b.fresh.data();
+  p.snapshot_slots = b.snapshots.empty() ? nullptr : b.snapshots.data();
   p.out = out;
   p.num_seqs = b.num_seqs();
   p.num_tokens = b.num_tokens();
@@ -169,6 +171,7 @@ void run_delta(const DeltaCase& dc, const Batch& b, const float* qkv, const floa
   p.query_starts = b.starts.data();
   p.state_slots = b.slots.data();
   p.state_fresh = b.fresh.data();
+  p.snapshot_slots = b.snapshots.empty() ? nullptr : b.snapshots.data();
   p.out = out;
   p.num_seqs = b.num_seqs();
   p.num_tokens = b.num_tokens();
@@ -279,6 +282,47 @@ TEST_F(HybridOps, StatefulOpsGiveTheSameBitsInOneCallAndTokenByToken) {
   EXPECT_EQ(out_a, out_b);
   EXPECT_TRUE(std::equal(conv_a.begin() + conv_stride, conv_a.end(), conv_b.begin() + conv_stride));
   EXPECT_TRUE(std::equal(ssm_a.begin() + ssm_stride, ssm_a.end(), ssm_b.begin() + ssm_stride));
+}
+
+// Drafts' snapshots: one call over 8 tokens in slot 0, with rows 2, 5 and 7 copying their state
+// into slots 1, 2 and 3, leaves in each exactly the state a call over the tokens up to that row
+// leaves (so a rollback to a snapshot is as if the later tokens never ran); slot 4 is untouched.
+TEST_F(HybridOps, SnapshotsHoldTheStateAfterTheirRow) {
+  ConvCase cc;
+  cc.weight = random_vec(cc.conv_dim * cc.kernel, rng, 0.5f);
+  DeltaCase dc;
+  dc.a_log = random_vec(dc.v_heads, rng);
+  dc.dt_bias = random_vec(dc.v_heads, rng);
+  const int n = 8, num_slots = 5;
+  const int64_t conv_stride = static_cast<int64_t>(cc.conv_dim) * (cc.kernel - 1);
+  const int64_t ssm_stride = dc.state_elements();
+  const auto x = random_vec(n * cc.x_stride, rng);
+  const auto qkv = random_vec(n * dc.row(), rng);
+  const auto gates = random_vec(n * dc.gate_stride, rng);
+  std::vector<float> conv_out(n * cc.conv_dim), out(n * dc.v_heads * dc.dv);
+
+  std::vector<float> conv(num_slots * conv_stride, 5.0f), ssm(num_slots * ssm_stride, 5.0f);
+  Batch whole = Batch::of({n}, {0}, {1});
+  whole.snapshots.assign(n, -1);
+  const std::vector<std::pair<int, int32_t>> snapshots{{2, 1}, {5, 2}, {7, 3}};
+  for (const auto& [row, slot] : snapshots) whole.snapshots[row] = slot;
+  run_conv(cc, whole, x.data(), conv.data(), conv_stride, conv_out.data(), pool);
+  run_delta(dc, whole, qkv.data(), gates.data(), ssm.data(), ssm_stride, out.data(), pool);
+
+  for (const auto& [row, slot] : snapshots) {
+    SCOPED_TRACE(::testing::Message() << "row " << row);
+    std::vector<float> conv_p(conv_stride), ssm_p(ssm_stride);
+    const Batch prefix = Batch::of({row + 1}, {0}, {1});
+    run_conv(cc, prefix, x.data(), conv_p.data(), conv_stride, conv_out.data(), pool);
+    run_delta(dc, prefix, qkv.data(), gates.data(), ssm_p.data(), ssm_stride, out.data(), pool);
+    EXPECT_TRUE(std::equal(conv_p.begin(), conv_p.end(), conv.begin() + slot * conv_stride));
+    EXPECT_TRUE(std::equal(ssm_p.begin(), ssm_p.end(), ssm.begin() + slot * ssm_stride));
+  }
+  EXPECT_TRUE(std::equal(conv.begin(), conv.begin() + conv_stride, conv.begin() + 3 * conv_stride));
+  EXPECT_TRUE(std::all_of(conv.begin() + 4 * conv_stride, conv.end(),
+                          [](float v) { return v == 5.0f; }));
+  EXPECT_TRUE(std::all_of(ssm.begin() + 4 * ssm_stride, ssm.end(),
+                          [](float v) { return v == 5.0f; }));
 }
 
 TEST_F(HybridOps, GatedRmsNormNormalisesEachHeadThenGates) {

@@ -101,10 +101,12 @@ class Runner {
   }
 
   // Appends tokens[k] to *seqs[k] in one forward; returns each sequence's logits, one row per new
-  // token. `fresh` overrides the state flags (default: fresh on a sequence's first step).
+  // token. `fresh` overrides the state flags (default: fresh on a sequence's first step);
+  // `snapshots` are the batch's state_snapshot_slots (default: none).
   std::vector<std::vector<float>> step(const std::vector<Seq*>& seqs,
                                        const std::vector<std::vector<int32_t>>& tokens,
-                                       std::vector<uint8_t> fresh = {}) {
+                                       std::vector<uint8_t> fresh = {},
+                                       const std::vector<int32_t>& snapshots = {}) {
     std::vector<int32_t> ids, positions, starts{0}, context, tables, rows, slots;
     std::vector<int64_t> slot_mapping;
     for (size_t k = 0; k < seqs.size(); ++k) {
@@ -127,6 +129,7 @@ class Runner {
     b.recurrent_state = &state_;
     b.state_slots = slots;
     b.state_fresh = fresh;
+    b.state_snapshot_slots = snapshots;
     std::vector<float> logits;
     model_->forward(b, kv_, pool_, logits);
     std::vector<std::vector<float>> out;
@@ -340,6 +343,12 @@ TEST(HybridModel, BatchChecksNameWhatIsWrong) {
   Seq d = r.new_seq(1);
   d.num_computed = 3;  // "fresh", yet with earlier tokens in the KV cache
   expect_error([&] { r.step({&d}, {{4}}, {1}); }, "fresh recurrent state");
+  // Draft snapshots: one per row, never a sequence's own slot, inside the pool.
+  // (a, in slot 0, has computed nothing: its step above was refused.)
+  expect_error([&] { r.step({&a}, {{1, 2}}, {}, {1}); }, "2 tokens but 1 state snapshot slots");
+  expect_error([&] { r.step({&a}, {{1, 2}}, {}, {0, -1}); }, "state snapshot slot 0 is a sequence");
+  expect_error([&] { r.step({&a}, {{1, 2}}, {}, {1, 1}); }, "state snapshot slot 1 is a sequence");
+  expect_error([&] { r.step({&a}, {{1, 2}}, {}, {7, -1}); }, "state snapshot slot 7, the pool");
   // Without a state pool.
   auto model = load_model(fixture("qwen3_5-dense"));
   KvPool kv(model->kv_layout(4, 4));

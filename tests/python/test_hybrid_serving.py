@@ -1,0 +1,77 @@
+"""Serving a hybrid model (Qwen3.5-MoE: Gated DeltaNet + gated attention) end to end: `relay serve` on the
+tiny fixture checkpoint answers /v1/completions with transformers' greedy tokens for every fixture prompt, sent
+together (continuous batching, chunked prefill, fewer state slots than requests), with and without n-gram
+drafts; the recurrent-state slots show in /metrics and are all returned; a disaggregated role is refused at
+start. The fixtures carry no tokenizer, so the test serves a copy with the demo model's (ids below 512 only)."""
+import concurrent.futures as cf
+import json
+import shutil
+import subprocess
+
+import pytest
+import requests
+
+from conftest import FIXTURES, ROOT
+from relay_server import RelayServer
+
+NAME = "qwen3_5-moe"
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hybrid") / NAME
+    shutil.copytree(FIXTURES / "models" / NAME, d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "models" / "relay-demo-moe" / f, d / f)
+    return d
+
+
+def expected():
+    j = json.loads((FIXTURES / "models" / NAME / "expected.json").read_text())
+    return j["prompts"], j["greedy"]
+
+
+def serve_greedy(relay_bin, hybrid_dir, *args):
+    prompts, greedy = expected()
+    # 2 running sequences at most (--max-num-seqs 2) and a 16-token budget: the 64- and 70-token
+    # prompts are prefilled in chunks while the others decode.
+    server = RelayServer(relay_bin, "--model", hybrid_dir, "--served-model-name", NAME, "--max-num-seqs", 2,
+                         "--max-num-batched-tokens", 16, "--block-size", 4, *args)
+    server.wait_ready()
+    try:
+        def one(i):
+            body = {"model": NAME, "prompt": prompts[i], "max_tokens": len(greedy[i]), "temperature": 0,
+                    "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+            r = requests.post(server.base + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+        with cf.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, range(len(prompts))))
+        metrics = server.wait_idle(model=NAME)
+        log = server.log_text()
+    finally:
+        assert server.stop() == 0
+    assert got == greedy
+    return metrics, log
+
+
+def test_hybrid_model_serves_the_reference_tokens(relay_bin, hybrid_dir):
+    metrics, log = serve_greedy(relay_bin, hybrid_dir)
+    label = f'{{model_name="{NAME}"}}'
+    assert metrics["relay:state_slot_usage_perc" + label] == 0
+    assert metrics["relay:prefix_cache_hits_total" + label] == 0
+    assert "2 recurrent-state slots" in log  # one per running sequence
+
+
+def test_hybrid_model_with_ngram_drafts(relay_bin, hybrid_dir):
+    metrics, log = serve_greedy(relay_bin, hybrid_dir, "--speculative-config", NGRAM)
+    assert "8 recurrent-state slots" in log  # each sequence: its state and 3 snapshots
+    assert metrics[f'relay:spec_decode_num_draft_tokens_total{{model_name="{NAME}"}}'] > 0
+
+
+def test_hybrid_model_refuses_a_disaggregated_role(relay_bin, hybrid_dir):
+    r = subprocess.run([str(relay_bin), "serve", "--model", str(hybrid_dir), "--role", "prefill", "--port", "0",
+                        "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "linear-attention layers" in r.stderr and "--role prefill" in r.stderr
