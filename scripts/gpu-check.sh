@@ -8,10 +8,11 @@
 #   scripts/gpu-check.sh --pack DIR [BUILD]  (here, with nvcc and Relay's -dev packages) builds BUILD
 #                                       (default build-cuda/) for sm_90a and copies relay, test_gpu and
 #                                       the shared libraries the GPU machine lacks into DIR
-#   scripts/gpu-check.sh [--prebuilt DIR] [--full] [--no-model] [--results FILE]
+#   scripts/gpu-check.sh [--prebuilt DIR] [--full] [--no-model] [--tests-only] [--results FILE]
 #                                       (on the GPU machine) without --prebuilt it builds build-gpu/;
 #                                       --full runs every bench shape (default --quick); --no-model
-#                                       skips the model benchmark; results are appended to FILE
+#                                       skips the model benchmark; --tests-only stops after the GPU
+#                                       tests; results are appended to FILE
 #                                       (default bench/results/<date>-h200.jsonl) and, when $OUT is set,
 #                                       copied there with the logs.
 # The GPU machine has no network and lacks Relay's Debian -dev packages, so the usual route is
@@ -25,8 +26,14 @@ if [ "${1:-}" = "--pack" ]; then
   dir="${2:?--pack needs a directory}"
   build="${3:-build-cuda}"  # an existing sm_90a Release build (build/ here) saves a full CUDA compile
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null
+  # The GPU test log names the commit it tested, so the tree built must be that commit.
+  if ! git -C "$root" diff --quiet HEAD -- src tests cmake CMakeLists.txt scripts; then
+    echo "gpu-check --pack: uncommitted changes under src, tests, cmake or scripts; commit first" >&2
+    exit 2
+  fi
   cmake --build "$build" --target relay test_gpu -j "${RELAY_BUILD_JOBS:-$(nproc)}"
   rm -rf "$dir" && mkdir -p "$dir/lib"
+  git -C "$root" rev-parse HEAD > "$dir/commit"
   cp "$build/relay" "$build/tests/test_gpu" "$dir/"
   # Libraries outside the CUDA toolkit and the C runtime that Ubuntu 24.04 may lack.
   ldd "$build/relay" | awk '/=>/ {print $3}' | grep -E 'httplib|pcre2|utf8proc|brotli|libuc[mpst]\.so|libnuma' |
@@ -41,12 +48,13 @@ if [ "${1:-}" = "--pack" ]; then
   exit 0
 fi
 
-prebuilt="" full=0 model=1 results=""
+prebuilt="" full=0 model=1 tests_only=0 results=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --prebuilt) prebuilt="$2"; shift 2 ;;
     --full) full=1; shift ;;
     --no-model) model=0; shift ;;
+    --tests-only) tests_only=1; shift ;;
     --results) results="$2"; shift 2 ;;
     *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -70,11 +78,20 @@ else
 fi
 
 echo "== GPU tests"
+# The log to commit: bench/results/gpu-tests/<date>-<commit12>-<device>.log, its first line
+# `commit <full sha>` of the tree the binaries were built from.
+commit="$(cat "$bin/commit" 2>/dev/null || git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
+device="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE '[abgh][0-9]{2,3}' | head -1 |
+  tr '[:upper:]' '[:lower:]')"
+mkdir -p "$logs/gpu-tests"
+test_log="$logs/gpu-tests/$(date -u +%Y-%m-%d)-${commit:0:12}-${device:-gpu}.log"
+echo "commit $commit" > "$test_log"
 set +e
-"$bin/test_gpu" --gtest_brief=1 2>&1 | tee "$logs/gpu-tests.log"
+"$bin/test_gpu" --gtest_brief=1 2>&1 | tee -a "$test_log"
 tests_rc=${PIPESTATUS[0]}
 set -e
 echo "== GPU tests exit code $tests_rc"
+[ "$tests_only" = 1 ] && exit "$tests_rc"
 
 quick="--quick"; [ "$full" = 1 ] && quick=""
 echo "== relay bench (ceilings, kernels)"
