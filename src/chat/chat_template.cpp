@@ -142,4 +142,42 @@ std::string ChatTemplate::render(const nlohmann::ordered_json& messages, const n
   return template_->render(context);
 }
 
+std::string_view tool_call_format_name(ToolCallFormat format) {
+  switch (format) {
+    case ToolCallFormat::kHermes:
+      return "hermes";
+    case ToolCallFormat::kQwen3Coder:
+      return "qwen3_coder";
+  }
+  return "unknown";
+}
+
+std::optional<ToolCallFormat> tool_call_format_from_name(std::string_view name) {
+  for (const ToolCallFormat format : {ToolCallFormat::kHermes, ToolCallFormat::kQwen3Coder}) {
+    if (name == tool_call_format_name(format)) return format;
+  }
+  return std::nullopt;
+}
+
+ToolCallFormat ChatTemplate::tool_call_format() const {
+  using ojson = nlohmann::ordered_json;
+  static const ojson tools = parse_json<ojson>(R"([{"type": "function", "function": {
+      "name": "relay_sample", "description": "A sample function.",
+      "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}])",
+                                               "the sample tools");
+  static const ojson messages = parse_json<ojson>(R"([{"role": "user", "content": "Call it."},
+      {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function",
+       "function": {"name": "relay_sample", "arguments": {"x": "1"}}}]}])",
+                                                  "the sample messages");
+  try {
+    const std::string text = render(messages, tools, false, nullptr);
+    if (text.find("<function=relay_sample>") != std::string::npos)
+      return ToolCallFormat::kQwen3Coder;
+  } catch (const TemplateError&) {
+    // NOTE: a template that cannot render a tool call gets the default; a request with tools then
+    // fails to render by itself, with the template's own message.
+  }
+  return ToolCallFormat::kHermes;
+}
+
 }  // namespace relay::chat

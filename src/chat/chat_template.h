@@ -15,9 +15,15 @@
 //
 // Every failure — syntax errors (with line), raise_exception in the template, type errors, runaway
 // loops or recursion — throws TemplateError, never crashes; a server maps it to a 400 for that request.
+//
+// A template also fixes how the model writes tool calls (ToolCallFormat): the text it renders an
+// assistant's tool_calls as is what the model learnt to write, so the server reads calls, and
+// forces them with a grammar, in that format.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -51,6 +57,20 @@ class Template {
   std::shared_ptr<const jinja::Program> program_;
 };
 
+// How a model writes tool calls, named as vLLM's --tool-call-parser names them.
+enum class ToolCallFormat : uint8_t {
+  // "hermes" (Qwen3): <tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>
+  kHermes,
+  // "qwen3_coder" (Qwen3.5, Qwen3-Coder): one function per call, each argument in its own tag,
+  // its value as plain text between newlines:
+  //   <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n...</function>\n</tool_call>
+  kQwen3Coder,
+};
+
+// The format's vLLM name, and back: nullopt for a name that is neither "hermes" nor "qwen3_coder".
+std::string_view tool_call_format_name(ToolCallFormat format);
+std::optional<ToolCallFormat> tool_call_format_from_name(std::string_view name);
+
 // Special tokens passed to the template as variables (bos_token, eos_token, pad_token, ...), as
 // transformers' special_tokens_map gives them; unset tokens are absent.
 using SpecialTokens = std::vector<std::pair<std::string, std::string>>;
@@ -72,6 +92,11 @@ class ChatTemplate {
   // (null means no tools: the template sees None); `extra_kwargs` an object or null.
   std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
                      bool add_generation_prompt, const nlohmann::ordered_json& extra_kwargs) const;
+
+  // The format this template renders an assistant's tool calls in, found by rendering a sample
+  // call: qwen3_coder when it shows `<function=NAME>`, else hermes (also for a template that
+  // cannot render the sample, or ignores tools).
+  ToolCallFormat tool_call_format() const;
 
   const Template& raw() const { return *template_; }
   const SpecialTokens& special_tokens() const { return special_tokens_; }

@@ -87,5 +87,35 @@ TEST(ChatTemplateFixtures, BadInputsAreTemplateErrors) {
   EXPECT_THROW(ChatTemplate::from_model_dir("/nonexistent/model"), TemplateError);
 }
 
+// The format each real template renders tool calls in, which the server reads and forces them in.
+TEST(ChatTemplateFixtures, ToolCallFormatOfTheRealTemplates) {
+  const nlohmann::ordered_json fixtures = read_fixture("chat_fixtures.json");
+  const auto templates = load_templates(fixtures);
+  EXPECT_EQ(templates.at("qwen3").tool_call_format(), ToolCallFormat::kHermes);
+  EXPECT_EQ(templates.at("qwen3-coder").tool_call_format(), ToolCallFormat::kQwen3Coder);
+  EXPECT_EQ(templates.at("qwen3.5").tool_call_format(), ToolCallFormat::kQwen3Coder);
+  const std::string qwen3_jinja =
+      read_text(std::string(RELAY_SOURCE_DIR) + "/models/templates/Qwen-Qwen3-0.6B.jinja");
+  EXPECT_EQ(ChatTemplate::from_string(qwen3_jinja).tool_call_format(), ToolCallFormat::kHermes);
+  EXPECT_EQ(ChatTemplate::from_model_dir(std::string(RELAY_SOURCE_DIR) + "/models/relay-demo-moe")
+                .tool_call_format(),
+            ToolCallFormat::kHermes);
+  // A template that ignores tools, or fails on them, gets the default.
+  EXPECT_EQ(ChatTemplate::from_string("{{ messages[0].content }}").tool_call_format(),
+            ToolCallFormat::kHermes);
+  EXPECT_EQ(ChatTemplate::from_string("{{ raise_exception('no tools here') }}").tool_call_format(),
+            ToolCallFormat::kHermes);
+}
+
+TEST(ChatTemplateFixtures, ToolCallFormatNamesAreVllms) {
+  for (const ToolCallFormat format : {ToolCallFormat::kHermes, ToolCallFormat::kQwen3Coder}) {
+    EXPECT_EQ(tool_call_format_from_name(tool_call_format_name(format)), format);
+  }
+  EXPECT_EQ(tool_call_format_name(ToolCallFormat::kQwen3Coder), "qwen3_coder");
+  EXPECT_EQ(tool_call_format_from_name("hermes"), ToolCallFormat::kHermes);
+  EXPECT_EQ(tool_call_format_from_name("qwen3_xml"), std::nullopt);
+  EXPECT_EQ(tool_call_format_from_name(""), std::nullopt);
+}
+
 }  // namespace
 }  // namespace relay::chat
