@@ -27,13 +27,16 @@
 #include <xgrammar/xgrammar.h>
 #include <nlohmann/json.hpp>
 
+#include "chat/chat_template.h"
 #include "core/error.h"
 #include "core/json.h"
 #include "tokenizer/tokenizer.h"
 
 namespace relay {
 
-using Json = nlohmann::json;
+// NOTE: ordered, so that a tool's parameters keep the order its schema gives them: the order the
+// prompt shows them in and the model writes them in, which a forced call's grammar requires.
+using Json = nlohmann::ordered_json;
 
 class CompiledGrammar {
  public:
@@ -95,10 +98,42 @@ std::string structural_tag(Json format) {
   return dump(Json{{"type", "structural_tag"}, {"format", std::move(format)}});
 }
 
-// A Qwen3 tool call's text around the function's name and arguments (its chat template's).
-constexpr std::string_view kToolCallBeforeName = "<tool_call>\n{\"name\": \"";
-constexpr std::string_view kToolCallBeforeArguments = "\", \"arguments\": ";
-constexpr std::string_view kToolCallEnd = "}\n</tool_call>";
+// A tool call's text around the function's name and arguments, as the chat templates render it,
+// and what a name may not hold there.
+struct ToolCallText {
+  std::string_view before_name, after_name, end;
+  std::string_view style;  // how xgrammar writes the arguments (JSONSchemaFormat's style)
+  std::string_view forbidden_in_name;  // besides control characters
+  std::string_view forbidden_description;
+};
+
+constexpr ToolCallText kHermesText = {
+    .before_name = "<tool_call>\n{\"name\": \"",
+    .after_name = "\", \"arguments\": ",
+    .end = "}\n</tool_call>",
+    .style = "json",
+    .forbidden_in_name = "\"\\",
+    .forbidden_description = "a quote, a backslash or a control character",
+};
+// NOTE: the "\n" after the name and before </function> is whitespace that the arguments' grammar
+// allows around its parameters, not part of the tags: a call without arguments renders as
+// "<function=NAME>\n</function>", one newline between the tags.
+constexpr ToolCallText kQwen3CoderText = {
+    .before_name = "<tool_call>\n<function=",
+    .after_name = ">",
+    .end = "</function>\n</tool_call>",
+    .style = "qwen_xml",
+    .forbidden_in_name = "<>{}\"' ",
+    .forbidden_description = "'<', '>', a brace, a quote, whitespace or a control character",
+};
+
+const ToolCallText& tool_call_text(chat::ToolCallFormat format) {
+  return format == chat::ToolCallFormat::kQwen3Coder ? kQwen3CoderText : kHermesText;
+}
+
+bool has_control_character(std::string_view s) {
+  return std::any_of(s.begin(), s.end(), [](char c) { return c >= 0 && c < 0x20; });
+}
 
 // The function whose parameters xgrammar cannot convert, found by converting them one at a time;
 // only run once the whole tool-call grammar has failed, so that the error can name it.
@@ -109,8 +144,12 @@ std::string function_with_bad_parameters(const GrammarSpec& spec) {
       xgrammar::Grammar::FromJSONSchema(dump(call.at("content").at("json_schema")));
     } catch (const std::exception&) {
       const std::string begin = call.at("begin");
-      return begin.substr(kToolCallBeforeName.size(), begin.size() - kToolCallBeforeName.size() -
-                                                          kToolCallBeforeArguments.size());
+      for (const ToolCallText* text : {&kHermesText, &kQwen3CoderText}) {
+        if (begin.starts_with(text->before_name) && begin.ends_with(text->after_name)) {
+          return begin.substr(text->before_name.size(),
+                              begin.size() - text->before_name.size() - text->after_name.size());
+        }
+      }
     }
   }
   return "";
@@ -155,17 +194,20 @@ GrammarSpec GrammarSpec::choice(std::span<const std::string> choices) {
           structural_tag({{"type", "or"}, {"elements", std::move(elements)}})};
 }
 
-GrammarSpec GrammarSpec::tool_calls(std::span<const ToolFunction> functions, ToolCallCount count) {
+GrammarSpec GrammarSpec::tool_calls(std::span<const ToolFunction> functions, ToolCallCount count,
+                                    chat::ToolCallFormat format) {
   RELAY_CHECK(!functions.empty(), "tool call: no functions to call");
+  const ToolCallText& text = tool_call_text(format);
+  const std::string_view format_name = chat::tool_call_format_name(format);
   std::unordered_set<std::string_view> names;
   Json tags = Json::array();
   for (const ToolFunction& function : functions) {
     const std::string& name = function.name;
     RELAY_CHECK(!name.empty(), "tool call: a function has an empty name");
-    RELAY_CHECK(std::none_of(name.begin(), name.end(),
-                             [](char c) { return c == '"' || c == '\\' || (c >= 0 && c < 0x20); }),
-                "tool call: function name '", name,
-                "' contains a quote, a backslash or a control character");
+    RELAY_CHECK(name.find_first_of(text.forbidden_in_name) == std::string::npos &&
+                    !has_control_character(name),
+                "tool call: function name '", name, "' contains ", text.forbidden_description,
+                ", which the ", format_name, " tool-call format cannot hold");
     RELAY_CHECK(names.insert(name).second, "tool call: function '", name, "' is listed twice");
     Json parameters = Json{{"type", "object"}, {"properties", Json::object()}};
     if (!function.parameters.empty()) {
@@ -178,13 +220,25 @@ GrammarSpec GrammarSpec::tool_calls(std::span<const ToolFunction> functions, Too
       RELAY_CHECK(parameters.is_object(), "tool call: the parameters of function '", name,
                   "' are not a JSON schema object");
     }
+    if (format == chat::ToolCallFormat::kQwen3Coder) {
+      const auto properties = parameters.find("properties");
+      if (properties != parameters.end() && properties->is_object()) {
+        for (const auto& [parameter, schema] : properties->items()) {
+          RELAY_CHECK(parameter.find_first_of("<>\r\n") == std::string::npos,
+                      "tool call: parameter '", parameter, "' of function '", name,
+                      "' contains '<', '>' or a line break, which the qwen3_coder tool-call format "
+                      "cannot hold");
+        }
+      }
+    }
     tags.push_back({{"type", "tag"},
-                    {"begin", str(kToolCallBeforeName, name, kToolCallBeforeArguments)},
+                    {"begin", str(text.before_name, name, text.after_name)},
                     {"content",
                      {{"type", "json_schema"},
                       {"json_schema", std::move(parameters)},
+                      {"style", text.style},
                       {"max_whitespace_cnt", kMaxJsonWhitespace}}},
-                    {"end", kToolCallEnd}});
+                    {"end", text.end}});
   }
   return {GrammarKind::kToolCalls,
           structural_tag({{"type", "tags_with_separator"},

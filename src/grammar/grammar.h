@@ -1,6 +1,6 @@
 // Structured outputs: a request's constraint (any JSON, a JSON schema, a regex, a choice among
-// strings, an EBNF grammar, or Qwen3 tool calls) compiled into a grammar over the model's token
-// vocabulary, and a per-sequence matcher that says which tokens may come next.
+// strings, an EBNF grammar, or tool calls in the model's format) compiled into a grammar over the
+// model's token vocabulary, and a per-sequence matcher that says which tokens may come next.
 //
 // The engine is xgrammar's C++ library (the one vLLM, SGLang and TensorRT-LLM use), kept behind
 // this header: nothing outside src/grammar includes it. Its three parts map onto Relay's threads:
@@ -41,6 +41,9 @@
 namespace relay {
 
 class Tokenizer;
+namespace chat {
+enum class ToolCallFormat : uint8_t;  // chat/chat_template.h
+}
 
 // ---- Token bitmasks -----------------------------------------------------------------------------
 
@@ -62,7 +65,7 @@ enum class GrammarKind : uint8_t {
   kRegex,             // a regular expression (guided_regex)
   kChoice,            // exactly one of a list of strings (guided_choice)
   kEbnf,              // an EBNF / GBNF grammar with a `root` rule (guided_grammar)
-  kToolCalls,         // Qwen3 tool calls (tool_choice "required" or a named function)
+  kToolCalls,         // tool calls (tool_choice "required" or a named function)
 };
 
 // A tool the model may be forced to call: its name and the JSON schema of its `arguments`.
@@ -91,13 +94,20 @@ struct GrammarSpec {
   // At least one choice; the output is exactly one of them.
   static GrammarSpec choice(std::span<const std::string> choices);
   static GrammarSpec ebnf(std::string grammar);
-  // Qwen3's tool-call text, as its chat template renders an assistant's tool_calls:
-  //   <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>
-  // where NAME is one of `functions` and ARGS a JSON object matching that function's parameters
-  // (strictly: no property the schema does not name); kOneOrMore separates calls with "\n".
-  // Names must be unique and free of '"', '\\' and control characters, because the template writes
-  // them into the JSON unescaped.
-  static GrammarSpec tool_calls(std::span<const ToolFunction> functions, ToolCallCount count);
+  // Tool calls as the model's chat template renders an assistant's tool_calls, in `format`:
+  //  - hermes: <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>, ARGS a JSON object
+  //    matching the function's parameters;
+  //  - qwen3_coder: <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n...
+  //    </function>\n</tool_call>, the parameters in the schema's order, each value as its schema
+  //    types it (a string as free text without "</parameter>", other values as JSON), with
+  //    whitespace between the tags;
+  // where NAME is one of `functions` (strictly: no property the schema does not name);
+  // kOneOrMore separates calls with "\n". Names must be unique and free of what would end them in
+  // the text: '"', '\\' and control characters for hermes (the template writes them into the JSON
+  // unescaped), '<', '>', quotes, braces and whitespace for qwen3_coder, whose parameter names may
+  // hold no '<', '>' or line break either.
+  static GrammarSpec tool_calls(std::span<const ToolFunction> functions, ToolCallCount count,
+                                chat::ToolCallFormat format);
 
   bool operator==(const GrammarSpec&) const = default;
 };

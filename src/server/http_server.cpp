@@ -744,8 +744,9 @@ struct HttpServer::State {
     }
     const bool one = !r.tool_choice_function.empty() || !r.parallel_tool_calls;
     try {
-      return GrammarSpec::tool_calls(functions, one ? ToolCallCount::kExactlyOne
-                                                    : ToolCallCount::kOneOrMore);
+      return GrammarSpec::tool_calls(functions,
+                                     one ? ToolCallCount::kExactlyOne : ToolCallCount::kOneOrMore,
+                                     chat::ToolCallFormat::kHermes);
     } catch (const Error& e) {
       throw bad_param("tools", e.what());
     }

@@ -8,7 +8,9 @@
 // that matter: a misspelt key, a value of the wrong type, text after a complete output.
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <functional>
+#include <sstream>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -345,6 +347,9 @@ table ::= "users" | "orders"
 
 // ---- Tool calls ---------------------------------------------------------------------------------
 
+constexpr chat::ToolCallFormat kHermes = chat::ToolCallFormat::kHermes;
+constexpr chat::ToolCallFormat kQwen3Coder = chat::ToolCallFormat::kQwen3Coder;
+
 const std::string kWeatherParameters = R"({
   "type": "object",
   "properties": {
@@ -358,13 +363,33 @@ std::vector<ToolFunction> tools() {
   return {{"get_weather", kWeatherParameters},
           {"get_time", R"({"type": "object", "properties": {"timezone": {"type": "string"}},
                            "required": ["timezone"]})"},
-          {"list_alarms", ""}};
+          {"list_alarms", ""},
+          // Not in alphabetical order: the grammar keeps the schema's.
+          {"set_alarm", R"({"type": "object", "properties": {"minutes": {"type": "integer"},
+                            "label": {"type": "string"}, "days": {"type": "array",
+                            "items": {"type": "string"}}}, "required": ["minutes"]})"}};
 }
 
-// The tool-call text of an assistant message as the model's own chat template renders it.
-std::string template_tool_call_text(const std::vector<nlohmann::ordered_json>& tool_calls) {
+// The model's own chat template (Qwen3's: hermes), and Qwen3.5's (qwen3_coder).
+const chat::ChatTemplate& qwen3_template() {
+  static const chat::ChatTemplate t = chat::ChatTemplate::from_model_dir(kModelDir);
+  return t;
+}
+
+const chat::ChatTemplate& qwen35_template() {
+  static const chat::ChatTemplate t = [] {
+    std::ifstream in(std::string(RELAY_SOURCE_DIR) + "/models/templates/Qwen3.5-4B.jinja");
+    std::stringstream text;
+    text << in.rdbuf();
+    return chat::ChatTemplate::from_string(text.str());
+  }();
+  return t;
+}
+
+// The tool-call text of an assistant message as `chat_template` renders it.
+std::string template_tool_call_text(const std::vector<nlohmann::ordered_json>& tool_calls,
+                                    const chat::ChatTemplate& chat_template = qwen3_template()) {
   using ojson = nlohmann::ordered_json;
-  static const chat::ChatTemplate chat_template = chat::ChatTemplate::from_model_dir(kModelDir);
   ojson tool_list = ojson::array();
   for (const ToolFunction& f : tools()) {
     tool_list.push_back(
@@ -384,8 +409,18 @@ std::string template_tool_call_text(const std::vector<nlohmann::ordered_json>& t
   return prompt.substr(begin, end - begin);
 }
 
+std::string qwen35_tool_call_text(const std::vector<nlohmann::ordered_json>& tool_calls) {
+  return template_tool_call_text(tool_calls, qwen35_template());
+}
+
 nlohmann::ordered_json call(const std::string& name, const nlohmann::ordered_json& arguments) {
   return {{"type", "function"}, {"function", {{"name", name}, {"arguments", arguments}}}};
+}
+
+GrammarMatcher tool_call_matcher(chat::ToolCallFormat format,
+                                 ToolCallCount count = ToolCallCount::kOneOrMore,
+                                 const std::vector<ToolFunction>& functions = tools()) {
+  return matcher_for(GrammarSpec::tool_calls(functions, count, format));
 }
 
 TEST(GrammarToolCalls, AcceptsTheChatTemplatesTextForAValidCall) {
@@ -395,14 +430,17 @@ TEST(GrammarToolCalls, AcceptsTheChatTemplatesTextForAValidCall) {
             "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "
             "\"unit\": \"celsius\"}}\n</tool_call>");
   ASSERT_EQ(qwen().encode(text).front(), *qwen().token_to_id("<tool_call>"));  // one token
-  GrammarMatcher matcher =
-      matcher_for(GrammarSpec::tool_calls(tools(), ToolCallCount::kExactlyOne));
+  GrammarMatcher matcher = tool_call_matcher(kHermes, ToolCallCount::kExactlyOne);
   ASSERT_TRUE(accepts(matcher, text));
   expect_only_stop_then_terminate(matcher);
+  // The schema's order of the parameters, not the alphabet's.
+  GrammarMatcher ordered = tool_call_matcher(kHermes);
+  EXPECT_TRUE(accepts(
+      ordered, template_tool_call_text({call("set_alarm", {{"minutes", 5}, {"label", "tea"}})})));
 }
 
 TEST(GrammarToolCalls, RejectsAnUnknownFunctionAndBadArguments) {
-  const GrammarSpec spec = GrammarSpec::tool_calls(tools(), ToolCallCount::kOneOrMore);
+  const GrammarSpec spec = GrammarSpec::tool_calls(tools(), ToolCallCount::kOneOrMore, kHermes);
   // Rejected within the name.
   const std::string get_stock = template_tool_call_text({call("get_stock", {{"ticker", "X"}})});
   GrammarMatcher unknown = matcher_for(spec);
@@ -422,25 +460,25 @@ TEST(GrammarToolCalls, OneOrMoreAcceptsParallelCallsAndExactlyOneDoesNot) {
   const std::string two = template_tool_call_text({call("get_time", {{"timezone", "Europe/Paris"}}),
                                                    call("list_alarms", nlohmann::json::object())});
   ASSERT_NE(two.find("</tool_call>\n<tool_call>"), std::string::npos) << two;
-  GrammarMatcher many = matcher_for(GrammarSpec::tool_calls(tools(), ToolCallCount::kOneOrMore));
+  GrammarMatcher many = tool_call_matcher(kHermes);
   ASSERT_TRUE(accepts(many, two));
   EXPECT_TRUE(many.is_completed());
   // A stop token, or "\n" and a further call.
   EXPECT_EQ(allowed_ids(next_mask(many)), (std::vector<int32_t>{token("\n"), kEndOfText, kImEnd}));
 
-  GrammarMatcher one = matcher_for(GrammarSpec::tool_calls(tools(), ToolCallCount::kExactlyOne));
+  GrammarMatcher one = tool_call_matcher(kHermes, ToolCallCount::kExactlyOne);
   EXPECT_FALSE(accepts(one, two));
   EXPECT_TRUE(one.is_completed());  // the first call, then only a stop token
 
   // A named function: that one only.
-  const std::vector<ToolFunction> named = {tools()[1]};
-  GrammarMatcher forced = matcher_for(GrammarSpec::tool_calls(named, ToolCallCount::kExactlyOne));
+  GrammarMatcher forced = tool_call_matcher(kHermes, ToolCallCount::kExactlyOne, {tools()[1]});
   EXPECT_FALSE(accepts(forced, template_tool_call_text({call("get_weather", {{"city", "Rome"}})})));
 }
 
 TEST(GrammarToolCalls, SpecErrorsNameTheFunction) {
-  const auto spec_error = [](std::vector<ToolFunction> functions) {
-    return error_of([&] { GrammarSpec::tool_calls(functions, ToolCallCount::kOneOrMore); });
+  const auto spec_error = [](std::vector<ToolFunction> functions,
+                             chat::ToolCallFormat format = kHermes) {
+    return error_of([&] { GrammarSpec::tool_calls(functions, ToolCallCount::kOneOrMore, format); });
   };
   EXPECT_NE(spec_error({{"f", "{not json"}}).find("parameters of function 'f' are not valid JSON"),
             std::string::npos);
@@ -449,11 +487,87 @@ TEST(GrammarToolCalls, SpecErrorsNameTheFunction) {
   EXPECT_NE(spec_error({{"say \"hi\"", ""}}).find("contains a quote"), std::string::npos);
   EXPECT_NE(spec_error({{"", ""}}).find("empty name"), std::string::npos);
   EXPECT_NE(spec_error({}).find("no functions"), std::string::npos);
-  const std::string bad_schema = error_of([] {
-    const std::vector<ToolFunction> f = {{"e", ""}, {"f", R"({"type": "objekt"})"}};
-    compiler().compile(GrammarSpec::tool_calls(f, ToolCallCount::kOneOrMore));
-  });
-  EXPECT_EQ(bad_schema, "invalid parameters of function 'f': Unsupported type \"objekt\"");
+  // What would end a name or a parameter's name in qwen3_coder's tags.
+  EXPECT_EQ(spec_error({{"get weather", ""}}), "(no error)");
+  EXPECT_NE(spec_error({{"get weather", ""}}, kQwen3Coder).find("contains '<', '>'"),
+            std::string::npos);
+  EXPECT_NE(spec_error({{"a>b", ""}}, kQwen3Coder).find("qwen3_coder"), std::string::npos);
+  EXPECT_NE(spec_error({{"f", R"({"type": "object", "properties": {"a>b": {}}})"}}, kQwen3Coder)
+                .find("parameter 'a>b' of function 'f'"),
+            std::string::npos);
+  for (const chat::ToolCallFormat format : {kHermes, kQwen3Coder}) {
+    const std::string bad_schema = error_of([&] {
+      const std::vector<ToolFunction> f = {{"e", ""}, {"f", R"({"type": "objekt"})"}};
+      compiler().compile(GrammarSpec::tool_calls(f, ToolCallCount::kOneOrMore, format));
+    });
+    EXPECT_EQ(bad_schema, "invalid parameters of function 'f': Unsupported type \"objekt\"");
+  }
+}
+
+TEST(GrammarToolCalls, Qwen3CoderAcceptsTheQwen35TemplatesText) {
+  const std::string text = qwen35_tool_call_text({call(
+      "set_alarm",
+      {{"minutes", 15}, {"label", "tea </function> <tool_call>"}, {"days", {"mon", "tue"}}})});
+  ASSERT_EQ(text,
+            "<tool_call>\n<function=set_alarm>\n<parameter=minutes>\n15\n</parameter>\n"
+            "<parameter=label>\ntea </function> <tool_call>\n</parameter>\n<parameter=days>\n"
+            "[\"mon\", \"tue\"]\n</parameter>\n</function>\n</tool_call>");
+  GrammarMatcher matcher = tool_call_matcher(kQwen3Coder, ToolCallCount::kExactlyOne);
+  ASSERT_TRUE(accepts(matcher, text));
+  expect_only_stop_then_terminate(matcher);
+  // No arguments: one newline between the tags.
+  const std::string no_arguments =
+      qwen35_tool_call_text({call("list_alarms", nlohmann::ordered_json::object())});
+  ASSERT_EQ(no_arguments, "<tool_call>\n<function=list_alarms>\n</function>\n</tool_call>");
+  GrammarMatcher empty = tool_call_matcher(kQwen3Coder, ToolCallCount::kExactlyOne);
+  ASSERT_TRUE(accepts(empty, no_arguments));
+  expect_only_stop_then_terminate(empty);
+  // Parallel calls, a newline apart, as the template renders them.
+  const std::string two =
+      qwen35_tool_call_text({call("get_time", {{"timezone", "Europe/Paris"}}),
+                             call("list_alarms", nlohmann::ordered_json::object())});
+  ASSERT_NE(two.find("</tool_call>\n<tool_call>"), std::string::npos) << two;
+  GrammarMatcher many = tool_call_matcher(kQwen3Coder);
+  EXPECT_TRUE(accepts(many, two));
+  GrammarMatcher one = tool_call_matcher(kQwen3Coder, ToolCallCount::kExactlyOne);
+  EXPECT_FALSE(accepts(one, two));
+}
+
+TEST(GrammarToolCalls, Qwen3CoderValuesFollowTheirSchemas) {
+  const auto accepts_call = [](std::string_view body) {
+    GrammarMatcher m = tool_call_matcher(kQwen3Coder);
+    return accepts(m, str("<tool_call>\n", body, "\n</tool_call>"));
+  };
+  EXPECT_TRUE(
+      accepts_call("<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                   "<parameter=unit>celsius</parameter>\n</function>"));
+  EXPECT_FALSE(
+      accepts_call("<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                   "<parameter=unit>kelvin</parameter>\n</function>"));
+  // Whitespace around a value the schema fixes is free, as around JSON values: the parser trims it.
+  EXPECT_TRUE(
+      accepts_call("<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                   "<parameter=unit>\n celsius\t</parameter>\n</function>"));
+  // Required parameters, declared ones only, in the schema's order.
+  EXPECT_FALSE(accepts_call("<function=get_weather>\n</function>"));
+  EXPECT_FALSE(
+      accepts_call("<function=get_time>\n<parameter=timezone>\nUTC\n</parameter>\n"
+                   "<parameter=extra>\nx\n</parameter>\n</function>"));
+  EXPECT_FALSE(
+      accepts_call("<function=set_alarm>\n<parameter=label>\nx\n</parameter>\n"
+                   "<parameter=minutes>\n5\n</parameter>\n</function>"));
+  // An integer is JSON, whitespace around it free; a string ends at its first </parameter>.
+  EXPECT_TRUE(accepts_call("<function=set_alarm><parameter=minutes> 5 </parameter></function>"));
+  EXPECT_FALSE(
+      accepts_call("<function=set_alarm>\n<parameter=minutes>\nfive\n</parameter>\n"
+                   "</function>"));
+  EXPECT_FALSE(
+      accepts_call("<function=get_time>\n<parameter=timezone>\na</parameter>b\n"
+                   "</parameter>\n</function>"));
+  EXPECT_FALSE(accepts_call("<function=get_stock>\n</function>"));
+  GrammarMatcher not_a_call = tool_call_matcher(kQwen3Coder);
+  EXPECT_FALSE(allowed(next_mask(not_a_call), token("The")));
+  EXPECT_FALSE(allowed(next_mask(not_a_call), kImEnd));
 }
 
 // ---- Rollback -----------------------------------------------------------------------------------
