@@ -43,6 +43,7 @@ struct ServeOptions {
   double drain_timeout_s = 30.0;
   bool no_prefix_caching = false;
   std::string speculative_config;  // vLLM's --speculative-config JSON
+  std::string tool_call_parser;    // vLLM's --tool-call-parser name; empty: the chat template's
   int max_connections = 4096;
   double request_head_timeout_s = 10.0;
   double keep_alive_timeout_s = 60.0;
@@ -107,6 +108,9 @@ server::ServerOptions server_options(const ServeOptions& o) {
   so.max_connections = o.max_connections;
   so.request_head_timeout_s = o.request_head_timeout_s;
   so.keep_alive_timeout_s = o.keep_alive_timeout_s;
+  if (!o.tool_call_parser.empty()) {
+    so.tool_call_format = chat::tool_call_format_from_name(o.tool_call_parser);
+  }
   return so;
 }
 
@@ -288,6 +292,11 @@ CommandRegistrar serve_command({
       sub.add_option("--speculative-config", o->speculative_config,
                      "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                      "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}'");
+      sub.add_option("--tool-call-parser", o->tool_call_parser,
+                     "how the model writes tool calls, as vLLM names it: hermes (Qwen3) or "
+                     "qwen3_coder (Qwen3.5, Qwen3-Coder) (default: the format the chat template "
+                     "renders tool calls in)")
+          ->check(CLI::IsMember({"hermes", "qwen3_coder"}));
       sub.add_option("--max-connections", o->max_connections,
                      "open client connections; past it the longest-idle one is closed (default "
                      "4096)")

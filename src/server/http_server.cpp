@@ -152,6 +152,8 @@ struct HttpServer::State {
   std::atomic<Phase> phase{Phase::kLoading};
   ServedModel model;
   std::optional<chat::ChatTemplate> chat_template;
+  // How the model writes tool calls: --tool-call-parser, else the chat template's format.
+  chat::ToolCallFormat tool_call_format = chat::ToolCallFormat::kHermes;
   std::unique_ptr<EngineLoop> own_loop;  // when serving a local engine
   RequestSink* loop = nullptr;           // where requests go
   std::atomic<int> active_responses{0};
@@ -731,8 +733,8 @@ struct HttpServer::State {
   }
 
   // The grammar of the tool calls a chat request forces (tool_choice "required" or a named
-  // function): Qwen3's <tool_call> text, with each function's parameters as its schema.
-  static std::optional<GrammarSpec> forced_tool_calls(const ChatRequest& r) {
+  // function): the model's tool-call text, with each function's parameters as its schema.
+  std::optional<GrammarSpec> forced_tool_calls(const ChatRequest& r) const {
     if (r.tool_choice != "required") return std::nullopt;
     std::vector<ToolFunction> functions;
     for (const json& tool : r.tools) {
@@ -746,7 +748,7 @@ struct HttpServer::State {
     try {
       return GrammarSpec::tool_calls(functions,
                                      one ? ToolCallCount::kExactlyOne : ToolCallCount::kOneOrMore,
-                                     chat::ToolCallFormat::kHermes);
+                                     tool_call_format);
     } catch (const Error& e) {
       throw bad_param("tools", e.what());
     }
@@ -793,8 +795,12 @@ struct HttpServer::State {
       if (open && close) c.reasoning = {*open, *close, job.starts_in_reasoning};
     }
     submit(job, ids, r.options, max_tokens, job.prompt_logprobs.value_or(-1), c);
+    const auto parameter_types = use_tools && tool_call_format == chat::ToolCallFormat::kQwen3Coder
+                                     ? std::make_shared<const ToolParameterTypes>(r.tools)
+                                     : nullptr;
     for (size_t i = 0; i < job.choices.size(); ++i) {
-      job.parsers.emplace_back(job.parse_reasoning, job.starts_in_reasoning, job.parse_tools);
+      job.parsers.emplace_back(job.parse_reasoning, job.starts_in_reasoning, job.parse_tools,
+                               tool_call_format, parameter_types);
     }
     respond(std::move(job), ex);
   }
@@ -988,6 +994,10 @@ void HttpServer::attach(const ServedModel& model, RequestSink& sink,
   State& s = *state_;
   s.model = model;
   s.tokenizer_info_body = dump(tokenizer_info(s.options.model_path, model.max_model_len));
+  s.tool_call_format = s.options.tool_call_format.value_or(chat_template.tool_call_format());
+  std::fprintf(stderr, "relay: tool calls in the %s format (%s)\n",
+               std::string(chat::tool_call_format_name(s.tool_call_format)).c_str(),
+               s.options.tool_call_format ? "--tool-call-parser" : "the chat template's");
   s.chat_template.emplace(std::move(chat_template));
   s.loop = &sink;
   s.phase = Phase::kReady;

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "chat/chat_template.h"
@@ -55,6 +56,9 @@ struct ServerOptions {
   int max_connections = 4096;
   double request_head_timeout_s = 10.0;
   double keep_alive_timeout_s = 60.0;
+  // The format the model writes tool calls in (vLLM's --tool-call-parser); nullopt: the one its
+  // chat template renders them in (chat::ChatTemplate::tool_call_format).
+  std::optional<chat::ToolCallFormat> tool_call_format;
 };
 
 class HttpServer {

@@ -1,9 +1,11 @@
 // The HTTP server end to end with a scripted backend: the demo model never thinks or calls tools,
 // so a backend that "generates" a Qwen3 reasoning block and a tool call proves that path through
-// the real template, tokenizer, engine, parser and HTTP layer, streamed and not.
+// the real template, tokenizer, engine, parser and HTTP layer, streamed and not; the same for
+// Qwen3.5's template and its qwen3_coder calls, found from the template or named by the options.
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -23,12 +25,15 @@ const std::string kOutput =
     "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
 
 struct ScriptedServer {
-  explicit ScriptedServer(const std::string& output)
+  explicit ScriptedServer(
+      const std::string& output,
+      chat::ChatTemplate chat_template = chat::ChatTemplate::from_model_dir(kDemo),
+      const ServerOptions& server_options = options())
       : tokenizer(Tokenizer::from_model_dir(kDemo)),
         engine(make_backend(tokenizer, output), tokenizer, {}),
-        http(options()) {
+        http(server_options) {
     http.start();
-    http.attach(engine, chat::ChatTemplate::from_model_dir(kDemo));
+    http.attach(engine, std::move(chat_template));
   }
   ~ScriptedServer() {
     http.drain(5.0);
@@ -76,7 +81,9 @@ json request(bool stream, bool thinking = true) {
                     {"function",
                      {{"name", "get_weather"},
                       {"parameters",
-                       {{"type", "object"}, {"properties", {{"city", {{"type", "string"}}}}}}}}}}});
+                       {{"type", "object"},
+                        {"properties",
+                         {{"city", {{"type", "string"}}}, {"days", {{"type", "integer"}}}}}}}}}}});
   return {{"model", "demo"},  {"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}},
           {"tools", tools},   {"max_tokens", 200},
           {"stream", stream}, {"chat_template_kwargs", {{"enable_thinking", thinking}}}};
@@ -98,30 +105,127 @@ TEST(HttpServer, ReasoningAndToolCalls) {
             json({{"city", "Paris"}}));
 }
 
-TEST(HttpServer, StreamedReasoningAndToolCalls) {
-  ScriptedServer s(kOutput);
-  const json events = s.post(request(true));
-  ASSERT_EQ(events.back(), "[DONE]");
+// What a stream's deltas add up to.
+struct Streamed {
   std::string reasoning, content, finish;
   json calls = json::array();
+};
+
+Streamed collect(const json& events) {
+  EXPECT_EQ(events.back(), "[DONE]");
+  Streamed out;
   for (const json& e : events) {
     if (!e.is_object()) continue;
     for (const json& c : e["choices"]) {
       const json& d = c["delta"];
-      if (d.contains("reasoning_content")) reasoning += d["reasoning_content"].get<std::string>();
-      if (d.contains("content")) content += d["content"].get<std::string>();
+      if (d.contains("reasoning_content"))
+        out.reasoning += d["reasoning_content"].get<std::string>();
+      if (d.contains("content")) out.content += d["content"].get<std::string>();
       if (d.contains("tool_calls")) {
-        for (const json& t : d["tool_calls"]) calls.push_back(t);
+        for (const json& t : d["tool_calls"]) out.calls.push_back(t);
       }
-      if (c["finish_reason"].is_string()) finish = c["finish_reason"];
+      if (c["finish_reason"].is_string()) out.finish = c["finish_reason"];
     }
   }
-  EXPECT_EQ(reasoning, "\nThe user wants the weather.\n");
-  EXPECT_EQ(content, "");
-  ASSERT_EQ(calls.size(), 1u);
-  EXPECT_EQ(calls[0]["index"], 0);
-  EXPECT_EQ(calls[0]["function"]["name"], "get_weather");
-  EXPECT_EQ(finish, "tool_calls");
+  return out;
+}
+
+TEST(HttpServer, StreamedReasoningAndToolCalls) {
+  ScriptedServer s(kOutput);
+  const Streamed streamed = collect(s.post(request(true)));
+  EXPECT_EQ(streamed.reasoning, "\nThe user wants the weather.\n");
+  EXPECT_EQ(streamed.content, "");
+  ASSERT_EQ(streamed.calls.size(), 1u);
+  EXPECT_EQ(streamed.calls[0]["index"], 0);
+  EXPECT_EQ(streamed.calls[0]["function"]["name"], "get_weather");
+  EXPECT_EQ(streamed.finish, "tool_calls");
+}
+
+chat::ChatTemplate qwen35_template() {
+  std::ifstream in(RELAY_SOURCE_DIR "/models/templates/Qwen3.5-4B.jinja");
+  std::stringstream text;
+  text << in.rdbuf();
+  return chat::ChatTemplate::from_string(text.str(),
+                                         chat::ChatTemplate::special_tokens_of_model_dir(kDemo));
+}
+
+// As Qwen3.5 answers: its prompt opens the think block, and it calls in qwen3_coder's format.
+const std::string kQwen35Output =
+    "The user wants the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+    "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+    "</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+    "</function>\n</tool_call>";
+
+TEST(HttpServer, Qwen35TemplatesToolCallsAreFoundFromTheTemplate) {
+  ScriptedServer s(kQwen35Output, qwen35_template());
+  const json r = s.post(request(false));
+  const json& choice = r["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls");
+  EXPECT_EQ(choice["message"]["reasoning_content"], "The user wants the weather.\n");
+  EXPECT_TRUE(choice["message"]["content"].is_null());
+  const json& calls = choice["message"]["tool_calls"];
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_NE(calls[0]["id"], calls[1]["id"]);
+  for (const json& call : calls) {
+    EXPECT_EQ(call["type"], "function");
+    EXPECT_EQ(call["function"]["name"], "get_weather");
+  }
+  EXPECT_EQ(calls[0]["function"]["arguments"], R"({"city":"Paris","days":3})");
+  EXPECT_EQ(calls[1]["function"]["arguments"], R"({"city":"Rome"})");
+
+  const Streamed streamed = collect(s.post(request(true)));
+  EXPECT_EQ(streamed.reasoning, "The user wants the weather.\n");
+  EXPECT_EQ(streamed.content, "");
+  EXPECT_EQ(streamed.finish, "tool_calls");
+  ASSERT_EQ(streamed.calls.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(streamed.calls[i]["index"], i);
+    EXPECT_EQ(streamed.calls[i]["type"], "function");
+    EXPECT_EQ(streamed.calls[i]["id"].get<std::string>().rfind("call_", 0), 0u);
+    EXPECT_EQ(streamed.calls[i]["function"], calls[i]["function"]);
+  }
+}
+
+TEST(HttpServer, Qwen35ForcedCallIsSampledUnderTheQwen3CoderGrammar) {
+  // The scripted backend fails the test if a mask forbids a scripted token: the forced call's
+  // grammar allows Qwen3.5's own text for it, token by token.
+  const std::string call =
+      "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+      "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+  ScriptedServer s(call, qwen35_template());
+  json body = request(false, /*thinking=*/false);
+  body["tool_choice"] = {{"type", "function"}, {"function", {{"name", "get_weather"}}}};
+  const json choice = s.post(body)["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls");
+  ASSERT_EQ(choice["message"]["tool_calls"].size(), 1u);
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["function"]["arguments"],
+            R"({"city":"Paris","days":3})");
+  body["tool_choice"] = "required";
+  body["stream"] = true;
+  const Streamed streamed = collect(s.post(body));
+  ASSERT_EQ(streamed.calls.size(), 1u);
+  EXPECT_EQ(streamed.calls[0]["function"]["arguments"], R"({"city":"Paris","days":3})");
+}
+
+TEST(HttpServer, ToolCallFormatOptionOverridesTheTemplate) {
+  // Qwen3's template with the qwen3_coder format named.
+  ServerOptions o = ScriptedServer::options();
+  o.tool_call_format = chat::ToolCallFormat::kQwen3Coder;
+  const std::string call =
+      "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>\n"
+      "</tool_call>";
+  {
+    ScriptedServer s(call, chat::ChatTemplate::from_model_dir(kDemo), o);
+    const json message = s.post(request(false, /*thinking=*/false))["choices"][0]["message"];
+    ASSERT_EQ(message["tool_calls"].size(), 1u);
+    EXPECT_EQ(message["tool_calls"][0]["function"]["arguments"], R"({"days":2})");
+  }
+  // Qwen3.5's template with hermes named: its calls are text then.
+  o.tool_call_format = chat::ToolCallFormat::kHermes;
+  ScriptedServer s(call, qwen35_template(), o);
+  const json message = s.post(request(false, /*thinking=*/false))["choices"][0]["message"];
+  EXPECT_TRUE(message["tool_calls"].empty());
+  EXPECT_EQ(message["content"], call);
 }
 
 TEST(HttpServer, ThinkingDisabledLeavesTagsInContentAndWithoutToolsNoCalls) {
