@@ -93,7 +93,8 @@ struct ModelConfig {
   // Each MoE layer's sigmoid-gated shared expert (a SwiGLU MLP of this width); 0: none (Qwen3-MoE).
   int64_t shared_expert_intermediate_size = 0;
   // Multi-token-prediction layers in the checkpoint (mtp_num_hidden_layers, or Qwen3-Next's
-  // num_nextn_predict_layers): recorded; MTP is not run yet and the mtp.* tensors are not loaded.
+  // num_nextn_predict_layers; 0 for Qwen3). The head (mtp.*) is loaded only when asked for
+  // (registry.h: MtpSource), which refuses more than one layer.
   int64_t mtp_num_hidden_layers = 0;
 
   // Tokens that end generation (config.json and generation_config.json, merged).

@@ -22,8 +22,10 @@ Model::Model(ModelConfig config, ShardSpec shard, std::vector<float> embedding,
       final_norm_(std::move(final_norm)),
       lm_head_(std::move(lm_head)) {}
 
+void Model::set_mtp_head(MtpHead head) { mtp_ = std::move(head); }
+
 KvCacheLayout Model::kv_layout(int block_size, int num_blocks) const {
-  return KvCacheLayout{.num_layers = config_.num_kv_cache_layers(),
+  return KvCacheLayout{.num_layers = num_kv_layers(),
                        .num_blocks = num_blocks,
                        .num_kv_heads = shard_.num_local_kv_heads,
                        .block_size = block_size,
@@ -32,7 +34,7 @@ KvCacheLayout Model::kv_layout(int block_size, int num_blocks) const {
 }
 
 KvCacheLayout Model::kv_layout_for_budget(int block_size, size_t bytes) const {
-  return KvCacheLayout::from_budget(config_.num_kv_cache_layers(), shard_.num_local_kv_heads,
+  return KvCacheLayout::from_budget(num_kv_layers(), shard_.num_local_kv_heads,
                                     static_cast<int>(config_.head_dim), block_size, sizeof(float),
                                     bytes);
 }
@@ -108,11 +110,11 @@ void Model::check_recurrent_state(const ForwardBatch& b) const {
   }
 }
 
-void Model::check_batch(const ForwardBatch& b, const KvPool& kv) const {
+void Model::check_batch(const ForwardBatch& b, const KvPool& kv, bool recurrent_state) const {
   const KvCacheLayout& l = kv.layout();
   const int t = b.num_tokens(), s = b.num_seqs();
-  RELAY_CHECK(l.num_layers == config_.num_kv_cache_layers() &&
-                  l.num_kv_heads == shard_.num_local_kv_heads && l.head_dim == config_.head_dim,
+  RELAY_CHECK(l.num_layers == num_kv_layers() && l.num_kv_heads == shard_.num_local_kv_heads &&
+                  l.head_dim == config_.head_dim,
               "KV pool shape (layers ", l.num_layers, ", kv heads ", l.num_kv_heads, ", head_dim ",
               l.head_dim, ") does not match the model");
   RELAY_CHECK(t > 0, "forward batch has no tokens");
@@ -152,55 +154,68 @@ void Model::check_batch(const ForwardBatch& b, const KvPool& kv) const {
   }
   for (int32_t r : b.logit_rows)
     RELAY_CHECK(r >= 0 && r < t, "logit row ", r, " out of [0, ", t, ")");
-  if (config_.has_linear_attention()) check_recurrent_state(b);
+  if (recurrent_state && config_.has_linear_attention()) check_recurrent_state(b);
 }
 
 void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool,
                     std::vector<float>& logits) {
-  check_batch(b, kv);
+  check_batch(b, kv, true);
   const int t = b.num_tokens();
-  const int h = static_cast<int>(config_.hidden_size);
-  const size_t n = static_cast<size_t>(t) * h;
+  const size_t n = static_cast<size_t>(t) * config_.hidden_size;
   hidden_.resize(n);
   normed_.resize(n);
   residual_.assign(n, 0.0f);
+  embed(b, pool);
+  kernels::RmsNormParams<float> norm = residual_norm(t);
+  for (DecoderLayer& layer : layers_) run_layer(layer, b, kv, pool, norm);
+  norm.weight = final_norm_.data();
+  kernels::launch_rms_norm(norm, pool);
+  compute_logits(b.logit_rows, pool, logits);
+}
 
+void Model::embed(const ForwardBatch& b, ThreadPool& pool) {
   kernels::EmbeddingParams<float> e;
   e.token_ids = b.token_ids.data();
   e.table = embedding_.data();
   e.out = hidden_.data();
-  e.num_tokens = t;
-  e.hidden = h;
+  e.num_tokens = b.num_tokens();
+  e.hidden = static_cast<int>(config_.hidden_size);
   e.vocab_size = vocab_size();
   kernels::launch_embedding(e, pool);
+}
 
+kernels::RmsNormParams<float> Model::residual_norm(int num_tokens) {
   kernels::RmsNormParams<float> norm;
   norm.x = hidden_.data();
   norm.residual = residual_.data();
   norm.out = normed_.data();
-  norm.num_tokens = t;
-  norm.hidden = h;
+  norm.num_tokens = num_tokens;
+  norm.hidden = static_cast<int>(config_.hidden_size);
   norm.eps = static_cast<float>(config_.rms_norm_eps);
-  for (DecoderLayer& layer : layers_) {
-    norm.weight = layer.input_norm.data();
-    kernels::launch_rms_norm(norm, pool);
-    layer.mixer->forward(normed_.data(), b, kv, pool, hidden_.data());
-    norm.weight = layer.post_attention_norm.data();
-    kernels::launch_rms_norm(norm, pool);
-    layer.ffn->forward(normed_.data(), t, pool, hidden_.data());
-  }
-  norm.weight = final_norm_.data();
-  kernels::launch_rms_norm(norm, pool);
+  return norm;
+}
 
-  logits.resize(b.logit_rows.size() * static_cast<size_t>(vocab_size()));
-  if (b.logit_rows.empty()) return;
+void Model::run_layer(DecoderLayer& layer, const ForwardBatch& b, KvPool& kv, ThreadPool& pool,
+                      kernels::RmsNormParams<float>& norm) {
+  norm.weight = layer.input_norm.data();
+  kernels::launch_rms_norm(norm, pool);
+  layer.mixer->forward(normed_.data(), b, kv, pool, hidden_.data());
+  norm.weight = layer.post_attention_norm.data();
+  kernels::launch_rms_norm(norm, pool);
+  layer.ffn->forward(normed_.data(), b.num_tokens(), pool, hidden_.data());
+}
+
+void Model::compute_logits(std::span<const int32_t> rows, ThreadPool& pool,
+                           std::vector<float>& logits) {
+  logits.resize(rows.size() * static_cast<size_t>(vocab_size()));
+  if (rows.empty()) return;
   auto run_lm_head = [&](auto params, const auto* w) {
     params.x = normed_.data();
-    params.rows = b.logit_rows.data();
+    params.rows = rows.data();
     params.w = w;
     params.logits = logits.data();
-    params.num_rows = static_cast<int>(b.logit_rows.size());
-    params.hidden = h;
+    params.num_rows = static_cast<int>(rows.size());
+    params.hidden = static_cast<int>(config_.hidden_size);
     params.vocab_size = vocab_size();
     kernels::launch_lm_head(params, pool);
   };
@@ -210,6 +225,53 @@ void Model::forward(const ForwardBatch& b, KvPool& kv, ThreadPool& pool,
     run_lm_head(kernels::LmHeadParams<float>{},
                 lm_head_.f32.empty() ? embedding_.data() : lm_head_.f32.data());
   }
+}
+
+void Model::forward_mtp(const ForwardBatch& b, std::span<const float> hidden, KvPool& kv,
+                        ThreadPool& pool, std::vector<float>& logits) {
+  RELAY_CHECK(has_mtp(), "forward_mtp: ", config_.architecture,
+              " was loaded without an MTP head (registry.h: MtpSource)");
+  check_batch(b, kv, false);
+  const int t = b.num_tokens();
+  const int h = static_cast<int>(config_.hidden_size);
+  const size_t n = static_cast<size_t>(t) * h;
+  RELAY_CHECK(hidden.size() == n, "forward_mtp: ", t, " tokens need ", n,
+              " hidden values (num_tokens x hidden ", h, "), got ", hidden.size());
+  MtpHead& head = *mtp_;
+
+  // fc's input, row r = [pre_fc_norm_embedding(embed(t)) | pre_fc_norm_hidden(hidden)]. `hidden`
+  // may be last_hidden() (normed_): it is read here, before normed_ is written.
+  hidden_.resize(n);
+  residual_.resize(n);
+  mtp_input_.resize(2 * n);
+  embed(b, pool);
+  kernels::RmsNormParams<float> norm;
+  norm.num_tokens = t;
+  norm.hidden = h;
+  norm.eps = static_cast<float>(config_.rms_norm_eps);
+  norm.x = hidden_.data();
+  norm.weight = head.pre_fc_norm_embedding.data();
+  norm.out = hidden_.data();
+  kernels::launch_rms_norm(norm, pool);
+  norm.x = hidden.data();
+  norm.weight = head.pre_fc_norm_hidden.data();
+  norm.out = residual_.data();
+  kernels::launch_rms_norm(norm, pool);
+  for (int r = 0; r < t; ++r) {
+    float* row = mtp_input_.data() + static_cast<size_t>(r) * 2 * h;
+    std::copy_n(hidden_.data() + static_cast<size_t>(r) * h, h, row);
+    std::copy_n(residual_.data() + static_cast<size_t>(r) * h, h, row + h);
+  }
+  head.fc.forward(mtp_input_.data(), t, hidden_.data(), pool);
+
+  // The decoder layer and mtp.norm over a fresh residual stream, as forward() runs its layers.
+  normed_.resize(n);
+  std::fill(residual_.begin(), residual_.end(), 0.0f);
+  norm = residual_norm(t);
+  run_layer(head.layer, b, kv, pool, norm);
+  norm.weight = head.norm.data();
+  kernels::launch_rms_norm(norm, pool);
+  compute_logits(b.logit_rows, pool, logits);
 }
 
 void Model::forward_idle(ThreadPool& pool) {

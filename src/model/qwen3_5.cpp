@@ -8,8 +8,9 @@
 // (in_proj_qkv = q | k | v over all heads, in_proj_z, in_proj_b, in_proj_a), so concatenated in
 // that order it is the block's in_proj as is. A vision-language checkpoint keeps the language
 // model under model.language_model. (transformers' text class strips that prefix); its vision
-// tower (model.visual.*) is not loaded, and neither are the MTP layers (mtp.*) until Relay runs
-// MTP. Experts may be stored per expert or fused 3-D (SparseMoe reads both).
+// tower (model.visual.*) is not loaded. The MTP head (mtp.*, at the top level) is loaded by the
+// registry when asked for (model/mtp.h), skipped with a log line otherwise. Experts may be stored
+// per expert or fused 3-D (SparseMoe reads both).
 #include "core/error.h"
 #include "model/architectures.h"
 #include "model/rope.h"
@@ -19,7 +20,6 @@ namespace relay {
 std::unique_ptr<Model> build_qwen3_5(const ModelConfig& c, const Checkpoint& ckpt,
                                      const ShardSpec& shard) {
   log_unloaded_tensors(ckpt, "model.visual.", "the vision encoder is not run");
-  log_unloaded_tensors(ckpt, "mtp.", "multi-token prediction is not run yet");
   const RopeTables rope = compute_rope(c);
   DecoderBlocks blocks;
   blocks.prefix =

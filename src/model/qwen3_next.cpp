@@ -8,8 +8,8 @@
 //   in_proj_qkvz rows: for each g, [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)],  r = Hv / Hk
 //   in_proj_ba rows:   for each g, [b_g (r) | a_g (r)]
 // where v_g, z_g, b_g, a_g cover value heads g r .. g r + r - 1. They are un-interleaved once, at
-// load, into the block's [q | k | v | z | b | a]; after that the math is Qwen3.5's. The MTP layer
-// (mtp.*), when a checkpoint has one, is not loaded until Relay runs MTP.
+// load, into the block's [q | k | v | z | b | a]; after that the math is Qwen3.5's. The MTP head
+// (mtp.*), when a checkpoint has one, is loaded by the registry when asked for (model/mtp.h).
 #include "core/error.h"
 #include "model/architectures.h"
 #include "model/rope.h"
@@ -45,7 +45,6 @@ std::vector<int64_t> uninterleaved_rows(const ModelConfig& c) {
 
 std::unique_ptr<Model> build_qwen3_next(const ModelConfig& c, const Checkpoint& ckpt,
                                         const ShardSpec& shard) {
-  log_unloaded_tensors(ckpt, "mtp.", "multi-token prediction is not run yet");
   const RopeTables rope = compute_rope(c);
   const std::vector<int64_t> in_proj_rows = uninterleaved_rows(c);
   DecoderBlocks blocks;

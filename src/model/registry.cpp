@@ -1,8 +1,11 @@
 // See registry.h.
 #include "model/registry.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "model/architectures.h"
+#include "model/mtp.h"
 
 namespace relay {
 
@@ -37,20 +40,77 @@ std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& 
 
 std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt,
                                    const ShardSpec& shard) {
+  return build_model(config, ckpt, shard, MtpSource{});
+}
+
+namespace {
+
+const Architecture& find_architecture(const std::string& name) {
   for (const Architecture& a : kArchitectures) {
-    if (config.architecture == a.name) return a.build(config, ckpt, shard);
+    if (name == a.name) return a;
   }
   std::string supported;
-  for (const std::string& name : supported_architectures())
-    supported += str(supported.empty() ? "" : ", ", name);
-  fail(str("architecture \"", config.architecture, "\" is not supported (supported: ", supported,
-           ")"));
+  for (const std::string& n : supported_architectures())
+    supported += str(supported.empty() ? "" : ", ", n);
+  fail(str("architecture \"", name, "\" is not supported (supported: ", supported, ")"));
+}
+
+// The MTP head of `head` (the target's checkpoint when `own`), after checking it is all there.
+MtpHead load_mtp(const ModelConfig& config, const Checkpoint& head, const ShardSpec& shard,
+                 bool own) {
+  const std::string dir = head.dir().string();
+  const int num_layers = count_mtp_layers(head);
+  RELAY_CHECK(num_layers <= 1 && config.mtp_num_hidden_layers <= 1, "the MTP head in ", dir,
+              " has ", std::max<int64_t>(num_layers, config.mtp_num_hidden_layers),
+              " layers (mtp.layers.N, mtp_num_hidden_layers); Relay runs exactly one");
+  for (const std::string& name : mtp_tensor_names(config, head)) {
+    if (head.has(name)) continue;
+    if (own) {
+      fail(str("MTP was requested but the checkpoint ", dir, " has no tensor ", name,
+               num_layers == 0 ? " (it ships no MTP head: Qwen3 / Qwen3-MoE checkpoints have none)"
+                               : " (its MTP head is incomplete)",
+               "; a separate MTP head directory (mtp.* tensors) is given with \"model\": DIR in "
+               "the speculative config"));
+    }
+    fail(str("the MTP head directory ", dir, " has no tensor ", name, " (\"model\": DIR points at ",
+             "a separate MTP head: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, "
+             "mtp.norm and one decoder layer mtp.layers.0.* of the target's kind, ",
+             config.architecture, ")"));
+  }
+  return load_mtp_head(config, head, shard);
+}
+
+}  // namespace
+
+std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& ckpt,
+                                   const ShardSpec& shard, const MtpSource& mtp) {
+  const Architecture& arch = find_architecture(config.architecture);
+  if (!mtp.enabled) {
+    log_unloaded_tensors(ckpt, "mtp.", "no MTP speculative decoding asked for");
+  } else if (!mtp.dir.empty()) {
+    log_unloaded_tensors(ckpt, "mtp.", str("the MTP head comes from ", mtp.dir.string()));
+  }
+  std::unique_ptr<Model> model = arch.build(config, ckpt, shard);
+  if (!mtp.enabled) return model;
+  if (mtp.dir.empty()) {
+    model->set_mtp_head(load_mtp(config, ckpt, shard, true));
+  } else {
+    RELAY_CHECK(std::filesystem::is_directory(mtp.dir), "the MTP head directory ",
+                mtp.dir.string(), " (\"model\" in the speculative config) does not exist");
+    const Checkpoint head(mtp.dir);
+    model->set_mtp_head(load_mtp(config, head, shard, false));
+  }
+  return model;
 }
 
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir) {
+  return load_model(dir, MtpSource{});
+}
+
+std::unique_ptr<Model> load_model(const std::filesystem::path& dir, const MtpSource& mtp) {
   ModelConfig config = ModelConfig::load(dir);
   Checkpoint ckpt(dir);
-  return build_model(config, ckpt);
+  return build_model(config, ckpt, unsharded(config), mtp);
 }
 
 }  // namespace relay
