@@ -105,6 +105,15 @@ PrefixHit BlockManager::find_cached_prefix(std::span<const int32_t> tokens) cons
   return best;
 }
 
+PrefixHit BlockManager::without_last_block(PrefixHit hit) const {
+  if (hit.blocks.empty()) return hit;
+  hit.blocks.pop_back();
+  hit.hashes.pop_back();
+  hit.last_hash = hit.hashes.empty() ? root_hash(hit.partition) : hit.hashes.back();
+  if (hit.blocks.empty()) hit.partition = -1;
+  return hit;
+}
+
 int BlockManager::num_hit_blocks_now_free(const PrefixHit* hit) const {
   int n = 0;
   if (hit == nullptr || hit->blocks.empty()) return 0;

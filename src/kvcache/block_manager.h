@@ -84,6 +84,9 @@ class BlockManager {
   // tokens are covered: the last token is always computed, since its logits are what a step
   // samples.
   PrefixHit find_cached_prefix(std::span<const int32_t> tokens) const;
+  // `hit` less its last block (none left: no hit), for a sequence that must compute that block's
+  // tokens itself (scheduler.h: an MTP drafter's K/V there depends on the token after the hit).
+  PrefixHit without_last_block(PrefixHit hit) const;
 
   // Whether allocate(seq_id, num_tokens, hit) would succeed now.
   bool can_allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit = nullptr) const;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <unordered_map>
+#include <utility>
 
 #include "core/error.h"
 
@@ -19,6 +20,8 @@ Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks,
   RELAY_CHECK(config.max_num_batched_tokens >= config.max_num_seqs, "max_num_batched_tokens (",
               config.max_num_batched_tokens, ") must be at least max_num_seqs (",
               config.max_num_seqs, ")");
+  RELAY_CHECK(config.num_lookahead_tokens >= 0, "num_lookahead_tokens must not be negative, got ",
+              config.num_lookahead_tokens);
 }
 
 void Scheduler::add(std::unique_ptr<Sequence> seq) {
@@ -63,6 +66,13 @@ void Scheduler::preempt(Sequence* seq) {
   ++seq->num_preemptions;
   ++stats_.num_preemptions;
   waiting_.push_front(seq);
+}
+
+void Scheduler::reserve_lookahead(const Sequence* seq, int64_t num_tokens) {
+  // NOTE: allocate changes nothing when the partition lacks the blocks: the lookahead is optional.
+  if (config_.num_lookahead_tokens > 0) {
+    blocks_.allocate(seq->id, num_tokens + config_.num_lookahead_tokens);
+  }
 }
 
 bool Scheduler::bind_state_partition(const Sequence* seq) {
@@ -142,6 +152,7 @@ SchedulerOutput Scheduler::schedule() {
       if (is_decode(victim)) decode_tokens_after -= 1 + num_drafts(victim);
     }
     if (self_preempted) continue;
+    if (samples(seq, n)) reserve_lookahead(seq, seq->num_computed + n + k);
     out.chunks.push_back({seq, n + k, samples(seq, n), k});
     budget -= n + k;
     ++i;
@@ -154,7 +165,8 @@ SchedulerOutput Scheduler::schedule() {
     // built from every token: a hit would skip them.
     const bool reads_cache =
         states_ == nullptr && !(seq->wants_prompt_logprobs && seq->num_output_tokens() == 0);
-    const PrefixHit hit = reads_cache ? blocks_.find_cached_prefix(seq->tokens) : PrefixHit{};
+    PrefixHit hit = reads_cache ? blocks_.find_cached_prefix(seq->tokens) : PrefixHit{};
+    if (config_.hit_drops_last_block) hit = blocks_.without_last_block(std::move(hit));
     const int num_hit = static_cast<int>(hit.num_tokens(blocks_.block_size()));
     const int n = std::min(static_cast<int>(seq->tokens.size()) - num_hit, budget);
     if (states_ != nullptr && !bind_state_partition(seq)) break;
@@ -172,6 +184,7 @@ SchedulerOutput Scheduler::schedule() {
     if (seq->num_cached_prompt_tokens < 0) seq->num_cached_prompt_tokens = num_hit;
     seq->num_computed = num_hit;
     running_.push_back(seq);
+    if (samples(seq, n)) reserve_lookahead(seq, num_hit + n);
     out.chunks.push_back({seq, n, samples(seq, n)});
     budget -= n;
   }

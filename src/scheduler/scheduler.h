@@ -55,6 +55,13 @@
 // would skip the tokens that build the state; see state_slots.h for the snapshot design), and a
 // prefilled hand-over (add_running) is refused, as its state would have to travel with its KV.
 //
+// Lookahead (MTP drafting): a chunk that samples also gets blocks for num_lookahead_tokens more
+// positions when its partition has them free, so the backend's drafter can write its own K/V for
+// the drafts it chains after the sampled token; it never preempts for them, and the backend
+// shortens its chain to the blocks it got. The drafter's K/V at a prompt's last cached position
+// depends on the token after it, so with hit_drops_last_block a prefix hit leaves its last block
+// to be recomputed.
+//
 // Partitions: with data-parallel attention one scheduler serves every DP rank, each rank's KV pool
 // being one partition of the block manager (see block_manager.h), which binds each sequence to one.
 // Preempting a sequence of another partition would free blocks on another rank, of no use to the
@@ -79,6 +86,15 @@ namespace relay {
 struct SchedulerConfig {
   int max_num_seqs = 64;              // sequences running at once
   int max_num_batched_tokens = 2048;  // tokens computed per step (decodes + prefill chunks)
+  // KV positions a sampling chunk also gets blocks for beyond its tokens, when free (never by
+  // preemption): an MTP drafter chains its layer over the drafts it proposes, writing its K/V
+  // there (num_speculative_tokens - 1). A rollback or the next step's chunk reuses them.
+  int num_lookahead_tokens = 0;
+  // A prefix hit gives back its last block, whose K/V the sequence then computes itself: an MTP
+  // drafter's K/V at position p depends on the token at p + 1 too (model/mtp.h), and at the hit's
+  // last position that token comes after the cached blocks, whose hashes do not cover it (vLLM
+  // drops the last hit block for its EAGLE and MTP drafters alike).
+  bool hit_drops_last_block = false;
 };
 
 // One sequence's share of a step.
@@ -146,6 +162,9 @@ class Scheduler {
 
  private:
   void preempt(Sequence* seq);
+  // Takes blocks for the lookahead positions after a sampling chunk ending at `num_tokens`, if
+  // free.
+  void reserve_lookahead(const Sequence* seq, int64_t num_tokens);
   // Binds a waiting sequence of a hybrid model to the partition it can get state slots in (the
   // one with the most free blocks among those); false when no partition has slots.
   bool bind_state_partition(const Sequence* seq);

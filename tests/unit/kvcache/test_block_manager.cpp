@@ -94,6 +94,37 @@ TEST(BlockManager, LastTokenIsNeverAHit) {
   EXPECT_EQ(bm.find_cached_prefix(longer).blocks.size(), 2u);
 }
 
+// An MTP drafter's hit gives back its last block (scheduler.h): the rest is still a hit of the
+// same partition, and giving back the only block leaves no hit at all.
+TEST(BlockManager, AHitWithoutItsLastBlock) {
+  BlockManager bm(16, 4, true, 2);
+  const auto prompt = iota_tokens(13);  // 3 full blocks + 1 token
+  ASSERT_TRUE(bm.allocate(1, 13));
+  bm.cache_full_blocks(1, prompt, 13);
+  const PrefixHit hit = bm.find_cached_prefix(prompt);
+  ASSERT_EQ(hit.blocks.size(), 3u);
+  const PrefixHit two = bm.without_last_block(hit);
+  EXPECT_EQ(two.blocks, std::vector<int32_t>(hit.blocks.begin(), hit.blocks.begin() + 2));
+  EXPECT_EQ(two.hashes, std::vector<uint64_t>(hit.hashes.begin(), hit.hashes.begin() + 2));
+  EXPECT_EQ(two.last_hash, hit.hashes[1]);
+  EXPECT_EQ(two.partition, hit.partition);
+  // The same as the hit of a prompt that differs in its third block.
+  auto other = prompt;
+  other[9] = 999;
+  const PrefixHit found = bm.find_cached_prefix(other);
+  EXPECT_EQ(found.blocks, two.blocks);
+  EXPECT_EQ(found.last_hash, two.last_hash);
+  ASSERT_TRUE(bm.allocate(2, 13, &two));
+  EXPECT_EQ(bm.ref_count(hit.blocks[2]), 1);  // sequence 2 computes the third block itself
+  bm.check_invariants();
+
+  const PrefixHit none = bm.without_last_block(bm.without_last_block(two));
+  EXPECT_TRUE(none.blocks.empty());
+  EXPECT_EQ(none.partition, -1);
+  EXPECT_EQ(none.last_hash, bm.find_cached_prefix(iota_tokens(5, 500)).last_hash);
+  EXPECT_TRUE(bm.without_last_block(none).blocks.empty());
+}
+
 TEST(BlockManager, CachedBlocksSurviveFreeAndAreReused) {
   BlockManager bm(4, 4);
   const auto prompt = iota_tokens(9);

@@ -238,6 +238,30 @@ TEST(Scheduler, PrefixHitSkipsComputation) {
   EXPECT_EQ(h.outputs[2], cold.outputs[2]);
 }
 
+// With an MTP drafter (hit_drops_last_block) the same hit gives back its last block: the sequence
+// computes 4 + 2 tokens, and its outputs are the ones without the cache.
+TEST(Scheduler, ADrafterRecomputesTheLastHitBlock) {
+  Harness h(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 64, .hit_drops_last_block = true});
+  auto system = prompt_of(16, 9);
+  auto a = system, b = system;
+  a.insert(a.end(), {1, 2, 3});
+  b.insert(b.end(), {4, 5});
+  h.add(1, a, 2);
+  h.step();
+  h.add(2, b, 2);
+  const SchedulerOutput out = h.step();
+  ASSERT_EQ(out.chunks.size(), 2u);
+  EXPECT_EQ(out.chunks[1].num_tokens, 6);
+  EXPECT_EQ(h.sched.find(2)->num_cached_prompt_tokens, 12);
+  EXPECT_EQ(h.sched.stats().prefix_cache_hits, 12u);
+  h.run_to_completion();
+  Harness cold(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 64});
+  cold.add(2, b, 2);
+  cold.run_to_completion();
+  EXPECT_EQ(h.outputs[2], cold.outputs[2]);
+  EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+}
+
 // A sequence asking for prompt logprobs computes every prompt position even when its prefix is
 // cached (no hit, no prefix query counted), and its own blocks still serve later prompts.
 TEST(Scheduler, PromptLogprobsSkipPrefixHitsButFillTheCache) {
@@ -553,6 +577,35 @@ TEST(Scheduler, DraftsNeverPreempt) {
   EXPECT_EQ(h.sched.stats().num_preemptions, 0u);
 }
 
+// Lookahead (an MTP drafter's K/V room): a chunk that samples gets blocks for 3 positions past its
+// tokens while they are free, one that does not sample gets none, and a full pool gives none
+// without preempting anyone. Outputs are those of a run without lookahead.
+TEST(Scheduler, LookaheadBlocksAreTakenOnlyWhenFree) {
+  auto load = [](Harness& h) {
+    h.add(1, prompt_of(4, 1), 6);
+    h.step();
+    h.add(2, prompt_of(20, 2), 4);
+  };
+  Harness reference(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 16});
+  load(reference);
+  reference.run_to_completion();
+
+  Harness h(8, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 16, .num_lookahead_tokens = 3});
+  load(h);
+  EXPECT_EQ(h.blocks.block_table(1).size(), 2u);  // 4 prompt tokens + 3 ahead
+  h.step();  // 1 decodes (5 + 3 ahead: still 2 blocks); 2 prefills 15 tokens, no sample
+  EXPECT_EQ(h.blocks.block_table(1).size(), 2u);
+  EXPECT_EQ(h.blocks.block_table(2).size(), 4u);
+  h.step();  // 1: 6 + 3 ahead = 3 blocks; 2 ends its prompt in block 5 of 8, nothing ahead left
+  EXPECT_EQ(h.blocks.block_table(1).size(), 3u);
+  EXPECT_EQ(h.blocks.block_table(2).size(), 5u);
+  EXPECT_EQ(h.blocks.num_free_blocks(), 0);
+  EXPECT_EQ(h.sched.stats().num_preemptions, 0u);
+  h.run_to_completion();
+  EXPECT_EQ(h.outputs, reference.outputs);
+  EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+}
+
 // Drafts that are all right, right for a while, or wrong, for greedy and seeded sequences, through
 // tiny pools that preempt and partitions: every request completes with exactly the outputs of the
 // run without drafts, and the fake backend, which reads its context back from the cache, shows no
@@ -612,7 +665,8 @@ TEST(Scheduler, DraftsNeverChangeTheOutputs) {
 
 // Random arrivals and aborts on a small pool; surviving requests match a roomy reference run. With
 // even seeds the sequences also carry drafts of the reference tokens, right for a random while,
-// through prefix hits, preemptions and aborts.
+// through prefix hits, preemptions and aborts; with seeds 3 mod 4 sampling chunks take lookahead
+// blocks.
 TEST(Scheduler, RandomArrivalsAndAbortsMatchReference) {
   for (uint32_t seed = 1; seed <= 8; ++seed) {
     std::mt19937 rng(seed);
@@ -636,7 +690,11 @@ TEST(Scheduler, RandomArrivalsAndAbortsMatchReference) {
       ref.add(static_cast<int64_t>(i), reqs[i].prompt, reqs[i].max_tokens);
     ref.run_to_completion();
 
-    Harness h(9, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 6});
+    // Seeds 3 mod 4 also take lookahead blocks (an MTP drafter's), which must change nothing.
+    Harness h(9, 4,
+              {.max_num_seqs = 4,
+               .max_num_batched_tokens = 6,
+               .num_lookahead_tokens = seed % 4 == 3 ? 2 : 0});
     if (seed % 2 == 0) {
       h.drafter = [&](const Sequence& seq) {
         const std::vector<int32_t>& out = ref.outputs[seq.id];
