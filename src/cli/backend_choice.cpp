@@ -170,10 +170,13 @@ int follow_leader(const std::string& model_dir, const BackendChoice& c) {
 
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& c,
                                       int max_num_seqs, int max_num_batched_tokens,
-                                      int max_draft_tokens) {
+                                      const SpeculativeConfig& speculative) {
   c.parallel.validate();
   c.nodes.validate(c.parallel);
   if (c.device == "cuda") {
+    // NOTE: refused before the GPU loads the model (the engine would refuse it after).
+    RELAY_CHECK(!speculative.enabled(), "--speculative-config ", speculative.describe(),
+                ": the cuda device does not verify drafts yet (the cpu device does)");
     RELAY_CHECK(c.nodes.nnodes == 1,
                 "--nnodes: multi-node workers run on the cpu device; the "
                 "cuda device runs every rank as a thread of one process (use --gpus)");
@@ -200,7 +203,12 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
   RELAY_CHECK(!is_follower_node(c), "node ", c.nodes.node_rank,
               " of a multi-node worker follows node 0 (follow_leader); it builds no engine");
   CpuBackendOptions o = cpu_options(c);
-  o.num_state_slots = max_num_seqs * (1 + max_draft_tokens);
+  const int drafts = speculative.enabled() ? speculative.num_speculative_tokens : 0;
+  o.num_state_slots = max_num_seqs * (1 + drafts);
+  if (speculative.method == SpeculativeConfig::Method::kMtp) {
+    o.mtp = {.enabled = true, .dir = speculative.model};
+    o.num_mtp_drafts = drafts;
+  }
   return std::make_unique<CpuBackend>(model_dir, o);
 }
 

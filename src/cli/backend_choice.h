@@ -14,6 +14,7 @@
 
 #include "engine/backend.h"
 #include "parallel/parallel_config.h"
+#include "speculative/speculative.h"
 
 namespace relay::cli {
 
@@ -47,12 +48,13 @@ void add_parallel_options(CLI::App& sub, parallel::ParallelConfig& parallel, std
 std::vector<int> rank_devices(const parallel::ParallelConfig& parallel, const std::string& gpus,
                               int first_gpu);
 // Loads the model on the chosen device; `max_num_seqs` and `max_num_batched_tokens` size the GPU
-// backend's per-step buffers and graphs, and with `max_draft_tokens` (speculative decoding's
-// drafts per decode) a hybrid model's recurrent-state slots: max_num_seqs * (1 + max_draft_tokens)
-// per DP rank, so every running sequence has its state and scratch.
+// backend's per-step buffers and graphs. With `speculative` (--speculative-config) a hybrid
+// model's recurrent-state slots are max_num_seqs * (1 + num_speculative_tokens) per DP rank, so
+// every running sequence has its state and a scratch state per draft, and method "mtp" loads the
+// MTP head (the checkpoint's mtp.* or speculative.model).
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& choice,
                                       int max_num_seqs, int max_num_batched_tokens,
-                                      int max_draft_tokens = 0);
+                                      const SpeculativeConfig& speculative = {});
 // True for nodes 1.. of a multi-node worker (--node-rank > 0): they run no engine of their own.
 inline bool is_follower_node(const BackendChoice& choice) { return choice.nodes.node_rank > 0; }
 // A follower node: loads its ranks, runs node 0's steps until node 0 shuts the worker down, and

@@ -53,10 +53,9 @@ int run_generate(const GenerateOptions& o) {
   if (!o.speculative_config.empty()) {
     config.speculative = SpeculativeConfig::parse(o.speculative_config);
   }
-  LLMEngine engine(
-      make_backend(o.model_dir, o.backend, config.max_num_seqs, config.max_num_batched_tokens,
-                   config.speculative.enabled() ? config.speculative.num_speculative_tokens : 0),
-      tokenizer, config);
+  LLMEngine engine(make_backend(o.model_dir, o.backend, config.max_num_seqs,
+                                config.max_num_batched_tokens, config.speculative),
+                   tokenizer, config);
 
   EngineRequest request;
   request.prompt = tokenizer.encode(prompt);
@@ -139,8 +138,10 @@ CommandRegistrar generate_command({
       sub.add_flag("--ignore-eos", o->ignore_eos, "keep generating past end-of-sequence tokens");
       sub.add_option("--speculative-config", o->speculative_config,
                      "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
-                     "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}' (lossless: the "
-                     "same tokens, in fewer steps when drafts are accepted)");
+                     "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}' or "
+                     "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's "
+                     "MTP head, or \"model\": DIR for a separate one); lossless: the same "
+                     "tokens, in fewer steps when drafts are accepted");
       add_backend_options(sub, o->backend);
       return [o] { return run_generate(*o); };
     },

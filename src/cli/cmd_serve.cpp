@@ -211,9 +211,13 @@ int run_serve(const ServeOptions& o) {
   if (!o.speculative_config.empty()) {
     ec.speculative = SpeculativeConfig::parse(o.speculative_config);
   }
-  auto backend =
-      make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens,
-                   ec.speculative.enabled() ? ec.speculative.num_speculative_tokens : 0);
+  // NOTE: the MTP layer's K/V of a prompt would have to come from the prefill worker too.
+  RELAY_CHECK(!is_worker || ec.speculative.method != SpeculativeConfig::Method::kMtp, "--role ",
+              o.role,
+              ": MTP drafting on disaggregated workers is not built yet (the prefill "
+              "worker does not hand over the MTP layer's KV); use \"ngram\" there");
+  auto backend = make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens,
+                              ec.speculative);
   RELAY_CHECK(!is_worker || backend->num_state_slots() == 0, "--role ", o.role, ": ",
               backend->config().architecture,
               " has linear-attention layers, whose recurrent state does not travel between "
@@ -291,7 +295,9 @@ CommandRegistrar serve_command({
       sub.add_flag("--no-prefix-caching", o->no_prefix_caching, "recompute shared prompt prefixes");
       sub.add_option("--speculative-config", o->speculative_config,
                      "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
-                     "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}'");
+                     "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}' or "
+                     "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's "
+                     "MTP head, or \"model\": DIR for a separate one)");
       sub.add_option("--tool-call-parser", o->tool_call_parser,
                      "how the model writes tool calls, as vLLM names it: hermes (Qwen3) or "
                      "qwen3_coder (Qwen3.5, Qwen3-Coder) (default: the format the chat template "

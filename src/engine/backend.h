@@ -79,6 +79,10 @@ struct StepSequence {
   // slots, one per draft, are the backend's scratch space for the states after each draft and hold
   // nothing between steps.
   std::span<const int32_t> state_slots;
+  // When the backend drafts itself (num_proposed_drafts() > 0, an MTP head): the drafts for the
+  // sequence's next step, replaced by a step that samples it (at most num_proposed_drafts(); fewer
+  // when its KV blocks end first); null when none are wanted.
+  std::vector<int32_t>* proposed_drafts = nullptr;
 
   // How many rows of `tokens` prompt logprobs score (0 unless asked).
   size_t num_prompt_logprob_rows() const {
@@ -128,6 +132,11 @@ class Backend {
   // Whether step() verifies drafts (StepSequence::num_draft_tokens); the engine refuses drafts
   // otherwise, since a backend without them would take the drafts for committed tokens.
   virtual bool supports_draft_tokens() const { return false; }
+  // The drafts per sequence a step proposes for the next one (StepSequence::proposed_drafts), from
+  // a draft head the backend runs after its target forward (MTP); 0 when it proposes none. The
+  // scheduler then gives sampling chunks num_proposed_drafts() - 1 lookahead positions, where the
+  // head writes its own K/V for the drafts it chains.
+  virtual int num_proposed_drafts() const { return 0; }
   // Why no later step can succeed (empty while steps can): a multi-node worker that lost a node.
   // Read on the thread that calls step.
   virtual std::string unusable_reason() const { return {}; }

@@ -32,6 +32,27 @@ struct CpuBackend::Rank {
   std::vector<int64_t> slot_mapping;
   std::vector<int32_t> state_slots, snapshot_slots;  // local slot ids
   std::vector<uint8_t> state_fresh;
+  // One MTP forward (the catch-up over a step's committed rows, or one step of the chain).
+  struct MtpBatch {
+    std::vector<int32_t> token_ids, positions, query_starts, context_lens, block_tables, logit_rows;
+    std::vector<int64_t> slot_mapping;
+    // Per logit row: the member (index into members) it drafts for.
+    std::vector<size_t> logit_member;
+    std::vector<float> hidden, logits;
+    int max_blocks = 0;
+    void clear() {
+      token_ids.clear();
+      positions.clear();
+      query_starts.assign(1, 0);
+      context_lens.clear();
+      block_tables.clear();
+      logit_rows.clear();
+      slot_mapping.clear();
+      logit_member.clear();
+      hidden.clear();
+    }
+  } mtp;
+  std::vector<std::vector<int32_t>> drafts;  // per member: the MTP head's proposals this step
   std::vector<float> logits;
 };
 
@@ -95,11 +116,21 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   } else if (world > 1) {
     comms_ = parallel::make_local_group(world);
   }
+  if (o.num_mtp_drafts > 0) {
+    RELAY_CHECK(o.mtp.enabled, "num_mtp_drafts ", o.num_mtp_drafts, " needs the MTP head");
+    // NOTE: the MTP forwards run after sampling, which happens on node 0 only, and a DP rank
+    // without sequences would have to join the MTP layer's MoE exchanges: neither is built yet.
+    RELAY_CHECK(parallel_.dp == 1 && o.nodes.nnodes == 1,
+                "--speculative-config mtp runs on one node without data-parallel attention for "
+                "now, got ",
+                parallel_.describe(), ", --nnodes ", o.nodes.nnodes);
+    num_mtp_drafts_ = o.num_mtp_drafts;
+  }
   std::vector<std::unique_ptr<Model>> models;
   for (int i = 0; i < num_local; ++i) {
     const ShardSpec shard =
         make_shard(config, parallel_, first_rank + i, comms_.empty() ? nullptr : comms_[i].get());
-    models.push_back(build_model(config, ckpt, shard));
+    models.push_back(build_model(config, ckpt, shard, o.mtp));
   }
   // The recurrent-state pool comes out of the KV budget.
   size_t kv_bytes = o.kv_cache_bytes;
@@ -244,6 +275,140 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
   if (snapshots) r.batch.state_snapshot_slots = r.snapshot_slots;
 }
 
+void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
+                                    std::span<const SampledToken> sampled) {
+  // Per sequence: how many of its rows the step committed (the MTP head's catch-up rows) and the
+  // token after the last of them.
+  std::vector<int> mtp_rows(batch.size(), 0);
+  std::vector<int32_t> next_token(batch.size(), -1);
+  size_t k = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const StepSequence& s = batch[i];
+    const int t = static_cast<int>(s.tokens.size());
+    if (s.sample) {
+      size_t n = 0;
+      while (k + n < sampled.size() && sampled[k + n].seq_id == s.seq_id) ++n;
+      RELAY_CHECK(n >= 1, "MTP drafting: sequence ", s.seq_id, " sampled nothing");
+      // Its rows up to the last accepted draft's; after that comes the token sampled last.
+      mtp_rows[i] = t - s.num_draft_tokens + static_cast<int>(n) - 1;
+      next_token[i] = sampled[k + n - 1].token;
+      k += n;
+      continue;
+    }
+    // A prompt chunk: the token after its last row is the sequence's next one (the prompt's, or an
+    // output's in a recompute). A prompt-only sequence at the end of its prompt has none: its last
+    // row gets no MTP row, and the row before it pairs with its last token.
+    const size_t next = static_cast<size_t>(s.num_computed) + static_cast<size_t>(t);
+    if (next < s.prompt_tokens.size()) {
+      next_token[i] = s.prompt_tokens[next];
+      mtp_rows[i] = t;
+    } else if (next - s.prompt_tokens.size() < s.output_tokens.size()) {
+      next_token[i] = s.output_tokens[next - s.prompt_tokens.size()];
+      mtp_rows[i] = t;
+    } else {
+      next_token[i] = s.tokens[static_cast<size_t>(t) - 1];
+      mtp_rows[i] = t - 1;
+    }
+  }
+
+  const int bs = block_size();
+  const size_t hidden = static_cast<size_t>(config().hidden_size);
+  auto run_rank = [&](Rank& r) {
+    Rank::MtpBatch& m = r.mtp;
+    r.drafts.assign(r.members.size(), {});
+    m.clear();
+    m.max_blocks = r.batch.max_blocks_per_seq;
+    const std::span<const float> target_hidden = r.model->last_hidden();
+    // Where each member's chain goes on: the position of its next chained row (-1: no chain).
+    std::vector<int32_t> chain_at(r.members.size(), -1);
+    for (size_t mi = 0; mi < r.members.size(); ++mi) {
+      const size_t i = r.members[mi];
+      const StepSequence& s = batch[i];
+      const int rows = mtp_rows[i];
+      if (rows == 0) continue;
+      const int32_t first = r.query_starts[mi];
+      for (int j = 0; j < rows; ++j) {
+        m.token_ids.push_back(j + 1 < rows ? s.tokens[static_cast<size_t>(j) + 1] : next_token[i]);
+        m.positions.push_back(s.num_computed + j);
+        m.slot_mapping.push_back(r.slot_mapping[static_cast<size_t>(first + j)]);
+        const auto row = target_hidden.begin() + static_cast<ptrdiff_t>((first + j) * hidden);
+        m.hidden.insert(m.hidden.end(), row, row + static_cast<ptrdiff_t>(hidden));
+      }
+      m.query_starts.push_back(static_cast<int32_t>(m.token_ids.size()));
+      m.context_lens.push_back(s.num_computed + rows);
+      const auto table = r.block_tables.begin() + static_cast<ptrdiff_t>(mi * m.max_blocks);
+      m.block_tables.insert(m.block_tables.end(), table, table + m.max_blocks);
+      if (s.sample && s.proposed_drafts != nullptr) {
+        m.logit_rows.push_back(static_cast<int32_t>(m.token_ids.size()) - 1);
+        m.logit_member.push_back(mi);
+        chain_at[mi] = s.num_computed + rows;
+      }
+    }
+    // NOTE: every rank of the group builds the same batches (dp = 1), so they stop together.
+    if (m.token_ids.empty()) return;
+    run_mtp_step(r);
+    for (int step = 1; step < num_mtp_drafts_; ++step) {
+      // Each chaining member's next row: its last draft at the next position, on the MTP
+      // output of its previous row; it stops where its blocks (with the lookahead) end.
+      const std::vector<int32_t> prev_rows = m.logit_rows;
+      const std::vector<size_t> prev_members = m.logit_member;
+      const std::span<const float> prev_hidden = r.model->last_hidden();
+      std::vector<float> chained_hidden;
+      std::vector<int32_t> tables;
+      m.clear();
+      for (size_t x = 0; x < prev_members.size(); ++x) {
+        const size_t mi = prev_members[x];
+        const int32_t pos = chain_at[mi];
+        const StepSequence& s = batch[r.members[mi]];
+        if (pos >= static_cast<int64_t>(s.block_table.size()) * bs) continue;
+        const int32_t* table = r.block_tables.data() + mi * static_cast<size_t>(m.max_blocks);
+        m.token_ids.push_back(r.drafts[mi].back());
+        m.positions.push_back(pos);
+        m.slot_mapping.push_back(static_cast<int64_t>(table[pos / bs]) * bs + pos % bs);
+        m.query_starts.push_back(static_cast<int32_t>(m.token_ids.size()));
+        m.context_lens.push_back(pos + 1);
+        tables.insert(tables.end(), table, table + m.max_blocks);
+        const auto row = prev_hidden.begin() + static_cast<ptrdiff_t>(prev_rows[x] * hidden);
+        chained_hidden.insert(chained_hidden.end(), row, row + static_cast<ptrdiff_t>(hidden));
+        m.logit_rows.push_back(static_cast<int32_t>(m.token_ids.size()) - 1);
+        m.logit_member.push_back(mi);
+        chain_at[mi] = pos + 1;
+      }
+      if (m.token_ids.empty()) break;
+      m.hidden = std::move(chained_hidden);
+      m.block_tables = std::move(tables);
+      run_mtp_step(r);
+    }
+  };
+  if (comms_.empty()) {
+    run_rank(*ranks_.front());
+  } else {
+    run_on_rank_threads(
+        ranks_.size(), [&](size_t i) { run_rank(*ranks_[i]); },
+        [&](size_t i) { comms_[i]->abort(); });
+  }
+  for (auto& r : ranks_) {
+    if (r->place.tp_rank != 0) continue;
+    for (size_t mi = 0; mi < r->members.size(); ++mi) {
+      const StepSequence& s = batch[r->members[mi]];
+      if (s.proposed_drafts != nullptr) *s.proposed_drafts = r->drafts[mi];
+    }
+  }
+}
+
+void CpuBackend::run_mtp_step(Rank& r) {
+  Rank::MtpBatch& m = r.mtp;
+  const ForwardBatch b{m.token_ids,    m.positions,  m.query_starts, m.context_lens,
+                       m.block_tables, m.max_blocks, m.slot_mapping, m.logit_rows};
+  r.model->forward_mtp(b, m.hidden, r.kv, r.pool, m.logits);
+  const size_t vocab = static_cast<size_t>(config().vocab_size);
+  for (size_t x = 0; x < m.logit_rows.size(); ++x) {
+    const auto row = m.logits.begin() + static_cast<ptrdiff_t>(x * vocab);
+    const auto best = std::max_element(row, row + static_cast<ptrdiff_t>(vocab));
+    r.drafts[m.logit_member[x]].push_back(static_cast<int32_t>(best - row));
+  }
+}
+
 void CpuBackend::roll_back_states(std::span<const StepSequence> batch,
                                   std::span<const SampledToken> sampled) {
   if (state_slots_per_rank_ == 0) return;
@@ -355,7 +520,8 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
       }
       if (s.sample) {
         // In place: the sampler's penalties and temperature change only this step's rows. The last
-        // row samples, and with drafts the one before each draft: they verify it.
+        // row samples, and with drafts the one before each draft: they verify it. (The MTP head
+        // reads the ranks' hidden states, not these logits.)
         const size_t first = num_rows(h.seq) - 1 - static_cast<size_t>(s.num_draft_tokens);
         const std::span<float> rows(h.rows + first * vocab, (num_rows(h.seq) - first) * vocab);
         for (SampledToken& t : sample_with_drafts(
@@ -365,6 +531,10 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
           result.sampled.push_back(std::move(t));
         }
       }
+    }
+    // NOTE: one node (checked at construction), so every sequence was sampled here.
+    if (command == NodeCommand::kStep && num_mtp_drafts_ > 0) {
+      propose_mtp_drafts(batch, result.sampled);
     }
   } catch (const std::exception& e) {
     failure = std::current_exception();

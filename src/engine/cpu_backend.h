@@ -21,6 +21,17 @@
 // the sampler has verified them, copies the snapshot after the last accepted draft back into its
 // state slot, so rejected drafts leave no trace in the state, as they leave none in the KV.
 //
+// MTP drafting (options.num_mtp_drafts = K > 0, with the checkpoint's or a separate MTP head,
+// model/registry.h): after a step's target forward has been sampled, the backend runs the MTP layer
+// over every row the step committed, pairing the target's final hidden state at position p with the
+// token at p + 1 (the next prompt token, the accepted draft, or the token just sampled) and writing
+// the layer's own K/V; the last row of a sampling sequence gives its first draft (greedy), and K -
+// 1 chained MTP steps, each on the previous step's output, give the rest, in the lookahead blocks
+// the scheduler left (a chain stops where the sequence's blocks end). The drafts go to
+// StepSequence::proposed_drafts for the next step, which verifies them losslessly like any others.
+// Every rank of a TP/EP group runs the same MTP forwards and takes the same argmax (their logits
+// are equal); DP ranks and several nodes are not supported with MTP yet.
+//
 // Parallelism (options.parallel, parallel/parallel_config.h): the backend then runs tp x dp ranks
 // as threads of this process, each with its own shard of the weights (model/shard.h), its own KV
 // pool and its own slice of the threads, connected by the shared-memory communicator
@@ -60,6 +71,7 @@
 #include "kvcache/recurrent_state.h"
 #include "model/dummy_weights.h"
 #include "model/model.h"
+#include "model/registry.h"
 #include "parallel/communicator.h"
 #include "parallel/parallel_config.h"
 
@@ -73,6 +85,10 @@ struct CpuBackendOptions {
   parallel::ParallelConfig parallel;          // tp / ep / dp ranks (threads of this process)
   parallel::NodeConfig nodes;                 // the processes the ranks are spread over
   LoadFormat load_format = LoadFormat::kAuto;  // kDummy: random weights (model/dummy_weights.h)
+  // Speculative decoding's MTP head (the checkpoint's mtp.* or a separate directory) and the drafts
+  // it proposes per step (num_speculative_tokens); no head when num_mtp_drafts is 0.
+  MtpSource mtp;
+  int num_mtp_drafts = 0;
   // Recurrent-state slots per rank, for a model with linear-attention layers (ignored otherwise):
   // a running sequence takes one plus one per draft it may verify. Their memory comes out of
   // kv_cache_bytes.
@@ -94,6 +110,7 @@ class CpuBackend : public Backend {
   bool supports_prompt_logprobs() const override { return true; }
   bool supports_token_constraints() const override { return true; }
   bool supports_draft_tokens() const override { return true; }
+  int num_proposed_drafts() const override { return num_mtp_drafts_; }
   std::string unusable_reason() const override { return lost_; }
 
   enum class LogitRows {
@@ -133,6 +150,13 @@ class CpuBackend : public Backend {
   void build_batch(Rank& r, std::span<const StepSequence> batch,
                    const std::vector<RowsOf>& rows_of);
 
+  // After a step sampled `sampled` (every sequence's committed tokens, in batch order): runs the
+  // MTP head on every rank and writes each sampling sequence's drafts (see the top of this file).
+  void propose_mtp_drafts(std::span<const StepSequence> batch,
+                          std::span<const SampledToken> sampled);
+  // Rank r's MTP forward over the rows in r.mtp (one step of the chain, or the catch-up over the
+  // committed rows); appends each logit row's greedy token to its member's drafts.
+  void run_mtp_step(Rank& r);
   // After a step verified drafts: restores, in every rank that ran the sequence, the state after
   // its last accepted draft from its snapshot (see the top of this file).
   void roll_back_states(std::span<const StepSequence> batch,
@@ -141,6 +165,7 @@ class CpuBackend : public Backend {
   parallel::ParallelConfig parallel_;
   int blocks_per_rank_ = 0;
   int state_slots_per_rank_ = 0;  // 0: the model has no linear-attention layers
+  int num_mtp_drafts_ = 0;
   std::unique_ptr<NodeGroup> nodes_;  // only with several nodes
   std::string lost_;                  // node 0: why the multi-node worker can no longer run steps
   // One per local rank (empty with one rank in all).

@@ -54,6 +54,7 @@ struct LLMEngine::Request {
   IncrementalDetokenizer detokenizer;
   // What a decode with drafts computes (its StepSequence::tokens): its last token, then the drafts.
   std::vector<int32_t> step_tokens;
+  std::vector<int32_t> proposed_drafts;  // from the backend's draft head (MTP), for the next step
   std::string text;     // the output text so far
   size_t num_sent = 0;  // bytes of `text` already returned
   size_t max_stop_len = 0;
@@ -93,7 +94,9 @@ LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
               backend_->num_kv_partitions()),
       states_(make_state_slots(*backend_, config)),
       scheduler_({.max_num_seqs = config.max_num_seqs,
-                  .max_num_batched_tokens = config.max_num_batched_tokens},
+                  .max_num_batched_tokens = config.max_num_batched_tokens,
+                  .num_lookahead_tokens = std::max(0, backend_->num_proposed_drafts() - 1),
+                  .hit_drops_last_block = backend_->num_proposed_drafts() > 0},
                  blocks_, states_.get()) {
   const int64_t model_len = backend_->config().max_position_embeddings;
   int64_t len = config.max_model_len > 0 ? config.max_model_len : model_len;
@@ -107,11 +110,15 @@ LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
   RELAY_CHECK(max_model_len_ >= 2, "max_model_len ", max_model_len_, " leaves no room to generate");
   speculative_ = config.speculative;
   if (speculative_.enabled()) {
-    RELAY_CHECK(speculative_.method == SpeculativeConfig::Method::kNgram,
-                "--speculative-config: MTP drafting is not built yet (issue 26); use \"ngram\"");
     RELAY_CHECK(backend_->supports_draft_tokens(), "--speculative-config ",
                 speculative_.describe(), ": this backend does not verify drafts (the CPU backend "
                 "does; the CUDA backend does not yet)");
+    const bool mtp = speculative_.method == SpeculativeConfig::Method::kMtp;
+    RELAY_CHECK(backend_->num_proposed_drafts() == (mtp ? speculative_.num_speculative_tokens : 0),
+                "--speculative-config ", speculative_.describe(), ": the backend proposes ",
+                backend_->num_proposed_drafts(), " drafts per step; ",
+                mtp ? "load it with the MTP head and the same num_speculative_tokens"
+                    : "an n-gram engine needs a backend without a draft head");
     spec_stats_.num_accepted_tokens_per_pos.assign(
         static_cast<size_t>(speculative_.num_speculative_tokens), 0);
   }
@@ -195,6 +202,10 @@ std::optional<LLMEngine::KvReservation> LLMEngine::reserve_kv(int64_t id,
   RELAY_CHECK(states_ == nullptr, "request ", id,
               ": a model with recurrent layers cannot receive a prefilled prompt (its state does "
               "not travel with the KV yet)");
+  // NOTE: the prefill worker would have to hand over the draft head's K/V of the prompt too.
+  RELAY_CHECK(backend_->num_proposed_drafts() == 0, "request ", id,
+              ": a backend with an MTP draft head cannot receive a prefilled prompt (its draft "
+              "layer's KV does not travel with the target's yet)");
   RELAY_CHECK(n >= 1 && n < max_model_len_, "a KV reservation of ", n,
               " tokens does not fit max_model_len ", max_model_len_);
   RELAY_CHECK(requests_.count(id) == 0 && !blocks_.has_sequence(id), "request id ", id,
@@ -294,7 +305,7 @@ std::vector<RequestOutput> LLMEngine::step() {
   last_step_ = {};
   if (!scheduler_.has_work()) return {};
   const Clock::time_point start = Clock::now();
-  if (speculative_.enabled()) propose_drafts();
+  if (speculative_.method == SpeculativeConfig::Method::kNgram) propose_drafts();
   const SchedulerOutput plan = scheduler_.schedule();
   if (plan.empty()) return {};
   last_step_ = {static_cast<int>(plan.chunks.size()), plan.num_batched_tokens};
@@ -335,6 +346,10 @@ std::vector<RequestOutput> LLMEngine::step() {
       if (prompt_rows.empty()) prompt_rows.resize(plan.chunks.size());
       s.num_prompt_logprobs = r.num_prompt_logprobs;
       s.prompt_logprobs = &prompt_rows[batch.size()];
+    }
+    if (c.sample && backend_->num_proposed_drafts() > 0) {
+      r.proposed_drafts.clear();
+      s.proposed_drafts = &r.proposed_drafts;
     }
     if (c.sample) {
       // NOTE: set_drafts kept only drafts the grammar allows, from the state it is still in.
@@ -408,6 +423,14 @@ std::vector<RequestOutput> LLMEngine::step() {
       scheduler_.finish(out.id);
     }
     requests_.erase(out.id);
+  }
+  // The draft head's proposals become the drafts of the requests' next steps.
+  // NOTE: by id: the sequences of finished requests are gone.
+  for (const StepSequence& s : batch) {
+    if (s.proposed_drafts == nullptr) continue;
+    const auto it = requests_.find(s.seq_id);
+    if (it == requests_.end() || it->second->proposed_drafts.empty()) continue;
+    set_drafts(s.seq_id, it->second->proposed_drafts);
   }
   last_step_.outputs_s = std::chrono::duration<double>(Clock::now() - forward_end).count();
   return outputs;

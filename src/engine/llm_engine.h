@@ -22,8 +22,12 @@
 // vLLM's reasoning-aware structured outputs do). Once the grammar is complete only a stop token is
 // allowed; after it (ignore_eos) nothing more is constrained.
 //
-// Speculative decoding: a proposer (n-gram, MTP) gives a request draft tokens for its next step
-// (set_drafts). The scheduler budgets 1 + k tokens for that decode and allocates their KV, the
+// Speculative decoding: a proposer gives a request draft tokens for its next step (set_drafts):
+// the engine's n-gram lookup at the start of a step, or the backend's MTP head, which runs after
+// the target forward of each step and returns the next step's drafts (StepSequence::
+// proposed_drafts; the scheduler leaves it lookahead blocks for the K/V of the drafts it chains,
+// and a prefix hit gives back its last block, where the head's K/V depends on the token after
+// the hit). The scheduler budgets 1 + k tokens for that decode and allocates their KV, the
 // backend verifies the drafts in the step's forward pass (backend.h), and the step commits the
 // accepted drafts and the token sampled after them; update() releases the KV of the rejected ones
 // (scheduler.h). Each committed token then goes through everything a sampled token goes through
@@ -32,7 +36,9 @@
 // without drafts would (sampler.h): a request gets the same tokens with or without drafts, greedy
 // or seeded, so a proposer changes only how many steps it takes. With a grammar, the backend gets
 // the mask of each row by walking the matcher through the drafts and rolling it back; drafts the
-// grammar refuses, or that max_tokens leaves no room for, are dropped when they are set.
+// grammar refuses, or that max_tokens leaves no room for, are dropped when they are set. With an
+// MTP head a KV reservation (disaggregated decode) is refused: the head's K/V of the prompt would
+// have to come from the prefill worker too.
 //
 // Stopping: max_tokens and the context length give "length"; an EOS id (unless ignore_eos), a
 // stop_token_id or a stop string gives "stop". Stop strings are matched on the decoded text; text
@@ -48,7 +54,8 @@
 // KV), so hold_kv requests and KV reservations are refused.
 //
 // The engine is single-threaded: one thread calls add_request/abort/set_drafts/step (the server's
-// engine loop). A request that could never fit in the KV pool is refused by add_request with an Error.
+// engine loop). A request that could never fit in the KV pool is refused by add_request with an
+// Error.
 #pragma once
 
 #include <chrono>
@@ -76,8 +83,10 @@ struct EngineConfig {
   int max_num_batched_tokens = 2048;
   int max_model_len = 0;  // 0: the model's max_position_embeddings (capped by the KV pool)
   bool enable_prefix_caching = true;
-  // Speculative decoding (--speculative-config): the engine proposes drafts for every decode
-  // before each step (speculative/speculative.h); needs a backend that verifies drafts.
+  // Speculative decoding (--speculative-config): drafts for every decode, from the engine's
+  // n-gram lookup before each step or from the backend's MTP head after it
+  // (speculative/speculative.h); needs a backend that verifies drafts, and for "mtp" one loaded
+  // with the head and the same num_speculative_tokens (Backend::num_proposed_drafts).
   SpeculativeConfig speculative{};
 };
 
@@ -184,9 +193,11 @@ class LLMEngine {
   // runs it otherwise (a prompt chunk, or no budget or KV blocks to spare) drops them. Drafts that
   // max_tokens leaves no room for, those from the first one the request's grammar refuses, and for
   // a hybrid model those beyond its scratch state slots (num_speculative_tokens), are dropped now.
-  // With --speculative-config, the proposer runs at the start of each step for the decodes that
-  // were given no drafts this way. Throws relay::Error when the backend does not verify drafts
-  // (supports_draft_tokens), for an unknown request, or for a token outside the vocabulary.
+  // With an n-gram --speculative-config, the proposer runs at the start of each step for the
+  // decodes that were given no drafts this way; with MTP, each step ends by setting the drafts
+  // its head proposed, which a call before the next step replaces. Throws relay::Error when the
+  // backend does not verify drafts (supports_draft_tokens), for an unknown request, or for a token
+  // outside the vocabulary.
   void set_drafts(int64_t id, std::span<const int32_t> drafts);
 
   // Disaggregated decode. reserve_kv allocates blocks for `prompt` under a new request id, reusing

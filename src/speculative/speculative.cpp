@@ -67,7 +67,7 @@ std::string SpeculativeConfig::describe() const {
       return str("ngram k=", num_speculative_tokens, " lookup ", prompt_lookup_min, "..",
                  prompt_lookup_max);
     case Method::kMtp:
-      return str("mtp k=", num_speculative_tokens);
+      return str("mtp k=", num_speculative_tokens, model.empty() ? "" : str(" head ", model));
   }
   return "";
 }

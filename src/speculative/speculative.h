@@ -3,16 +3,19 @@
 // A proposer guesses the next k tokens of a decoding sequence; the target model then scores all
 // 1 + k positions in one step and keeps the drafts it agrees with (the verification is the
 // engine's and the backend's: engine/backend.h, Drafts; it is lossless, so a wrong guess costs
-// only the wasted rows, never a different answer). The engine asks the proposer for every decode
-// before each step and hands the drafts to LLMEngine::set_drafts.
+// only the wasted rows, never a different answer). The drafts reach the engine through
+// LLMEngine::set_drafts.
 //
 // Proposers:
 //   - "ngram" (prompt lookup, vLLM's NgramProposer): the longest suffix of the sequence, from
 //     prompt_lookup_max tokens down to prompt_lookup_min, that occurred earlier in its prompt or
 //     output; the drafts are the k tokens that followed its latest earlier occurrence. It costs no
-//     model and pays where the output copies its input (code editing, quoting, extraction).
-//   - "mtp" (a checkpoint's multi-token-prediction layer): accepted in the configuration's
-//     syntax, refused at start until it is built (issue 26).
+//     model and pays where the output copies its input (code editing, quoting, extraction). The
+//     engine runs it before each step.
+//   - "mtp" (multi-token prediction): the model's own MTP layer (model/mtp.h: the checkpoint's
+//     mtp.* tensors, or with "model": DIR a separate head with the same names, for Qwen3 targets
+//     that ship none) drafts k tokens greedily, chaining the layer on its own output. The backend
+//     runs it after each target forward (engine/cpu_backend.h), so it lives there, not here.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +32,7 @@ struct SpeculativeConfig {
   int num_speculative_tokens = 0;  // k: drafts per step and sequence
   int prompt_lookup_max = 5;       // ngram: the longest suffix looked up
   int prompt_lookup_min = 2;       // ngram: the shortest
-  std::string model;               // mtp: where the MTP weights are, when not in the checkpoint
+  std::string model;               // mtp: a directory with the MTP head, when not in the checkpoint
 
   bool enabled() const { return method != Method::kNone; }
   // vLLM's JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,

@@ -1,8 +1,10 @@
 """Serving a hybrid model (Qwen3.5-MoE: Gated DeltaNet + gated attention) end to end: `relay serve` on the
 tiny fixture checkpoint answers /v1/completions with transformers' greedy tokens for every fixture prompt, sent
 together (continuous batching, chunked prefill, fewer state slots than requests), with and without n-gram
-drafts; the recurrent-state slots show in /metrics and are all returned; a disaggregated role is refused at
-start. The fixtures carry no tokenizer, so the test serves a copy with the demo model's (ids below 512 only)."""
+drafts and with drafts from the checkpoint's own MTP head (issue 26: its spec-decode counters in /metrics);
+`relay generate` writes the same text with MTP drafts as without, greedy and seeded; the recurrent-state slots
+show in /metrics and are all returned; a disaggregated role is refused at start. The fixtures carry no
+tokenizer, so the test serves a copy with the demo model's (ids below 512 only)."""
 import concurrent.futures as cf
 import json
 import shutil
@@ -16,6 +18,8 @@ from relay_server import RelayServer
 
 NAME = "qwen3_5-moe"
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+TEXT_PROMPT = "12, 34. 5+6 = 7; 8 - 9!"  # the demo tokenizer's ids for it are all below 512
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,37 @@ def test_hybrid_model_with_ngram_drafts(relay_bin, hybrid_dir):
     metrics, log = serve_greedy(relay_bin, hybrid_dir, "--speculative-config", NGRAM)
     assert "8 recurrent-state slots" in log  # each sequence: its state and 3 snapshots
     assert metrics[f'relay:spec_decode_num_draft_tokens_total{{model_name="{NAME}"}}'] > 0
+
+
+def test_hybrid_model_with_mtp_drafts(relay_bin, hybrid_dir):
+    metrics, log = serve_greedy(relay_bin, hybrid_dir, "--speculative-config", MTP)
+    assert "speculative decoding mtp k=2" in log
+    assert "6 recurrent-state slots" in log  # each sequence: its state and 2 snapshots
+    label = f'{{model_name="{NAME}"}}'
+    num_drafts = metrics["relay:spec_decode_num_drafts_total" + label]
+    drafts = metrics["relay:spec_decode_num_draft_tokens_total" + label]
+    accepted = metrics["relay:spec_decode_num_accepted_tokens_total" + label]
+    # Every decode after the first token carries the head's drafts (the random head's are rarely right).
+    assert num_drafts > 0 and num_drafts <= drafts <= 2 * num_drafts and 0 <= accepted <= drafts
+    per_pos = [metrics[f'relay:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{NAME}",position="{p}"}}']
+               for p in range(2)]
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1]
+    assert metrics["relay:state_slot_usage_perc" + label] == 0
+
+
+def test_generate_with_mtp_drafts_writes_the_same_text(relay_bin, hybrid_dir):
+    def generate(*args):
+        r = subprocess.run([str(relay_bin), "generate", "--model", str(hybrid_dir), "--prompt", TEXT_PROMPT,
+                            "--max-tokens", "24", "--ignore-eos", "--threads", "2", "--block-size", "4", *args],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, r.stderr
+    plain, _ = generate()
+    spec, log = generate("--speculative-config", MTP)
+    assert spec == plain and plain.strip()
+    assert "speculative decoding (mtp k=2):" in log and "drafts accepted" in log
+    sampled, _ = generate("--temperature", "0.8", "--seed", "3")
+    assert generate("--temperature", "0.8", "--seed", "3", "--speculative-config", MTP)[0] == sampled
 
 
 def test_hybrid_model_refuses_a_disaggregated_role(relay_bin, hybrid_dir):

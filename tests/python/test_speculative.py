@@ -1,13 +1,18 @@
-"""Speculative decoding with n-gram drafts (`--speculative-config`, vLLM's JSON) through `relay generate`
-and the server: the output is token for token the output without it (greedy and seeded sampling, with
-chunked prefill, a prefix hit and preemption in the run), the spec-decode metrics count the drafts, and
-configurations that cannot run fail at start with a message naming the field."""
+"""Speculative decoding (`--speculative-config`, vLLM's JSON) through `relay generate` and the server: with
+n-gram drafts the output is token for token the output without them (greedy and seeded sampling, with chunked
+prefill, a prefix hit and preemption in the run) and the spec-decode metrics count the drafts; with MTP drafts
+from a separate head directory ("model": DIR, a Qwen3-MoE target that ships none) `relay generate` writes the
+same text as without; configurations that cannot run fail at start with a message naming the field or file.
+MTP on the hybrid checkpoints' own heads is in test_hybrid_serving.py."""
 import concurrent.futures as cf
 import json
+import shutil
 import subprocess
 
+import pytest
 import requests
 
+from conftest import FIXTURES, ROOT
 from relay_server import MODEL, RelayServer
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
@@ -66,9 +71,16 @@ def test_server_with_ngram_drafts_answers_the_same(relay_bin):
 
 
 def test_bad_configurations_fail_at_start(relay_bin):
+    missing = FIXTURES / "models" / "no-such-head"
     for config, message in [('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method 'eagle'"),
                             ('{"method": "ngram", "num_speculative_tokens": 99}', "'num_speculative_tokens' must be between"),
-                            ('{"method": "mtp", "num_speculative_tokens": 1}', "MTP drafting is not built yet"),
+                            ('{"method": "mtp", "num_speculative_tokens": 17}', "'num_speculative_tokens' must be between"),
+                            # The demo model (Qwen3-MoE) ships no MTP head: the error points at "model".
+                            ('{"method": "mtp", "num_speculative_tokens": 1}', 'has no tensor mtp.fc.weight'),
+                            ('{"method": "mtp", "num_speculative_tokens": 1}', '"model": DIR'),
+                            (json.dumps({"method": "mtp", "num_speculative_tokens": 1, "model": str(missing)}),
+                             f"the MTP head directory {missing} (\"model\" in the speculative config) does not exist"),
+                            ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "'model' is an mtp option"),
                             ("not json", "not valid JSON")]:
         r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--speculative-config", config],
                            capture_output=True, text=True, timeout=120)
@@ -76,3 +88,31 @@ def test_bad_configurations_fail_at_start(relay_bin):
     r = subprocess.run([str(relay_bin), "serve", "--role", "router", "--port", "0", "--speculative-config", NGRAM],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "belongs on the decode workers" in r.stderr
+    r = subprocess.run([str(relay_bin), "serve", "--role", "decode", "--port", "0", "--threads", "1",
+                        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "MTP drafting on disaggregated workers is not built yet" in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    """The qwen3-moe fixture with the demo model's tokenizer (its ids are below 512)."""
+    d = tmp_path_factory.mktemp("qwen3-moe") / "qwen3-moe"
+    shutil.copytree(FIXTURES / "models" / "qwen3-moe", d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "models" / "relay-demo-moe" / f, d / f)
+    return d
+
+
+def test_generate_with_a_separate_mtp_head_writes_the_same_text(relay_bin, qwen3_moe_dir):
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "model": str(FIXTURES / "models" / "qwen3-moe-mtp")})
+    def run(*args):
+        r = subprocess.run([str(relay_bin), "generate", "--model", str(qwen3_moe_dir), "--prompt", "12, 34. 5+6 = 7;",
+                            "--max-tokens", "32", "--ignore-eos", "--threads", "2", *args],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, r.stderr
+    plain, _ = run()
+    spec, log = run("--speculative-config", mtp)
+    assert spec == plain and plain.strip()
+    assert "speculative decoding (mtp k=3 head " in log and "drafts accepted" in log
