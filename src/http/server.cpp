@@ -6,11 +6,17 @@
 // poll(); the hand-over goes through the job queue one way and net::post the other, so no
 // connection is ever used by two threads at once. The list of open connections (for eviction and
 // stop()) is guarded by a mutex because connections are created and destroyed on both sides.
+//
+// A TLS connection reads and writes through an asio ssl::stream over a TimedSocket: the event loop
+// uses its asynchronous operations, a worker its synchronous ones, which TimedSocket bounds with
+// poll() as send_all bounds plain writes.
 #include "http/server.h"
 
 #include <netinet/in.h>
-#include <openssl/crypto.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -19,6 +25,7 @@
 #include <array>
 #include <atomic>
 #include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <cerrno>
@@ -38,6 +45,7 @@ namespace relay::http {
 namespace net = boost::asio;
 namespace beast = boost::beast;
 namespace bhttp = boost::beast::http;
+namespace ssl = boost::asio::ssl;
 using tcp = net::ip::tcp;
 using Clock = std::chrono::steady_clock;
 using boost::system::error_code;
@@ -110,6 +118,99 @@ bool send_all(int fd, std::initializer_list<std::string_view> parts,
   return true;
 }
 
+// The layer under a TLS stream: the connection's non-blocking socket. Asynchronous operations pass
+// through; synchronous ones wait (poll) at most `timeout` for progress, then fail with timed_out.
+class TimedSocket {
+ public:
+  using executor_type = tcp::socket::executor_type;
+  using lowest_layer_type = tcp::socket::lowest_layer_type;
+
+  TimedSocket(tcp::socket& socket, std::chrono::milliseconds timeout)
+      : socket_(&socket), timeout_(timeout) {}
+
+  executor_type get_executor() { return socket_->get_executor(); }
+  lowest_layer_type& lowest_layer() { return socket_->lowest_layer(); }
+  const lowest_layer_type& lowest_layer() const { return socket_->lowest_layer(); }
+
+  template <typename Buffers>
+  size_t read_some(const Buffers& buffers, error_code& ec) {
+    return timed(POLLIN, ec, [&] { return socket_->read_some(buffers, ec); });
+  }
+  template <typename Buffers>
+  size_t write_some(const Buffers& buffers, error_code& ec) {
+    return timed(POLLOUT, ec, [&] { return socket_->write_some(buffers, ec); });
+  }
+  template <typename Buffers, typename Token>
+  auto async_read_some(const Buffers& buffers, Token&& token) {
+    return socket_->async_read_some(buffers, std::forward<Token>(token));
+  }
+  template <typename Buffers, typename Token>
+  auto async_write_some(const Buffers& buffers, Token&& token) {
+    return socket_->async_write_some(buffers, std::forward<Token>(token));
+  }
+
+ private:
+  template <typename Op>
+  size_t timed(short events, error_code& ec, Op op) {
+    for (;;) {
+      const size_t n = op();
+      if (ec != net::error::would_block && ec != net::error::try_again) return n;
+      pollfd p{socket_->native_handle(), events, 0};
+      if (::poll(&p, 1, static_cast<int>(timeout_.count())) <= 0) {
+        ec = net::error::timed_out;
+        return 0;
+      }
+    }
+  }
+
+  tcp::socket* socket_;
+  std::chrono::milliseconds timeout_;
+};
+
+using TlsStream = ssl::stream<TimedSocket>;
+
+// The server's TLS context from `t`; throws relay::Error naming the file it cannot use.
+std::unique_ptr<ssl::context> make_tls_context(const TlsOptions& t) {
+  auto ctx = std::make_unique<ssl::context>(ssl::context::tls_server);
+  ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
+                   ssl::context::no_sslv3 | ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1);
+  error_code ec;
+  ctx->use_certificate_chain_file(t.cert_file, ec);
+  RELAY_CHECK(!ec, "cannot use the TLS certificate chain file '", t.cert_file, "': ", ec.message());
+  RELAY_CHECK(!t.key_file.empty(), "TLS certificate '", t.cert_file, "' given without a key file");
+  ctx->use_private_key_file(t.key_file, ssl::context::pem, ec);
+  RELAY_CHECK(!ec, "cannot use the TLS key file '", t.key_file, "': ", ec.message());
+  RELAY_CHECK(SSL_CTX_check_private_key(ctx->native_handle()) == 1, "the TLS key file '",
+              t.key_file, "' does not match the certificate in '", t.cert_file, "'");
+  if (t.client_cert == TlsOptions::ClientCert::kNone) return ctx;
+  RELAY_CHECK(!t.ca_file.empty(), "client certificates are requested but no CA file verifies them");
+  ctx->load_verify_file(t.ca_file, ec);
+  RELAY_CHECK(!ec, "cannot use the TLS CA file '", t.ca_file, "': ", ec.message());
+  // The CA names go in the certificate request, so a client holding several certificates picks.
+  SSL_CTX_set_client_CA_list(ctx->native_handle(), SSL_load_client_CA_file(t.ca_file.c_str()));
+  ctx->set_verify_mode(t.client_cert == TlsOptions::ClientCert::kRequired
+                           ? ssl::verify_peer | ssl::verify_fail_if_no_peer_cert
+                           : ssl::verify_peer);
+  return ctx;
+}
+
+// The verified peer certificate's subject (RFC 2253), or "" without one.
+std::string peer_subject(SSL* ssl) {
+  X509* cert = SSL_get_peer_certificate(ssl);
+  if (cert == nullptr) return {};
+  std::string subject;
+  if (SSL_get_verify_result(ssl) == X509_V_OK) {
+    BIO* bio = BIO_new(BIO_s_mem());
+    X509_NAME_print_ex(bio, X509_get_subject_name(cert), 0, XN_FLAG_RFC2253);
+    char* data = nullptr;
+    const long n = BIO_get_mem_data(bio, &data);
+    subject.assign(data, static_cast<size_t>(n));
+    BIO_free(bio);
+  }
+  X509_free(cert);
+  return subject;
+}
+
 }  // namespace
 
 bool same_secret(std::string_view given, std::string_view expected) {
@@ -143,8 +244,10 @@ struct Server::Impl {
     if (!options.error_body) options.error_body = default_error_body;
     if (!options.access_log) {
       options.access_log = [](const Request& r, int status, double seconds) {
-        std::fprintf(stderr, "relay: %s \"%s %s\" %d %.3fs\n", r.remote_addr.c_str(),
-                     r.method.c_str(), r.path.c_str(), status, seconds);
+        const std::string client =
+            r.client_subject.empty() ? "" : str(" client \"", r.client_subject, "\"");
+        std::fprintf(stderr, "relay: %s \"%s %s\" %d %.3fs%s\n", r.remote_addr.c_str(),
+                     r.method.c_str(), r.path.c_str(), status, seconds, client.c_str());
       };
     }
   }
@@ -165,6 +268,7 @@ struct Server::Impl {
   // pending handlers, destroyed with it, hold the last references to connections, whose
   // destructors take connections_mu, which must still exist.
   Options options;
+  std::unique_ptr<ssl::context> tls;                 // set when options.tls is enabled
   std::map<std::string, std::vector<Route>> routes;  // by path
   Guard guard;
   mutable std::mutex connections_mu;
@@ -187,10 +291,11 @@ struct Server::Impl {
 // One client connection (see the threading note at the top of the file).
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  enum class Phase { kIdle, kHead, kBody, kWriting, kBusy, kClosing };
+  enum class Phase { kHandshake, kIdle, kHead, kBody, kWriting, kBusy, kClosing };
 
   Connection(Server::Impl& server, tcp::socket socket, bool overflow)
       : server_(server), socket_(std::move(socket)), timer_(server.io), overflow_(overflow) {
+    if (server.tls) tls_.emplace(TimedSocket(socket_, server.options.write_timeout), *server.tls);
     error_code ec;
     const tcp::endpoint peer = socket_.remote_endpoint(ec);
     remote_ = ec ? "?" : peer.address().to_string();
@@ -216,6 +321,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   int fd() { return socket_.native_handle(); }
+  bool is_tls() const { return tls_.has_value(); }
   bool overflow() const { return overflow_; }
   Phase phase() const { return phase_; }
   Clock::time_point since() const { return since_; }
@@ -223,15 +329,37 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // Event loop: wait for the next request (a new connection's first, or a kept-alive one's next).
   void await_request() {
+    if (tls_ && !handshake_done_) return handshake();
     set_phase(Phase::kIdle);
-    arm(overflow_       ? std::chrono::duration_cast<std::chrono::milliseconds>(kOverflowHeadTimeout)
+    arm(overflow_       ? head_timeout()
         : num_requests_ ? options().keep_alive_timeout
                         : options().request_head_timeout);
     if (buffer_.size() > 0) return read_head();  // the client already sent (pipelined) its next
+    if (tls_) {
+      // NOTE: a read, not a wait for the socket: the TLS session may already hold the next
+      // request's bytes, read from the socket with the last one's.
+      tls_->async_read_some(buffer_.prepare(4096),
+                            [self = shared_from_this()](error_code ec, size_t n) {
+                              if (ec) return self->close();
+                              self->buffer_.commit(n);
+                              self->read_head();
+                            });
+      return;
+    }
     socket_.async_wait(tcp::socket::wait_read, [self = shared_from_this()](error_code ec) {
       if (ec) return self->close();
       self->read_head();
     });
+  }
+
+  // Worker: writes `parts` (one TLS record for them all), bounded by write_timeout.
+  bool send(std::initializer_list<std::string_view> parts) {
+    if (!tls_) return send_all(fd(), parts, options().write_timeout);
+    std::string joined;
+    for (std::string_view p : parts) joined += p;
+    error_code ec;
+    net::write(*tls_, net::buffer(joined), ec);
+    return !ec;
   }
 
   // Event loop: closes now (a deadline passed, the server stops, or eviction).
@@ -272,6 +400,35 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
  private:
+  std::chrono::milliseconds head_timeout() const {
+    return overflow_ ? std::chrono::duration_cast<std::chrono::milliseconds>(kOverflowHeadTimeout)
+                     : options().request_head_timeout;
+  }
+
+  // Calls op(stream) with the TLS stream or the plain socket.
+  template <typename Op>
+  void on_stream(Op op) {
+    if (tls_) {
+      op(*tls_);
+    } else {
+      op(socket_);
+    }
+  }
+
+  // Event loop: a TLS connection's handshake, under the head deadline; a failed or late one closes
+  // the connection (a client speaking plain HTTP included: it could not read an answer).
+  void handshake() {
+    set_phase(Phase::kHandshake);
+    arm(head_timeout());
+    tls_->async_handshake(ssl::stream_base::server, [self = shared_from_this()](error_code ec) {
+      if (self->phase_ != Phase::kHandshake) return;  // its deadline closed it
+      if (ec) return self->close();
+      self->handshake_done_ = true;
+      self->client_subject_ = peer_subject(self->tls_->native_handle());
+      self->await_request();
+    });
+  }
+
   void arm(std::chrono::milliseconds timeout) {
     timer_.expires_after(timeout);
     timer_.async_wait([self = shared_from_this()](error_code ec) {
@@ -282,10 +439,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
         error_code e;
         self->socket_.cancel(e);
         self->keep_alive_ = false;
-        self->request_ = Request{"-", "-", "", {}, "", self->remote_, false};
+        self->request_ = Request{"-", "-", "", {}, "", self->remote_, false, self->client_subject_};
         self->request_start_ = Clock::now();
         self->write_inline(self->server_.error(408, "the request was not received in time"));
-      } else if (p == Phase::kIdle || p == Phase::kWriting) {
+      } else if (p == Phase::kHandshake || p == Phase::kIdle || p == Phase::kWriting) {
         self->close();
       }
     });
@@ -293,17 +450,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void read_head() {
     set_phase(Phase::kHead);
-    arm(overflow_ ? std::chrono::duration_cast<std::chrono::milliseconds>(kOverflowHeadTimeout)
-                  : options().request_head_timeout);
+    arm(head_timeout());
     parser_.emplace();
     parser_->header_limit(static_cast<std::uint32_t>(
         std::min<size_t>(options().max_header_bytes, UINT32_MAX)));
     parser_->body_limit(options().max_body_bytes);
-    bhttp::async_read_header(socket_, buffer_, *parser_,
-                             [self = shared_from_this()](error_code ec, size_t) {
-                               if (ec) return self->read_failed(ec);
-                               self->read_body();
-                             });
+    on_stream([&](auto& stream) {
+      bhttp::async_read_header(stream, buffer_, *parser_,
+                               [self = shared_from_this()](error_code ec, size_t) {
+                                 if (ec) return self->read_failed(ec);
+                                 self->read_body();
+                               });
+    });
   }
 
   void read_body() {
@@ -311,18 +469,22 @@ class Connection : public std::enable_shared_from_this<Connection> {
     set_phase(Phase::kBody);
     if (!overflow_) arm(options().request_body_timeout);
     auto read = [self = shared_from_this()] {
-      bhttp::async_read(self->socket_, self->buffer_, *self->parser_,
-                        [self](error_code ec, size_t) {
-                          if (ec) return self->read_failed(ec);
-                          self->dispatch();
-                        });
+      self->on_stream([&](auto& stream) {
+        bhttp::async_read(stream, self->buffer_, *self->parser_, [self](error_code ec, size_t) {
+          if (ec) return self->read_failed(ec);
+          self->dispatch();
+        });
+      });
     };
     if (parser_->get().version() == 11 &&
         iequals(parser_->get()[bhttp::field::expect], "100-continue")) {
       out_ = "HTTP/1.1 100 Continue\r\n\r\n";
-      net::async_write(socket_, net::buffer(out_), [self = shared_from_this(), read](error_code ec, size_t) {
-        if (ec) return self->close();
-        read();
+      on_stream([&](auto& stream) {
+        net::async_write(stream, net::buffer(out_),
+                         [self = shared_from_this(), read](error_code ec, size_t) {
+                           if (ec) return self->close();
+                           read();
+                         });
       });
       return;
     }
@@ -373,6 +535,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     r.body = std::move(msg.body());
     r.remote_addr = remote_;
     r.http10 = msg.version() == 10;
+    r.client_subject = client_subject_;
     keep_alive_ = msg.keep_alive() && !overflow_ && !server_.stopping;
     parser_.reset();
     ++num_requests_;
@@ -426,32 +589,40 @@ class Connection : public std::enable_shared_from_this<Connection> {
                          str("Content-Length: ", r.body.size(), "\r\n"), keep_alive_) +
            r.body;
     const int status = r.status;
-    net::async_write(socket_, net::buffer(out_),
-                     [self = shared_from_this(), status](error_code ec, size_t) {
-                       self->options().access_log(
-                           self->request_, status,
-                           std::chrono::duration<double>(Clock::now() - self->request_start_).count());
-                       if (ec) return self->close();
-                       if (self->keep_alive_ && !self->server_.stopping) {
-                         self->await_request();
-                       } else {
-                         self->linger_close();
-                       }
-                     });
+    on_stream([&](auto& stream) {
+      net::async_write(
+          stream, net::buffer(out_), [self = shared_from_this(), status](error_code ec, size_t) {
+            self->options().access_log(
+                self->request_, status,
+                std::chrono::duration<double>(Clock::now() - self->request_start_).count());
+            if (ec) return self->close();
+            if (self->keep_alive_ && !self->server_.stopping) {
+              self->await_request();
+            } else {
+              self->linger_close();
+            }
+          });
+    });
   }
 
   // Stops sending, then reads and discards what the client still sends for a moment before
   // closing: closing with unread bytes would reset the connection and could destroy the response
   // (a 413 to a client still sending its body) before the client read it.
+  // A TLS connection sends its close_notify instead (a client reading to the end of the stream,
+  // HTTP/1.0, then knows it was not cut off) and waits as long for the client's.
   void linger_close() {
     if (phase_ == Phase::kClosing) return;
     set_phase(Phase::kClosing);
-    error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_send, ec);
     timer_.expires_after(kLingerTimeout);
     timer_.async_wait([self = shared_from_this()](error_code e) {
       if (!e) self->finish_close();
     });
+    if (tls_) {
+      tls_->async_shutdown([self = shared_from_this()](error_code) { self->finish_close(); });
+      return;
+    }
+    error_code ec;
+    socket_.shutdown(tcp::socket::shutdown_send, ec);
     drain();
   }
 
@@ -472,6 +643,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   Server::Impl& server_;
   tcp::socket socket_;
+  std::optional<TlsStream> tls_;  // over socket_, for a TLS server
+  bool handshake_done_ = false;
+  std::string client_subject_;
   net::steady_timer timer_;
   const bool overflow_;
   std::list<Connection*>::iterator position_;
@@ -498,7 +672,7 @@ Exchange::~Exchange() = default;
 
 bool Exchange::send(std::initializer_list<std::string_view> parts) {
   if (failed_) return false;
-  if (!send_all(connection_->fd(), parts, connection_->options().write_timeout)) failed_ = true;
+  if (!connection_->send(parts)) failed_ = true;
   return !failed_;
 }
 
@@ -546,6 +720,12 @@ bool Exchange::client_connected() {
   if (::poll(&p, 1, 0) < 0) return true;
   if (p.revents & (POLLERR | POLLHUP | POLLNVAL)) {
     failed_ = true;  // reset, or closed both ways
+    return false;
+  }
+  // A TLS client that ended its side (FIN) has left: TLS has no half-close. Bytes before it may be
+  // its close_notify, which only decryption could tell from a pipelined request.
+  if (connection_->is_tls() && (p.revents & POLLRDHUP)) {
+    failed_ = true;
     return false;
   }
   if ((p.revents & (POLLIN | POLLRDHUP)) && !saw_end_of_stream_) {
@@ -602,7 +782,10 @@ bool Server::Impl::make_room() {
       // A closing connection is on its way out; an overflow one is counted apart.
       if (p == Connection::Phase::kClosing || c->overflow()) continue;
       ++open;
-      if (p != Connection::Phase::kIdle && p != Connection::Phase::kHead) continue;
+      if (p != Connection::Phase::kHandshake && p != Connection::Phase::kIdle &&
+          p != Connection::Phase::kHead) {
+        continue;
+      }
       if (oldest == nullptr || c->since() < oldest->since()) oldest = c;
     }
     if (open < options.max_connections) return true;
@@ -619,13 +802,18 @@ void Server::Impl::on_accept(tcp::socket socket) {
   bool overflow = false;
   if (!make_room()) {
     if (num_overflow.load() >= kOverflowConnections) {
+      error_code ec;
+      // A TLS client could not read a plain answer: it is only closed.
+      if (tls) {
+        socket.close(ec);
+        return;
+      }
       const Response r = error(503, "the server has too many connections; retry later");
       const std::string reply =
           response_head(503, r.content_type, {}, str("Content-Length: ", r.body.size(), "\r\n"),
                         false) +
           r.body;
       ::send(socket.native_handle(), reply.data(), reply.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-      error_code ec;
       socket.close(ec);
       return;
     }
@@ -696,6 +884,7 @@ void Server::set_guard(Guard guard) { impl_->guard = std::move(guard); }
 
 void Server::start() {
   Impl& s = *impl_;
+  if (s.options.tls.enabled()) s.tls = make_tls_context(s.options.tls);
   // Each connection is a descriptor: raise the soft limit to the hard one, and keep the cap below
   // it with room for the rest of the process (model files, UCX, logs), so a full server evicts
   // instead of failing to accept.

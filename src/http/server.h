@@ -33,6 +33,12 @@
 // reports the client gone only when the reset comes back: a half-closed client keeps its request,
 // a closed one's request is cancelled. (HTTP/1.0 has no interim responses: there the end of stream
 // means gone.)
+//
+// TLS (Options::tls, HTTPS and mutual TLS): the handshake runs on the event loop under the
+// request-head deadline (a client that never finishes it is closed, unanswered: there is no session
+// to answer on); everything above it is unchanged, the workers' writes included (they go through
+// the TLS session, bounded by write_timeout like plain ones). TLS has no half-close: its client's
+// close_notify or end of stream means gone, and client_connected() probes nothing.
 #pragma once
 
 #include <chrono>
@@ -57,6 +63,8 @@ struct Request {
   std::string body;
   std::string remote_addr;
   bool http10 = false;  // an HTTP/1.0 request
+  // TLS: the subject of the client's verified certificate (RFC 2253), for logs; "" without one.
+  std::string client_subject;
 
   // The first value of header `name` (case-insensitive), or "" when absent.
   std::string header(std::string_view name) const;
@@ -128,6 +136,20 @@ using Guard = std::function<std::optional<Response>(const Request&)>;
 // routes only (they get 503 otherwise, and 2 s to send their head).
 constexpr int kOverflowConnections = 64;
 
+// TLS for a server (and, in src/disagg, for its clients, which present cert/key and verify their
+// peer with ca_file). Files are PEM.
+struct TlsOptions {
+  // Python ssl's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED (vLLM's --ssl-cert-reqs 0, 1, 2).
+  enum class ClientCert { kNone, kOptional, kRequired };
+
+  std::string cert_file;  // the certificate chain, own certificate first; empty: no TLS
+  std::string key_file;   // its private key
+  std::string ca_file;    // the CAs that sign the peers' certificates (needed unless kNone)
+  ClientCert client_cert = ClientCert::kNone;
+
+  bool enabled() const { return !cert_file.empty(); }
+};
+
 struct Options {
   std::string host = "127.0.0.1";
   int port = 0;  // 0: any free port
@@ -143,8 +165,11 @@ struct Options {
   // content type; the default is {"error": message}.
   std::function<std::string(int status, const std::string& message)> error_body;
   std::string error_content_type = "application/json";
-  // One line per finished request ("relay: ADDR \"METHOD PATH\" STATUS SECONDSs" by default).
+  // One line per finished request ("relay: ADDR \"METHOD PATH\" STATUS SECONDSs" by default, then
+  // ` client "SUBJECT"` for a client with a verified certificate).
   std::function<void(const Request&, int status, double seconds)> access_log;
+  // HTTPS when tls.enabled(); start() throws relay::Error naming a file it cannot use.
+  TlsOptions tls;
 };
 
 class Server {

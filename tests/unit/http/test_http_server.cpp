@@ -1,18 +1,23 @@
 // http/server.h over raw sockets: the limits and deadlines that keep hostile or broken clients from
 // stopping the server, the framing of whole and streamed responses, keep-alive and pipelining, and
-// telling a closed client from a half-closed one.
+// telling a closed client from a half-closed one; and the same over TLS, with client certificates
+// (certificates made per run by tests/fixtures/make_test_certs.sh).
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
 #include "http/server.h"
 
 namespace relay::http {
@@ -115,6 +120,9 @@ struct TestServer {
     server = std::make_unique<Server>(std::move(o));
     server->route_inline("GET", "/health", [](const Request&) {
       return Response{200, "application/json", "{\"status\":\"ok\"}", {}};
+    });
+    server->route_inline("GET", "/whoami", [](const Request& r) {
+      return Response{200, "text/plain", "subject=" + r.client_subject, {}};
     });
     server->route_blocking("POST", "/echo", [](const Request& r) {
       return Response{200, "text/plain", r.body, {{"X-Method", r.method}}};
@@ -345,6 +353,193 @@ TEST(HttpServer, StopEndsRunningHandlers) {
   s->server->stop();
   EXPECT_LT(Clock::now() - start, 3s);
   EXPECT_EQ(s->saw_gone, 1);
+}
+
+// ---- TLS ----
+
+// The directory of the run's certificates (made once per test binary).
+const std::string& cert_dir() {
+  static const std::string dir = [] {
+    std::string templ = (std::filesystem::temp_directory_path() / "relay-tls-XXXXXX").string();
+    const char* made = ::mkdtemp(templ.data());
+    EXPECT_NE(made, nullptr);
+    const std::string script = std::string(RELAY_SOURCE_DIR) + "/tests/fixtures/make_test_certs.sh";
+    EXPECT_EQ(std::system((script + " " + templ + " >/dev/null").c_str()), 0);
+    return templ;
+  }();
+  return dir;
+}
+
+std::string cert(const std::string& name) { return cert_dir() + "/" + name; }
+
+Options tls_options(TlsOptions::ClientCert client_cert = TlsOptions::ClientCert::kNone) {
+  Options o;
+  o.tls.cert_file = cert("server.pem");
+  o.tls.key_file = cert("server.key");
+  o.tls.ca_file = cert("ca.pem");
+  o.tls.client_cert = client_cert;
+  return o;
+}
+
+// A blocking TLS client (OpenSSL over Client's socket) that verifies the server against the CA and
+// presents `own` ("client", "rogue") as its certificate, or none.
+class TlsClient {
+ public:
+  explicit TlsClient(int port, const std::string& own = "") : tcp_(port) {
+    ctx_ = SSL_CTX_new(TLS_client_method());
+    SSL_CTX_load_verify_locations(ctx_, cert("ca.pem").c_str(), nullptr);
+    SSL_CTX_set_verify(ctx_, SSL_VERIFY_PEER, nullptr);
+    if (!own.empty()) {
+      SSL_CTX_use_certificate_chain_file(ctx_, cert(own + ".pem").c_str());
+      SSL_CTX_use_PrivateKey_file(ctx_, cert(own + ".key").c_str(), SSL_FILETYPE_PEM);
+    }
+    ssl_ = SSL_new(ctx_);
+    SSL_set_fd(ssl_, tcp_.fd());
+    SSL_set1_host(ssl_, "localhost");
+    handshake_ok_ = SSL_connect(ssl_) == 1;
+  }
+  ~TlsClient() {
+    SSL_free(ssl_);
+    SSL_CTX_free(ctx_);
+  }
+  bool handshake_ok() const { return handshake_ok_; }
+  bool send(std::string_view data) {
+    return SSL_write(ssl_, data.data(), static_cast<int>(data.size())) ==
+           static_cast<int>(data.size());
+  }
+  // Reads until `marker` has been seen, the session ends, or the timeout.
+  std::string read_until(std::string_view marker, std::chrono::milliseconds timeout = 5s) {
+    const auto deadline = Clock::now() + timeout;
+    while (received_.find(marker) == std::string::npos && Clock::now() < deadline) {
+      char buf[4096];
+      const int n = SSL_read(ssl_, buf, sizeof buf);
+      if (n <= 0) break;
+      received_.append(buf, static_cast<size_t>(n));
+    }
+    return received_;
+  }
+  void clear() { received_.clear(); }
+  void close() { tcp_.close(); }
+
+ private:
+  Client tcp_;
+  SSL_CTX* ctx_ = nullptr;
+  SSL* ssl_ = nullptr;
+  bool handshake_ok_ = false;
+  std::string received_;
+};
+
+TEST(HttpsServer, ServesWholeResponsesWithKeepAlive) {
+  TestServer s(tls_options());
+  TlsClient c(s.port());
+  ASSERT_TRUE(c.handshake_ok());
+  ASSERT_TRUE(c.send(post("/echo", "first") + post("/echo", "second")));
+  const std::string both = c.read_until("second");
+  EXPECT_EQ(both.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << both;
+  EXPECT_NE(both.find("\r\n\r\nfirst"), std::string::npos) << both;
+  c.clear();
+  ASSERT_TRUE(c.send(get("/whoami")));
+  EXPECT_NE(c.read_until("subject=").find("200 OK"), std::string::npos);
+}
+
+TEST(HttpsServer, PlainHttpIsClosedAndOthersAreServed) {
+  TestServer s(tls_options());
+  TlsClient tls(s.port());
+  ASSERT_TRUE(tls.handshake_ok());
+  Client plain(s.port());
+  ASSERT_TRUE(plain.send(get("/health")));
+  EXPECT_TRUE(plain.read_to_close(2s));
+  EXPECT_EQ(plain.received().find("HTTP/1.1 200"), std::string::npos) << plain.received();
+  ASSERT_TRUE(tls.send(get("/health")));
+  EXPECT_NE(tls.read_until("}").find("{\"status\":\"ok\"}"), std::string::npos);
+}
+
+TEST(HttpsServer, RequiredClientCertificatesRefuseOthers) {
+  TestServer s(tls_options(TlsOptions::ClientCert::kRequired));
+  // Over TLS 1.3 the client finishes its handshake first and learns of the refusal when it reads.
+  for (const std::string own : {"", "rogue"}) {
+    TlsClient refused(s.port(), own);
+    if (refused.handshake_ok()) {
+      refused.send(get("/whoami"));
+      EXPECT_EQ(refused.read_until("subject=", 2s), "") << own;
+    }
+  }
+  TlsClient c(s.port(), "client");
+  ASSERT_TRUE(c.handshake_ok());
+  ASSERT_TRUE(c.send(get("/whoami")));
+  EXPECT_NE(c.read_until("relay-test-client").find("subject=CN=relay-test-client"),
+            std::string::npos)
+      << c.read_until("");
+}
+
+TEST(HttpsServer, OptionalClientCertificates) {
+  TestServer s(tls_options(TlsOptions::ClientCert::kOptional));
+  TlsClient anonymous(s.port());
+  ASSERT_TRUE(anonymous.send(get("/whoami")));
+  EXPECT_NE(anonymous.read_until("subject=").find("200 OK"), std::string::npos);
+  TlsClient c(s.port(), "client");
+  ASSERT_TRUE(c.send(get("/whoami")));
+  EXPECT_NE(c.read_until("relay-test-client").find("subject=CN=relay-test-client"),
+            std::string::npos);
+}
+
+TEST(HttpsServer, AHandshakeNotFinishedInTimeIsClosed) {
+  Options o = tls_options();
+  o.request_head_timeout = 300ms;
+  TestServer s(o);
+  Client silent(s.port());
+  Client partial(s.port());
+  partial.send(std::string("\x16\x03\x01\x02\x00", 5));  // a ClientHello's record header only
+  const auto start = Clock::now();
+  EXPECT_TRUE(silent.read_to_close(3s));
+  EXPECT_TRUE(partial.read_to_close(3s));
+  EXPECT_LT(Clock::now() - start, 2s);
+  TlsClient c(s.port());
+  ASSERT_TRUE(c.send(get("/health")));
+  EXPECT_NE(c.read_until("}").find("200 OK"), std::string::npos);
+}
+
+TEST(HttpsServer, StreamsAndSeesTheClientGo) {
+  TestServer s(tls_options());
+  {
+    TlsClient c(s.port());
+    c.send(post("/stream", ""));
+    const std::string head = c.read_until("data: 2");
+    EXPECT_NE(head.find("Transfer-Encoding: chunked\r\n"), std::string::npos) << head;
+    EXPECT_NE(head.find("9\r\ndata: 0\n\n\r\n"), std::string::npos) << head;
+  }
+  {
+    TlsClient waiting(s.port());
+    waiting.send(post("/wait", ""));
+    ASSERT_TRUE(eventually([&] { return s.waiting == 1; }));
+    waiting.close();
+  }
+  EXPECT_TRUE(eventually([&] { return s.saw_gone == 1; }, 3s));
+  s.release = true;
+  TlsClient c(s.port());
+  c.send(post("/stream", ""));
+  EXPECT_NE(c.read_until("0\r\n\r\n").find("0\r\n\r\n"), std::string::npos);
+}
+
+TEST(HttpsServer, BadFilesAreNamedAtStart) {
+  Options o = tls_options();
+  o.tls.key_file = cert("client.key");  // not the certificate's key
+  Server mismatched(o);
+  try {
+    mismatched.start();
+    FAIL() << "a key that does not match the certificate was accepted";
+  } catch (const relay::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("client.key"), std::string::npos) << e.what();
+  }
+  o = tls_options();
+  o.tls.cert_file = cert("missing.pem");
+  Server missing(o);
+  try {
+    missing.start();
+    FAIL() << "a missing certificate file was accepted";
+  } catch (const relay::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("missing.pem"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
