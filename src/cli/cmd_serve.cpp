@@ -47,6 +47,10 @@ struct ServeOptions {
   int max_connections = 4096;
   double request_head_timeout_s = 10.0;
   double keep_alive_timeout_s = 60.0;
+  // TLS (vLLM's --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs): the listener's,
+  // and a disaggregated role's client side towards https peers (mutual TLS).
+  http::TlsOptions tls;
+  int ssl_cert_reqs = 0;  // Python ssl's CERT_NONE (0), CERT_OPTIONAL (1), CERT_REQUIRED (2)
   // Disaggregation.
   std::string role = "all";  // all (one process), router, prefill, decode
   std::string router;        // workers: the router's host:port
@@ -62,22 +66,42 @@ struct ServeOptions {
   bool insecure_control_plane = false;
 };
 
+// The --ssl-* options as http::TlsOptions; throws relay::Error on an incomplete set.
+http::TlsOptions tls_options(const ServeOptions& o) {
+  RELAY_CHECK(o.tls.cert_file.empty() == o.tls.key_file.empty(),
+              "--ssl-certfile and --ssl-keyfile go together");
+  RELAY_CHECK(o.ssl_cert_reqs == 0 || o.tls.enabled(), "--ssl-cert-reqs ", o.ssl_cert_reqs,
+              " needs --ssl-certfile and --ssl-keyfile");
+  RELAY_CHECK(o.ssl_cert_reqs == 0 || !o.tls.ca_file.empty(), "--ssl-cert-reqs ", o.ssl_cert_reqs,
+              " needs --ssl-ca-certs: the CA that signs the clients' certificates");
+  http::TlsOptions t = o.tls;
+  t.client_cert = static_cast<http::TlsOptions::ClientCert>(o.ssl_cert_reqs);
+  return t;
+}
+
+// The URL scheme of this process's listener.
+const char* scheme(const ServeOptions& o) { return o.tls.enabled() ? "https" : "http"; }
+
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
 }
 
 // The control plane's authentication for a disaggregated role: the shared secret's signatures, or
-// nothing where that is allowed (a loopback listener, or --insecure-control-plane said so).
+// nothing where that is allowed (a loopback listener, mutual TLS that admits only holders of the
+// deployment's certificates, or --insecure-control-plane said so). Secret and mutual TLS combine.
 std::shared_ptr<disagg::ControlPlaneAuth> control_plane_auth(const ServeOptions& o) {
   if (!o.disagg_secret_file.empty()) {
     return disagg::ControlPlaneAuth::from_file(o.disagg_secret_file);
   }
-  RELAY_CHECK(is_loopback(o.host) || o.insecure_control_plane, "--role ", o.role, " on --host ",
-              o.host, ": the control plane would accept anyone who reaches this port (a fake ",
-              "worker would receive users' prompts); give every process of the deployment the ",
-              "same --disagg-secret-file (e.g. from `openssl rand -hex 32`), or pass ",
+  const bool mutual_tls = o.ssl_cert_reqs == 2;
+  RELAY_CHECK(is_loopback(o.host) || mutual_tls || o.insecure_control_plane, "--role ", o.role,
+              " on --host ", o.host, ": the control plane would accept anyone who reaches this ",
+              "port (a fake worker would receive users' prompts); give every process of the ",
+              "deployment the same --disagg-secret-file (e.g. from `openssl rand -hex 32`) or ",
+              "certificates from one CA with --ssl-cert-reqs 2, or pass ",
               "--insecure-control-plane on a network only the deployment can reach");
-  std::fprintf(stderr, "relay: the control plane is not authenticated (no --disagg-secret-file)\n");
+  std::fprintf(stderr, "relay: the control plane is %s (no --disagg-secret-file)\n",
+               mutual_tls ? "authenticated by mutual TLS only" : "not authenticated");
   return nullptr;
 }
 
@@ -108,6 +132,7 @@ server::ServerOptions server_options(const ServeOptions& o) {
   so.max_connections = o.max_connections;
   so.request_head_timeout_s = o.request_head_timeout_s;
   so.keep_alive_timeout_s = o.keep_alive_timeout_s;
+  so.tls = tls_options(o);
   if (!o.tool_call_parser.empty()) {
     so.tool_call_format = chat::tool_call_format_from_name(o.tool_call_parser);
   }
@@ -144,6 +169,7 @@ int run_router(const ServeOptions& o) {
   router_options.wait_for_workers_s = o.worker_wait_s;
   router_options.auth = control_plane_auth(o);
   router_options.api_key = o.api_key;
+  router_options.tls = tls_options(o);
   disagg::DisaggRouter router(router_options, registry, http.metrics());
   http.add_routes([&](http::Server& s) { router.add_routes(s); });
   http.start();
@@ -158,8 +184,8 @@ int run_router(const ServeOptions& o) {
   http.attach(served, router,
               std::move(chat_template));
   std::fprintf(stderr,
-               "relay: router listening on http://%s:%d (workers register with --router %s:%d)\n",
-               o.host.c_str(), http.port(), o.host.c_str(), http.port());
+               "relay: router listening on %s://%s:%d (workers register with --router %s:%d)\n",
+               scheme(o), o.host.c_str(), http.port(), o.host.c_str(), http.port());
   return wait_and_drain(signals, http, o.drain_timeout_s);
 }
 
@@ -195,8 +221,8 @@ int run_serve(const ServeOptions& o) {
     });
   }
   http.start();
-  std::fprintf(stderr, "relay: listening on http://%s:%d (model loading)\n", o.host.c_str(),
-               http.port());
+  std::fprintf(stderr, "relay: listening on %s://%s:%d (model loading)\n", scheme(o),
+               o.host.c_str(), http.port());
 
   const Clock::time_point load_start = Clock::now();
   std::fprintf(stderr, "relay: loading %s on %s ...\n", o.model_dir.c_str(),
@@ -246,8 +272,12 @@ int run_serve(const ServeOptions& o) {
               loop, std::move(chat_template));
   disagg::WorkerOptions wo;
   wo.role = o.role;
-  wo.router = o.router;
-  wo.url = o.worker_url.empty() ? str("http://", o.host, ":", http.port()) : o.worker_url;
+  // A bare HOST:PORT router speaks this process's scheme.
+  wo.router = o.router.empty() || o.router.find("://") != std::string::npos
+                  ? o.router
+                  : str(scheme(o), "://", o.router);
+  wo.url = o.worker_url.empty() ? str(scheme(o), "://", o.host, ":", http.port()) : o.worker_url;
+  wo.tls = tls_options(o);
   wo.heartbeat_interval_s = o.heartbeat_s;
   wo.layout = o.backend.parallel.describe();
   wo.transfer_timeout_s = o.kv_transfer_timeout_s;
@@ -314,6 +344,20 @@ CommandRegistrar serve_command({
       sub.add_option("--keep-alive-timeout", o->keep_alive_timeout_s,
                      "seconds an idle kept-alive connection stays open (default 60)")
           ->check(CLI::PositiveNumber);
+      sub.add_option("--ssl-certfile", o->tls.cert_file,
+                     "serve HTTPS with this PEM certificate chain (with --ssl-keyfile); a "
+                     "disaggregated role also presents it to its https peers")
+          ->check(CLI::ExistingFile);
+      sub.add_option("--ssl-keyfile", o->tls.key_file, "the PEM private key of --ssl-certfile")
+          ->check(CLI::ExistingFile);
+      sub.add_option("--ssl-ca-certs", o->tls.ca_file,
+                     "PEM CA certificates that verify clients' certificates (--ssl-cert-reqs) and, "
+                     "in a disaggregated deployment, the https peers")
+          ->check(CLI::ExistingFile);
+      sub.add_option("--ssl-cert-reqs", o->ssl_cert_reqs,
+                     "client certificates, as Python's ssl.CERT_*: 0 not asked (default), 1 "
+                     "optional (verified when sent), 2 required (mutual TLS)")
+          ->check(CLI::Range(0, 2));
       add_backend_options(sub, o->backend);
       sub.add_option(
              "--role", o->role,
@@ -321,10 +365,11 @@ CommandRegistrar serve_command({
              "prefill, decode")
           ->check(CLI::IsMember({"all", "router", "prefill", "decode"}));
       sub.add_option("--router", o->router,
-                     "prefill/decode: the router's HOST:PORT to register with");
+                     "prefill/decode: the router to register with: HOST:PORT (this process's "
+                     "scheme) or http(s)://HOST:PORT");
       sub.add_option("--worker-url", o->worker_url,
                      "prefill/decode: the URL the router uses to reach this worker (default "
-                     "http://HOST:PORT)");
+                     "http(s)://HOST:PORT, https with --ssl-certfile)");
       sub.add_option("--heartbeat-interval", o->heartbeat_s,
                      "seconds between worker heartbeats; 3 missed mark a worker down (default 1)")
           ->check(CLI::PositiveNumber);

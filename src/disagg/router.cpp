@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/json.h"
 #include "disagg/auth.h"
+#include "disagg/control_client.h"
 #include "disagg/protocol.h"
 #include "http/server.h"
 
@@ -20,15 +21,6 @@ namespace {
 template <typename Seconds>
 std::chrono::milliseconds ms(Seconds s) {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
-}
-
-std::unique_ptr<httplib::Client> client(const std::string& url,
-                                        std::chrono::milliseconds read_timeout) {
-  auto c = std::make_unique<httplib::Client>(url);
-  c->set_connection_timeout(std::chrono::seconds(2));
-  c->set_read_timeout(read_timeout);
-  c->set_write_timeout(std::chrono::seconds(10));
-  return c;
 }
 
 // A control message's headers: its signature when the control plane is authenticated.
@@ -151,7 +143,7 @@ void DisaggRouter::add_routes(http::Server& svr) {
 httplib::Result DisaggRouter::post(const std::string& url, const std::string& path,
                                    const std::string& body,
                                    std::chrono::milliseconds read_timeout) {
-  return client(url, read_timeout)
+  return control_client(url, options_.tls, read_timeout)
       ->Post(path.c_str(), signed_headers(options_.auth.get(), path, body), body,
              "application/json");
 }
@@ -370,7 +362,7 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
   };
   httplib::Response res;
   httplib::Error err = httplib::Error::Success;
-  client(decode_url, ms(options_.stream_timeout_s))->send(req, res, err);
+  control_client(decode_url, options_.tls, ms(options_.stream_timeout_s))->send(req, res, err);
   if (finished) return "";
   if (live.aborted) {
     finish_aborted(live);

@@ -25,12 +25,10 @@
 #include <unordered_map>
 
 #include "disagg/registry.h"
+#include "http/server.h"
 #include "server/engine_loop.h"
 #include "server/metrics.h"
 
-namespace relay::http {
-class Server;
-}
 namespace httplib {
 class Result;
 }
@@ -48,6 +46,8 @@ struct RouterOptions {
   // are signed. Null: an unauthenticated control plane (loopback deployments, tests).
   std::shared_ptr<ControlPlaneAuth> auth;
   std::string api_key;  // --api-key: also lets a person read /disagg/workers
+  // The client side of TLS to workers with https URLs (disagg/control_client.h).
+  http::TlsOptions tls;
 };
 
 class DisaggRouter : public server::RequestSink {

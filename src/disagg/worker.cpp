@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/json.h"
 #include "disagg/auth.h"
+#include "disagg/control_client.h"
 #include "disagg/protocol.h"
 #include "http/server.h"
 #include "transfer/kv_pool.h"
@@ -370,13 +371,9 @@ void add_worker_routes(http::Server& svr, const std::string& role,
 }
 
 void DisaggWorker::heartbeat_loop() {
-  const auto colon = options_.router.rfind(':');
   std::unique_ptr<httplib::Client> router;
-  if (!options_.router.empty() && colon != std::string::npos) {
-    router = std::make_unique<httplib::Client>(options_.router.substr(0, colon),
-                                               std::stoi(options_.router.substr(colon + 1)));
-    router->set_connection_timeout(std::chrono::seconds(2));
-    router->set_read_timeout(std::chrono::seconds(2));
+  if (!options_.router.empty()) {
+    router = control_client(options_.router, options_.tls, std::chrono::seconds(2));
   }
   const auto interval = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(options_.heartbeat_interval_s));

@@ -33,16 +33,12 @@
 #include <unordered_set>
 
 #include "engine/backend.h"
+#include "http/server.h"
 #include "server/engine_loop.h"
 #include "transfer/kv_pool.h"
 #include "transfer/transfer_engine.h"
 
 #include <nlohmann/json.hpp>
-
-namespace relay::http {
-class Server;
-class Exchange;
-}  // namespace relay::http
 
 namespace relay::disagg {
 
@@ -50,8 +46,8 @@ class ControlPlaneAuth;
 
 struct WorkerOptions {
   std::string role;    // "prefill" or "decode"
-  std::string router;  // the router's "host:port"; empty: no heartbeats
-  std::string url;     // how the router reaches this worker: "http://host:port"
+  std::string router;  // the router's "host:port" or URL (https: TLS); empty: no heartbeats
+  std::string url;     // how the router reaches this worker: "http(s)://host:port"
   std::string layout;  // its ranks, reported to the router ("tp=2 ep=1 dp=1")
   double heartbeat_interval_s = 1.0;
   double transfer_timeout_s = 30.0;     // prefill: the KV must land at the decode worker by then
@@ -61,6 +57,8 @@ struct WorkerOptions {
       "auto";  // "auto" (ucx for host pools, cuda_ipc for device), "ucx", "cuda_ipc"
   // Signs the heartbeats (disagg/auth.h); null: an unauthenticated control plane.
   std::shared_ptr<ControlPlaneAuth> auth;
+  // The client side of TLS to an https router (disagg/control_client.h).
+  http::TlsOptions tls;
 };
 
 class DisaggWorker {

@@ -140,6 +140,7 @@ struct HttpServer::State {
     t.max_connections = o.max_connections;
     t.request_head_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.request_head_timeout_s * 1000));
     t.keep_alive_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.keep_alive_timeout_s * 1000));
+    t.tls = o.tls;
     t.error_body = [](int status, const std::string& message) {
       return dump(transport_error(status, message).body());
     };

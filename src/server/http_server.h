@@ -22,12 +22,9 @@
 
 #include "chat/chat_template.h"
 #include "engine/llm_engine.h"
+#include "http/server.h"
 #include "server/engine_loop.h"
 #include "server/metrics.h"
-
-namespace relay::http {
-class Server;
-}
 
 namespace relay::server {
 
@@ -56,6 +53,7 @@ struct ServerOptions {
   int max_connections = 4096;
   double request_head_timeout_s = 10.0;
   double keep_alive_timeout_s = 60.0;
+  http::TlsOptions tls;  // HTTPS when tls.enabled() (vLLM's --ssl-* options)
   // The format the model writes tool calls in (vLLM's --tool-call-parser); nullopt: the one its
   // chat template renders them in (chat::ChatTemplate::tool_call_format).
   std::optional<chat::ToolCallFormat> tool_call_format;

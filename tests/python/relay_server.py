@@ -2,15 +2,19 @@
 
 Each RelayServer runs the real binary on a free loopback port with its log in a temporary file,
 waits for /health, and hands out `openai` clients (max_retries=0, so a 429/503 is seen as such).
+A server started with --ssl-* options is reached over https given the CA (`ca_file`) and, for
+mutual TLS, a client certificate (`client_cert`: (cert, key)).
 """
 import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 
+import httpx
 import openai
 import pytest
 import requests
@@ -25,15 +29,19 @@ def free_port():
 
 
 class RelayServer:
-    def __init__(self, relay_bin, *args, api_key=None, port=None):
+    def __init__(self, relay_bin, *args, api_key=None, port=None, ca_file=None, client_cert=None):
         self.port = port or free_port()
         self.api_key = api_key
+        self.ca_file = ca_file
+        self.client_cert = client_cert
+        # requests' TLS arguments (none over http).
+        self.tls_kw = {"verify": ca_file, "cert": client_cert} if ca_file else {}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="relay-serve-", suffix=".log", delete=False)
         cmd = [str(relay_bin), "serve", "--port", str(self.port), "--threads", "2", *map(str, args)]
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout=120, path="/health"):
         """Polls /health; returns every status seen before it answered 200. A router answers 503 there
@@ -43,7 +51,7 @@ class RelayServer:
         while time.time() < deadline:
             assert self.proc.poll() is None, f"relay serve exited early:\n{self.log_text()}"
             try:
-                r = requests.get(self.base + path, timeout=2)
+                r = requests.get(self.base + path, timeout=2, **self.tls_kw)
                 seen.append(r.status_code)
                 if r.status_code == 200:
                     return seen
@@ -52,13 +60,21 @@ class RelayServer:
             time.sleep(0.05)
         raise AssertionError(f"relay serve not ready after {timeout}s:\n{self.log_text()}")
 
+    def ssl_context(self):
+        """The client side of this server's TLS: its CA, and the client certificate if given."""
+        context = ssl.create_default_context(cafile=self.ca_file)
+        if self.client_cert:
+            context.load_cert_chain(*self.client_cert)
+        return context
+
     def client(self, api_key=None, timeout=120):
+        http_client = httpx.Client(verify=self.ssl_context(), timeout=timeout) if self.ca_file else None
         return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key or self.api_key or "unused",
-                             max_retries=0, timeout=timeout)
+                             max_retries=0, timeout=timeout, http_client=http_client)
 
     def metrics(self):
         """The /metrics samples as {'name{labels}': value}."""
-        text = requests.get(self.base + "/metrics", timeout=10).text
+        text = requests.get(self.base + "/metrics", timeout=10, **self.tls_kw).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
