@@ -17,7 +17,8 @@ APT_PACKAGES=(
   libcpp-httplib-dev      # HTTP client (the disaggregated router and workers)
   libboost1.81-dev        # Boost.Asio/Beast (headers only): the HTTP server's event loop
   libcli11-dev            # command line
-  libssl-dev zlib1g-dev   # cpp-httplib's link dependencies
+  libssl-dev zlib1g-dev   # TLS (the HTTP server, and cpp-httplib's client)
+  openssl                 # the TLS tests make a throwaway CA and certificates with its CLI
   libucx-dev              # UCX 1.13 (UCP): the KV transfer's network transport (TCP, RDMA verbs)
   iproute2                # ss: an end-to-end test reads the server's listen backlog
 )
