@@ -200,6 +200,15 @@ std::vector<KvPoolExport> CpuBackend::kv_pool_exports() {
 }
 ThreadPool& CpuBackend::thread_pool(int rank) { return ranks_.at(rank)->pool; }
 
+void CpuBackend::on_ranks(const std::function<void(Rank&)>& fn) {
+  if (comms_.empty()) {
+    fn(*ranks_.front());
+    return;
+  }
+  run_on_rank_threads(
+      ranks_.size(), [&](size_t i) { fn(*ranks_[i]); }, [&](size_t i) { comms_[i]->abort(); });
+}
+
 void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
                              const std::vector<RowsOf>& rows_of) {
   const int bs = block_size();
@@ -380,13 +389,7 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
       run_mtp_step(r);
     }
   };
-  if (comms_.empty()) {
-    run_rank(*ranks_.front());
-  } else {
-    run_on_rank_threads(
-        ranks_.size(), [&](size_t i) { run_rank(*ranks_[i]); },
-        [&](size_t i) { comms_[i]->abort(); });
-  }
+  on_ranks(run_rank);
   for (auto& r : ranks_) {
     if (r->place.tp_rank != 0) continue;
     for (size_t mi = 0; mi < r->members.size(); ++mi) {
@@ -460,15 +463,7 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
       build_batch(r, batch, rows_of);
       r.model->forward(r.batch, r.kv, r.pool, r.logits);
     };
-    if (comms_.empty()) {
-      run_rank(*ranks_.front());
-    } else {
-      // The first rank to fail aborts the group so the others (on every node) leave their
-      // collectives; its error is the one reported.
-      run_on_rank_threads(
-          ranks_.size(), [&](size_t i) { run_rank(*ranks_[i]); },
-          [&](size_t i) { comms_[i]->abort(); });
-    }
+    on_ranks(run_rank);
 
     // The logits of a sequence are on the TP-rank-0 rank of its DP group (with dp = 1, global rank
     // 0; all TP ranks agree). List this process's, in batch order.

@@ -59,6 +59,7 @@
 #include <cstddef>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -161,6 +162,11 @@ class CpuBackend : public Backend {
   // its last accepted draft from its snapshot (see the top of this file).
   void roll_back_states(std::span<const StepSequence> batch,
                         std::span<const SampledToken> sampled);
+
+  // Runs fn on every local rank, each on its own thread when there are several. The first rank to
+  // fail aborts the group so the others (on every node) leave their collectives; its error is the
+  // one rethrown.
+  void on_ranks(const std::function<void(Rank&)>& fn);
 
   parallel::ParallelConfig parallel_;
   int blocks_per_rank_ = 0;
