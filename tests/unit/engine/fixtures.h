@@ -17,6 +17,14 @@ namespace relay::test {
 
 inline std::filesystem::path fixture_models_dir() { return std::filesystem::path(RELAY_FIXTURES_DIR) / "models"; }
 
+// An fp32 tensor of an oracle's expected-output file, copied out.
+inline std::vector<float> read_f32(const SafetensorsFile& st, const std::string& name) {
+  const TensorView& t = st.tensors().at(name);
+  std::vector<float> v(t.numel());
+  std::memcpy(v.data(), t.data, t.nbytes);
+  return v;
+}
+
 struct ModelFixture {
   std::filesystem::path dir;
   std::vector<std::vector<int32_t>> prompts;
@@ -37,10 +45,7 @@ struct ModelFixture {
       auto it = st.tensors().find("logits_" + std::to_string(i));
       if (it == st.tensors().end()) it = st.tensors().find("last_logits_" + std::to_string(i));
       if (it == st.tensors().end()) break;
-      const TensorView& t = it->second;
-      std::vector<float> v(t.numel());
-      std::memcpy(v.data(), t.data, t.nbytes);
-      f.logits.push_back(std::move(v));
+      f.logits.push_back(read_f32(st, it->first));
     }
     return f;
   }

@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../engine/fixtures.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "model/registry.h"
@@ -54,12 +55,7 @@ struct Expected {
     e.split = j.at("split").at("pieces").get<std::vector<int>>();
     e.split_prompt = j.at("split").at("prompt").get<int>();
     SafetensorsFile st(dir / "expected.safetensors");
-    auto read = [&](const std::string& name) {
-      const TensorView& t = st.tensors().at(name);
-      std::vector<float> v(t.numel());
-      std::memcpy(v.data(), t.data, t.nbytes);
-      return v;
-    };
+    auto read = [&](const std::string& name) { return test::read_f32(st, name); };
     for (size_t i = 0; i < e.prompts.size(); ++i) {
       e.logits.push_back(read(str("logits_", i)));
       e.decode_logits.push_back(read(str("decode_logits_", i)));

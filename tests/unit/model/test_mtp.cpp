@@ -27,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../engine/fixtures.h"
 #include "../error_text.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -76,12 +77,7 @@ struct MtpExpected {
     e.inputs = j.at("inputs").get<std::vector<std::vector<int32_t>>>();
     e.drafts = j.at("drafts").get<std::vector<std::vector<int32_t>>>();
     SafetensorsFile st(dir / "mtp_expected.safetensors");
-    auto read = [&](const std::string& name) {
-      const TensorView& t = st.tensors().at(name);
-      std::vector<float> v(t.numel());
-      std::memcpy(v.data(), t.data, t.nbytes);
-      return v;
-    };
+    auto read = [&](const std::string& name) { return test::read_f32(st, name); };
     for (size_t i = 0; i < e.prompts.size(); ++i) {
       e.hidden.push_back(read(str("hidden_", i)));
       e.logits.push_back(read(str("mtp_logits_", i)));
