@@ -3,15 +3,19 @@
 
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <ostream>
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
 #include "model/safetensors.h"
+#include "parallel/parallel_config.h"
 
 namespace relay::test {
 
@@ -50,6 +54,24 @@ struct ModelFixture {
     return f;
   }
 };
+
+// A parameterised test's model and rank layout, and its gtest name ("qwen3_moe_tp2_ep2_dp1").
+struct LayoutCase {
+  std::string model;  // a fixture name, or "demo"
+  parallel::ParallelConfig parallel;
+};
+
+inline void PrintTo(const LayoutCase& c, std::ostream* os) {
+  *os << c.model << " " << c.parallel.describe();
+}
+
+inline std::string layout_case_name(const ::testing::TestParamInfo<LayoutCase>& info) {
+  std::string n = info.param.model + "_tp" + std::to_string(info.param.parallel.tp) + "_ep" +
+                  std::to_string(info.param.parallel.ep) + "_dp" +
+                  std::to_string(info.param.parallel.dp);
+  std::replace(n.begin(), n.end(), '-', '_');
+  return n;
+}
 
 // The tiny HF checkpoints, one per architecture variant.
 inline std::vector<std::string> tiny_fixture_names() {

@@ -20,20 +20,7 @@
 namespace relay {
 namespace {
 
-struct Case {
-  std::string model;  // a fixture name, or "demo"
-  parallel::ParallelConfig parallel;
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.model << " " << c.parallel.describe(); }
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  std::string n = info.param.model + "_tp" + std::to_string(info.param.parallel.tp) + "_ep" +
-                  std::to_string(info.param.parallel.ep) + "_dp" +
-                  std::to_string(info.param.parallel.dp);
-  std::replace(n.begin(), n.end(), '-', '_');
-  return n;
-}
+using Case = test::LayoutCase;
 
 std::filesystem::path model_dir(const std::string& model) {
   return model == "demo" ? std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe"
@@ -237,7 +224,7 @@ TEST_P(DraftTest, DecodingWithDraftsGivesTheTokensOfDecodingWithout) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, DraftTest, ::testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Models, DraftTest, ::testing::ValuesIn(cases()), test::layout_case_name);
 
 }  // namespace
 }  // namespace relay

@@ -118,20 +118,7 @@ class Driver {
   std::vector<Seq> seqs_;
 };
 
-struct Case {
-  std::string model;  // fixture name, or "demo"
-  parallel::ParallelConfig parallel;
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.model << " " << c.parallel.describe(); }
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  std::string n = info.param.model + "_tp" + std::to_string(info.param.parallel.tp) + "_ep" +
-                  std::to_string(info.param.parallel.ep) + "_dp" +
-                  std::to_string(info.param.parallel.dp);
-  std::replace(n.begin(), n.end(), '-', '_');
-  return n;
-}
+using Case = test::LayoutCase;
 
 class ShardedBackendTest : public ::testing::TestWithParam<Case> {};
 
@@ -205,7 +192,7 @@ std::vector<Case> cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, ShardedBackendTest, ::testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Layouts, ShardedBackendTest, ::testing::ValuesIn(cases()), test::layout_case_name);
 
 // An FP8 checkpoint shards like a bf16 one. The demo model's experts are 192 wide, two weight-scale
 // blocks (128 + 64 rows); TP 2 gives each rank 96 rows (inside the first block, or across the
