@@ -14,16 +14,10 @@
 
 #include "core/thread_pool.h"
 #include "kernels/ops.h"
+#include "random_vec.h"
 
 namespace relay::kernels {
 namespace {
-
-std::vector<float> random_vec(size_t n, std::mt19937& rng, float scale = 1.0f) {
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
 
 double silu(double x) { return x / (1.0 + std::exp(-x)); }
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
