@@ -953,9 +953,11 @@ struct RankEngine {
     const int R = (dispatch ? std::min(tokens, moe_bound_tokens) : tokens) * top_k;
     // The permuted rows of this rank's experts, [0, expert_offsets[local_experts]): under EP the
     // absent id sorts after them and its rows are never computed, so they need not be copied or
-    // activated. (With all experts here the bound would be every row.)
+    // activated. (With all experts here the bound would be every row.) One region bounds a prefix,
+    // so it must span the largest op it bounds: the permute's copy runs over all tokens x top_k
+    // rows (under DP + EP the whole receive buffer, beyond R), the SwiGLU over R of them.
     kernels::LiveRows computed_rows;
-    if (shard.ep_size > 1 && R > 0) computed_rows = {expert_offsets + local_experts, R};
+    if (shard.ep_size > 1 && R > 0) computed_rows = {expert_offsets + local_experts, tokens * top_k};
     // FP8 experts: each token is quantised once and its codes and scales are permuted (the same
     // bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
     const bool fp8_experts = w.gate_up8.present();
@@ -1504,26 +1506,49 @@ struct CudaBackend::Impl {
     return parts;
   }
 
-  // Runs fn(rank, its part) on every rank's thread, each bound to its device.
+  // Runs fn(rank, its part) on every rank's thread, each bound to its device. A rank that throws
+  // abandons the step on every rank (thread_peer_group.h): the peers' collective kernels return
+  // at once instead of waiting for it, each rank fails with the reason once its stream is idle,
+  // and the group's windows are reset, so the next step runs as if this one never started.
   void on_ranks(const std::vector<RankPart>& parts,
                 const std::function<void(RankEngine&, const RankPart&, bool tp_lead)>& fn) {
-    run_on_rank_threads(
-        size(),
-        [&](size_t r) {
-          ranks[r]->bind();
-          try {
-            fn(*ranks[r], parts[place(r).dp_rank], place(r).tp_rank == 0);
-          } catch (const std::exception& e) {
-            // Said at once: the peers may be spinning in a collective for this rank until their
-            // timeout traps, and the rethrown error only surfaces after every rank has joined.
-            std::fprintf(stderr, "relay: CUDA rank %zu failed: %s\n", r, e.what());
-            throw;
-          }
-        },
-        // Nothing to abort: a rank that threw has enqueued nothing more, and the peers' kernels
-        // waiting for it trap at their timeout (device_communicator.h). The batch was checked on
-        // every rank first, so what fails here is the device itself.
-        [](size_t) {});
+    try {
+      run_on_rank_threads(
+          size(),
+          [&](size_t r) {
+            RankEngine& e = *ranks[r];
+            e.bind();
+            try {
+              fn(e, parts[place(r).dp_rank], place(r).tp_rank == 0);
+              if (group) {
+                RELAY_CUDA_CHECK(cudaStreamSynchronize(e.stream));
+                RELAY_CHECK(!group->abandoned(), "CUDA rank ", r,
+                            " abandoned the step: ", group->abandon_reason());
+              }
+            } catch (const std::exception& ex) {
+              // Said at once: the rethrown error only surfaces after every rank has joined.
+              std::fprintf(stderr, "relay: CUDA rank %zu failed: %s\n", r, ex.what());
+              throw;
+            }
+          },
+          [&](size_t r) {
+            if (group) group->abandon(static_cast<int>(r));
+          });
+    } catch (...) {
+      if (group && group->abandoned()) recover_group();
+      throw;
+    }
+  }
+
+  // After an abandoned step: waits for every rank's stream, then resets the group. A rank whose
+  // stream reports an error has a broken CUDA context (a fault, not a late peer): nothing can be
+  // reset then, and the step's own error stands.
+  void recover_group() {
+    for (auto& e : ranks) {
+      e->bind();
+      if (cudaStreamSynchronize(e->stream) != cudaSuccess) return;
+    }
+    group->reset_after_abort();
   }
 
   // Runs fn(rank, part, tp_lead) on every rank with sequences (a DP + EP rank without any idles

@@ -513,7 +513,9 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
     s.sample = true;
     s.sampling = &greedy;
     std::vector<StepSequence> batch{s};
-    backend.step(batch);  // warm-up (plans, workspaces)
+    // Warm-up (plans, workspaces). Its greedy token is reported: every layout of one model gets
+    // the same prompt, so sharded runs are checked against one rank's token.
+    const int32_t greedy_token = backend.step(batch).at(0).token;
     std::vector<double> ms;
     for (int r = 0; r < (o.quick ? 2 : 3); ++r) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -525,7 +527,8 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
     const double flops = mc.matmul_flops_per_token * len + mc.attn_flops_per_token_pair * (double(len) * (len + 1) / 2);
     const double one_gpu_roof_ms = std::max(flops / (c.gemm_tflops * 1e9), mc.all_weight_bytes / (c.copy_gbps * 1e6));
     const double roof_ms = one_gpu_roof_ms / layout.gpus;
-    nlohmann::json j{{"mode", "prefill"}, {"batch", 1}, {"tokens", len}, {"context", len}, {"ms_per_step", t},
+    nlohmann::json j{{"mode", "prefill"}, {"batch", 1}, {"tokens", len}, {"context", len},
+                     {"greedy_token", greedy_token}, {"ms_per_step", t},
                      {"tok_per_s", len / (t / 1e3)}, {"tok_per_s_per_gpu", len / (t / 1e3) / layout.gpus},
                      {"tflops", flops / (t * 1e9)}, {"roofline_ms", roof_ms}, {"roofline_fraction", roof_ms / t},
                      {"roofline_basis", layout.roofline_basis()}};
@@ -600,6 +603,9 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
                        {"roofline_basis", layout.roofline_basis()}, {"device_ms_per_step", device_ms},
                        {"host_overhead_fraction", 1.0 - device_ms / t}};
       if (dp > 1) j["dp_rank_seqs"] = dp_rank_seqs;
+      // The last step's greedy tokens of the first sequences, to check layouts against one rank.
+      j["greedy_tokens"] = std::vector<int32_t>();
+      for (int i = 0; i < std::min(batch_size, 8); ++i) j["greedy_tokens"].push_back(toks[i][0]);
       emit(std::move(j));
     }
   }

@@ -1,15 +1,19 @@
 // Relay's GPU collectives (src/parallel/cuda) on one GPU: the one-shot / two-shot all-reduce and
 // the MoE dispatch/combine with 2, 4 and 8 ranks emulated in one launch (emulated_peers.h), checked
 // bit for bit against the CPU references (collectives_reference.h); CUDA graph capture and replay;
-// and NCCL (a one-rank communicator, its symmetric window and CustomAllReduce on it). What needs
+// a ThreadPeerGroup abandoning a step whose rank never arrives, or whose peer wait timed out, and
+// meeting again after its reset; and NCCL (a one-rank communicator, its symmetric window and
+// CustomAllReduce on it). What needs
 // two GPUs — NVLink peers, NCCL across ranks — is left to `relay bench --mode collectives --ranks
 // N`.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "parallel/cuda/all_reduce.h"
 #include "parallel/cuda/all_reduce_select.h"
@@ -18,6 +22,7 @@
 #include "parallel/cuda/emulated_peers.h"
 #include "parallel/cuda/moe_all_to_all.h"
 #include "parallel/cuda/nccl_communicator.h"
+#include "parallel/cuda/thread_peer_group.h"
 #include "parallel/tcp_bootstrap.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -429,6 +434,99 @@ TEST(GpuCollectives, MoeRefusesShapesItCannotRun) {
   EXPECT_THROW(launch_moe_dispatch(p, nullptr), Error);
   p.num_experts = 5;  // does not divide over 2 ranks
   EXPECT_THROW(launch_moe_dispatch(p, nullptr), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A GPU rank group whose rank fails: two ranks on this GPU, each on its own non-blocking stream
+// (launched from this thread: every allocation comes first, since cudaMalloc / cudaFree may wait
+// for the spinning kernels).
+
+struct TwoRankGroup {
+  explicit TwoRankGroup(uint64_t timeout_ms) : group({0, 0}, options(timeout_ms)) {
+    for (cudaStream_t& s : streams) GPU_TEST_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::vector<bf16> rows(kTokens * kHidden, __float2bfloat16(0.5f));
+    std::vector<int32_t> ids(kTokens * kTopK);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % kExperts);
+    std::vector<float> weights(kTokens * kTopK, 0.5f);
+    for (int r = 0; r < 2; ++r) {
+      data[r] = DeviceBuffer<float>(std::vector<float>(kCount, 1.0f));
+      hidden[r] = DeviceBuffer<bf16>(rows);
+      topk_ids[r] = DeviceBuffer<int32_t>(ids);
+      topk_weights[r] = DeviceBuffer<float>(weights);
+      expert_out[r] = DeviceBuffer<bf16>(std::vector<bf16>(2 * kTokens * kHidden, __float2bfloat16(1.0f)));
+      out[r] = DeviceBuffer<bf16>(kTokens * kHidden);
+    }
+  }
+  ~TwoRankGroup() {
+    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+  }
+  static ThreadPeerGroupOptions options(uint64_t timeout_ms) {
+    ThreadPeerGroupOptions o;
+    o.all_reduce_capacity_bytes = kCount * sizeof(float);
+    o.max_tokens_per_rank = kTokens;
+    o.hidden = kHidden;
+    o.top_k = kTopK;
+    o.peer_timeout_ms = timeout_ms;
+    return o;
+  }
+  void all_reduce(int r) { group.communicator(r).all_reduce_sum(data[r].get(), kCount, streams[r]); }
+  void dispatch(int r) {
+    group.moe_dispatch(r, hidden[r].get(), topk_ids[r].get(), topk_weights[r].get(), kTokens, kExperts,
+                       streams[r]);
+  }
+  void combine(int r) { group.moe_combine(r, expert_out[r].get(), out[r].get(), kTokens, streams[r]); }
+  // Waits for rank r's stream; the seconds it took.
+  double finish(int r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    GPU_TEST_CUDA(cudaStreamSynchronize(streams[r]));
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  // Both ranks run an all-reduce, a dispatch and a combine: the group works as when new.
+  void expect_both_ranks_meet() {
+    for (int r = 0; r < 2; ++r) data[r].upload(std::vector<float>(kCount, 1.0f));
+    for (int r = 0; r < 2; ++r) all_reduce(r), dispatch(r);
+    for (int r = 0; r < 2; ++r) combine(r);
+    for (int r = 0; r < 2; ++r) finish(r);
+    EXPECT_FALSE(group.abandoned()) << group.abandon_reason();
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(data[r].download(), std::vector<float>(kCount, 2.0f));
+  }
+
+  static constexpr int kCount = 4096, kTokens = 4, kHidden = 64, kTopK = 2, kExperts = 4;
+  ThreadPeerGroup group;
+  cudaStream_t streams[2] = {};
+  DeviceBuffer<float> data[2], topk_weights[2];
+  DeviceBuffer<bf16> hidden[2], expert_out[2], out[2];
+  DeviceBuffer<int32_t> topk_ids[2];
+};
+
+TEST(GpuCollectives, PeerGroupAbandonReleasesTheWaitersAndResets) {
+  TwoRankGroup g(60'000);  // only abandon() can release the waiters in time
+  g.all_reduce(0);  // rank 1 never arrives: its host side failed
+  g.dispatch(0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(cudaStreamQuery(g.streams[0]), cudaErrorNotReady);
+  g.group.abandon(1);
+  EXPECT_LT(g.finish(0), 1.0);
+  ASSERT_TRUE(g.group.abandoned());
+  EXPECT_NE(g.group.abandon_reason().find("rank 1 failed"), std::string::npos) << g.group.abandon_reason();
+  g.group.reset_after_abort();
+  EXPECT_FALSE(g.group.abandoned());
+  g.expect_both_ranks_meet();
+}
+
+TEST(GpuCollectives, PeerGroupTimeoutNamesTheRankAndBlockThatWaited) {
+  TwoRankGroup g(300);
+  g.dispatch(1);  // rank 0 never arrives
+  g.all_reduce(1);
+  g.combine(1);
+  // The dispatch times out; the waits after it see the record and leave at once.
+  EXPECT_LT(g.finish(1), 3.0);
+  ASSERT_TRUE(g.group.abandoned());
+  const std::string why = g.group.abandon_reason();
+  EXPECT_NE(why.find("moe dispatch: rank 1 (block 0) waited 3"), std::string::npos) << why;
+  EXPECT_NE(why.find("ms for rank 0: flag 0, expected 1"), std::string::npos) << why;
+  g.group.reset_after_abort();
+  g.expect_both_ranks_meet();
 }
 
 // ---------------------------------------------------------------------------------------------

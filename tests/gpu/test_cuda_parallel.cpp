@@ -27,13 +27,16 @@ constexpr double kLogitTolerance = 5e-2;
 
 struct Layout {
   int tp = 1, ep = 1, dp = 1;
-  std::string model;  // a tiny fixture name, or "demo"
+  std::string model;       // a tiny fixture name, or "demo"
+  int max_num_tokens = 0;  // the step capacity: 0 is small_options', else e.g. the bench default
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) {
   std::string m = info.param.model;
   std::replace(m.begin(), m.end(), '-', '_');
-  return str("tp", info.param.tp, "_ep", info.param.ep, "_dp", info.param.dp, "_", m);
+  const int cap = info.param.max_num_tokens;
+  return str("tp", info.param.tp, "_ep", info.param.ep, "_dp", info.param.dp, "_", m,
+             cap > 0 ? str("_cap", cap) : "");
 }
 
 std::filesystem::path model_dir(const std::string& model) {
@@ -43,6 +46,7 @@ std::filesystem::path model_dir(const std::string& model) {
 
 CudaBackendOptions sharded(const Layout& l, bool graphs) {
   CudaBackendOptions o = small_options(graphs);
+  if (l.max_num_tokens > 0) o.max_num_tokens = l.max_num_tokens;
   o.parallel = {l.tp, l.ep, l.dp};
   o.devices.assign(static_cast<size_t>(l.tp * l.dp), 0);  // every rank on device 0
   return o;
@@ -128,8 +132,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{2, 1, 1, "qwen3-moe"}, Layout{2, 2, 1, "qwen3-moe"},
                       Layout{1, 1, 2, "qwen3-moe"}, Layout{1, 2, 2, "qwen3-moe-no-norm-topk"},
                       Layout{1, 2, 2, "qwen3-moe-sparse-step"}, Layout{2, 1, 1, "demo"},
-                      Layout{2, 2, 1, "demo"}, Layout{4, 4, 1, "demo"}, Layout{1, 2, 2, "demo"},
-                      Layout{1, 4, 4, "demo"}),
+                      Layout{2, 2, 1, "demo"}, Layout{4, 1, 1, "demo"}, Layout{4, 4, 1, "demo"},
+                      Layout{1, 2, 2, "demo"},
+                      Layout{1, 4, 4, "demo"},
+                      // The bench's default step capacity (CudaBackendOptions): under DP + EP the
+                      // receive buffer then holds far more rows than a decode step fills.
+                      Layout{2, 2, 1, "demo", 16384}, Layout{1, 2, 2, "demo", 16384},
+                      Layout{1, 4, 4, "demo", 16384}),
     layout_name);
 
 // A DP + EP step in which one rank has no sequences: it still serves the other's experts.

@@ -116,13 +116,14 @@ __device__ __forceinline__ T* staging(char* w) {
 
 // Block b of this rank meets block b of every rank at barrier value `value`.
 __device__ __forceinline__ void block_barrier(const AllReduceRankView& v, int num_ranks,
-                                              uint32_t value, uint64_t timeout_ns) {
+                                              uint32_t value, uint64_t timeout_ns,
+                                              PeerAbort* abort) {
   __syncthreads();
   const int peer = threadIdx.x;
   if (peer < num_ranks) {
     signal_flag(&window_head(v.windows[peer])->flags[blockIdx.x][v.rank], value);
-    wait_flag(&window_head(v.windows[v.rank])->flags[blockIdx.x][peer], value, timeout_ns,
-              "all-reduce barrier", v.rank, peer);
+    wait_flag(&window_head(v.windows[v.rank])->flags[blockIdx.x][peer], value, timeout_ns, abort,
+              PeerOp::kAllReduceBarrier, v.rank, peer);
   }
   __syncthreads();
 }
@@ -151,14 +152,14 @@ __global__ void __launch_bounds__(kAllReduceThreads)
 
   T* mine = staging<T>(v.windows[v.rank]);
   for (size_t u = first; u < units; u += stride) copy_unit(data, mine, u, p.count, aligned, true);
-  block_barrier(v, p.num_ranks, epoch + 1, p.timeout_ns);
+  block_barrier(v, p.num_ranks, epoch + 1, p.timeout_ns, p.abort);
 
   for (size_t u = first; u < units; u += stride) {
     float acc[Unit<T>::kElems] = {};
     for (int q = 0; q < p.num_ranks; ++q) add_unit(staging<T>(v.windows[q]), u, p.count, acc);
     store_unit(data, u, p.count, acc, aligned);
   }
-  block_barrier(v, p.num_ranks, epoch + 2, p.timeout_ns);  // peers have read our staging
+  block_barrier(v, p.num_ranks, epoch + 2, p.timeout_ns, p.abort);  // peers have read our staging
   write_epoch(v, epoch + 2);
 }
 
@@ -182,7 +183,7 @@ __global__ void __launch_bounds__(kAllReduceThreads)
   for (int q = 0; q < p.num_ranks; ++q)
     for (size_t u = q * slice_units + first; u < slice_end(q); u += stride)
       copy_unit(data, mine, u, p.count, aligned, true);
-  block_barrier(v, p.num_ranks, epoch + 1, p.timeout_ns);
+  block_barrier(v, p.num_ranks, epoch + 1, p.timeout_ns, p.abort);
 
   // Reduce-scatter: our slice, summed over every rank's staging in rank order, back into ours.
   for (size_t u = v.rank * slice_units + first; u < slice_end(v.rank); u += stride) {
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kAllReduceThreads)
     for (int q = 0; q < p.num_ranks; ++q) add_unit(staging<T>(v.windows[q]), u, p.count, acc);
     store_unit(mine, u, p.count, acc, true);
   }
-  block_barrier(v, p.num_ranks, epoch + 2, p.timeout_ns);
+  block_barrier(v, p.num_ranks, epoch + 2, p.timeout_ns, p.abort);
 
   // All-gather: slice q from rank q.
   for (int q = 0; q < p.num_ranks; ++q) {
@@ -198,14 +199,14 @@ __global__ void __launch_bounds__(kAllReduceThreads)
     for (size_t u = q * slice_units + first; u < slice_end(q); u += stride)
       copy_unit(theirs, data, u, p.count, true, aligned);
   }
-  block_barrier(v, p.num_ranks, epoch + 3, p.timeout_ns);  // peers have read our slice
+  block_barrier(v, p.num_ranks, epoch + 3, p.timeout_ns, p.abort);  // peers have read our slice
   write_epoch(v, epoch + 3);
 }
 
 __global__ void peer_barrier_kernel(const __grid_constant__ PeerAllReduceParams p) {
   const AllReduceRankView& v = p.ranks[blockIdx.y];
   const uint32_t epoch = read_epoch(v);
-  block_barrier(v, p.num_ranks, epoch + 1, p.timeout_ns);
+  block_barrier(v, p.num_ranks, epoch + 1, p.timeout_ns, p.abort);
   write_epoch(v, epoch + 1);
 }
 
@@ -285,7 +286,7 @@ void launch_peer_barrier(const PeerAllReduceParams& p, cudaStream_t stream) {
 
 PeerAllReduceParams one_rank_params(int rank, const std::vector<char*>& windows, void* data,
                                     size_t count, DType dtype, size_t capacity_bytes,
-                                    int max_blocks, uint64_t timeout_ms) {
+                                    int max_blocks, uint64_t timeout_ms, PeerAbort* abort) {
   PeerAllReduceParams p;
   p.ranks[0].data = data;
   p.ranks[0].rank = rank;
@@ -297,6 +298,7 @@ PeerAllReduceParams one_rank_params(int rank, const std::vector<char*>& windows,
   p.capacity_bytes = capacity_bytes;
   p.max_blocks = max_blocks;
   p.timeout_ns = timeout_ms * 1'000'000;
+  p.abort = abort;
   return p;
 }
 

@@ -38,6 +38,8 @@
 namespace relay::parallel::cuda {
 
 constexpr int kMaxRanks = 8;
+
+struct PeerAbort;  // peer_abort.h
 constexpr int kMaxAllReduceBlocks = 64;
 constexpr int kAllReduceThreads = 512;
 
@@ -73,14 +75,16 @@ struct PeerAllReduceParams {
   DType dtype = DType::F32;   // F32 or BF16
   size_t capacity_bytes = 0;  // staging bytes of every window; count x element size must fit
   int max_blocks = 32;        // blocks per rank (<= kMaxAllReduceBlocks); the same on all ranks
-  uint64_t timeout_ns = 30'000'000'000;  // peer wait before trapping
+  uint64_t timeout_ns = 10'000'000'000;  // peer wait before giving up
+  PeerAbort* abort = nullptr;  // the group's record (peer_abort.h); null: a late peer traps
 };
 
 // The params of a launch as rank `rank` alone (a real group: num_local_ranks 1) over the group's
 // `num_ranks` windows.
 PeerAllReduceParams one_rank_params(int rank, const std::vector<char*>& windows, void* data,
                                     size_t count, DType dtype, size_t capacity_bytes,
-                                    int max_blocks, uint64_t timeout_ms);
+                                    int max_blocks, uint64_t timeout_ms,
+                                    PeerAbort* abort = nullptr);
 
 // In place on every view's data. count 0 launches nothing (every rank skips alike).
 void launch_one_shot_all_reduce(const PeerAllReduceParams& p, cudaStream_t stream);

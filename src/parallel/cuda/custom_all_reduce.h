@@ -25,7 +25,7 @@ namespace relay::parallel::cuda {
 struct CustomAllReduceOptions {
   size_t capacity_bytes = size_t{64} << 20;  // largest message the custom kernels take
   int max_blocks = 32;                       // blocks per rank, <= kMaxAllReduceBlocks
-  uint64_t peer_timeout_ms = 30'000;         // a peer wait longer than this traps
+  uint64_t peer_timeout_ms = 10'000;         // a peer wait longer than this traps
 };
 
 class CustomAllReduce : public DeviceCommunicator {

@@ -9,9 +9,10 @@
 // rank receives bit-identical sums and a run is repeatable; NCCL (NcclCommunicator) promises
 // neither the order nor the rounding. Calls are safe to capture in a CUDA graph when the
 // implementation says so (both do, for sizes fixed at capture). A rank that never arrives makes the
-// others fail loudly: NCCL by its own timeout handling, Relay's kernels by trapping after their
-// peer-wait timeout, which takes the CUDA context down (there is no abort path from a spinning
-// kernel).
+// others fail loudly: NCCL by its own timeout handling; Relay's kernels, within one process
+// (ThreadPeerGroup), by abandoning the step on every rank through the group's abort record
+// (peer_abort.h), and across processes (CustomAllReduce, no shared record) by trapping after their
+// peer-wait timeout, which takes the CUDA context down.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kMoeThreads) moe_dispatch_kernel(const __grid_
     MoeSignals* theirs = signals(v.windows[d]);
     theirs->recv_count[v.rank] = totals[d];
     signal_flag(&theirs->dispatch_flag[v.rank], epoch);
-    wait_flag(&mine->dispatch_flag[d], epoch, p.timeout_ns, "moe dispatch", v.rank, d);
+    wait_flag(&mine->dispatch_flag[d], epoch, p.timeout_ns, p.abort, PeerOp::kMoeDispatch, v.rank,
+              d);
   }
   __syncthreads();
   if (threadIdx.x == 0) mine->dispatch_epoch = epoch;
@@ -167,8 +168,8 @@ __global__ void __launch_bounds__(kMoeThreads) moe_combine_kernel(const __grid_c
     if (threadIdx.x == 0) mine->combine_epoch = epoch;
   }
   if (threadIdx.x < num_ranks)
-    wait_flag(&mine->combine_flag[threadIdx.x], epoch, p.timeout_ns, "moe combine", v.rank,
-              threadIdx.x);
+    wait_flag(&mine->combine_flag[threadIdx.x], epoch, p.timeout_ns, p.abort, PeerOp::kMoeCombine,
+              v.rank, threadIdx.x);
   __syncthreads();
 
   // Reduce: per token, the partial sums of the ranks that got it, in rank order.

@@ -52,6 +52,7 @@
 #include <cstdint>
 
 #include "parallel/cuda/all_reduce.h"
+#include "parallel/cuda/peer_abort.h"
 
 namespace relay::parallel::cuda {
 
@@ -99,7 +100,8 @@ struct MoeDispatchParams {
   MoeWindowLayout layout;
   int num_experts = 0;  // divisible by layout.num_ranks
   int max_blocks = 32;
-  uint64_t timeout_ns = 30'000'000'000;
+  uint64_t timeout_ns = 10'000'000'000;
+  PeerAbort* abort = nullptr;  // the group's record (peer_abort.h); null: a late peer traps
 };
 
 struct MoeCombineRankView {
@@ -115,7 +117,8 @@ struct MoeCombineParams {
   int num_local_ranks = 1;
   MoeWindowLayout layout;
   int max_blocks = 32;  // every block of every local rank must be resident at once
-  uint64_t timeout_ns = 30'000'000'000;
+  uint64_t timeout_ns = 10'000'000'000;
+  PeerAbort* abort = nullptr;  // the group's record (peer_abort.h); null: a late peer traps
 };
 
 void launch_moe_dispatch(const MoeDispatchParams& p, cudaStream_t stream);

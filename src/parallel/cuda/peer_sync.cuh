@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "parallel/cuda/peer_abort.h"
+
 namespace relay::parallel::cuda {
 
 __device__ __forceinline__ void store_release_sys(uint32_t* flag, uint32_t value) {
@@ -43,21 +45,39 @@ __device__ __forceinline__ bool flag_reached(uint32_t flag, uint32_t target) {
   return static_cast<int32_t>(flag - target) >= 0;
 }
 
-// Spins until *flag reaches target; after timeout_ns prints who waited for whom and traps (a peer
-// that never arrives must not hang the GPU forever).
+// Spins until *flag reaches target. A late peer (peer_abort.h): once the group's record says the
+// step was abandoned the wait returns at once; at timeout_ns it records itself in its rank's slot
+// and raises the record, releasing every other waiter. Without a record (abort null: a group that
+// has none) it prints who waited for whom and traps, so a peer that never arrives cannot hang the
+// GPU forever.
 __device__ __forceinline__ void wait_flag(const uint32_t* flag, uint32_t target,
-                                          uint64_t timeout_ns, const char* what, int rank,
-                                          int peer) {
+                                          uint64_t timeout_ns, PeerAbort* abort, PeerOp op,
+                                          int rank, int peer) {
   if (flag_reached(load_acquire_sys(flag), target)) return;
   const uint64_t start = global_timer_ns();
   while (true) {
     const uint32_t seen = load_acquire_sys(flag);
     if (flag_reached(seen, target)) return;
-    if (global_timer_ns() - start > timeout_ns) {
-      printf("relay %s: rank %d (block %d) waited %llu ms for rank %d: flag %u, expected %u\n",
-             what, rank, blockIdx.x, static_cast<unsigned long long>(timeout_ns / 1000000), peer,
-             seen, target);
-      __trap();
+    const uint64_t waited = global_timer_ns() - start;
+    if (abort != nullptr && waited > kAbortPollAfterNs && load_acquire_sys(&abort->raised) != 0)
+      return;
+    if (waited > timeout_ns) {
+      if (abort == nullptr) {
+        printf("relay %s: rank %d (block %d) waited %llu ms for rank %d: flag %u, expected %u\n",
+               peer_op_name(op), rank, blockIdx.x,
+               static_cast<unsigned long long>(timeout_ns / 1000000), peer, seen, target);
+        __trap();
+      }
+      PeerWaitRecord* w = &abort->waits[rank];
+      w->block = blockIdx.x;
+      w->peer = static_cast<uint32_t>(peer);
+      w->seen = seen;
+      w->expected = target;
+      w->waited_ms = static_cast<uint32_t>(waited / 1000000);
+      __threadfence_system();
+      store_release_sys(&w->what, static_cast<uint32_t>(op));
+      store_release_sys(&abort->raised, 1u);
+      return;
     }
   }
 }

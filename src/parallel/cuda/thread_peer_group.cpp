@@ -2,7 +2,9 @@
 #include "parallel/cuda/thread_peer_group.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
+#include <new>
 
 #include "core/error.h"
 #include "parallel/cuda/all_reduce_select.h"
@@ -44,7 +46,8 @@ class ThreadPeerGroup::Communicator : public DeviceCommunicator {
   PeerAllReduceParams params(void* data, size_t count, DType dtype) const {
     const ThreadPeerGroupOptions& o = group_.options_;
     return one_rank_params(rank_, group_.all_reduce_windows_, data, count, dtype,
-                           o.all_reduce_capacity_bytes, o.max_blocks, o.peer_timeout_ms);
+                           o.all_reduce_capacity_bytes, o.max_blocks, o.peer_timeout_ms,
+                           group_.abort_);
   }
   void run(void* data, size_t count, DType dtype, cudaStream_t stream) {
     if (size() == 1 || count == 0) return;
@@ -92,6 +95,12 @@ ThreadPeerGroup::ThreadPeerGroup(std::vector<int> devices, const ThreadPeerGroup
     }
   }
   try {
+    // Portable: every device of the process maps it; under unified addressing the host pointer is
+    // the device pointer.
+    void* record = nullptr;
+    RELAY_CUDA_CHECK(
+        cudaHostAlloc(&record, sizeof(PeerAbort), cudaHostAllocMapped | cudaHostAllocPortable));
+    abort_ = new (record) PeerAbort{};
     if (n > 1) {
       for (int r = 0; r < n; ++r)
         all_reduce_windows_.push_back(allocate_zeroed(
@@ -107,6 +116,7 @@ ThreadPeerGroup::ThreadPeerGroup(std::vector<int> devices, const ThreadPeerGroup
   } catch (...) {
     for (char* w : all_reduce_windows_) cudaFree(w);
     for (char* w : moe_windows_) cudaFree(w);
+    if (abort_ != nullptr) cudaFreeHost(abort_);
     cudaSetDevice(current);
     throw;
   }
@@ -117,6 +127,41 @@ ThreadPeerGroup::ThreadPeerGroup(std::vector<int> devices, const ThreadPeerGroup
 ThreadPeerGroup::~ThreadPeerGroup() {
   for (char* w : all_reduce_windows_) cudaFree(w);
   for (char* w : moe_windows_) cudaFree(w);
+  cudaFreeHost(abort_);
+}
+
+void ThreadPeerGroup::abandon(int rank) {
+  int none = -1;
+  first_abandoned_.compare_exchange_strong(none, rank);
+  std::atomic_ref<uint32_t>(abort_->raised).store(1, std::memory_order_release);
+}
+
+bool ThreadPeerGroup::abandoned() const {
+  return std::atomic_ref<uint32_t>(abort_->raised).load(std::memory_order_acquire) != 0;
+}
+
+std::string ThreadPeerGroup::abandon_reason() const {
+  const std::string timeouts = describe_timeouts(*abort_, size());
+  const int failed = first_abandoned_.load();
+  if (failed < 0) return timeouts.empty() ? "no peer wait was abandoned" : timeouts;
+  return str("rank ", failed, " failed, so every rank abandoned the step",
+             timeouts.empty() ? "" : " (", timeouts, timeouts.empty() ? "" : ")");
+}
+
+void ThreadPeerGroup::reset_after_abort() {
+  int current = 0;
+  RELAY_CUDA_CHECK(cudaGetDevice(&current));
+  for (int r = 0; r < size(); ++r) {
+    RELAY_CUDA_CHECK(cudaSetDevice(devices_[r]));
+    if (!all_reduce_windows_.empty())
+      RELAY_CUDA_CHECK(cudaMemset(all_reduce_windows_[r], 0, sizeof(AllReduceWindow)));
+    if (!moe_windows_.empty())
+      RELAY_CUDA_CHECK(cudaMemset(moe_windows_[r], 0, sizeof(MoeSignals)));
+    RELAY_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  RELAY_CUDA_CHECK(cudaSetDevice(current));
+  *abort_ = PeerAbort{};
+  first_abandoned_.store(-1);
 }
 
 DeviceCommunicator& ThreadPeerGroup::communicator(int rank) { return *communicators_.at(rank); }

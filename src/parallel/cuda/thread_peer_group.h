@@ -15,16 +15,23 @@
 // all_reduce_select.h (bit-identical, rank-order sums), capturable in CUDA graphs. Every rank
 // launches its own kernels on its own stream; a rank's blocks spin until the peers' blocks arrive,
 // so ranks sharing one GPU rely on those spinning blocks leaving room for the others' work: the
-// kernels use at most max_blocks blocks per rank, far fewer than one GPU holds, and every peer
-// wait has a timeout that traps.
+// kernels use at most max_blocks blocks per rank, far fewer than one GPU holds.
+//
+// A rank that fails must not hang the others (peer_abort.h): the group's abort record is passed to
+// every collective kernel, so when a rank's step throws (abandon) or a peer wait times out, every
+// waiter leaves at once and the step fails on every rank; reset_after_abort then readies the
+// windows for the next step.
 #pragma once
 
+#include <atomic>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "parallel/cuda/all_reduce.h"
 #include "parallel/cuda/device_communicator.h"
 #include "parallel/cuda/moe_all_to_all.h"
+#include "parallel/cuda/peer_abort.h"
 
 namespace relay::parallel::cuda {
 
@@ -33,7 +40,7 @@ struct ThreadPeerGroupOptions {
   int max_tokens_per_rank = 0;  // > 0: allocate MoE dispatch/combine windows for this many tokens
   int hidden = 0, top_k = 0;    // the MoE windows' rows (with max_tokens_per_rank)
   int max_blocks = 16;          // blocks per rank of every collective kernel
-  uint64_t peer_timeout_ms = 60'000;
+  uint64_t peer_timeout_ms = 10'000;  // a peer wait longer than this abandons the step
 };
 
 class ThreadPeerGroup {
@@ -70,6 +77,17 @@ class ThreadPeerGroup {
   // work follows the tokens received and the launches keep the buffer's fixed shape.
   const int32_t* recv_counts(int rank) const;
 
+  // Abandons the running step as rank `rank`, whose host side failed: every peer wait of every
+  // rank, running or still to come, returns at once. The first rank to abandon is the one reported.
+  void abandon(int rank);
+  // Whether the running (or last) step was abandoned, by a rank or a timed-out wait, and why.
+  bool abandoned() const;
+  std::string abandon_reason() const;
+  // After an abandoned step, once no kernel of the group runs (every rank's stream synchronized):
+  // zeroes every window's flags, epochs and counters and clears the record, so the next step meets
+  // its peers as the first one did.
+  void reset_after_abort();
+
  private:
   class Communicator;
 
@@ -84,6 +102,7 @@ class ThreadPeerGroup {
     p.layout = moe_layout_;
     p.max_blocks = options_.max_blocks;
     p.timeout_ns = options_.peer_timeout_ms * 1'000'000;
+    p.abort = abort_;
     return p;
   }
 
@@ -91,6 +110,8 @@ class ThreadPeerGroup {
   ThreadPeerGroupOptions options_;
   std::vector<char*> all_reduce_windows_, moe_windows_;
   MoeWindowLayout moe_layout_;
+  PeerAbort* abort_ = nullptr;  // pinned host memory, mapped into every device
+  std::atomic<int> first_abandoned_{-1};
   std::vector<std::unique_ptr<Communicator>> communicators_;
 };
 
