@@ -21,7 +21,9 @@ CommandRegistrar make_model_command({
       sub.add_option("--out", o->out_dir,
                      "output directory (created; earlier shards there are replaced)")
           ->required();
-      sub.add_option("--layers", o->num_layers, "override num_hidden_layers")
+      sub.add_option("--layers", o->num_layers,
+                     "override num_hidden_layers (hybrids: a multiple of full_attention_interval, "
+                     "keeping the 3 linear : 1 full layer pattern)")
           ->check(CLI::PositiveNumber);
       sub.add_option("--seed", o->seed, "random seed (weights are a pure function of it)");
       sub.add_option("--dtype", *dtype, "weight dtype")->check(CLI::IsMember({"bf16", "f32"}));

@@ -35,18 +35,25 @@ LoadFormat parse_load_format(const std::string& text) {
 
 Checkpoint make_dummy_checkpoint(const ModelConfig& config, const std::filesystem::path& dir,
                                  uint64_t seed) {
-  const std::vector<TensorSpec> specs = checkpoint_tensor_specs(config, DType::BF16);
+  // NOTE: experts per expert even where the release fuses them (Qwen3.5-MoE): the loaders read
+  // both, and the pool is as large as the largest tensor, which a fused layer's experts would make
+  // 4 x the embedding (Qwen3.5-397B-A17B: 8.6 GB instead of 2 GB).
+  const std::vector<TensorSpec> specs =
+      checkpoint_tensor_specs(config, DType::BF16, ExpertStorage::kPerExpert);
   int64_t largest = 0, largest_constant = 0;
   for (const TensorSpec& s : specs) {
-    int64_t& bound = weight_init_for(s.name) == WeightInit::kNormal ? largest : largest_constant;
+    if (s.dtype != DType::BF16) continue;
+    int64_t& bound =
+        weight_init_for(config, s.name) == WeightInit::kNormal ? largest : largest_constant;
     bound = std::max(bound, numel(s.shape));
   }
-  // storage[0]: the random pool; [1]: ones; [2]: zeros (bf16).
+  // storage[0]: the random pool; [1]: ones; [2]: zeros (bf16); then one buffer per F32 tensor.
   std::vector<std::vector<uint8_t>> storage(3);
   const int64_t pool = largest + kPoolSlack;
   storage[0].resize(static_cast<size_t>(pool) * 2);
   const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  fill_random_tensor({"relay.dummy_pool", DType::BF16, {pool}}, seed, threads, 0, storage[0]);
+  fill_random_tensor({"relay.dummy_pool", DType::BF16, {pool}}, WeightInit::kNormal, seed, threads,
+                     0, storage[0]);
   storage[1].resize(static_cast<size_t>(largest_constant) * 2);
   storage[2].assign(static_cast<size_t>(largest_constant) * 2, 0);
   const uint16_t one = f32_to_bf16(1.0f);
@@ -62,8 +69,14 @@ Checkpoint make_dummy_checkpoint(const ModelConfig& config, const std::filesyste
     v.nbytes = tensor_bytes(s);
     v.file = str(dir.string(), " (--load-format dummy)");
     const int64_t n = numel(s.shape);
-    const WeightInit init = weight_init_for(s.name);
-    if (init == WeightInit::kOnes) {
+    const WeightInit init = weight_init_for(config, s.name);
+    if (s.dtype != DType::BF16) {
+      // The few F32 tensors of a release (A_log, the gated norm: one value per head or head dim)
+      // are made whole, as make_model writes them.
+      std::vector<uint8_t>& own = storage.emplace_back(v.nbytes);
+      fill_random_tensor(s, init, seed, 1, 0, own);
+      v.data = own.data();
+    } else if (init == WeightInit::kOnes) {
       v.data = storage[1].data();
     } else if (init == WeightInit::kZeros) {
       v.data = storage[2].data();

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -40,14 +41,22 @@ class MakeModelTest : public ::testing::Test {
 
 std::vector<uint8_t> bytes_of(const TensorView& t) { return {t.data, t.data + t.nbytes}; }
 
+nlohmann::json json_of(const fs::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
 // Loads the checkpoint and checks it holds exactly the tensors the config calls for.
 void expect_complete(const fs::path& dir, const ModelConfig& c, DType dtype) {
   const Checkpoint ck(dir);
-  const std::vector<TensorSpec> specs = checkpoint_tensor_specs(c, dtype);
+  const std::vector<TensorSpec> specs =
+      checkpoint_tensor_specs(c, dtype, ExpertStorage::kAsReleased);
   EXPECT_EQ(ck.names().size(), specs.size());
   for (const TensorSpec& s : specs) {
     const TensorView& t = ck.get(s.name, s.shape);
-    EXPECT_EQ(t.dtype, dtype) << s.name;
+    EXPECT_EQ(t.dtype, s.dtype) << s.name;
+    // Only the releases' F32 tensors differ from the checkpoint's dtype.
+    if (s.dtype != dtype) EXPECT_EQ(s.dtype, DType::F32) << s.name;
   }
 }
 
@@ -221,7 +230,8 @@ TEST_F(MakeModelTest, BigPresetsHaveThePublishedParameterCounts) {
   auto count = [](const std::string& preset) {
     const ModelConfig c = ModelConfig::from_json(model_preset_config(preset), preset);
     uint64_t n = 0;
-    for (const TensorSpec& s : checkpoint_tensor_specs(c, DType::BF16)) n += tensor_bytes(s) / 2;
+    for (const TensorSpec& s : checkpoint_tensor_specs(c, DType::BF16, ExpertStorage::kAsReleased))
+      n += tensor_bytes(s) / 2;
     return std::make_pair(c, n);
   };
   const auto [c30, n30] = count("30b-a3b");
@@ -236,13 +246,191 @@ TEST_F(MakeModelTest, BigPresetsHaveThePublishedParameterCounts) {
   EXPECT_EQ(c235.num_attention_heads, 64);
 }
 
+// The full-attention layers of `c`, by index.
+std::vector<int64_t> attention_layers(const ModelConfig& c) {
+  std::vector<int64_t> layers;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    if (!c.layer_is_linear_attention(l)) layers.push_back(l);
+  return layers;
+}
+
+TEST_F(MakeModelTest, HybridPresetsHaveTheReleasedConfigs) {
+  struct Expected {
+    const char* preset;
+    const char* architecture;
+    int64_t hidden, layers, heads, linear_value_heads, experts, top_k, moe_width, vocab;
+    // The language model and MTP head, as checkpoint_tensor_specs lists them (no vision tower):
+    // 35.5 B, 124.6 B, 402.9 B, and 79.7 B for Qwen3-Next, whose config names no MTP layer.
+    uint64_t parameters;
+  };
+  const Expected presets[] = {
+      {"qwen3.5-35b-a3b", "Qwen3_5MoeForConditionalGeneration", 2048, 40, 16, 32, 256, 8, 512,
+       248320, 35505251456u},
+      {"qwen3.5-122b-a10b", "Qwen3_5MoeForConditionalGeneration", 3072, 48, 32, 64, 256, 8, 1024,
+       248320, 124635206144u},
+      {"qwen3.5-397b-a17b", "Qwen3_5MoeForConditionalGeneration", 4096, 60, 32, 64, 512, 10, 1024,
+       248320, 402941918464u},
+      {"qwen3-next-80b-a3b", "Qwen3NextForCausalLM", 2048, 48, 16, 32, 512, 10, 512, 151936,
+       79674391296u},
+  };
+  for (const Expected& e : presets) {
+    SCOPED_TRACE(e.preset);
+    const nlohmann::json j = model_preset_config(e.preset);
+    const ModelConfig c = ModelConfig::from_json(j, e.preset);
+    EXPECT_EQ(c.architecture, e.architecture);
+    EXPECT_EQ(c.hidden_size, e.hidden);
+    EXPECT_EQ(c.num_hidden_layers, e.layers);
+    EXPECT_EQ(c.num_attention_heads, e.heads);
+    EXPECT_EQ(c.num_key_value_heads, 2);
+    EXPECT_EQ(c.head_dim, 256);
+    EXPECT_EQ(c.rotary_dim(), 64);  // partial_rotary_factor 0.25
+    EXPECT_EQ(c.rope_theta, 1e7);
+    EXPECT_EQ(c.linear_num_key_heads, 16);
+    EXPECT_EQ(c.linear_num_value_heads, e.linear_value_heads);
+    EXPECT_EQ(c.linear_key_head_dim, 128);
+    EXPECT_EQ(c.linear_value_head_dim, 128);
+    EXPECT_EQ(c.linear_conv_kernel_dim, 4);
+    EXPECT_EQ(c.num_experts, e.experts);
+    EXPECT_EQ(c.num_experts_per_tok, e.top_k);
+    EXPECT_EQ(c.moe_intermediate_size, e.moe_width);
+    EXPECT_EQ(c.shared_expert_intermediate_size, e.moe_width);
+    EXPECT_TRUE(c.norm_topk_prob);
+    EXPECT_TRUE(c.attn_output_gate);
+    EXPECT_TRUE(c.zero_centered_norms);
+    EXPECT_FALSE(c.tie_word_embeddings);
+    EXPECT_EQ(c.vocab_size, e.vocab);
+    EXPECT_EQ(c.max_position_embeddings, 262144);
+    // Every fourth layer is full attention: 3 linear : 1 full.
+    EXPECT_EQ(c.num_kv_cache_layers() * 4, e.layers);
+    for (int64_t l : attention_layers(c)) EXPECT_EQ((l + 1) % 4, 0) << l;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) EXPECT_TRUE(c.layer_is_moe(l)) << l;
+    const bool qwen3_5 = c.architecture != "Qwen3NextForCausalLM";
+    // The release's layout: Qwen3.5 nests the language model under text_config beside a
+    // vision_config and spells out layer_types; Qwen3-Next is flat, with the interval only.
+    EXPECT_EQ(j.contains("text_config"), qwen3_5);
+    EXPECT_EQ(j.contains("vision_config"), qwen3_5);
+    if (qwen3_5) {
+      EXPECT_EQ(j["model_type"], "qwen3_5_moe");
+      EXPECT_EQ(j["text_config"]["model_type"], "qwen3_5_moe_text");
+      EXPECT_EQ(j["text_config"]["layer_types"].size(), static_cast<size_t>(e.layers));
+      EXPECT_EQ(j["text_config"]["rope_parameters"]["mrope_section"],
+                nlohmann::json({11, 11, 10}));
+      EXPECT_EQ(j["vision_config"]["out_hidden_size"], e.hidden);
+      EXPECT_EQ(c.mtp_num_hidden_layers, 1);
+      EXPECT_EQ(c.eos_token_ids, (std::vector<int32_t>{248044}));
+    } else {
+      EXPECT_EQ(j["model_type"], "qwen3_next");
+      EXPECT_FALSE(j.contains("layer_types"));
+      EXPECT_EQ(j["full_attention_interval"], 4);
+      EXPECT_EQ(j["intermediate_size"], 5120);
+      EXPECT_EQ(c.mtp_num_hidden_layers, 0);
+      EXPECT_EQ(c.eos_token_ids, (std::vector<int32_t>{151645}));
+    }
+    uint64_t n = 0;
+    for (const TensorSpec& s : checkpoint_tensor_specs(c, DType::BF16, ExpertStorage::kAsReleased))
+      n += tensor_bytes(s) / dtype_size(s.dtype);
+    EXPECT_EQ(n, e.parameters);
+  }
+}
+
+TEST_F(MakeModelTest, LayersKeepTheHybridPattern) {
+  for (const char* preset : {"qwen3.5-397b-a17b", "qwen3-next-80b-a3b", "tiny-qwen3.5-moe"}) {
+    SCOPED_TRACE(preset);
+    const nlohmann::json j = preset_config_with_layers(preset, 8, "");
+    const ModelConfig c = ModelConfig::from_json(j, preset);
+    EXPECT_EQ(c.num_hidden_layers, 8);
+    EXPECT_EQ(attention_layers(c), (std::vector<int64_t>{3, 7}));
+    if (j.contains("text_config")) {
+      EXPECT_EQ(j["text_config"]["num_hidden_layers"], 8);
+      EXPECT_FALSE(j.contains("num_hidden_layers"));
+      EXPECT_EQ(j["text_config"]["layer_types"],
+                nlohmann::json({"linear_attention", "linear_attention", "linear_attention",
+                                "full_attention", "linear_attention", "linear_attention",
+                                "linear_attention", "full_attention"}));
+    }
+    try {
+      preset_config_with_layers(preset, 6, "");
+      ADD_FAILURE();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("give a multiple of 4"), std::string::npos) << e.what();
+    }
+  }
+  // A patched interval sets the pattern --layers keeps.
+  const ModelConfig c = ModelConfig::from_json(
+      preset_config_with_layers("qwen3.5-35b-a3b", 6,
+                                R"({"text_config": {"full_attention_interval": 3}})"),
+      "patched");
+  EXPECT_EQ(attention_layers(c), (std::vector<int64_t>{2, 5}));
+  // Qwen3 presets take any count.
+  EXPECT_EQ(ModelConfig::from_json(preset_config_with_layers("30b-a3b", 3, ""), "x").num_hidden_layers,
+            3);
+}
+
+TEST_F(MakeModelTest, TinyHybridCheckpointsHaveTheReleasedLayouts) {
+  make_model(options("tiny-qwen3.5-moe", "q35"));
+  const fs::path q35 = root_ / "q35";
+  const ModelConfig c35 = ModelConfig::load(q35);
+  EXPECT_EQ(c35.architecture, "Qwen3_5MoeForConditionalGeneration");
+  expect_complete(q35, c35, DType::BF16);
+  const Checkpoint ck35(q35);
+  const std::string p = "model.language_model.layers.";
+  ck35.get("model.language_model.embed_tokens.weight", {151936, 64});
+  ck35.get("model.language_model.norm.weight", {64});
+  ck35.get("lm_head.weight", {151936, 64});
+  // Gated DeltaNet (layer 0): split projections; 2 key heads x 16, 4 value heads x 16.
+  ck35.get(p + "0.linear_attn.in_proj_qkv.weight", {2 * 32 + 64, 64});
+  ck35.get(p + "0.linear_attn.in_proj_z.weight", {64, 64});
+  ck35.get(p + "0.linear_attn.in_proj_b.weight", {4, 64});
+  ck35.get(p + "0.linear_attn.in_proj_a.weight", {4, 64});
+  ck35.get(p + "0.linear_attn.conv1d.weight", {128, 1, 4});
+  ck35.get(p + "0.linear_attn.out_proj.weight", {64, 64});
+  EXPECT_EQ(ck35.get(p + "0.linear_attn.A_log", {4}).dtype, DType::F32);
+  EXPECT_EQ(ck35.get(p + "0.linear_attn.norm.weight", {16}).dtype, DType::F32);
+  EXPECT_EQ(ck35.get(p + "0.linear_attn.dt_bias", {4}).dtype, DType::BF16);
+  EXPECT_FALSE(ck35.has(p + "0.self_attn.q_proj.weight"));
+  // Gated attention (layer 3): q_proj doubled, [query | gate] per head.
+  ck35.get(p + "3.self_attn.q_proj.weight", {2 * 4 * 32, 64});
+  ck35.get(p + "3.self_attn.o_proj.weight", {64, 4 * 32});
+  EXPECT_FALSE(ck35.has(p + "3.linear_attn.A_log"));
+  // The decoder layers' experts fused, the MTP layer's per expert.
+  ck35.get(p + "2.mlp.experts.gate_up_proj", {8, 64, 64});
+  ck35.get(p + "2.mlp.experts.down_proj", {8, 64, 32});
+  ck35.get(p + "2.mlp.shared_expert_gate.weight", {1, 64});
+  EXPECT_FALSE(ck35.has(p + "2.mlp.experts.0.gate_proj.weight"));
+  ck35.get("mtp.fc.weight", {64, 128});
+  ck35.get("mtp.layers.0.self_attn.q_proj.weight", {256, 64});
+  ck35.get("mtp.layers.0.mlp.experts.7.down_proj.weight", {64, 32});
+  ck35.get("mtp.norm.weight", {64});
+  // Zero-centred norms store w = 0, the gated norm 1.
+  for (float v : tensor_to_f32(ck35.get(p + "1.input_layernorm.weight"))) EXPECT_EQ(v, 0.0f);
+  for (float v : tensor_to_f32(ck35.get("mtp.pre_fc_norm_hidden.weight"))) EXPECT_EQ(v, 0.0f);
+  for (float v : tensor_to_f32(ck35.get(p + "1.linear_attn.norm.weight"))) EXPECT_EQ(v, 1.0f);
+
+  make_model(options("tiny-qwen3-next", "next"));
+  const fs::path next = root_ / "next";
+  const ModelConfig cn = ModelConfig::load(next);
+  EXPECT_EQ(cn.architecture, "Qwen3NextForCausalLM");
+  expect_complete(next, cn, DType::BF16);
+  const Checkpoint ckn(next);
+  // Fused, per-key-head interleaved projections; per-expert tensors; no MTP head in the config.
+  ckn.get("model.layers.0.linear_attn.in_proj_qkvz.weight", {2 * 32 + 2 * 64, 64});
+  ckn.get("model.layers.0.linear_attn.in_proj_ba.weight", {8, 64});
+  EXPECT_EQ(ckn.get("model.layers.0.linear_attn.A_log", {4}).dtype, DType::F32);
+  EXPECT_EQ(ckn.get("model.layers.0.linear_attn.norm.weight", {16}).dtype, DType::BF16);
+  ckn.get("model.layers.3.mlp.experts.7.up_proj.weight", {32, 64});
+  EXPECT_FALSE(ckn.has("mtp.fc.weight"));
+  EXPECT_EQ(json_of(next / "generation_config.json")["eos_token_id"],
+            nlohmann::json({151645, 151643}));
+}
+
 TEST_F(MakeModelTest, AttentionBiasAndDenseLayersInSpecs) {
   nlohmann::json j = model_preset_config("tiny-moe");
   j["attention_bias"] = true;
   j["mlp_only_layers"] = {0};
   const ModelConfig c = ModelConfig::from_json(j, "x");
   std::map<std::string, std::vector<int64_t>> shapes;
-  for (const TensorSpec& s : checkpoint_tensor_specs(c, DType::BF16)) shapes[s.name] = s.shape;
+  for (const TensorSpec& s : checkpoint_tensor_specs(c, DType::BF16, ExpertStorage::kAsReleased))
+    shapes[s.name] = s.shape;
   EXPECT_EQ(shapes.at("model.layers.0.self_attn.q_proj.bias"), (std::vector<int64_t>{64}));
   EXPECT_EQ(shapes.at("model.layers.0.self_attn.k_proj.bias"), (std::vector<int64_t>{32}));
   EXPECT_EQ(shapes.at("model.layers.0.self_attn.o_proj.bias"), (std::vector<int64_t>{64}));
