@@ -173,10 +173,8 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                                       const SpeculativeConfig& speculative) {
   c.parallel.validate();
   c.nodes.validate(c.parallel);
+  check_speculation_device(c.device, speculative);
   if (c.device == "cuda") {
-    // NOTE: refused before the GPU loads the model (the engine would refuse it after).
-    RELAY_CHECK(!speculative.enabled(), "--speculative-config ", speculative.describe(),
-                ": the cuda device does not verify drafts yet (the cpu device does)");
     RELAY_CHECK(c.nodes.nnodes == 1,
                 "--nnodes: multi-node workers run on the cpu device; the "
                 "cuda device runs every rank as a thread of one process (use --gpus)");
@@ -202,6 +200,19 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
   }
   RELAY_CHECK(!is_follower_node(c), "node ", c.nodes.node_rank,
               " of a multi-node worker follows node 0 (follow_leader); it builds no engine");
+  return std::make_unique<CpuBackend>(model_dir,
+                                      cpu_backend_options(c, max_num_seqs, speculative));
+}
+
+void check_speculation_device(const std::string& device, const SpeculativeConfig& speculative) {
+  // NOTE: refused before the GPU loads the model (the engine would refuse it after).
+  RELAY_CHECK(device != "cuda" || !speculative.enabled(), "--speculative-config ",
+              speculative.describe(),
+              ": the cuda device does not verify drafts yet (the cpu device does)");
+}
+
+CpuBackendOptions cpu_backend_options(const BackendChoice& c, int max_num_seqs,
+                                      const SpeculativeConfig& speculative) {
   CpuBackendOptions o = cpu_options(c);
   const int drafts = speculative.enabled() ? speculative.num_speculative_tokens : 0;
   o.num_state_slots = max_num_seqs * (1 + drafts);
@@ -209,7 +220,7 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
     o.mtp = {.enabled = true, .dir = speculative.model};
     o.num_mtp_drafts = drafts;
   }
-  return std::make_unique<CpuBackend>(model_dir, o);
+  return o;
 }
 
 }  // namespace relay::cli

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "engine/backend.h"
+#include "engine/cpu_backend.h"
 #include "parallel/parallel_config.h"
 #include "speculative/speculative.h"
 
@@ -55,6 +56,13 @@ std::vector<int> rank_devices(const parallel::ParallelConfig& parallel, const st
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& choice,
                                       int max_num_seqs, int max_num_batched_tokens,
                                       const SpeculativeConfig& speculative = {});
+// Refuses (relay::Error) --speculative-config on a device that does not verify drafts: cuda, for
+// now. make_backend and relay bench ask before anything loads.
+void check_speculation_device(const std::string& device, const SpeculativeConfig& speculative);
+// The cpu device's backend options, as make_backend builds them (the state slots and MTP head of
+// `speculative` included); relay bench adds its benchmark-only settings to them.
+CpuBackendOptions cpu_backend_options(const BackendChoice& choice, int max_num_seqs,
+                                      const SpeculativeConfig& speculative);
 // True for nodes 1.. of a multi-node worker (--node-rank > 0): they run no engine of their own.
 inline bool is_follower_node(const BackendChoice& choice) { return choice.nodes.node_rank > 0; }
 // A follower node: loads its ranks, runs node 0's steps until node 0 shuts the worker down, and

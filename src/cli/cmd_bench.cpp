@@ -1,21 +1,41 @@
-// `relay bench`: ceilings, kernel figures and end-to-end prefill/decode on the GPU (engine/cuda_bench.h).
+// `relay bench`: ceilings, kernel figures and end-to-end prefill/decode on the GPU (engine/cuda_bench.h),
+// and, with --device cpu, the model mode's decode through the engine on the CPU backend
+// (engine/decode_bench.h) — where speculative decoding runs today.
 // A build without CUDA keeps the command so scripts get a clear message instead of "unknown command".
 //
 // The model mode shards its backend with relay generate's --tp / --ep / --dp / --gpus (the same
 // options, validation and messages: backend_choice.h, model/shard.h). Every refusal — a sharding
 // flag on a mode that measures one GPU, a layout Relay does not run, a --gpus list of the wrong
-// length, a split the model does not divide — is said here, before CUDA starts, so it costs no
-// ceiling measurement and reads the same on a build or machine without a GPU.
+// length, a split the model does not divide, a flag of the other device, a speculative config
+// (parsed as relay serve parses it) the device cannot run — is said here, before CUDA starts or a
+// model loads, so it costs no ceiling measurement and reads the same on a build or machine
+// without a GPU.
+//
+// --speculative-config takes relay serve's JSON; the cpu device reports each shape's acceptance
+// rate and mean acceptance length beside its decode rate. --spec-forced-acceptance P (the bench
+// only: serve and generate have no such flag) accepts each draft with probability P instead of
+// verifying it, so shapes with random weights (make-model presets, --load-format dummy) show the
+// speed of speculation at a chosen acceptance; their outputs are noise either way.
 #include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <chrono>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
 #include "cli/backend_choice.h"
 #include "cli/command.h"
 #include "core/error.h"
+#include "engine/cpu_backend.h"
+#include "engine/decode_bench.h"
+#include "engine/llm_engine.h"
 #include "model/config.h"
 #include "model/shard.h"
+#include "speculative/speculative.h"
+#include "tokenizer/tokenizer.h"
 #if RELAY_HAVE_CUDA
 #include "engine/cuda_bench.h"
 #endif
@@ -35,7 +55,41 @@ struct BenchArgs {
   std::string gpus;                   // model mode: --gpus
   int max_num_batched_tokens = 0;     // model mode: the backend's step capacity (0: the default)
   std::string load_format = "auto";   // model mode: auto | dummy
+  std::string device = "cuda";        // cuda | cpu (the model mode's decode through the engine)
+  std::string speculative_config;     // vLLM's --speculative-config JSON (cpu device)
+  double forced_acceptance = 0.0;     // --spec-forced-acceptance, when given
+  bool force_acceptance = false;      //   (whether it was)
+  int decode_tokens = 0;              // cpu device: timed tokens per sequence (0: the default)
+  int threads = 0;                    // cpu device: threads (0: all cores)
 };
+
+// The flags that belong to one device only, and the speculative config: parsed (the parser relay
+// serve uses) and checked against the device and mode. Returns the parsed config.
+SpeculativeConfig check_device(const BenchArgs& a) {
+  const bool cpu = a.device == "cpu";
+  const SpeculativeConfig spec = a.speculative_config.empty()
+                                     ? SpeculativeConfig{}
+                                     : SpeculativeConfig::parse(a.speculative_config);
+  RELAY_CHECK(!spec.enabled() || a.mode == "model", "--speculative-config measures the model "
+              "mode's decode (--mode model --device cpu); --mode ", a.mode, " has none");
+  check_speculation_device(a.device, spec);
+  RELAY_CHECK(!a.force_acceptance || spec.enabled(), "--spec-forced-acceptance ",
+              a.forced_acceptance, " sets how often drafts are accepted: it needs "
+              "--speculative-config");
+  if (cpu) {
+    RELAY_CHECK(a.mode == "model", "--device cpu measures the model mode (--mode model) only; --mode ",
+                a.mode, " measures the GPU");
+    RELAY_CHECK(a.prefill_lengths.empty(), "--prefill-lengths: the cpu device measures decode "
+                "only (--decode-batches, --decode-contexts, --decode-tokens)");
+    RELAY_CHECK(!a.quick, "--quick picks the GPU benchmark's shapes; the cpu device takes "
+                "--decode-batches, --decode-contexts and --decode-tokens");
+  } else {
+    RELAY_CHECK(a.decode_tokens == 0, "--decode-tokens sets the cpu device's timed tokens per "
+                "sequence; the cuda model mode times single steps (add --device cpu)");
+    RELAY_CHECK(a.threads == 0, "--threads sizes the cpu device's thread pool (add --device cpu)");
+  }
+  return spec;
+}
 
 // The CUDA device of every model-mode rank (empty for the other modes), or relay::Error naming
 // the flag that cannot work.
@@ -68,12 +122,78 @@ std::vector<int> check_sharding(const BenchArgs& a) {
                   a.max_num_batched_tokens);
     }
   }
+  if (a.device == "cpu") {
+    a.parallel.validate();
+    return {};
+  }
   std::vector<int> devices = rank_devices(a.parallel, a.gpus, /*first_gpu=*/0);
   if (a.parallel.world_size() > 1) {
     const ModelConfig config = ModelConfig::load(a.model);
     for (int r = 0; r < a.parallel.world_size(); ++r) plan_shard(config, a.parallel, r);
   }
   return devices;
+}
+
+// The cpu device's model mode: relay generate's backend (cpu_backend_options, with the bench's
+// forced acceptance), an engine sized for the largest shape, and one JSON line per shape.
+int run_cpu_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
+  using Clock = std::chrono::steady_clock;
+  DecodeBenchOptions d;
+  d.batches = a.decode_batches.empty() ? std::vector<int>{1, 8} : a.decode_batches;
+  d.contexts = a.decode_contexts.empty() ? std::vector<int>{128} : a.decode_contexts;
+  d.num_decode_tokens = a.decode_tokens > 0 ? a.decode_tokens : 32;
+  d.speculative = spec;
+  const int drafts = spec.enabled() ? spec.num_speculative_tokens : 0;
+  EngineConfig ec;
+  ec.max_num_seqs = *std::max_element(d.batches.begin(), d.batches.end());
+  ec.max_num_batched_tokens = a.max_num_batched_tokens > 0
+                                  ? a.max_num_batched_tokens
+                                  : std::max(2048, ec.max_num_seqs * (1 + drafts));
+  ec.speculative = spec;
+  BackendChoice choice;
+  choice.device = "cpu";
+  choice.load_format = a.load_format;
+  choice.parallel = a.parallel;
+  choice.num_threads = a.threads;
+  choice.dtype = a.dtype;
+  choice.gpus = a.gpus;
+  // KV blocks for the largest shape: every sequence's prompt, its tokens and a step of drafts.
+  const int max_context = *std::max_element(d.contexts.begin(), d.contexts.end());
+  const int tokens_per_seq = max_context + 1 + d.num_decode_tokens + drafts;
+  choice.num_kv_blocks =
+      ec.max_num_seqs * ((tokens_per_seq + choice.block_size - 1) / choice.block_size + 1);
+  CpuBackendOptions o = cpu_backend_options(choice, ec.max_num_seqs, spec);
+  if (a.force_acceptance) o.forced_draft_acceptance = a.forced_acceptance;
+
+  std::ofstream out_file;
+  if (!a.out.empty()) {
+    out_file.open(a.out, std::ios::app);
+    RELAY_CHECK(out_file.good(), "--out ", a.out, ": cannot open for appending");
+  }
+  auto emit = [&](nlohmann::json j) {
+    j["device"] = "cpu";
+    const std::string line = j.dump();
+    std::cout << line << std::endl;
+    if (out_file.is_open()) out_file << line << std::endl;
+  };
+  const Clock::time_point load_start = Clock::now();
+  LLMEngine engine(std::make_unique<CpuBackend>(a.model, o), Tokenizer::from_model_dir(a.model), ec);
+  const ModelConfig& c = engine.model_config();
+  emit({{"mode", "load"},
+        {"model", a.model},
+        {"architecture", c.architecture},
+        {"layers", c.num_hidden_layers},
+        {"load_format", a.load_format},
+        {"threads", a.threads},
+        {"speculative", spec.describe()},
+        {"forced_acceptance", a.force_acceptance ? nlohmann::json(a.forced_acceptance) : nullptr},
+        {"seconds", std::chrono::duration<double>(Clock::now() - load_start).count()}});
+  run_decode_bench(engine, d, [&](const nlohmann::json& j) {
+    nlohmann::json line = j;
+    if (a.force_acceptance) line["forced_acceptance"] = a.forced_acceptance;
+    emit(std::move(line));
+  });
+  return 0;
 }
 
 CommandRegistrar bench_command({
@@ -103,12 +223,34 @@ CommandRegistrar bench_command({
           ->check(CLI::Range(1, 8));
       add_parallel_options(sub, a->parallel, a->gpus, "0, 1, 2, ...");
       add_load_format_option(sub, a->load_format);
+      sub.add_option("--device", a->device,
+                     "cuda (default: the GPU benchmark) or cpu (--mode model's decode through the "
+                     "engine on the CPU backend, with speculative decoding)")
+          ->check(CLI::IsMember({"cuda", "cpu"}));
+      sub.add_option("--speculative-config", a->speculative_config,
+                     "speculative decoding, relay serve's JSON (vLLM's), e.g. '{\"method\": "
+                     "\"mtp\", \"num_speculative_tokens\": 1}': each decode line adds the "
+                     "acceptance rate and mean acceptance length (cpu device)");
+      CLI::Option* forced = sub.add_option(
+          "--spec-forced-acceptance", a->forced_acceptance,
+          "accept each draft with this probability instead of verifying it (benchmark only, not "
+          "lossless): speculation's speed at a chosen acceptance on models without a trained "
+          "draft head, e.g. 0.8");
+      forced->check(CLI::Range(0.0, 1.0));
+      sub.add_option("--decode-tokens", a->decode_tokens,
+                     "cpu device: tokens each sequence generates in the timed steps (default 32)")
+          ->check(CLI::PositiveNumber);
+      sub.add_option("--threads", a->threads, "cpu device: threads (default: all cores)")
+          ->check(CLI::NonNegativeNumber);
       sub.add_option("--max-num-batched-tokens", a->max_num_batched_tokens,
                      "model mode: tokens per step the backend is sized for (default 16384, or the longest "
                      "--prefill-lengths); under DP + EP each rank's MoE receive buffer holds dp x this many")
           ->check(CLI::PositiveNumber);
-      return [a]() -> int {
+      return [a, forced]() -> int {
+        a->force_acceptance = forced->count() > 0;
+        const SpeculativeConfig spec = check_device(*a);
         const std::vector<int> devices = check_sharding(*a);
+        if (a->device == "cpu") return run_cpu_bench(*a, spec);
 #if RELAY_HAVE_CUDA
         CudaBenchOptions o{a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches,
                            a->decode_contexts, a->dtype, a->ranks, a->parallel, devices};
@@ -124,7 +266,8 @@ CommandRegistrar bench_command({
       };
     },
     "measure ceilings, kernels and prefill/decode throughput on the GPU (JSON lines); --mode model "
-    "takes --tp/--ep/--dp/--gpus as relay generate does",
+    "takes --tp/--ep/--dp/--gpus as relay generate does, and with --device cpu measures decode "
+    "through the engine (--speculative-config: acceptance rate and length)",
 });
 
 }  // namespace

@@ -104,9 +104,8 @@ int run_generate(const GenerateOptions& o) {
                  "tokens per step with drafts\n",
                  config.speculative.describe().c_str(),
                  static_cast<unsigned long long>(s.num_accepted_tokens),
-                 static_cast<unsigned long long>(s.num_draft_tokens),
-                 s.num_draft_tokens ? static_cast<double>(s.num_accepted_tokens) / s.num_draft_tokens : 0.0,
-                 s.num_drafts ? 1.0 + static_cast<double>(s.num_accepted_tokens) / s.num_drafts : 0.0);
+                 static_cast<unsigned long long>(s.num_draft_tokens), s.acceptance_rate(),
+                 s.mean_acceptance_length());
   }
   return 0;
 }

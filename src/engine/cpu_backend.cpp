@@ -126,6 +126,7 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
                 parallel_.describe(), ", --nnodes ", o.nodes.nnodes);
     num_mtp_drafts_ = o.num_mtp_drafts;
   }
+  forced_draft_acceptance_ = o.forced_draft_acceptance;
   std::vector<std::unique_ptr<Model>> models;
   for (int i = 0; i < num_local; ++i) {
     const ShardSpec shard =
@@ -521,7 +522,8 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
         const std::span<float> rows(h.rows + first * vocab, (num_rows(h.seq) - first) * vocab);
         for (SampledToken& t : sample_with_drafts(
                  rows, s.tokens.last(s.num_draft_tokens), *s.sampling, s.prompt_tokens,
-                 s.output_tokens, s.sample_index, {s.allowed_tokens, s.logit_bias})) {
+                 s.output_tokens, s.sample_index, {s.allowed_tokens, s.logit_bias},
+                 forced_draft_acceptance_)) {
           t.seq_id = s.seq_id;
           result.sampled.push_back(std::move(t));
         }

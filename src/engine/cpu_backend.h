@@ -61,6 +61,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -94,6 +95,9 @@ struct CpuBackendOptions {
   // a running sequence takes one plus one per draft it may verify. Their memory comes out of
   // kv_cache_bytes.
   int num_state_slots = 64;
+  // relay bench's --spec-forced-acceptance only (make_backend never sets it): drafts are accepted
+  // with this probability instead of verified (sampler.h, sample_with_drafts).
+  std::optional<double> forced_draft_acceptance;
 };
 
 class CpuBackend : public Backend {
@@ -172,6 +176,7 @@ class CpuBackend : public Backend {
   int blocks_per_rank_ = 0;
   int state_slots_per_rank_ = 0;  // 0: the model has no linear-attention layers
   int num_mtp_drafts_ = 0;
+  std::optional<double> forced_draft_acceptance_;
   std::unique_ptr<NodeGroup> nodes_;  // only with several nodes
   std::string lost_;                  // node 0: why the multi-node worker can no longer run steps
   // One per local rank (empty with one rank in all).

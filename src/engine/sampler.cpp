@@ -246,7 +246,8 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& p, std:
 std::vector<SampledToken> sample_with_drafts(
     std::span<float> logits, std::span<const int32_t> drafts, const SamplingParams& p,
     std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,
-    uint64_t sample_index, const TokenConstraints& constraints) {
+    uint64_t sample_index, const TokenConstraints& constraints,
+    std::optional<double> forced_acceptance) {
   const size_t rows = drafts.size() + 1;
   RELAY_CHECK(!logits.empty() && logits.size() % rows == 0, "sampling ", rows, " rows (",
               drafts.size(), " drafts) from ", logits.size(), " logits");
@@ -264,7 +265,20 @@ std::vector<SampledToken> sample_with_drafts(
     out.push_back(sample_token(logits.subspan(j * vocab, vocab), p, prompt_tokens,
                                drafts.empty() ? output_tokens : std::span<const int32_t>(history),
                                sample_index + j, row));
-    if (j == drafts.size() || out.back().token != drafts[j]) break;
+    if (j == drafts.size()) break;
+    if (forced_acceptance) {
+      // The benchmark's rule: a coin of its own per draft (apart from the row's draw, and differing
+      // between sequences through the draft), whatever the target sampled.
+      const uint64_t coin_seed =
+          p.seed ^ 0x5ca1ab1e0ddba11ull ^ (static_cast<uint64_t>(drafts[j]) * 0x9e3779b97f4a7c15ull);
+      if (sample_uniform(coin_seed, sample_index + j) >= *forced_acceptance) break;
+      if (out.back().token != drafts[j]) {
+        out.back() = SampledToken{};
+        out.back().token = drafts[j];
+      }
+    } else if (out.back().token != drafts[j]) {
+      break;
+    }
     history.push_back(drafts[j]);
   }
   return out;

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -89,9 +90,14 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
 // is accepted while it equals row j's token. Returns the accepted drafts, then the token sampled at
 // the row after them (1 + accepted tokens, with their logprobs); rows after a rejection are not
 // sampled. Without drafts this is sample_token. `logits` is scratch.
+// With `forced_acceptance` (relay bench's --spec-forced-acceptance, for models without a trained
+// draft head; serve and generate never set it) the verification is NOT lossless: draft j is
+// accepted with that probability whatever row j sampled (an accepted draft the row did not sample
+// carries no logprob), so a benchmark sees a chosen acceptance rate with the real work per step.
 std::vector<SampledToken> sample_with_drafts(
     std::span<float> logits, std::span<const int32_t> drafts, const SamplingParams& params,
     std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,
-    uint64_t sample_index, const TokenConstraints& constraints = {});
+    uint64_t sample_index, const TokenConstraints& constraints = {},
+    std::optional<double> forced_acceptance = std::nullopt);
 
 }  // namespace relay

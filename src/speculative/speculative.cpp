@@ -72,6 +72,28 @@ std::string SpeculativeConfig::describe() const {
   return "";
 }
 
+double SpecDecodeStats::acceptance_rate() const {
+  return num_draft_tokens == 0 ? 0.0
+                               : static_cast<double>(num_accepted_tokens) / num_draft_tokens;
+}
+
+double SpecDecodeStats::mean_acceptance_length() const {
+  return num_drafts == 0 ? 0.0 : 1.0 + static_cast<double>(num_accepted_tokens) / num_drafts;
+}
+
+SpecDecodeStats SpecDecodeStats::since(const SpecDecodeStats& earlier) const {
+  SpecDecodeStats d;
+  d.num_drafts = num_drafts - earlier.num_drafts;
+  d.num_draft_tokens = num_draft_tokens - earlier.num_draft_tokens;
+  d.num_accepted_tokens = num_accepted_tokens - earlier.num_accepted_tokens;
+  d.num_accepted_tokens_per_pos = num_accepted_tokens_per_pos;
+  const size_t n =
+      std::min(earlier.num_accepted_tokens_per_pos.size(), d.num_accepted_tokens_per_pos.size());
+  for (size_t i = 0; i < n; ++i)
+    d.num_accepted_tokens_per_pos[i] -= earlier.num_accepted_tokens_per_pos[i];
+  return d;
+}
+
 std::vector<int32_t> propose_ngram(std::span<const int32_t> tokens, int min_n, int max_n, int k) {
   const auto len = static_cast<int64_t>(tokens.size());
   for (int64_t n = std::min<int64_t>(max_n, len - 1); n >= min_n; --n) {

@@ -51,6 +51,14 @@ struct SpecDecodeStats {
   uint64_t num_draft_tokens = 0;     // drafts verified
   uint64_t num_accepted_tokens = 0;  // of them, accepted
   std::vector<uint64_t> num_accepted_tokens_per_pos;  // [k]: accepted at draft position i
+
+  // Accepted drafts over drafts verified (0 when none were).
+  double acceptance_rate() const;
+  // vLLM's mean acceptance length: tokens a decode with drafts commits, 1 + accepted per decode
+  // (0 when no decode carried drafts).
+  double mean_acceptance_length() const;
+  // The counts since `earlier` (the same counters read before).
+  SpecDecodeStats since(const SpecDecodeStats& earlier) const;
 };
 
 // The n-gram proposal for `tokens` (a sequence's prompt and output so far): up to `k` tokens, or

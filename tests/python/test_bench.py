@@ -58,3 +58,123 @@ def test_cli_parser_refuses_non_positive_ranks(relay_bin):
     for flag in ["--tp", "--ep", "--dp"]:
         r = bench(relay_bin, *MODEL, flag, 0)
         assert r.returncode != 0 and flag in r.stderr, (flag, r.stderr)
+
+
+# --device cpu: the model mode's decode through the engine, with speculative decoding's acceptance.
+import json
+
+MTP = '{"method": "mtp", "num_speculative_tokens": 2}'
+CPU = ["--mode", "model", "--device", "cpu", "--threads", 2]
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp_model(relay_bin, tmp_path_factory):
+    """A random Qwen3.5-MoE with its MTP head (make-model's tiny preset)."""
+    out = tmp_path_factory.mktemp("bench") / "tiny-qwen3.5-moe"
+    r = subprocess.run([str(relay_bin), "make-model", "--preset", "tiny-qwen3.5-moe", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def lines_of(r):
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert lines[0]["mode"] == "load" and lines[0]["device"] == "cpu"
+    return lines[0], [l for l in lines[1:] if l["mode"] == "decode"]
+
+
+def test_cpu_bench_reports_acceptance_beside_decode_rate(relay_bin, tiny_mtp_model):
+    load, decode = lines_of(bench(relay_bin, *CPU, "--model", tiny_mtp_model, "--decode-batches", "1,3",
+                                  "--decode-contexts", "20,40", "--decode-tokens", 12,
+                                  "--speculative-config", MTP))
+    assert load["speculative"] == "mtp k=2" and load["forced_acceptance"] is None
+    assert [(l["batch"], l["context"]) for l in decode] == [(1, 20), (1, 40), (3, 20), (3, 40)]
+    for l in decode:
+        assert l["tok_per_s"] > 0 and l["tokens"] == 12 * l["batch"]
+        # k = 2 drafts a decode, fewer where max_tokens leaves less room.
+        assert l["num_drafts"] > 0 and l["num_drafts"] <= l["num_draft_tokens"] <= 2 * l["num_drafts"]
+        assert l["acceptance_rate"] == l["num_accepted_tokens"] / l["num_draft_tokens"]
+        assert l["mean_acceptance_length"] == 1 + l["num_accepted_tokens"] / l["num_drafts"]
+        assert sum(l["accepted_per_position"]) == l["num_accepted_tokens"]
+    # Without speculation: the decode rate alone.
+    _, plain = lines_of(bench(relay_bin, *CPU, "--model", tiny_mtp_model, "--decode-batches", 2,
+                              "--decode-contexts", 20, "--decode-tokens", 8))
+    assert plain[0]["speculative"] == "off" and "acceptance_rate" not in plain[0]
+
+
+def test_cpu_bench_forced_acceptance(relay_bin, tiny_mtp_model):
+    """--spec-forced-acceptance P accepts each draft with probability P whatever the target sampled:
+    1 accepts every draft (each decode commits 1 + k tokens), 0 none."""
+    args = [*CPU, "--model", tiny_mtp_model, "--decode-batches", 2, "--decode-contexts", 24,
+            "--speculative-config", MTP]
+    _, all_in = lines_of(bench(relay_bin, *args, "--decode-tokens", 30, "--spec-forced-acceptance", 1))
+    assert all_in[0]["forced_acceptance"] == 1
+    assert all_in[0]["acceptance_rate"] == 1.0 and all_in[0]["mean_acceptance_length"] == 3.0
+    _, none = lines_of(bench(relay_bin, *args, "--decode-tokens", 30, "--spec-forced-acceptance", 0))
+    assert none[0]["num_accepted_tokens"] == 0 and none[0]["mean_acceptance_length"] == 1.0
+    _, most = lines_of(bench(relay_bin, *args, "--decode-tokens", 200, "--spec-forced-acceptance", 0.8))
+    assert 0.65 < most[0]["acceptance_rate"] < 0.95, most[0]
+    # Fewer steps for the same tokens than without drafts accepted.
+    assert all_in[0]["steps"] < none[0]["steps"]
+
+
+def test_cpu_bench_dummy_release_shape_at_forced_acceptance(relay_bin, tmp_path):
+    """Issue 26's measurement on Qwen3.5-35B-A3B's shapes (4 layers, experts cut to 16 for CI's memory)
+    from config.json alone: its dummy MTP head drafts and 0.8 of them are accepted."""
+    out = tmp_path / "q35"
+    r = subprocess.run([str(relay_bin), "make-model", "--preset", "qwen3.5-35b-a3b", "--layers", "4",
+                        "--config-only", "--config-patch", '{"text_config": {"num_experts": 16}}',
+                        "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    load, decode = lines_of(bench(relay_bin, *CPU, "--model", out, "--load-format", "dummy",
+                                  "--decode-batches", 1, "--decode-contexts", 16, "--decode-tokens", 6,
+                                  "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+                                  "--spec-forced-acceptance", 0.8))
+    assert load["architecture"] == "Qwen3_5MoeForConditionalGeneration" and load["layers"] == 4
+    assert decode[0]["num_drafts"] > 0 and decode[0]["forced_acceptance"] == 0.8
+
+
+def test_cpu_bench_ngram_on_the_demo_model(relay_bin):
+    """The trained demo model falls into repeating itself on the bench's prompts, which the n-gram
+    proposer then copies: real (verified) acceptance."""
+    _, decode = lines_of(bench(relay_bin, *CPU, "--model", DEMO_MODEL, "--decode-batches", 1,
+                               "--decode-contexts", 48, "--decode-tokens", 64, "--speculative-config",
+                               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'))
+    assert decode[0]["speculative"] == "ngram k=3 lookup 1..5"
+    assert decode[0]["num_drafts"] > 0 and 0 < decode[0]["acceptance_rate"] <= 1
+    assert decode[0]["mean_acceptance_length"] > 1
+
+
+SPEC_REFUSED = [
+    (CPU + ["--model", DEMO_MODEL, "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 1}'],
+     "unknown method 'eagle'"),
+    (CPU + ["--model", DEMO_MODEL, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 99}'],
+     "'num_speculative_tokens' must be between 1 and 16"),
+    (CPU + ["--model", DEMO_MODEL, "--speculative-config", "{not json"], "--speculative-config"),
+    (CPU + ["--model", DEMO_MODEL, "--spec-forced-acceptance", 0.5], "it needs --speculative-config"),
+    (MODEL + ["--speculative-config", MTP], "the cuda device does not verify drafts yet"),
+    (["--mode", "kernels", "--speculative-config", MTP], "--mode kernels has none"),
+    (CPU + ["--model", DEMO_MODEL, "--speculative-config", MTP],
+     "MTP was requested but the checkpoint"),
+    (["--mode", "kernels", "--device", "cpu"], "--device cpu measures the model mode"),
+    (CPU + ["--model", DEMO_MODEL, "--prefill-lengths", 64], "the cpu device measures decode only"),
+    (MODEL + ["--decode-tokens", 8], "--decode-tokens sets the cpu device's"),
+]
+
+
+@pytest.mark.parametrize("args,needle", SPEC_REFUSED, ids=[n for _, n in SPEC_REFUSED])
+def test_bad_speculative_bench_configs_are_refused(relay_bin, args, needle):
+    r = bench(relay_bin, *args)
+    assert r.returncode != 0 and "relay: error:" in r.stderr and needle in r.stderr, (args, r.stderr)
+    assert r.stdout == ""
+
+
+def test_forced_acceptance_is_the_bench_only(relay_bin):
+    r = bench(relay_bin, *CPU, "--model", DEMO_MODEL, "--spec-forced-acceptance", 1.5,
+              "--speculative-config", MTP)
+    assert r.returncode != 0 and "--spec-forced-acceptance" in r.stderr
+    for command in ("generate", "serve"):
+        r = subprocess.run([str(relay_bin), command, "--spec-forced-acceptance", "0.8", "--prompt", "x"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "spec-forced-acceptance" in r.stderr, (command, r.stderr)

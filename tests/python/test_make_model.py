@@ -160,3 +160,69 @@ def test_config_only_directory_runs_with_dummy_weights(relay_bin, tmp_path):
     assert runs[0].stdout == runs[1].stdout
     bad = subprocess.run(cmd + ["--load-format", "pt"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--load-format" in bad.stderr
+
+
+def generate(relay_bin, model, *args):
+    return subprocess.run([str(relay_bin), "generate", "--model", str(model), "--prompt", "def f(x):",
+                           "--ignore-eos", "--threads", "2", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_tiny_hybrid_checkpoints_load_and_generate(relay_bin, tmp_path):
+    """The hybrid layouts as make-model writes them (Qwen3.5: model.language_model.*, split Gated DeltaNet
+    projections, fused experts, F32 A_log, an MTP head; Qwen3-Next: fused interleaved in_proj_qkvz / ba)
+    load through relay generate and run; Qwen3.5's own MTP head drafts, losslessly."""
+    for preset in ("tiny-qwen3.5-moe", "tiny-qwen3-next"):
+        out = tmp_path / preset
+        make_model(relay_bin, out, "--preset", preset, "--layers", "8")
+        config = json.loads((out / "config.json").read_text())
+        text = config.get("text_config", config)
+        assert text["num_hidden_layers"] == 8
+        plain = generate(relay_bin, out, "--max-tokens", 12)
+        assert plain.returncode == 0, plain.stderr
+        assert "decode 11 tokens" in plain.stderr
+        if preset == "tiny-qwen3.5-moe":
+            assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+            assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + \
+                ["linear_attention"] * 3 + ["full_attention"]
+            with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+                names = set(f.keys())
+                assert f.get_slice("model.language_model.layers.0.linear_attn.A_log").get_dtype() == "F32"
+            assert "model.language_model.layers.7.mlp.experts.gate_up_proj" in names
+            assert "mtp.layers.0.mlp.experts.0.gate_proj.weight" in names
+            spec = generate(relay_bin, out, "--max-tokens", 12,
+                            "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+            assert spec.returncode == 0, spec.stderr
+            assert spec.stdout == plain.stdout
+            assert "speculative decoding (mtp k=2)" in spec.stderr
+        else:
+            assert config["architectures"] == ["Qwen3NextForCausalLM"]
+            assert "layer_types" not in config and config["full_attention_interval"] == 4
+
+
+def test_hybrid_presets_keep_their_layer_pattern(relay_bin, tmp_path):
+    bad = subprocess.run([str(relay_bin), "make-model", "--preset", "qwen3.5-397b-a17b", "--layers", "6",
+                          "--config-only", "--out", str(tmp_path / "x")], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0
+    assert "--layers 6" in bad.stderr and "give a multiple of 4" in bad.stderr
+    make_model(relay_bin, tmp_path / "y", "--preset", "qwen3.5-397b-a17b", "--layers", "8", "--config-only")
+    config = json.loads((tmp_path / "y" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    assert set(config) >= {"text_config", "vision_config"}
+    text = config["text_config"]
+    assert text["num_hidden_layers"] == 8 and len(text["layer_types"]) == 8
+    assert [i for i, t in enumerate(text["layer_types"]) if t == "full_attention"] == [3, 7]
+    assert (text["hidden_size"], text["num_experts"], text["num_experts_per_tok"]) == (4096, 512, 10)
+
+
+def test_config_only_hybrid_preset_runs_with_dummy_weights(relay_bin, tmp_path):
+    """Qwen3-Next-80B-A3B's shapes at 4 layers from config.json alone (the expert count cut to 16 so
+    the CPU backend's fp32 copy fits CI: the layout and every width stay the release's)."""
+    out = tmp_path / "next"
+    make_model(relay_bin, out, "--preset", "qwen3-next-80b-a3b", "--layers", "4", "--config-only",
+               "--config-patch", '{"num_experts": 16}')
+    assert not list(out.glob("*.safetensors"))
+    r = generate(relay_bin, out, "--max-tokens", 3, "--load-format", "dummy")
+    assert r.returncode == 0, r.stderr
+    assert "decode 2 tokens" in r.stderr

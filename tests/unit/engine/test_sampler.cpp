@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "core/error.h"
@@ -214,6 +215,27 @@ TEST(Sampler, GreedyDraftsAreAcceptedWhileTheyEqualTheArgmax) {
   std::vector<float> short_rows(8);
   const std::vector<int32_t> two{1, 2};
   EXPECT_THROW(sample_with_drafts(short_rows, two, greedy, {}, {}, 0), Error);
+}
+
+// The benchmark's forced acceptance: each draft is accepted with the given probability whatever
+// its row sampled (not lossless); a rejected one is replaced by its row's token.
+TEST(Sampler, ForcedAcceptanceIgnoresTheTarget) {
+  const std::vector<std::vector<float>> rows{{0, 1, 3, 2}, {4, 1, 0, 2}, {0, 1, 2, 5}};
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  auto verify = [&](std::vector<int32_t> drafts, std::optional<double> forced, uint64_t index) {
+    std::vector<float> l = rows_of(rows);
+    return tokens_of(sample_with_drafts(l, drafts, greedy, {}, {}, index, {}, forced));
+  };
+  // Drafts the target would reject (argmaxes are 2, 0, 3): all accepted at 1, then the bonus.
+  EXPECT_EQ(verify({1, 1}, 1.0, 0), (std::vector<int32_t>{1, 1, 3}));
+  // At 0 none is, even one the target agrees with: the first row's token stands.
+  EXPECT_EQ(verify({2, 0}, 0.0, 0), (std::vector<int32_t>{2}));
+  EXPECT_EQ(verify({2, 0}, std::nullopt, 0), (std::vector<int32_t>{2, 0, 3}));
+  // At 0.5, about half of the first drafts over many sample indices.
+  int accepted = 0;
+  for (uint64_t index = 0; index < 2000; ++index) accepted += verify({1, 1}, 0.5, index).size() > 1;
+  EXPECT_NEAR(accepted / 2000.0, 0.5, 0.05);
 }
 
 // Row j's penalties count the drafts before it as output, and its constraints are its own bitmask.

@@ -69,3 +69,25 @@ TEST(NgramProposer, TheLongestSuffixAtItsLatestEarlierOccurrence) {
 
 }  // namespace
 }  // namespace relay
+
+namespace relay {
+namespace {
+
+TEST(SpecDecodeStats, AcceptanceRateAndLengthSinceAnEarlierReading) {
+  SpecDecodeStats before{.num_drafts = 2, .num_draft_tokens = 4, .num_accepted_tokens = 1,
+                         .num_accepted_tokens_per_pos = {1, 0}};
+  SpecDecodeStats now{.num_drafts = 6, .num_draft_tokens = 12, .num_accepted_tokens = 7,
+                      .num_accepted_tokens_per_pos = {4, 3}};
+  const SpecDecodeStats d = now.since(before);
+  EXPECT_EQ(d.num_drafts, 4u);
+  EXPECT_EQ(d.num_draft_tokens, 8u);
+  EXPECT_EQ(d.num_accepted_tokens, 6u);
+  EXPECT_EQ(d.num_accepted_tokens_per_pos, (std::vector<uint64_t>{3, 3}));
+  EXPECT_DOUBLE_EQ(d.acceptance_rate(), 0.75);
+  EXPECT_DOUBLE_EQ(d.mean_acceptance_length(), 2.5);  // vLLM's: 1 + accepted per decode
+  EXPECT_EQ(SpecDecodeStats{}.acceptance_rate(), 0.0);
+  EXPECT_EQ(SpecDecodeStats{}.mean_acceptance_length(), 0.0);
+}
+
+}  // namespace
+}  // namespace relay

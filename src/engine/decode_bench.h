@@ -1,0 +1,38 @@
+// Decode throughput through the whole engine (scheduler, block manager, backend, speculative
+// decoding), for `relay bench --mode model --device cpu`.
+//
+// Each shape (batch B, context C) adds B requests whose prompts are C tokens, each its own block of
+// 16 pseudo-random ids repeated (so the n-gram proposer finds earlier occurrences, as in code
+// editing; attention does the same work whatever the ids), greedy, ignoring EOS, generating
+// 1 + num_decode_tokens tokens. The engine runs until every request has its first token (the
+// prefill, not timed); the steps after that are timed until all finish, and the line reports the
+// tokens they committed per second, with, when the engine drafts, speculative decoding's counters
+// over those steps: drafts, acceptance rate and mean acceptance length (SpecDecodeStats). Prefix
+// caching is the engine's choice (EngineConfig); the prompts share no block.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/llm_engine.h"
+
+namespace relay {
+
+struct DecodeBenchOptions {
+  std::vector<int> batches;   // sequences decoded together, at most engine.max_num_seqs()
+  std::vector<int> contexts;  // prompt tokens of each sequence
+  int num_decode_tokens = 64;  // tokens each sequence generates in the timed steps
+  SpeculativeConfig speculative;  // the engine's (EngineConfig::speculative), for the report
+};
+
+// Runs every (batch, context) shape on `engine` (idle, and left idle) and passes one JSON line per
+// shape to `emit`: {"mode": "decode", "batch", "context", "tokens", "steps", "seconds",
+// "tok_per_s", "ms_per_step", "speculative"} and, with speculative decoding, "num_drafts",
+// "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+// "accepted_per_position".
+void run_decode_bench(LLMEngine& engine, const DecodeBenchOptions& options,
+                      const std::function<void(const nlohmann::json&)>& emit);
+
+}  // namespace relay
