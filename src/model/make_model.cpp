@@ -107,53 +107,58 @@ struct HybridShape {
   int64_t vocab;
 };
 
+// The fields both hybrids' releases spell the same way: the attention, Gated DeltaNet and MoE
+// sizes, and what transformers writes for every config.
+json hybrid_common_fields(const HybridShape& s) {
+  return {{"attention_bias", false},
+          {"attention_dropout", 0.0},
+          {"full_attention_interval", 4},
+          {"head_dim", s.head_dim},
+          {"hidden_act", "silu"},
+          {"hidden_size", s.hidden},
+          {"initializer_range", 0.02},
+          {"linear_conv_kernel_dim", 4},
+          {"linear_key_head_dim", s.linear_head_dim},
+          {"linear_num_key_heads", s.linear_key_heads},
+          {"linear_num_value_heads", s.linear_value_heads},
+          {"linear_value_head_dim", s.linear_head_dim},
+          {"max_position_embeddings", 262144},
+          {"moe_intermediate_size", s.moe_width},
+          {"num_attention_heads", s.heads},
+          {"num_experts", s.experts},
+          {"num_experts_per_tok", s.top_k},
+          {"num_hidden_layers", s.layers},
+          {"num_key_value_heads", s.kv_heads},
+          {"output_router_logits", false},
+          {"rms_norm_eps", 1e-6},
+          {"router_aux_loss_coef", 0.001},
+          {"shared_expert_intermediate_size", s.shared_width},
+          {"tie_word_embeddings", false},
+          {"use_cache", true},
+          {"vocab_size", s.vocab}};
+}
+
 // Qwen3_5MoeForConditionalGeneration's config.json as released: the language model's fields under
 // text_config (transformers 5's spelling: rope_parameters with the interleaved MRoPE sections, the
 // released-only keys attn_output_gate, mamba_ssm_dtype and the MTP layer count), the vision
 // tower's under vision_config (Qwen3_5MoeVisionConfig's values, its output width the hidden size;
 // Relay does not run it), and the vision token ids at the top level.
 json qwen3_5_moe_config(const HybridShape& s) {
-  const bool qwen3_5_vocab = s.vocab == kQwen3_5VocabSize;
-  json text = {{"attention_bias", false},
-               {"attention_dropout", 0.0},
-               {"attn_output_gate", true},
+  json text = hybrid_common_fields(s);
+  text.update({{"attn_output_gate", true},
                {"bos_token_id", nullptr},
-               {"eos_token_id", qwen3_5_vocab ? kQwen3_5EndOfTextToken : kImEndToken},
-               {"full_attention_interval", 4},
-               {"head_dim", s.head_dim},
-               {"hidden_act", "silu"},
-               {"hidden_size", s.hidden},
-               {"initializer_range", 0.02},
+               {"eos_token_id", s.vocab == kQwen3_5VocabSize ? kQwen3_5EndOfTextToken : kImEndToken},
                {"layer_types", hybrid_layer_types(s.layers, 4)},
-               {"linear_conv_kernel_dim", 4},
-               {"linear_key_head_dim", s.linear_head_dim},
-               {"linear_num_key_heads", s.linear_key_heads},
-               {"linear_num_value_heads", s.linear_value_heads},
-               {"linear_value_head_dim", s.linear_head_dim},
                {"mamba_ssm_dtype", "float32"},
-               {"max_position_embeddings", 262144},
                {"model_type", "qwen3_5_moe_text"},
-               {"moe_intermediate_size", s.moe_width},
                {"mtp_num_hidden_layers", 1},
                {"mtp_use_dedicated_embeddings", false},
-               {"num_attention_heads", s.heads},
-               {"num_experts", s.experts},
-               {"num_experts_per_tok", s.top_k},
-               {"num_hidden_layers", s.layers},
-               {"num_key_value_heads", s.kv_heads},
-               {"output_router_logits", false},
-               {"rms_norm_eps", 1e-6},
                {"rope_parameters",
                 {{"mrope_interleaved", true},
                  {"mrope_section", {11, 11, 10}},
                  {"partial_rotary_factor", 0.25},
                  {"rope_theta", 10000000.0},
-                 {"rope_type", "default"}}},
-               {"router_aux_loss_coef", 0.001},
-               {"shared_expert_intermediate_size", s.shared_width},
-               {"tie_word_embeddings", false},
-               {"use_cache", true},
-               {"vocab_size", s.vocab}};
+                 {"rope_type", "default"}}}});
   json vision = {{"deepstack_visual_indexes", json::array()},
                  {"depth", 27},
                  {"hidden_act", "gelu_pytorch_tanh"},
@@ -186,34 +191,15 @@ json qwen3_5_moe_config(const HybridShape& s) {
 json qwen3_next_config(const HybridShape& s, int64_t dense_width) {
   json j = base_config();
   j.erase("sliding_window");
+  j.update(hybrid_common_fields(s));
   j.update({{"architectures", {"Qwen3NextForCausalLM"}},
             {"model_type", "qwen3_next"},
             {"decoder_sparse_step", 1},
-            {"full_attention_interval", 4},
-            {"head_dim", s.head_dim},
-            {"hidden_size", s.hidden},
             {"intermediate_size", dense_width},
-            {"linear_conv_kernel_dim", 4},
-            {"linear_key_head_dim", s.linear_head_dim},
-            {"linear_num_key_heads", s.linear_key_heads},
-            {"linear_num_value_heads", s.linear_value_heads},
-            {"linear_value_head_dim", s.linear_head_dim},
-            {"max_position_embeddings", 262144},
             {"mlp_only_layers", json::array()},
-            {"moe_intermediate_size", s.moe_width},
             {"norm_topk_prob", true},
-            {"num_attention_heads", s.heads},
-            {"num_experts", s.experts},
-            {"num_experts_per_tok", s.top_k},
-            {"num_hidden_layers", s.layers},
-            {"num_key_value_heads", s.kv_heads},
-            {"output_router_logits", false},
             {"partial_rotary_factor", 0.25},
-            {"rope_theta", 10000000},
-            {"router_aux_loss_coef", 0.001},
-            {"shared_expert_intermediate_size", s.shared_width},
-            {"tie_word_embeddings", false},
-            {"vocab_size", s.vocab}});
+            {"rope_theta", 10000000}});
   return j;
 }
 

@@ -367,12 +367,15 @@ TEST_F(MakeModelTest, LayersKeepTheHybridPattern) {
 }
 
 TEST_F(MakeModelTest, TinyHybridCheckpointsHaveTheReleasedLayouts) {
-  make_model(options("tiny-qwen3.5-moe", "q35"));
-  const fs::path q35 = root_ / "q35";
-  const ModelConfig c35 = ModelConfig::load(q35);
-  EXPECT_EQ(c35.architecture, "Qwen3_5MoeForConditionalGeneration");
-  expect_complete(q35, c35, DType::BF16);
-  const Checkpoint ck35(q35);
+  // Writes `preset`, checks its architecture and that it holds exactly its tensors.
+  auto made = [&](const std::string& preset, const std::string& architecture) {
+    make_model(options(preset, preset));
+    const ModelConfig c = ModelConfig::load(root_ / preset);
+    EXPECT_EQ(c.architecture, architecture);
+    expect_complete(root_ / preset, c, DType::BF16);
+    return root_ / preset;
+  };
+  const Checkpoint ck35(made("tiny-qwen3.5-moe", "Qwen3_5MoeForConditionalGeneration"));
   const std::string p = "model.language_model.layers.";
   ck35.get("model.language_model.embed_tokens.weight", {151936, 64});
   ck35.get("model.language_model.norm.weight", {64});
@@ -406,11 +409,7 @@ TEST_F(MakeModelTest, TinyHybridCheckpointsHaveTheReleasedLayouts) {
   for (float v : tensor_to_f32(ck35.get("mtp.pre_fc_norm_hidden.weight"))) EXPECT_EQ(v, 0.0f);
   for (float v : tensor_to_f32(ck35.get(p + "1.linear_attn.norm.weight"))) EXPECT_EQ(v, 1.0f);
 
-  make_model(options("tiny-qwen3-next", "next"));
-  const fs::path next = root_ / "next";
-  const ModelConfig cn = ModelConfig::load(next);
-  EXPECT_EQ(cn.architecture, "Qwen3NextForCausalLM");
-  expect_complete(next, cn, DType::BF16);
+  const fs::path next = made("tiny-qwen3-next", "Qwen3NextForCausalLM");
   const Checkpoint ckn(next);
   // Fused, per-key-head interleaved projections; per-expert tensors; no MTP head in the config.
   ckn.get("model.layers.0.linear_attn.in_proj_qkvz.weight", {2 * 32 + 2 * 64, 64});
