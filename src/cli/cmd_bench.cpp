@@ -1,6 +1,6 @@
-// `relay bench`: ceilings, kernel figures and end-to-end prefill/decode on the GPU (engine/cuda_bench.h),
-// and, with --device cpu, the model mode's decode through the engine on the CPU backend
-// (engine/decode_bench.h) — where speculative decoding runs today.
+// `relay bench`: ceilings, kernel figures and end-to-end prefill/decode on the GPU
+// (engine/cuda_bench.h), and, with --device cpu, the model mode's decode through the engine on
+// the CPU backend (engine/decode_bench.h) — where speculative decoding runs today.
 // A build without CUDA keeps the command so scripts get a clear message instead of "unknown command".
 //
 // The model mode shards its backend with relay generate's --tp / --ep / --dp / --gpus (the same
@@ -77,8 +77,8 @@ SpeculativeConfig check_device(const BenchArgs& a) {
               a.forced_acceptance, " sets how often drafts are accepted: it needs "
               "--speculative-config");
   if (cpu) {
-    RELAY_CHECK(a.mode == "model", "--device cpu measures the model mode (--mode model) only; --mode ",
-                a.mode, " measures the GPU");
+    RELAY_CHECK(a.mode == "model", "--device cpu measures the model mode (--mode model) only; "
+                "--mode ", a.mode, " measures the GPU");
     RELAY_CHECK(a.prefill_lengths.empty(), "--prefill-lengths: the cpu device measures decode "
                 "only (--decode-batches, --decode-contexts, --decode-tokens)");
     RELAY_CHECK(!a.quick, "--quick picks the GPU benchmark's shapes; the cpu device takes "
@@ -177,7 +177,8 @@ int run_cpu_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
     if (out_file.is_open()) out_file << line << std::endl;
   };
   const Clock::time_point load_start = Clock::now();
-  LLMEngine engine(std::make_unique<CpuBackend>(a.model, o), Tokenizer::from_model_dir(a.model), ec);
+  LLMEngine engine(std::make_unique<CpuBackend>(a.model, o), Tokenizer::from_model_dir(a.model),
+                   ec);
   const ModelConfig& c = engine.model_config();
   emit({{"mode", "load"},
         {"model", a.model},

@@ -269,8 +269,8 @@ std::vector<SampledToken> sample_with_drafts(
     if (forced_acceptance) {
       // The benchmark's rule: a coin of its own per draft (apart from the row's draw, and differing
       // between sequences through the draft), whatever the target sampled.
-      const uint64_t coin_seed =
-          p.seed ^ 0x5ca1ab1e0ddba11ull ^ (static_cast<uint64_t>(drafts[j]) * 0x9e3779b97f4a7c15ull);
+      const uint64_t draft_hash = static_cast<uint64_t>(drafts[j]) * 0x9e3779b97f4a7c15ull;
+      const uint64_t coin_seed = p.seed ^ 0x5ca1ab1e0ddba11ull ^ draft_hash;
       if (sample_uniform(coin_seed, sample_index + j) >= *forced_acceptance) break;
       if (out.back().token != drafts[j]) {
         out.back() = SampledToken{};

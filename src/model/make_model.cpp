@@ -147,7 +147,8 @@ json qwen3_5_moe_config(const HybridShape& s) {
   json text = hybrid_common_fields(s);
   text.update({{"attn_output_gate", true},
                {"bos_token_id", nullptr},
-               {"eos_token_id", s.vocab == kQwen3_5VocabSize ? kQwen3_5EndOfTextToken : kImEndToken},
+               {"eos_token_id",
+                s.vocab == kQwen3_5VocabSize ? kQwen3_5EndOfTextToken : kImEndToken},
                {"layer_types", hybrid_layer_types(s.layers, 4)},
                {"mamba_ssm_dtype", "float32"},
                {"model_type", "qwen3_5_moe_text"},
@@ -365,15 +366,16 @@ json model_preset_config(const std::string& preset) {
   // layers, 32 query heads, 64 linear value heads, 256 experts top-8 / 512 experts top-10, expert
   // and shared-expert widths 1024), agreeing with the guide's table. Qwen3-Next-80B-A3B:
   // transformers' Qwen3NextConfig defaults (configuration_qwen3_next.py @008e5743) and a
-  // transcription of the Instruct release's config.json (dense intermediate_size 5120, unused: every
-  // layer is MoE; Qwen3's vocabulary).
-  //                              hidden lay heads kv  hd  lk  lv  ldim  E  top moe shared vocab
+  // transcription of the Instruct release's config.json (dense intermediate_size 5120, unused:
+  // every layer is MoE; Qwen3's vocabulary).
+  constexpr int64_t kVocab = kQwen3_5VocabSize;
+  //                          hidden lay heads kv  hd  lk  lv  ldim  E  top moe  shared vocab
   if (preset == "qwen3.5-35b-a3b")
-    return qwen3_5_moe_config({2048, 40, 16, 2, 256, 16, 32, 128, 256, 8, 512, 512, kQwen3_5VocabSize});
+    return qwen3_5_moe_config({2048, 40, 16, 2, 256, 16, 32, 128, 256, 8, 512, 512, kVocab});
   if (preset == "qwen3.5-122b-a10b")
-    return qwen3_5_moe_config({3072, 48, 32, 2, 256, 16, 64, 128, 256, 8, 1024, 1024, kQwen3_5VocabSize});
+    return qwen3_5_moe_config({3072, 48, 32, 2, 256, 16, 64, 128, 256, 8, 1024, 1024, kVocab});
   if (preset == "qwen3.5-397b-a17b")
-    return qwen3_5_moe_config({4096, 60, 32, 2, 256, 16, 64, 128, 512, 10, 1024, 1024, kQwen3_5VocabSize});
+    return qwen3_5_moe_config({4096, 60, 32, 2, 256, 16, 64, 128, 512, 10, 1024, 1024, kVocab});
   if (preset == "qwen3-next-80b-a3b")
     return qwen3_next_config({2048, 48, 16, 2, 256, 16, 32, 128, 512, 10, 512, 512, 151936}, 5120);
   std::string names;
@@ -408,7 +410,8 @@ json preset_config_with_layers(const std::string& preset, int64_t num_layers,
     RELAY_CHECK(num_layers % interval == 0, "make-model: --layers ", num_layers, ": ", preset,
                 " repeats ", interval - 1, " linear-attention layers and 1 full-attention layer "
                 "(full_attention_interval ", interval, "); give a multiple of ", interval);
-    if (text.contains("layer_types")) text["layer_types"] = hybrid_layer_types(num_layers, interval);
+    if (text.contains("layer_types"))
+      text["layer_types"] = hybrid_layer_types(num_layers, interval);
   }
   return config;
 }
@@ -601,7 +604,8 @@ MakeModelResult make_model(const MakeModelOptions& o) {
 
   // Shards are filled greedily in state_dict order, as save_pretrained does; a tensor larger than
   // the limit gets a shard of its own.
-  const std::vector<TensorSpec> specs = checkpoint_tensor_specs(c, o.dtype, ExpertStorage::kAsReleased);
+  const std::vector<TensorSpec> specs =
+      checkpoint_tensor_specs(c, o.dtype, ExpertStorage::kAsReleased);
   const uint64_t max_shard_bytes = static_cast<uint64_t>(o.shard_size_mb) * 1000000ull;
   std::vector<std::vector<size_t>> shards(1);
   uint64_t shard_bytes = 0, total_bytes = 0;

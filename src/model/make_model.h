@@ -60,8 +60,8 @@ std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, DType dtyp
                                                 ExpertStorage experts);
 
 // How make_model initialises tensor `name` of a checkpoint for `c`, as transformers does: every
-// RMSNorm weight to 1 — except the hybrids' zero-centred (1 + w) norms, whose w is 0 — biases to
-// 0, the rest normal(0, 0.02).
+// RMSNorm weight to 1 (but the hybrids' zero-centred (1 + w) norms: w = 0), biases to 0, the rest
+// normal(0, 0.02).
 enum class WeightInit { kNormal, kOnes, kZeros };
 WeightInit weight_init_for(const ModelConfig& c, const std::string& name);
 

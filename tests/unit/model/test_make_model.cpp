@@ -362,8 +362,9 @@ TEST_F(MakeModelTest, LayersKeepTheHybridPattern) {
       "patched");
   EXPECT_EQ(attention_layers(c), (std::vector<int64_t>{2, 5}));
   // Qwen3 presets take any count.
-  EXPECT_EQ(ModelConfig::from_json(preset_config_with_layers("30b-a3b", 3, ""), "x").num_hidden_layers,
-            3);
+  const ModelConfig qwen3 =
+      ModelConfig::from_json(preset_config_with_layers("30b-a3b", 3, ""), "x");
+  EXPECT_EQ(qwen3.num_hidden_layers, 3);
 }
 
 TEST_F(MakeModelTest, TinyHybridCheckpointsHaveTheReleasedLayouts) {
