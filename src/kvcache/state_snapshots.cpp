@@ -54,6 +54,13 @@ void StateSnapshotPool::touch(int32_t id) {
   lru.splice(lru.end(), lru, s.lru);
 }
 
+void StateSnapshotPool::demote(int32_t id) {
+  Slot& s = slot(id);
+  RELAY_CHECK(s.state == State::kCached, "state snapshot ", id, " demoted but not cached");
+  std::list<int32_t>& lru = partitions_[partition_of_snapshot(id)].lru;
+  lru.splice(lru.begin(), lru, s.lru);
+}
+
 void StateSnapshotPool::pin(int32_t id) {
   Slot& s = slot(id);
   RELAY_CHECK(s.state == State::kCached, "state snapshot ", id, " pinned but not cached");

@@ -60,8 +60,10 @@ class StateSnapshotPool {
 
   // The cached snapshot under `hash` whose KV block is `block`, -1 when there is none.
   int32_t find(uint64_t hash, int32_t block) const;
-  // Marks a cached snapshot most recently used (a hit took it).
+  // Marks a cached snapshot most recently used (a hit took it), or least recently used (demote:
+  // the next to evict, as one its sequence has superseded).
   void touch(int32_t id);
+  void demote(int32_t id);
   // Keeps a cached snapshot from eviction until as many unpin calls.
   void pin(int32_t id);
   void unpin(int32_t id);

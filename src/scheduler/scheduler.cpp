@@ -66,6 +66,7 @@ void Scheduler::preempt(Sequence* seq) {
   blocks_.free(seq->id);
   if (states_ != nullptr) states_->free(seq->id);
   branch_points_.erase(seq->id);
+  output_snapshots_.erase(seq->id);
   seq->num_computed = 0;
   seq->draft_tokens.clear();
   ++seq->num_preemptions;
@@ -114,7 +115,13 @@ void Scheduler::plan_snapshot_saves(ScheduledChunk& c) {
   }
   const int64_t last = end / bs * bs;
   if (last > begin && (boundaries.empty() || boundaries.back() != last)) boundaries.push_back(last);
+  if (boundaries.empty()) return;
   const int partition = states_->partition_of(c.seq->id);
+  if (const auto it = output_snapshots_.find(c.seq->id);
+      it != output_snapshots_.end() && boundaries.back() > c.seq->num_prompt_tokens) {
+    const int32_t previous = snapshots_->find(it->second.hash, it->second.block);
+    if (previous >= 0) snapshots_->demote(previous);
+  }
   for (const int64_t b : boundaries) {
     // NOTE: opportunistic: with every snapshot of the partition pending or pinned, none is taken.
     const int32_t id = snapshots_->allocate(partition);
@@ -300,6 +307,7 @@ void Scheduler::update(const SchedulerOutput& out, std::span<const SampledToken>
                               : std::nullopt;
       if (cached) {
         snapshots_->commit(save.snapshot, cached->hash, cached->block);
+        if (boundary > seq->num_prompt_tokens) output_snapshots_[seq->id] = *cached;
       } else {
         snapshots_->release(save.snapshot);
       }
@@ -341,6 +349,7 @@ bool Scheduler::finish_keeping_blocks(int64_t id) {
   // NOTE: the state is dropped even when the blocks are kept: add_running refuses hybrid models.
   if (states_ != nullptr) states_->free(id);
   branch_points_.erase(id);
+  output_snapshots_.erase(id);
   seqs_.erase(it);
   return true;
 }

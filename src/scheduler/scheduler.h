@@ -65,7 +65,9 @@
 // end of the KV prefix a sequence found cached but could not take for want of a snapshot (a
 // branch point: the next prompt sharing it then hits all of it). A decode verifying drafts takes
 // none (its rows' state copies are its rollback scratch). A snapshot leaves the pool when its
-// block leaves the prefix cache, or when the pool needs its slot (least recently used first).
+// block leaves the prefix cache, or when the pool needs its slot (least recently used first); a
+// sequence's snapshots past its prompt supersede each other (a later turn of a conversation
+// extends its latest), so taking one makes the sequence's previous one the next to evict.
 // Without a snapshot pool a hybrid model takes no hit.
 //
 // Lookahead (MTP drafting): a chunk that samples also gets blocks for num_lookahead_tokens more
@@ -205,6 +207,8 @@ class Scheduler {
   StateSnapshotPool* snapshots_;
   // Hybrid sequences whose cached KV prefix reached further than a snapshot: that prefix's tokens.
   std::unordered_map<int64_t, int64_t> branch_points_;
+  // Each hybrid sequence's latest snapshot past its prompt (demoted when it takes the next one).
+  std::unordered_map<int64_t, CachedPrefixBlock> output_snapshots_;
   std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
   std::vector<Sequence*> running_;  // oldest admission first
   std::deque<Sequence*> waiting_;   // FCFS; preempted sequences go back to the front

@@ -69,6 +69,17 @@ TEST(StateSnapshotPool, EvictsTheLeastRecentlyUsedUnpinnedSnapshot) {
   pool.check_invariants();
 }
 
+TEST(StateSnapshotPool, ADemotedSnapshotIsEvictedFirst) {
+  StateSnapshotPool pool(2);
+  pool.commit(pool.allocate(0), 1, 1);
+  pool.commit(pool.allocate(0), 2, 2);
+  pool.demote(pool.find(2, 2));
+  pool.allocate(0);
+  EXPECT_GE(pool.find(1, 1), 0);
+  EXPECT_EQ(pool.find(2, 2), -1);
+  pool.check_invariants();
+}
+
 TEST(StateSnapshotPool, DropFreesTheSnapshotOfAnUncachedBlock) {
   StateSnapshotPool pool(2);
   pool.commit(pool.allocate(0), 5, 9);

@@ -982,6 +982,17 @@ TEST(Scheduler, HybridPrefixCachingUnderPressureKeepsEveryOutput) {
   EXPECT_GT(preemptions, 0u);
 }
 
+// A sequence's snapshots past its prompt supersede each other: with two snapshots, the one at the
+// end of its prompt outlives the three its decode takes, so a prompt sharing it still hits.
+TEST(Scheduler, HybridDecodeSnapshotsSupersedeEachOther) {
+  Harness h(64, 4, {.max_num_seqs = 2, .max_num_batched_tokens = 64}, 1, 2, 1, 2);
+  h.add(1, prompt_of(9, 1), 12);  // a snapshot at 8, then decodes reaching 12, 16 and 20
+  h.run_to_completion();
+  h.add(2, prompt_of(11, 1), 1);
+  h.run_to_completion();
+  EXPECT_EQ(first_chunk_start(h, 2), 8);
+}
+
 // A step that fails hands its plan's snapshots back: the pending saves and the hit's pin.
 TEST(Scheduler, AbandonReturnsThePlansSnapshots) {
   Harness h(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 64}, 1, 2, 1, 2);
