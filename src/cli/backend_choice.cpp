@@ -170,7 +170,8 @@ int follow_leader(const std::string& model_dir, const BackendChoice& c) {
 
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& c,
                                       int max_num_seqs, int max_num_batched_tokens,
-                                      const SpeculativeConfig& speculative) {
+                                      const SpeculativeConfig& speculative,
+                                      int num_state_snapshots) {
   c.parallel.validate();
   c.nodes.validate(c.parallel);
   if (c.device == "cuda") {
@@ -205,6 +206,7 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
   CpuBackendOptions o = cpu_options(c);
   const int drafts = speculative.enabled() ? speculative.num_speculative_tokens : 0;
   o.num_state_slots = max_num_seqs * (1 + drafts);
+  o.num_state_snapshots = num_state_snapshots;
   if (speculative.method == SpeculativeConfig::Method::kMtp) {
     o.mtp = {.enabled = true, .dir = speculative.model};
     o.num_mtp_drafts = drafts;

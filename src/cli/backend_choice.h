@@ -51,10 +51,12 @@ std::vector<int> rank_devices(const parallel::ParallelConfig& parallel, const st
 // backend's per-step buffers and graphs. With `speculative` (--speculative-config) a hybrid
 // model's recurrent-state slots are max_num_seqs * (1 + num_speculative_tokens) per DP rank, so
 // every running sequence has its state and a scratch state per draft, and method "mtp" loads the
-// MTP head (the checkpoint's mtp.* or speculative.model).
+// MTP head (the checkpoint's mtp.* or speculative.model). `num_state_snapshots`: a hybrid model's
+// recurrent-state snapshots per DP rank for prefix caching (the cpu device; 0: none).
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& choice,
                                       int max_num_seqs, int max_num_batched_tokens,
-                                      const SpeculativeConfig& speculative = {});
+                                      const SpeculativeConfig& speculative = {},
+                                      int num_state_snapshots = 0);
 // True for nodes 1.. of a multi-node worker (--node-rank > 0): they run no engine of their own.
 inline bool is_follower_node(const BackendChoice& choice) { return choice.nodes.node_rank > 0; }
 // A follower node: loads its ranks, runs node 0's steps until node 0 shuts the worker down, and
