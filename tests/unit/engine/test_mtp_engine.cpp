@@ -10,8 +10,9 @@
 // drafts); seeded sampling gives the same tokens as without; the first drafts verified after each
 // prompt are the oracle's chained greedy drafts (mtp_expected.json); the spec-decode counters
 // equal what the steps verified and accepted; after a step that accepted drafts the head proposes
-// what it proposes from a cold start over the same tokens; a prefix hit (Qwen3-MoE: the hybrids
-// take none) leaves every proposal as without the hit; two TP ranks draft like one. The
+// what it proposes from a cold start over the same tokens; a prefix hit (Qwen3-MoE, and the
+// hybrids restoring a recurrent-state snapshot) leaves every proposal as without the hit; two TP
+// ranks draft like one. The
 // configurations the engine and backend cannot run are refused with errors naming what is wrong.
 #include <gtest/gtest.h>
 
@@ -86,6 +87,7 @@ class Recorder : public Backend {
   int block_size() const override { return b_->block_size(); }
   int num_kv_blocks() const override { return b_->num_kv_blocks(); }
   int num_state_slots() const override { return b_->num_state_slots(); }
+  int num_state_snapshots() const override { return b_->num_state_snapshots(); }
   bool supports_draft_tokens() const override { return true; }
   int num_proposed_drafts() const override { return b_->num_proposed_drafts(); }
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override {
@@ -118,6 +120,7 @@ struct RunConfig {
   bool forced_drafts = false;
   parallel::ParallelConfig parallel{};
   bool enable_prefix_caching = true;
+  int num_state_snapshots = 0;  // hybrid models: their prefix hits need some
   // Requests run in waves: wave w is added once wave w - 1 is done (prefix hits on a clean pool).
   std::vector<std::vector<std::vector<int32_t>>> waves;
   std::vector<std::vector<int32_t>> reference;  // for forced_drafts: each request's output
@@ -138,6 +141,7 @@ RunResult run(const Head& h, const RunConfig& rc) {
   o.num_threads = 2;
   o.parallel = rc.parallel;
   o.num_state_slots = 8 * (1 + rc.k);
+  o.num_state_snapshots = rc.num_state_snapshots;
   EngineConfig c;
   c.max_num_seqs = 8;
   c.max_num_batched_tokens = rc.max_num_batched_tokens;
@@ -392,6 +396,33 @@ TEST(MtpEngineQwen3, PrefixHitsLeaveTheProposalsAsWithout) {
   rc.k = 0;
   rc.enable_prefix_caching = true;
   EXPECT_EQ(run(separate_head(), rc).tokens, hit.tokens);
+}
+
+// The same on a hybrid model, whose hit also restores the recurrent state: the second prompt shares
+// 30 tokens, so 7 cached blocks, the last given back; chunks of 12 leave a state snapshot at 24.
+TEST(MtpEngineHybrid, PrefixHitsLeaveTheProposalsAsWithout) {
+  const Head& head = kHeads.front();
+  const test::ModelFixture fx = test::ModelFixture::load(head.target_path(), head.target_path());
+  const std::vector<int32_t>& base = fx.prompts[3];
+  std::vector<int32_t> second(base.begin(), base.begin() + 30);
+  for (int32_t t : {7, 300, 41}) second.push_back(t);
+  ASSERT_NE(second[30], base[30]);
+  RunConfig rc;
+  rc.k = 2;
+  rc.max_tokens = 12;
+  rc.max_num_batched_tokens = 12;
+  rc.num_state_snapshots = 16;
+  rc.waves = {{base}, {second}};
+  const RunResult hit = run(head, rc);
+  EXPECT_EQ(hit.stats.scheduler.prefix_cache_hits, 24u);
+  rc.enable_prefix_caching = false;
+  const RunResult cold = run(head, rc);
+  EXPECT_EQ(cold.stats.scheduler.prefix_cache_hits, 0u);
+  EXPECT_EQ(hit.tokens, cold.tokens);
+  EXPECT_EQ(hit.proposed.at(1), cold.proposed.at(1));
+  rc.k = 0;
+  rc.enable_prefix_caching = true;
+  EXPECT_EQ(run(head, rc).tokens, hit.tokens);
 }
 
 // Two TP ranks (each with half the head's attention heads and experts' width) draft what one does.
