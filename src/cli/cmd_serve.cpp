@@ -42,7 +42,7 @@ struct ServeOptions {
   int max_queue = 256;
   double drain_timeout_s = 30.0;
   bool no_prefix_caching = false;
-  int num_state_snapshots = -1;  // hybrid models; -1: max_num_seqs
+  int num_state_snapshots = -1;    // hybrid models; -1: max_num_seqs
   std::string speculative_config;  // vLLM's --speculative-config JSON
   std::string tool_call_parser;    // vLLM's --tool-call-parser name; empty: the chat template's
   int max_connections = 4096;
@@ -92,10 +92,10 @@ std::string prefix_caching_summary(const Backend& backend, const EngineConfig& e
     return "prefix caching off: the model has linear-attention layers and no recurrent-state "
            "snapshots (--num-state-snapshots 0)";
   }
-  return str("prefix caching on (full KV blocks, by chained hash; linear-attention layers: ",
-             snapshots, " recurrent-state snapshots at block boundaries, ",
-             backend.state_slot_bytes() >> 10, " KiB each; a hit reaches the last snapshotted "
-             "block boundary)");
+  return str(
+      "prefix caching on (full KV blocks, by chained hash; linear-attention layers: ", snapshots,
+      " recurrent-state snapshots at block boundaries, ", backend.state_slot_bytes() >> 10,
+      " KiB each; a hit reaches the last snapshotted block boundary)");
 }
 
 bool is_loopback(const std::string& host) {
@@ -259,7 +259,8 @@ int run_serve(const ServeOptions& o) {
               ": MTP drafting on disaggregated workers is not built yet (the prefill "
               "worker does not hand over the MTP layer's KV); use \"ngram\" there");
   const int num_state_snapshots =
-      o.no_prefix_caching ? 0 : (o.num_state_snapshots >= 0 ? o.num_state_snapshots : o.max_num_seqs);
+      o.no_prefix_caching ? 0
+                          : (o.num_state_snapshots >= 0 ? o.num_state_snapshots : o.max_num_seqs);
   auto backend = make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens,
                               ec.speculative, num_state_snapshots);
   RELAY_CHECK(!is_worker || backend->num_state_slots() == 0, "--role ", o.role, ": ",

@@ -297,10 +297,10 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
       r.snapshot_slots[first_row + j] = local_slot(s, 1 + static_cast<size_t>(j));
       snapshots = true;
     }
-    RELAY_CHECK(s.num_draft_tokens == 0 ||
-                    (s.restore_state_snapshot < 0 && s.save_state_snapshots.empty()),
-                "sequence ", s.seq_id, ": state snapshots with drafts (whose rows' copies are the "
-                "rollback's)");
+    RELAY_CHECK(
+        s.num_draft_tokens == 0 || (s.restore_state_snapshot < 0 && s.save_state_snapshots.empty()),
+        "sequence ", s.seq_id,
+        ": state snapshots with drafts (whose rows' copies are the rollback's)");
     if (s.restore_state_snapshot >= 0) {
       RELAY_CHECK(s.num_computed > 0, "sequence ", s.seq_id,
                   " restores a state snapshot but computes from position 0");
@@ -308,8 +308,8 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
     }
     for (const SnapshotSave& save : s.save_state_snapshots) {
       RELAY_CHECK(save.row >= 0 && static_cast<size_t>(save.row) < s.tokens.size(), "sequence ",
-                  s.seq_id, ": state snapshot after row ", save.row, " of its ",
-                  s.tokens.size(), " tokens");
+                  s.seq_id, ": state snapshot after row ", save.row, " of its ", s.tokens.size(),
+                  " tokens");
       r.snapshot_slots[r.query_starts[m] + save.row] = snapshot_slot(s, save.snapshot);
       snapshots = true;
     }

@@ -120,8 +120,9 @@ PrefixHit BlockManager::first_blocks(PrefixHit hit, size_t num_blocks) const {
   return hit;
 }
 
-std::optional<CachedPrefixBlock> BlockManager::cached_prefix_block(
-    int64_t seq_id, std::span<const int32_t> tokens, int block_index) const {
+std::optional<CachedPrefixBlock> BlockManager::cached_prefix_block(int64_t seq_id,
+                                                                   std::span<const int32_t> tokens,
+                                                                   int block_index) const {
   const auto it = seqs_.find(seq_id);
   if (it == seqs_.end() || block_index < 0 ||
       static_cast<size_t>(block_index) >= it->second.hashes.size() ||
@@ -130,8 +131,8 @@ std::optional<CachedPrefixBlock> BlockManager::cached_prefix_block(
   }
   const SeqBlocks& seq = it->second;
   const uint64_t hash = seq.hashes[static_cast<size_t>(block_index)];
-  const uint64_t parent =
-      block_index == 0 ? root_hash(seq.partition) : seq.hashes[static_cast<size_t>(block_index - 1)];
+  const uint64_t parent = block_index == 0 ? root_hash(seq.partition)
+                                           : seq.hashes[static_cast<size_t>(block_index - 1)];
   const auto cached = cached_.find(hash);
   if (cached == cached_.end() ||
       !matches(blocks_[cached->second], parent,

@@ -11,8 +11,8 @@ StateSnapshotPool::StateSnapshotPool(int num_snapshots, int num_partitions)
     : num_snapshots_(num_snapshots) {
   RELAY_CHECK(num_partitions >= 1, "state snapshots: num_partitions must be at least 1, got ",
               num_partitions);
-  RELAY_CHECK(num_snapshots > 0 && num_snapshots % num_partitions == 0, "state snapshots: ",
-              num_snapshots, " snapshots do not split into ", num_partitions,
+  RELAY_CHECK(num_snapshots > 0 && num_snapshots % num_partitions == 0,
+              "state snapshots: ", num_snapshots, " snapshots do not split into ", num_partitions,
               " equal partitions");
   slots_.resize(static_cast<size_t>(num_snapshots));
   partitions_.resize(static_cast<size_t>(num_partitions));
@@ -162,9 +162,9 @@ void StateSnapshotPool::check_invariants() const {
       ++seen[static_cast<size_t>(id)];
     }
   }
-  RELAY_CHECK(static_cast<size_t>(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) {
-                return s.state == State::kCached;
-              })) == by_hash_.size(),
+  RELAY_CHECK(static_cast<size_t>(std::count_if(
+                  slots_.begin(), slots_.end(),
+                  [](const Slot& s) { return s.state == State::kCached; })) == by_hash_.size(),
               "state snapshots: the hash index holds ", by_hash_.size(),
               " entries but not as many snapshots are cached");
   for (int32_t id = 0; id < num_snapshots_; ++id) {

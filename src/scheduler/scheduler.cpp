@@ -9,8 +9,8 @@
 
 namespace relay {
 
-Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks,
-                     StateSlotManager* states, StateSnapshotPool* snapshots)
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks, StateSlotManager* states,
+                     StateSnapshotPool* snapshots)
     : config_(config), blocks_(blocks), states_(states), snapshots_(snapshots) {
   RELAY_CHECK(states == nullptr || states->num_partitions() == blocks.num_partitions(),
               "the state slots have ", states ? states->num_partitions() : 0,
@@ -300,11 +300,11 @@ void Scheduler::update(const SchedulerOutput& out, std::span<const SampledToken>
     for (const SnapshotSave& save : c.snapshot_saves) {
       // The state after `boundary` tokens is kept when that prefix's last block is cached.
       const int64_t boundary = begin + save.row + 1;
-      const auto cached = boundary <= seq->num_computed
-                              ? blocks_.cached_prefix_block(
-                                    seq->id, seq->tokens,
-                                    static_cast<int>(boundary / blocks_.block_size()) - 1)
-                              : std::nullopt;
+      const auto cached =
+          boundary <= seq->num_computed
+              ? blocks_.cached_prefix_block(seq->id, seq->tokens,
+                                            static_cast<int>(boundary / blocks_.block_size()) - 1)
+              : std::nullopt;
       if (cached) {
         snapshots_->commit(save.snapshot, cached->hash, cached->block);
         if (boundary > seq->num_prompt_tokens) output_snapshots_[seq->id] = *cached;

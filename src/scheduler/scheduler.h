@@ -145,8 +145,8 @@ class Scheduler {
   // `states`: the recurrent-state slots of a hybrid model (nullptr for attention-only models), with
   // as many partitions as `blocks`; `snapshots`: its state snapshots for prefix caching (nullptr:
   // no hit), as many partitions again. The scheduler makes `blocks` record uncached hashes.
-  Scheduler(const SchedulerConfig& config, BlockManager& blocks,
-            StateSlotManager* states = nullptr, StateSnapshotPool* snapshots = nullptr);
+  Scheduler(const SchedulerConfig& config, BlockManager& blocks, StateSlotManager* states = nullptr,
+            StateSnapshotPool* snapshots = nullptr);
 
   // Queues a new sequence (tokens = its prompt, non-empty; id unused so far).
   void add(std::unique_ptr<Sequence> seq);

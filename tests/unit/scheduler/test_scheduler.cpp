@@ -928,7 +928,7 @@ TEST(Scheduler, HybridSnapshotsLeaveWithTheirBlocks) {
   h.add(1, prompt_of(9, 1), 1);
   h.run_to_completion();
   EXPECT_EQ(h.snapshots->num_cached(), 1);  // at 8
-  h.add(2, prompt_of(30, 2), 1);  // needs all 8 blocks: A's cached ones are evicted
+  h.add(2, prompt_of(30, 2), 1);            // needs all 8 blocks: A's cached ones are evicted
   h.run_to_completion();
   EXPECT_EQ(h.snapshots->num_cached(), 1);  // B's, at 28; A's went with its blocks
   h.add(3, prompt_of(9, 1), 1);
@@ -960,9 +960,9 @@ TEST(Scheduler, HybridPrefixCachingUnderPressureKeepsEveryOutput) {
       for (int num_snapshots : {1, 8}) {
         for (int budget : {5, 64}) {
           for (int k : {0, 2}) {
-            SCOPED_TRACE(::testing::Message() << num_blocks << " blocks, " << num_slots
-                                              << " slots, " << num_snapshots << " snapshots, budget "
-                                              << budget << ", drafts " << k);
+            SCOPED_TRACE(::testing::Message()
+                         << num_blocks << " blocks, " << num_slots << " slots, " << num_snapshots
+                         << " snapshots, budget " << budget << ", drafts " << k);
             Harness h(num_blocks, 4, {.max_num_seqs = 4, .max_num_batched_tokens = budget}, 1,
                       num_slots * (1 + k), 1 + k, num_snapshots);
             if (k > 0) h.drafter = reference_drafter(reference.outputs, k, 1);
