@@ -39,6 +39,24 @@ const Tokenizer& tokenizer() {
   return t;
 }
 
+// The CPU backend's options for a fixture: blocks of 4 tokens, two threads.
+CpuBackendOptions fixture_options(int num_blocks, int num_state_slots, int num_state_snapshots) {
+  CpuBackendOptions o;
+  o.block_size = 4;
+  o.num_blocks = num_blocks;
+  o.num_threads = 2;
+  o.num_state_slots = num_state_slots;
+  o.num_state_snapshots = num_state_snapshots;
+  return o;
+}
+
+// An engine over fixture `name` on the CPU backend with options `o`.
+std::unique_ptr<LLMEngine> make_engine(const std::string& name, const CpuBackendOptions& o,
+                                       const EngineConfig& c) {
+  return std::make_unique<LLMEngine>(
+      std::make_unique<CpuBackend>(test::fixture_models_dir() / name, o), tokenizer(), c);
+}
+
 struct RunConfig {
   int num_blocks = 128;  // of 4 tokens
   int num_state_slots = 64;
@@ -56,17 +74,13 @@ struct RunResult {
 };
 
 RunResult run(const std::string& name, const test::ModelFixture& fx, const RunConfig& rc) {
-  CpuBackendOptions o;
-  o.block_size = 4;
-  o.num_blocks = rc.num_blocks;
-  o.num_threads = 2;
-  o.num_state_slots = rc.num_state_slots;
   EngineConfig c;
   c.max_num_seqs = 8;
   c.max_num_batched_tokens = rc.max_num_batched_tokens;
   c.speculative = rc.speculative;
-  LLMEngine engine(std::make_unique<CpuBackend>(test::fixture_models_dir() / name, o), tokenizer(),
-                   c);
+  const std::unique_ptr<LLMEngine> owned =
+      make_engine(name, fixture_options(rc.num_blocks, rc.num_state_slots, 0), c);
+  LLMEngine& engine = *owned;
   for (size_t i = 0; i < fx.prompts.size(); ++i) {
     EngineRequest r;
     r.prompt = fx.prompts[i];
@@ -157,13 +171,7 @@ TEST_P(HybridEngine, RejectedDraftsLeaveNoTraceInTheState) {
 // while it computes 30, restored into another slot over the first sequence's KV blocks, gives the
 // logits of the rest of the prompt exactly as one prefill of all of it.
 TEST_P(HybridEngine, ARestoredSnapshotGivesTheLogitsOfAFullPrefill) {
-  CpuBackendOptions o;
-  o.block_size = 4;
-  o.num_blocks = 64;
-  o.num_threads = 2;
-  o.num_state_slots = 3;
-  o.num_state_snapshots = 2;
-  CpuBackend backend(test::fixture_models_dir() / GetParam(), o);
+  CpuBackend backend(test::fixture_models_dir() / GetParam(), fixture_options(64, 3, 2));
   EXPECT_EQ(backend.num_state_snapshots(), 2);
   const size_t vocab = static_cast<size_t>(backend.config().vocab_size);
   const std::span<const int32_t> prompt = fx_.prompts[3];
@@ -249,18 +257,13 @@ struct PrefixRunResult {
 
 PrefixRunResult run_prefix_load(const std::string& name, const PrefixLoad& load,
                                 const PrefixRunConfig& rc) {
-  CpuBackendOptions o;
-  o.block_size = 4;
-  o.num_blocks = rc.num_blocks;
-  o.num_threads = 2;
-  o.num_state_slots = 8;
-  o.num_state_snapshots = rc.prefix_caching ? rc.num_state_snapshots : 0;
   EngineConfig c;
   c.max_num_seqs = 5;
   c.max_num_batched_tokens = rc.max_num_batched_tokens;
   c.enable_prefix_caching = rc.prefix_caching;
-  LLMEngine engine(std::make_unique<CpuBackend>(test::fixture_models_dir() / name, o), tokenizer(),
-                   c);
+  const std::unique_ptr<LLMEngine> owned = make_engine(
+      name, fixture_options(rc.num_blocks, 8, rc.prefix_caching ? rc.num_state_snapshots : 0), c);
+  LLMEngine& engine = *owned;
   PrefixRunResult out;
   auto drain = [&] {
     for (int step = 0; engine.has_work(); ++step) {
@@ -344,12 +347,9 @@ TEST_P(HybridEngine, PrefixHitsThroughPreemptionAndFewSnapshotsKeepTheOutputs) {
 }
 
 TEST_P(HybridEngine, AHandOverIsRefused) {
-  CpuBackendOptions o;
-  o.block_size = 4;
-  o.num_blocks = 32;
-  o.num_threads = 1;
-  LLMEngine engine(std::make_unique<CpuBackend>(test::fixture_models_dir() / GetParam(), o),
-                   tokenizer(), {});
+  const std::unique_ptr<LLMEngine> owned =
+      make_engine(GetParam(), fixture_options(32, CpuBackendOptions{}.num_state_slots, 0), {});
+  LLMEngine& engine = *owned;
   EXPECT_GT(engine.backend().num_state_slots(), 0);
   EXPECT_NE(test::error_text([&] { engine.reserve_kv(1, fx_.prompts[1]); }).find("recurrent layers"),
             std::string::npos);

@@ -370,51 +370,23 @@ INSTANTIATE_TEST_SUITE_P(Heads, MtpEngine, ::testing::ValuesIn(kHeads),
 
 const Head& separate_head() { return kHeads.back(); }
 
-// A prompt that shares 28 tokens (7 blocks) with an earlier one and then differs: the head's K/V
-// at position 27 was computed with the earlier prompt's token 28, so the hit must give its last
-// block back. Every proposal of the later request equals a run without the prefix cache.
-TEST(MtpEngineQwen3, PrefixHitsLeaveTheProposalsAsWithout) {
-  const test::ModelFixture fx =
-      test::ModelFixture::load(separate_head().target_path(), separate_head().target_path());
-  const std::vector<int32_t>& base = fx.prompts[3];  // 31 tokens
-  ASSERT_GE(base.size(), 31u);
-  std::vector<int32_t> second(base.begin(), base.begin() + 28);
-  for (int32_t t : {7, 300, 41}) second.push_back(t);
-  ASSERT_NE(second[28], base[28]);
-  RunConfig rc;
-  rc.k = 2;
-  rc.max_tokens = 12;
-  rc.max_num_batched_tokens = 64;
-  rc.waves = {{base}, {second}};
-  const RunResult hit = run(separate_head(), rc);
-  EXPECT_EQ(hit.stats.scheduler.prefix_cache_hits, 24u);  // 7 cached blocks, the last given back
-  rc.enable_prefix_caching = false;
-  const RunResult cold = run(separate_head(), rc);
-  EXPECT_EQ(cold.stats.scheduler.prefix_cache_hits, 0u);
-  EXPECT_EQ(hit.tokens, cold.tokens);
-  EXPECT_EQ(hit.proposed.at(1), cold.proposed.at(1));
-  rc.k = 0;
-  rc.enable_prefix_caching = true;
-  EXPECT_EQ(run(separate_head(), rc).tokens, hit.tokens);
-}
-
-// The same on a hybrid model, whose hit also restores the recurrent state: the second prompt shares
-// 30 tokens, so 7 cached blocks, the last given back; chunks of 12 leave a state snapshot at 24.
-TEST(MtpEngineHybrid, PrefixHitsLeaveTheProposalsAsWithout) {
-  const Head& head = kHeads.front();
+// A prompt that shares `shared` tokens with an earlier one and then differs: the head's K/V at the
+// last shared block's end was computed with the earlier prompt's next token, so the hit must give
+// its last block back. Every proposal of the later request equals a run without the prefix cache,
+// and the tokens those without speculation.
+void expect_a_hit_leaves_the_proposals(const Head& head, size_t shared, RunConfig rc,
+                                       uint64_t num_hit_tokens) {
   const test::ModelFixture fx = test::ModelFixture::load(head.target_path(), head.target_path());
   const std::vector<int32_t>& base = fx.prompts[3];
-  std::vector<int32_t> second(base.begin(), base.begin() + 30);
+  ASSERT_GT(base.size(), shared);
+  std::vector<int32_t> second(base.begin(), base.begin() + static_cast<ptrdiff_t>(shared));
   for (int32_t t : {7, 300, 41}) second.push_back(t);
-  ASSERT_NE(second[30], base[30]);
-  RunConfig rc;
+  ASSERT_NE(second[shared], base[shared]);
   rc.k = 2;
   rc.max_tokens = 12;
-  rc.max_num_batched_tokens = 12;
-  rc.num_state_snapshots = 16;
   rc.waves = {{base}, {second}};
   const RunResult hit = run(head, rc);
-  EXPECT_EQ(hit.stats.scheduler.prefix_cache_hits, 24u);
+  EXPECT_EQ(hit.stats.scheduler.prefix_cache_hits, num_hit_tokens);
   rc.enable_prefix_caching = false;
   const RunResult cold = run(head, rc);
   EXPECT_EQ(cold.stats.scheduler.prefix_cache_hits, 0u);
@@ -423,6 +395,22 @@ TEST(MtpEngineHybrid, PrefixHitsLeaveTheProposalsAsWithout) {
   rc.k = 0;
   rc.enable_prefix_caching = true;
   EXPECT_EQ(run(head, rc).tokens, hit.tokens);
+}
+
+// 28 shared tokens: 7 cached blocks, the last given back.
+TEST(MtpEngineQwen3, PrefixHitsLeaveTheProposalsAsWithout) {
+  RunConfig rc;
+  rc.max_num_batched_tokens = 64;
+  expect_a_hit_leaves_the_proposals(separate_head(), 28, rc, 24);
+}
+
+// On a hybrid model the hit also restores the recurrent state: 30 shared tokens, 7 cached blocks,
+// the last given back, and chunks of 12 leave a state snapshot at 24.
+TEST(MtpEngineHybrid, PrefixHitsLeaveTheProposalsAsWithout) {
+  RunConfig rc;
+  rc.max_num_batched_tokens = 12;
+  rc.num_state_snapshots = 16;
+  expect_a_hit_leaves_the_proposals(kHeads.front(), 30, rc, 24);
 }
 
 // Two TP ranks (each with half the head's attention heads and experts' width) draft what one does.
