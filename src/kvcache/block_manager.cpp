@@ -277,7 +277,9 @@ std::span<const int32_t> BlockManager::block_table(int64_t seq_id) const {
 }
 
 void BlockManager::uncache(Block& b) {
-  if (record_uncached_) uncached_.push_back(b.hash);
+  if (record_uncached_) {
+    uncached_.push_back({b.hash, static_cast<int32_t>(&b - blocks_.data())});
+  }
   cached_.erase(b.hash);
   b.cached = false;
   b.tokens.clear();

@@ -27,7 +27,7 @@
 //
 // Recurrent-state snapshots (state_snapshots.h) name prefixes by the same hashes and live only as
 // long as the cached block under their hash: cached_prefix_block tells which block that is for a
-// sequence's prefix, and take_uncached (when record_uncached is on) lists the hashes that left the
+// sequence's prefix, and take_uncached (when record_uncached is on) lists the blocks that left the
 // cache, so their snapshots can be dropped with them.
 //
 // Allocation is all-or-nothing: a call that cannot get every block it needs changes nothing.
@@ -109,10 +109,11 @@ class BlockManager {
   std::optional<CachedPrefixBlock> cached_prefix_block(int64_t seq_id,
                                                        std::span<const int32_t> tokens,
                                                        int block_index) const;
-  // From now on, remembers the hash of every block that leaves the prefix cache (evicted for reuse
-  // or cut by truncate) until take_uncached; off by default, so nothing accumulates unread.
+  // From now on, remembers every block that leaves the prefix cache (evicted for reuse or cut by
+  // truncate), with the hash it was cached under, until take_uncached; off by default, so nothing
+  // accumulates unread.
   void record_uncached() { record_uncached_ = true; }
-  std::vector<uint64_t> take_uncached() { return std::exchange(uncached_, {}); }
+  std::vector<CachedPrefixBlock> take_uncached() { return std::exchange(uncached_, {}); }
 
   // Whether allocate(seq_id, num_tokens, hit) would succeed now.
   bool can_allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit = nullptr) const;
@@ -204,7 +205,7 @@ class BlockManager {
   std::unordered_map<uint64_t, int32_t> cached_;  // chained hash -> block
   std::unordered_map<int64_t, SeqBlocks> seqs_;
   bool record_uncached_ = false;
-  std::vector<uint64_t> uncached_;  // hashes uncached since take_uncached, when recorded
+  std::vector<CachedPrefixBlock> uncached_;  // since take_uncached, when recorded
 };
 
 }  // namespace relay

@@ -85,7 +85,7 @@ int32_t StateSnapshotPool::allocate(int partition) {
   } else {
     for (const int32_t victim : p.lru) {
       if (slots_[static_cast<size_t>(victim)].pins > 0) continue;
-      drop(slots_[static_cast<size_t>(victim)].hash);
+      drop(slots_[static_cast<size_t>(victim)].hash, slots_[static_cast<size_t>(victim)].block);
       id = p.free.back();  // drop returned the victim to the free list
       p.free.pop_back();
       break;
@@ -107,7 +107,7 @@ void StateSnapshotPool::commit(int32_t id, uint64_t hash, int32_t block) {
       make_free(id);
       return;
     }
-    drop(hash);  // taken under a block that has left the cache since
+    drop(hash, slots_[static_cast<size_t>(it->second)].block);  // that block has left the cache
   }
   Partition& p = partitions_[partition_of_snapshot(id)];
   s.state = State::kCached;
@@ -123,9 +123,9 @@ void StateSnapshotPool::release(int32_t id) {
   make_free(id);
 }
 
-void StateSnapshotPool::drop(uint64_t hash) {
+void StateSnapshotPool::drop(uint64_t hash, int32_t block) {
   const auto it = by_hash_.find(hash);
-  if (it == by_hash_.end()) return;
+  if (it == by_hash_.end() || slots_[static_cast<size_t>(it->second)].block != block) return;
   const int32_t id = it->second;
   Slot& s = slots_[static_cast<size_t>(id)];
   RELAY_CHECK(s.pins == 0, "state snapshot ", id, " dropped while a sequence restores it");

@@ -12,7 +12,7 @@
 // and is keyed by the chained hash of block i (block_manager.h), the hash that names that whole
 // prefix. It also records the KV block id cached under that hash when it was taken, and lives only
 // as long as that block stays cached under it (the scheduler drops it when the block manager
-// evicts the block: BlockManager::take_uncached), so a snapshot names exactly the prefix its block
+// uncaches the block: BlockManager::take_uncached), so a snapshot names exactly the prefix its block
 // names, with the block manager's token check against hash collisions, and a hit uses it only when
 // the hit's last block is that block.
 //
@@ -77,9 +77,10 @@ class StateSnapshotPool {
   void commit(int32_t id, uint64_t hash, int32_t block);
   // Returns pending snapshot `id` to free (its state was not kept).
   void release(int32_t id);
-  // Drops the cached snapshot under `hash`, if any (its block left the prefix cache); a pinned
-  // one cannot be dropped (its block is held by the sequence that pinned it).
-  void drop(uint64_t hash);
+  // Drops the cached snapshot under `hash` and `block`, if any (that block left the prefix cache;
+  // one under the same hash and another block stays); a pinned one cannot be dropped (its block is
+  // held by the sequence that pinned it).
+  void drop(uint64_t hash, int32_t block);
 
   // Throws relay::Error naming the first broken invariant (see the top of this file).
   void check_invariants() const;

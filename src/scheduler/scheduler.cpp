@@ -132,7 +132,9 @@ void Scheduler::plan_snapshot_saves(ScheduledChunk& c) {
 
 void Scheduler::drop_uncached_snapshots() {
   if (snapshots_ == nullptr) return;
-  for (const uint64_t h : blocks_.take_uncached()) snapshots_->drop(h);
+  for (const CachedPrefixBlock& gone : blocks_.take_uncached()) {
+    snapshots_->drop(gone.hash, gone.block);
+  }
 }
 
 SchedulerOutput Scheduler::schedule() {

@@ -622,15 +622,18 @@ TEST(BlockManager, CachedPrefixBlocksAndUncachedHashes) {
   bm.cache_full_blocks(3, other, 4);
   EXPECT_EQ(bm.cached_prefix_block(3, other, 0)->block, bm.block_table(3)[0]);
   const uint64_t other_hash = bm.cached_prefix_block(3, other, 0)->hash;
+  const int32_t other_block = bm.block_table(3)[0];
   EXPECT_TRUE(bm.take_uncached().empty());
   bm.free(1);
   bm.free(3);
   bm.free(2);
   ASSERT_TRUE(bm.allocate(4, 32));  // every block: the cached ones are evicted
-  const std::vector<uint64_t> gone = bm.take_uncached();
-  EXPECT_EQ(std::set<uint64_t>(gone.begin(), gone.end()),
-            (std::set<uint64_t>{hit.hashes[0], hit.hashes[1], hit.hashes[2], other_hash}))
-      << "evicted " << gone.size();
+  std::set<std::pair<uint64_t, int32_t>> gone;
+  for (const CachedPrefixBlock& b : bm.take_uncached()) gone.emplace(b.hash, b.block);
+  EXPECT_EQ(gone, (std::set<std::pair<uint64_t, int32_t>>{{hit.hashes[0], hit.blocks[0]},
+                                                          {hit.hashes[1], hit.blocks[1]},
+                                                          {hit.hashes[2], hit.blocks[2]},
+                                                          {other_hash, other_block}}));
   EXPECT_TRUE(bm.take_uncached().empty());
   bm.free(4);
   // 5 caches the first block again and 6 computes its own copy, named by 5's until it is evicted.

@@ -63,7 +63,7 @@ TEST(StateSnapshotPool, EvictsTheLeastRecentlyUsedUnpinnedSnapshot) {
   EXPECT_GE(t, 0);  // 1 goes
   EXPECT_EQ(pool.find(1, 1), -1);
   EXPECT_EQ(pool.allocate(0), -1);
-  EXPECT_THROW(pool.drop(2), Error);  // a pinned snapshot is being restored
+  EXPECT_THROW(pool.drop(2, 2), Error);  // a pinned snapshot is being restored
   pool.unpin(pinned);
   EXPECT_EQ(pool.allocate(0), pinned);
   pool.check_invariants();
@@ -83,9 +83,10 @@ TEST(StateSnapshotPool, ADemotedSnapshotIsEvictedFirst) {
 TEST(StateSnapshotPool, DropFreesTheSnapshotOfAnUncachedBlock) {
   StateSnapshotPool pool(2);
   pool.commit(pool.allocate(0), 5, 9);
-  pool.drop(6);  // no snapshot under it: nothing
+  pool.drop(6, 9);  // no snapshot under it: nothing
+  pool.drop(5, 8);  // the hash under another block: not this snapshot
   EXPECT_EQ(pool.num_cached(), 1);
-  pool.drop(5);
+  pool.drop(5, 9);
   EXPECT_EQ(pool.num_cached(), 0);
   EXPECT_EQ(pool.num_free(0), 2);
   pool.check_invariants();
@@ -167,7 +168,7 @@ TEST(StateSnapshotPool, RandomOperationsKeepTheInvariants) {
         break;
       case 3:
         if (const auto it = cached.find(hash); it != cached.end() && pins[it->second.first] == 0) {
-          pool.drop(hash);
+          pool.drop(hash, it->second.second);
           cached.erase(it);
         }
         break;
