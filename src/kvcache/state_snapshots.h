@@ -12,9 +12,9 @@
 // and is keyed by the chained hash of block i (block_manager.h), the hash that names that whole
 // prefix. It also records the KV block id cached under that hash when it was taken, and lives only
 // as long as that block stays cached under it (the scheduler drops it when the block manager
-// uncaches the block: BlockManager::take_uncached), so a snapshot names exactly the prefix its block
-// names, with the block manager's token check against hash collisions, and a hit uses it only when
-// the hit's last block is that block.
+// uncaches the block: BlockManager::take_uncached), so a snapshot names exactly the prefix its
+// block names, with the block manager's token check against hash collisions, and a hit uses it only
+// when the hit's last block is that block.
 //
 // Life of a snapshot slot: *free*; *pending* (allocate: a step will write the state at a boundary
 // into it; no hash yet, never evicted); *cached* (commit, once the step has run and the boundary's
