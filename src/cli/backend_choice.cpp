@@ -170,7 +170,8 @@ int follow_leader(const std::string& model_dir, const BackendChoice& c) {
 
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& c,
                                       int max_num_seqs, int max_num_batched_tokens,
-                                      const SpeculativeConfig& speculative) {
+                                      const SpeculativeConfig& speculative,
+                                      int num_state_snapshots) {
   c.parallel.validate();
   c.nodes.validate(c.parallel);
   check_speculation_device(c.device, speculative);
@@ -201,7 +202,8 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
   RELAY_CHECK(!is_follower_node(c), "node ", c.nodes.node_rank,
               " of a multi-node worker follows node 0 (follow_leader); it builds no engine");
   return std::make_unique<CpuBackend>(model_dir,
-                                      cpu_backend_options(c, max_num_seqs, speculative));
+                                      cpu_backend_options(c, max_num_seqs, speculative,
+                                                          num_state_snapshots));
 }
 
 void check_speculation_device(const std::string& device, const SpeculativeConfig& speculative) {
@@ -212,10 +214,12 @@ void check_speculation_device(const std::string& device, const SpeculativeConfig
 }
 
 CpuBackendOptions cpu_backend_options(const BackendChoice& c, int max_num_seqs,
-                                      const SpeculativeConfig& speculative) {
+                                      const SpeculativeConfig& speculative,
+                                      int num_state_snapshots) {
   CpuBackendOptions o = cpu_options(c);
   const int drafts = speculative.enabled() ? speculative.num_speculative_tokens : 0;
   o.num_state_slots = max_num_seqs * (1 + drafts);
+  o.num_state_snapshots = num_state_snapshots;
   if (speculative.method == SpeculativeConfig::Method::kMtp) {
     o.mtp = {.enabled = true, .dir = speculative.model};
     o.num_mtp_drafts = drafts;

@@ -52,17 +52,20 @@ std::vector<int> rank_devices(const parallel::ParallelConfig& parallel, const st
 // backend's per-step buffers and graphs. With `speculative` (--speculative-config) a hybrid
 // model's recurrent-state slots are max_num_seqs * (1 + num_speculative_tokens) per DP rank, so
 // every running sequence has its state and a scratch state per draft, and method "mtp" loads the
-// MTP head (the checkpoint's mtp.* or speculative.model).
+// MTP head (the checkpoint's mtp.* or speculative.model). `num_state_snapshots`: a hybrid model's
+// recurrent-state snapshots per DP rank for prefix caching (the cpu device; 0: none).
 std::unique_ptr<Backend> make_backend(const std::string& model_dir, const BackendChoice& choice,
                                       int max_num_seqs, int max_num_batched_tokens,
-                                      const SpeculativeConfig& speculative = {});
+                                      const SpeculativeConfig& speculative = {},
+                                      int num_state_snapshots = 0);
 // Refuses (relay::Error) --speculative-config on a device that does not verify drafts: cuda, for
 // now. make_backend and relay bench ask before anything loads.
 void check_speculation_device(const std::string& device, const SpeculativeConfig& speculative);
-// The cpu device's backend options, as make_backend builds them (the state slots and MTP head of
-// `speculative` included); relay bench adds its benchmark-only settings to them.
+// The cpu device's backend options, as make_backend builds them (the state slots, snapshots and MTP
+// head of `speculative` included); relay bench adds its benchmark-only settings to them.
 CpuBackendOptions cpu_backend_options(const BackendChoice& choice, int max_num_seqs,
-                                      const SpeculativeConfig& speculative);
+                                      const SpeculativeConfig& speculative,
+                                      int num_state_snapshots = 0);
 // True for nodes 1.. of a multi-node worker (--node-rank > 0): they run no engine of their own.
 inline bool is_follower_node(const BackendChoice& choice) { return choice.nodes.node_rank > 0; }
 // A follower node: loads its ranks, runs node 0's steps until node 0 shuts the worker down, and

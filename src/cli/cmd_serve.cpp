@@ -42,6 +42,7 @@ struct ServeOptions {
   int max_queue = 256;
   double drain_timeout_s = 30.0;
   bool no_prefix_caching = false;
+  int num_state_snapshots = -1;    // hybrid models; -1: max_num_seqs
   std::string speculative_config;  // vLLM's --speculative-config JSON
   std::string tool_call_parser;    // vLLM's --tool-call-parser name; empty: the chat template's
   int max_connections = 4096;
@@ -81,6 +82,21 @@ http::TlsOptions tls_options(const ServeOptions& o) {
 
 // The URL scheme of this process's listener.
 const char* scheme(const ServeOptions& o) { return o.tls.enabled() ? "https" : "http"; }
+
+// What the prefix cache does for this model, for the start-up log.
+std::string prefix_caching_summary(const Backend& backend, const EngineConfig& ec) {
+  if (!ec.enable_prefix_caching) return "prefix caching off (--no-prefix-caching)";
+  if (backend.num_state_slots() == 0) return "prefix caching on (full KV blocks, by chained hash)";
+  const int snapshots = backend.num_state_snapshots();
+  if (snapshots == 0) {
+    return "prefix caching off: the model has linear-attention layers and no recurrent-state "
+           "snapshots (--num-state-snapshots 0)";
+  }
+  return str(
+      "prefix caching on (full KV blocks, by chained hash; linear-attention layers: ", snapshots,
+      " recurrent-state snapshots at block boundaries, ", backend.state_slot_bytes() >> 10,
+      " KiB each; a hit reaches the last snapshotted block boundary)");
+}
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
@@ -242,8 +258,11 @@ int run_serve(const ServeOptions& o) {
               o.role,
               ": MTP drafting on disaggregated workers is not built yet (the prefill "
               "worker does not hand over the MTP layer's KV); use \"ngram\" there");
+  const int num_state_snapshots =
+      o.no_prefix_caching ? 0
+                          : (o.num_state_snapshots >= 0 ? o.num_state_snapshots : o.max_num_seqs);
   auto backend = make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens,
-                              ec.speculative);
+                              ec.speculative, num_state_snapshots);
   RELAY_CHECK(!is_worker || backend->num_state_slots() == 0, "--role ", o.role, ": ",
               backend->config().architecture,
               " has linear-attention layers, whose recurrent state does not travel between "
@@ -258,6 +277,7 @@ int run_serve(const ServeOptions& o) {
                engine.backend().num_kv_blocks(), engine.backend().block_size(),
                state_slots > 0 ? str(", ", state_slots, " recurrent-state slots").c_str() : "",
                engine.max_model_len(), o.max_num_seqs, ec.speculative.describe().c_str());
+  std::fprintf(stderr, "relay: %s\n", prefix_caching_summary(engine.backend(), ec).c_str());
   if (!is_worker) {
     http.attach(engine, std::move(chat_template));
     std::fprintf(stderr, "relay: ready\n");
@@ -322,7 +342,14 @@ CommandRegistrar serve_command({
       sub.add_option("--drain-timeout", o->drain_timeout_s,
                      "seconds running requests get to finish after SIGTERM (default 30)")
           ->check(CLI::NonNegativeNumber);
-      sub.add_flag("--no-prefix-caching", o->no_prefix_caching, "recompute shared prompt prefixes");
+      sub.add_flag("--no-prefix-caching,--no-enable-prefix-caching", o->no_prefix_caching,
+                   "recompute shared prompt prefixes (hybrid models: keep no state snapshots)");
+      sub.add_option("--num-state-snapshots", o->num_state_snapshots,
+                     "hybrid models (Qwen3.5, Qwen3-Next): recurrent-state snapshots kept at block "
+                     "boundaries for prefix caching, each the size of one sequence's state and "
+                     "taken out of --kv-cache-memory; 0 gives them no prefix hit (default: "
+                     "--max-num-seqs)")
+          ->check(CLI::NonNegativeNumber);
       sub.add_option("--speculative-config", o->speculative_config,
                      "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                      "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}' or "

@@ -25,6 +25,16 @@
 // token sampled after them (1 + accepted entries, consecutive, all with its seq_id); a backend that
 // never gets drafts (supports_draft_tokens() false; the engine refuses them) returns one token per
 // sampling sequence as before, and needs no change at all.
+//
+// State snapshots (prefix caching of hybrid models, kvcache/state_snapshots.h): a backend with a
+// recurrent-state pool may also keep num_state_snapshots() snapshot slots, each a copy of one
+// sequence's whole state, and then takes two explicit operations per sequence with its step:
+// restore (copy a snapshot over the sequence's state slot before computing its tokens: a prefix
+// hit whose KV came from the cache and whose state comes from the snapshot) and save (copy the
+// state after a row of the chunk into a snapshot: a block boundary). They ride on the step so
+// that they happen in order with the forward on every rank that holds the state, and a backend
+// without them (num_state_snapshots() 0; the engine then gives a hybrid model no prefix hit)
+// never gets either.
 #pragma once
 
 #include <algorithm>
@@ -37,6 +47,7 @@
 #include <vector>
 
 #include "kvcache/kv_cache.h"
+#include "kvcache/state_snapshots.h"
 #include "model/config.h"
 #include "sequence/sampling.h"
 
@@ -79,6 +90,12 @@ struct StepSequence {
   // slots, one per draft, are the backend's scratch space for the states after each draft and hold
   // nothing between steps.
   std::span<const int32_t> state_slots;
+  // State snapshots (see the top of this file; never with drafts): restore_state_snapshot >= 0
+  // copies that snapshot over state_slots[0] before the step (num_computed > 0: the state after
+  // the first num_computed tokens); each save copies the state after row `row` of `tokens` into
+  // its snapshot.
+  int32_t restore_state_snapshot = -1;
+  std::span<const SnapshotSave> save_state_snapshots;
   // When the backend drafts itself (num_proposed_drafts() > 0, an MTP head): the drafts for the
   // sequence's next step, replaced by a step that samples it (at most num_proposed_drafts(); fewer
   // when its KV blocks end first); null when none are wanted.
@@ -117,6 +134,11 @@ class Backend {
   // each), 0 for a model without such layers. With DP attention they split into num_kv_partitions
   // equal ranges, one per rank, as the KV blocks do.
   virtual int num_state_slots() const { return 0; }
+  // The state snapshots it keeps for prefix caching (StepSequence::restore_state_snapshot and
+  // save_state_snapshots), ids [0, n) split over num_kv_partitions as the slots are; 0: none.
+  virtual int num_state_snapshots() const { return 0; }
+  // Bytes of one state slot (and of one snapshot) on one rank, 0 without a recurrent-state pool.
+  virtual size_t state_slot_bytes() const { return 0; }
   // Every rank's KV pool, for disaggregated hand-offs; empty when this backend cannot export it.
   virtual std::vector<KvPoolExport> kv_pool_exports() { return {}; }
   // Runs one forward pass over `batch` and returns, per sequence with sample=true and in batch

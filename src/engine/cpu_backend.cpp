@@ -142,11 +142,17 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
                 "is not sharded), got ", parallel_.describe());
     RELAY_CHECK(o.num_state_slots > 0, "a model with linear-attention layers needs recurrent-state "
                 "slots, got ", o.num_state_slots);
+    RELAY_CHECK(o.num_state_snapshots >= 0, "num_state_snapshots must not be negative, got ",
+                o.num_state_snapshots);
     state_slots_per_rank_ = o.num_state_slots;
-    const size_t state_bytes = models[0]->recurrent_state_layout(o.num_state_slots).total_bytes();
+    state_snapshots_per_rank_ = o.num_state_snapshots;
+    const size_t state_bytes =
+        models[0]->recurrent_state_layout(o.num_state_slots + o.num_state_snapshots).total_bytes();
     RELAY_CHECK(o.num_blocks > 0 || state_bytes < kv_bytes, "--kv-cache-memory ", kv_bytes,
-                " bytes cannot hold the recurrent state of ", o.num_state_slots, " slots (",
-                state_bytes, " bytes: one per running sequence and draft position) and any KV");
+                " bytes cannot hold the recurrent state of ", o.num_state_slots, " slots and ",
+                o.num_state_snapshots, " snapshots (", state_bytes,
+                " bytes: one per running sequence and draft position, and one per prefix-cache "
+                "snapshot) and any KV");
     if (o.num_blocks == 0) kv_bytes -= state_bytes;
   }
   // Every rank gets the same number of blocks; global rank 0 (node 0's first) sets the count.
@@ -171,8 +177,9 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
                                             threads_per_rank(o.num_threads, num_local),
                                             parallel::place_rank(parallel_, first_rank + i)));
     if (state_slots_per_rank_ > 0) {
-      ranks_.back()->state = std::make_unique<RecurrentStatePool>(
-          ranks_.back()->model->recurrent_state_layout(state_slots_per_rank_));
+      ranks_.back()->state =
+          std::make_unique<RecurrentStatePool>(ranks_.back()->model->recurrent_state_layout(
+              state_slots_per_rank_ + state_snapshots_per_rank_));
     }
   }
 }
@@ -189,6 +196,10 @@ CpuBackend::~CpuBackend() {
 const ModelConfig& CpuBackend::config() const { return ranks_.front()->model->config(); }
 int CpuBackend::block_size() const { return ranks_.front()->kv.layout().block_size; }
 KvPool& CpuBackend::kv_pool(int rank) { return ranks_.at(rank)->kv; }
+size_t CpuBackend::state_slot_bytes() const {
+  const auto& state = ranks_.front()->state;
+  return state == nullptr ? 0 : state->layout().bytes_per_slot();
+}
 
 std::vector<KvPoolExport> CpuBackend::kv_pool_exports() {
   std::vector<KvPoolExport> out;
@@ -265,6 +276,15 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
                 r.place.dp_rank);
     return slot;
   };
+  // Prefix-cache snapshots follow the state slots in the pool.
+  const int32_t first_snapshot = r.place.dp_rank * state_snapshots_per_rank_;
+  auto snapshot_slot = [&](const StepSequence& s, int32_t id) {
+    const int32_t local = id - first_snapshot;
+    RELAY_CHECK(local >= 0 && local < state_snapshots_per_rank_, "sequence ", s.seq_id,
+                ": state snapshot ", id, " is not on its DP rank ", r.place.dp_rank, " (",
+                state_snapshots_per_rank_, " snapshots per rank)");
+    return state_slots_per_rank_ + local;
+  };
   r.state_slots.clear();
   r.state_fresh.clear();
   r.snapshot_slots.assign(r.token_ids.size(), -1);
@@ -276,6 +296,22 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
     const int32_t first_row = r.query_starts[m + 1] - 1 - s.num_draft_tokens;
     for (int32_t j = 0; j < s.num_draft_tokens; ++j) {
       r.snapshot_slots[first_row + j] = local_slot(s, 1 + static_cast<size_t>(j));
+      snapshots = true;
+    }
+    RELAY_CHECK(
+        s.num_draft_tokens == 0 || (s.restore_state_snapshot < 0 && s.save_state_snapshots.empty()),
+        "sequence ", s.seq_id,
+        ": state snapshots with drafts (whose rows' copies are the rollback's)");
+    if (s.restore_state_snapshot >= 0) {
+      RELAY_CHECK(s.num_computed > 0, "sequence ", s.seq_id,
+                  " restores a state snapshot but computes from position 0");
+      r.state->copy_slot(r.state_slots.back(), snapshot_slot(s, s.restore_state_snapshot));
+    }
+    for (const SnapshotSave& save : s.save_state_snapshots) {
+      RELAY_CHECK(save.row >= 0 && static_cast<size_t>(save.row) < s.tokens.size(), "sequence ",
+                  s.seq_id, ": state snapshot after row ", save.row, " of its ", s.tokens.size(),
+                  " tokens");
+      r.snapshot_slots[r.query_starts[m] + save.row] = snapshot_slot(s, save.snapshot);
       snapshots = true;
     }
   }

@@ -20,6 +20,10 @@
 // its first k - 1 drafts into its k scratch slots (ForwardBatch::state_snapshot_slots) and, once
 // the sampler has verified them, copies the snapshot after the last accepted draft back into its
 // state slot, so rejected drafts leave no trace in the state, as they leave none in the KV.
+// Prefix caching adds options.num_state_snapshots slots after those (also out of the KV budget):
+// snapshot i is slot num_state_slots + i of its rank's pool, a restore is a slot copy before the
+// forward and a save is the kernels' copy of the state after a row (the mechanism the draft
+// snapshots use), so a snapshot is bit for bit the state a run without the cache carries there.
 //
 // MTP drafting (options.num_mtp_drafts = K > 0, with the checkpoint's or a separate MTP head,
 // model/registry.h): after a step's target forward has been sampled, the backend runs the MTP layer
@@ -95,6 +99,9 @@ struct CpuBackendOptions {
   // a running sequence takes one plus one per draft it may verify. Their memory comes out of
   // kv_cache_bytes.
   int num_state_slots = 64;
+  // State snapshots per rank for prefix caching of such a model (backend.h), 0: none. Each is one
+  // sequence's whole state; their memory comes out of kv_cache_bytes too.
+  int num_state_snapshots = 0;
   // relay bench's --spec-forced-acceptance only (make_backend never sets it): drafts are accepted
   // with this probability instead of verified (sampler.h, sample_with_drafts).
   std::optional<double> forced_draft_acceptance;
@@ -110,6 +117,8 @@ class CpuBackend : public Backend {
   int num_kv_blocks() const override { return blocks_per_rank_ * parallel_.dp; }
   int num_kv_partitions() const override { return parallel_.dp; }
   int num_state_slots() const override { return state_slots_per_rank_ * parallel_.dp; }
+  int num_state_snapshots() const override { return state_snapshots_per_rank_ * parallel_.dp; }
+  size_t state_slot_bytes() const override;
   std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
   bool supports_prompt_logprobs() const override { return true; }
@@ -175,6 +184,7 @@ class CpuBackend : public Backend {
   parallel::ParallelConfig parallel_;
   int blocks_per_rank_ = 0;
   int state_slots_per_rank_ = 0;  // 0: the model has no linear-attention layers
+  int state_snapshots_per_rank_ = 0;  // after the state slots in each rank's pool
   int num_mtp_drafts_ = 0;
   std::optional<double> forced_draft_acceptance_;
   std::unique_ptr<NodeGroup> nodes_;  // only with several nodes

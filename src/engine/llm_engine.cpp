@@ -80,6 +80,16 @@ std::unique_ptr<StateSlotManager> make_state_slots(const Backend& backend,
   return std::make_unique<StateSlotManager>(num_slots, per_sequence, partitions);
 }
 
+// The state snapshots of a hybrid model's prefix cache (null when it has none or caching is off).
+std::unique_ptr<StateSnapshotPool> make_state_snapshots(const Backend& backend,
+                                                        const EngineConfig& config) {
+  const int num_snapshots = backend.num_state_snapshots();
+  if (backend.num_state_slots() == 0 || num_snapshots == 0 || !config.enable_prefix_caching) {
+    return nullptr;
+  }
+  return std::make_unique<StateSnapshotPool>(num_snapshots, backend.num_kv_partitions());
+}
+
 }  // namespace
 
 LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
@@ -87,17 +97,19 @@ LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
     : backend_(std::move(backend)),
       tokenizer_(std::move(tokenizer)),
       max_model_len_(0),
-      // NOTE: a recurrent layer's state is built from every token, so a hybrid model caches no
-      // prefix (scheduler.h).
+      // NOTE: a recurrent layer's state is built from every token, so a hybrid model caches a
+      // prefix only with state snapshots to restore it from (scheduler.h).
       blocks_(backend_->num_kv_blocks(), backend_->block_size(),
-              config.enable_prefix_caching && backend_->num_state_slots() == 0,
+              config.enable_prefix_caching &&
+                  (backend_->num_state_slots() == 0 || backend_->num_state_snapshots() > 0),
               backend_->num_kv_partitions()),
       states_(make_state_slots(*backend_, config)),
+      snapshots_(make_state_snapshots(*backend_, config)),
       scheduler_({.max_num_seqs = config.max_num_seqs,
                   .max_num_batched_tokens = config.max_num_batched_tokens,
                   .num_lookahead_tokens = std::max(0, backend_->num_proposed_drafts() - 1),
                   .hit_drops_last_block = backend_->num_proposed_drafts() > 0},
-                 blocks_, states_.get()) {
+                 blocks_, states_.get(), snapshots_.get()) {
   const int64_t model_len = backend_->config().max_position_embeddings;
   int64_t len = config.max_model_len > 0 ? config.max_model_len : model_len;
   RELAY_CHECK(model_len <= 0 || len <= model_len, "max_model_len ", len,
@@ -285,7 +297,8 @@ std::optional<RequestOutput> LLMEngine::abort(int64_t id) {
 
 EngineStats LLMEngine::stats() const {
   return {scheduler_.num_running(), scheduler_.num_waiting(), blocks_.usage(),
-          states_ != nullptr ? states_->usage() : 0.0, scheduler_.stats(), spec_stats_};
+          states_ != nullptr ? states_->usage() : 0.0, scheduler_.stats(), spec_stats_,
+          snapshots_ != nullptr ? snapshots_->num_cached() : 0};
 }
 
 void LLMEngine::propose_drafts() {
@@ -308,6 +321,16 @@ std::vector<RequestOutput> LLMEngine::step() {
   if (speculative_.method == SpeculativeConfig::Method::kNgram) propose_drafts();
   const SchedulerOutput plan = scheduler_.schedule();
   if (plan.empty()) return {};
+  // NOTE: a step that fails before update() hands its plan's state snapshots back (the server
+  // then fails every request and carries on with a clean engine).
+  struct AbandonUnlessUpdated {
+    Scheduler& scheduler;
+    const SchedulerOutput& plan;
+    bool updated = false;
+    ~AbandonUnlessUpdated() {
+      if (!updated) scheduler.abandon(plan);
+    }
+  } abandon{scheduler_, plan};
   last_step_ = {static_cast<int>(plan.chunks.size()), plan.num_batched_tokens};
   std::unordered_map<int64_t, int> drafts_verified;  // by request, for the spec-decode counters
   for (const ScheduledChunk& c : plan.chunks) {
@@ -337,6 +360,8 @@ std::vector<RequestOutput> LLMEngine::step() {
     s.num_computed = c.seq->num_computed;
     s.block_table = blocks_.block_table(c.seq->id);
     if (states_ != nullptr) s.state_slots = states_->slots(c.seq->id);
+    s.restore_state_snapshot = c.restore_snapshot;
+    s.save_state_snapshots = c.snapshot_saves;
     s.sample = c.sample;
     s.sampling = &c.seq->sampling;
     s.output_tokens = c.seq->output_tokens();
@@ -370,6 +395,7 @@ std::vector<RequestOutput> LLMEngine::step() {
   for (const StepSequence& s : batch) {
     if (s.prompt_logprobs != nullptr) keep_prompt_logprobs(*requests_.at(s.seq_id), s);
   }
+  abandon.updated = true;
   scheduler_.update(plan, sampled);
 
   std::vector<RequestOutput> outputs;

@@ -49,9 +49,13 @@
 // Hybrid models (linear-attention layers, backend num_state_slots() > 0): the engine gives every
 // running sequence its recurrent-state slots through a StateSlotManager (1 + num_speculative_tokens
 // each, the extra ones the backend's scratch for draft positions) that the scheduler takes at
-// admission and returns at finish or preemption. Such a model takes no prefix-cache hit and cannot
-// hand a prompt over between disaggregated workers yet (its state would have to travel with its
-// KV), so hold_kv requests and KV reservations are refused.
+// admission and returns at finish or preemption. Its prefix-cache hits need state snapshots at
+// block boundaries (kvcache/state_snapshots.h, scheduler.h): with enable_prefix_caching and a
+// backend that keeps them (Backend::num_state_snapshots() > 0) the engine owns the
+// StateSnapshotPool and passes each chunk's restore and saves to the backend (StepSequence::
+// restore_state_snapshot, save_state_snapshots); without them such a model takes no hit. It
+// cannot hand a prompt over between disaggregated workers yet (its state would have to travel
+// with its KV), so hold_kv requests and KV reservations are refused.
 //
 // The engine is single-threaded: one thread calls add_request/abort/set_drafts/step (the server's
 // engine loop). A request that could never fit in the KV pool is refused by add_request with an
@@ -72,6 +76,7 @@
 #include "grammar/grammar.h"
 #include "kvcache/block_manager.h"
 #include "kvcache/state_slots.h"
+#include "kvcache/state_snapshots.h"
 #include "scheduler/scheduler.h"
 #include "speculative/speculative.h"
 #include "tokenizer/tokenizer.h"
@@ -157,6 +162,7 @@ struct EngineStats {
   double state_slot_usage = 0.0;  // recurrent-state slots in use, 0..1 (0 without such layers)
   SchedulerStats scheduler;
   SpecDecodeStats spec_decode;
+  int num_cached_state_snapshots = 0;  // hybrid prefix caching: snapshots findable now
 };
 
 // What the last step() computed and where its time went: the serving metrics time decode-only
@@ -259,6 +265,7 @@ class LLMEngine {
   int max_model_len_;
   BlockManager blocks_;
   std::unique_ptr<StateSlotManager> states_;  // null for a model without recurrent layers
+  std::unique_ptr<StateSnapshotPool> snapshots_;  // null: a hybrid model takes no prefix hit
   Scheduler scheduler_;
   StepComposition last_step_;
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;

@@ -107,11 +107,39 @@ PrefixHit BlockManager::find_cached_prefix(std::span<const int32_t> tokens) cons
 
 PrefixHit BlockManager::without_last_block(PrefixHit hit) const {
   if (hit.blocks.empty()) return hit;
-  hit.blocks.pop_back();
-  hit.hashes.pop_back();
+  const size_t n = hit.blocks.size() - 1;
+  return first_blocks(std::move(hit), n);
+}
+
+PrefixHit BlockManager::first_blocks(PrefixHit hit, size_t num_blocks) const {
+  if (num_blocks >= hit.blocks.size()) return hit;
+  hit.blocks.resize(num_blocks);
+  hit.hashes.resize(num_blocks);
   hit.last_hash = hit.hashes.empty() ? root_hash(hit.partition) : hit.hashes.back();
   if (hit.blocks.empty()) hit.partition = -1;
   return hit;
+}
+
+std::optional<CachedPrefixBlock> BlockManager::cached_prefix_block(int64_t seq_id,
+                                                                   std::span<const int32_t> tokens,
+                                                                   int block_index) const {
+  const auto it = seqs_.find(seq_id);
+  if (it == seqs_.end() || block_index < 0 ||
+      static_cast<size_t>(block_index) >= it->second.hashes.size() ||
+      static_cast<size_t>(block_index + 1) * block_size_ > tokens.size()) {
+    return std::nullopt;
+  }
+  const SeqBlocks& seq = it->second;
+  const uint64_t hash = seq.hashes[static_cast<size_t>(block_index)];
+  const uint64_t parent = block_index == 0 ? root_hash(seq.partition)
+                                           : seq.hashes[static_cast<size_t>(block_index - 1)];
+  const auto cached = cached_.find(hash);
+  if (cached == cached_.end() ||
+      !matches(blocks_[cached->second], parent,
+               tokens.subspan(static_cast<size_t>(block_index) * block_size_, block_size_))) {
+    return std::nullopt;
+  }
+  return CachedPrefixBlock{hash, cached->second};
 }
 
 int BlockManager::num_hit_blocks_now_free(const PrefixHit* hit) const {
@@ -249,6 +277,9 @@ std::span<const int32_t> BlockManager::block_table(int64_t seq_id) const {
 }
 
 void BlockManager::uncache(Block& b) {
+  if (record_uncached_) {
+    uncached_.push_back({b.hash, static_cast<int32_t>(&b - blocks_.data())});
+  }
   cached_.erase(b.hash);
   b.cached = false;
   b.tokens.clear();

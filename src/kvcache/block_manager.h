@@ -25,6 +25,11 @@
 // the start of a prompt, the part most likely shared, is evicted last. Each cached block keeps its
 // tokens and parent hash, so a 64-bit hash collision can never hand a sequence the wrong K/V.
 //
+// Recurrent-state snapshots (state_snapshots.h) name prefixes by the same hashes and live only as
+// long as the cached block under their hash: cached_prefix_block tells which block that is for a
+// sequence's prefix, and take_uncached (when record_uncached is on) lists the blocks that left the
+// cache, so their snapshots can be dropped with them.
+//
 // Allocation is all-or-nothing: a call that cannot get every block it needs changes nothing.
 //
 // Truncation (rollback, as llama.cpp's seq_rm): a speculative step writes K/V for draft tokens that
@@ -39,8 +44,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace relay {
@@ -54,6 +61,12 @@ struct PrefixHit {
   int64_t num_tokens(int block_size) const {
     return static_cast<int64_t>(blocks.size()) * block_size;
   }
+};
+
+// A cached block and the chained hash it is cached under (cached_prefix_block).
+struct CachedPrefixBlock {
+  uint64_t hash = 0;
+  int32_t block = -1;
 };
 
 class BlockManager {
@@ -87,6 +100,20 @@ class BlockManager {
   // `hit` less its last block (none left: no hit), for a sequence that must compute that block's
   // tokens itself (scheduler.h: an MTP drafter's K/V there depends on the token after the hit).
   PrefixHit without_last_block(PrefixHit hit) const;
+  // `hit` cut to its first `num_blocks` blocks (all of them when it has fewer; none: no hit).
+  PrefixHit first_blocks(PrefixHit hit, size_t num_blocks) const;
+  // The cached block naming the prefix of `seq_id`'s first block_index + 1 blocks: the one cached
+  // under the hash the sequence chained for its block `block_index`, provided it holds the same
+  // tokens after the same parent (the collision check of a hit). Nothing when the sequence has not
+  // hashed that block yet or the prefix is not cached now. `tokens`: the sequence's tokens.
+  std::optional<CachedPrefixBlock> cached_prefix_block(int64_t seq_id,
+                                                       std::span<const int32_t> tokens,
+                                                       int block_index) const;
+  // From now on, remembers every block that leaves the prefix cache (evicted for reuse or cut by
+  // truncate), with the hash it was cached under, until take_uncached; off by default, so nothing
+  // accumulates unread.
+  void record_uncached() { record_uncached_ = true; }
+  std::vector<CachedPrefixBlock> take_uncached() { return std::exchange(uncached_, {}); }
 
   // Whether allocate(seq_id, num_tokens, hit) would succeed now.
   bool can_allocate(int64_t seq_id, int64_t num_tokens, const PrefixHit* hit = nullptr) const;
@@ -177,6 +204,8 @@ class BlockManager {
   int num_free_ = 0;                              // over all partitions
   std::unordered_map<uint64_t, int32_t> cached_;  // chained hash -> block
   std::unordered_map<int64_t, SeqBlocks> seqs_;
+  bool record_uncached_ = false;
+  std::vector<CachedPrefixBlock> uncached_;  // since take_uncached, when recorded
 };
 
 }  // namespace relay

@@ -15,13 +15,13 @@
 // ids are split into `num_partitions` equal ranges as the block manager splits block ids, and a
 // sequence's slots come from the partition its KV blocks are bound to.
 //
-// Prefix caching (the design, for the models that need it): a cached prefix of KV blocks is of no
-// use to a recurrent layer unless the state after that prefix is kept too. Relay will keep state
-// snapshots at block boundaries only ("align mode", what vLLM and SGLang settled on): a snapshot
-// pool keyed by the same chained block hash as the prefix cache, filled when a sequence's computed
-// tokens cross a block boundary, and a prefix hit of a hybrid model taken only up to the last
-// boundary that has a snapshot (the state is copied from it into the new sequence's slot). Until
-// that exists, a model with recurrent layers takes no prefix-cache hit.
+// Prefix caching: a cached prefix of KV blocks is of no use to a recurrent layer unless the state
+// after that prefix is kept too. Relay keeps state snapshots at block boundaries only ("align
+// mode", what vLLM and SGLang settled on) in a pool keyed by the same chained block hash as the
+// prefix cache (state_snapshots.h), filled as sequences' chunks reach block boundaries, and a
+// prefix hit of a hybrid model is taken only up to the last boundary that has a snapshot, which
+// the backend copies into the new sequence's state slot (scheduler.h). Without a snapshot pool
+// (--num-state-snapshots 0, --no-prefix-caching) a model with recurrent layers takes no hit.
 //
 // Invariants (check_invariants): every slot is either free (in its partition's free list) or owned
 // by exactly one sequence; a sequence owns exactly slots_per_sequence slots, all of one partition.

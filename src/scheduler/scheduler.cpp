@@ -9,12 +9,16 @@
 
 namespace relay {
 
-Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks,
-                     StateSlotManager* states)
-    : config_(config), blocks_(blocks), states_(states) {
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks, StateSlotManager* states,
+                     StateSnapshotPool* snapshots)
+    : config_(config), blocks_(blocks), states_(states), snapshots_(snapshots) {
   RELAY_CHECK(states == nullptr || states->num_partitions() == blocks.num_partitions(),
               "the state slots have ", states ? states->num_partitions() : 0,
               " partitions but the KV blocks ", blocks.num_partitions());
+  RELAY_CHECK(snapshots == nullptr ||
+                  (states != nullptr && snapshots->num_partitions() == blocks.num_partitions()),
+              "state snapshots need state slots and as many partitions as the KV blocks");
+  if (snapshots != nullptr) blocks.record_uncached();
   RELAY_CHECK(config.max_num_seqs > 0, "max_num_seqs must be positive, got ", config.max_num_seqs);
   // NOTE: each running decode needs one token of the budget, so the budget must cover a full batch.
   RELAY_CHECK(config.max_num_batched_tokens >= config.max_num_seqs, "max_num_batched_tokens (",
@@ -61,6 +65,8 @@ Sequence* Scheduler::find(int64_t id) {
 void Scheduler::preempt(Sequence* seq) {
   blocks_.free(seq->id);
   if (states_ != nullptr) states_->free(seq->id);
+  branch_points_.erase(seq->id);
+  output_snapshots_.erase(seq->id);
   seq->num_computed = 0;
   seq->draft_tokens.clear();
   ++seq->num_preemptions;
@@ -86,7 +92,53 @@ bool Scheduler::bind_state_partition(const Sequence* seq) {
   return true;
 }
 
+PrefixHit Scheduler::cap_to_snapshot(PrefixHit hit, int32_t* snapshot) const {
+  *snapshot = -1;
+  size_t m = hit.blocks.size();
+  for (; m > 0; --m) {
+    *snapshot = snapshots_->find(hit.hashes[m - 1], hit.blocks[m - 1]);
+    if (*snapshot >= 0) break;
+  }
+  RELAY_CHECK(*snapshot < 0 || snapshots_->partition_of_snapshot(*snapshot) == hit.partition,
+              "state snapshot ", *snapshot, " is not in the partition of the prefix it restores");
+  return blocks_.first_blocks(std::move(hit), m);
+}
+
+void Scheduler::plan_snapshot_saves(ScheduledChunk& c) {
+  if (snapshots_ == nullptr || c.num_draft_tokens > 0) return;
+  const int64_t bs = blocks_.block_size();
+  const int64_t begin = c.seq->num_computed;
+  const int64_t end = begin + c.num_tokens;
+  std::vector<int64_t> boundaries;  // token counts, ascending
+  if (const auto it = branch_points_.find(c.seq->id); it != branch_points_.end()) {
+    if (it->second > begin && it->second <= end) boundaries.push_back(it->second);
+  }
+  const int64_t last = end / bs * bs;
+  if (last > begin && (boundaries.empty() || boundaries.back() != last)) boundaries.push_back(last);
+  if (boundaries.empty()) return;
+  const int partition = states_->partition_of(c.seq->id);
+  if (const auto it = output_snapshots_.find(c.seq->id);
+      it != output_snapshots_.end() && boundaries.back() > c.seq->num_prompt_tokens) {
+    const int32_t previous = snapshots_->find(it->second.hash, it->second.block);
+    if (previous >= 0) snapshots_->demote(previous);
+  }
+  for (const int64_t b : boundaries) {
+    // NOTE: opportunistic: with every snapshot of the partition pending or pinned, none is taken.
+    const int32_t id = snapshots_->allocate(partition);
+    if (id < 0) break;
+    c.snapshot_saves.push_back({static_cast<int32_t>(b - begin - 1), id});
+  }
+}
+
+void Scheduler::drop_uncached_snapshots() {
+  if (snapshots_ == nullptr) return;
+  for (const CachedPrefixBlock& gone : blocks_.take_uncached()) {
+    snapshots_->drop(gone.hash, gone.block);
+  }
+}
+
 SchedulerOutput Scheduler::schedule() {
+  drop_uncached_snapshots();
   SchedulerOutput out;
   int budget = config_.max_num_batched_tokens;
   auto is_decode = [](const Sequence* s) {
@@ -153,7 +205,9 @@ SchedulerOutput Scheduler::schedule() {
     }
     if (self_preempted) continue;
     if (samples(seq, n)) reserve_lookahead(seq, seq->num_computed + n + k);
-    out.chunks.push_back({seq, n + k, samples(seq, n), k});
+    out.chunks.push_back(
+        {.seq = seq, .num_tokens = n + k, .sample = samples(seq, n), .num_draft_tokens = k});
+    plan_snapshot_saves(out.chunks.back());
     budget -= n + k;
     ++i;
   }
@@ -162,14 +216,27 @@ SchedulerOutput Scheduler::schedule() {
          static_cast<int>(running_.size()) < config_.max_num_seqs) {
     Sequence* seq = waiting_.front();
     // NOTE: prompt logprobs read every prompt position's logits, and a recurrent layer's state is
-    // built from every token: a hit would skip them.
-    const bool reads_cache =
-        states_ == nullptr && !(seq->wants_prompt_logprobs && seq->num_output_tokens() == 0);
+    // built from every token: a hit would skip them, unless a snapshot holds the state.
+    const bool reads_cache = (states_ == nullptr || snapshots_ != nullptr) &&
+                             !(seq->wants_prompt_logprobs && seq->num_output_tokens() == 0);
     PrefixHit hit = reads_cache ? blocks_.find_cached_prefix(seq->tokens) : PrefixHit{};
     if (config_.hit_drops_last_block) hit = blocks_.without_last_block(std::move(hit));
+    int32_t restore = -1;
+    int64_t branch_point = 0;
+    if (snapshots_ != nullptr) {
+      const int64_t kv_hit = hit.num_tokens(blocks_.block_size());
+      hit = cap_to_snapshot(std::move(hit), &restore);
+      // NOTE: the state must live in the hit's partition; without a slot free there the sequence
+      // computes its prompt where a slot is.
+      if (restore >= 0 && states_->num_free_sequences(hit.partition) == 0) {
+        hit = blocks_.first_blocks(std::move(hit), 0);
+        restore = -1;
+      }
+      if (kv_hit > hit.num_tokens(blocks_.block_size())) branch_point = kv_hit;
+    }
     const int num_hit = static_cast<int>(hit.num_tokens(blocks_.block_size()));
     const int n = std::min(static_cast<int>(seq->tokens.size()) - num_hit, budget);
-    if (states_ != nullptr && !bind_state_partition(seq)) break;
+    if (states_ != nullptr && restore < 0 && !bind_state_partition(seq)) break;
     if (!blocks_.allocate(seq->id, num_hit + n, &hit)) {
       blocks_.free(seq->id);  // undoes bind_state_partition's binding
       break;
@@ -178,6 +245,11 @@ SchedulerOutput Scheduler::schedule() {
       RELAY_CHECK(states_->allocate(seq->id, blocks_.partition_of(seq->id)), "sequence ", seq->id,
                   ": its partition has no state slot left");
     }
+    if (restore >= 0) {
+      snapshots_->pin(restore);  // until update(): the step restores it
+      snapshots_->touch(restore);
+    }
+    if (branch_point > 0) branch_points_[seq->id] = branch_point;
     waiting_.pop_front();
     if (reads_cache) stats_.prefix_cache_queries += seq->tokens.size();
     stats_.prefix_cache_hits += num_hit;
@@ -185,7 +257,9 @@ SchedulerOutput Scheduler::schedule() {
     seq->num_computed = num_hit;
     running_.push_back(seq);
     if (samples(seq, n)) reserve_lookahead(seq, num_hit + n);
-    out.chunks.push_back({seq, n, samples(seq, n)});
+    out.chunks.push_back(
+        {.seq = seq, .num_tokens = n, .sample = samples(seq, n), .restore_snapshot = restore});
+    plan_snapshot_saves(out.chunks.back());
     budget -= n;
   }
   out.num_batched_tokens = config_.max_num_batched_tokens - budget;
@@ -193,6 +267,7 @@ SchedulerOutput Scheduler::schedule() {
 }
 
 void Scheduler::update(const SchedulerOutput& out, std::span<const SampledToken> sampled) {
+  drop_uncached_snapshots();
   size_t next = 0;
   for (const ScheduledChunk& c : out.chunks) {
     Sequence* seq = c.seq;
@@ -211,6 +286,7 @@ void Scheduler::update(const SchedulerOutput& out, std::span<const SampledToken>
       }
     }
     const int num_rejected = c.num_draft_tokens - static_cast<int>(n > 0 ? n - 1 : 0);
+    const int64_t begin = seq->num_computed;
     seq->num_computed += c.num_tokens - num_rejected;
     for (size_t j = 0; j < n; ++j) seq->tokens.push_back(sampled[next + j].token);
     next += n;
@@ -223,9 +299,38 @@ void Scheduler::update(const SchedulerOutput& out, std::span<const SampledToken>
                   ": the rollback of its rejected drafts reached a shared block");
     }
     blocks_.cache_full_blocks(seq->id, seq->tokens, seq->num_computed);
+    for (const SnapshotSave& save : c.snapshot_saves) {
+      // The state after `boundary` tokens is kept when that prefix's last block is cached.
+      const int64_t boundary = begin + save.row + 1;
+      const auto cached =
+          boundary <= seq->num_computed
+              ? blocks_.cached_prefix_block(seq->id, seq->tokens,
+                                            static_cast<int>(boundary / blocks_.block_size()) - 1)
+              : std::nullopt;
+      if (cached) {
+        snapshots_->commit(save.snapshot, cached->hash, cached->block);
+        if (boundary > seq->num_prompt_tokens) output_snapshots_[seq->id] = *cached;
+      } else {
+        snapshots_->release(save.snapshot);
+      }
+    }
+    if (c.restore_snapshot >= 0) snapshots_->unpin(c.restore_snapshot);
+    if (const auto it = branch_points_.find(seq->id);
+        it != branch_points_.end() && it->second <= seq->num_computed) {
+      branch_points_.erase(it);
+    }
   }
+  drop_uncached_snapshots();
   RELAY_CHECK(next == sampled.size(), "the backend returned ", sampled.size(),
               " tokens, of which the sampling sequences committed ", next);
+}
+
+void Scheduler::abandon(const SchedulerOutput& out) noexcept {
+  if (snapshots_ == nullptr) return;
+  for (const ScheduledChunk& c : out.chunks) {
+    for (const SnapshotSave& save : c.snapshot_saves) snapshots_->release(save.snapshot);
+    if (c.restore_snapshot >= 0) snapshots_->unpin(c.restore_snapshot);
+  }
 }
 
 bool Scheduler::finish(int64_t id) {
@@ -245,6 +350,8 @@ bool Scheduler::finish_keeping_blocks(int64_t id) {
   }
   // NOTE: the state is dropped even when the blocks are kept: add_running refuses hybrid models.
   if (states_ != nullptr) states_->free(id);
+  branch_points_.erase(id);
+  output_snapshots_.erase(id);
   seqs_.erase(it);
   return true;
 }

@@ -51,9 +51,24 @@
 // returned at finish or preemption (a recompute starts from a zero state, as from no KV). A
 // sequence is admitted only with its slots, in a partition that has them (among those, the one
 // with the most free blocks) and its blocks come from that partition too; running sequences never
-// need more slots, so slots bound admission alone. Such a model takes no prefix-cache hit (a hit
-// would skip the tokens that build the state; see state_slots.h for the snapshot design), and a
-// prefilled hand-over (add_running) is refused, as its state would have to travel with its KV.
+// need more slots, so slots bound admission alone. A prefilled hand-over (add_running) is
+// refused, as its state would have to travel with its KV.
+//
+// Prefix caching of hybrid models (with a StateSnapshotPool, kvcache/state_snapshots.h): a hit
+// would skip the tokens that build the recurrent state, so it is taken only up to the last block
+// boundary of the cached KV prefix that has a state snapshot — never below one block, and no hit
+// when none has — and its chunk restores the state from that snapshot before computing the rest
+// (ScheduledChunk::restore_snapshot, pinned until update()). Snapshots are taken as chunks reach
+// block boundaries (ScheduledChunk::snapshot_saves, pending until update() keys them by the
+// boundary block's hash once it is cached): at the last boundary each chunk reaches — so every
+// prompt chunk ending on a boundary and every decode that fills a block leaves one — and at the
+// end of the KV prefix a sequence found cached but could not take for want of a snapshot (a
+// branch point: the next prompt sharing it then hits all of it). A decode verifying drafts takes
+// none (its rows' state copies are its rollback scratch). A snapshot leaves the pool when its
+// block leaves the prefix cache, or when the pool needs its slot (least recently used first); a
+// sequence's snapshots past its prompt supersede each other (a later turn of a conversation
+// extends its latest), so taking one makes the sequence's previous one the next to evict.
+// Without a snapshot pool a hybrid model takes no hit.
 //
 // Lookahead (MTP drafting): a chunk that samples also gets blocks for num_lookahead_tokens more
 // positions when its partition has them free, so the backend's drafter can write its own K/V for
@@ -78,6 +93,7 @@
 
 #include "kvcache/block_manager.h"
 #include "kvcache/state_slots.h"
+#include "kvcache/state_snapshots.h"
 #include "sequence/sampling.h"
 #include "sequence/sequence.h"
 
@@ -104,6 +120,10 @@ struct ScheduledChunk {
   int num_tokens = 0;
   bool sample = false;       // the chunk ends at the sequence's last token (never for prompt_only)
   int num_draft_tokens = 0;  // of num_tokens, the drafts (a decode that samples: num_tokens - 1)
+  // Hybrid prefix caching: the snapshot the sequence's state is restored from before the chunk (a
+  // prefix hit's; -1: none), and the snapshots to take after rows of the chunk.
+  int32_t restore_snapshot = -1;
+  std::vector<SnapshotSave> snapshot_saves{};
 };
 
 struct SchedulerOutput {
@@ -123,9 +143,10 @@ struct SchedulerStats {
 class Scheduler {
  public:
   // `states`: the recurrent-state slots of a hybrid model (nullptr for attention-only models), with
-  // as many partitions as `blocks`.
-  Scheduler(const SchedulerConfig& config, BlockManager& blocks,
-            StateSlotManager* states = nullptr);
+  // as many partitions as `blocks`; `snapshots`: its state snapshots for prefix caching (nullptr:
+  // no hit), as many partitions again. The scheduler makes `blocks` record uncached hashes.
+  Scheduler(const SchedulerConfig& config, BlockManager& blocks, StateSlotManager* states = nullptr,
+            StateSnapshotPool* snapshots = nullptr);
 
   // Queues a new sequence (tokens = its prompt, non-empty; id unused so far).
   void add(std::unique_ptr<Sequence> seq);
@@ -142,6 +163,9 @@ class Scheduler {
   // rejected, the rejected drafts' blocks are released and newly full blocks registered in the
   // prefix cache (see Drafts above).
   void update(const SchedulerOutput& out, std::span<const SampledToken> sampled);
+  // Instead of update(), for a step that failed: returns the state snapshots `out` was to take and
+  // unpins those it was to restore (nothing else changes; the caller fails its sequences).
+  void abandon(const SchedulerOutput& out) noexcept;
   // Removes a sequence (finished or aborted), freeing its blocks now. Returns false for unknown
   // ids.
   bool finish(int64_t id);
@@ -159,6 +183,7 @@ class Scheduler {
   const SchedulerConfig& config() const { return config_; }
   const BlockManager& blocks() const { return blocks_; }
   const StateSlotManager* states() const { return states_; }
+  const StateSnapshotPool* snapshots() const { return snapshots_; }
 
  private:
   void preempt(Sequence* seq);
@@ -168,10 +193,22 @@ class Scheduler {
   // Binds a waiting sequence of a hybrid model to the partition it can get state slots in (the
   // one with the most free blocks among those); false when no partition has slots.
   bool bind_state_partition(const Sequence* seq);
+  // A hybrid model's prefix hit cut to the last block that has a state snapshot (none: no hit);
+  // `snapshot` gets that snapshot (-1 without).
+  PrefixHit cap_to_snapshot(PrefixHit hit, int32_t* snapshot) const;
+  // Allocates the pending snapshots of the boundaries chunk `c` reaches (see the top of this file).
+  void plan_snapshot_saves(ScheduledChunk& c);
+  // Drops the snapshots whose blocks left the prefix cache.
+  void drop_uncached_snapshots();
 
   SchedulerConfig config_;
   BlockManager& blocks_;
   StateSlotManager* states_;
+  StateSnapshotPool* snapshots_;
+  // Hybrid sequences whose cached KV prefix reached further than a snapshot: that prefix's tokens.
+  std::unordered_map<int64_t, int64_t> branch_points_;
+  // Each hybrid sequence's latest snapshot past its prompt (demoted when it takes the next one).
+  std::unordered_map<int64_t, CachedPrefixBlock> output_snapshots_;
   std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
   std::vector<Sequence*> running_;  // oldest admission first
   std::deque<Sequence*> waiting_;   // FCFS; preempted sequences go back to the front

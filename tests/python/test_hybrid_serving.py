@@ -3,7 +3,9 @@ tiny fixture checkpoint answers /v1/completions with transformers' greedy tokens
 together (continuous batching, chunked prefill, fewer state slots than requests), with and without n-gram
 drafts and with drafts from the checkpoint's own MTP head (issue 26: its spec-decode counters in /metrics);
 `relay generate` writes the same text with MTP drafts as without, greedy and seeded; the recurrent-state slots
-show in /metrics and are all returned; a disaggregated role is refused at start. The fixtures carry no
+show in /metrics and are all returned; prefix caching (recurrent-state snapshots at block boundaries) gives
+the tokens and logprobs of --no-prefix-caching with the hits in usage and /metrics; a disaggregated role is
+refused at start. The fixtures carry no
 tokenizer, so the test serves a copy with the demo model's (ids below 512 only)."""
 import concurrent.futures as cf
 import json
@@ -110,3 +112,49 @@ def test_hybrid_model_refuses_a_disaggregated_role(relay_bin, hybrid_dir):
                         "--threads", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "linear-attention layers" in r.stderr and "--role prefill" in r.stderr
+
+
+def serve_shared_prefixes(relay_bin, hybrid_dir, *args, snapshots=16):
+    """Prompts sharing prefixes of the 70-token fixture prompt P, one after the other: P, P's first 30 tokens then
+    others (diverging mid-block), P again, P's first 30 then yet others. Returns per prompt the sampled tokens
+    with their logprobs and top logprobs, the cached tokens in usage, the /metrics sample and the log."""
+    prompts, _ = expected()
+    p, q = prompts[3], prompts[2]
+    load = [p, p[:30] + q[:20], p, p[:30] + q[5:25]]
+    server = RelayServer(relay_bin, "--model", hybrid_dir, "--served-model-name", NAME, "--max-num-seqs", 2,
+                         "--max-num-batched-tokens", 16, "--block-size", 4, "--num-state-snapshots", snapshots, *args)
+    server.wait_ready()
+    try:
+        outputs, cached = [], []
+        for prompt in load:
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "logprobs": 3, "return_tokens_as_token_ids": True}
+            r = requests.post(server.base + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            outputs.append((lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        metrics = server.wait_idle(model=NAME)
+        log = server.log_text()
+    finally:
+        assert server.stop() == 0
+    return outputs, cached, metrics, log
+
+
+def test_hybrid_prefix_caching_gives_the_outputs_of_no_caching(relay_bin, hybrid_dir):
+    on, cached, metrics, log = serve_shared_prefixes(relay_bin, hybrid_dir)
+    off, cached_off, metrics_off, log_off = serve_shared_prefixes(relay_bin, hybrid_dir, "--no-prefix-caching")
+    assert on == off  # tokens, logprobs and top logprobs, exactly
+    # Chunks of 16 end on block boundaries: P leaves snapshots at 16, 32, 48, 64 and 68; the second prompt hits
+    # the 16 of the 28 cached tokens it shares and leaves a snapshot at 28, which the fourth hits; P again hits 68.
+    assert cached == [0, 16, 68, 28]
+    assert cached_off == [0, 0, 0, 0]
+    label = f'{{model_name="{NAME}"}}'
+    assert metrics["relay:prefix_cache_hits_total" + label] == sum(cached)
+    assert metrics_off["relay:prefix_cache_hits_total" + label] == 0
+    assert metrics["relay:state_slot_usage_perc" + label] == 0
+    assert "recurrent-state snapshots at block boundaries" in log and "prefix caching on" in log
+    assert "prefix caching off (--no-prefix-caching)" in log_off
+    _, cached_none, _, log_none = serve_shared_prefixes(relay_bin, hybrid_dir, snapshots=0)
+    assert cached_none == [0, 0, 0, 0]
+    assert "no recurrent-state snapshots (--num-state-snapshots 0)" in log_none

@@ -7,11 +7,16 @@
 //   - with fewer state slots than requests (admission waits for a slot);
 //   - with drafts that are right for a while and then wrong (the state after the last accepted
 //     draft is restored from its snapshot), and with the n-gram proposer.
+// Prefix caching (recurrent-state snapshots at block boundaries): a snapshot restored into another
+// sequence's slot gives the logits of a prefill from position 0 bit for bit, and requests sharing
+// prefixes that diverge mid-block, prefilled in odd chunk sizes, preempted and resumed, get the
+// tokens and logprobs of the same requests without prefix caching, with the hits they should get.
 // The engine also refuses what a hybrid model cannot do yet: a disaggregated hand-over.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -34,6 +39,24 @@ const Tokenizer& tokenizer() {
   return t;
 }
 
+// The CPU backend's options for a fixture: blocks of 4 tokens, two threads.
+CpuBackendOptions fixture_options(int num_blocks, int num_state_slots, int num_state_snapshots) {
+  CpuBackendOptions o;
+  o.block_size = 4;
+  o.num_blocks = num_blocks;
+  o.num_threads = 2;
+  o.num_state_slots = num_state_slots;
+  o.num_state_snapshots = num_state_snapshots;
+  return o;
+}
+
+// An engine over fixture `name` on the CPU backend with options `o`.
+std::unique_ptr<LLMEngine> make_engine(const std::string& name, const CpuBackendOptions& o,
+                                       const EngineConfig& c) {
+  return std::make_unique<LLMEngine>(
+      std::make_unique<CpuBackend>(test::fixture_models_dir() / name, o), tokenizer(), c);
+}
+
 struct RunConfig {
   int num_blocks = 128;  // of 4 tokens
   int num_state_slots = 64;
@@ -51,17 +74,13 @@ struct RunResult {
 };
 
 RunResult run(const std::string& name, const test::ModelFixture& fx, const RunConfig& rc) {
-  CpuBackendOptions o;
-  o.block_size = 4;
-  o.num_blocks = rc.num_blocks;
-  o.num_threads = 2;
-  o.num_state_slots = rc.num_state_slots;
   EngineConfig c;
   c.max_num_seqs = 8;
   c.max_num_batched_tokens = rc.max_num_batched_tokens;
   c.speculative = rc.speculative;
-  LLMEngine engine(std::make_unique<CpuBackend>(test::fixture_models_dir() / name, o), tokenizer(),
-                   c);
+  const std::unique_ptr<LLMEngine> owned =
+      make_engine(name, fixture_options(rc.num_blocks, rc.num_state_slots, 0), c);
+  LLMEngine& engine = *owned;
   for (size_t i = 0; i < fx.prompts.size(); ++i) {
     EngineRequest r;
     r.prompt = fx.prompts[i];
@@ -148,13 +167,189 @@ TEST_P(HybridEngine, RejectedDraftsLeaveNoTraceInTheState) {
   expect_greedy(run(GetParam(), fx_, rc));
 }
 
+// The backend's restore and save: the state after 8 and after 28 tokens of one sequence, saved
+// while it computes 30, restored into another slot over the first sequence's KV blocks, gives the
+// logits of the rest of the prompt exactly as one prefill of all of it.
+TEST_P(HybridEngine, ARestoredSnapshotGivesTheLogitsOfAFullPrefill) {
+  CpuBackend backend(test::fixture_models_dir() / GetParam(), fixture_options(64, 3, 2));
+  EXPECT_EQ(backend.num_state_snapshots(), 2);
+  const size_t vocab = static_cast<size_t>(backend.config().vocab_size);
+  const std::span<const int32_t> prompt = fx_.prompts[3];
+  ASSERT_EQ(prompt.size(), 70u);
+  auto blocks = [](int32_t first, int n) {
+    std::vector<int32_t> t(static_cast<size_t>(n));
+    std::iota(t.begin(), t.end(), first);
+    return t;
+  };
+  const std::vector<int32_t> slots = {0, 1, 2};
+  const std::vector<int32_t> whole_blocks = blocks(0, 18);
+  StepSequence whole;
+  whole.seq_id = 1;
+  whole.tokens = prompt;
+  whole.block_table = whole_blocks;
+  whole.state_slots = std::span(slots).subspan(0, 1);
+  const std::vector<float> want =
+      backend.forward_logits(std::span(&whole, 1), CpuBackend::LogitRows::kAllTokens);
+
+  const std::vector<int32_t> first_blocks = blocks(18, 8);
+  const std::vector<SnapshotSave> saves = {{7, 0}, {27, 1}};
+  StepSequence first;
+  first.seq_id = 2;
+  first.tokens = prompt.first(30);
+  first.block_table = first_blocks;
+  first.state_slots = std::span(slots).subspan(1, 1);
+  first.save_state_snapshots = saves;
+  backend.forward_logits(std::span(&first, 1), CpuBackend::LogitRows::kLastTokens);
+
+  for (const auto& [snapshot, cached] : std::vector<std::pair<int32_t, int>>{{1, 28}, {0, 8}}) {
+    SCOPED_TRACE(::testing::Message() << "restored after " << cached << " tokens");
+    std::vector<int32_t> table(first_blocks.begin(), first_blocks.begin() + cached / 4);
+    const std::vector<int32_t> own = blocks(26, 18 - cached / 4);
+    table.insert(table.end(), own.begin(), own.end());
+    StepSequence rest;
+    rest.seq_id = 3;
+    rest.tokens = prompt.subspan(static_cast<size_t>(cached));
+    rest.num_computed = cached;
+    rest.block_table = table;
+    rest.state_slots = std::span(slots).subspan(2, 1);
+    rest.restore_state_snapshot = snapshot;
+    const std::vector<float> got =
+        backend.forward_logits(std::span(&rest, 1), CpuBackend::LogitRows::kAllTokens);
+    ASSERT_EQ(got.size(), (prompt.size() - static_cast<size_t>(cached)) * vocab);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      mismatches += got[i] != want[static_cast<size_t>(cached) * vocab + i];
+    }
+    EXPECT_EQ(mismatches, 0u);
+  }
+}
+
+// Requests sharing prefixes of the 70-token prompt P: P itself, P's first 30 tokens then others
+// (diverging mid-block), its first 45 then others, P again, and its first 30 then yet others.
+struct PrefixLoad {
+  std::vector<std::vector<int32_t>> prompts;
+  static PrefixLoad of(const test::ModelFixture& fx) {
+    const std::vector<int32_t>& p = fx.prompts[3];
+    const std::vector<int32_t>& q = fx.prompts[2];
+    auto join = [&](size_t shared, size_t from, size_t n) {
+      std::vector<int32_t> out(p.begin(), p.begin() + static_cast<ptrdiff_t>(shared));
+      out.insert(out.end(), q.begin() + static_cast<ptrdiff_t>(from),
+                 q.begin() + static_cast<ptrdiff_t>(from + n));
+      return out;
+    };
+    return {{p, join(30, 0, 20), join(45, 3, 9), p, join(30, 5, 20)}};
+  }
+};
+
+struct PrefixRunConfig {
+  bool prefix_caching = true;
+  bool one_at_a_time = true;  // each request runs to the end before the next arrives
+  int num_blocks = 128;       // of 4 tokens
+  int num_state_snapshots = 32;
+  int max_num_batched_tokens = 7;
+};
+
+struct PrefixRunResult {
+  std::map<int64_t, std::vector<TokenLogprob>> tokens;  // the sampled tokens with their logprobs
+  std::map<int64_t, int> num_cached;
+  EngineStats stats;
+};
+
+PrefixRunResult run_prefix_load(const std::string& name, const PrefixLoad& load,
+                                const PrefixRunConfig& rc) {
+  EngineConfig c;
+  c.max_num_seqs = 5;
+  c.max_num_batched_tokens = rc.max_num_batched_tokens;
+  c.enable_prefix_caching = rc.prefix_caching;
+  const std::unique_ptr<LLMEngine> owned = make_engine(
+      name, fixture_options(rc.num_blocks, 8, rc.prefix_caching ? rc.num_state_snapshots : 0), c);
+  LLMEngine& engine = *owned;
+  PrefixRunResult out;
+  auto drain = [&] {
+    for (int step = 0; engine.has_work(); ++step) {
+      RELAY_CHECK(step < 4000, name, ": the requests did not finish");
+      for (RequestOutput& r : engine.step()) {
+        auto& t = out.tokens[r.id];
+        t.insert(t.end(), r.logprobs.begin(), r.logprobs.end());
+        if (r.finish != FinishReason::kNone) out.num_cached[r.id] = r.num_cached_tokens;
+      }
+    }
+  };
+  for (size_t i = 0; i < load.prompts.size(); ++i) {
+    EngineRequest r;
+    r.prompt = load.prompts[i];
+    r.sampling.temperature = 0.0f;
+    r.sampling.num_logprobs = 3;
+    r.stop.max_tokens = 9;
+    r.stop.ignore_eos = true;
+    engine.add_request(static_cast<int64_t>(i), r);
+    if (rc.one_at_a_time) drain();
+  }
+  drain();
+  out.stats = engine.stats();
+  EXPECT_EQ(out.stats.kv_cache_usage, 0.0);
+  EXPECT_EQ(out.stats.state_slot_usage, 0.0);
+  return out;
+}
+
+// Bit for bit: the same tokens, logprobs and top logprobs.
+void expect_same_outputs(const PrefixRunResult& got, const PrefixRunResult& want) {
+  ASSERT_EQ(got.tokens.size(), want.tokens.size());
+  for (const auto& [id, tokens] : want.tokens) {
+    const std::vector<TokenLogprob>& g = got.tokens.at(id);
+    ASSERT_EQ(g.size(), tokens.size()) << "request " << id;
+    for (size_t j = 0; j < g.size(); ++j) {
+      EXPECT_EQ(g[j].token, tokens[j].token) << "request " << id << " token " << j;
+      EXPECT_EQ(g[j].logprob, tokens[j].logprob) << "request " << id << " token " << j;
+      EXPECT_EQ(g[j].top, tokens[j].top) << "request " << id << " token " << j;
+    }
+  }
+}
+
+TEST_P(HybridEngine, PrefixHitsGiveTheTokensAndLogprobsOfNoCaching) {
+  const PrefixLoad load = PrefixLoad::of(fx_);
+  const PrefixRunResult off = run_prefix_load(GetParam(), load, {.prefix_caching = false});
+  EXPECT_EQ(off.stats.scheduler.prefix_cache_hits, 0u);
+  // Chunks of 7 end on the boundaries 4, 12, 20, 28, ...: the second request hits the first 28
+  // tokens of the 30 it shares. Chunks of 13 end after 12, 24, 36, ...: it hits 24 and leaves a
+  // snapshot at 28 (the end of the cached KV it shares), which the last request then hits.
+  for (int budget : {7, 13}) {
+    SCOPED_TRACE(::testing::Message() << "chunks of " << budget);
+    const PrefixRunResult on =
+        run_prefix_load(GetParam(), load, {.max_num_batched_tokens = budget});
+    expect_same_outputs(on, off);
+    EXPECT_EQ(on.num_cached.at(0), 0);
+    EXPECT_EQ(on.num_cached.at(1), budget == 7 ? 28 : 24);
+    EXPECT_GE(on.num_cached.at(2), 28);
+    EXPECT_EQ(on.num_cached.at(3), 68);  // P's last boundary before its last token
+    EXPECT_EQ(on.num_cached.at(4), 28);
+    EXPECT_GT(on.stats.num_cached_state_snapshots, 0);
+    uint64_t hits = 0;
+    for (const auto& [id, n] : on.num_cached) hits += static_cast<uint64_t>(n);
+    EXPECT_EQ(on.stats.scheduler.prefix_cache_hits, hits);
+  }
+}
+
+TEST_P(HybridEngine, PrefixHitsThroughPreemptionAndFewSnapshotsKeepTheOutputs) {
+  const PrefixLoad load = PrefixLoad::of(fx_);
+  const PrefixRunResult off = run_prefix_load(GetParam(), load, {.prefix_caching = false});
+  // All at once in 24 blocks (the 70-token prompt and its 9 tokens take 20): sequences are
+  // preempted and resume from a snapshot of their own prefix or another's.
+  const PrefixRunResult squeezed = run_prefix_load(
+      GetParam(), load, {.one_at_a_time = false, .num_blocks = 24, .max_num_batched_tokens = 11});
+  expect_same_outputs(squeezed, off);
+  EXPECT_GT(squeezed.stats.scheduler.num_preemptions, 0u);
+  EXPECT_GT(squeezed.stats.scheduler.prefix_cache_hits, 0u);
+  // Two snapshots for everything: most are evicted before use, the outputs never change.
+  const PrefixRunResult few = run_prefix_load(GetParam(), load, {.num_state_snapshots = 2});
+  expect_same_outputs(few, off);
+  EXPECT_LE(few.stats.num_cached_state_snapshots, 2);
+}
+
 TEST_P(HybridEngine, AHandOverIsRefused) {
-  CpuBackendOptions o;
-  o.block_size = 4;
-  o.num_blocks = 32;
-  o.num_threads = 1;
-  LLMEngine engine(std::make_unique<CpuBackend>(test::fixture_models_dir() / GetParam(), o),
-                   tokenizer(), {});
+  const std::unique_ptr<LLMEngine> owned =
+      make_engine(GetParam(), fixture_options(32, CpuBackendOptions{}.num_state_slots, 0), {});
+  LLMEngine& engine = *owned;
   EXPECT_GT(engine.backend().num_state_slots(), 0);
   EXPECT_NE(test::error_text([&] { engine.reserve_kv(1, fx_.prompts[1]); }).find("recurrent layers"),
             std::string::npos);

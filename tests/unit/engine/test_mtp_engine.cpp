@@ -10,8 +10,9 @@
 // drafts); seeded sampling gives the same tokens as without; the first drafts verified after each
 // prompt are the oracle's chained greedy drafts (mtp_expected.json); the spec-decode counters
 // equal what the steps verified and accepted; after a step that accepted drafts the head proposes
-// what it proposes from a cold start over the same tokens; a prefix hit (Qwen3-MoE: the hybrids
-// take none) leaves every proposal as without the hit; two TP ranks draft like one. The
+// what it proposes from a cold start over the same tokens; a prefix hit (Qwen3-MoE, and the
+// hybrids restoring a recurrent-state snapshot) leaves every proposal as without the hit; two TP
+// ranks draft like one. The
 // configurations the engine and backend cannot run are refused with errors naming what is wrong.
 #include <gtest/gtest.h>
 
@@ -86,6 +87,7 @@ class Recorder : public Backend {
   int block_size() const override { return b_->block_size(); }
   int num_kv_blocks() const override { return b_->num_kv_blocks(); }
   int num_state_slots() const override { return b_->num_state_slots(); }
+  int num_state_snapshots() const override { return b_->num_state_snapshots(); }
   bool supports_draft_tokens() const override { return true; }
   int num_proposed_drafts() const override { return b_->num_proposed_drafts(); }
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override {
@@ -118,6 +120,7 @@ struct RunConfig {
   bool forced_drafts = false;
   parallel::ParallelConfig parallel{};
   bool enable_prefix_caching = true;
+  int num_state_snapshots = 0;  // hybrid models: their prefix hits need some
   // Requests run in waves: wave w is added once wave w - 1 is done (prefix hits on a clean pool).
   std::vector<std::vector<std::vector<int32_t>>> waves;
   std::vector<std::vector<int32_t>> reference;  // for forced_drafts: each request's output
@@ -138,6 +141,7 @@ RunResult run(const Head& h, const RunConfig& rc) {
   o.num_threads = 2;
   o.parallel = rc.parallel;
   o.num_state_slots = 8 * (1 + rc.k);
+  o.num_state_snapshots = rc.num_state_snapshots;
   EngineConfig c;
   c.max_num_seqs = 8;
   c.max_num_batched_tokens = rc.max_num_batched_tokens;
@@ -366,32 +370,47 @@ INSTANTIATE_TEST_SUITE_P(Heads, MtpEngine, ::testing::ValuesIn(kHeads),
 
 const Head& separate_head() { return kHeads.back(); }
 
-// A prompt that shares 28 tokens (7 blocks) with an earlier one and then differs: the head's K/V
-// at position 27 was computed with the earlier prompt's token 28, so the hit must give its last
-// block back. Every proposal of the later request equals a run without the prefix cache.
-TEST(MtpEngineQwen3, PrefixHitsLeaveTheProposalsAsWithout) {
-  const test::ModelFixture fx =
-      test::ModelFixture::load(separate_head().target_path(), separate_head().target_path());
-  const std::vector<int32_t>& base = fx.prompts[3];  // 31 tokens
-  ASSERT_GE(base.size(), 31u);
-  std::vector<int32_t> second(base.begin(), base.begin() + 28);
+// A prompt that shares `shared` tokens with an earlier one and then differs: the head's K/V at the
+// last shared block's end was computed with the earlier prompt's next token, so the hit must give
+// its last block back. Every proposal of the later request equals a run without the prefix cache,
+// and the tokens those without speculation.
+void expect_a_hit_leaves_the_proposals(const Head& head, size_t shared, RunConfig rc,
+                                       uint64_t num_hit_tokens) {
+  const test::ModelFixture fx = test::ModelFixture::load(head.target_path(), head.target_path());
+  const std::vector<int32_t>& base = fx.prompts[3];
+  ASSERT_GT(base.size(), shared);
+  std::vector<int32_t> second(base.begin(), base.begin() + static_cast<ptrdiff_t>(shared));
   for (int32_t t : {7, 300, 41}) second.push_back(t);
-  ASSERT_NE(second[28], base[28]);
-  RunConfig rc;
+  ASSERT_NE(second[shared], base[shared]);
   rc.k = 2;
   rc.max_tokens = 12;
-  rc.max_num_batched_tokens = 64;
   rc.waves = {{base}, {second}};
-  const RunResult hit = run(separate_head(), rc);
-  EXPECT_EQ(hit.stats.scheduler.prefix_cache_hits, 24u);  // 7 cached blocks, the last given back
+  const RunResult hit = run(head, rc);
+  EXPECT_EQ(hit.stats.scheduler.prefix_cache_hits, num_hit_tokens);
   rc.enable_prefix_caching = false;
-  const RunResult cold = run(separate_head(), rc);
+  const RunResult cold = run(head, rc);
   EXPECT_EQ(cold.stats.scheduler.prefix_cache_hits, 0u);
   EXPECT_EQ(hit.tokens, cold.tokens);
   EXPECT_EQ(hit.proposed.at(1), cold.proposed.at(1));
   rc.k = 0;
   rc.enable_prefix_caching = true;
-  EXPECT_EQ(run(separate_head(), rc).tokens, hit.tokens);
+  EXPECT_EQ(run(head, rc).tokens, hit.tokens);
+}
+
+// 28 shared tokens: 7 cached blocks, the last given back.
+TEST(MtpEngineQwen3, PrefixHitsLeaveTheProposalsAsWithout) {
+  RunConfig rc;
+  rc.max_num_batched_tokens = 64;
+  expect_a_hit_leaves_the_proposals(separate_head(), 28, rc, 24);
+}
+
+// On a hybrid model the hit also restores the recurrent state: 30 shared tokens, 7 cached blocks,
+// the last given back, and chunks of 12 leave a state snapshot at 24.
+TEST(MtpEngineHybrid, PrefixHitsLeaveTheProposalsAsWithout) {
+  RunConfig rc;
+  rc.max_num_batched_tokens = 12;
+  rc.num_state_snapshots = 16;
+  expect_a_hit_leaves_the_proposals(kHeads.front(), 30, rc, 24);
 }
 
 // Two TP ranks (each with half the head's attention heads and experts' width) draft what one does.

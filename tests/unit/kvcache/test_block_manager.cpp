@@ -584,6 +584,70 @@ void run_random_operations(int num_partitions) {
   }
 }
 
+// What hybrid prefix caching asks of the block manager: a hit cut to its first blocks, the cached
+// block naming a sequence's prefix (also when the sequence computed its own copy of it), and the
+// hashes that left the cache.
+TEST(BlockManager, CachedPrefixBlocksAndUncachedHashes) {
+  BlockManager bm(8, 4);
+  bm.record_uncached();
+  const auto prompt = iota_tokens(13);
+  ASSERT_TRUE(bm.allocate(1, 13));
+  EXPECT_FALSE(bm.cached_prefix_block(1, prompt, 0));  // not hashed yet
+  bm.cache_full_blocks(1, prompt, 13);
+  const PrefixHit hit = bm.find_cached_prefix(prompt);
+  ASSERT_EQ(hit.blocks.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    const auto c = bm.cached_prefix_block(1, prompt, i);
+    ASSERT_TRUE(c);
+    EXPECT_EQ(c->block, hit.blocks[static_cast<size_t>(i)]);
+    EXPECT_EQ(c->hash, hit.hashes[static_cast<size_t>(i)]);
+  }
+  EXPECT_FALSE(bm.cached_prefix_block(1, prompt, 3));  // the partial fourth block
+  const PrefixHit two = bm.first_blocks(hit, 2);
+  EXPECT_EQ(two.blocks, std::vector<int32_t>(hit.blocks.begin(), hit.blocks.begin() + 2));
+  EXPECT_EQ(two.last_hash, hit.hashes[1]);
+  EXPECT_EQ(bm.first_blocks(hit, 5).blocks.size(), 3u);
+  const PrefixHit none = bm.first_blocks(hit, 0);
+  EXPECT_TRUE(none.blocks.empty());
+  EXPECT_EQ(none.partition, -1);
+  // Sequence 2 computes the same prefix in its own blocks: its prefix is named by 1's blocks.
+  ASSERT_TRUE(bm.allocate(2, 5));
+  bm.cache_full_blocks(2, prompt, 5);
+  EXPECT_EQ(bm.cached_prefix_block(2, prompt, 0)->block, hit.blocks[0]);
+  EXPECT_NE(bm.block_table(2)[0], hit.blocks[0]);
+  // Another sequence's tokens under its own chain are not that prefix.
+  auto other = prompt;
+  other[1] = 99;
+  ASSERT_TRUE(bm.allocate(3, 4));
+  bm.cache_full_blocks(3, other, 4);
+  EXPECT_EQ(bm.cached_prefix_block(3, other, 0)->block, bm.block_table(3)[0]);
+  const uint64_t other_hash = bm.cached_prefix_block(3, other, 0)->hash;
+  const int32_t other_block = bm.block_table(3)[0];
+  EXPECT_TRUE(bm.take_uncached().empty());
+  bm.free(1);
+  bm.free(3);
+  bm.free(2);
+  ASSERT_TRUE(bm.allocate(4, 32));  // every block: the cached ones are evicted
+  std::set<std::pair<uint64_t, int32_t>> gone;
+  for (const CachedPrefixBlock& b : bm.take_uncached()) gone.emplace(b.hash, b.block);
+  EXPECT_EQ(gone, (std::set<std::pair<uint64_t, int32_t>>{{hit.hashes[0], hit.blocks[0]},
+                                                          {hit.hashes[1], hit.blocks[1]},
+                                                          {hit.hashes[2], hit.blocks[2]},
+                                                          {other_hash, other_block}}));
+  EXPECT_TRUE(bm.take_uncached().empty());
+  bm.free(4);
+  // 5 caches the first block again and 6 computes its own copy, named by 5's until it is evicted.
+  ASSERT_TRUE(bm.allocate(5, 4));
+  bm.cache_full_blocks(5, prompt, 4);
+  ASSERT_TRUE(bm.allocate(6, 4));
+  bm.cache_full_blocks(6, prompt, 4);
+  EXPECT_EQ(bm.cached_prefix_block(6, prompt, 0)->block, bm.block_table(5)[0]);
+  bm.free(5);
+  ASSERT_TRUE(bm.allocate(7, 28));  // every free block, 5's cached one among them
+  EXPECT_FALSE(bm.cached_prefix_block(6, prompt, 0));  // 6's prefix is no longer cached
+  bm.check_invariants();
+}
+
 TEST(BlockManager, RandomOperationsKeepInvariants) { run_random_operations(1); }
 
 TEST(BlockManager, RandomOperationsKeepInvariantsWithPartitions) {

@@ -15,7 +15,9 @@
 // position 0, and keeps the state after its last committed token (the accepted drafts' row, the
 // others going to its scratch slots). Every sampled row checks that state against the fold of the
 // context read back from the cache, so a slot shared, not reset for a recompute, or left holding a
-// rejected draft fails the test.
+// rejected draft fails the test. With state snapshots (prefix caching of a hybrid model) a
+// restore copies a snapshot over the sequence's state before its chunk and a save keeps the state
+// after a row, so a hit restoring a snapshot of another prefix fails the same check.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -33,11 +35,12 @@ class FakeBackend : public Backend {
  public:
   static constexpr int32_t kVocab = 1000;
 
-  FakeBackend(int num_blocks, int block_size, int num_state_slots = 0)
+  FakeBackend(int num_blocks, int block_size, int num_state_slots = 0, int num_snapshots = 0)
       : num_blocks_(num_blocks),
         block_size_(block_size),
         slots_(static_cast<size_t>(num_blocks) * block_size, -1),
-        states_(static_cast<size_t>(num_state_slots), 0) {
+        states_(static_cast<size_t>(num_state_slots), 0),
+        snapshots_(static_cast<size_t>(num_snapshots), 0) {
     config_.vocab_size = kVocab;
     config_.max_position_embeddings = 1 << 20;
     config_.eos_token_ids = {kEos};
@@ -48,6 +51,7 @@ class FakeBackend : public Backend {
   int block_size() const override { return block_size_; }
   int num_kv_blocks() const override { return num_blocks_; }
   int num_state_slots() const override { return static_cast<int>(states_.size()); }
+  int num_state_snapshots() const override { return static_cast<int>(snapshots_.size()); }
 
   bool supports_draft_tokens() const override { return true; }
 
@@ -67,11 +71,23 @@ class FakeBackend : public Backend {
       if (!states_.empty()) {
         EXPECT_GE(s.state_slots.size(), static_cast<size_t>(1 + s.num_draft_tokens))
             << "sequence " << s.seq_id << " has no scratch slot for each draft";
+        if (s.restore_state_snapshot >= 0) {
+          EXPECT_GT(s.num_computed, 0) << "sequence " << s.seq_id << " restores from position 0";
+          state_slot(s, 0) = snapshots_.at(static_cast<size_t>(s.restore_state_snapshot));
+          ++num_restores;
+        }
         uint64_t state = s.num_computed == 0 ? kFreshState : state_slot(s, 0);
         for (size_t i = 0; i < s.tokens.size(); ++i) {
           state = fold(state, s.tokens[i]);
           if (static_cast<int>(i) >= first_row) row_states.push_back(state);
+          for (const SnapshotSave& save : s.save_state_snapshots) {
+            if (save.row == static_cast<int32_t>(i)) {
+              snapshots_.at(static_cast<size_t>(save.snapshot)) = state;
+            }
+          }
         }
+        EXPECT_TRUE(s.num_draft_tokens == 0 || s.save_state_snapshots.empty())
+            << "sequence " << s.seq_id << " saves a state snapshot in a step with drafts";
       }
       size_t num_rows = 1;  // the last token's row and one per accepted draft
       if (s.sample) {
@@ -98,6 +114,7 @@ class FakeBackend : public Backend {
     std::vector<int> drafts_per_seq;
   };
   std::vector<StepRecord> steps;
+  int num_restores = 0;  // state snapshots restored
 
  private:
   // The token after the first `context` positions: a hash of them read back from the cache.
@@ -154,7 +171,8 @@ class FakeBackend : public Backend {
   int num_blocks_;
   int block_size_;
   std::vector<int32_t> slots_;
-  std::vector<uint64_t> states_;  // per state slot
+  std::vector<uint64_t> states_;     // per state slot
+  std::vector<uint64_t> snapshots_;  // per state snapshot
 };
 
 // Samples script[sample_index] for every sequence (then repeats the last id); computes nothing.

@@ -5,7 +5,9 @@
 // decodes with drafts (1 + k tokens budgeted and allocated, variable commits, rollback of rejected
 // drafts) giving exactly the outputs of decoding without them, and the recurrent-state slots of
 // hybrid models (admission bounded by slots, no prefix hits, a fresh state after preemption, the
-// state after the accepted drafts kept, the partition chosen by slots).
+// state after the accepted drafts kept, the partition chosen by slots) and their prefix hits
+// (capped at the last block boundary with a state snapshot, branch points, snapshots evicted with
+// their blocks, under pressure with drafts, and handed back by a failed step).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -37,15 +39,19 @@ struct Harness {
     int num_draft_tokens;
   };
 
-  // With num_state_slots, the sequences also hold recurrent-state slots (a hybrid model's).
+  // With num_state_slots, the sequences also hold recurrent-state slots (a hybrid model's), and
+  // with num_snapshots the scheduler keeps state snapshots for their prefix hits.
   Harness(int num_blocks, int block_size, SchedulerConfig cfg, int num_partitions = 1,
-          int num_state_slots = 0, int slots_per_sequence = 1)
-      : backend(num_blocks, block_size, num_state_slots),
+          int num_state_slots = 0, int slots_per_sequence = 1, int num_snapshots = 0)
+      : backend(num_blocks, block_size, num_state_slots, num_snapshots),
         blocks(num_blocks, block_size, true, num_partitions),
         states(num_state_slots > 0 ? std::make_unique<StateSlotManager>(
                                          num_state_slots, slots_per_sequence, num_partitions)
                                    : nullptr),
-        sched(cfg, blocks, states.get()) {}
+        snapshots(num_snapshots > 0
+                      ? std::make_unique<StateSnapshotPool>(num_snapshots, num_partitions)
+                      : nullptr),
+        sched(cfg, blocks, states.get(), snapshots.get()) {}
 
   // The sequence stays valid until it finishes (tests may set its flags before it runs).
   Sequence* add(int64_t id, std::vector<int32_t> prompt, int max_tokens, float temperature = 0.0f) {
@@ -91,6 +97,8 @@ struct Harness {
       s.num_computed = c.seq->num_computed;
       s.block_table = blocks.block_table(c.seq->id);
       if (states) s.state_slots = states->slots(c.seq->id);
+      s.restore_state_snapshot = c.restore_snapshot;
+      s.save_state_snapshots = c.snapshot_saves;
       s.sample = c.sample;
       s.sampling = &c.seq->sampling;
       s.output_tokens = c.seq->output_tokens();
@@ -116,6 +124,7 @@ struct Harness {
       }
     }
     blocks.check_invariants();
+    if (snapshots) snapshots->check_invariants();
     if (states) {
       states->check_invariants();
       // Exactly the running sequences own slots, in the partition of their blocks.
@@ -137,6 +146,7 @@ struct Harness {
   FakeBackend backend;
   BlockManager blocks;
   std::unique_ptr<StateSlotManager> states;
+  std::unique_ptr<StateSnapshotPool> snapshots;
   Scheduler sched;
   // The drafts a live sequence proposes before each step (none when unset).
   std::function<std::vector<int32_t>(const Sequence&)> drafter;
@@ -849,6 +859,157 @@ TEST(Scheduler, StateSlotsChooseAPartitionWithRoom) {
   EXPECT_GT(h.blocks.num_free_blocks(0), 0);
   h.run_to_completion();
   EXPECT_EQ(h.outputs, reference.outputs);
+}
+
+// Hybrid prefix caching: the start of each request's first chunk is its hit.
+int first_chunk_start(const Harness& h, int64_t id) {
+  for (const auto& c : h.chunks) {
+    if (c.id == id) return c.start;
+  }
+  ADD_FAILURE() << "sequence " << id << " never ran";
+  return -1;
+}
+
+// Every snapshot can be taken again: none is left pending or pinned.
+void expect_all_snapshots_free(StateSnapshotPool& pool) {
+  for (int i = 0; i < pool.num_snapshots(); ++i) {
+    EXPECT_GE(pool.allocate(pool.partition_of_snapshot(i)), 0) << "snapshot " << i;
+  }
+}
+
+// A hybrid model's hit reaches only the last block boundary of its cached KV prefix that has a
+// state snapshot, never below one block; a KV prefix found without one becomes a snapshot (the
+// branch point) for the next prompt. The fake backend checks every sampled row's state against
+// its context, so a hit restoring the wrong state fails; the outputs are the attention-only run's.
+TEST(Scheduler, HybridHitStopsAtTheLastSnapshottedBoundary) {
+  const auto a = prompt_of(18, 1);
+  auto shared_with_a = [&](size_t shared, int32_t salt, int tail) {
+    std::vector<int32_t> p(a.begin(), a.begin() + static_cast<ptrdiff_t>(shared));
+    const auto t = prompt_of(tail, salt);
+    EXPECT_NE(t.front(), a[shared]);
+    p.insert(p.end(), t.begin(), t.end());
+    return p;
+  };
+  auto run = [&](Harness& h) {
+    h.add(1, a, 2);  // one chunk [0, 18): a snapshot at 16, its last boundary
+    h.run_to_completion();
+    h.add(2, shared_with_a(10, 2, 10), 1);  // KV hit 8, no snapshot there: none
+    h.run_to_completion();
+    h.add(3, shared_with_a(11, 3, 6), 1);  // B left one at its branch point, 8
+    h.run_to_completion();
+    h.add(4, shared_with_a(17, 4, 3), 1);  // KV hit 16, A's snapshot
+    h.run_to_completion();
+    h.add(5, shared_with_a(14, 5, 3), 1);  // KV hit 12, no snapshot at 12: back to 8
+    h.run_to_completion();
+    h.add(6, shared_with_a(3, 6, 9), 1);  // less than a block shared: no hit
+    h.run_to_completion();
+  };
+  Harness reference(256, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+  run(reference);
+  Harness h(256, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64}, 1, 4, 1, 16);
+  run(h);
+  EXPECT_EQ(h.outputs, reference.outputs);
+  EXPECT_EQ(first_chunk_start(h, 1), 0);
+  EXPECT_EQ(first_chunk_start(h, 2), 0);
+  EXPECT_EQ(first_chunk_start(h, 3), 8);
+  EXPECT_EQ(first_chunk_start(h, 4), 16);
+  EXPECT_EQ(first_chunk_start(h, 5), 8);
+  EXPECT_EQ(first_chunk_start(h, 6), 0);
+  EXPECT_EQ(h.backend.num_restores, 3);
+  EXPECT_EQ(h.sched.stats().prefix_cache_hits, 8u + 16u + 8u);
+  EXPECT_EQ(first_chunk_start(reference, 2), 8);  // attention-only: every cached block
+  expect_all_snapshots_free(*h.snapshots);
+}
+
+// A snapshot goes with its block: once the prefix cache evicts the block, the snapshot is dropped
+// (its slot free again) and the prefix is recomputed from position 0.
+TEST(Scheduler, HybridSnapshotsLeaveWithTheirBlocks) {
+  Harness h(8, 4, {.max_num_seqs = 2, .max_num_batched_tokens = 64}, 1, 2, 1, 4);
+  h.add(1, prompt_of(9, 1), 1);
+  h.run_to_completion();
+  EXPECT_EQ(h.snapshots->num_cached(), 1);  // at 8
+  h.add(2, prompt_of(30, 2), 1);            // needs all 8 blocks: A's cached ones are evicted
+  h.run_to_completion();
+  EXPECT_EQ(h.snapshots->num_cached(), 1);  // B's, at 28; A's went with its blocks
+  h.add(3, prompt_of(9, 1), 1);
+  h.run_to_completion();
+  EXPECT_EQ(first_chunk_start(h, 3), 0);
+  EXPECT_EQ(h.backend.num_restores, 0);
+}
+
+// Shared prefixes under pressure: pools from roomy to barely enough for one request, one to three
+// state slots, one to eight snapshots, odd chunk budgets, with and without drafts. Every request
+// gets the attention-only run's output (the fake backend checks every sampled row's state), hits
+// happen, and no snapshot is left pending or pinned.
+TEST(Scheduler, HybridPrefixCachingUnderPressureKeepsEveryOutput) {
+  const auto system = prompt_of(13, 77);
+  auto load = [&](Harness& h) {
+    for (int id = 0; id < 10; ++id) {
+      std::vector<int32_t> p(system.begin(), system.begin() + 5 + (id * 3) % 9);
+      const auto tail = prompt_of(1 + (id * 5) % 7, id);
+      p.insert(p.end(), tail.begin(), tail.end());
+      h.add(id, p, 4 + (id * 7) % 11, id % 3 == 0 ? 0.8f : 0.0f);
+    }
+  };
+  Harness reference(1024, 4, {.max_num_seqs = 64, .max_num_batched_tokens = 4096});
+  load(reference);
+  reference.run_to_completion();
+  uint64_t hits = 0, preemptions = 0;
+  for (int num_blocks : {7, 12, 64}) {
+    for (int num_slots : {1, 3}) {
+      for (int num_snapshots : {1, 8}) {
+        for (int budget : {5, 64}) {
+          for (int k : {0, 2}) {
+            SCOPED_TRACE(::testing::Message()
+                         << num_blocks << " blocks, " << num_slots << " slots, " << num_snapshots
+                         << " snapshots, budget " << budget << ", drafts " << k);
+            Harness h(num_blocks, 4, {.max_num_seqs = 4, .max_num_batched_tokens = budget}, 1,
+                      num_slots * (1 + k), 1 + k, num_snapshots);
+            if (k > 0) h.drafter = reference_drafter(reference.outputs, k, 1);
+            load(h);
+            h.run_to_completion();
+            EXPECT_EQ(h.outputs, reference.outputs);
+            EXPECT_DOUBLE_EQ(h.blocks.usage(), 0.0);
+            expect_all_snapshots_free(*h.snapshots);
+            hits += h.sched.stats().prefix_cache_hits;
+            preemptions += h.sched.stats().num_preemptions;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(hits, 0u);
+  EXPECT_GT(preemptions, 0u);
+}
+
+// A sequence's snapshots past its prompt supersede each other: with two snapshots, the one at the
+// end of its prompt outlives the three its decode takes, so a prompt sharing it still hits.
+TEST(Scheduler, HybridDecodeSnapshotsSupersedeEachOther) {
+  Harness h(64, 4, {.max_num_seqs = 2, .max_num_batched_tokens = 64}, 1, 2, 1, 2);
+  h.add(1, prompt_of(9, 1), 12);  // a snapshot at 8, then decodes reaching 12, 16 and 20
+  h.run_to_completion();
+  h.add(2, prompt_of(11, 1), 1);
+  h.run_to_completion();
+  EXPECT_EQ(first_chunk_start(h, 2), 8);
+}
+
+// A step that fails hands its plan's snapshots back: the pending saves and the hit's pin.
+TEST(Scheduler, AbandonReturnsThePlansSnapshots) {
+  Harness h(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 64}, 1, 2, 1, 2);
+  h.add(1, prompt_of(9, 1), 1);
+  h.run_to_completion();
+  auto seq = std::make_unique<Sequence>();
+  seq->id = 2;
+  seq->tokens = prompt_of(13, 1);
+  h.sched.add(std::move(seq));
+  const SchedulerOutput out = h.sched.schedule();
+  ASSERT_EQ(out.chunks.size(), 1u);
+  EXPECT_GE(out.chunks[0].restore_snapshot, 0);
+  EXPECT_EQ(out.chunks[0].snapshot_saves.size(), 1u);  // at 12
+  h.sched.abandon(out);
+  h.snapshots->check_invariants();
+  h.sched.finish(2);
+  expect_all_snapshots_free(*h.snapshots);
 }
 
 TEST(Scheduler, StateSlotsRefuseAHandOverAndMismatchedPartitions) {
