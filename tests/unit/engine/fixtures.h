@@ -55,6 +55,41 @@ struct ModelFixture {
   }
 };
 
+// The trained demo hybrid (models/relay-demo-hybrid) and what its recipe measured in torch
+// (tests/fixtures/models/relay-demo-hybrid-expected/expected_demo_hybrid.json, written by the
+// recipe's train.py on the GPU machine): per sample, transformers' fp32 greedy continuation (64
+// tokens), each step's top-1 - top-2 logit margin, and whether the teacher-forced MTP draft at
+// each position p from the prompt's last one on equals token p + 2 (mtp_hits[j] is the draft that
+// guesses generated_ids[j + 1]).
+struct DemoHybridFixture {
+  struct Sample {
+    std::vector<int32_t> prompt_ids, generated_ids;
+    std::vector<float> margins;
+    std::vector<int> mtp_hits;
+  };
+  std::vector<Sample> samples;
+  double mtp_acceptance_k1 = 0;  // torch's: hits / positions over every sample
+
+  static std::filesystem::path model_dir() {
+    return std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-hybrid";
+  }
+
+  static DemoHybridFixture load() {
+    std::ifstream in(fixture_models_dir() / "relay-demo-hybrid-expected" /
+                     "expected_demo_hybrid.json");
+    const nlohmann::json j = nlohmann::json::parse(in);
+    DemoHybridFixture f;
+    f.mtp_acceptance_k1 = j.at("mtp_acceptance_k1").get<double>();
+    for (const nlohmann::json& s : j.at("samples")) {
+      f.samples.push_back({s.at("prompt_ids").get<std::vector<int32_t>>(),
+                           s.at("generated_ids").get<std::vector<int32_t>>(),
+                           s.at("margins").get<std::vector<float>>(),
+                           s.at("mtp_hits").get<std::vector<int>>()});
+    }
+    return f;
+  }
+};
+
 // A parameterised test's model and rank layout, and its gtest name ("qwen3_moe_tp2_ep2_dp1").
 struct LayoutCase {
   std::string model;  // a fixture name, or "demo"
