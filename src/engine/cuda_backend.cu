@@ -221,20 +221,7 @@ struct RankEngine {
     std::vector<cudaEvent_t> events;
   };
   OpMarks* marks = nullptr;
-  // Also the op trace for finding where a sharded step stalls: RELAY_TRACE_OPS=1 prints every op
-  // as its rank enqueues it (a rank whose host is blocked stops printing), RELAY_TRACE_OPS=sync
-  // also waits for the rank's stream before each op (a kernel that does not finish).
   void mark(const char* name, const char* suffix = "") {
-    static const char* trace = std::getenv("RELAY_TRACE_OPS");
-    if (trace != nullptr) {
-      std::fprintf(stderr, "trace rank %d: %s%s\n", rank, name, suffix);
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      RELAY_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-      if (std::string(trace) == "sync" && capture == cudaStreamCaptureStatusNone) {
-        RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
-        std::fprintf(stderr, "trace rank %d: synced before %s%s\n", rank, name, suffix);
-      }
-    }
     if (!marks) return;
     cudaEvent_t e = nullptr;
     RELAY_CUDA_CHECK(cudaEventCreate(&e));
@@ -1359,12 +1346,11 @@ struct RankEngine {
     for (cudaEvent_t e : m.events) cudaEventDestroy(e);
     return out;
   }
-  // Runs this rank alone, collectives off, on a prompt of every power-of-two size up to a full
-  // step (the buckets cuBLASLt's algorithms are chosen by, kernels/cuda/blas.cu), so every one-time
-  // setup of the kernels it will use — function attributes, workspaces, GEMM plans and adapters,
-  // cuBLASLt's first launch of each kernel — happens now. Some of those calls wait for the whole
-  // device, which a step must never do while a peer may be spinning in a collective for this rank.
-  // The KV written lands in blocks that every real sequence overwrites before reading.
+  // Runs this rank alone, collectives off, on prompts of a few sizes (1 token up to a full step),
+  // so every one-time setup of the kernels it will use — function attributes, workspaces, GEMM
+  // plans and adapters — happens now. Some of those calls wait for the whole device, which a step
+  // must never do while a peer may be spinning in a collective for this rank. The KV written lands
+  // in blocks that every real sequence overwrites before reading.
   void warm_up_alone() {
     const bool tp = tp_reduce, moe = moe_reduce, disp = dispatch;
     tp_reduce = moe_reduce = dispatch = false;
@@ -1372,14 +1358,14 @@ struct RankEngine {
                               kv_layout.num_blocks * opt.block_size});
     std::vector<int32_t> tokens(cap, 0), table((cap + opt.block_size - 1) / opt.block_size);
     std::iota(table.begin(), table.end(), 0);
-    for (int n = 1;; n = std::min(2 * n, cap)) {
+    for (int n : {1, 16, 256, cap}) {
+      if (n > cap) continue;
       StepSequence s;
       s.tokens = std::span<const int32_t>(tokens).first(n);
       s.block_table = std::span<const int32_t>(table).first((n + opt.block_size - 1) / opt.block_size);
       const std::vector<StepSequence> batch{s};
       enqueue_forward(upload_batch(batch, 0, width_of(batch, false), {n - 1}));
       RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
-      if (n == cap) break;
     }
     tp_reduce = tp, moe_reduce = moe, dispatch = disp;
   }

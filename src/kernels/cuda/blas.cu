@@ -4,8 +4,7 @@
 //
 // Row-major out[m, n] = x[m, k] @ w[n, k]^T is, in cuBLAS's column-major terms, out^T = w x^T with
 // w transposed: A = w (k x n, transposed), B = x (k x m), C = out (n x m). A plan (descriptors plus
-// the heuristic's algorithm for m's power-of-two bucket, see heuristic_rows) is built once per
-// (m, n, k, output type, bias) and cached; the 32 MiB
+// the heuristic's algorithm) is built once per (m, n, k, output type, bias) and cached; the 32 MiB
 // workspace is allocated once, so launches are capturable in CUDA graphs. The LM head first gathers
 // the rows that sample into a contiguous buffer (a no-op copy in decode, where every row samples).
 #include <cublasLt.h>
@@ -66,32 +65,8 @@ cublasLtMatmulDesc_t tn_desc() {
   return desc;
 }
 
-// The row count whose heuristic answer a GEMM of m rows uses: the next power of two. Every m in a
-// bucket runs the algorithm found for the bucket, so the set of cuBLASLt kernels a process launches
-// is fixed by the buckets its warm-up covers. WHY: the first launch of a kernel cuBLASLt has not
-// used yet can block the host until every kernel on the device has finished, and a sharded rank's
-// peer may be spinning in a collective that waits for this rank (measured on an H100 and an H200,
-// 2026-12-06: a DP 2 + EP 2 prefill of 512 tokens stalled in qkv_proj for the whole 10 s peer
-// timeout while warm-up had covered 256 and 2048 rows only).
-int heuristic_rows(int m) {
-  int rows = 1;
-  while (rows < m) rows *= 2;
-  return rows;
-}
-
-// Asks the heuristic for the best algorithm for plan's shape with `rows` rows, within the
-// workspace; NOT_SUPPORTED when it has none.
-cublasStatus_t find_algo(const Plan& plan, int rows, cublasLtMatmulAlgo_t* algo) {
-  uint64_t k = 0, n = 0;
-  cudaDataType_t b_type{}, c_type{};
-  size_t got = 0;
-  RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutGetAttribute(plan.b, CUBLASLT_MATRIX_LAYOUT_ROWS, &k, sizeof(k), &got));
-  RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutGetAttribute(plan.c, CUBLASLT_MATRIX_LAYOUT_ROWS, &n, sizeof(n), &got));
-  RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutGetAttribute(plan.b, CUBLASLT_MATRIX_LAYOUT_TYPE, &b_type, sizeof(b_type), &got));
-  RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutGetAttribute(plan.c, CUBLASLT_MATRIX_LAYOUT_TYPE, &c_type, sizeof(c_type), &got));
-  cublasLtMatrixLayout_t b = nullptr, c = nullptr;
-  RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, b_type, k, rows, k));
-  RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, c_type, n, rows, n));
+// Asks the heuristic for plan's best algorithm within the workspace; NOT_SUPPORTED when it has none.
+cublasStatus_t find_algo(Plan& plan) {
   cublasLtMatmulPreference_t pref;
   RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -99,37 +74,13 @@ cublasStatus_t find_algo(const Plan& plan, int rows, cublasLtMatmulAlgo_t* algo)
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   // Heuristics depend on the device, not the stream: the current device's default-stream context.
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(LtContext::get(nullptr).handle, plan.desc, plan.a, b, c,
-                                                           c, pref, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(LtContext::get(nullptr).handle, plan.desc, plan.a, plan.b,
+                                                           plan.c, plan.c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(b);
-  cublasLtMatrixLayoutDestroy(c);
   if (st != CUBLAS_STATUS_SUCCESS) return st;
   if (found == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
-  *algo = result.algo;
+  plan.algo = result.algo;
   return CUBLAS_STATUS_SUCCESS;
-}
-
-// Fills plan.algo for its m rows: the algorithm of m's bucket (heuristic_rows) when it runs m rows
-// within the workspace. Otherwise (cuBLASLt has not refused one so far) m's own answer, which may
-// launch a kernel the warm-up did not, said once per process.
-cublasStatus_t choose_algo(Plan& plan, int m) {
-  const int rows = heuristic_rows(m);
-  cublasStatus_t st = find_algo(plan, rows, &plan.algo);
-  if (st == CUBLAS_STATUS_SUCCESS && rows != m) {
-    cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(LtContext::get(nullptr).handle, plan.desc, plan.a, plan.b, plan.c, plan.c,
-                                &plan.algo, &check) == CUBLAS_STATUS_SUCCESS &&
-        check.workspaceSize <= kWorkspaceBytes)
-      return st;
-    static std::once_flag said;
-    std::call_once(said, [&] {
-      std::fprintf(stderr, "relay: cuBLASLt's algorithm for %d rows does not run %d; that shape takes its own\n",
-                   rows, m);
-    });
-    st = find_algo(plan, m, &plan.algo);
-  }
-  return st;
 }
 
 class Blas {
@@ -174,7 +125,7 @@ class Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, out_f32 ? CUDA_R_32F : CUDA_R_16BF, n, m, n));
-    const cublasStatus_t st = choose_algo(plan, m);
+    const cublasStatus_t st = find_algo(plan);
     RELAY_CHECK(st == CUBLAS_STATUS_SUCCESS, "cuBLASLt has no algorithm for a bf16 GEMM of m ", m, " n ", n, " k ",
                 k, " (status ", static_cast<int>(st), ")");
     return plans_.emplace(key, plan).first->second;
@@ -251,7 +202,7 @@ class Fp8Blas {
   }
 
  private:
-  // `status`: choose_algo's answer.
+  // `status`: find_algo's answer.
   std::optional<Plan> try_plan(int m, int n, int k, bool row_scales, cublasStatus_t* status) {
     Plan plan;
     plan.desc = tn_desc();
@@ -271,7 +222,7 @@ class Fp8Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, k, n, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, k, m, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, n, m, n));
-    *status = choose_algo(plan, m);
+    *status = find_algo(plan);
     if (*status != CUBLAS_STATUS_SUCCESS) {
       cublasLtMatrixLayoutDestroy(plan.a);
       cublasLtMatrixLayoutDestroy(plan.b);
