@@ -286,8 +286,9 @@ void EngineLoop::run() {
     }
     const EngineStats s = engine_.stats();
     metrics_.set_engine({s.num_running, s.num_waiting, s.kv_cache_usage, s.state_slot_usage,
-                         s.scheduler.num_preemptions, s.scheduler.prefix_cache_queries,
-                         s.scheduler.prefix_cache_hits, s.spec_decode});
+                         s.num_cached_state_snapshots, s.scheduler.num_preemptions,
+                         s.scheduler.prefix_cache_queries, s.scheduler.prefix_cache_hits,
+                         s.spec_decode});
   }
   // Tasks queued before the stop still run (a prefilled request becomes live and is failed below).
   std::vector<std::function<void(LLMEngine&)>> tasks;

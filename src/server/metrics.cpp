@@ -136,6 +136,10 @@ std::string Metrics::render() const {
         "Recurrent-state slot usage of linear-attention layers (hybrid models; 0 otherwise). 1 "
         "means 100 percent usage.",
         engine_.state_slot_usage);
+  gauge("relay:state_snapshots_cached",
+        "Recurrent-state snapshots at block boundaries that a prefix-cache hit of a hybrid model "
+        "could restore now (0 otherwise).",
+        engine_.cached_state_snapshots);
   counter("relay:num_preemptions_total", "Cumulative number of preemptions.",
           engine_.num_preemptions);
   counter("relay:prefix_cache_queries_total", "Prefix cache queries, in queried tokens.",

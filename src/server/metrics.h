@@ -38,6 +38,7 @@ struct EngineGauges {
   int num_waiting = 0;
   double kv_cache_usage = 0.0;  // 0..1
   double state_slot_usage = 0.0;  // 0..1, hybrid models' recurrent-state slots
+  int cached_state_snapshots = 0;  // hybrid prefix caching: snapshots a prefix hit could use now
   uint64_t num_preemptions = 0;
   uint64_t prefix_cache_queries = 0;
   uint64_t prefix_cache_hits = 0;

@@ -153,6 +153,8 @@ def test_hybrid_prefix_caching_gives_the_outputs_of_no_caching(relay_bin, hybrid
     assert metrics["relay:prefix_cache_hits_total" + label] == sum(cached)
     assert metrics_off["relay:prefix_cache_hits_total" + label] == 0
     assert metrics["relay:state_slot_usage_perc" + label] == 0
+    assert 0 < metrics["relay:state_snapshots_cached" + label] <= 16  # --num-state-snapshots 16
+    assert metrics_off["relay:state_snapshots_cached" + label] == 0
     assert "recurrent-state snapshots at block boundaries" in log and "prefix caching on" in log
     assert "prefix caching off (--no-prefix-caching)" in log_off
     _, cached_none, _, log_none = serve_shared_prefixes(relay_bin, hybrid_dir, snapshots=0)
