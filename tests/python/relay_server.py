@@ -130,8 +130,15 @@ def completion_text(client, prompt, max_tokens=16, **kw):
     return r.choices[0].text
 
 
-def access_log_lines(server, route):
-    return [l for l in server.log_text().splitlines() if re.search(rf'"(GET|POST) {re.escape(route)}"', l)]
+def access_log_lines(server, route, timeout=5.0):
+    """The access-log lines of `route`. The server writes a request's line once its response is sent,
+    so a client that has its answer may look before the line is there: waits up to `timeout` for one."""
+    deadline = time.time() + timeout
+    while True:
+        lines = [l for l in server.log_text().splitlines() if re.search(rf'"(GET|POST) {re.escape(route)}"', l)]
+        if lines or time.time() > deadline:
+            return lines
+        time.sleep(0.05)
 
 
 def server_fixture(*args, **kwargs):
