@@ -18,6 +18,7 @@
 // speed of speculation at a chosen acceptance; their outputs are noise either way.
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,8 +58,7 @@ struct BenchArgs {
   std::string load_format = "auto";   // model mode: auto | dummy
   std::string device = "cuda";        // cuda | cpu (the model mode's decode through the engine)
   std::string speculative_config;     // vLLM's --speculative-config JSON (cpu device)
-  double forced_acceptance = 0.0;     // --spec-forced-acceptance, when given
-  bool force_acceptance = false;      //   (whether it was)
+  std::optional<double> forced_acceptance;  // --spec-forced-acceptance, when given
   int decode_tokens = 0;              // cpu device: timed tokens per sequence (0: the default)
   int threads = 0;                    // cpu device: threads (0: all cores)
 };
@@ -73,8 +73,8 @@ SpeculativeConfig check_device(const BenchArgs& a) {
   RELAY_CHECK(!spec.enabled() || a.mode == "model", "--speculative-config measures the model "
               "mode's decode (--mode model --device cpu); --mode ", a.mode, " has none");
   check_speculation_device(a.device, spec);
-  RELAY_CHECK(!a.force_acceptance || spec.enabled(), "--spec-forced-acceptance ",
-              a.forced_acceptance, " sets how often drafts are accepted: it needs "
+  RELAY_CHECK(!a.forced_acceptance || spec.enabled(), "--spec-forced-acceptance ",
+              *a.forced_acceptance, " sets how often drafts are accepted: it needs "
               "--speculative-config");
   if (cpu) {
     RELAY_CHECK(a.mode == "model", "--device cpu measures the model mode (--mode model) only; "
@@ -163,7 +163,7 @@ int run_cpu_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
   choice.num_kv_blocks =
       ec.max_num_seqs * ((tokens_per_seq + choice.block_size - 1) / choice.block_size + 1);
   CpuBackendOptions o = cpu_backend_options(choice, ec.max_num_seqs, spec);
-  if (a.force_acceptance) o.forced_draft_acceptance = a.forced_acceptance;
+  o.forced_draft_acceptance = a.forced_acceptance;
 
   std::ofstream out_file;
   if (!a.out.empty()) {
@@ -187,11 +187,11 @@ int run_cpu_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
         {"load_format", a.load_format},
         {"threads", a.threads},
         {"speculative", spec.describe()},
-        {"forced_acceptance", a.force_acceptance ? nlohmann::json(a.forced_acceptance) : nullptr},
+        {"forced_acceptance", a.forced_acceptance ? nlohmann::json(*a.forced_acceptance) : nullptr},
         {"seconds", std::chrono::duration<double>(Clock::now() - load_start).count()}});
   run_decode_bench(engine, d, [&](const nlohmann::json& j) {
     nlohmann::json line = j;
-    if (a.force_acceptance) line["forced_acceptance"] = a.forced_acceptance;
+    if (a.forced_acceptance) line["forced_acceptance"] = *a.forced_acceptance;
     emit(std::move(line));
   });
   return 0;
@@ -232,12 +232,12 @@ CommandRegistrar bench_command({
                      "speculative decoding, relay serve's JSON (vLLM's), e.g. '{\"method\": "
                      "\"mtp\", \"num_speculative_tokens\": 1}': each decode line adds the "
                      "acceptance rate and mean acceptance length (cpu device)");
-      CLI::Option* forced = sub.add_option(
-          "--spec-forced-acceptance", a->forced_acceptance,
-          "accept each draft with this probability instead of verifying it (benchmark only, not "
-          "lossless): speculation's speed at a chosen acceptance on models without a trained "
-          "draft head, e.g. 0.8");
-      forced->check(CLI::Range(0.0, 1.0));
+      sub.add_option_function<double>(
+             "--spec-forced-acceptance", [a](double p) { a->forced_acceptance = p; },
+             "accept each draft with this probability instead of verifying it (benchmark only, "
+             "not lossless): speculation's speed at a chosen acceptance on models without a "
+             "trained draft head, e.g. 0.8")
+          ->check(CLI::Range(0.0, 1.0));
       sub.add_option("--decode-tokens", a->decode_tokens,
                      "cpu device: tokens each sequence generates in the timed steps (default 32)")
           ->check(CLI::PositiveNumber);
@@ -247,8 +247,7 @@ CommandRegistrar bench_command({
                      "model mode: tokens per step the backend is sized for (default 16384, or the longest "
                      "--prefill-lengths); under DP + EP each rank's MoE receive buffer holds dp x this many")
           ->check(CLI::PositiveNumber);
-      return [a, forced]() -> int {
-        a->force_acceptance = forced->count() > 0;
+      return [a]() -> int {
         const SpeculativeConfig spec = check_device(*a);
         const std::vector<int> devices = check_sharding(*a);
         if (a->device == "cpu") return run_cpu_bench(*a, spec);
