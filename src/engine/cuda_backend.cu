@@ -221,7 +221,28 @@ struct RankEngine {
     std::vector<cudaEvent_t> events;
   };
   OpMarks* marks = nullptr;
+  // RELAY_TRACE_OPS=1 prints every op as its rank's host enqueues it (where a hung rank's host
+  // stopped); =sync also waits for the previous op to finish first (whose kernel hangs), outside
+  // graph captures. A diagnostic for sharded hangs (docs/parallel.md).
+  enum class Trace { kOff, kEnqueue, kSync };
+  static Trace trace_mode() {
+    static const Trace mode = [] {
+      const char* v = std::getenv("RELAY_TRACE_OPS");
+      const std::string s = v ? v : "";
+      return s.empty() || s == "0" ? Trace::kOff : s == "sync" ? Trace::kSync : Trace::kEnqueue;
+    }();
+    return mode;
+  }
   void mark(const char* name, const char* suffix = "") {
+    if (const Trace t = trace_mode(); t != Trace::kOff) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      RELAY_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      if (t == Trace::kSync && capturing == cudaStreamCaptureStatusNone) {
+        RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+      }
+      std::fprintf(stderr, "relay trace: rank %d %s%s%s\n", rank, name, suffix,
+                   capturing == cudaStreamCaptureStatusNone ? "" : " (capturing)");
+    }
     if (!marks) return;
     cudaEvent_t e = nullptr;
     RELAY_CUDA_CHECK(cudaEventCreate(&e));
@@ -1346,11 +1367,12 @@ struct RankEngine {
     for (cudaEvent_t e : m.events) cudaEventDestroy(e);
     return out;
   }
-  // Runs this rank alone, collectives off, on prompts of a few sizes (1 token up to a full step),
-  // so every one-time setup of the kernels it will use — function attributes, workspaces, GEMM
-  // plans and adapters — happens now. Some of those calls wait for the whole device, which a step
-  // must never do while a peer may be spinning in a collective for this rank. The KV written lands
-  // in blocks that every real sequence overwrites before reading.
+  // Runs this rank alone, collectives off, on a prompt of every power of two up to a full step (and
+  // the full step), sampling up to max_num_seqs rows, so every one-time setup of the kernels it
+  // will use — function attributes, workspaces, GEMM plans, adapters and the cuBLASLt kernel of
+  // every row bucket (blas.cu) — happens now. Some of those calls wait for the whole device, which
+  // a step must never do while a peer may be spinning in a collective for this rank. The KV written
+  // lands in blocks that every real sequence overwrites before reading.
   void warm_up_alone() {
     const bool tp = tp_reduce, moe = moe_reduce, disp = dispatch;
     tp_reduce = moe_reduce = dispatch = false;
@@ -1358,13 +1380,17 @@ struct RankEngine {
                               kv_layout.num_blocks * opt.block_size});
     std::vector<int32_t> tokens(cap, 0), table((cap + opt.block_size - 1) / opt.block_size);
     std::iota(table.begin(), table.end(), 0);
-    for (int n : {1, 16, 256, cap}) {
-      if (n > cap) continue;
+    std::vector<int> sizes;
+    for (int n = 1; n < cap; n *= 2) sizes.push_back(n);
+    sizes.push_back(cap);
+    for (int n : sizes) {
       StepSequence s;
       s.tokens = std::span<const int32_t>(tokens).first(n);
       s.block_table = std::span<const int32_t>(table).first((n + opt.block_size - 1) / opt.block_size);
       const std::vector<StepSequence> batch{s};
-      enqueue_forward(upload_batch(batch, 0, width_of(batch, false), {n - 1}));
+      std::vector<int32_t> rows(std::min(n, opt.max_num_seqs));  // the LM head's row buckets too
+      std::iota(rows.begin(), rows.end(), n - static_cast<int>(rows.size()));
+      enqueue_forward(upload_batch(batch, 0, width_of(batch, false), rows));
       RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
     tp_reduce = tp, moe_reduce = moe, dispatch = disp;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
+#include <numeric>
 
 #include "engine/cuda_backend.h"
 #include "tests/gpu/backend_test_util.h"
@@ -150,6 +151,34 @@ TEST(ShardedCudaBackendDemo, AnIdleDpRankServesTheOthersExperts) {
   // greedy_batched puts a single prompt in partition 0 only: rank 1 idles every step.
   const std::vector<std::vector<int32_t>> first{prompts[0]};
   EXPECT_EQ(greedy_batched(many, first, 8), greedy_batched(one, first, 8));
+}
+
+// Prompts of lengths the warm-up never ran (it runs powers of two), at the bench's step capacity,
+// in partition 0 while rank 1 idles in the dispatch: each prefill finishes (no first-time kernel
+// setup waits for the spinning peer) with one rank's last-token logits.
+TEST(ShardedCudaBackendDemo, AnIdleDpRankWaitsForPromptsOfUnwarmedLengths) {
+  const auto dir = model_dir("demo");
+  CudaBackendOptions o1 = small_options(false);
+  o1.max_num_tokens = 2048;
+  CudaBackend one(dir, o1);
+  CudaBackend many(dir, sharded({1, 2, 2, "demo", 2048}, false));
+  const std::vector<int32_t> base = prompts_of("demo").front();
+  for (int len : {300, 512, 777}) {
+    std::vector<int32_t> prompt;
+    while (static_cast<int>(prompt.size()) < len) prompt.insert(prompt.end(), base.begin(), base.end());
+    prompt.resize(len);
+    std::vector<int32_t> blocks((prompt.size() + 7) / 8);
+    std::iota(blocks.rbegin(), blocks.rend(), 3);
+    StepSequence s;
+    s.seq_id = 1;
+    s.tokens = prompt;
+    s.block_table = blocks;
+    const std::vector<StepSequence> batch{s};
+    const std::vector<float> want = one.forward_logits(batch, CudaBackend::LogitRows::kLastTokens);
+    const std::vector<float> got = many.forward_logits(batch, CudaBackend::LogitRows::kLastTokens);
+    ASSERT_EQ(got.size(), want.size()) << len << " tokens";
+    EXPECT_LT(rel_error(got, want), kLogitTolerance) << len << " tokens";
+  }
 }
 
 TEST(ShardedCudaBackendDemo, RefusesSplitsTheModelDoesNotDivideAndBadDeviceLists) {

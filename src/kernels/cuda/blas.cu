@@ -4,9 +4,16 @@
 //
 // Row-major out[m, n] = x[m, k] @ w[n, k]^T is, in cuBLAS's column-major terms, out^T = w x^T with
 // w transposed: A = w (k x n, transposed), B = x (k x m), C = out (n x m). A plan (descriptors plus
-// the heuristic's algorithm) is built once per (m, n, k, output type, bias) and cached; the 32 MiB
-// workspace is allocated once, so launches are capturable in CUDA graphs. The LM head first gathers
-// the rows that sample into a contiguous buffer (a no-op copy in decode, where every row samples).
+// an algorithm) is built once per (m, n, k, output type, bias) and cached; the 32 MiB workspace is
+// allocated once, so launches are capturable in CUDA graphs. The LM head first gathers the rows
+// that sample into a contiguous buffer (a no-op copy in decode, where every row samples).
+//
+// The algorithm for m rows is the heuristic's choice for bucket_rows(m), the next power of two, so
+// the cuBLASLt kernels a process can launch are one per (bucket, n, k, ...). The first launch of a
+// cuBLASLt kernel loads it, and that load waits for the whole device: under DP + EP a rank's peer
+// may then be spinning in a collective for this rank, which never comes (issue 23: a 512-token
+// prefill hung while warm-up had run 1, 16, 256 and 2048 rows). The sharded backend's warm-up
+// runs every bucket up to its step capacity, so a step never meets an unloaded kernel.
 #include <cublasLt.h>
 
 #include <cstdio>
@@ -65,22 +72,59 @@ cublasLtMatmulDesc_t tn_desc() {
   return desc;
 }
 
-// Asks the heuristic for plan's best algorithm within the workspace; NOT_SUPPORTED when it has none.
-cublasStatus_t find_algo(Plan& plan) {
+int bucket_rows(int m) {
+  int b = 1;
+  while (b < m) b *= 2;
+  return b;
+}
+
+// Picks plan's algorithm for m rows (B and C of plan laid out for m; `in` and `out` their types):
+// the heuristic's best for bucket_rows(m) rows that cublasLtMatmulAlgoCheck accepts at m within the
+// workspace. Only if none does, the heuristic's best for m itself (a kernel the warm-up may not have
+// loaded; no shape Relay runs has needed it). NOT_SUPPORTED when there is no algorithm at all.
+cublasStatus_t choose_algo(Plan& plan, cudaDataType_t in, cudaDataType_t out, int m, int n, int k) {
+  // Heuristics and checks depend on the device, not the stream: the current device's default-stream context.
+  const cublasLtHandle_t handle = LtContext::get(nullptr).handle;
   cublasLtMatmulPreference_t pref;
   RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   RELAY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                           &kWorkspaceBytes, sizeof(kWorkspaceBytes)));
-  cublasLtMatmulHeuristicResult_t result{};
+  const auto best_for = [&](cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, int wanted,
+                            cublasLtMatmulHeuristicResult_t* results, int* found) {
+    return cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, b, c, c, pref, wanted, results, found);
+  };
+  constexpr int kCandidates = 8;
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
-  // Heuristics depend on the device, not the stream: the current device's default-stream context.
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(LtContext::get(nullptr).handle, plan.desc, plan.a, plan.b,
-                                                           plan.c, plan.c, pref, 1, &result, &found);
+  const int bucket = bucket_rows(m);
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  bool chosen = false;
+  if (bucket == m) {
+    st = best_for(plan.b, plan.c, 1, results, &found);
+    if (st == CUBLAS_STATUS_SUCCESS && found > 0) plan.algo = results[0].algo, chosen = true;
+  } else {
+    cublasLtMatrixLayout_t b = nullptr, c = nullptr;
+    RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, in, k, bucket, k));
+    RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, out, n, bucket, n));
+    st = best_for(b, c, kCandidates, results, &found);
+    for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < found && !chosen; ++i) {
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoCheck(handle, plan.desc, plan.a, plan.b, plan.c, plan.c, &results[i].algo, &check) ==
+              CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= kWorkspaceBytes) {
+        plan.algo = results[i].algo, chosen = true;
+      }
+    }
+    cublasLtMatrixLayoutDestroy(b);
+    cublasLtMatrixLayoutDestroy(c);
+    if (!chosen) {
+      st = best_for(plan.b, plan.c, 1, results, &found);
+      if (st == CUBLAS_STATUS_SUCCESS && found > 0) plan.algo = results[0].algo, chosen = true;
+    }
+  }
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS) return st;
-  if (found == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
-  plan.algo = result.algo;
-  return CUBLAS_STATUS_SUCCESS;
+  return chosen ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
 class Blas {
@@ -124,8 +168,9 @@ class Blas {
     }
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k));
-    RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, out_f32 ? CUDA_R_32F : CUDA_R_16BF, n, m, n));
-    const cublasStatus_t st = find_algo(plan);
+    const cudaDataType_t out = out_f32 ? CUDA_R_32F : CUDA_R_16BF;
+    RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, out, n, m, n));
+    const cublasStatus_t st = choose_algo(plan, CUDA_R_16BF, out, m, n, k);
     RELAY_CHECK(st == CUBLAS_STATUS_SUCCESS, "cuBLASLt has no algorithm for a bf16 GEMM of m ", m, " n ", n, " k ",
                 k, " (status ", static_cast<int>(st), ")");
     return plans_.emplace(key, plan).first->second;
@@ -202,7 +247,7 @@ class Fp8Blas {
   }
 
  private:
-  // `status`: find_algo's answer.
+  // `status`: choose_algo's answer.
   std::optional<Plan> try_plan(int m, int n, int k, bool row_scales, cublasStatus_t* status) {
     Plan plan;
     plan.desc = tn_desc();
@@ -222,7 +267,7 @@ class Fp8Blas {
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, k, n, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, k, m, k));
     RELAY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, n, m, n));
-    *status = find_algo(plan);
+    *status = choose_algo(plan, CUDA_R_8F_E4M3, CUDA_R_16BF, m, n, k);
     if (*status != CUBLAS_STATUS_SUCCESS) {
       cublasLtMatrixLayoutDestroy(plan.a);
       cublasLtMatrixLayoutDestroy(plan.b);
