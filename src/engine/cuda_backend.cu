@@ -1371,8 +1371,9 @@ struct RankEngine {
   // the full step), sampling up to max_num_seqs rows, so every one-time setup of the kernels it
   // will use — function attributes, workspaces, GEMM plans, adapters and the cuBLASLt kernel of
   // every row bucket (blas.cu) — happens now. Some of those calls wait for the whole device, which
-  // a step must never do while a peer may be spinning in a collective for this rank. The KV written
-  // lands in blocks that every real sequence overwrites before reading.
+  // a step must never do while a peer may be spinning in a collective for this rank. The KV pool is
+  // zeroed again afterwards, as allocate_kv left it: a page no sequence wrote reads the same in
+  // every layout (the bench decodes over contexts it never wrote, and compares layouts' tokens).
   void warm_up_alone() {
     const bool tp = tp_reduce, moe = moe_reduce, disp = dispatch;
     tp_reduce = moe_reduce = dispatch = false;
@@ -1393,6 +1394,8 @@ struct RankEngine {
       enqueue_forward(upload_batch(batch, 0, width_of(batch, false), rows));
       RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
+    RELAY_CUDA_CHECK(cudaMemsetAsync(kv_pool, 0, kv_layout.total_bytes(), stream));
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     tp_reduce = tp, moe_reduce = moe, dispatch = disp;
   }
   // Binds this rank's device to the calling thread (every rank thread, before any CUDA call).
