@@ -6,9 +6,7 @@
 
 #include "core/error.h"
 #include "engine/cpu_backend.h"
-#if RELAY_HAVE_CUDA
 #include "engine/cuda_backend.h"
-#endif
 
 namespace relay::cli {
 
@@ -180,22 +178,9 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                 "--nnodes: multi-node workers run on the cpu device; the "
                 "cuda device runs every rank as a thread of one process (use --gpus)");
 #if RELAY_HAVE_CUDA
-    CudaBackendOptions o;
-    o.device = c.gpu;
-    if (!c.gpus.empty()) o.devices = parse_device_list(c.gpus, "--gpus");
-    o.parallel = c.parallel;
-    o.weights = c.dtype == "fp8"    ? WeightFormat::kFp8
-                : c.dtype == "bf16" ? WeightFormat::kBf16
-                                    : WeightFormat::kAuto;
-    o.block_size = c.block_size;
-    o.num_kv_blocks = c.num_kv_blocks;
-    o.load_format = parse_load_format(c.load_format);
-    o.max_num_seqs = max_num_seqs;
-    o.max_num_tokens = max_num_batched_tokens;
-    return std::make_unique<CudaBackend>(model_dir, o);
+    return std::make_unique<CudaBackend>(
+        model_dir, cuda_backend_options(c, max_num_seqs, max_num_batched_tokens, speculative));
 #else
-    (void)max_num_seqs;
-    (void)max_num_batched_tokens;
     fail("--device cuda: this relay was built without CUDA (no nvcc at build time)");
 #endif
   }
@@ -208,9 +193,29 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
 
 void check_speculation_device(const std::string& device, const SpeculativeConfig& speculative) {
   // NOTE: refused before the GPU loads the model (the engine would refuse it after).
-  RELAY_CHECK(device != "cuda" || !speculative.enabled(), "--speculative-config ",
-              speculative.describe(),
-              ": the cuda device does not verify drafts yet (the cpu device does)");
+  RELAY_CHECK(device != "cuda" || speculative.method != SpeculativeConfig::Method::kMtp,
+              "--speculative-config ", speculative.describe(),
+              ": the cuda device verifies n-gram drafts but runs no MTP head yet (the cpu device "
+              "does)");
+}
+
+CudaBackendOptions cuda_backend_options(const BackendChoice& c, int max_num_seqs,
+                                        int max_num_batched_tokens,
+                                        const SpeculativeConfig& speculative) {
+  CudaBackendOptions o;
+  o.device = c.gpu;
+  if (!c.gpus.empty()) o.devices = parse_device_list(c.gpus, "--gpus");
+  o.parallel = c.parallel;
+  o.weights = c.dtype == "fp8"    ? WeightFormat::kFp8
+              : c.dtype == "bf16" ? WeightFormat::kBf16
+                                  : WeightFormat::kAuto;
+  o.block_size = c.block_size;
+  o.num_kv_blocks = c.num_kv_blocks;
+  o.load_format = parse_load_format(c.load_format);
+  o.max_num_seqs = max_num_seqs;
+  o.max_num_tokens = max_num_batched_tokens;
+  o.max_draft_tokens = speculative.enabled() ? speculative.num_speculative_tokens : 0;
+  return o;
 }
 
 CpuBackendOptions cpu_backend_options(const BackendChoice& c, int max_num_seqs,

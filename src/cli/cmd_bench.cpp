@@ -1,21 +1,24 @@
-// `relay bench`: ceilings, kernel figures and end-to-end prefill/decode on the GPU
-// (engine/cuda_bench.h), and, with --device cpu, the model mode's decode through the engine on
-// the CPU backend (engine/decode_bench.h) — where speculative decoding runs today.
-// A build without CUDA keeps the command so scripts get a clear message instead of "unknown command".
+// `relay bench`: ceilings, kernel figures and end-to-end prefill/decode steps on the GPU
+// (engine/cuda_bench.h), and decode through the whole engine — scheduler, backend, speculative
+// decoding — on either device (--mode engine; engine/decode_bench.h), which is also what the cpu
+// device's model mode measures. A build without CUDA keeps the command so scripts get a clear
+// message instead of "unknown command".
 //
-// The model mode shards its backend with relay generate's --tp / --ep / --dp / --gpus (the same
-// options, validation and messages: backend_choice.h, model/shard.h). Every refusal — a sharding
-// flag on a mode that measures one GPU, a layout Relay does not run, a --gpus list of the wrong
-// length, a split the model does not divide, a flag of the other device, a speculative config
-// (parsed as relay serve parses it) the device cannot run — is said here, before CUDA starts or a
-// model loads, so it costs no ceiling measurement and reads the same on a build or machine
-// without a GPU.
+// The model and engine modes shard their backend with relay generate's --tp / --ep / --dp / --gpus
+// (the same options, validation and messages: backend_choice.h, model/shard.h). Every refusal — a
+// sharding flag on a mode that measures one GPU, a layout Relay does not run, a --gpus list of the
+// wrong length, a split the model does not divide, a flag of the other device or mode, a
+// speculative config (parsed as relay serve parses it) the device cannot run — is said here,
+// before CUDA starts or a model loads, so it costs no ceiling measurement and reads the same on a
+// build or machine without a GPU.
 //
-// --speculative-config takes relay serve's JSON; the cpu device reports each shape's acceptance
-// rate and mean acceptance length beside its decode rate. --spec-forced-acceptance P (the bench
-// only: serve and generate have no such flag) accepts each draft with probability P instead of
-// verifying it, so shapes with random weights (make-model presets, --load-format dummy) show the
-// speed of speculation at a chosen acceptance; their outputs are noise either way.
+// --speculative-config takes relay serve's JSON; decode through the engine reports each shape's
+// acceptance rate and mean acceptance length beside its decode rate, and the cuda model mode adds
+// a line per decode shape for steps that verify num_speculative_tokens random drafts per sequence
+// (engine/cuda_bench.h). --spec-forced-acceptance P
+// (the bench only: serve and generate have no such flag) accepts each draft with probability P
+// instead of verifying it, so shapes with random weights (make-model presets, --load-format dummy)
+// show the speed of speculation at a chosen acceptance; their outputs are noise either way.
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -56,38 +59,47 @@ struct BenchArgs {
   std::string gpus;                   // model mode: --gpus
   int max_num_batched_tokens = 0;     // model mode: the backend's step capacity (0: the default)
   std::string load_format = "auto";   // model mode: auto | dummy
-  std::string device = "cuda";        // cuda | cpu (the model mode's decode through the engine)
-  std::string speculative_config;     // vLLM's --speculative-config JSON (cpu device)
+  std::string device = "cuda";        // cuda | cpu (whose model mode is the engine mode)
+  std::string speculative_config;     // vLLM's --speculative-config JSON (engine mode)
   std::optional<double> forced_acceptance;  // --spec-forced-acceptance, when given
-  int decode_tokens = 0;              // cpu device: timed tokens per sequence (0: the default)
+  int decode_tokens = 0;              // engine mode: timed tokens per sequence (0: the default)
   int threads = 0;                    // cpu device: threads (0: all cores)
 };
 
-// The flags that belong to one device only, and the speculative config: parsed (the parser relay
-// serve uses) and checked against the device and mode. Returns the parsed config.
+// Whether the run measures decode through the engine (engine/decode_bench.h): --mode engine on
+// either device, and the cpu device's model mode, which is the same thing (the CPU backend has no
+// step-level benchmark of its own).
+bool through_engine(const BenchArgs& a) { return a.mode == "engine" || a.device == "cpu"; }
+
+// The flags that belong to one device or mode only, and the speculative config: parsed (the parser
+// relay serve uses) and checked against the device and mode. Returns the parsed config.
 SpeculativeConfig check_device(const BenchArgs& a) {
-  const bool cpu = a.device == "cpu";
+  const bool engine = through_engine(a);
   const SpeculativeConfig spec = a.speculative_config.empty()
                                      ? SpeculativeConfig{}
                                      : SpeculativeConfig::parse(a.speculative_config);
-  RELAY_CHECK(!spec.enabled() || a.mode == "model", "--speculative-config measures the model "
-              "mode's decode (--mode model --device cpu); --mode ", a.mode, " has none");
+  if (a.device == "cpu") {
+    RELAY_CHECK(a.mode == "model" || a.mode == "engine", "--device cpu measures decode through "
+                "the engine (--mode engine, or model) only; --mode ", a.mode, " measures the GPU");
+  }
+  RELAY_CHECK(!spec.enabled() || engine || a.mode == "model", "--speculative-config measures "
+              "decode (--mode engine, or model); --mode ", a.mode, " has none");
   check_speculation_device(a.device, spec);
   RELAY_CHECK(!a.forced_acceptance || spec.enabled(), "--spec-forced-acceptance ",
               *a.forced_acceptance, " sets how often drafts are accepted: it needs "
               "--speculative-config");
-  if (cpu) {
-    RELAY_CHECK(a.mode == "model", "--device cpu measures the model mode (--mode model) only; "
-                "--mode ", a.mode, " measures the GPU");
-    RELAY_CHECK(a.prefill_lengths.empty(), "--prefill-lengths: the cpu device measures decode "
+  if (engine) {
+    RELAY_CHECK(a.prefill_lengths.empty(), "--prefill-lengths: the engine mode measures decode "
                 "only (--decode-batches, --decode-contexts, --decode-tokens)");
-    RELAY_CHECK(!a.quick, "--quick picks the GPU benchmark's shapes; the cpu device takes "
-                "--decode-batches, --decode-contexts and --decode-tokens");
+    RELAY_CHECK(!a.quick, "--quick picks the GPU benchmark's shapes; decode through the engine "
+                "takes --decode-batches, --decode-contexts and --decode-tokens");
   } else {
-    RELAY_CHECK(a.decode_tokens == 0, "--decode-tokens sets the cpu device's timed tokens per "
-                "sequence; the cuda model mode times single steps (add --device cpu)");
-    RELAY_CHECK(a.threads == 0, "--threads sizes the cpu device's thread pool (add --device cpu)");
+    RELAY_CHECK(a.decode_tokens == 0, "--decode-tokens sets the timed tokens per sequence of "
+                "decode through the engine (--mode engine, or --device cpu); the cuda model mode "
+                "times single steps");
   }
+  RELAY_CHECK(a.threads == 0 || a.device == "cpu",
+              "--threads sizes the cpu device's thread pool (add --device cpu)");
   return spec;
 }
 
@@ -99,7 +111,7 @@ std::vector<int> check_sharding(const BenchArgs& a) {
   if (a.parallel.dp != 1) given = str("--dp ", a.parallel.dp);
   if (a.parallel.ep != 1) given = str("--ep ", a.parallel.ep);
   if (a.parallel.tp != 1) given = str("--tp ", a.parallel.tp);
-  if (a.mode != "model") {
+  if (a.mode != "model" && a.mode != "engine") {
     RELAY_CHECK(a.load_format == "auto", "--load-format ", a.load_format,
                 " loads the model mode's weights; --mode ", a.mode, " has none");
     RELAY_CHECK(a.max_num_batched_tokens == 0, "--max-num-batched-tokens sizes the model mode's backend; --mode ",
@@ -109,9 +121,9 @@ std::vector<int> check_sharding(const BenchArgs& a) {
                 a.mode == "collectives" ? " (its GPU count is --ranks)" : "");
     return {};
   }
-  RELAY_CHECK(a.ranks == 1, "--ranks ", a.ranks, " is the collectives mode's GPU count; --mode model "
-              "places its ranks with --tp, --ep, --dp and --gpus");
-  RELAY_CHECK(!a.model.empty(), "bench --mode model needs --model DIR");
+  RELAY_CHECK(a.ranks == 1, "--ranks ", a.ranks, " is the collectives mode's GPU count; --mode ",
+              a.mode, " places its ranks with --tp, --ep, --dp and --gpus");
+  RELAY_CHECK(!a.model.empty(), "bench --mode ", a.mode, " needs --model DIR");
   if (a.max_num_batched_tokens > 0) {
     for (int len : a.prefill_lengths) {
       RELAY_CHECK(len <= a.max_num_batched_tokens, "--prefill-lengths ", len, " exceeds --max-num-batched-tokens ",
@@ -134,9 +146,10 @@ std::vector<int> check_sharding(const BenchArgs& a) {
   return devices;
 }
 
-// The cpu device's model mode: relay generate's backend (cpu_backend_options, with the bench's
-// forced acceptance), an engine sized for the largest shape, and one JSON line per shape.
-int run_cpu_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
+// Decode through the engine (--mode engine, or the cpu device's model mode): relay generate's
+// backend on --device (cpu_backend_options / cuda_backend_options, with the bench's forced
+// acceptance), an engine sized for the largest shape, and one JSON line per shape.
+int run_engine_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
   using Clock = std::chrono::steady_clock;
   DecodeBenchOptions d;
   d.batches = a.decode_batches.empty() ? std::vector<int>{1, 8} : a.decode_batches;
@@ -151,7 +164,7 @@ int run_cpu_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
                                   : std::max(2048, ec.max_num_seqs * (1 + drafts));
   ec.speculative = spec;
   BackendChoice choice;
-  choice.device = "cpu";
+  choice.device = a.device;
   choice.load_format = a.load_format;
   choice.parallel = a.parallel;
   choice.num_threads = a.threads;
@@ -160,10 +173,23 @@ int run_cpu_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
   // KV blocks for the largest shape: every sequence's prompt, its tokens and a step of drafts.
   const int max_context = *std::max_element(d.contexts.begin(), d.contexts.end());
   const int tokens_per_seq = max_context + 1 + d.num_decode_tokens + drafts;
-  choice.num_kv_blocks =
-      ec.max_num_seqs * ((tokens_per_seq + choice.block_size - 1) / choice.block_size + 1);
-  CpuBackendOptions o = cpu_backend_options(choice, ec.max_num_seqs, spec);
-  o.forced_draft_acceptance = a.forced_acceptance;
+  choice.num_kv_blocks = ec.max_num_seqs * a.parallel.dp *
+                         ((tokens_per_seq + choice.block_size - 1) / choice.block_size + 1);
+  auto make = [&]() -> std::unique_ptr<Backend> {
+    if (a.device == "cpu") {
+      CpuBackendOptions o = cpu_backend_options(choice, ec.max_num_seqs, spec);
+      o.forced_draft_acceptance = a.forced_acceptance;
+      return std::make_unique<CpuBackend>(a.model, o);
+    }
+#if RELAY_HAVE_CUDA
+    CudaBackendOptions o =
+        cuda_backend_options(choice, ec.max_num_seqs, ec.max_num_batched_tokens, spec);
+    o.forced_draft_acceptance = a.forced_acceptance;
+    return std::make_unique<CudaBackend>(a.model, o);
+#else
+    fail("--device cuda: this relay was built without CUDA (no nvcc at build time)");
+#endif
+  };
 
   std::ofstream out_file;
   if (!a.out.empty()) {
@@ -171,14 +197,13 @@ int run_cpu_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
     RELAY_CHECK(out_file.good(), "--out ", a.out, ": cannot open for appending");
   }
   auto emit = [&](nlohmann::json j) {
-    j["device"] = "cpu";
+    j["device"] = a.device;
     const std::string line = j.dump();
     std::cout << line << std::endl;
     if (out_file.is_open()) out_file << line << std::endl;
   };
   const Clock::time_point load_start = Clock::now();
-  LLMEngine engine(std::make_unique<CpuBackend>(a.model, o), Tokenizer::from_model_dir(a.model),
-                   ec);
+  LLMEngine engine(make(), Tokenizer::from_model_dir(a.model), ec);
   const ModelConfig& c = engine.model_config();
   emit({{"mode", "load"},
         {"model", a.model},
@@ -202,9 +227,10 @@ CommandRegistrar bench_command({
     [](CLI::App& sub) -> std::function<int()> {
       auto a = std::make_shared<BenchArgs>();
       sub.add_option("--mode", a->mode,
-                     "ceilings | kernels | model | collectives | accuracy (FP8 vs bf16 logits) | all "
-                     "(ceilings, kernels, model)")
-          ->check(CLI::IsMember({"ceilings", "kernels", "model", "collectives", "accuracy", "all"}));
+                     "ceilings | kernels | model (prefill and decode steps) | engine (decode "
+                     "through the whole engine, speculative decoding included) | collectives | "
+                     "accuracy (FP8 vs bf16 logits) | all (ceilings, kernels, model)")
+          ->check(CLI::IsMember({"ceilings", "kernels", "model", "engine", "collectives", "accuracy", "all"}));
       sub.add_option("--model", a->model, "checkpoint directory for prefill/decode (e.g. from make-model)");
       sub.add_option("--out", a->out, "append the JSON lines to this file too");
       sub.add_flag("--quick", a->quick, "fewer shapes and repetitions");
@@ -225,13 +251,14 @@ CommandRegistrar bench_command({
       add_parallel_options(sub, a->parallel, a->gpus, "0, 1, 2, ...");
       add_load_format_option(sub, a->load_format);
       sub.add_option("--device", a->device,
-                     "cuda (default: the GPU benchmark) or cpu (--mode model's decode through the "
-                     "engine on the CPU backend, with speculative decoding)")
+                     "cuda (default) or cpu (the engine mode on the CPU backend; its --mode "
+                     "model is the same)")
           ->check(CLI::IsMember({"cuda", "cpu"}));
       sub.add_option("--speculative-config", a->speculative_config,
                      "speculative decoding, relay serve's JSON (vLLM's), e.g. '{\"method\": "
                      "\"mtp\", \"num_speculative_tokens\": 1}': each decode line adds the "
-                     "acceptance rate and mean acceptance length (cpu device)");
+                     "acceptance rate and mean acceptance length (engine mode); the cuda model mode "
+                     "adds steps verifying that many random drafts (decode_spec lines)");
       sub.add_option_function<double>(
              "--spec-forced-acceptance", [a](double p) { a->forced_acceptance = p; },
              "accept each draft with this probability instead of verifying it (benchmark only, "
@@ -239,7 +266,7 @@ CommandRegistrar bench_command({
              "trained draft head, e.g. 0.8")
           ->check(CLI::Range(0.0, 1.0));
       sub.add_option("--decode-tokens", a->decode_tokens,
-                     "cpu device: tokens each sequence generates in the timed steps (default 32)")
+                     "engine mode: tokens each sequence generates in the timed steps (default 32)")
           ->check(CLI::PositiveNumber);
       sub.add_option("--threads", a->threads, "cpu device: threads (default: all cores)")
           ->check(CLI::NonNegativeNumber);
@@ -250,12 +277,14 @@ CommandRegistrar bench_command({
       return [a]() -> int {
         const SpeculativeConfig spec = check_device(*a);
         const std::vector<int> devices = check_sharding(*a);
-        if (a->device == "cpu") return run_cpu_bench(*a, spec);
+        if (through_engine(*a)) return run_engine_bench(*a, spec);
 #if RELAY_HAVE_CUDA
         CudaBenchOptions o{a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches,
                            a->decode_contexts, a->dtype, a->ranks, a->parallel, devices};
         o.max_num_tokens = a->max_num_batched_tokens;
         o.load_format = a->load_format;
+        o.spec_tokens = spec.enabled() ? spec.num_speculative_tokens : 0;
+        o.forced_acceptance = a->forced_acceptance;
         return run_cuda_bench(o);
 #else
         (void)devices;
@@ -266,8 +295,8 @@ CommandRegistrar bench_command({
       };
     },
     "measure ceilings, kernels and prefill/decode throughput on the GPU (JSON lines); --mode model "
-    "takes --tp/--ep/--dp/--gpus as relay generate does, and with --device cpu measures decode "
-    "through the engine (--speculative-config: acceptance rate and length)",
+    "and engine take --tp/--ep/--dp/--gpus as relay generate does; --mode engine (and --device cpu) "
+    "measures decode through the engine (--speculative-config: acceptance rate and length)",
 });
 
 }  // namespace

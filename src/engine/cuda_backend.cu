@@ -170,14 +170,19 @@ struct RankEngine {
   int moe_tokens = 0;
   // DP + EP: how many tokens the sources can dispatch to this rank in the running step, set by the
   // backend before each step to the sum over the DP ranks of what they send (step_tokens) — every
-  // token goes at most once to each rank. A decode graph is captured with moe_graph_tokens() instead
+  // token goes at most once to each rank. A graph is captured with moe_graph_tokens(q) instead
   // and replays only in steps whose sum is within it. The expert GEMMs and SwiGLU size their
   // launches, and pick their variant, from the bound in force (moe_bound_tokens) rather than from
   // the receive buffer's capacity; the rows past it are the padded slots the permute sorts last.
   int moe_step_tokens = 0;
   int moe_bound_tokens = 0;  // the bound the launches being enqueued use
   int moe_sources = 1;       // ranks that dispatch tokens to this one (DP + EP: the group size)
-  int moe_graph_tokens() const { return std::min(moe_tokens, moe_sources * opt.max_num_seqs); }
+  // Logit rows a step may sample: one per sequence, and one more per draft it verifies.
+  int logit_rows() const { return opt.max_num_seqs * (1 + opt.max_draft_tokens); }
+  // The bound a graph of q tokens per sequence keeps (every source sends at most max_num_seqs x q).
+  int moe_graph_tokens(int q) const {
+    return std::min(moe_tokens, moe_sources * opt.max_num_seqs * q);
+  }
   // The permute's expert count: local_experts, plus the absent id under EP.
   int route_experts() const { return shard.ep_size > 1 ? local_experts + 1 : local_experts; }
   int64_t max_qkv_width = 0;   // qkv activation row: qkv_dim, or a packed FP8 q|k|v's rows
@@ -211,7 +216,8 @@ struct RankEngine {
   int32_t *tokens_dev, *tokens_host, *top_ids_dev, *top_ids_host;
   float *logprobs_dev, *logprobs_host, *top_lp_dev, *top_lp_host;
 
-  std::map<std::pair<int, int>, cudaGraphExec_t> graphs;  // (batch bucket, table width) -> graph
+  // (batch bucket, table width, tokens per sequence) -> graph
+  std::map<std::tuple<int, int, int>, cudaGraphExec_t> graphs;
 
   // Per-op events of profile_forward(): marks[i] is recorded before op names[i] is enqueued (the
   // last one after the final op). Empty outside profile_forward, so enqueue_forward records nothing
@@ -703,10 +709,11 @@ struct RankEngine {
     add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
         add(rows * hidden, 2);
     add(routes, 4), add(rows, 4), add(local_experts + 2, 4), add(routes, 4);
-    add(S * size_t(vocab), 4);
+    const size_t R = logit_rows();
+    add(R * size_t(vocab), 4);
     add(meta.bytes, 1);
-    add(S * sizeof(kernels::SampleRowParams), 1), add(S, 4), add(S, 4), add(S * kMaxLogprobs, 4),
-        add(S * kMaxLogprobs, 4);
+    add(R * sizeof(kernels::SampleRowParams), 1), add(R, 4), add(R, 4), add(R * kMaxLogprobs, 4),
+        add(R * kMaxLogprobs, 4);
     acts.reserve(bytes + 4096);
     residual = acts.take<bf16>(T * hidden);
     normed = acts.take<bf16>(T * hidden);
@@ -732,26 +739,26 @@ struct RankEngine {
     permuted_index = acts.take<int32_t>(rows);
     expert_offsets = acts.take<int32_t>(local_experts + 2);
     topk_weights = acts.take<float>(routes);
-    logits = acts.take<float>(S * size_t(vocab));
+    logits = acts.take<float>(R * size_t(vocab));
     meta_dev = acts.take<uint8_t>(meta.bytes);
-    sample_rows_dev = acts.take<kernels::SampleRowParams>(S);
-    tokens_dev = acts.take<int32_t>(S);
-    logprobs_dev = acts.take<float>(S);
-    top_ids_dev = acts.take<int32_t>(S * kMaxLogprobs);
-    top_lp_dev = acts.take<float>(S * kMaxLogprobs);
+    sample_rows_dev = acts.take<kernels::SampleRowParams>(R);
+    tokens_dev = acts.take<int32_t>(R);
+    logprobs_dev = acts.take<float>(R);
+    top_ids_dev = acts.take<int32_t>(R * kMaxLogprobs);
+    top_lp_dev = acts.take<float>(R * kMaxLogprobs);
     RELAY_CUDA_CHECK(cudaMallocHost(&meta_host, meta.bytes));
     // One pinned block for the sampling mirrors.
-    const size_t host_bytes = S * (sizeof(kernels::SampleRowParams) + 8 + 8 * kMaxLogprobs) + 1024;
+    const size_t host_bytes = R * (sizeof(kernels::SampleRowParams) + 8 + 8 * kMaxLogprobs) + 1024;
     uint8_t* h = nullptr;
     RELAY_CUDA_CHECK(cudaMallocHost(&h, host_bytes));
     sample_rows_host = reinterpret_cast<kernels::SampleRowParams*>(h);
-    h += align_up(S * sizeof(kernels::SampleRowParams), 16);
+    h += align_up(R * sizeof(kernels::SampleRowParams), 16);
     tokens_host = reinterpret_cast<int32_t*>(h);
-    h += align_up(S * 4, 16);
+    h += align_up(R * 4, 16);
     logprobs_host = reinterpret_cast<float*>(h);
-    h += align_up(S * 4, 16);
+    h += align_up(R * 4, 16);
     top_ids_host = reinterpret_cast<int32_t*>(h);
-    h += align_up(S * kMaxLogprobs * 4, 16);
+    h += align_up(R * kMaxLogprobs * 4, 16);
     top_lp_host = reinterpret_cast<float*>(h);
   }
 
@@ -1043,6 +1050,14 @@ struct RankEngine {
       RELAY_CHECK(s.num_computed >= 0, "sequence ", s.seq_id, " has num_computed ", s.num_computed);
       RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
                   " samples but has no SamplingParams");
+      RELAY_CHECK(s.num_draft_tokens == 0 ||
+                      (s.sample && s.num_draft_tokens > 0 &&
+                       s.num_draft_tokens < static_cast<int>(s.tokens.size()) &&
+                       s.num_draft_tokens <= opt.max_draft_tokens),
+                  "sequence ", s.seq_id, " has ", s.num_draft_tokens, " drafts among ",
+                  s.tokens.size(), " tokens (sample ", s.sample,
+                  "); the CUDA backend verifies at most ", opt.max_draft_tokens,
+                  " drafts per sampling sequence");
       tokens += static_cast<int>(s.tokens.size());
       const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
       RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
@@ -1066,20 +1081,22 @@ struct RankEngine {
                 " sequences; the CUDA backend was sized for ", opt.max_num_seqs);
   }
 
-  // Fills meta_host for `batch` (padded to `pad_seqs` one-token dummy sequences when > batch size)
-  // and copies it to the device. Returns the shape.
+  // Fills meta_host for `batch` and copies it to the device. Returns the shape. With pad_seqs > 0
+  // (a graph step) the batch is padded to pad_seqs sequences with dummies of pad_tokens tokens that
+  // write nothing, and every token row gets logits (a graph step's sequences sample after each of
+  // their tokens: decodes, and verify steps of uniform drafts); else the logit rows are `rows`.
   Shape upload_batch(std::span<const StepSequence> batch, int pad_seqs, int width,
-                     const std::vector<int32_t>& rows) {
+                     const std::vector<int32_t>& rows, int pad_tokens = 1) {
     int tokens = 0;
     for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
     const int seqs = std::max<int>(pad_seqs, static_cast<int>(batch.size()));
-    tokens += seqs - static_cast<int>(batch.size());
-    const int num_rows = pad_seqs > 0 ? seqs : static_cast<int>(rows.size());
+    tokens += (seqs - static_cast<int>(batch.size())) * pad_tokens;
+    const int num_rows = pad_seqs > 0 ? tokens : static_cast<int>(rows.size());
     RELAY_CHECK(tokens <= opt.max_num_tokens && seqs <= opt.max_num_seqs &&
-                    num_rows <= opt.max_num_seqs,
+                    num_rows <= logit_rows(),
                 "step of ", tokens, " tokens, ", seqs, " sequences and ", num_rows,
-                " logit rows; the CUDA backend was sized for ", opt.max_num_tokens, " and ",
-                opt.max_num_seqs);
+                " logit rows; the CUDA backend was sized for ", opt.max_num_tokens, ", ",
+                opt.max_num_seqs, " and ", logit_rows());
     const MetaLayout m = MetaLayout::make(tokens, seqs, num_rows, width);
     RELAY_CHECK(m.bytes <= meta_capacity, "batch metadata of ", m.bytes, " bytes exceeds ",
                 meta_capacity);
@@ -1109,16 +1126,17 @@ struct RankEngine {
       query_starts[i + 1] = t;
       context_lens[i] = static_cast<int32_t>(context);
     }
-    for (int i = static_cast<int>(batch.size()); i < seqs;
-         ++i, ++t) {  // padding: one token, writes nothing
-      token_ids[t] = 0;
-      positions[t] = 0;
-      slots[t] = -1;
-      query_starts[i + 1] = t + 1;
-      context_lens[i] = 1;
+    for (int i = static_cast<int>(batch.size()); i < seqs; ++i) {  // padding: writes nothing
+      for (int j = 0; j < pad_tokens; ++j, ++t) {
+        token_ids[t] = 0;
+        positions[t] = j;
+        slots[t] = -1;
+      }
+      query_starts[i + 1] = t;
+      context_lens[i] = pad_tokens;
     }
     if (pad_seqs > 0) {
-      for (int i = 0; i < seqs; ++i) logit_rows[i] = i;
+      for (int r = 0; r < num_rows; ++r) logit_rows[r] = r;
     } else {
       std::copy(rows.begin(), rows.end(), logit_rows);
     }
@@ -1143,39 +1161,48 @@ struct RankEngine {
     return std::min(p, std::max(w, max_blocks));
   }
 
-  // Whether run() takes `batch` through a decode graph (under DP + EP also: if the step's senders
-  // fit the graph's bound): every sequence decodes one token and samples.
-  bool graph_eligible(std::span<const StepSequence> batch) const {
-    bool decode = opt.cuda_graphs && static_cast<int>(batch.size()) <= opt.max_num_seqs;
-    for (const StepSequence& s : batch) decode = decode && s.tokens.size() == 1 && s.sample;
-    return decode;
+  // The tokens per sequence q of the graph that can run `batch` (under DP + EP also if the step's
+  // senders fit the graph's bound, run()), 0 for none: every sequence samples after q tokens whose
+  // last q - 1 are drafts — a decode (q = 1), or a verify step where every sequence brings the same
+  // number of drafts (an MTP head's, the bench's; the n-gram proposer's vary and run eagerly).
+  int graph_tokens_per_seq(std::span<const StepSequence> batch) const {
+    if (!opt.cuda_graphs || batch.empty() || static_cast<int>(batch.size()) > opt.max_num_seqs)
+      return 0;
+    const int q = static_cast<int>(batch.front().tokens.size());
+    for (const StepSequence& s : batch) {
+      if (!s.sample || static_cast<int>(s.tokens.size()) != q || s.num_draft_tokens != q - 1)
+        return 0;
+    }
+    const int padded = std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
+    return padded * q <= opt.max_num_tokens ? q : 0;
   }
   // The token rows a step of `batch` sends through the MoE layers: a graph step's padded batch, or
   // its tokens (an upper bound either way, which is what moe_step_tokens needs).
   int step_tokens(std::span<const StepSequence> batch) const {
     if (batch.empty()) return 0;
-    if (graph_eligible(batch))
-      return std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
+    if (const int q = graph_tokens_per_seq(batch); q > 0)
+      return std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs) * q;
     int tokens = 0;
     for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
     return tokens;
   }
 
-  // Runs the forward for a step; decode batches through (and into) the graph cache.
+  // Runs the forward for a step; decode and uniform verify batches through (and into) the graph
+  // cache.
   Shape run(std::span<const StepSequence> batch, const std::vector<int32_t>& rows) {
-    const bool decode =
-        graph_eligible(batch) && (!dispatch || moe_step_tokens <= moe_graph_tokens());
-    if (!decode) {
+    const int q = graph_tokens_per_seq(batch);
+    if (q == 0 || (dispatch && moe_step_tokens > moe_graph_tokens(q))) {
       const Shape sh = upload_batch(batch, 0, width_of(batch, false), rows);
       moe_bound_tokens = moe_step_tokens;
       enqueue_forward(sh);
       return sh;
     }
-    moe_bound_tokens = moe_graph_tokens();  // what the captured graph keeps
+    moe_bound_tokens = moe_graph_tokens(q);  // what the captured graph keeps
     const int padded = std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
     const int width = width_of(batch, true);
-    const Shape sh = upload_batch(batch, padded, width, rows);
-    auto it = graphs.find({padded, width});
+    const Shape sh = upload_batch(batch, padded, width, rows, q);
+    const auto key = std::make_tuple(padded, width, q);
+    auto it = graphs.find(key);
     if (it != graphs.end()) {
       RELAY_CUDA_CHECK(cudaGraphLaunch(it->second, stream));
       return sh;
@@ -1195,7 +1222,7 @@ struct RankEngine {
     cudaGraphExec_t exec = nullptr;
     RELAY_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     RELAY_CUDA_CHECK(cudaGraphDestroy(graph));
-    graphs.emplace(std::make_pair(padded, width), exec);
+    graphs.emplace(key, exec);
     return sh;
   }
 
@@ -1208,33 +1235,39 @@ struct RankEngine {
   }
 
   // Runs a checked batch (check_batch) and samples its sampling sequences, unless `sample` is
-  // false (a TP rank other than 0: the same logits, sampled by rank 0).
+  // false (a TP rank other than 0: the same logits, sampled by rank 0). A sequence with k drafts
+  // samples k + 1 rows, the last token's and each draft's, which verify the drafts in order
+  // (sampler.h, verify_drafts): it returns its accepted drafts and the token after them.
   std::vector<SampledToken> step(std::span<const StepSequence> batch, bool sample) {
     std::vector<int32_t> rows;
     std::vector<const StepSequence*> samplers;
+    std::vector<int> first_row;  // samplers[i]'s rows start at rows[first_row[i]]
     int t = 0;
     for (const StepSequence& s : batch) {
       t += static_cast<int>(s.tokens.size());
-      if (s.sample) {
-        rows.push_back(t - 1);
-        samplers.push_back(&s);
-      }
+      if (!s.sample) continue;
+      samplers.push_back(&s);
+      first_row.push_back(static_cast<int>(rows.size()));
+      for (int j = s.num_draft_tokens; j >= 0; --j) rows.push_back(t - 1 - j);
     }
     run(batch, rows);
     if (samplers.empty() || !sample) {
       finish_step();
       return {};
     }
-    // Logits row i belongs to samplers[i]: graph steps run only when every sequence samples, and
-    // their padding rows come after the real ones.
+    // Logits row r belongs to rows[r]: in a graph step every sequence samples after each of its q
+    // tokens, so rows[r] is r there too, and the padding's rows come after the real ones.
     int max_logprobs = 0;
     for (size_t i = 0; i < samplers.size(); ++i) {
-      const SamplingParams& sp = *samplers[i]->sampling;
-      sample_rows_host[i] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p,
-                             sample_uniform(sp.seed, samplers[i]->sample_index)};
+      const StepSequence& s = *samplers[i];
+      const SamplingParams& sp = *s.sampling;
+      for (int j = 0; j <= s.num_draft_tokens; ++j) {
+        sample_rows_host[first_row[i] + j] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                              sample_uniform(sp.seed, s.sample_index + j)};
+      }
       max_logprobs = std::max(max_logprobs, std::min(sp.num_logprobs, kMaxLogprobs));
     }
-    const int n = static_cast<int>(samplers.size());
+    const int n = static_cast<int>(rows.size());
     RELAY_CUDA_CHECK(cudaMemcpyAsync(sample_rows_dev, sample_rows_host,
                                      n * sizeof(kernels::SampleRowParams), cudaMemcpyHostToDevice,
                                      stream));
@@ -1252,27 +1285,40 @@ struct RankEngine {
                                        cudaMemcpyDeviceToHost, stream));
     }
     finish_step();
-    std::vector<SampledToken> out(n);
-    std::vector<float> row;
-    for (int i = 0; i < n; ++i) {
+    std::vector<SampledToken> out;
+    std::vector<float> host_rows;
+    for (size_t i = 0; i < samplers.size(); ++i) {
       const StepSequence& s = *samplers[i];
       const SamplingParams& sp = *s.sampling;
-      if (needs_host_sampling(sp)) {  // penalties: the shared sampler on this row's logits
-        row.resize(vocab);
-        RELAY_CUDA_CHECK(cudaMemcpy(row.data(), logits + size_t(i) * vocab, size_t(vocab) * 4,
-                                    cudaMemcpyDeviceToHost));
-        out[i] = sample_token(row, sp, s.prompt_tokens, s.output_tokens, s.sample_index);
+      const int r0 = first_row[i], k = s.num_draft_tokens;
+      const std::span<const int32_t> drafts = s.tokens.last(static_cast<size_t>(k));
+      std::vector<SampledToken> got;
+      if (needs_host_sampling(sp)) {  // penalties: the shared sampler on this sequence's rows
+        host_rows.resize(size_t(k + 1) * vocab);
+        RELAY_CUDA_CHECK(cudaMemcpy(host_rows.data(), logits + size_t(r0) * vocab,
+                                    host_rows.size() * 4, cudaMemcpyDeviceToHost));
+        got = sample_with_drafts(host_rows, drafts, sp, s.prompt_tokens, s.output_tokens,
+                                 s.sample_index, {}, opt.forced_draft_acceptance);
       } else {
-        out[i].token = tokens_host[i];
-        if (sp.num_logprobs >= 0) {
-          out[i].logprob = logprobs_host[i];
-          for (int k = 0; k < std::min(sp.num_logprobs, kMaxLogprobs); ++k) {
-            out[i].top.emplace_back(top_ids_host[i * max_logprobs + k],
-                                    top_lp_host[i * max_logprobs + k]);
-          }
-        }
+        got = verify_drafts(drafts, sp.seed, s.sample_index, opt.forced_draft_acceptance,
+                            [&](size_t j) {
+                              const int r = r0 + static_cast<int>(j);
+                              SampledToken tok;
+                              tok.token = tokens_host[r];
+                              if (sp.num_logprobs >= 0) {
+                                tok.logprob = logprobs_host[r];
+                                for (int m = 0; m < std::min(sp.num_logprobs, kMaxLogprobs); ++m) {
+                                  tok.top.emplace_back(top_ids_host[r * max_logprobs + m],
+                                                       top_lp_host[r * max_logprobs + m]);
+                                }
+                              }
+                              return tok;
+                            });
       }
-      out[i].seq_id = s.seq_id;
+      for (SampledToken& tok : got) {
+        tok.seq_id = s.seq_id;
+        out.push_back(std::move(tok));
+      }
     }
     return out;
   }
@@ -1289,8 +1335,8 @@ struct RankEngine {
       }
       t += n;
     }
-    // The logits buffer holds max_num_seqs rows: run the LM head in chunks over the final hidden.
-    const int chunk = opt.max_num_seqs;
+    // The logits buffer holds logit_rows() rows: run the LM head in chunks over the final hidden.
+    const int chunk = logit_rows();
     std::vector<int32_t> first(all_rows.begin(),
                                all_rows.begin() + std::min<size_t>(chunk, all_rows.size()));
     const Shape sh = upload_batch(batch, 0, width_of(batch, false), first);
@@ -1368,7 +1414,7 @@ struct RankEngine {
     return out;
   }
   // Runs this rank alone, collectives off, on a prompt of every power of two up to a full step (and
-  // the full step), sampling up to max_num_seqs rows, so every one-time setup of the kernels it
+  // the full step), sampling up to logit_rows() rows, so every one-time setup of the kernels it
   // will use — function attributes, workspaces, GEMM plans, adapters and the cuBLASLt kernel of
   // every row bucket (blas.cu) — happens now. Some of those calls wait for the whole device, which
   // a step must never do while a peer may be spinning in a collective for this rank. The KV pool is
@@ -1389,7 +1435,7 @@ struct RankEngine {
       s.tokens = std::span<const int32_t>(tokens).first(n);
       s.block_table = std::span<const int32_t>(table).first((n + opt.block_size - 1) / opt.block_size);
       const std::vector<StepSequence> batch{s};
-      std::vector<int32_t> rows(std::min(n, opt.max_num_seqs));  // the LM head's row buckets too
+      std::vector<int32_t> rows(std::min(n, logit_rows()));  // the LM head's row buckets too
       std::iota(rows.begin(), rows.end(), n - static_cast<int>(rows.size()));
       enqueue_forward(upload_batch(batch, 0, width_of(batch, false), rows));
       RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -1606,18 +1652,25 @@ struct CudaBackend::Impl {
     const std::vector<RankPart> parts = split(batch);
     const std::vector<std::vector<SampledToken>> sampled = run_groups<std::vector<SampledToken>>(
         parts, [](RankEngine& e, const RankPart& p, bool lead) { return e.step(p.seqs, lead); });
-    // Back in batch order: each DP group's tokens follow its members' order.
-    std::vector<const SampledToken*> by_index(batch.size(), nullptr);
+    // Back in batch order: each DP group's tokens follow its members' order, a sampling member's
+    // consecutive (its accepted drafts, then the token after them).
+    std::vector<std::span<const SampledToken>> by_index(batch.size());
     for (int g = 0; g < parallel.dp; ++g) {
       size_t next = 0;
       for (size_t i : parts[g].members) {
-        if (batch[i].sample) by_index[i] = &sampled[g].at(next++);
+        if (!batch[i].sample) continue;
+        size_t end = next;
+        const size_t most = next + 1 + static_cast<size_t>(batch[i].num_draft_tokens);
+        while (end < std::min(most, sampled[g].size()) && sampled[g][end].seq_id == batch[i].seq_id)
+          ++end;
+        RELAY_CHECK(end > next, "DP rank ", g, " returned no token for sequence ", batch[i].seq_id);
+        by_index[i] = std::span<const SampledToken>(sampled[g]).subspan(next, end - next);
+        next = end;
       }
     }
     std::vector<SampledToken> out;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      if (by_index[i] != nullptr) out.push_back(*by_index[i]);
-    }
+    for (const std::span<const SampledToken>& tokens : by_index)
+      out.insert(out.end(), tokens.begin(), tokens.end());
     return out;
   }
 
@@ -1668,6 +1721,9 @@ struct CudaBackend::Impl {
 };
 
 CudaBackend::CudaBackend(const std::filesystem::path& model_dir, const CudaBackendOptions& options) {
+  RELAY_CHECK(options.max_draft_tokens >= 0 && options.max_draft_tokens <= 16,
+              "CUDA backend options: max_draft_tokens ", options.max_draft_tokens,
+              " (0 to 16 drafts per sequence)");
   RELAY_CHECK(options.block_size > 0 && options.max_num_seqs > 0 &&
                   options.max_num_tokens >= options.max_num_seqs,
               "CUDA backend options: block_size ", options.block_size, ", max_num_seqs ",
@@ -1692,6 +1748,9 @@ std::vector<KvPoolExport> CudaBackend::kv_pool_exports() {
 }
 std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch) {
   return impl_->step(batch);
+}
+bool CudaBackend::supports_draft_tokens() const {
+  return impl_->ranks.front()->opt.max_draft_tokens > 0;
 }
 std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> batch,
                                                LogitRows rows) {

@@ -6,8 +6,11 @@
 // so nearly all free memory holds KV blocks. A step copies the batch metadata to the device in one
 // transfer, runs the layers with the kernels of kernels/cuda/ops_cuda.h, computes logits only for
 // the sampling rows and samples on the GPU (rows with penalties are sampled on the host by the
-// shared sampler, with the same semantics). Decode steps (every sequence one token) are captured
-// as CUDA graphs keyed by (padded batch size, padded block-table width) and replayed.
+// shared sampler, with the same semantics). Decode steps (every sequence one token) and verify
+// steps of speculative decoding where every sequence brings the same number of drafts are captured
+// as CUDA graphs keyed by (padded batch size, padded block-table width, tokens per sequence) and
+// replayed; a step with drafts samples a row per draft and verifies them (sampler.h,
+// verify_drafts).
 //
 // Parallelism (options.parallel, parallel/parallel_config.h): the backend runs tp x dp ranks, one
 // host thread and one stream each, on options.devices (a device may host several ranks: that is
@@ -27,6 +30,7 @@
 #include <cstddef>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -57,6 +61,13 @@ struct CudaBackendOptions {
   parallel::ParallelConfig parallel;  // tp / ep / dp ranks (threads of this process)
   // devices[r] runs rank r (repeats allowed); empty: rank r on device + r.
   std::vector<int> devices;
+  // Speculative decoding: the most drafts a sampling sequence brings to verify (its
+  // num_speculative_tokens; 0: the backend takes none, supports_draft_tokens() is false). Sizes the
+  // logit rows a step samples: max_num_seqs x (1 + max_draft_tokens).
+  int max_draft_tokens = 0;
+  // relay bench's --spec-forced-acceptance only (make_backend never sets it): drafts are accepted
+  // with this probability instead of verified (sampler.h, verify_drafts).
+  std::optional<double> forced_draft_acceptance;
 };
 
 // One op's device time in profile_forward(), summed over the layers.
@@ -87,6 +98,9 @@ class CudaBackend : public Backend {
   // Every rank's device pool (bf16), for a CUDA IPC hand-off.
   std::vector<KvPoolExport> kv_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
+  // Drafts are verified (every row on the GPU sampler, penalties on the host) when the backend was
+  // sized for them (CudaBackendOptions::max_draft_tokens).
+  bool supports_draft_tokens() const override;
 
   enum class LogitRows {
     kLastTokens,  // the last token of every sequence: [num_seqs, vocab]

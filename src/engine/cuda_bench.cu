@@ -448,8 +448,13 @@ void emit_profile(Reporter& rep, const BenchLayout& layout, CudaBackend& backend
   rep.emit(std::move(j));
 }
 
+// Untimed verify steps before the timed ones (their first steps meet new GEMM shapes).
+constexpr int kSpecWarmup = 3;
+
 void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   CudaBackendOptions bo;
+  bo.max_draft_tokens = o.spec_tokens;
+  bo.forced_draft_acceptance = o.forced_acceptance;
   bo.weights = o.dtype == "fp8" ? WeightFormat::kFp8 : o.dtype == "bf16" ? WeightFormat::kBf16 : WeightFormat::kAuto;
   bo.load_format = parse_load_format(o.load_format);
   bo.max_num_seqs = 256;
@@ -543,7 +548,9 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   for (int ctx : pick(o.decode_contexts, {512, 4096}, {512, 4096}, /*capped=*/false)) {
     for (int batch_size : pick(o.decode_batches, {1, 64}, {1, 8, 64, 256})) {
       const int warmup = 3, steps = o.quick ? 10 : 30;
-      const int blocks_per_seq = (ctx + warmup + steps + bs) / bs;
+      // With drafts (o.spec_tokens), the verify steps below follow, each taking up to 1 + K slots.
+      const int spec_slots = o.spec_tokens > 0 ? (kSpecWarmup + steps) * (1 + o.spec_tokens) : 0;
+      const int blocks_per_seq = (ctx + warmup + steps + spec_slots + bs) / bs;
       // Sequence i runs in DP partition i % dp, as the (i / dp)-th of its sequences there, so the DP
       // ranks' batches differ by at most one sequence and rank 0 always has one.
       const int seqs_per_partition = (batch_size + dp - 1) / dp;
@@ -580,7 +587,13 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
           ++computed[i];
         }
       };
-      for (int i = 0; i < warmup; ++i) one_step();
+      std::vector<int32_t> first_tokens;
+      for (int i = 0; i < warmup; ++i) {
+        one_step();
+        if (i == 0) {
+          for (int q = 0; q < std::min(batch_size, 8); ++q) first_tokens.push_back(toks[q][0]);
+        }
+      }
       emit_profile(rep, layout, backend, make_batch(false), "decode", batch_size, batch_size, ctx);
       const int ctx_start = computed[0] + 1;
       double device_ms = 0.0;
@@ -603,10 +616,73 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
                        {"roofline_basis", layout.roofline_basis()}, {"device_ms_per_step", device_ms},
                        {"host_overhead_fraction", 1.0 - device_ms / t}};
       if (dp > 1) j["dp_rank_seqs"] = dp_rank_seqs;
-      // The last step's greedy tokens of the first sequences, to check layouts against one rank.
+      // The greedy tokens of the first sequences after the first and the last step, to check
+      // layouts against one rank (the first: one step's bf16 noise; the last compounds it over
+      // every step, and sequences other than the first decode over never-written KV pages, whose
+      // dummy-weight logits are close to ties).
+      j["first_greedy_tokens"] = first_tokens;
       j["greedy_tokens"] = std::vector<int32_t>();
       for (int i = 0; i < std::min(batch_size, 8); ++i) j["greedy_tokens"].push_back(toks[i][0]);
+      const double plain_tok_per_s = batch_size / (t / 1e3);
       emit(std::move(j));
+      if (o.spec_tokens == 0) continue;
+
+      // Verify steps: each sequence brings K random drafts after its last token (what the n-gram
+      // proposer or an MTP head would bring), the backend samples 1 + K rows and commits the
+      // accepted drafts and the token after them. Random drafts are accepted only by
+      // o.forced_acceptance (the backend's forced_draft_acceptance), which sets the rate.
+      const int K = o.spec_tokens;
+      std::vector<std::vector<int32_t>> with_drafts(batch_size);
+      uint64_t committed = 0, accepted = 0;
+      auto spec_step = [&] {
+        std::vector<StepSequence> batch(batch_size);
+        for (int i = 0; i < batch_size; ++i) {
+          with_drafts[i] = toks[i];
+          for (int k = 0; k < K; ++k) with_drafts[i].push_back(token_dist(rng));
+          batch[i].seq_id = i;
+          batch[i].tokens = with_drafts[i];
+          batch[i].num_computed = computed[i];
+          batch[i].block_table = tables[i];
+          batch[i].sample = true;
+          batch[i].sampling = &greedy;
+          batch[i].num_draft_tokens = K;
+          batch[i].sample_index = static_cast<uint64_t>(computed[i]);
+        }
+        const std::vector<SampledToken> out = backend.step(batch);
+        size_t at = 0;
+        for (int i = 0; i < batch_size; ++i) {
+          size_t n = 0;
+          while (at + n < out.size() && out[at + n].seq_id == i) ++n;
+          RELAY_CHECK(n >= 1 && n <= static_cast<size_t>(K) + 1, "verify step returned ", n,
+                      " tokens for sequence ", i);
+          computed[i] += static_cast<int>(n);  // the last token and the accepted drafts
+          toks[i] = {out[at + n - 1].token};
+          committed += n;
+          accepted += n - 1;
+          at += n;
+        }
+      };
+      for (int i = 0; i < kSpecWarmup; ++i) spec_step();
+      committed = accepted = 0;
+      double spec_device_ms = 0.0;
+      const auto s0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < steps; ++i) {
+        spec_step();
+        spec_device_ms += backend.last_step_device_ms();
+      }
+      const double st = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count() / steps;
+      const double spec_tok_per_s = committed / (st * steps / 1e3);
+      nlohmann::json sj{{"mode", "decode_spec"}, {"batch", batch_size}, {"context", ctx},
+                        {"num_speculative_tokens", K},
+                        {"forced_acceptance", o.forced_acceptance ? nlohmann::json(*o.forced_acceptance) : nullptr},
+                        {"acceptance_rate", double(accepted) / (double(steps) * batch_size * K)},
+                        {"mean_acceptance_length", double(committed) / (double(steps) * batch_size)},
+                        {"ms_per_step", st}, {"device_ms_per_step", spec_device_ms / steps},
+                        {"host_overhead_fraction", 1.0 - spec_device_ms / steps / st},
+                        {"tok_per_s", spec_tok_per_s}, {"tok_per_s_per_gpu", spec_tok_per_s / layout.gpus},
+                        {"speedup_vs_decode", spec_tok_per_s / plain_tok_per_s}};
+      if (dp > 1) sj["dp_rank_seqs"] = dp_rank_seqs;
+      emit(std::move(sj));
     }
   }
 }

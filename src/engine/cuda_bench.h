@@ -10,6 +10,7 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,11 @@ struct CudaBenchOptions {
   // DP + EP each rank's MoE receive buffer holds dp x this many tokens.
   int max_num_tokens = 0;
   std::string load_format = "auto";  // model mode: auto | dummy (random weights, no checkpoint)
+  // Model mode: each decode shape is also run as verify steps of this many random drafts per
+  // sequence ("decode_spec" lines beside "decode"); 0: none. Random drafts are accepted only by
+  // forced_acceptance (CudaBackendOptions::forced_draft_acceptance), which sets the rate.
+  int spec_tokens = 0;
+  std::optional<double> forced_acceptance;
 };
 
 // Returns the process exit code.

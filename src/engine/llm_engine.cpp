@@ -124,7 +124,7 @@ LLMEngine::LLMEngine(std::unique_ptr<Backend> backend, Tokenizer tokenizer,
   if (speculative_.enabled()) {
     RELAY_CHECK(backend_->supports_draft_tokens(), "--speculative-config ",
                 speculative_.describe(), ": this backend does not verify drafts (the CPU backend "
-                "does; the CUDA backend does not yet)");
+                "does, and the CUDA backend when sized for them)");
     const bool mtp = speculative_.method == SpeculativeConfig::Method::kMtp;
     RELAY_CHECK(backend_->num_proposed_drafts() == (mtp ? speculative_.num_speculative_tokens : 0),
                 "--speculative-config ", speculative_.describe(), ": the backend proposes ",

@@ -243,6 +243,31 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& p, std:
   return out;
 }
 
+std::vector<SampledToken> verify_drafts(std::span<const int32_t> drafts, uint64_t seed,
+                                        uint64_t sample_index,
+                                        std::optional<double> forced_acceptance,
+                                        const std::function<SampledToken(size_t)>& sample_row) {
+  std::vector<SampledToken> out;
+  for (size_t j = 0; j <= drafts.size(); ++j) {
+    out.push_back(sample_row(j));
+    if (j == drafts.size()) break;
+    if (forced_acceptance) {
+      // The benchmark's rule: a coin of its own per draft (apart from the row's draw, and differing
+      // between sequences through the draft), whatever the target sampled.
+      const uint64_t draft_hash = static_cast<uint64_t>(drafts[j]) * 0x9e3779b97f4a7c15ull;
+      const uint64_t coin_seed = seed ^ 0x5ca1ab1e0ddba11ull ^ draft_hash;
+      if (sample_uniform(coin_seed, sample_index + j) >= *forced_acceptance) break;
+      if (out.back().token != drafts[j]) {
+        out.back() = SampledToken{};
+        out.back().token = drafts[j];
+      }
+    } else if (out.back().token != drafts[j]) {
+      break;
+    }
+  }
+  return out;
+}
+
 std::vector<SampledToken> sample_with_drafts(
     std::span<float> logits, std::span<const int32_t> drafts, const SamplingParams& p,
     std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,
@@ -258,30 +283,14 @@ std::vector<SampledToken> sample_with_drafts(
   // Row j's penalties count drafts[0, j) as output, as they would be once accepted.
   std::vector<int32_t> history;
   if (!drafts.empty()) history.assign(output_tokens.begin(), output_tokens.end());
-  std::vector<SampledToken> out;
-  for (size_t j = 0; j < rows; ++j) {
+  return verify_drafts(drafts, p.seed, sample_index, forced_acceptance, [&](size_t j) {
+    if (j > 0) history.push_back(drafts[j - 1]);
     const TokenConstraints row{constraints.allowed_tokens.subspan(j * words, words),
                                constraints.logit_bias};
-    out.push_back(sample_token(logits.subspan(j * vocab, vocab), p, prompt_tokens,
-                               drafts.empty() ? output_tokens : std::span<const int32_t>(history),
-                               sample_index + j, row));
-    if (j == drafts.size()) break;
-    if (forced_acceptance) {
-      // The benchmark's rule: a coin of its own per draft (apart from the row's draw, and differing
-      // between sequences through the draft), whatever the target sampled.
-      const uint64_t draft_hash = static_cast<uint64_t>(drafts[j]) * 0x9e3779b97f4a7c15ull;
-      const uint64_t coin_seed = p.seed ^ 0x5ca1ab1e0ddba11ull ^ draft_hash;
-      if (sample_uniform(coin_seed, sample_index + j) >= *forced_acceptance) break;
-      if (out.back().token != drafts[j]) {
-        out.back() = SampledToken{};
-        out.back().token = drafts[j];
-      }
-    } else if (out.back().token != drafts[j]) {
-      break;
-    }
-    history.push_back(drafts[j]);
-  }
-  return out;
+    return sample_token(logits.subspan(j * vocab, vocab), p, prompt_tokens,
+                        drafts.empty() ? output_tokens : std::span<const int32_t>(history),
+                        sample_index + j, row);
+  });
 }
 
 }  // namespace relay

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <utility>
@@ -94,6 +95,16 @@ SampledToken sample_token(std::span<float> logits, const SamplingParams& params,
 // draft head; serve and generate never set it) the verification is NOT lossless: draft j is
 // accepted with that probability whatever row j sampled (an accepted draft the row did not sample
 // carries no logprob), so a benchmark sees a chosen acceptance rate with the real work per step.
+// The verification walk itself, for a backend that samples the rows elsewhere (the CUDA backend's
+// sampling kernel): `sample_row(j)` gives row j's token, sampled as sample_with_drafts samples it
+// (drafts[0, j) counted as output, sample index sample_index + j); the walk asks for rows in order
+// and stops after the first rejected draft, with sample_with_drafts' forced-acceptance rule
+// (`seed`: the request's SamplingParams::seed).
+std::vector<SampledToken> verify_drafts(std::span<const int32_t> drafts, uint64_t seed,
+                                        uint64_t sample_index,
+                                        std::optional<double> forced_acceptance,
+                                        const std::function<SampledToken(size_t)>& sample_row);
+
 std::vector<SampledToken> sample_with_drafts(
     std::span<float> logits, std::span<const int32_t> drafts, const SamplingParams& params,
     std::span<const int32_t> prompt_tokens, std::span<const int32_t> output_tokens,

@@ -101,6 +101,11 @@ def test_cpu_bench_reports_acceptance_beside_decode_rate(relay_bin, tiny_mtp_mod
     _, plain = lines_of(bench(relay_bin, *CPU, "--model", tiny_mtp_model, "--decode-batches", 2,
                               "--decode-contexts", 20, "--decode-tokens", 8))
     assert plain[0]["speculative"] == "off" and "acceptance_rate" not in plain[0]
+    # --mode engine is the same measurement (the cpu device's model mode is the engine mode).
+    _, engine = lines_of(bench(relay_bin, "--mode", "engine", "--device", "cpu", "--threads", 2,
+                               "--model", tiny_mtp_model, "--decode-batches", 2,
+                               "--decode-contexts", 20, "--decode-tokens", 8))
+    assert engine[0]["device"] == "cpu" and engine[0]["tokens"] == plain[0]["tokens"]
 
 
 def test_cpu_bench_forced_acceptance(relay_bin, tiny_mtp_model):
@@ -153,13 +158,17 @@ SPEC_REFUSED = [
      "'num_speculative_tokens' must be between 1 and 16"),
     (CPU + ["--model", DEMO_MODEL, "--speculative-config", "{not json"], "--speculative-config"),
     (CPU + ["--model", DEMO_MODEL, "--spec-forced-acceptance", 0.5], "it needs --speculative-config"),
-    (MODEL + ["--speculative-config", MTP], "the cuda device does not verify drafts yet"),
+    (MODEL + ["--speculative-config", MTP], "runs no MTP head yet"),
     (["--mode", "kernels", "--speculative-config", MTP], "--mode kernels has none"),
     (CPU + ["--model", DEMO_MODEL, "--speculative-config", MTP],
      "MTP was requested but the checkpoint"),
-    (["--mode", "kernels", "--device", "cpu"], "--device cpu measures the model mode"),
-    (CPU + ["--model", DEMO_MODEL, "--prefill-lengths", 64], "the cpu device measures decode only"),
-    (MODEL + ["--decode-tokens", 8], "--decode-tokens sets the cpu device's"),
+    (["--mode", "kernels", "--device", "cpu"], "--device cpu measures decode through the engine"),
+    (CPU + ["--model", DEMO_MODEL, "--prefill-lengths", 64], "the engine mode measures decode only"),
+    (MODEL + ["--decode-tokens", 8], "--decode-tokens sets the timed tokens"),
+    (["--mode", "engine", "--model", DEMO_MODEL, "--prefill-lengths", 64],
+     "the engine mode measures decode only"),
+    (["--mode", "engine", "--model", DEMO_MODEL, "--threads", 2], "--threads sizes the cpu device"),
+    (["--mode", "engine"], "bench --mode engine needs --model DIR"),
 ]
 
 

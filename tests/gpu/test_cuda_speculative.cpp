@@ -1,0 +1,300 @@
+// Draft verification on the CUDA backend (CudaBackendOptions::max_draft_tokens): a step with k
+// drafts samples k + 1 rows and returns the accepted drafts and the token after them.
+//
+// Backend level: greedy drafts that are the sequence's own continuation are all accepted, drafts
+// made wrong are rejected at the first wrong one, and what comes back is that continuation; seeded
+// sampling accepts drafts that are the tokens a run without drafts drew. Engine level: the n-gram
+// proposer's drafts leave the greedy output as it is without them, on one rank and sharded. The
+// rows that verify drafts run through the prefill kernels, a single-token decode through the
+// decode kernels, so their bf16 logits may differ in the last bits: where two runs part, the test
+// asks that the two tokens were a near tie (the verification rule itself, shared with the CPU
+// backend, is tested exactly there).
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+
+#include "engine/cuda_backend.h"
+#include "engine/llm_engine.h"
+#include "tests/gpu/backend_test_util.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace relay::gpu_test {
+namespace {
+
+// Before main, so before any CUDA call of the test binary (as test_cuda_parallel.cpp: sharded
+// backends need it).
+const bool eager_modules = setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0;
+
+const std::filesystem::path kDemo = std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
+
+// Logits two bf16 runs may differ by and still be the "same" greedy choice (the sharded tests see
+// up to about 1.2 between layouts on this model).
+constexpr float kNearTie = 1.5f;
+
+CudaBackendOptions drafting(int max_drafts) {
+  CudaBackendOptions o = small_options(true);
+  o.max_draft_tokens = max_drafts;
+  return o;
+}
+
+const Tokenizer& tokenizer() {
+  static const Tokenizer t = Tokenizer::from_model_dir(kDemo);
+  return t;
+}
+
+// A sequence decoded by hand through backend.step: prompt, then committed tokens.
+struct Decoding {
+  std::vector<int32_t> tokens, output, blocks;
+  int num_computed = 0;
+};
+
+// One step of every `ds[i]` with `drafts[i]` after its last token (sequence i has seq_id 5 + i);
+// commits what comes back and returns it per sequence.
+std::vector<std::vector<SampledToken>> step_all(CudaBackend& backend, std::vector<Decoding*> ds,
+                                                const std::vector<std::vector<int32_t>>& drafts,
+                                                const SamplingParams& sampling) {
+  std::vector<std::vector<int32_t>> tokens(ds.size());
+  std::vector<StepSequence> batch(ds.size());
+  for (size_t i = 0; i < ds.size(); ++i) {
+    const Decoding& d = *ds[i];
+    tokens[i].assign(d.tokens.begin() + d.num_computed, d.tokens.end());
+    tokens[i].insert(tokens[i].end(), drafts[i].begin(), drafts[i].end());
+    StepSequence& s = batch[i];
+    s.seq_id = 5 + static_cast<int64_t>(i);
+    s.tokens = tokens[i];
+    s.num_computed = d.num_computed;
+    s.block_table = d.blocks;
+    s.sample = true;
+    s.num_draft_tokens = static_cast<int32_t>(drafts[i].size());
+    s.sampling = &sampling;
+    s.output_tokens = d.output;
+    s.sample_index = d.output.size();
+  }
+  const std::vector<SampledToken> out = backend.step(batch);
+  std::vector<std::vector<SampledToken>> per_seq(ds.size());
+  size_t at = 0;
+  for (size_t i = 0; i < ds.size(); ++i) {
+    while (at < out.size() && out[at].seq_id == batch[i].seq_id) per_seq[i].push_back(out[at++]);
+    const std::vector<SampledToken>& got = per_seq[i];
+    EXPECT_GE(got.size(), 1u) << "sequence " << i;
+    EXPECT_LE(got.size(), drafts[i].size() + 1) << "sequence " << i;
+    for (size_t j = 0; j + 1 < got.size(); ++j) EXPECT_EQ(got[j].token, drafts[i][j]) << "accepted draft " << j;
+    Decoding& d = *ds[i];
+    d.num_computed = static_cast<int>(d.tokens.size());  // the last token; accepted drafts follow
+    for (const SampledToken& t : got) {
+      d.tokens.push_back(t.token);
+      d.output.push_back(t.token);
+    }
+    d.num_computed += static_cast<int>(got.size()) - 1;
+  }
+  EXPECT_EQ(at, out.size());
+  return per_seq;
+}
+
+std::vector<SampledToken> step_with(CudaBackend& backend, Decoding& d,
+                                    const std::vector<int32_t>& drafts,
+                                    const SamplingParams& sampling) {
+  return step_all(backend, {&d}, {drafts}, sampling).front();
+}
+
+// `first_block`: where its blocks start (a DP backend's partition r starts at r x blocks / dp).
+Decoding start(const std::vector<int32_t>& prompt, int room, int first_block = 10) {
+  Decoding d;
+  d.tokens = prompt;
+  d.blocks.resize((prompt.size() + room + 7) / 8);
+  std::iota(d.blocks.begin(), d.blocks.end(), first_block);
+  return d;
+}
+
+// Whether greedy token `a` and `b` after `context` are a near tie in one rank's logits.
+bool near_tie(CudaBackend& one, std::vector<int32_t> context, int32_t a, int32_t b) {
+  const std::vector<float> logits = prefill_logits(one, context);
+  const float* last = logits.data() + (context.size() - 1) * one.config().vocab_size;
+  return std::abs(last[a] - last[b]) <= kNearTie;
+}
+
+// Each step: k = step % 4 drafts, the reference continuation's next tokens, the last one made
+// wrong every third step. Greedy: every right draft is accepted, the first wrong one rejected, and
+// the tokens are the reference's (within a near tie, after which the runs part).
+TEST(CudaDrafts, GreedyDraftsAreVerifiedAgainstTheContinuation) {
+  CudaBackend plain(kDemo, small_options(true));
+  CudaBackend spec(kDemo, drafting(3));
+  const std::vector<int32_t> prompt = tokenizer().encode("def fib(n):\n    if n < 2:\n        return n\n");
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  const int n = 40;
+  Decoding ref = start(prompt, n + 8);
+  for (int i = 0; i < n; ++i) step_with(plain, ref, {}, greedy);
+
+  Decoding d = start(prompt, n + 8);
+  int accepted = 0, rejected = 0;
+  for (int step = 0; d.output.size() < static_cast<size_t>(n - 4); ++step) {
+    const size_t at = d.output.size();
+    std::vector<int32_t> drafts(ref.output.begin() + at, ref.output.begin() + at + step % 4);
+    const bool spoil = !drafts.empty() && step % 3 == 0;
+    if (spoil) drafts.back() = (drafts.back() + 1) % 1000;
+    const std::vector<SampledToken> out = step_with(spec, d, drafts, greedy);
+    const size_t right = spoil ? drafts.size() - 1 : drafts.size();
+    accepted += static_cast<int>(out.size()) - 1;
+    if (spoil) rejected += out.size() - 1 == right;
+    for (size_t j = 0; j < out.size(); ++j) {
+      const int32_t want = ref.output[at + j];
+      if (out[j].token == want) continue;
+      std::vector<int32_t> context = prompt;
+      context.insert(context.end(), ref.output.begin(), ref.output.begin() + at + j);
+      EXPECT_TRUE(near_tie(plain, context, out[j].token, want))
+          << "step " << step << " row " << j << ": " << out[j].token << " vs " << want;
+      return;  // the runs part at a near tie; nothing after it is comparable
+    }
+    EXPECT_EQ(out.size(), right + 1) << "step " << step << ": right drafts " << right;
+  }
+  EXPECT_GT(accepted, 10);
+  EXPECT_GT(rejected, 2);
+}
+
+// Steps where every sequence brings the same number of drafts replay verify graphs (keyed by the
+// tokens per sequence too); their tokens are the eager backend's exactly, on one rank and DP + EP.
+TEST(CudaDrafts, UniformDraftsReplayVerifyGraphsThatEqualEager) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      tokenizer().encode("def fib(n):\n    if n < 2:\n        return n\n"),
+      tokenizer().encode("The three primary colours are"),
+      tokenizer().encode("import os\nimport sys\nimport")};
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  const int n = 24;
+  for (const parallel::ParallelConfig layout :
+       {parallel::ParallelConfig{1, 1, 1}, parallel::ParallelConfig{1, 2, 2}}) {
+    std::vector<std::vector<std::vector<int32_t>>> outputs;
+    for (const bool graphs : {false, true}) {
+      CudaBackendOptions o = small_options(graphs);
+      o.max_draft_tokens = 2;
+      o.parallel = layout;
+      o.devices.assign(static_cast<size_t>(layout.world_size()), 0);
+      CudaBackend backend(kDemo, o);
+      const int per_part = backend.num_kv_blocks() / layout.dp;
+      std::vector<Decoding> ds;
+      for (size_t i = 0; i < prompts.size(); ++i)
+        ds.push_back(start(prompts[i], n + 8, static_cast<int>(i % layout.dp) * per_part + 1 + 16 * static_cast<int>(i)));
+      std::vector<Decoding*> all;
+      for (Decoding& d : ds) all.push_back(&d);
+      step_all(backend, all, {{}, {}, {}}, greedy);  // the prompts
+      for (int step = 0; step < 8; ++step) {
+        // Two drafts each: the sequence's own last token repeated, right now and then.
+        std::vector<std::vector<int32_t>> drafts;
+        for (const Decoding& d : ds) drafts.push_back({d.tokens.back(), (d.tokens.back() + step) % 5000});
+        step_all(backend, all, drafts, greedy);
+      }
+      std::vector<std::vector<int32_t>> out;
+      for (const Decoding& d : ds) out.push_back(d.output);
+      outputs.push_back(out);
+    }
+    EXPECT_EQ(outputs[1], outputs[0]) << layout.describe();
+  }
+}
+
+// Seeded sampling: drafts that are the tokens a run without drafts drew (same seed) are accepted,
+// since row j draws with the uniform of sample index + j, as that run did.
+TEST(CudaDrafts, SeededSamplingAcceptsTheTokensItWouldDraw) {
+  CudaBackend plain(kDemo, small_options(true));
+  CudaBackend spec(kDemo, drafting(3));
+  const std::vector<int32_t> prompt = tokenizer().encode("The three primary colours are");
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_p = 0.95f;
+  sampled.seed = 1234;
+  sampled.num_logprobs = 2;
+  const int n = 30;
+  Decoding ref = start(prompt, n + 8);
+  for (int i = 0; i < n; ++i) step_with(plain, ref, {}, sampled);
+  Decoding d = start(prompt, n + 8);
+  int drafted = 0, accepted = 0;
+  while (d.output.size() + 4 < static_cast<size_t>(n)) {
+    const size_t at = d.output.size();
+    if (!std::equal(d.output.begin(), d.output.end(), ref.output.begin())) break;  // parted at a tie
+    const std::vector<int32_t> drafts(ref.output.begin() + at, ref.output.begin() + at + 3);
+    const std::vector<SampledToken> out = step_with(spec, d, drafts, sampled);
+    drafted += 3;
+    accepted += static_cast<int>(out.size()) - 1;
+    for (const SampledToken& t : out) EXPECT_EQ(t.top.size(), 2u);
+  }
+  EXPECT_GE(drafted, 9);
+  EXPECT_GE(accepted, drafted * 9 / 10) << accepted << " of " << drafted;
+}
+
+// The engine with the n-gram proposer on the CUDA backend: the greedy output of the run without
+// drafts, in fewer steps, one rank and sharded (DP + EP, TP).
+struct EngineRun {
+  std::vector<std::vector<int32_t>> tokens;
+  int steps = 0;
+  SpecDecodeStats stats;
+};
+
+EngineRun run_engine(CudaBackendOptions o, const SpeculativeConfig& spec,
+                     const std::vector<std::vector<int32_t>>& prompts) {
+  o.max_draft_tokens = spec.enabled() ? spec.num_speculative_tokens : 0;
+  EngineConfig config;
+  config.max_num_seqs = o.max_num_seqs;
+  config.max_num_batched_tokens = 64;  // chunked prefill for the longer prompts
+  config.speculative = spec;
+  LLMEngine engine(std::make_unique<CudaBackend>(kDemo, o), tokenizer(), config);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest r;
+    r.prompt = prompts[i];
+    r.sampling.temperature = 0.0f;
+    r.stop.max_tokens = 40;
+    r.stop.ignore_eos = true;
+    engine.add_request(static_cast<int64_t>(i), r);
+  }
+  EngineRun out;
+  out.tokens.resize(prompts.size());
+  while (engine.has_work()) {
+    for (const RequestOutput& ro : engine.step()) {
+      auto& t = out.tokens.at(static_cast<size_t>(ro.id));
+      t.insert(t.end(), ro.new_tokens.begin(), ro.new_tokens.end());
+    }
+    ++out.steps;
+  }
+  out.stats = engine.stats().spec_decode;
+  return out;
+}
+
+TEST(CudaDrafts, NgramDecodingIsTheGreedyOutputOnOneRankAndSharded) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      tokenizer().encode("def add(a, b):\n    return a + b\n\ndef add(a, b):"),
+      tokenizer().encode("import os\nimport sys\nimport os\nimport"),
+      tokenizer().encode("class Tree:\n    def __init__(self, left, right):\n        self.left = left\n")};
+  SpeculativeConfig ngram;
+  ngram.method = SpeculativeConfig::Method::kNgram;
+  ngram.num_speculative_tokens = 3;
+  ngram.prompt_lookup_min = 1;
+  ngram.prompt_lookup_max = 4;
+  CudaBackend one(kDemo, small_options(false));
+  const EngineRun plain = run_engine(small_options(true), {}, prompts);
+  for (const parallel::ParallelConfig layout :
+       {parallel::ParallelConfig{1, 1, 1}, parallel::ParallelConfig{1, 2, 2},
+        parallel::ParallelConfig{2, 1, 1}}) {
+    CudaBackendOptions o = small_options(true);
+    o.parallel = layout;
+    o.devices.assign(static_cast<size_t>(layout.world_size()), 0);
+    const EngineRun spec = run_engine(o, ngram, prompts);
+    const std::string name = layout.describe();
+    EXPECT_GT(spec.stats.num_drafts, 0u) << name;
+    EXPECT_GT(spec.stats.num_accepted_tokens, 0u) << name;
+    EXPECT_LT(spec.steps, plain.steps) << name;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      ASSERT_EQ(spec.tokens[i].size(), plain.tokens[i].size()) << name << " request " << i;
+      const auto [a, b] = std::mismatch(spec.tokens[i].begin(), spec.tokens[i].end(),
+                                        plain.tokens[i].begin());
+      if (a == spec.tokens[i].end()) continue;
+      std::vector<int32_t> context = prompts[i];
+      context.insert(context.end(), plain.tokens[i].begin(), b);
+      EXPECT_TRUE(near_tie(one, context, *a, *b))
+          << name << " request " << i << " parts at token " << (b - plain.tokens[i].begin())
+          << ": " << *a << " vs " << *b;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace relay::gpu_test
