@@ -800,6 +800,8 @@ struct RankEngine {
   // ---------------------------------------------------------------- forward
   struct Shape {
     int tokens, seqs, rows, width;
+    // A graph step's tokens per sequence (each padded to it, upload_batch), 0 for an eager step.
+    int per_seq = 0;
   };
 
   // Enqueues the forward pass of the batch whose metadata is in meta_dev (laid out for `sh`); the
@@ -1082,16 +1084,19 @@ struct RankEngine {
   }
 
   // Fills meta_host for `batch` and copies it to the device. Returns the shape. With pad_seqs > 0
-  // (a graph step) the batch is padded to pad_seqs sequences with dummies of pad_tokens tokens that
-  // write nothing, and every token row gets logits (a graph step's sequences sample after each of
-  // their tokens: decodes, and verify steps of uniform drafts); else the logit rows are `rows`.
+  // (a graph step, graph_tokens_per_seq) every sequence is padded to per_seq tokens with filler
+  // rows after its own, and the batch to pad_seqs sequences with dummies of per_seq tokens; fillers
+  // and dummies write no K/V, and every token row gets logits (a graph step's sequences sample
+  // after their last token and each draft); else the logit rows are `rows`. A filler row sits at
+  // the positions after the sequence's drafts: causal attention keeps it out of the real rows.
   Shape upload_batch(std::span<const StepSequence> batch, int pad_seqs, int width,
-                     const std::vector<int32_t>& rows, int pad_tokens = 1) {
+                     const std::vector<int32_t>& rows, int per_seq = 1) {
+    const bool graph = pad_seqs > 0;
     int tokens = 0;
     for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
     const int seqs = std::max<int>(pad_seqs, static_cast<int>(batch.size()));
-    tokens += (seqs - static_cast<int>(batch.size())) * pad_tokens;
-    const int num_rows = pad_seqs > 0 ? tokens : static_cast<int>(rows.size());
+    if (graph) tokens = seqs * per_seq;
+    const int num_rows = graph ? tokens : static_cast<int>(rows.size());
     RELAY_CHECK(tokens <= opt.max_num_tokens && seqs <= opt.max_num_seqs &&
                     num_rows <= logit_rows(),
                 "step of ", tokens, " tokens, ", seqs, " sequences and ", num_rows,
@@ -1123,19 +1128,25 @@ struct RankEngine {
         positions[t] = pos;
         slots[t] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
       }
+      const int fillers = graph ? per_seq - static_cast<int>(s.tokens.size()) : 0;
+      for (int f = 0; f < fillers; ++f, ++t) {
+        token_ids[t] = 0;
+        positions[t] = static_cast<int32_t>(context) + f;
+        slots[t] = -1;
+      }
       query_starts[i + 1] = t;
-      context_lens[i] = static_cast<int32_t>(context);
+      context_lens[i] = static_cast<int32_t>(context) + fillers;
     }
     for (int i = static_cast<int>(batch.size()); i < seqs; ++i) {  // padding: writes nothing
-      for (int j = 0; j < pad_tokens; ++j, ++t) {
+      for (int j = 0; j < per_seq; ++j, ++t) {
         token_ids[t] = 0;
         positions[t] = j;
         slots[t] = -1;
       }
       query_starts[i + 1] = t;
-      context_lens[i] = pad_tokens;
+      context_lens[i] = per_seq;
     }
-    if (pad_seqs > 0) {
+    if (graph) {
       for (int r = 0; r < num_rows; ++r) logit_rows[r] = r;
     } else {
       std::copy(rows.begin(), rows.end(), logit_rows);
@@ -1143,7 +1154,7 @@ struct RankEngine {
     // The step's device time starts here, after the host built the metadata.
     RELAY_CUDA_CHECK(cudaEventRecord(step_begin, stream));
     RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev, meta_host, m.bytes, cudaMemcpyHostToDevice, stream));
-    return Shape{tokens, seqs, num_rows, width};
+    return Shape{tokens, seqs, num_rows, width, graph ? per_seq : 0};
   }
 
   static int bucket_of(int n) {
@@ -1152,8 +1163,10 @@ struct RankEngine {
     }
     return n;
   }
-  int width_of(std::span<const StepSequence> batch, bool pow2) const {
-    int w = 1;
+  // The block-table width of `batch`'s metadata: its longest table, at least min_width; with pow2
+  // (graph steps) rounded up to a power of two from 16, within max_blocks.
+  int width_of(std::span<const StepSequence> batch, bool pow2, int min_width = 1) const {
+    int w = min_width;
     for (const StepSequence& s : batch) w = std::max(w, static_cast<int>(s.block_table.size()));
     if (!pow2) return w;
     int p = 16;
@@ -1162,16 +1175,20 @@ struct RankEngine {
   }
 
   // The tokens per sequence q of the graph that can run `batch` (under DP + EP also if the step's
-  // senders fit the graph's bound, run()), 0 for none: every sequence samples after q tokens whose
-  // last q - 1 are drafts — a decode (q = 1), or a verify step where every sequence brings the same
-  // number of drafts (an MTP head's, the bench's; the n-gram proposer's vary and run eagerly).
+  // senders fit the graph's bound, run()), 0 for none: every sequence samples after its last token
+  // and its drafts, if any (a decode or a verify step), and q is one more than the most drafts a
+  // sequence brings; sequences with fewer are padded (upload_batch), so the n-gram proposer's
+  // varying drafts replay graphs as an MTP head's uniform ones do.
   int graph_tokens_per_seq(std::span<const StepSequence> batch) const {
     if (!opt.cuda_graphs || batch.empty() || static_cast<int>(batch.size()) > opt.max_num_seqs)
       return 0;
-    const int q = static_cast<int>(batch.front().tokens.size());
+    int q = 1;
     for (const StepSequence& s : batch) {
-      if (!s.sample || static_cast<int>(s.tokens.size()) != q || s.num_draft_tokens != q - 1)
-        return 0;
+      if (!s.sample || static_cast<int>(s.tokens.size()) != 1 + s.num_draft_tokens) return 0;
+      q = std::max(q, 1 + s.num_draft_tokens);
+    }
+    for (const StepSequence& s : batch) {  // the fillers' positions stay within the tables' width
+      if ((s.num_computed + q + opt.block_size - 1) / opt.block_size > max_blocks) return 0;
     }
     const int padded = std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
     return padded * q <= opt.max_num_tokens ? q : 0;
@@ -1199,7 +1216,10 @@ struct RankEngine {
     }
     moe_bound_tokens = moe_graph_tokens(q);  // what the captured graph keeps
     const int padded = std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
-    const int width = width_of(batch, true);
+    // The fillers' positions run up to q - 1 past a sequence's drafts: the table covers them too.
+    int reach = 1;
+    for (const StepSequence& s : batch) reach = std::max(reach, (s.num_computed + q + opt.block_size - 1) / opt.block_size);
+    const int width = width_of(batch, true, reach);
     const Shape sh = upload_batch(batch, padded, width, rows, q);
     const auto key = std::make_tuple(padded, width, q);
     auto it = graphs.find(key);
@@ -1250,24 +1270,32 @@ struct RankEngine {
       first_row.push_back(static_cast<int>(rows.size()));
       for (int j = s.num_draft_tokens; j >= 0; --j) rows.push_back(t - 1 - j);
     }
-    run(batch, rows);
+    const Shape sh = run(batch, rows);
     if (samplers.empty() || !sample) {
       finish_step();
       return {};
     }
-    // Logits row r belongs to rows[r]: in a graph step every sequence samples after each of its q
-    // tokens, so rows[r] is r there too, and the padding's rows come after the real ones.
+    // Logits row r belongs to rows[r] in an eager step. A graph step computes every token row, each
+    // sequence's per_seq of them (its last token's, its drafts', then fillers) one after another
+    // and the padding's after the real ones; its sequences all sample, and the sampler draws every
+    // row of theirs (the fillers' draws go unused).
+    int rows_each = 0;  // a graph step's rows per sequence
+    if (sh.per_seq > 0) {
+      rows_each = sh.per_seq;
+      for (size_t i = 0; i < samplers.size(); ++i) first_row[i] = static_cast<int>(i) * rows_each;
+    }
     int max_logprobs = 0;
     for (size_t i = 0; i < samplers.size(); ++i) {
       const StepSequence& s = *samplers[i];
       const SamplingParams& sp = *s.sampling;
-      for (int j = 0; j <= s.num_draft_tokens; ++j) {
+      for (int j = 0; j < std::max(rows_each, 1 + s.num_draft_tokens); ++j) {
         sample_rows_host[first_row[i] + j] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p,
                                               sample_uniform(sp.seed, s.sample_index + j)};
       }
       max_logprobs = std::max(max_logprobs, std::min(sp.num_logprobs, kMaxLogprobs));
     }
-    const int n = static_cast<int>(rows.size());
+    const int n = sh.per_seq > 0 ? static_cast<int>(samplers.size()) * rows_each
+                                 : static_cast<int>(rows.size());
     RELAY_CUDA_CHECK(cudaMemcpyAsync(sample_rows_dev, sample_rows_host,
                                      n * sizeof(kernels::SampleRowParams), cudaMemcpyHostToDevice,
                                      stream));

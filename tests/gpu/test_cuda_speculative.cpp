@@ -11,6 +11,7 @@
 // backend, is tested exactly there).
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <map>
 #include <numeric>
 
@@ -193,8 +194,19 @@ TEST(CudaDrafts, UniformDraftsReplayVerifyGraphsThatEqualEager) {
   }
 }
 
-// Seeded sampling: drafts that are the tokens a run without drafts drew (same seed) are accepted,
-// since row j draws with the uniform of sample index + j, as that run did.
+// The plain backend's next `n` sampled tokens after d's (its prompt and output, prefilled again on
+// `plain`'s own pool): what d would draw without drafts.
+std::vector<int32_t> continuation(CudaBackend& plain, const Decoding& d, int n, const SamplingParams& sp) {
+  Decoding p = start(d.tokens, n + 8);
+  p.output = d.output;
+  for (int i = 0; i < n; ++i) step_with(plain, p, {}, sp);
+  return std::vector<int32_t>(p.output.end() - n, p.output.end());
+}
+
+// Seeded sampling: drafts that are the tokens a run without drafts draws (same seed) are accepted,
+// since row j draws with the uniform of sample index + j, as that run does. The verify rows' bf16
+// logits differ from a decode's in the last bits, which may move a draw across a token boundary
+// now and then: the test then takes the reference again from where the runs parted.
 TEST(CudaDrafts, SeededSamplingAcceptsTheTokensItWouldDraw) {
   CudaBackend plain(kDemo, small_options(true));
   CudaBackend spec(kDemo, drafting(3));
@@ -204,22 +216,25 @@ TEST(CudaDrafts, SeededSamplingAcceptsTheTokensItWouldDraw) {
   sampled.top_p = 0.95f;
   sampled.seed = 1234;
   sampled.num_logprobs = 2;
-  const int n = 30;
-  Decoding ref = start(prompt, n + 8);
-  for (int i = 0; i < n; ++i) step_with(plain, ref, {}, sampled);
-  Decoding d = start(prompt, n + 8);
-  int drafted = 0, accepted = 0;
-  while (d.output.size() + 4 < static_cast<size_t>(n)) {
-    const size_t at = d.output.size();
-    if (!std::equal(d.output.begin(), d.output.end(), ref.output.begin())) break;  // parted at a tie
-    const std::vector<int32_t> drafts(ref.output.begin() + at, ref.output.begin() + at + 3);
+  Decoding d = start(prompt, 64);
+  int drafted = 0, accepted = 0, parted = 0;
+  while (d.output.size() < 40) {
+    const std::vector<int32_t> ref = continuation(plain, d, 4, sampled);
+    const std::vector<int32_t> drafts(ref.begin(), ref.begin() + 3);
     const std::vector<SampledToken> out = step_with(spec, d, drafts, sampled);
     drafted += 3;
     accepted += static_cast<int>(out.size()) - 1;
     for (const SampledToken& t : out) EXPECT_EQ(t.top.size(), 2u);
+    for (size_t j = 0; j < out.size(); ++j) {
+      if (out[j].token == ref[j]) continue;
+      ++parted;
+      std::cout << "parted at output " << d.output.size() - out.size() + j << ": " << out[j].token
+                << " (logprob " << out[j].logprob << ") vs " << ref[j] << "\n";
+      break;
+    }
   }
-  EXPECT_GE(drafted, 9);
-  EXPECT_GE(accepted, drafted * 9 / 10) << accepted << " of " << drafted;
+  EXPECT_LE(parted, 2);
+  EXPECT_GE(accepted, drafted * 8 / 10) << accepted << " of " << drafted;
 }
 
 // The engine with the n-gram proposer on the CUDA backend: the greedy output of the run without
