@@ -3,20 +3,20 @@
 //
 // Backend level: greedy drafts that are the sequence's own continuation are all accepted, drafts
 // made wrong are rejected at the first wrong one, and what comes back is that continuation; seeded
-// sampling accepts drafts that are the tokens a run without drafts drew. Engine level: the n-gram
-// proposer's drafts leave the greedy output as it is without them, on one rank and sharded. The
+// sampling accepts drafts that are the rows' own draws; steps whose sequences bring drafts replay
+// verify graphs equal to eager steps. Engine level: the n-gram proposer's drafts leave the greedy
+// output as it is without them, on one rank and sharded (DP + EP, TP). The
 // rows that verify drafts run through the prefill kernels, a single-token decode through the
 // decode kernels, so their bf16 logits may differ in the last bits: where two runs part, the test
 // asks that the two tokens were a near tie (the verification rule itself, shared with the CPU
 // backend, is tested exactly there).
 #include <algorithm>
 #include <cmath>
-#include <iostream>
-#include <map>
 #include <numeric>
 
 #include "engine/cuda_backend.h"
 #include "engine/llm_engine.h"
+#include "engine/sampler.h"
 #include "tests/gpu/backend_test_util.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -194,21 +194,14 @@ TEST(CudaDrafts, UniformDraftsReplayVerifyGraphsThatEqualEager) {
   }
 }
 
-// The plain backend's next `n` sampled tokens after d's (its prompt and output, prefilled again on
-// `plain`'s own pool): what d would draw without drafts.
-std::vector<int32_t> continuation(CudaBackend& plain, const Decoding& d, int n, const SamplingParams& sp) {
-  Decoding p = start(d.tokens, n + 8);
-  p.output = d.output;
-  for (int i = 0; i < n; ++i) step_with(plain, p, {}, sp);
-  return std::vector<int32_t>(p.output.end() - n, p.output.end());
-}
-
-// Seeded sampling: drafts that are the tokens a run without drafts draws (same seed) are accepted,
-// since row j draws with the uniform of sample index + j, as that run does. The verify rows' bf16
-// logits differ from a decode's in the last bits, which may move a draw across a token boundary
-// now and then: the test then takes the reference again from where the runs parted.
-TEST(CudaDrafts, SeededSamplingAcceptsTheTokensItWouldDraw) {
-  CudaBackend plain(kDemo, small_options(true));
+// Seeded sampling: row j of a verify step draws with the uniform of sample index + j, as a run
+// without drafts would. The drafts here are the very tokens the rows draw: found by scoring the
+// step's tokens with forward_logits (the same shapes, so the same logits as the step) and drawing
+// each row on the host with sample_token, draft j + 1 being row j's draw, until they agree. The
+// step must then accept every draft and draw the last row's token after them. (Against a run
+// without drafts the draws part now and then: a decode's bf16 logits differ from a verify row's in
+// the last bits, which moves a draw from a broad distribution across a token boundary.)
+TEST(CudaDrafts, SeededDraftsThatAreTheRowsDrawsAreAccepted) {
   CudaBackend spec(kDemo, drafting(3));
   const std::vector<int32_t> prompt = tokenizer().encode("The three primary colours are");
   SamplingParams sampled;
@@ -217,24 +210,38 @@ TEST(CudaDrafts, SeededSamplingAcceptsTheTokensItWouldDraw) {
   sampled.seed = 1234;
   sampled.num_logprobs = 2;
   Decoding d = start(prompt, 64);
-  int drafted = 0, accepted = 0, parted = 0;
-  while (d.output.size() < 40) {
-    const std::vector<int32_t> ref = continuation(plain, d, 4, sampled);
-    const std::vector<int32_t> drafts(ref.begin(), ref.begin() + 3);
-    const std::vector<SampledToken> out = step_with(spec, d, drafts, sampled);
-    drafted += 3;
-    accepted += static_cast<int>(out.size()) - 1;
-    for (const SampledToken& t : out) EXPECT_EQ(t.top.size(), 2u);
-    for (size_t j = 0; j < out.size(); ++j) {
-      if (out[j].token == ref[j]) continue;
-      ++parted;
-      std::cout << "parted at output " << d.output.size() - out.size() + j << ": " << out[j].token
-                << " (logprob " << out[j].logprob << ") vs " << ref[j] << "\n";
-      break;
+  step_with(spec, d, {}, sampled);  // the prompt, and the first token
+  const int vocab = static_cast<int>(spec.config().vocab_size);
+  for (int step = 0; step < 8; ++step) {
+    std::vector<int32_t> drafts(3, d.tokens.back()), draws;
+    for (int round = 0; round < 4; ++round) {
+      std::vector<int32_t> tokens{d.tokens.back()};
+      tokens.insert(tokens.end(), drafts.begin(), drafts.end());
+      StepSequence s;
+      s.seq_id = 5;
+      s.tokens = tokens;
+      s.num_computed = d.num_computed;
+      s.block_table = d.blocks;
+      const std::vector<StepSequence> batch{s};
+      std::vector<float> logits = spec.forward_logits(batch, CudaBackend::LogitRows::kAllTokens);
+      ASSERT_EQ(logits.size(), size_t(4) * vocab);
+      draws.clear();
+      std::vector<int32_t> history = d.output;
+      for (int r = 0; r < 4; ++r) {
+        const std::span<float> row(logits.data() + size_t(r) * vocab, vocab);
+        draws.push_back(sample_token(row, sampled, prompt, history, d.output.size() + r).token);
+        if (r < 3) history.push_back(drafts[r]);
+      }
+      const std::vector<int32_t> next(draws.begin(), draws.begin() + 3);
+      if (next == drafts) break;
+      drafts = next;
     }
+    ASSERT_EQ(std::vector<int32_t>(draws.begin(), draws.begin() + 3), drafts) << "step " << step;
+    const std::vector<SampledToken> out = step_with(spec, d, drafts, sampled);
+    ASSERT_EQ(out.size(), 4u) << "step " << step << ": every draft is a row's own draw";
+    EXPECT_EQ(out[3].token, draws[3]) << "step " << step;
+    for (const SampledToken& t : out) EXPECT_EQ(t.top.size(), 2u);
   }
-  EXPECT_LE(parted, 2);
-  EXPECT_GE(accepted, drafted * 8 / 10) << accepted << " of " << drafted;
 }
 
 // The engine with the n-gram proposer on the CUDA backend: the greedy output of the run without
