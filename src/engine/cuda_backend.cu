@@ -1204,8 +1204,7 @@ struct RankEngine {
     return tokens;
   }
 
-  // Runs the forward for a step; decode and uniform verify batches through (and into) the graph
-  // cache.
+  // Runs the forward for a step; decode and verify batches through (and into) the graph cache.
   Shape run(std::span<const StepSequence> batch, const std::vector<int32_t>& rows) {
     const int q = graph_tokens_per_seq(batch);
     if (q == 0 || (dispatch && moe_step_tokens > moe_graph_tokens(q))) {
