@@ -279,8 +279,18 @@ CommandRegistrar bench_command({
         const std::vector<int> devices = check_sharding(*a);
         if (through_engine(*a)) return run_engine_bench(*a, spec);
 #if RELAY_HAVE_CUDA
-        CudaBenchOptions o{a->mode, a->model, a->out, a->quick, a->prefill_lengths, a->decode_batches,
-                           a->decode_contexts, a->dtype, a->ranks, a->parallel, devices};
+        CudaBenchOptions o;
+        o.mode = a->mode;
+        o.model_dir = a->model;
+        o.out_path = a->out;
+        o.quick = a->quick;
+        o.prefill_lengths = a->prefill_lengths;
+        o.decode_batches = a->decode_batches;
+        o.decode_contexts = a->decode_contexts;
+        o.dtype = a->dtype;
+        o.ranks = a->ranks;
+        o.parallel = a->parallel;
+        o.devices = devices;
         o.max_num_tokens = a->max_num_batched_tokens;
         o.load_format = a->load_format;
         o.spec_tokens = spec.enabled() ? spec.num_speculative_tokens : 0;

@@ -136,10 +136,11 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   // The recurrent-state pool comes out of the KV budget.
   size_t kv_bytes = o.kv_cache_bytes;
   if (config.has_linear_attention()) {
-    // NOTE: the draft rollback runs where the tokens are known, on node 0 after the step
-    // (roll_back_states): with ranks elsewhere their states would stay unrolled.
-    RELAY_CHECK(world == 1, config.architecture, " runs on one rank for now (the recurrent state "
-                "is not sharded), got ", parallel_.describe());
+    // NOTE: the draft rollback and the state snapshots' copies run where the tokens are known, on
+    // node 0 after the step (roll_back_states): a follower node's ranks would keep unrolled states.
+    RELAY_CHECK(o.nodes.nnodes == 1, config.architecture, " (linear-attention layers) runs its ",
+                "ranks in one process for now (their recurrent states are rolled back there), got "
+                "--nnodes ", o.nodes.nnodes);
     RELAY_CHECK(o.num_state_slots > 0, "a model with linear-attention layers needs recurrent-state "
                 "slots, got ", o.num_state_slots);
     RELAY_CHECK(o.num_state_snapshots >= 0, "num_state_snapshots must not be negative, got ",

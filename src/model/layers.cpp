@@ -251,27 +251,53 @@ void FullAttention::forward(const float* x, const ForwardBatch& b, KvPool& kv, T
 }
 
 GatedDeltaNet::GatedDeltaNet(const ModelConfig& c, const Checkpoint& ckpt,
-                             const std::string& prefix, int state_layer, Linear in_proj)
+                             const std::string& prefix, int state_layer, const Linear& in_proj,
+                             const ShardSpec& shard)
     : state_layer_(state_layer),
-      num_k_heads_(static_cast<int>(c.linear_num_key_heads)),
-      num_v_heads_(static_cast<int>(c.linear_num_value_heads)),
+      num_k_heads_(shard.num_local_k_heads),
+      num_v_heads_(shard.num_local_v_heads),
       key_dim_(static_cast<int>(c.linear_key_head_dim)),
       value_dim_(static_cast<int>(c.linear_value_head_dim)),
-      conv_dim_(static_cast<int>(c.linear_conv_dim())),
+      conv_dim_(2 * num_k_heads_ * key_dim_ + num_v_heads_ * value_dim_),
       kernel_size_(static_cast<int>(c.linear_conv_kernel_dim)),
       eps_(static_cast<float>(c.rms_norm_eps)),
-      in_proj_(std::move(in_proj)) {
+      tp_comm_(shard.tp_comm) {
   const std::string p = prefix + ".";
-  const int64_t v_dim = c.linear_value_dim(), heads = c.linear_num_value_heads;
-  RELAY_CHECK(in_proj_.out_features == conv_dim_ + v_dim + 2 * heads &&
-                  in_proj_.in_features == c.hidden_size,
-              prefix, ": the input projection is [", in_proj_.out_features, ", ",
-              in_proj_.in_features, "], expected [", conv_dim_ + v_dim + 2 * heads, ", ",
+  const int64_t full_conv = c.linear_conv_dim(), full_v = c.linear_value_dim();
+  const int64_t heads = c.linear_num_value_heads;
+  RELAY_CHECK(in_proj.out_features == full_conv + full_v + 2 * heads &&
+                  in_proj.in_features == c.hidden_size,
+              prefix, ": the input projection is [", in_proj.out_features, ", ",
+              in_proj.in_features, "], expected [", full_conv + full_v + 2 * heads, ", ",
               c.hidden_size, "] (q | k | v | z | b | a)");
-  out_proj_ = load_linear(ckpt, {p + "out_proj"}, {c.hidden_size}, v_dim, false);
-  conv_weight_ = load_f32(ckpt, p + "conv1d.weight", {conv_dim_, 1, kernel_size_});
-  a_log_ = load_f32(ckpt, p + "A_log", {heads});
-  dt_bias_ = load_f32(ckpt, p + "dt_bias", {heads});
+  // This rank's rows of [q | k | v | z | b | a] and channels of the convolution (q | k | v): its
+  // key heads' q and k, its value heads' v, z, b and a (all of them on one rank).
+  const int64_t dk = key_dim_, dv = value_dim_, kb = shard.k_head_begin, vb = shard.v_head_begin;
+  const int64_t qk_dim = c.linear_num_key_heads * dk;
+  std::vector<int64_t> channels, rows;
+  auto take = [](std::vector<int64_t>& to, int64_t begin, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) to.push_back(begin + i);
+  };
+  take(channels, kb * dk, num_k_heads_ * dk);
+  take(channels, qk_dim + kb * dk, num_k_heads_ * dk);
+  take(channels, 2 * qk_dim + vb * dv, num_v_heads_ * dv);
+  rows = channels;
+  take(rows, full_conv + vb * dv, num_v_heads_ * dv);
+  take(rows, full_conv + full_v + vb, num_v_heads_);
+  take(rows, full_conv + full_v + heads + vb, num_v_heads_);
+  in_proj_ = take_rows(in_proj, rows);
+  // Row-parallel: this rank's value-head columns, summed over the TP group after.
+  out_proj_ = load_linear(ckpt, {p + "out_proj"}, {c.hidden_size}, full_v, false, {},
+                          IndexRange{vb * dv, num_v_heads_ * dv});
+  const std::vector<float> conv = load_f32(ckpt, p + "conv1d.weight", {full_conv, 1, kernel_size_});
+  for (int64_t ch : channels) {
+    conv_weight_.insert(conv_weight_.end(), conv.begin() + ch * kernel_size_,
+                        conv.begin() + (ch + 1) * kernel_size_);
+  }
+  const std::vector<float> a_log = load_f32(ckpt, p + "A_log", {heads});
+  const std::vector<float> dt_bias = load_f32(ckpt, p + "dt_bias", {heads});
+  a_log_.assign(a_log.begin() + vb, a_log.begin() + vb + num_v_heads_);
+  dt_bias_.assign(dt_bias.begin() + vb, dt_bias.begin() + vb + num_v_heads_);
   norm_weight_ = load_f32(ckpt, p + "norm.weight", {c.linear_value_head_dim});
 }
 
@@ -340,14 +366,13 @@ void GatedDeltaNet::forward(const float* x, const ForwardBatch& b, KvPool& /*kv*
   n.eps = eps_;
   kernels::launch_gated_rms_norm(n, pool);
   out_proj_.forward(core_.data(), t, out, pool);
+  if (tp_comm_ != nullptr)
+    tp_comm_->all_reduce_sum(out, static_cast<size_t>(t) * out_proj_.out_features);
 }
 
 DenseMlp::DenseMlp(const Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t width,
-                   const ShardSpec& shard)
-    : width_(shard.tp_size == 1 ? static_cast<int>(width) : shard.num_local_mlp_width),
-      tp_comm_(shard.tp_comm) {
-  const IndexRange slice =
-      shard.tp_size == 1 ? IndexRange{} : IndexRange{shard.mlp_width_begin, width_};
+                   IndexRange slice, parallel::Communicator* reduce)
+    : width_(static_cast<int>(slice.count < 0 ? width : slice.count)), tp_comm_(reduce) {
   gate_up_ = load_linear(ckpt, {prefix + ".gate_proj", prefix + ".up_proj"}, {width, width}, hidden,
                          false, {slice, slice});
   down_ = load_linear(ckpt, {prefix + ".down_proj"}, {hidden}, width, false, {}, slice);
@@ -369,11 +394,17 @@ void DenseMlp::forward(const float* x, int num_tokens, ThreadPool& pool, float* 
     tp_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * down_.out_features);
 }
 
+IndexRange dense_mlp_slice(const ShardSpec& shard) {
+  return shard.tp_size == 1 ? IndexRange{}
+                            : IndexRange{shard.mlp_width_begin, shard.num_local_mlp_width};
+}
+
 std::unique_ptr<FeedForward> make_feed_forward(const ModelConfig& c, const Checkpoint& ckpt,
                                                const std::string& prefix, int layer,
                                                const ShardSpec& shard) {
   if (c.layer_is_moe(layer)) return std::make_unique<SparseMoe>(c, ckpt, prefix, shard);
-  return std::make_unique<DenseMlp>(ckpt, prefix, c.hidden_size, c.intermediate_size, shard);
+  return std::make_unique<DenseMlp>(ckpt, prefix, c.hidden_size, c.intermediate_size,
+                                    dense_mlp_slice(shard), shard.tp_comm);
 }
 
 SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::string& prefix,
@@ -395,10 +426,25 @@ SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::st
   const int64_t h = hidden_, w = width_, full_w = c.moe_intermediate_size;
   const IndexRange slice{shard.moe_width_begin, w};
   if (ckpt.has(prefix + ".experts.gate_up_proj")) {
-    RELAY_CHECK(num_local_experts_ == num_experts_ && w == full_w, prefix,
-                ".experts.gate_up_proj: fused expert tensors are loaded on one rank only for now");
-    gate_up_ = load_f32(ckpt, prefix + ".experts.gate_up_proj", {num_experts_, 2 * w, h});
-    down_ = load_f32(ckpt, prefix + ".experts.down_proj", {num_experts_, h, w});
+    // Fused 3-D tensors: read whole, then keep this rank's experts and width slice (gate rows
+    // [b, b + w) and up rows [full_w + b, ...) of gate_up; down's columns [b, b + w)).
+    const std::vector<float> all_gate_up =
+        load_f32(ckpt, prefix + ".experts.gate_up_proj", {num_experts_, 2 * full_w, h});
+    const std::vector<float> all_down =
+        load_f32(ckpt, prefix + ".experts.down_proj", {num_experts_, h, full_w});
+    gate_up_.resize(static_cast<size_t>(num_local_experts_) * 2 * w * h);
+    down_.resize(static_cast<size_t>(num_local_experts_) * h * w);
+    const int64_t b = shard.moe_width_begin;
+    for (int64_t e = 0; e < num_local_experts_; ++e) {
+      const float* gu = all_gate_up.data() + (expert_begin_ + e) * 2 * full_w * h;
+      float* to = gate_up_.data() + e * 2 * w * h;
+      std::copy(gu + b * h, gu + (b + w) * h, to);
+      std::copy(gu + (full_w + b) * h, gu + (full_w + b + w) * h, to + w * h);
+      const float* dn = all_down.data() + (expert_begin_ + e) * h * full_w;
+      for (int64_t r = 0; r < h; ++r) {
+        std::copy(dn + r * full_w + b, dn + r * full_w + b + w, down_.data() + (e * h + r) * w);
+      }
+    }
   } else {
     gate_up_.resize(static_cast<size_t>(num_local_experts_) * 2 * w * h);
     down_.resize(static_cast<size_t>(num_local_experts_) * h * w);
@@ -412,12 +458,15 @@ SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::st
     }
   }
   if (c.shared_expert_intermediate_size > 0) {
-    // NOTE: DenseMlp would slice the shared expert by intermediate_size's TP plan; sharding the
-    // hybrid models comes with its own plan (model/shard.cpp refuses them for now).
-    RELAY_CHECK(shard.tp_size == 1 && shard.ep_size == 1, prefix,
-                ".shared_expert: MoE layers with a shared expert run on one rank only for now");
-    shared_expert_ = std::make_unique<DenseMlp>(ckpt, prefix + ".shared_expert", c.hidden_size,
-                                                c.shared_expert_intermediate_size, shard);
+    // Sliced (shard.h) its partial output joins the routed partial sums before they are reduced.
+    const bool sliced = shard.num_local_shared_width != c.shared_expert_intermediate_size;
+    RELAY_CHECK(!sliced || (reduce_comm_ != nullptr && !dispatch_tokens_), prefix,
+                ".shared_expert: a slice of its width needs the MoE's partial sums reduced");
+    shared_expert_ = std::make_unique<DenseMlp>(
+        ckpt, prefix + ".shared_expert", c.hidden_size, c.shared_expert_intermediate_size,
+        sliced ? IndexRange{shard.shared_width_begin, shard.num_local_shared_width} : IndexRange{},
+        nullptr);
+    shared_partial_ = sliced;
     shared_expert_gate_ =
         load_linear(ckpt, {prefix + ".shared_expert_gate"}, {1}, c.hidden_size, false);
   }
@@ -426,6 +475,7 @@ SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::st
 void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float* out) {
   if (dispatch_tokens_) {
     dispatch_combine(x, num_tokens, pool, out);
+    if (shared_expert_ != nullptr && num_tokens > 0) add_shared_expert(x, num_tokens, pool, out);
     return;
   }
   const size_t rows = static_cast<size_t>(num_tokens) * top_k_;
@@ -438,9 +488,14 @@ void SparseMoe::forward(const float* x, int num_tokens, ThreadPool& pool, float*
                                         static_cast<int>(rows), expert_begin_, num_local_experts_},
                                        pool);
   run_local_experts(x, topk_ids_.data(), topk_weights_.data(), num_tokens, pool, out);
+  // A sliced shared expert adds its partial output before the reduction sums the ranks'; a whole
+  // one adds after it, once.
+  if (shared_expert_ != nullptr && shared_partial_ && num_tokens > 0)
+    add_shared_expert(x, num_tokens, pool, out);
   if (reduce_comm_ != nullptr)
     reduce_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * hidden_);
-  if (shared_expert_ != nullptr && num_tokens > 0) add_shared_expert(x, num_tokens, pool, out);
+  if (shared_expert_ != nullptr && !shared_partial_ && num_tokens > 0)
+    add_shared_expert(x, num_tokens, pool, out);
 }
 
 void SparseMoe::add_shared_expert(const float* x, int num_tokens, ThreadPool& pool, float* out) {

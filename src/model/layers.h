@@ -115,20 +115,24 @@ class FullAttention : public TokenMixer {
 // recurrent-state pool, at layer `state_layer` of the slot; nothing goes to the KV pool. The two
 // checkpoint layouts differ only in how the input projection is stored, so the architecture file
 // builds in_proj (rows [q | k | v | z | b | a]: q and k over every key head, v and z over every
-// value head, b and a one per value head) and this block loads the rest. One rank only for now.
+// value head, b and a one per value head) and this block loads the rest. Under tensor parallelism
+// the rank keeps its key heads and the value heads that read them (model/shard.h): their rows of
+// in_proj, channels of the convolution, gates and out_proj columns; its slot of the state pool
+// holds only those, and the partial out_proj outputs are summed across the TP group.
 class GatedDeltaNet : public TokenMixer {
  public:
-  // prefix: "model.layers.N.linear_attn".
+  // prefix: "model.layers.N.linear_attn"; in_proj: every head's rows, as stored.
   GatedDeltaNet(const ModelConfig& config, const Checkpoint& ckpt, const std::string& prefix,
-                int state_layer, Linear in_proj);
+                int state_layer, const Linear& in_proj, const ShardSpec& shard);
   void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool,
                float* out) override;
 
  private:
   int state_layer_;
   int num_k_heads_, num_v_heads_, key_dim_, value_dim_;  // per head dims
-  int conv_dim_, kernel_size_;
+  int conv_dim_, kernel_size_;    // this rank's channels
   float eps_;
+  parallel::Communicator* tp_comm_;
   Linear in_proj_;                  // [conv_dim + v_heads * value_dim + 2 * v_heads, hidden]
   Linear out_proj_;                 // [hidden, v_heads * value_dim]
   std::vector<float> conv_weight_;  // [conv_dim, kernel_size]
@@ -150,10 +154,10 @@ class FeedForward {
 // holds a slice of the width (gate/up rows, down columns) and the partial outputs are summed.
 class DenseMlp : public FeedForward {
  public:
-  // prefix: "model.layers.N.mlp"; the width is sliced as shard.mlp_width_begin /
-  // num_local_mlp_width.
+  // prefix: "model.layers.N.mlp"; the rank keeps the columns `slice` of the width (all of them when
+  // its count is -1) and sums its partial output over `reduce` (none when null: the caller sums).
   DenseMlp(const Checkpoint& ckpt, const std::string& prefix, int64_t hidden, int64_t width,
-           const ShardSpec& shard);
+           IndexRange slice, parallel::Communicator* reduce);
   void forward(const float* x, int num_tokens, ThreadPool& pool, float* out) override;
 
  private:
@@ -179,7 +183,9 @@ class DenseMlp : public FeedForward {
 // replicated tokens (TP+EP prefill) the partial outputs are all-reduced; with per-rank tokens (DP
 // attention) each rank sends every token to the ranks holding any of its experts (dispatch), they
 // return partial sums, and the sender adds them up in rank order (combine). A rank with no tokens
-// still takes part.
+// still takes part. The shared expert is sliced like a dense MLP under TP (its partial output
+// joins the reduction) and whole on each DP rank (added to its own tokens after the combine).
+// Fused expert tensors are read whole and sliced after.
 class SparseMoe : public FeedForward {
  public:
   SparseMoe(const ModelConfig& config, const Checkpoint& ckpt, const std::string& prefix,
@@ -210,6 +216,7 @@ class SparseMoe : public FeedForward {
   std::vector<float> gate_up_;       // [num_local_experts, 2 * width, hidden]
   std::vector<float> down_;          // [num_local_experts, hidden, width]
   std::unique_ptr<DenseMlp> shared_expert_;  // null without one
+  bool shared_partial_ = false;  // it holds a slice of the width (TP): added before the reduction
   Linear shared_expert_gate_;                // [1, hidden]
   std::vector<float> shared_out_, shared_gate_out_;
   // scratch
@@ -219,6 +226,9 @@ class SparseMoe : public FeedForward {
   std::vector<std::vector<int32_t>> send_ids_, recv_ids_;
   std::vector<float> recv_x_, recv_weights_, recv_out_;
 };
+
+// A decoder MLP's slice of intermediate_size on this rank (DenseMlp's `slice`).
+IndexRange dense_mlp_slice(const ShardSpec& shard);
 
 // Layer `layer`'s feed-forward: the sparse MoE block where config.layer_is_moe(layer) says so
 // (HF's rule: experts exist, not in mlp_only_layers, on the decoder_sparse_step), else a dense

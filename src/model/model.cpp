@@ -43,14 +43,14 @@ RecurrentStateLayout recurrent_state_layout(const ModelConfig& c, const ShardSpe
                                             int num_slots) {
   RELAY_CHECK(c.has_linear_attention(), c.architecture,
               " has no linear-attention layers, so no recurrent state");
-  RELAY_CHECK(shard.tp_size == 1, "the recurrent state is not sharded yet (tp ", shard.tp_size,
-              ")");
+  // A TP rank's slot holds its heads' states and channels only (model/shard.h).
   RecurrentStateLayout l;
   l.num_layers = c.num_recurrent_layers();
   l.num_slots = num_slots;
-  l.conv_dim = static_cast<int>(c.linear_conv_dim());
+  l.conv_dim = static_cast<int>(2 * shard.num_local_k_heads * c.linear_key_head_dim +
+                                shard.num_local_v_heads * c.linear_value_head_dim);
   l.conv_width = static_cast<int>(c.linear_conv_kernel_dim - 1);
-  l.num_heads = static_cast<int>(c.linear_num_value_heads);
+  l.num_heads = shard.num_local_v_heads;
   l.key_dim = static_cast<int>(c.linear_key_head_dim);
   l.value_dim = static_cast<int>(c.linear_value_head_dim);
   l.element_bytes = sizeof(float);

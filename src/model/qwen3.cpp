@@ -13,7 +13,8 @@ std::unique_ptr<Model> build_qwen3(const ModelConfig& c, const Checkpoint& ckpt,
     return std::make_unique<FullAttention>(c, ckpt, p + "self_attn", layer, rope, shard);
   };
   blocks.ffn = [&](int, const std::string& p) -> std::unique_ptr<FeedForward> {
-    return std::make_unique<DenseMlp>(ckpt, p + "mlp", c.hidden_size, c.intermediate_size, shard);
+    return std::make_unique<DenseMlp>(ckpt, p + "mlp", c.hidden_size, c.intermediate_size,
+                                      dense_mlp_slice(shard), shard.tp_comm);
   };
   return load_decoder(c, ckpt, shard, blocks);
 }

@@ -36,7 +36,7 @@ std::unique_ptr<Model> build_qwen3_5(const ModelConfig& c, const Checkpoint& ckp
          c.linear_num_value_heads},
         c.hidden_size, false);
     return std::make_unique<GatedDeltaNet>(c, ckpt, p + "linear_attn", c.recurrent_layer(layer),
-                                           std::move(in_proj));
+                                           in_proj, shard);
   };
   blocks.ffn = [&](int layer, const std::string& p) {
     return make_feed_forward(c, ckpt, p + "mlp", layer, shard);

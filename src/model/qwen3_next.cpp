@@ -59,7 +59,7 @@ std::unique_ptr<Model> build_qwen3_next(const ModelConfig& c, const Checkpoint& 
                     {c.linear_conv_dim() + c.linear_value_dim(), 2 * c.linear_num_value_heads},
                     c.hidden_size, false);
     return std::make_unique<GatedDeltaNet>(c, ckpt, p + "linear_attn", c.recurrent_layer(layer),
-                                           take_rows(fused, in_proj_rows));
+                                           take_rows(fused, in_proj_rows), shard);
   };
   blocks.ffn = [&](int layer, const std::string& p) {
     return make_feed_forward(c, ckpt, p + "mlp", layer, shard);

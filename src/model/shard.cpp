@@ -12,6 +12,9 @@ ShardSpec unsharded(const ModelConfig& c) {
   s.num_local_mlp_width = static_cast<int>(c.intermediate_size);
   s.num_local_moe_width = static_cast<int>(c.moe_intermediate_size);
   s.num_local_experts = static_cast<int>(c.num_experts);
+  s.num_local_k_heads = static_cast<int>(c.linear_num_key_heads);
+  s.num_local_v_heads = static_cast<int>(c.linear_num_value_heads);
+  s.num_local_shared_width = static_cast<int>(c.shared_expert_intermediate_size);
   return s;
 }
 
@@ -30,12 +33,6 @@ ShardSpec plan_shard(const ModelConfig& c, const parallel::ParallelConfig& p, in
   p.validate();
   ShardSpec s = unsharded(c);
   if (p.world_size() == 1) return s;
-  // NOTE: the hybrids' Gated DeltaNet layers, recurrent state, gated q_proj and shared experts have
-  // no slicing plan yet; refusing here keeps every backend from running half a plan.
-  RELAY_CHECK(!c.has_linear_attention(), c.architecture,
-              " (linear-attention layers) runs on one rank only for now: use --tp 1 --ep 1 --dp 1, "
-              "got ",
-              p.describe());
   RELAY_CHECK(rank >= 0 && rank < p.world_size(), "rank ", rank, " outside a group of ",
               p.world_size());
   const parallel::RankPlace at = parallel::place_rank(p, rank);
@@ -60,6 +57,17 @@ ShardSpec plan_shard(const ModelConfig& c, const parallel::ParallelConfig& p, in
         " (config.json) and is not a multiple of it, so KV heads cannot be replicated evenly");
     s.num_local_kv_heads = 1;
     s.kv_head_begin = at.tp_rank / (tp / kv);
+  }
+
+  if (c.has_linear_attention() && tp > 1) {
+    const int k = static_cast<int>(c.linear_num_key_heads),
+              v = static_cast<int>(c.linear_num_value_heads);
+    RELAY_CHECK(k % tp == 0, "--tp ", tp, " does not divide linear_num_key_heads ", k,
+                " (config.json: the Gated DeltaNet heads)");
+    s.num_local_k_heads = k / tp;
+    s.k_head_begin = at.tp_rank * s.num_local_k_heads;
+    s.num_local_v_heads = v / tp;  // value heads are a multiple of key heads (config.cpp checks)
+    s.v_head_begin = at.tp_rank * s.num_local_v_heads;
   }
 
   bool has_dense_mlp = !c.is_moe();
@@ -88,6 +96,15 @@ ShardSpec plan_shard(const ModelConfig& c, const parallel::ParallelConfig& p, in
       s.num_local_moe_width = static_cast<int>(c.moe_intermediate_size / tp);
       s.moe_width_begin = at.tp_rank * s.num_local_moe_width;
     }
+  }
+  // The shared expert: sliced over the TP ranks, whose partial MoE outputs are summed (tp > 1
+  // implies dp == 1, so those are all the ranks); whole on every DP rank otherwise.
+  if (c.shared_expert_intermediate_size > 0 && tp > 1) {
+    RELAY_CHECK(c.shared_expert_intermediate_size % tp == 0, "--tp ", tp,
+                " does not divide shared_expert_intermediate_size ",
+                c.shared_expert_intermediate_size, " (config.json)");
+    s.num_local_shared_width = static_cast<int>(c.shared_expert_intermediate_size / tp);
+    s.shared_width_begin = at.tp_rank * s.num_local_shared_width;
   }
   return s;
 }

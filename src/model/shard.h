@@ -7,8 +7,13 @@
 // num_local_experts). Embedding, norms, router and lm_head are replicated. Every split is checked
 // against the config here, with a message that names the field that does not divide.
 //
-// The hybrid models (Qwen3.5, Qwen3-Next) are not sharded yet: plan_shard refuses any layout with
-// more than one rank for them.
+// The hybrid models (Qwen3.5, Qwen3-Next): a tensor-parallel rank keeps a contiguous range of the
+// Gated DeltaNet key heads and the value heads that read them (value head v reads key head
+// v / (value heads / key heads), so both ranges are contiguous), the matching rows of in_proj and
+// channels of the short convolution, and out_proj's matching columns; its recurrent state holds only
+// those heads and channels. The shared expert's width is sliced as a dense MLP's whenever the MoE's
+// outputs are summed across the ranks (TP, TP + EP); under DP attention + EP every rank runs it
+// whole on its own tokens.
 //
 // KV heads when tp > num_key_value_heads: each rank holds the one KV head its q heads read
 // (replicated on tp / num_kv_heads ranks), so the k/v projections are computed redundantly and each
@@ -38,6 +43,11 @@ struct ShardSpec {
   int mlp_width_begin = 0, num_local_mlp_width = 0;  // dense MLP columns (intermediate_size)
   int moe_width_begin = 0, num_local_moe_width = 0;  // expert columns (moe_intermediate_size)
   int expert_begin = 0, num_local_experts = 0;
+  // Gated DeltaNet heads (linear_num_key_heads / linear_num_value_heads), hybrid models only.
+  int k_head_begin = 0, num_local_k_heads = 0;
+  int v_head_begin = 0, num_local_v_heads = 0;
+  // The shared expert's columns (shared_expert_intermediate_size), hybrid MoE models only.
+  int shared_width_begin = 0, num_local_shared_width = 0;
 };
 
 // The whole model on one rank.

@@ -1,7 +1,8 @@
 """Serving a hybrid model (Qwen3.5-MoE: Gated DeltaNet + gated attention) end to end: `relay serve` on the
 tiny fixture checkpoint answers /v1/completions with transformers' greedy tokens for every fixture prompt, sent
 together (continuous batching, chunked prefill, fewer state slots than requests), with and without n-gram
-drafts and with drafts from the checkpoint's own MTP head (issue 26: its spec-decode counters in /metrics);
+drafts and with drafts from the checkpoint's own MTP head (issue 26: its spec-decode counters in /metrics), and
+on sharded ranks (TP, TP + EP, DP + EP);
 `relay generate` writes the same text with MTP drafts as without, greedy and seeded; the recurrent-state slots
 show in /metrics and are all returned; prefix caching (recurrent-state snapshots at block boundaries) gives
 the tokens and logprobs of --no-prefix-caching with the hits in usage and /metrics; a disaggregated role is
@@ -68,6 +69,15 @@ def test_hybrid_model_serves_the_reference_tokens(relay_bin, hybrid_dir):
     assert metrics["relay:state_slot_usage_perc" + label] == 0
     assert metrics["relay:prefix_cache_hits_total" + label] == 0
     assert "2 recurrent-state slots" in log  # one per running sequence
+
+
+@pytest.mark.parametrize("layout", [["--tp", 2], ["--tp", 2, "--ep", 2], ["--dp", 2, "--ep", 2]],
+                         ids=["tp2", "tp2-ep2", "dp2-ep2"])
+def test_hybrid_model_on_sharded_ranks_serves_the_reference_tokens(relay_bin, hybrid_dir, layout):
+    """TP splits the Gated DeltaNet heads, their recurrent state and the shared expert; DP ranks hold
+    their own sequences' states; n-gram drafts roll the sharded states back."""
+    metrics, _ = serve_greedy(relay_bin, hybrid_dir, *layout, "--speculative-config", NGRAM)
+    assert metrics[f'relay:state_slot_usage_perc{{model_name="{NAME}"}}'] == 0
 
 
 def test_hybrid_model_with_ngram_drafts(relay_bin, hybrid_dir):

@@ -413,19 +413,19 @@ TEST(MtpEngineHybrid, PrefixHitsLeaveTheProposalsAsWithout) {
   expect_a_hit_leaves_the_proposals(kHeads.front(), 30, rc, 24);
 }
 
-// Two TP ranks (each with half the head's attention heads and experts' width) draft what one does.
-TEST(MtpEngineQwen3, TensorParallelRanksDraftLikeOne) {
-  const test::ModelFixture fx =
-      test::ModelFixture::load(separate_head().target_path(), separate_head().target_path());
-  const std::vector<std::vector<int32_t>> drafts = oracle_drafts(separate_head());
+// Two TP ranks (each with half the head's attention heads and experts' width; on the hybrids also
+// half the Gated DeltaNet heads, the recurrent state and the shared expert) draft what one does.
+void expect_tp_ranks_draft_like_one(const Head& head,
+                                    const std::vector<parallel::ParallelConfig>& layouts) {
+  const test::ModelFixture fx = test::ModelFixture::load(head.target_path(), head.target_path());
+  const std::vector<std::vector<int32_t>> drafts = oracle_drafts(head);
   RunConfig rc;
   rc.k = 3;
   rc.waves = {fx.prompts};
   rc.reference = fx.greedy;
-  for (const parallel::ParallelConfig p :
-       {parallel::ParallelConfig{.tp = 2}, parallel::ParallelConfig{.tp = 2, .ep = 2}}) {
+  for (const parallel::ParallelConfig& p : layouts) {
     rc.parallel = p;
-    const RunResult r = run(separate_head(), rc);
+    const RunResult r = run(head, rc);
     for (size_t i = 0; i < fx.prompts.size(); ++i) {
       EXPECT_EQ(r.tokens.at(static_cast<int64_t>(i)), fx.greedy[i]) << p.describe();
       EXPECT_EQ(r.verified.at(static_cast<int64_t>(i)).front().drafts,
@@ -433,6 +433,17 @@ TEST(MtpEngineQwen3, TensorParallelRanksDraftLikeOne) {
           << p.describe() << ", prompt " << i;
     }
   }
+}
+
+TEST(MtpEngineQwen3, TensorParallelRanksDraftLikeOne) {
+  expect_tp_ranks_draft_like_one(
+      separate_head(), {parallel::ParallelConfig{.tp = 2}, parallel::ParallelConfig{.tp = 2, .ep = 2}});
+}
+
+TEST(MtpEngineHybrid, TensorParallelRanksDraftLikeOne) {
+  expect_tp_ranks_draft_like_one(
+      kHeads[0], {parallel::ParallelConfig{.tp = 2}, parallel::ParallelConfig{.tp = 2, .ep = 2}});
+  expect_tp_ranks_draft_like_one(kHeads[1], {parallel::ParallelConfig{.tp = 2}});
 }
 
 CpuBackendOptions mtp_options(const std::string& head_dir, int k) {

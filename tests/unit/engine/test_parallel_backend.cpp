@@ -1,5 +1,5 @@
-// Sharded CPU ranks against one rank: TP, TP+EP, DP and DP+EP runs of the fixture checkpoints and
-// the demo model give the unsharded logits (within fp32 tolerance) and the transformers greedy
+// Sharded CPU ranks against one rank: TP, TP+EP, DP and DP+EP runs of the fixture checkpoints (the
+// hybrids' included) and the demo model give the unsharded logits (within fp32 tolerance) and the transformers greedy
 // tokens.
 //
 // Each run drives several sequences of different lengths through chunked prefill (two chunks, so
@@ -31,6 +31,7 @@ struct Seq {
   std::vector<int32_t> tokens;
   std::vector<int32_t> blocks;
   int num_computed = 0;
+  std::vector<int32_t> state_slots;  // its recurrent-state slot (hybrid models), in its partition
 };
 
 StepSequence make_step(const Seq& s, int num_new) {
@@ -39,6 +40,7 @@ StepSequence make_step(const Seq& s, int num_new) {
   st.tokens = std::span<const int32_t>(s.tokens).subspan(s.num_computed, num_new);
   st.num_computed = s.num_computed;
   st.block_table = s.blocks;
+  st.state_slots = s.state_slots;
   return st;
 }
 
@@ -61,6 +63,10 @@ class Driver {
         // Pages in a scrambled order inside the partition.
         const int local = (next[p]++ * 5 + 3) % per_partition;
         s.blocks.push_back(p * per_partition + local);
+      }
+      if (backend.num_state_slots() > 0) {  // the last slots of the partition, one per sequence
+        const int slots = backend.num_state_slots() / partitions;
+        s.state_slots = {(p + 1) * slots - 1 - static_cast<int>(i) / partitions};
       }
       seqs_.push_back(std::move(s));
     }
@@ -189,6 +195,13 @@ std::vector<Case> cases() {
   }
   // 6 experts and a dense layer (mlp_only_layers): EP 2 only.
   for (P p : {P{2, 2, 1}, P{1, 2, 2}, P{2, 1, 1}}) out.push_back({"qwen3-moe-sparse-step", p});
+  // The hybrids (2 Gated DeltaNet key heads and 4 value heads, 2 KV heads, 8 experts with a shared
+  // expert): TP 2 splits the DeltaNet heads, the recurrent state and the shared expert; EP and DP
+  // as Qwen3-MoE (a DP rank holds its sequences' states). Qwen3.5's experts are fused 3-D tensors.
+  for (const char* m : {"qwen3_5-moe", "qwen3-next"}) {
+    for (P p : {P{2, 1, 1}, P{2, 2, 1}, P{1, 1, 2}, P{1, 2, 2}, P{1, 4, 4}}) out.push_back({m, p});
+  }
+  for (P p : {P{2, 1, 1}, P{1, 1, 2}}) out.push_back({"qwen3_5-dense", p});
   return out;
 }
 
@@ -255,6 +268,13 @@ TEST(ShardedBackend, RefusesLayoutsTheModelDoesNotDivide) {
   expect_error({4, 4, 1}, "num_experts");
   expect_error({2, 3, 1}, "--ep");
   expect_error({2, 2, 2}, "--dp");
+  o.parallel = {4, 1, 1};  // 2 Gated DeltaNet key heads
+  try {
+    CpuBackend backend(test::fixture_models_dir() / "qwen3_5-moe", o);
+    ADD_FAILURE() << "expected an error mentioning linear_num_key_heads";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("linear_num_key_heads"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ShardedBackend, ABadSequenceFailsTheStepAndTheNextStepStillRuns) {

@@ -356,11 +356,31 @@ TEST(HybridModel, BatchChecksNameWhatIsWrong) {
   expect_error([&] { model->forward(batch, kv, pool, logits); }, "no recurrent-state pool");
 }
 
-TEST(HybridModel, ShardedLayoutsAreRefusedForNow) {
-  const ModelConfig c = ModelConfig::load(fixture("qwen3-next"));
-  expect_error([&] { plan_shard(c, parallel::ParallelConfig{2, 1, 1}, 0); }, "one rank only");
-  expect_error([&] { plan_shard(c, parallel::ParallelConfig{1, 2, 2}, 0); }, "one rank only");
-  EXPECT_EQ(plan_shard(c, parallel::ParallelConfig{1, 1, 1}, 0).num_local_experts, 8);
+// The shard plan of the hybrids' own parts (engine/test_parallel_backend.cpp runs the layouts).
+TEST(HybridModel, ShardPlansSplitTheDeltaNetHeadsTheStateAndTheSharedExpert) {
+  const ModelConfig c = ModelConfig::load(fixture("qwen3-next"));  // 2 key / 4 value heads
+  const ShardSpec one = plan_shard(c, parallel::ParallelConfig{1, 1, 1}, 0);
+  EXPECT_EQ(one.num_local_experts, 8);
+  EXPECT_EQ(one.num_local_v_heads, 4);
+  EXPECT_EQ(one.num_local_shared_width, 32);
+  const ShardSpec r1 = plan_shard(c, parallel::ParallelConfig{2, 2, 1}, 1);
+  EXPECT_EQ(r1.k_head_begin, 1);
+  EXPECT_EQ(r1.num_local_k_heads, 1);
+  EXPECT_EQ(r1.v_head_begin, 2);
+  EXPECT_EQ(r1.num_local_v_heads, 2);
+  EXPECT_EQ(r1.shared_width_begin, 16);
+  EXPECT_EQ(r1.num_local_shared_width, 16);
+  const RecurrentStateLayout whole = recurrent_state_layout(c, one, 1),
+                             half = recurrent_state_layout(c, r1, 1);
+  EXPECT_EQ(half.num_heads * 2, whole.num_heads);
+  EXPECT_EQ(half.conv_dim * 2, whole.conv_dim);
+  // DP attention + EP: every rank holds every head and the whole shared expert.
+  const ShardSpec dp = plan_shard(c, parallel::ParallelConfig{1, 2, 2}, 1);
+  EXPECT_EQ(dp.num_local_v_heads, 4);
+  EXPECT_EQ(dp.num_local_shared_width, 32);
+  EXPECT_EQ(dp.num_local_experts, 4);
+  expect_error([&] { plan_shard(c, parallel::ParallelConfig{4, 1, 1}, 0); },
+               "does not divide linear_num_key_heads 2");
 }
 
 }  // namespace
