@@ -118,11 +118,8 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   }
   if (o.num_mtp_drafts > 0) {
     RELAY_CHECK(o.mtp.enabled, "num_mtp_drafts ", o.num_mtp_drafts, " needs the MTP head");
-    // NOTE: the MTP forwards run after sampling, which happens on node 0 only, and a DP rank
-    // without sequences would have to join the MTP layer's MoE exchanges: neither is built yet.
-    RELAY_CHECK(parallel_.dp == 1 && o.nodes.nnodes == 1,
-                "--speculative-config mtp runs on one node without data-parallel attention for "
-                "now, got ",
+    // NOTE: the MTP forwards run after sampling, which happens on node 0 only.
+    RELAY_CHECK(o.nodes.nnodes == 1, "--speculative-config mtp runs on one node for now, got ",
                 parallel_.describe(), ", --nnodes ", o.nodes.nnodes);
     num_mtp_drafts_ = o.num_mtp_drafts;
   }
@@ -360,8 +357,11 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
 
   const int bs = block_size();
   const size_t hidden = static_cast<size_t>(config().hidden_size);
+  // Under DP attention + EP the head's MoE exchanges every rank's rows: each rank runs all
+  // num_mtp_drafts_ forwards, idle ones (forward_mtp_idle) where it has no rows left.
   auto run_rank = [&](Rank& r) {
     Rank::MtpBatch& m = r.mtp;
+    const bool exchange = r.model->shard().dispatch_tokens;
     r.drafts.assign(r.members.size(), {});
     m.clear();
     m.max_blocks = r.batch.max_blocks_per_seq;
@@ -391,8 +391,13 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
         chain_at[mi] = s.num_computed + rows;
       }
     }
-    // NOTE: every rank of the group builds the same batches (dp = 1), so they stop together.
-    if (m.token_ids.empty()) return;
+    // NOTE: the ranks of one DP group build the same batches, so they stop together.
+    if (m.token_ids.empty()) {
+      if (exchange) {
+        for (int step = 0; step < num_mtp_drafts_; ++step) r.model->forward_mtp_idle(r.pool);
+      }
+      return;
+    }
     run_mtp_step(r);
     for (int step = 1; step < num_mtp_drafts_; ++step) {
       // Each chaining member's next row: its last draft at the next position, on the MTP
@@ -421,7 +426,11 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
         m.logit_member.push_back(mi);
         chain_at[mi] = pos + 1;
       }
-      if (m.token_ids.empty()) break;
+      if (m.token_ids.empty()) {
+        if (!exchange) break;
+        r.model->forward_mtp_idle(r.pool);
+        continue;
+      }
       m.hidden = std::move(chained_hidden);
       m.block_tables = std::move(tables);
       run_mtp_step(r);

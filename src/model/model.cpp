@@ -280,6 +280,13 @@ void Model::forward_idle(ThreadPool& pool) {
   for (DecoderLayer& layer : layers_) layer.ffn->forward(nullptr, 0, pool, nullptr);
 }
 
+void Model::forward_mtp_idle(ThreadPool& pool) {
+  RELAY_CHECK(has_mtp() && shard_.dispatch_tokens,
+              "forward_mtp_idle: only an expert-parallel DP rank with an MTP head runs one without "
+              "tokens");
+  mtp_->layer.ffn->forward(nullptr, 0, pool, nullptr);
+}
+
 void log_unloaded_tensors(const Checkpoint& ckpt, const std::string& prefix,
                           const std::string& why) {
   const std::vector<std::string> names = ckpt.names();

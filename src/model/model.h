@@ -75,6 +75,9 @@ class Model {
   // A step with no tokens on this rank: takes part in the MoE dispatch/combine of every MoE layer
   // (the only collectives a DP rank joins). Only for shards with shard().dispatch_tokens.
   void forward_idle(ThreadPool& pool);
+  // forward_idle for the MTP head's layer: a DP rank without MTP rows still serves the other
+  // ranks' tokens in the head's MoE exchange.
+  void forward_mtp_idle(ThreadPool& pool);
 
   // Whether the MTP draft head is loaded (registry.h: MtpSource), and its decoder layers (0 or 1:
   // every known checkpoint has one, and the loader refuses more).

@@ -71,13 +71,18 @@ def test_hybrid_model_serves_the_reference_tokens(relay_bin, hybrid_dir):
     assert "2 recurrent-state slots" in log  # one per running sequence
 
 
-@pytest.mark.parametrize("layout", [["--tp", 2], ["--tp", 2, "--ep", 2], ["--dp", 2, "--ep", 2]],
-                         ids=["tp2", "tp2-ep2", "dp2-ep2"])
-def test_hybrid_model_on_sharded_ranks_serves_the_reference_tokens(relay_bin, hybrid_dir, layout):
+@pytest.mark.parametrize("layout,spec", [(["--tp", 2], NGRAM), (["--tp", 2, "--ep", 2], NGRAM),
+                                         (["--dp", 2, "--ep", 2], NGRAM), (["--tp", 2], MTP),
+                                         (["--dp", 2, "--ep", 2], MTP)],
+                         ids=["tp2-ngram", "tp2-ep2-ngram", "dp2-ep2-ngram", "tp2-mtp", "dp2-ep2-mtp"])
+def test_hybrid_model_on_sharded_ranks_serves_the_reference_tokens(relay_bin, hybrid_dir, layout, spec):
     """TP splits the Gated DeltaNet heads, their recurrent state and the shared expert; DP ranks hold
-    their own sequences' states; n-gram drafts roll the sharded states back."""
-    metrics, _ = serve_greedy(relay_bin, hybrid_dir, *layout, "--speculative-config", NGRAM)
-    assert metrics[f'relay:state_slot_usage_perc{{model_name="{NAME}"}}'] == 0
+    their own sequences' states; drafts (n-gram, or the MTP head's, drafting on every DP rank) roll
+    the sharded states back."""
+    metrics, _ = serve_greedy(relay_bin, hybrid_dir, *layout, "--speculative-config", spec)
+    label = f'{{model_name="{NAME}"}}'
+    assert metrics["relay:state_slot_usage_perc" + label] == 0
+    assert metrics["relay:spec_decode_num_draft_tokens_total" + label] > 0
 
 
 def test_hybrid_model_with_ngram_drafts(relay_bin, hybrid_dir):

@@ -413,9 +413,11 @@ TEST(MtpEngineHybrid, PrefixHitsLeaveTheProposalsAsWithout) {
   expect_a_hit_leaves_the_proposals(kHeads.front(), 30, rc, 24);
 }
 
-// Two TP ranks (each with half the head's attention heads and experts' width; on the hybrids also
-// half the Gated DeltaNet heads, the recurrent state and the shared expert) draft what one does.
-void expect_tp_ranks_draft_like_one(const Head& head,
+// Sharded ranks draft what one does: two TP ranks (each with half the head's attention heads and
+// experts' width; on the hybrids also half the Gated DeltaNet heads, the recurrent state and the
+// shared expert), and DP ranks (each drafting for its own sequences; under EP the head's MoE
+// exchanges rows between them, a rank without rows joining idle).
+void expect_sharded_ranks_draft_like_one(const Head& head,
                                     const std::vector<parallel::ParallelConfig>& layouts) {
   const test::ModelFixture fx = test::ModelFixture::load(head.target_path(), head.target_path());
   const std::vector<std::vector<int32_t>> drafts = oracle_drafts(head);
@@ -435,15 +437,16 @@ void expect_tp_ranks_draft_like_one(const Head& head,
   }
 }
 
-TEST(MtpEngineQwen3, TensorParallelRanksDraftLikeOne) {
-  expect_tp_ranks_draft_like_one(
-      separate_head(), {parallel::ParallelConfig{.tp = 2}, parallel::ParallelConfig{.tp = 2, .ep = 2}});
+const std::vector<parallel::ParallelConfig> kMoeLayouts = {
+    {.tp = 2}, {.tp = 2, .ep = 2}, {.dp = 2}, {.ep = 2, .dp = 2}, {.ep = 4, .dp = 4}};
+
+TEST(MtpEngineQwen3, ShardedRanksDraftLikeOne) {
+  expect_sharded_ranks_draft_like_one(separate_head(), kMoeLayouts);
 }
 
-TEST(MtpEngineHybrid, TensorParallelRanksDraftLikeOne) {
-  expect_tp_ranks_draft_like_one(
-      kHeads[0], {parallel::ParallelConfig{.tp = 2}, parallel::ParallelConfig{.tp = 2, .ep = 2}});
-  expect_tp_ranks_draft_like_one(kHeads[1], {parallel::ParallelConfig{.tp = 2}});
+TEST(MtpEngineHybrid, ShardedRanksDraftLikeOne) {
+  expect_sharded_ranks_draft_like_one(kHeads[0], kMoeLayouts);
+  expect_sharded_ranks_draft_like_one(kHeads[1], {{.tp = 2}, {.dp = 2}});
 }
 
 CpuBackendOptions mtp_options(const std::string& head_dir, int k) {
@@ -494,12 +497,7 @@ TEST(MtpEngineErrors, KOutOfRangeIsRefusedWhenParsed) {
   }
 }
 
-TEST(MtpEngineErrors, DataParallelRanksAndDisaggregatedDecodeAreRefused) {
-  CpuBackendOptions o = mtp_options(separate_head().head_path(), 2);
-  o.parallel = {.tp = 1, .ep = 2, .dp = 2};
-  const std::string e = test::error_text([&] { CpuBackend b(separate_head().target_path(), o); });
-  EXPECT_NE(e.find("without data-parallel attention"), std::string::npos) << e;
-
+TEST(MtpEngineErrors, DisaggregatedDecodeIsRefused) {
   EngineConfig c;
   c.speculative = mtp_config(separate_head(), 2);
   LLMEngine engine(std::make_unique<CpuBackend>(separate_head().target_path(),
