@@ -25,9 +25,8 @@ import sys
 
 LAYERS = [
     ["core"],
-    ["tokenizer", "chat", "http", "parallel", "transfer", "kvcache", "sequence", "kernels",
-     "speculative"],
-    ["quant", "grammar"],
+    ["tokenizer", "chat", "http", "parallel", "kvcache", "sequence", "kernels", "speculative"],
+    ["quant", "grammar", "transfer"],
     ["model"],
     ["scheduler"],
     ["engine"],

@@ -20,25 +20,16 @@ uint64_t tensor_end_bytes(const KvPoolDesc& pool, const KvTensorPlacement& t) {
          static_cast<uint64_t>(pool.heads.count) * pool.head_bytes();
 }
 
-int json_int(const nlohmann::json& j, const char* key) {
-  RELAY_CHECK(j.contains(key) && j.at(key).is_number_integer(), "KV pool descriptor field '", key,
-              "' must be an integer");
-  return j.at(key).get<int>();
-}
-
-uint64_t json_u64(const nlohmann::json& j, const char* key) {
-  RELAY_CHECK(j.contains(key) && is_json_u64(j.at(key)), "KV pool descriptor field '", key,
-              "' must be a non-negative integer");
-  return j.at(key).get<uint64_t>();
-}
+constexpr std::string_view kJsonWhat = "KV pool descriptor";
 
 std::vector<KvTensorPlacement> json_placements(const nlohmann::json& j, const char* key) {
-  RELAY_CHECK(j.contains(key) && j.at(key).is_array(), "KV pool descriptor field '", key,
+  RELAY_CHECK(j.contains(key) && j.at(key).is_array(), kJsonWhat, " field '", key,
               "' must be an array");
   std::vector<KvTensorPlacement> out;
   for (const auto& item : j.at(key)) {
-    RELAY_CHECK(item.is_object(), "KV pool descriptor field '", key, "' must hold objects");
-    out.push_back({json_u64(item, "region"), json_u64(item, "offset_bytes")});
+    RELAY_CHECK(item.is_object(), kJsonWhat, " field '", key, "' must hold objects");
+    out.push_back({json_u64_field(item, "region", kJsonWhat),
+                   json_u64_field(item, "offset_bytes", kJsonWhat)});
   }
   return out;
 }
@@ -141,13 +132,14 @@ void to_json(nlohmann::json& j, const KvPoolDesc& pool) {
 void from_json(const nlohmann::json& j, KvPoolDesc& pool) {
   RELAY_CHECK(j.is_object(), "KV pool descriptor must be a JSON object");
   KvPoolDesc out;
-  out.num_layers = json_int(j, "num_layers");
-  out.num_blocks = json_int(j, "num_blocks");
-  out.block_size = json_int(j, "block_size");
-  out.head_dim = json_int(j, "head_dim");
-  out.elem_bytes = json_int(j, "elem_bytes");
-  out.heads = {json_int(j, "first_kv_head"), json_int(j, "num_kv_heads")};
-  out.block_stride_bytes = json_u64(j, "block_stride_bytes");
+  out.num_layers = json_int_field(j, "num_layers", kJsonWhat);
+  out.num_blocks = json_int_field(j, "num_blocks", kJsonWhat);
+  out.block_size = json_int_field(j, "block_size", kJsonWhat);
+  out.head_dim = json_int_field(j, "head_dim", kJsonWhat);
+  out.elem_bytes = json_int_field(j, "elem_bytes", kJsonWhat);
+  out.heads = {json_int_field(j, "first_kv_head", kJsonWhat),
+               json_int_field(j, "num_kv_heads", kJsonWhat)};
+  out.block_stride_bytes = json_u64_field(j, "block_stride_bytes", kJsonWhat);
   out.k = json_placements(j, "k");
   out.v = json_placements(j, "v");
   validate_kv_pool(out, "KV pool descriptor from JSON");

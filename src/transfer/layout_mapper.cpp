@@ -45,21 +45,6 @@ void validate_side(const KvTransferSide& side, const char* name, const KvCopySco
   }
 }
 
-// Appends `c`, or extends the last copy when `c`'s bytes directly follow it on both sides.
-void append_merged(std::vector<KvCopy>& out, const KvCopy& c) {
-  if (!out.empty()) {
-    KvCopy& last = out.back();
-    if (last.src_rank == c.src_rank && last.dst_rank == c.dst_rank &&
-        last.src_region == c.src_region && last.dst_region == c.dst_region &&
-        last.src_offset_bytes + last.bytes == c.src_offset_bytes &&
-        last.dst_offset_bytes + last.bytes == c.dst_offset_bytes) {
-      last.bytes += c.bytes;
-      return;
-    }
-  }
-  out.push_back(c);
-}
-
 }  // namespace
 
 std::vector<KvCopy> plan_kv_copies(const KvTransferSide& src, const KvTransferSide& dst,
@@ -128,14 +113,14 @@ std::vector<KvCopy> plan_kv_copies(const KvTransferSide& src, const KvTransferSi
               for (int h = head_lo; h < head_hi; ++h) {
                 const std::vector<int>& reps = replicas[h];
                 if (reps[(j + d) % static_cast<int64_t>(reps.size())] != s) continue;
-                append_merged(out,
-                              KvCopy{s, d, src_region,
-                                     sp.offset_bytes(layer, part, src.block_table[j], h,
-                                                     static_cast<int>(t0 - j * src_block_size)),
-                                     dst_region,
-                                     dp.offset_bytes(layer, part, dst.block_table[k], h,
-                                                     static_cast<int>(t0 - k * dst_block_size)),
-                                     static_cast<uint64_t>(t1 - t0) * token_bytes});
+                append_merged_copy(
+                    out, KvCopy{s, d, src_region,
+                                sp.offset_bytes(layer, part, src.block_table[j], h,
+                                                static_cast<int>(t0 - j * src_block_size)),
+                                dst_region,
+                                dp.offset_bytes(layer, part, dst.block_table[k], h,
+                                                static_cast<int>(t0 - k * dst_block_size)),
+                                static_cast<uint64_t>(t1 - t0) * token_bytes});
               }
             }
           }
@@ -144,6 +129,20 @@ std::vector<KvCopy> plan_kv_copies(const KvTransferSide& src, const KvTransferSi
     }
   }
   return out;
+}
+
+void append_merged_copy(std::vector<KvCopy>& copies, const KvCopy& copy) {
+  if (!copies.empty()) {
+    KvCopy& last = copies.back();
+    if (last.src_rank == copy.src_rank && last.dst_rank == copy.dst_rank &&
+        last.src_region == copy.src_region && last.dst_region == copy.dst_region &&
+        last.src_offset_bytes + last.bytes == copy.src_offset_bytes &&
+        last.dst_offset_bytes + last.bytes == copy.dst_offset_bytes) {
+      last.bytes += copy.bytes;
+      return;
+    }
+  }
+  copies.push_back(copy);
 }
 
 std::vector<TransferCopy> transfer_copies(std::span<const KvCopy> copies, int src_rank) {

@@ -69,6 +69,10 @@ struct KvCopy {
 std::vector<KvCopy> plan_kv_copies(const KvTransferSide& src, const KvTransferSide& dst,
                                    const KvCopyScope& scope);
 
+// Appends `copy` to `copies`, or extends the last copy when `copy`'s bytes directly follow it on
+// both sides (same ranks and regions): the planners' merging rule.
+void append_merged_copy(std::vector<KvCopy>& copies, const KvCopy& copy);
+
 // The copies source rank `src_rank` executes (every copy when src_rank is -1), for its engine.
 std::vector<TransferCopy> transfer_copies(std::span<const KvCopy> copies, int src_rank = -1);
 

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -34,6 +35,11 @@ void from_json(const nlohmann::json& j, RegionDescriptor& desc);
 // Whether a JSON value is an integer that fits uint64_t (nlohmann keeps integers built in code as
 // signed and parsed non-negative ones as unsigned; descriptors accept both).
 bool is_json_u64(const nlohmann::json& value);
+
+// Field `key` of descriptor object `j`, for the descriptors' from_json. Throws relay::Error
+// "<what> field '<key>' must be ..." when it is missing, mistyped or out of range.
+int json_int_field(const nlohmann::json& j, const char* key, std::string_view what);
+uint64_t json_u64_field(const nlohmann::json& j, const char* key, std::string_view what);
 
 // One contiguous copy: bytes [src_offset_bytes, src_offset_bytes + bytes) of src_region land at
 // dst_offset_bytes of dst_region. The source is always local to the engine that executes the copy
