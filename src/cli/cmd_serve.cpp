@@ -263,10 +263,6 @@ int run_serve(const ServeOptions& o) {
                           : (o.num_state_snapshots >= 0 ? o.num_state_snapshots : o.max_num_seqs);
   auto backend = make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens,
                               ec.speculative, num_state_snapshots);
-  RELAY_CHECK(!is_worker || backend->num_state_slots() == 0, "--role ", o.role, ": ",
-              backend->config().architecture,
-              " has linear-attention layers, whose recurrent state does not travel between "
-              "disaggregated workers yet; serve it without --role");
   LLMEngine engine(std::move(backend), tokenizer, ec);
   const int state_slots = engine.backend().num_state_slots();
   std::fprintf(stderr,

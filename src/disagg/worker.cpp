@@ -16,6 +16,7 @@
 #include "http/server.h"
 #include "transfer/kv_pool.h"
 #include "transfer/layout_mapper.h"
+#include "transfer/state_pool.h"
 #include "transfer/ucx_transport.h"
 #if RELAY_HAVE_CUDA
 #include "transfer/cuda/cuda_ipc_transport.h"
@@ -103,9 +104,32 @@ DisaggWorker::DisaggWorker(WorkerOptions options, LLMEngine& engine, server::Eng
     side.announcement["regions"].push_back(
         transfer_->register_region(region_base_ + r, p.base, l.total_bytes()));
   }
+  // A hybrid model's recurrent-state pools travel beside the KV pools: the same sides, their own
+  // regions (ids after the KV pools').
+  const std::vector<StatePoolExport> states = engine.backend().state_pool_exports();
+  for (size_t r = 0; r < states.size(); ++r) {
+    const StatePoolExport& p = states[r];
+    const RegionId id = region_base_ + kStateRegionOffset + r;
+    Side& side = sides_.at(p.dp_rank);
+    side.state_pools.push_back(state_pool_for(
+        p.layout, {p.first_k_head, p.num_k_heads}, {p.first_v_head, p.num_v_heads}, id, 0));
+    side.announcement["regions"].push_back(
+        transfer_->register_region(id, p.base, p.layout.total_bytes()));
+  }
+  if (!states.empty()) {
+    state_slots_per_rank_ = engine.backend().num_state_slots() / static_cast<int>(sides_.size());
+    const ModelConfig& c = engine.model_config();
+    num_k_heads_ = static_cast<int>(c.linear_num_key_heads);
+    num_v_heads_ = static_cast<int>(c.linear_num_value_heads);
+  }
   for (Side& side : sides_) {
     side.announcement["num_kv_heads"] = num_kv_heads_;
     side.announcement["ranks"] = side.pools;
+    if (!side.state_pools.empty()) {
+      side.announcement["state"] = {{"num_k_heads", num_k_heads_},
+                                    {"num_v_heads", num_v_heads_},
+                                    {"ranks", side.state_pools}};
+    }
   }
   capacity_ = {{"max_num_seqs", engine.max_num_seqs()},
                {"num_kv_blocks", engine.backend().num_kv_blocks()},
@@ -153,6 +177,9 @@ void DisaggWorker::reserve(const std::string& body, std::string& reply, int& sta
   for (int32_t& b : reservation->block_table) b -= partition * per_rank;
   json side = sides_.at(partition).announcement;
   side["block_table"] = reservation->block_table;
+  // A hybrid model's state goes to the reservation's slot (local to its DP rank, as the blocks).
+  if (reservation->state_slot >= 0)
+    side["state"]["slot"] = reservation->state_slot - partition * state_slots_per_rank_;
   // The leading tokens whose KV this worker already holds (its prefix cache): not sent again.
   side["token_begin"] = reservation->num_cached_tokens;
   reply = json{{"id", id}, {"kv", side}}.dump();
@@ -231,7 +258,27 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
   for (int32_t& b : src_table) b -= partition * per_rank;
   const KvTransferSide src{num_kv_heads_, sides_.at(partition).pools, src_table};
   const KvTransferSide dst{dst_heads, dst_pools, dst_table};
-  const std::vector<KvCopy> copies = plan_kv_copies(src, dst, {token_begin, num_tokens});
+  std::vector<KvCopy> copies = plan_kv_copies(src, dst, {token_begin, num_tokens});
+  // A hybrid model's state after the prompt, from the request's held slot into the reservation's.
+  const std::vector<StatePoolDesc>& src_states = sides_.at(partition).state_pools;
+  RELAY_CHECK(src_states.empty() == !kv.contains("state"), "kv: ",
+              src_states.empty() ? "the decode worker sends a recurrent-state destination, but this "
+                                   "prefill worker's model has no linear-attention layers"
+                                 : "no \"state\" destination, but this prefill worker's model has "
+                                   "linear-attention layers (serve the same model on both roles)");
+  if (!src_states.empty()) {
+    const json& state = kv.at("state");
+    const std::vector<StatePoolDesc> dst_states =
+        field<std::vector<StatePoolDesc>>(state, "ranks", "kv.state");
+    RELAY_CHECK(last.state_slot >= 0, "prefill kept no recurrent-state slot");
+    const StateTransferSide from{num_k_heads_, num_v_heads_, src_states,
+                                 last.state_slot - partition * state_slots_per_rank_};
+    const StateTransferSide to{field<int>(state, "num_k_heads", "kv.state"),
+                               field<int>(state, "num_v_heads", "kv.state"), dst_states,
+                               field<int32_t>(state, "slot", "kv.state")};
+    const std::vector<KvCopy> state_copies = plan_state_copies(from, to);
+    copies.insert(copies.end(), state_copies.begin(), state_copies.end());
+  }
   const Clock::time_point transfer_deadline = std::min(
       deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                    std::chrono::duration<double>(options_.transfer_timeout_s)));

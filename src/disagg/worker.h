@@ -13,7 +13,9 @@
 //
 // "side" is the destination of a transfer: {"num_kv_heads", "ranks": [KvPoolDesc], "regions":
 // [RegionDescriptor], "block_table"} for the DP rank holding the reservation (block ids local to
-// it). The prefill worker runs the prompt with max_tokens 1 and hold_kv, plans the copies from its
+// it); a hybrid model's side adds "state": {"num_k_heads", "num_v_heads", "ranks":
+// [StatePoolDesc], "slot"}, where the prompt's recurrent state goes (transfer/state_pool.h
+// re-shards it as the layout mapper does the KV). The prefill worker runs the prompt with max_tokens 1 and hold_kv, plans the copies from its
 // ranks into that side with the layout mapper (re-sharding heads, re-blocking pages), pushes them
 // with a deadline, then frees its blocks; a failure frees them too and answers 502 / 504, so the
 // router can release the reservation. A decode reservation that is never used expires. The
@@ -36,6 +38,7 @@
 #include "http/server.h"
 #include "server/engine_loop.h"
 #include "transfer/kv_pool.h"
+#include "transfer/state_pool.h"
 #include "transfer/transfer_engine.h"
 
 #include <nlohmann/json.hpp>
@@ -84,13 +87,22 @@ class DisaggWorker {
   // The ranks of one DP group as one side of a transfer, fixed once the regions are registered.
   struct Side {
     std::vector<KvPoolDesc> pools;  // for the layout mapper
-    nlohmann::json announcement;    // {"num_kv_heads", "ranks", "regions"}, sent with reservations
+    std::vector<StatePoolDesc> state_pools;  // hybrid models' recurrent state, else empty
+    // {"num_kv_heads", "ranks", "regions"} and, for a hybrid model, "state": {"num_k_heads",
+    // "num_v_heads", "ranks"}; sent with reservations (which add "block_table", "token_begin" and
+    // state.slot)
+    nlohmann::json announcement;
   };
+  // State pool regions: region_base_ + kStateRegionOffset + rank (the KV pools' are
+  // region_base_ + rank).
+  static constexpr RegionId kStateRegionOffset = RegionId{1} << 16;
 
   WorkerOptions options_;
   server::EngineLoop& loop_;
   std::vector<KvPoolExport> pools_;  // every rank's, in rank order
   int num_kv_heads_ = 0;             // the model's
+  int num_k_heads_ = 0, num_v_heads_ = 0;  // its Gated DeltaNet heads (hybrid models)
+  int state_slots_per_rank_ = 0;           // recurrent-state slots per DP rank (hybrid models)
   std::unique_ptr<TransferEngine> transfer_;
   RegionId region_base_ = 0;  // this worker's region ids: region_base_ + rank
   std::vector<Side> sides_;   // by DP rank

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "kvcache/kv_cache.h"
+#include "kvcache/recurrent_state.h"
 #include "kvcache/state_snapshots.h"
 #include "model/config.h"
 #include "sequence/sampling.h"
@@ -110,6 +111,19 @@ struct StepSequence {
 };
 
 
+// One rank's recurrent-state pool as a transfer engine sees it (hybrid models): where its bytes are
+// and which Gated DeltaNet heads they hold (model/shard.h: a TP rank keeps a contiguous range of
+// key heads and the value heads that read them). Slot ids in `layout` are local to the rank
+// (global id - dp_rank * slots per DP rank).
+struct StatePoolExport {
+  std::byte* base = nullptr;  // host memory, or device memory of CUDA device `device`
+  RecurrentStateLayout layout;
+  int first_k_head = 0, num_k_heads = 0;
+  int first_v_head = 0, num_v_heads = 0;
+  int dp_rank = 0;
+  int device = -1;  // -1: host memory
+};
+
 // One rank's KV pool as a transfer engine sees it: where its bytes are and what they hold. Block
 // ids in `layout` are local to the rank (global id - dp_rank * layout.num_blocks).
 struct KvPoolExport {
@@ -141,6 +155,9 @@ class Backend {
   virtual size_t state_slot_bytes() const { return 0; }
   // Every rank's KV pool, for disaggregated hand-offs; empty when this backend cannot export it.
   virtual std::vector<KvPoolExport> kv_pool_exports() { return {}; }
+  // Every rank's recurrent-state pool (hybrid models), for the same hand-offs; empty without one.
+  // Its slots are num_state_slots() / num_kv_partitions() per DP rank, the snapshots after them.
+  virtual std::vector<StatePoolExport> state_pool_exports() { return {}; }
   // Runs one forward pass over `batch` and returns, per sequence with sample=true and in batch
   // order, its accepted drafts and the token sampled after them (one token without drafts); fills
   // the prompt logprobs of the sequences that ask for them.

@@ -208,6 +208,17 @@ std::vector<KvPoolExport> CpuBackend::kv_pool_exports() {
   }
   return out;
 }
+std::vector<StatePoolExport> CpuBackend::state_pool_exports() {
+  std::vector<StatePoolExport> out;
+  for (auto& r : ranks_) {
+    if (r->state == nullptr) continue;
+    const ShardSpec& s = r->model->shard();
+    out.push_back({reinterpret_cast<std::byte*>(r->state->data()), r->state->layout(),
+                   s.k_head_begin, s.num_local_k_heads, s.v_head_begin, s.num_local_v_heads,
+                   r->place.dp_rank, -1});
+  }
+  return out;
+}
 ThreadPool& CpuBackend::thread_pool(int rank) { return ranks_.at(rank)->pool; }
 
 void CpuBackend::on_ranks(const std::function<void(Rank&)>& fn) {

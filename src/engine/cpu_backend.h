@@ -120,6 +120,7 @@ class CpuBackend : public Backend {
   int num_state_snapshots() const override { return state_snapshots_per_rank_ * parallel_.dp; }
   size_t state_slot_bytes() const override;
   std::vector<KvPoolExport> kv_pool_exports() override;
+  std::vector<StatePoolExport> state_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
   bool supports_prompt_logprobs() const override { return true; }
   bool supports_token_constraints() const override { return true; }

@@ -160,9 +160,6 @@ void LLMEngine::validate(int64_t id, const EngineRequest& request) const {
                 " is outside the vocabulary [0, ", vocab, ")");
     RELAY_CHECK(std::isfinite(bias), "logit_bias of token ", token, " is not finite");
   }
-  RELAY_CHECK(!request.hold_kv || states_ == nullptr, "request ", id,
-              ": a model with recurrent layers cannot hand its prompt to a decode worker (its "
-              "state does not travel with the KV yet)");
   const bool scores_prompt = request.num_prompt_logprobs >= 0;
   RELAY_CHECK(!scores_prompt || backend_->supports_prompt_logprobs(), "request ", id,
               " asks for prompt logprobs (num_prompt_logprobs ", request.num_prompt_logprobs,
@@ -211,9 +208,6 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
 std::optional<LLMEngine::KvReservation> LLMEngine::reserve_kv(int64_t id,
                                                               std::span<const int32_t> prompt) {
   const int64_t n = static_cast<int64_t>(prompt.size());
-  RELAY_CHECK(states_ == nullptr, "request ", id,
-              ": a model with recurrent layers cannot receive a prefilled prompt (its state does "
-              "not travel with the KV yet)");
   // NOTE: the prefill worker would have to hand over the draft head's K/V of the prompt too.
   RELAY_CHECK(backend_->num_proposed_drafts() == 0, "request ", id,
               ": a backend with an MTP draft head cannot receive a prefilled prompt (its draft "
@@ -224,12 +218,24 @@ std::optional<LLMEngine::KvReservation> LLMEngine::reserve_kv(int64_t id,
               " is already in use");
   if (scheduler_.num_running() + num_held_kv() >= scheduler_.config().max_num_seqs)
     return std::nullopt;
-  const PrefixHit hit = blocks_.find_cached_prefix(prompt);
+  // NOTE: a hybrid model's reservation takes no prefix hit: the prefill worker sends the state
+  // after the whole prompt, and the KV of the whole prompt with it.
+  const PrefixHit hit = states_ == nullptr ? blocks_.find_cached_prefix(prompt) : PrefixHit{};
   if (!blocks_.allocate(id, n, &hit)) return std::nullopt;
+  if (states_ != nullptr && !states_->allocate(id, blocks_.partition_of(id))) {
+    blocks_.free(id);
+    return std::nullopt;
+  }
   held_kv_.insert(id);
   const auto table = blocks_.block_table(id);
   return KvReservation{{table.begin(), table.end()},
-                       static_cast<int>(hit.num_tokens(blocks_.block_size()))};
+                       static_cast<int>(hit.num_tokens(blocks_.block_size())), state_slot(id)};
+}
+
+int32_t LLMEngine::state_slot(int64_t id) const {
+  if (states_ == nullptr) return -1;
+  const std::span<const int32_t> slots = states_->slots(id);
+  return slots.empty() ? -1 : slots.front();
 }
 
 RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request,
@@ -277,6 +283,7 @@ RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request
 void LLMEngine::release_kv(int64_t id) {
   if (held_kv_.erase(id) == 0) return;
   blocks_.free(id);
+  if (states_ != nullptr) states_->free(id);
 }
 
 std::optional<RequestOutput> LLMEngine::abort(int64_t id) {
@@ -443,6 +450,7 @@ std::vector<RequestOutput> LLMEngine::step() {
     if (requests_.at(out.id)->hold_kv) {
       const auto table = blocks_.block_table(out.id);
       out.kv_blocks.assign(table.begin(), table.end());
+      out.state_slot = state_slot(out.id);
       scheduler_.finish_keeping_blocks(out.id);
       held_kv_.insert(out.id);
     } else {

@@ -54,8 +54,10 @@
 // backend that keeps them (Backend::num_state_snapshots() > 0) the engine owns the
 // StateSnapshotPool and passes each chunk's restore and saves to the backend (StepSequence::
 // restore_state_snapshot, save_state_snapshots); without them such a model takes no hit. It
-// cannot hand a prompt over between disaggregated workers yet (its state would have to travel
-// with its KV), so hold_kv requests and KV reservations are refused.
+// hands a prompt over between disaggregated workers with its state: a hold_kv request keeps its
+// state slots with its blocks (RequestOutput::state_slot), a KV reservation takes slots with its
+// blocks (KvReservation::state_slot, no prefix hit: the state after the whole prompt comes with
+// the whole prompt's KV), and release_kv frees both.
 //
 // The engine is single-threaded: one thread calls add_request/abort/set_drafts/step (the server's
 // engine loop). A request that could never fit in the KV pool is refused by add_request with an
@@ -153,6 +155,7 @@ struct RequestOutput {
   int num_cached_tokens = 0;       // prompt tokens served from the prefix cache
   double queue_time_s = 0.0;       // arrival to first scheduled; set once finished
   std::vector<int32_t> kv_blocks;  // final output of a hold_kv request: its held block table
+  int32_t state_slot = -1;         // and its held recurrent-state slot (hybrid models; -1: none)
 };
 
 struct EngineStats {
@@ -215,6 +218,7 @@ class LLMEngine {
   struct KvReservation {
     std::vector<int32_t> block_table;
     int num_cached_tokens = 0;  // leading prompt tokens whose KV is already in the reserved blocks
+    int32_t state_slot = -1;    // hybrid models: the slot the prompt's state goes to (-1: none)
   };
   std::optional<KvReservation> reserve_kv(int64_t id, std::span<const int32_t> prompt);
   RequestOutput add_prefilled_request(int64_t id, EngineRequest request, const SampledToken& first,
@@ -223,6 +227,9 @@ class LLMEngine {
   // The block manager's partition (DP rank) of a reservation or held request.
   int kv_partition(int64_t id) const { return blocks_.partition_of(id); }
   int num_held_kv() const { return static_cast<int>(held_kv_.size()); }
+  // The first state slot (the one holding its state) of a sequence, reservation or held request
+  // of a hybrid model; -1 otherwise.
+  int32_t state_slot(int64_t id) const;
 
   bool has_work() const { return scheduler_.has_work(); }
   EngineStats stats() const;

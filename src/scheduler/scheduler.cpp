@@ -48,10 +48,13 @@ void Scheduler::add_running(std::unique_ptr<Sequence> seq) {
               seq->num_computed,
       "prefilled sequence ", seq->id, " has no KV blocks covering its ", seq->num_computed,
       " tokens");
-  // NOTE: the state would have to travel with the KV (one contiguous range per slot); the
-  // disaggregated path does not carry it yet, so a hybrid model serves without disaggregation.
-  RELAY_CHECK(states_ == nullptr, "sequence ", seq->id,
-              ": a prefilled hand-over of a model with recurrent layers is not supported");
+  // A hybrid model's hand-over brings its state too, into the slots its reservation took with the
+  // blocks (LLMEngine::reserve_kv), in the blocks' partition.
+  RELAY_CHECK(states_ == nullptr ||
+                  (states_->has_sequence(seq->id) &&
+                   states_->partition_of(seq->id) == blocks_.partition_of(seq->id)),
+              "prefilled sequence ", seq->id,
+              " of a model with recurrent layers has no state slots in its blocks' partition");
   if (seq->num_cached_prompt_tokens < 0) seq->num_cached_prompt_tokens = 0;
   running_.push_back(seq.get());
   seqs_.emplace(seq->id, std::move(seq));
@@ -336,6 +339,7 @@ void Scheduler::abandon(const SchedulerOutput& out) noexcept {
 bool Scheduler::finish(int64_t id) {
   if (!finish_keeping_blocks(id)) return false;
   blocks_.free(id);
+  if (states_ != nullptr) states_->free(id);
   return true;
 }
 
@@ -348,8 +352,6 @@ bool Scheduler::finish_keeping_blocks(int64_t id) {
   } else if (auto w = std::find(waiting_.begin(), waiting_.end(), seq); w != waiting_.end()) {
     waiting_.erase(w);
   }
-  // NOTE: the state is dropped even when the blocks are kept: add_running refuses hybrid models.
-  if (states_ != nullptr) states_->free(id);
   branch_points_.erase(id);
   output_snapshots_.erase(id);
   seqs_.erase(it);

@@ -51,8 +51,9 @@
 // returned at finish or preemption (a recompute starts from a zero state, as from no KV). A
 // sequence is admitted only with its slots, in a partition that has them (among those, the one
 // with the most free blocks) and its blocks come from that partition too; running sequences never
-// need more slots, so slots bound admission alone. A prefilled hand-over (add_running) is
-// refused, as its state would have to travel with its KV.
+// need more slots, so slots bound admission alone. A prefilled hand-over (add_running) comes with
+// its slots already taken (a disaggregated decode worker's reservation), its state sent into them
+// with its KV.
 //
 // Prefix caching of hybrid models (with a StateSnapshotPool, kvcache/state_snapshots.h): a hit
 // would skip the tokens that build the recurrent state, so it is taken only up to the last block
@@ -169,8 +170,9 @@ class Scheduler {
   // Removes a sequence (finished or aborted), freeing its blocks now. Returns false for unknown
   // ids.
   bool finish(int64_t id);
-  // As finish(), but the blocks stay allocated under the id (a prefill worker keeps a finished
-  // prompt's KV until it has been sent); BlockManager::free(id) releases them.
+  // As finish(), but the blocks (and a hybrid model's state slots) stay allocated under the id (a
+  // prefill worker keeps a finished prompt's KV and state until they have been sent);
+  // BlockManager::free(id) and StateSlotManager::free(id) release them.
   bool finish_keeping_blocks(int64_t id);
 
   Sequence* find(int64_t id);

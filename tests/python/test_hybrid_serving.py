@@ -5,13 +5,14 @@ drafts and with drafts from the checkpoint's own MTP head (issue 26: its spec-de
 on sharded ranks (TP, TP + EP, DP + EP);
 `relay generate` writes the same text with MTP drafts as without, greedy and seeded; the recurrent-state slots
 show in /metrics and are all returned; prefix caching (recurrent-state snapshots at block boundaries) gives
-the tokens and logprobs of --no-prefix-caching with the hits in usage and /metrics; a disaggregated role is
-refused at start. The fixtures carry no
+the tokens and logprobs of --no-prefix-caching with the hits in usage and /metrics; a disaggregated prefill
+worker hands the prompt's recurrent state to the decode worker with its KV. The fixtures carry no
 tokenizer, so the test serves a copy with the demo model's (ids below 512 only)."""
 import concurrent.futures as cf
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 import requests
@@ -122,11 +123,44 @@ def test_generate_with_mtp_drafts_writes_the_same_text(relay_bin, hybrid_dir):
     assert generate("--temperature", "0.8", "--seed", "3", "--speculative-config", MTP)[0] == sampled
 
 
-def test_hybrid_model_refuses_a_disaggregated_role(relay_bin, hybrid_dir):
-    r = subprocess.run([str(relay_bin), "serve", "--model", str(hybrid_dir), "--role", "prefill", "--port", "0",
-                        "--threads", "1"], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    assert "linear-attention layers" in r.stderr and "--role prefill" in r.stderr
+def test_disaggregated_prefill_hands_over_the_recurrent_state(relay_bin, hybrid_dir):
+    """A router, a prefill worker at TP 2 and a decode worker at DP 2 + EP 2: the prompt's KV and its
+    recurrent state (the Gated DeltaNet heads split over the prefill's TP ranks, whole on the decode's
+    DP rank) travel over UCX, and the decode worker continues with transformers' greedy tokens."""
+    prompts, greedy = expected()
+    router = RelayServer(relay_bin, "--role", "router", "--model", hybrid_dir, "--served-model-name", NAME,
+                         "--heartbeat-interval", 0.2)
+    router.wait_ready(path="/version")
+    common = ("--model", hybrid_dir, "--served-model-name", NAME, "--block-size", 4, "--router",
+              f"127.0.0.1:{router.port}", "--heartbeat-interval", 0.2)
+    prefill = RelayServer(relay_bin, "--role", "prefill", *common, "--tp", 2)
+    decode = RelayServer(relay_bin, "--role", "decode", *common, "--dp", 2, "--ep", 2)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        deadline = time.time() + 60
+        while requests.get(router.base + "/health", timeout=5).status_code != 200:
+            assert time.time() < deadline, "the router's workers did not come up"
+            time.sleep(0.1)
+
+        def one(i):
+            body = {"model": NAME, "prompt": prompts[i], "max_tokens": len(greedy[i]), "temperature": 0,
+                    "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+            r = requests.post(router.base + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+        with cf.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(len(prompts)))) == greedy
+        label = f'{{model_name="{NAME}"}}'
+        for w in (prefill, decode):  # every page and state slot went back
+            metrics = w.wait_idle(model=NAME)
+            assert metrics["relay:kv_cache_usage_perc" + label] == 0
+            assert metrics["relay:state_slot_usage_perc" + label] == 0
+        assert "KV hand-off" in prefill.log_text()
+    finally:
+        for s in (router, prefill, decode):
+            if s.proc.poll() is None:
+                assert s.stop() == 0, s.log_text()
 
 
 def serve_shared_prefixes(relay_bin, hybrid_dir, *args, snapshots=16):

@@ -2,7 +2,8 @@
 // holds a finished prompt's KV (hold_kv), the layout mapper plans the copies between the two pools
 // (which may be sharded differently: prefill TP 2 -> decode 1, prefill 1 -> decode DP 2), the
 // transfer engine moves them, and the decode engine continues from the prefill's first token. The
-// text must equal the colocated engine's, token for token.
+// text must equal the colocated engine's, token for token. A hybrid model's recurrent state travels
+// beside its KV (transfer/state_pool.h), from the prefill's held slot into the reservation's.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -12,24 +13,29 @@
 #include "engine/llm_engine.h"
 #include "transfer/in_process_transport.h"
 #include "transfer/layout_mapper.h"
+#include "transfer/state_pool.h"
 #include "transfer/transfer_engine.h"
 
 namespace relay {
 namespace {
 
-const char* kModel = RELAY_SOURCE_DIR "/models/relay-demo-moe";
+const std::string kModel = RELAY_SOURCE_DIR "/models/relay-demo-moe";
+// A trained Qwen3.5-MoE (Gated DeltaNet + gated attention): its recurrent state travels too.
+const std::string kHybrid = RELAY_SOURCE_DIR "/models/relay-demo-hybrid";
 
-std::unique_ptr<LLMEngine> make_engine(parallel::ParallelConfig p, int num_blocks) {
+std::unique_ptr<LLMEngine> make_engine(parallel::ParallelConfig p, int num_blocks,
+                                       const std::string& model = kModel) {
   CpuBackendOptions o;
   o.block_size = 16;
   o.num_blocks = num_blocks;
   o.num_threads = 2;
   o.parallel = p;
+  o.num_state_slots = 8;
   EngineConfig ec;
   ec.max_num_seqs = 8;
   ec.max_num_batched_tokens = 256;
-  return std::make_unique<LLMEngine>(std::make_unique<CpuBackend>(kModel, o),
-                                     Tokenizer::from_model_dir(kModel), ec);
+  return std::make_unique<LLMEngine>(std::make_unique<CpuBackend>(model, o),
+                                     Tokenizer::from_model_dir(model), ec);
 }
 
 EngineRequest request(const LLMEngine& e, const std::string& prompt, int64_t max_tokens) {
@@ -41,16 +47,21 @@ EngineRequest request(const LLMEngine& e, const std::string& prompt, int64_t max
   return r;
 }
 
-// The engine's KV pools as the transfer side of the DP group `dp_rank`, registered with `engine`
-// under ids from `first_region`.
+// The engine's KV pools (and a hybrid model's state pools) as the transfer side of the DP group
+// `dp_rank`, registered with `engine` under ids from `first_region` (state pools from
+// first_region + 5).
 struct Side {
   std::vector<KvPoolDesc> pools;
   int num_kv_heads = 0;
+  std::vector<StatePoolDesc> states;
+  int num_k_heads = 0, num_v_heads = 0;
+  int slots_per_rank = 0;
 };
 Side register_side(CpuBackend& backend, int dp_rank, TransferEngine& engine,
                    RegionId first_region) {
   Side side;
-  side.num_kv_heads = static_cast<int>(backend.config().num_key_value_heads);
+  const ModelConfig& c = backend.config();
+  side.num_kv_heads = static_cast<int>(c.num_key_value_heads);
   const std::vector<KvPoolExport> pools = backend.kv_pool_exports();
   for (size_t r = 0; r < pools.size(); ++r) {
     const KvPoolExport& p = pools[r];
@@ -62,12 +73,24 @@ Side register_side(CpuBackend& backend, int dp_rank, TransferEngine& engine,
                                             l.element_bytes, {p.first_kv_head, p.num_kv_heads},
                                             id));
   }
+  const std::vector<StatePoolExport> states = backend.state_pool_exports();
+  for (size_t r = 0; r < states.size(); ++r) {
+    const StatePoolExport& p = states[r];
+    if (p.dp_rank != dp_rank) continue;
+    const RegionId id = first_region + 5 + static_cast<RegionId>(r);
+    engine.register_region(id, p.base, p.layout.total_bytes());
+    side.states.push_back(state_pool_for(p.layout, {p.first_k_head, p.num_k_heads},
+                                         {p.first_v_head, p.num_v_heads}, id, 0));
+  }
+  side.num_k_heads = static_cast<int>(c.linear_num_key_heads);
+  side.num_v_heads = static_cast<int>(c.linear_num_value_heads);
+  side.slots_per_rank = backend.num_state_slots() / backend.num_kv_partitions();
   return side;
 }
 
 std::map<std::string, std::string> colocated(const std::vector<std::string>& prompts,
-                                             int max_tokens) {
-  auto engine = make_engine({}, 64);
+                                             int max_tokens, const std::string& model) {
+  auto engine = make_engine({}, 64, model);
   for (size_t i = 0; i < prompts.size(); ++i)
     engine->add_request(static_cast<int64_t>(i), request(*engine, prompts[i], max_tokens));
   std::map<std::string, std::string> text;
@@ -84,13 +107,14 @@ const std::vector<std::string> kPrompts = {
 // Runs `prompts` disaggregated and checks the text; returns how many prompt tokens the decode side
 // already held (its prefix cache) over all requests.
 int disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig decode_p,
-                  const std::vector<std::string>& prompts = kPrompts) {
+                  const std::vector<std::string>& prompts = kPrompts,
+                  const std::string& model = kModel) {
   const int kMaxTokens = 24;
   int reused = 0;
-  const auto want = colocated(prompts, kMaxTokens);
+  const auto want = colocated(prompts, kMaxTokens, model);
 
-  auto prefill = make_engine(prefill_p, 32);
-  auto decode = make_engine(decode_p, 32);
+  auto prefill = make_engine(prefill_p, 32, model);
+  auto decode = make_engine(decode_p, 32, model);
   auto& prefill_backend = static_cast<CpuBackend&>(prefill->backend());
   auto& decode_backend = static_cast<CpuBackend&>(decode->backend());
   TransferEngine prefill_transfer(make_in_process_transport()),
@@ -103,6 +127,8 @@ int disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig d
     for (const KvPoolDesc& pool : side.pools) {
       prefill_transfer.import_region(decode_transfer.descriptor(pool.k.front().region));
     }
+    for (const StatePoolDesc& pool : side.states)
+      prefill_transfer.import_region(decode_transfer.descriptor(pool.region));
   }
 
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -132,8 +158,18 @@ int disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig d
     const KvTransferSide s{src.num_kv_heads, src.pools, done.kv_blocks};
     const KvTransferSide t{dst[d].num_kv_heads, dst[d].pools, local};
     // Only the part the decode side does not hold yet moves.
-    const auto copies =
+    auto copies =
         plan_kv_copies(s, t, {reserved->num_cached_tokens, static_cast<int64_t>(r.prompt.size())});
+    // A hybrid model's state after the prompt: the prefill's held slot into the reservation's.
+    EXPECT_EQ(done.state_slot >= 0, !src.states.empty());
+    EXPECT_EQ(reserved->state_slot >= 0, !src.states.empty());
+    if (!src.states.empty()) {
+      const StateTransferSide from{src.num_k_heads, src.num_v_heads, src.states, done.state_slot};
+      const StateTransferSide to{dst[d].num_k_heads, dst[d].num_v_heads, dst[d].states,
+                                 reserved->state_slot - d * dst[d].slots_per_rank};
+      const std::vector<KvCopy> state_copies = plan_state_copies(from, to);
+      copies.insert(copies.end(), state_copies.begin(), state_copies.end());
+    }
     const TransferResult result = prefill_transfer.submit({id, transfer_copies(copies), {}}).get();
     EXPECT_EQ(result.status, TransferStatus::Ok) << result.reason;
     prefill->release_kv(id);
@@ -156,6 +192,14 @@ int disaggregated(parallel::ParallelConfig prefill_p, parallel::ParallelConfig d
 TEST(DisaggEngine, PrefillHandsKvToDecodeOneRankEach) { EXPECT_EQ(disaggregated({}, {}), 0); }
 TEST(DisaggEngine, PrefillTp2ToDecodeOneRank) { disaggregated({2, 2, 1}, {}); }
 TEST(DisaggEngine, PrefillOneRankToDecodeDp2Ep2) { disaggregated({}, {1, 2, 2}); }
+
+// The hybrid's recurrent state moves with the KV, re-sharded like it (TP 2 splits the Gated
+// DeltaNet heads; a DP 2 decode worker's state lives on the reservation's rank).
+TEST(DisaggEngine, HybridPrefillHandsKvAndStateToDecodeOneRankEach) {
+  EXPECT_EQ(disaggregated({}, {}, kPrompts, kHybrid), 0);
+}
+TEST(DisaggEngine, HybridPrefillTp2ToDecodeDp2Ep2) { disaggregated({2, 2, 1}, {1, 2, 2}, kPrompts, kHybrid); }
+TEST(DisaggEngine, HybridPrefillOneRankToDecodeTp2) { disaggregated({}, {2, 1, 1}, kPrompts, kHybrid); }
 
 TEST(DisaggEngine, ASharedPrefixTheDecodeSideHoldsIsNotSentAgain) {
   const std::string prefix =

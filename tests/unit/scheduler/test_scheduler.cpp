@@ -1012,7 +1012,8 @@ TEST(Scheduler, AbandonReturnsThePlansSnapshots) {
   expect_all_snapshots_free(*h.snapshots);
 }
 
-TEST(Scheduler, StateSlotsRefuseAHandOverAndMismatchedPartitions) {
+// A hand-over needs the slots its reservation took, in its blocks' partition.
+TEST(Scheduler, StateSlotsRefuseAHandOverWithoutSlotsAndMismatchedPartitions) {
   BlockManager bm(8, 4, true, 2);
   StateSlotManager one_partition(4, 1, 1);
   EXPECT_THROW((Scheduler({.max_num_seqs = 2, .max_num_batched_tokens = 8}, bm, &one_partition)),
@@ -1025,7 +1026,18 @@ TEST(Scheduler, StateSlotsRefuseAHandOverAndMismatchedPartitions) {
   seq->tokens = {1, 2, 3, 4, 5};
   seq->num_prompt_tokens = 4;
   seq->num_computed = 4;
-  EXPECT_THROW(s.add_running(std::move(seq)), Error);
+  auto again = std::make_unique<Sequence>(*seq);
+  EXPECT_THROW(s.add_running(std::move(seq)), Error);  // no slots
+  ASSERT_TRUE(states.allocate(7, 1 - bm.partition_of(7)));
+  EXPECT_THROW(s.add_running(std::make_unique<Sequence>(*again)), Error);  // the other partition
+  states.free(7);
+  ASSERT_TRUE(states.allocate(7, bm.partition_of(7)));
+  s.add_running(std::move(again));
+  EXPECT_EQ(s.num_running(), 1);
+  // Finishing frees both.
+  EXPECT_TRUE(s.finish(7));
+  EXPECT_FALSE(states.has_sequence(7));
+  EXPECT_FALSE(bm.has_sequence(7));
 }
 
 TEST(Scheduler, RejectsBadConfigAndDuplicates) {
