@@ -253,11 +253,6 @@ int run_serve(const ServeOptions& o) {
   if (!o.speculative_config.empty()) {
     ec.speculative = SpeculativeConfig::parse(o.speculative_config);
   }
-  // NOTE: the MTP layer's K/V of a prompt would have to come from the prefill worker too.
-  RELAY_CHECK(!is_worker || ec.speculative.method != SpeculativeConfig::Method::kMtp, "--role ",
-              o.role,
-              ": MTP drafting on disaggregated workers is not built yet (the prefill "
-              "worker does not hand over the MTP layer's KV); use \"ngram\" there");
   const int num_state_snapshots =
       o.no_prefix_caching ? 0
                           : (o.num_state_snapshots >= 0 ? o.num_state_snapshots : o.max_num_seqs);

@@ -208,10 +208,6 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
 std::optional<LLMEngine::KvReservation> LLMEngine::reserve_kv(int64_t id,
                                                               std::span<const int32_t> prompt) {
   const int64_t n = static_cast<int64_t>(prompt.size());
-  // NOTE: the prefill worker would have to hand over the draft head's K/V of the prompt too.
-  RELAY_CHECK(backend_->num_proposed_drafts() == 0, "request ", id,
-              ": a backend with an MTP draft head cannot receive a prefilled prompt (its draft "
-              "layer's KV does not travel with the target's yet)");
   RELAY_CHECK(n >= 1 && n < max_model_len_, "a KV reservation of ", n,
               " tokens does not fit max_model_len ", max_model_len_);
   RELAY_CHECK(requests_.count(id) == 0 && !blocks_.has_sequence(id), "request id ", id,
@@ -219,8 +215,11 @@ std::optional<LLMEngine::KvReservation> LLMEngine::reserve_kv(int64_t id,
   if (scheduler_.num_running() + num_held_kv() >= scheduler_.config().max_num_seqs)
     return std::nullopt;
   // NOTE: a hybrid model's reservation takes no prefix hit: the prefill worker sends the state
-  // after the whole prompt, and the KV of the whole prompt with it.
-  const PrefixHit hit = states_ == nullptr ? blocks_.find_cached_prefix(prompt) : PrefixHit{};
+  // after the whole prompt, and the KV of the whole prompt with it. Nor does one with an MTP head:
+  // the head's K/V at a hit's last position depends on the token after it (the scheduler gives
+  // that block back, hit_drops_last_block); the prefill worker computed it with the right one.
+  const bool whole_prompt = states_ != nullptr || backend_->num_proposed_drafts() > 0;
+  const PrefixHit hit = whole_prompt ? PrefixHit{} : blocks_.find_cached_prefix(prompt);
   if (!blocks_.allocate(id, n, &hit)) return std::nullopt;
   if (states_ != nullptr && !states_->allocate(id, blocks_.partition_of(id))) {
     blocks_.free(id);

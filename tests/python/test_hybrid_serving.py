@@ -123,16 +123,18 @@ def test_generate_with_mtp_drafts_writes_the_same_text(relay_bin, hybrid_dir):
     assert generate("--temperature", "0.8", "--seed", "3", "--speculative-config", MTP)[0] == sampled
 
 
-def test_disaggregated_prefill_hands_over_the_recurrent_state(relay_bin, hybrid_dir):
+@pytest.mark.parametrize("spec", [(), ("--speculative-config", MTP)], ids=["plain", "mtp"])
+def test_disaggregated_prefill_hands_over_the_recurrent_state(relay_bin, hybrid_dir, spec):
     """A router, a prefill worker at TP 2 and a decode worker at DP 2 + EP 2: the prompt's KV and its
     recurrent state (the Gated DeltaNet heads split over the prefill's TP ranks, whole on the decode's
-    DP rank) travel over UCX, and the decode worker continues with transformers' greedy tokens."""
+    DP rank) travel over UCX, and the decode worker continues with transformers' greedy tokens. With
+    the MTP head on both roles its K/V of the prompt travels too and the decode worker drafts."""
     prompts, greedy = expected()
     router = RelayServer(relay_bin, "--role", "router", "--model", hybrid_dir, "--served-model-name", NAME,
                          "--heartbeat-interval", 0.2)
     router.wait_ready(path="/version")
     common = ("--model", hybrid_dir, "--served-model-name", NAME, "--block-size", 4, "--router",
-              f"127.0.0.1:{router.port}", "--heartbeat-interval", 0.2)
+              f"127.0.0.1:{router.port}", "--heartbeat-interval", 0.2, *spec)
     prefill = RelayServer(relay_bin, "--role", "prefill", *common, "--tp", 2)
     decode = RelayServer(relay_bin, "--role", "decode", *common, "--dp", 2, "--ep", 2)
     try:
@@ -157,6 +159,8 @@ def test_disaggregated_prefill_hands_over_the_recurrent_state(relay_bin, hybrid_
             assert metrics["relay:kv_cache_usage_perc" + label] == 0
             assert metrics["relay:state_slot_usage_perc" + label] == 0
         assert "KV hand-off" in prefill.log_text()
+        if spec:
+            assert metrics["relay:spec_decode_num_draft_tokens_total" + label] > 0  # the decode worker's
     finally:
         for s in (router, prefill, decode):
             if s.proc.poll() is None:

@@ -91,7 +91,8 @@ def test_bad_configurations_fail_at_start(relay_bin):
     r = subprocess.run([str(relay_bin), "serve", "--role", "decode", "--port", "0", "--threads", "1",
                         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "MTP drafting on disaggregated workers is not built yet" in r.stderr, r.stderr
+    # A decode worker may draft with MTP (the prefill worker hands the head's K/V over), given a head.
+    assert r.returncode != 0 and "MTP was requested but the checkpoint" in r.stderr, r.stderr
 
 
 @pytest.fixture(scope="module")
