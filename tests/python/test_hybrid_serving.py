@@ -40,6 +40,16 @@ def expected():
     return j["prompts"], j["greedy"]
 
 
+def complete_greedy(base, i):
+    """The token ids of fixture prompt i's greedy completion from the server at `base`."""
+    prompts, greedy = expected()
+    body = {"model": NAME, "prompt": prompts[i], "max_tokens": len(greedy[i]), "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    r = requests.post(base + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+
 def serve_greedy(relay_bin, hybrid_dir, *args):
     prompts, greedy = expected()
     # 2 running sequences at most (--max-num-seqs 2) and a 16-token budget: the 64- and 70-token
@@ -48,14 +58,8 @@ def serve_greedy(relay_bin, hybrid_dir, *args):
                          "--max-num-batched-tokens", 16, "--block-size", 4, *args)
     server.wait_ready()
     try:
-        def one(i):
-            body = {"model": NAME, "prompt": prompts[i], "max_tokens": len(greedy[i]), "temperature": 0,
-                    "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-            r = requests.post(server.base + "/v1/completions", json=body, timeout=300)
-            assert r.status_code == 200, r.text
-            return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
         with cf.ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(one, range(len(prompts))))
+            got = list(pool.map(lambda i: complete_greedy(server.base, i), range(len(prompts))))
         metrics = server.wait_idle(model=NAME)
         log = server.log_text()
     finally:
@@ -144,15 +148,8 @@ def test_disaggregated_prefill_hands_over_the_recurrent_state(relay_bin, hybrid_
         while requests.get(router.base + "/health", timeout=5).status_code != 200:
             assert time.time() < deadline, "the router's workers did not come up"
             time.sleep(0.1)
-
-        def one(i):
-            body = {"model": NAME, "prompt": prompts[i], "max_tokens": len(greedy[i]), "temperature": 0,
-                    "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-            r = requests.post(router.base + "/v1/completions", json=body, timeout=300)
-            assert r.status_code == 200, r.text
-            return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
         with cf.ThreadPoolExecutor(4) as pool:
-            assert list(pool.map(one, range(len(prompts)))) == greedy
+            assert list(pool.map(lambda i: complete_greedy(router.base, i), range(len(prompts)))) == greedy
         label = f'{{model_name="{NAME}"}}'
         for w in (prefill, decode):  # every page and state slot went back
             metrics = w.wait_idle(model=NAME)

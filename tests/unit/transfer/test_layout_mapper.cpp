@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../error_text.h"
 #include "core/error.h"
 #include "kv_test_pools.h"
 #include "transfer/layout_mapper.h"
@@ -394,16 +395,7 @@ TEST(LayoutMapper, ReplicaChoiceIsDeterministic) {
   }
 }
 
-// Expects plan_kv_copies to throw relay::Error whose message contains `needle`.
-template <typename Fn>
-void expect_error(Fn&& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(LayoutMapper, RejectsInconsistentInputs) {
   const std::vector<int32_t> table = {0, 2};

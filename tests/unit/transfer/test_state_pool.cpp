@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../error_text.h"
 #include "core/error.h"
 #include "core/json.h"
 #include "kvcache/recurrent_state.h"
@@ -200,16 +201,7 @@ TestSide source_side(int tp) {
 }
 TestSide destination_side(int tp) { return make_side(tp, 4, 1, 200, true); }
 
-// Expects `fn` to throw relay::Error whose message contains `needle`.
-template <typename Fn>
-void expect_error(Fn&& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 class StatePlannerSweep : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
