@@ -50,13 +50,17 @@ void run_decode_bench(LLMEngine& engine, const DecodeBenchOptions& o,
         waiting_first.insert(next_id);
         engine.add_request(next_id++, std::move(r));
       }
-      // The prefill (and any decode beside it), untimed.
+      // The prefill (and any decode beside it): timed apart, until every request has its first
+      // token.
+      const Clock::time_point prefill_start = Clock::now();
       while (!waiting_first.empty()) {
         RELAY_CHECK(engine.has_work(), "decode bench: the engine stopped before every prompt ran");
         for (const RequestOutput& out : engine.step()) {
           if (out.num_output_tokens > 0) waiting_first.erase(out.id);
         }
       }
+      const double prefill_seconds =
+          std::chrono::duration<double>(Clock::now() - prefill_start).count();
       const SpecDecodeStats before = engine.stats().spec_decode;
       int64_t tokens = 0, steps = 0;
       const Clock::time_point start = Clock::now();
@@ -75,6 +79,9 @@ void run_decode_bench(LLMEngine& engine, const DecodeBenchOptions& o,
                           {"seconds", seconds},
                           {"tok_per_s", tokens / std::max(seconds, 1e-9)},
                           {"ms_per_step", steps > 0 ? 1e3 * seconds / steps : 0.0},
+                          {"prefill_seconds", prefill_seconds},
+                          {"prefill_tok_per_s",
+                           static_cast<double>(batch) * context / std::max(prefill_seconds, 1e-9)},
                           {"speculative", spec.describe()}};
       if (spec.enabled()) {
         const SpecDecodeStats d = engine.stats().spec_decode.since(before);

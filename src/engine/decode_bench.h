@@ -5,9 +5,10 @@
 // 16 pseudo-random ids repeated (so the n-gram proposer finds earlier occurrences, as in code
 // editing; attention does the same work whatever the ids), greedy, ignoring EOS, generating
 // 1 + num_decode_tokens tokens. The engine runs until every request has its first token (the
-// prefill, not timed); the steps after that are timed until all finish, and the line reports the
-// tokens they committed per second, with, when the engine drafts, speculative decoding's counters
-// over those steps: drafts, acceptance rate and mean acceptance length (SpecDecodeStats). Prefix
+// prefill, timed on its own: prompt tokens per second); the steps after that are timed until all
+// finish, and the line reports the tokens they committed per second, with, when the engine drafts,
+// speculative decoding's counters over those steps: drafts, acceptance rate and mean acceptance
+// length (SpecDecodeStats). Prefix
 // caching is the engine's choice (EngineConfig); the prompts share no block.
 #pragma once
 
@@ -29,7 +30,8 @@ struct DecodeBenchOptions {
 
 // Runs every (batch, context) shape on `engine` (idle, and left idle) and passes one JSON line per
 // shape to `emit`: {"mode": "decode", "batch", "context", "tokens", "steps", "seconds",
-// "tok_per_s", "ms_per_step", "speculative"} and, with speculative decoding, "num_drafts",
+// "tok_per_s", "ms_per_step", "prefill_seconds", "prefill_tok_per_s", "speculative"} and, with
+// speculative decoding, "num_drafts",
 // "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
 // "accepted_per_position".
 void run_decode_bench(LLMEngine& engine, const DecodeBenchOptions& options,
