@@ -211,6 +211,7 @@ int run_engine_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
         {"layers", c.num_hidden_layers},
         {"load_format", a.load_format},
         {"threads", a.threads},
+        {"layout", a.parallel.describe()},
         {"speculative", spec.describe()},
         {"forced_acceptance", a.forced_acceptance ? nlohmann::json(*a.forced_acceptance) : nullptr},
         {"seconds", std::chrono::duration<double>(Clock::now() - load_start).count()}});
