@@ -235,15 +235,15 @@ CommandRegistrar bench_command({
       sub.add_option("--model", a->model, "checkpoint directory for prefill/decode (e.g. from make-model)");
       sub.add_option("--out", a->out, "append the JSON lines to this file too");
       sub.add_flag("--quick", a->quick, "fewer shapes and repetitions");
-      sub.add_option("--dtype", a->dtype, "model mode: weight format auto | bf16 | fp8 (as relay serve)")
+      sub.add_option("--dtype", a->dtype, "model and engine modes: weight format auto | bf16 | fp8 (as relay serve)")
           ->check(CLI::IsMember({"auto", "bf16", "fp8"}));
       sub.add_option("--prefill-lengths", a->prefill_lengths, "model mode: prompt lengths (default 512,4096,16384)")
           ->delimiter(',')
           ->check(CLI::PositiveNumber);
-      sub.add_option("--decode-batches", a->decode_batches, "model mode: decode batch sizes (default 1,8,64,256)")
+      sub.add_option("--decode-batches", a->decode_batches, "model and engine modes: decode batch sizes (default 1,8,64,256; engine: 1,8)")
           ->delimiter(',')
           ->check(CLI::Range(1, 512));
-      sub.add_option("--decode-contexts", a->decode_contexts, "model mode: decode contexts (default 512,4096)")
+      sub.add_option("--decode-contexts", a->decode_contexts, "model and engine modes: decode contexts (default 512,4096; engine: 128)")
           ->delimiter(',')
           ->check(CLI::PositiveNumber);
       sub.add_option("--ranks", a->ranks,
@@ -272,8 +272,9 @@ CommandRegistrar bench_command({
       sub.add_option("--threads", a->threads, "cpu device: threads (default: all cores)")
           ->check(CLI::NonNegativeNumber);
       sub.add_option("--max-num-batched-tokens", a->max_num_batched_tokens,
-                     "model mode: tokens per step the backend is sized for (default 16384, or the longest "
-                     "--prefill-lengths); under DP + EP each rank's MoE receive buffer holds dp x this many")
+                     "model and engine modes: tokens per step the backend is sized for (model default 16384, or the longest "
+                     "--prefill-lengths; engine default 2048, or batch x (1 + drafts)); under DP + EP each "
+                     "rank's MoE receive buffer holds dp x this many")
           ->check(CLI::PositiveNumber);
       return [a]() -> int {
         const SpeculativeConfig spec = check_device(*a);
