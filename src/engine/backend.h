@@ -31,7 +31,8 @@
 // sequence's whole state, and then takes two explicit operations per sequence with its step:
 // restore (copy a snapshot over the sequence's state slot before computing its tokens: a prefix
 // hit whose KV came from the cache and whose state comes from the snapshot) and save (copy the
-// state after a row of the chunk into a snapshot: a block boundary). They ride on the step so
+// state after a row of the chunk into a snapshot: a block boundary). A decode with drafts saves
+// only at rows it accepts (the last token's, or an accepted draft's), after verifying them. They ride on the step so
 // that they happen in order with the forward on every rank that holds the state, and a backend
 // without them (num_state_snapshots() 0; the engine then gives a hybrid model no prefix hit)
 // never gets either.
@@ -91,7 +92,7 @@ struct StepSequence {
   // slots, one per draft, are the backend's scratch space for the states after each draft and hold
   // nothing between steps.
   std::span<const int32_t> state_slots;
-  // State snapshots (see the top of this file; never with drafts): restore_state_snapshot >= 0
+  // State snapshots (see the top of this file; no restore with drafts): restore_state_snapshot >= 0
   // copies that snapshot over state_slots[0] before the step (num_computed > 0: the state after
   // the first num_computed tokens); each save copies the state after row `row` of `tokens` into
   // its snapshot.

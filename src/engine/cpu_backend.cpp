@@ -307,10 +307,8 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
       r.snapshot_slots[first_row + j] = local_slot(s, 1 + static_cast<size_t>(j));
       snapshots = true;
     }
-    RELAY_CHECK(
-        s.num_draft_tokens == 0 || (s.restore_state_snapshot < 0 && s.save_state_snapshots.empty()),
-        "sequence ", s.seq_id,
-        ": state snapshots with drafts (whose rows' copies are the rollback's)");
+    RELAY_CHECK(s.num_draft_tokens == 0 || s.restore_state_snapshot < 0, "sequence ", s.seq_id,
+                ": a state snapshot restored under drafts (a decode restores none)");
     if (s.restore_state_snapshot >= 0) {
       RELAY_CHECK(s.num_computed > 0, "sequence ", s.seq_id,
                   " restores a state snapshot but computes from position 0");
@@ -320,6 +318,8 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
       RELAY_CHECK(save.row >= 0 && static_cast<size_t>(save.row) < s.tokens.size(), "sequence ",
                   s.seq_id, ": state snapshot after row ", save.row, " of its ", s.tokens.size(),
                   " tokens");
+      snapshot_slot(s, save.snapshot);  // checked here; with drafts copied after verification
+      if (s.num_draft_tokens > 0) continue;  // (roll_back_states: a row's copy is its rollback's)
       r.snapshot_slots[r.query_starts[m] + save.row] = snapshot_slot(s, save.snapshot);
       snapshots = true;
     }
@@ -481,11 +481,25 @@ void CpuBackend::roll_back_states(std::span<const StepSequence> batch,
     while (next + n < sampled.size() && sampled[next + n].seq_id == s.seq_id) ++n;
     next += n;
     const size_t accepted = n - 1;
-    if (s.num_draft_tokens == 0 || accepted == static_cast<size_t>(s.num_draft_tokens)) continue;
+    if (s.num_draft_tokens == 0) continue;
+    const bool all = accepted == static_cast<size_t>(s.num_draft_tokens);
     for (auto& r : ranks_) {
       if (std::find(r->members.begin(), r->members.end(), i) == r->members.end()) continue;
       const int32_t first_slot = r->place.dp_rank * state_slots_per_rank_;
-      r->state->copy_slot(s.state_slots[0] - first_slot, s.state_slots[1 + accepted] - first_slot);
+      // The prefix-cache snapshots at accepted rows: the state after row j < k is in the draft
+      // slot j + 1, after the last draft (all accepted) in the sequence's own; the scheduler
+      // commits these and drops the others.
+      const int32_t first_snapshot = r->place.dp_rank * state_snapshots_per_rank_;
+      for (const SnapshotSave& save : s.save_state_snapshots) {
+        if (static_cast<size_t>(save.row) > accepted) continue;
+        const size_t from = save.row < s.num_draft_tokens ? 1 + static_cast<size_t>(save.row) : 0;
+        r->state->copy_slot(state_slots_per_rank_ + save.snapshot - first_snapshot,
+                            s.state_slots[from] - first_slot);
+      }
+      if (!all) {
+        r->state->copy_slot(s.state_slots[0] - first_slot,
+                            s.state_slots[1 + accepted] - first_slot);
+      }
     }
   }
 }

@@ -172,8 +172,9 @@ class CpuBackend : public Backend {
   // Rank r's MTP forward over the rows in r.mtp (one step of the chain, or the catch-up over the
   // committed rows); appends each logit row's greedy token to its member's drafts.
   void run_mtp_step(Rank& r);
-  // After a step verified drafts: restores, in every rank that ran the sequence, the state after
-  // its last accepted draft from its snapshot (see the top of this file).
+  // After a step verified drafts: fills the prefix-cache snapshots the step saves at accepted rows
+  // (from the rows' draft slots) and restores, in every rank that ran the sequence, the state after
+  // its last accepted draft from its draft slot (see the top of this file).
   void roll_back_states(std::span<const StepSequence> batch,
                         std::span<const SampledToken> sampled);
 

@@ -108,7 +108,9 @@ PrefixHit Scheduler::cap_to_snapshot(PrefixHit hit, int32_t* snapshot) const {
 }
 
 void Scheduler::plan_snapshot_saves(ScheduledChunk& c) {
-  if (snapshots_ == nullptr || c.num_draft_tokens > 0) return;
+  // NOTE: a decode's drafts count too: a boundary among them is kept only if the draft before it
+  // is accepted (update() commits a save only within the committed tokens).
+  if (snapshots_ == nullptr) return;
   const int64_t bs = blocks_.block_size();
   const int64_t begin = c.seq->num_computed;
   const int64_t end = begin + c.num_tokens;

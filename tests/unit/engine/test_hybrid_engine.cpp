@@ -330,6 +330,63 @@ TEST_P(HybridEngine, PrefixHitsGiveTheTokensAndLogprobsOfNoCaching) {
   }
 }
 
+// Decodes that verify drafts snapshot the block boundaries they accept: a request whose prompt is
+// an earlier one's prompt and output hits into that output, as far as its last boundary, and gets
+// the tokens and logprobs it gets without the cache.
+TEST_P(HybridEngine, DecodesWithDraftsSnapshotTheBoundariesTheyAccept) {
+  const std::vector<int32_t>& p = fx_.prompts[2];  // 64 tokens, then 24 greedy ones
+  const std::vector<int32_t>& out = fx_.greedy[2];
+  std::vector<int32_t> second = p;
+  second.insert(second.end(), out.begin(), out.end());
+  second.push_back(out.front());  // a token after it: the output's last block stays whole
+  auto run_both = [&](bool caching) {
+    EngineConfig c;
+    c.max_num_seqs = 2;
+    c.max_num_batched_tokens = 32;
+    c.enable_prefix_caching = caching;
+    c.speculative.method = SpeculativeConfig::Method::kNgram;
+    c.speculative.num_speculative_tokens = 3;
+    const std::unique_ptr<LLMEngine> owned =
+        make_engine(GetParam(), fixture_options(128, 2 * 4, caching ? 32 : 0), c);
+    LLMEngine& engine = *owned;
+    PrefixRunResult res;
+    for (int64_t id : {0, 1}) {
+      EngineRequest r;
+      r.prompt = id == 0 ? p : second;
+      r.sampling.temperature = 0.0f;
+      r.sampling.num_logprobs = 3;
+      r.stop.max_tokens = id == 0 ? static_cast<int64_t>(out.size()) : 6;
+      r.stop.ignore_eos = true;
+      engine.add_request(id, r);
+      std::vector<int32_t> got;
+      for (int step = 0; engine.has_work(); ++step) {
+        RELAY_CHECK(step < 400, "the request did not finish");
+        // The first request decodes with three right drafts every step (its reference output).
+        if (id == 0 && !got.empty() && got.size() < out.size()) {
+          const size_t n = std::min<size_t>(3, out.size() - got.size());
+          engine.set_drafts(0, std::span(out).subspan(got.size(), n));
+        }
+        for (RequestOutput& o : engine.step()) {
+          got.insert(got.end(), o.new_tokens.begin(), o.new_tokens.end());
+          auto& t = res.tokens[o.id];
+          t.insert(t.end(), o.logprobs.begin(), o.logprobs.end());
+          if (o.finish != FinishReason::kNone) res.num_cached[o.id] = o.num_cached_tokens;
+        }
+      }
+      if (id == 0) EXPECT_EQ(got, out);
+    }
+    res.stats = engine.stats();
+    return res;
+  };
+  const PrefixRunResult off = run_both(false), on = run_both(true);
+  expect_same_outputs(on, off);
+  EXPECT_GT(on.stats.spec_decode.num_accepted_tokens, 0u);
+  // 64 + 24 tokens, of which 87 have K/V (the last sampled token's is never computed): the
+  // output's boundaries 68 ... 84 were all decoded with drafts, and the hit reaches 84 (without
+  // snapshots at drafted boundaries it would stop at the prompt's 64).
+  EXPECT_EQ(on.num_cached.at(1), 84);
+}
+
 TEST_P(HybridEngine, PrefixHitsThroughPreemptionAndFewSnapshotsKeepTheOutputs) {
   const PrefixLoad load = PrefixLoad::of(fx_);
   const PrefixRunResult off = run_prefix_load(GetParam(), load, {.prefix_caching = false});

@@ -67,7 +67,7 @@ class FakeBackend : public Backend {
       // Row j follows draft j - 1: its context ends there.
       const int first_row = static_cast<int>(s.tokens.size()) - 1 - s.num_draft_tokens;
       // The recurrent state after each row (after the chunk's last token when it does not sample).
-      std::vector<uint64_t> row_states;
+      std::vector<uint64_t> row_states, all_states;  // after each verify row / each row
       if (!states_.empty()) {
         EXPECT_GE(s.state_slots.size(), static_cast<size_t>(1 + s.num_draft_tokens))
             << "sequence " << s.seq_id << " has no scratch slot for each draft";
@@ -79,15 +79,9 @@ class FakeBackend : public Backend {
         uint64_t state = s.num_computed == 0 ? kFreshState : state_slot(s, 0);
         for (size_t i = 0; i < s.tokens.size(); ++i) {
           state = fold(state, s.tokens[i]);
+          all_states.push_back(state);
           if (static_cast<int>(i) >= first_row) row_states.push_back(state);
-          for (const SnapshotSave& save : s.save_state_snapshots) {
-            if (save.row == static_cast<int32_t>(i)) {
-              snapshots_.at(static_cast<size_t>(save.snapshot)) = state;
-            }
-          }
         }
-        EXPECT_TRUE(s.num_draft_tokens == 0 || s.save_state_snapshots.empty())
-            << "sequence " << s.seq_id << " saves a state snapshot in a step with drafts";
       }
       size_t num_rows = 1;  // the last token's row and one per accepted draft
       if (s.sample) {
@@ -97,6 +91,14 @@ class FakeBackend : public Backend {
           if (j == s.num_draft_tokens || out.back().token != s.tokens[first_row + j + 1]) break;
           ++num_rows;
         }
+      }
+      // A save keeps the state after its row; with drafts only at rows the step committed (the
+      // last token's and the accepted drafts'), as backend.h says: a save at a rejected row stays
+      // unwritten, so a scheduler that committed it would restore a stale state.
+      const int committed_rows = first_row + static_cast<int>(num_rows);
+      for (const SnapshotSave& save : s.save_state_snapshots) {
+        if (all_states.empty() || (s.num_draft_tokens > 0 && save.row >= committed_rows)) continue;
+        snapshots_.at(static_cast<size_t>(save.snapshot)) = all_states.at(static_cast<size_t>(save.row));
       }
       if (!row_states.empty()) {
         for (size_t j = 1; j < row_states.size(); ++j) state_slot(s, j) = row_states[j];
