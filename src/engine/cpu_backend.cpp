@@ -285,15 +285,6 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
                 r.place.dp_rank);
     return slot;
   };
-  // Prefix-cache snapshots follow the state slots in the pool.
-  const int32_t first_snapshot = r.place.dp_rank * state_snapshots_per_rank_;
-  auto snapshot_slot = [&](const StepSequence& s, int32_t id) {
-    const int32_t local = id - first_snapshot;
-    RELAY_CHECK(local >= 0 && local < state_snapshots_per_rank_, "sequence ", s.seq_id,
-                ": state snapshot ", id, " is not on its DP rank ", r.place.dp_rank, " (",
-                state_snapshots_per_rank_, " snapshots per rank)");
-    return state_slots_per_rank_ + local;
-  };
   r.state_slots.clear();
   r.state_fresh.clear();
   r.snapshot_slots.assign(r.token_ids.size(), -1);
@@ -312,15 +303,17 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
     if (s.restore_state_snapshot >= 0) {
       RELAY_CHECK(s.num_computed > 0, "sequence ", s.seq_id,
                   " restores a state snapshot but computes from position 0");
-      r.state->copy_slot(r.state_slots.back(), snapshot_slot(s, s.restore_state_snapshot));
+      r.state->copy_slot(r.state_slots.back(), local_snapshot_slot(r, s, s.restore_state_snapshot));
     }
     for (const SnapshotSave& save : s.save_state_snapshots) {
       RELAY_CHECK(save.row >= 0 && static_cast<size_t>(save.row) < s.tokens.size(), "sequence ",
                   s.seq_id, ": state snapshot after row ", save.row, " of its ", s.tokens.size(),
                   " tokens");
-      snapshot_slot(s, save.snapshot);  // checked here; with drafts copied after verification
-      if (s.num_draft_tokens > 0) continue;  // (roll_back_states: a row's copy is its rollback's)
-      r.snapshot_slots[r.query_starts[m] + save.row] = snapshot_slot(s, save.snapshot);
+      const int32_t slot = local_snapshot_slot(r, s, save.snapshot);
+      // With drafts the copy comes after verification, from the row's draft slot
+      // (roll_back_states).
+      if (s.num_draft_tokens > 0) continue;
+      r.snapshot_slots[r.query_starts[m] + save.row] = slot;
       snapshots = true;
     }
   }
@@ -328,6 +321,15 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
   r.batch.state_slots = r.state_slots;
   r.batch.state_fresh = r.state_fresh;
   if (snapshots) r.batch.state_snapshot_slots = r.snapshot_slots;
+}
+
+int32_t CpuBackend::local_snapshot_slot(const Rank& r, const StepSequence& s, int32_t id) const {
+  // Prefix-cache snapshots follow the state slots in each rank's pool.
+  const int32_t local = id - r.place.dp_rank * state_snapshots_per_rank_;
+  RELAY_CHECK(local >= 0 && local < state_snapshots_per_rank_, "sequence ", s.seq_id,
+              ": state snapshot ", id, " is not on its DP rank ", r.place.dp_rank, " (",
+              state_snapshots_per_rank_, " snapshots per rank)");
+  return state_slots_per_rank_ + local;
 }
 
 void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
@@ -489,11 +491,10 @@ void CpuBackend::roll_back_states(std::span<const StepSequence> batch,
       // The prefix-cache snapshots at accepted rows: the state after row j < k is in the draft
       // slot j + 1, after the last draft (all accepted) in the sequence's own; the scheduler
       // commits these and drops the others.
-      const int32_t first_snapshot = r->place.dp_rank * state_snapshots_per_rank_;
       for (const SnapshotSave& save : s.save_state_snapshots) {
         if (static_cast<size_t>(save.row) > accepted) continue;
         const size_t from = save.row < s.num_draft_tokens ? 1 + static_cast<size_t>(save.row) : 0;
-        r->state->copy_slot(state_slots_per_rank_ + save.snapshot - first_snapshot,
+        r->state->copy_slot(local_snapshot_slot(*r, s, save.snapshot),
                             s.state_slots[from] - first_slot);
       }
       if (!all) {
@@ -591,10 +592,10 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
         // reads the ranks' hidden states, not these logits.)
         const size_t first = num_rows(h.seq) - 1 - static_cast<size_t>(s.num_draft_tokens);
         const std::span<float> rows(h.rows + first * vocab, (num_rows(h.seq) - first) * vocab);
-        for (SampledToken& t : sample_with_drafts(
-                 rows, s.tokens.last(s.num_draft_tokens), *s.sampling, s.prompt_tokens,
-                 s.output_tokens, s.sample_index, {s.allowed_tokens, s.logit_bias},
-                 forced_draft_acceptance_)) {
+        for (SampledToken& t :
+             sample_with_drafts(rows, s.tokens.last(s.num_draft_tokens), *s.sampling,
+                                s.prompt_tokens, s.output_tokens, s.sample_index,
+                                {s.allowed_tokens, s.logit_bias}, forced_draft_acceptance_)) {
           t.seq_id = s.seq_id;
           result.sampled.push_back(std::move(t));
         }

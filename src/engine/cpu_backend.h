@@ -172,6 +172,8 @@ class CpuBackend : public Backend {
   // Rank r's MTP forward over the rows in r.mtp (one step of the chain, or the catch-up over the
   // committed rows); appends each logit row's greedy token to its member's drafts.
   void run_mtp_step(Rank& r);
+  // Rank r's pool slot of state snapshot `id` (global id, of s's DP rank; relay::Error otherwise).
+  int32_t local_snapshot_slot(const Rank& r, const StepSequence& s, int32_t id) const;
   // After a step verified drafts: fills the prefix-cache snapshots the step saves at accepted rows
   // (from the rows' draft slots) and restores, in every rank that ran the sequence, the state after
   // its last accepted draft from its draft slot (see the top of this file).
