@@ -12,8 +12,10 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <numeric>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -23,6 +25,7 @@
 #include "core/thread_pool.h"
 #include "engine/ranks.h"
 #include "engine/sampler.h"
+#include "grammar/grammar.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_cuda.h"
 #include "kernels/cuda/ops_cuda.h"
@@ -213,18 +216,76 @@ struct RankEngine {
   size_t meta_capacity = 0;
   // Sampling in/out (pinned host mirrors of the device arrays).
   kernels::SampleRowParams *sample_rows_dev, *sample_rows_host;
-  int32_t *tokens_dev, *tokens_host, *top_ids_dev, *top_ids_host;
+  int32_t *tokens_dev, *tokens_host, *top_ids_dev, *top_ids_host, *ranks_dev, *ranks_host;
+  kernels::cuda::DeviceWorkspace constraints_ws;  // a step's token bitmasks and logit_bias entries
   float *logprobs_dev, *logprobs_host, *top_lp_dev, *top_lp_host;
 
   // (batch bucket, table width, tokens per sequence) -> graph
   std::map<std::tuple<int, int, int>, cudaGraphExec_t> graphs;
 
-  // Per-op events of profile_forward(): marks[i] is recorded before op names[i] is enqueued (the
-  // last one after the final op). Empty outside profile_forward, so enqueue_forward records nothing
-  // in steps and graph captures.
+  // Per-op events of profile_forward(): op names[i] runs from starts[i] to ends[i]. The launches
+  // queue behind a host function that holds the stream (a gate) until a segment of them is
+  // enqueued, so the GPU runs them back to back and the events time the GPU, not the host's launch
+  // rate (eager launches at batch 1 are slower than the kernels they launch). A segment is bounded
+  // (kSegmentOps ops): a stream takes only so many pending launches before a launch blocks the host,
+  // which would then wait for a GPU that waits for it (the 48-layer 30B-A3B forward is past that).
+  // Ranks that meet in collectives still all progress: a host blocks only at its own segment ends,
+  // after releasing its gate.
+  // Empty outside profile_forward, so enqueue_forward records nothing in steps and graph captures.
   struct OpMarks {
+    static constexpr size_t kSegmentOps = 48;
     std::vector<std::string> names;
-    std::vector<cudaEvent_t> events;
+    std::vector<cudaEvent_t> starts, ends;
+    std::vector<std::unique_ptr<std::atomic<bool>>> gates;  // the last one holds the stream
+    size_t segment_ops = 0;
+
+    static cudaEvent_t record(cudaStream_t stream) {
+      cudaEvent_t e = nullptr;
+      RELAY_CUDA_CHECK(cudaEventCreate(&e));
+      RELAY_CUDA_CHECK(cudaEventRecord(e, stream));
+      return e;
+    }
+    void hold(cudaStream_t stream) {
+      gates.push_back(std::make_unique<std::atomic<bool>>(false));
+      RELAY_CUDA_CHECK(cudaLaunchHostFunc(
+          stream,
+          [](void* flag) {
+            auto* f = static_cast<std::atomic<bool>*>(flag);
+            while (!f->load(std::memory_order_acquire)) std::this_thread::yield();
+          },
+          gates.back().get()));
+      segment_ops = 0;
+    }
+    void release() {
+      if (!gates.empty()) gates.back()->store(true, std::memory_order_release);
+    }
+    // Op `name` is about to be enqueued: the previous op (if any) ends here, this one starts.
+    void begin(cudaStream_t stream, std::string name) {
+      if (segment_ops == kSegmentOps) {  // run the segment, then hold the stream again
+        if (!names.empty()) ends.push_back(record(stream));
+        release();
+        RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+        hold(stream);
+        starts.push_back(record(stream));
+      } else {
+        cudaEvent_t e = record(stream);
+        if (!names.empty()) ends.push_back(e);
+        starts.push_back(e);
+      }
+      names.push_back(std::move(name));
+      ++segment_ops;
+    }
+    // After the last op: it ends, and the last segment runs.
+    void finish(cudaStream_t stream) {
+      if (!names.empty()) ends.push_back(record(stream));
+      release();
+      RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    ~OpMarks() {  // the stream has run past every gate: profile_forward synchronized it
+      std::set<cudaEvent_t> all(starts.begin(), starts.end());
+      all.insert(ends.begin(), ends.end());
+      for (cudaEvent_t e : all) cudaEventDestroy(e);
+    }
   };
   OpMarks* marks = nullptr;
   // RELAY_TRACE_OPS=1 prints every op as its rank's host enqueues it (where a hung rank's host
@@ -249,12 +310,7 @@ struct RankEngine {
       std::fprintf(stderr, "relay trace: rank %d %s%s%s\n", rank, name, suffix,
                    capturing == cudaStreamCaptureStatusNone ? "" : " (capturing)");
     }
-    if (!marks) return;
-    cudaEvent_t e = nullptr;
-    RELAY_CUDA_CHECK(cudaEventCreate(&e));
-    marks->events.push_back(e);
-    RELAY_CUDA_CHECK(cudaEventRecord(e, stream));
-    marks->names.push_back(std::string(name) + suffix);
+    if (marks) marks->begin(stream, std::string(name) + suffix);
   }
   cudaEvent_t step_begin = nullptr, step_end = nullptr;
   double last_step_device_ms = 0.0;
@@ -712,8 +768,8 @@ struct RankEngine {
     const size_t R = logit_rows();
     add(R * size_t(vocab), 4);
     add(meta.bytes, 1);
-    add(R * sizeof(kernels::SampleRowParams), 1), add(R, 4), add(R, 4), add(R * kMaxLogprobs, 4),
-        add(R * kMaxLogprobs, 4);
+    add(R * sizeof(kernels::SampleRowParams), 1), add(R, 4), add(R, 4), add(R, 4),
+        add(R * kMaxLogprobs, 4), add(R * kMaxLogprobs, 4);
     acts.reserve(bytes + 4096);
     residual = acts.take<bf16>(T * hidden);
     normed = acts.take<bf16>(T * hidden);
@@ -744,11 +800,12 @@ struct RankEngine {
     sample_rows_dev = acts.take<kernels::SampleRowParams>(R);
     tokens_dev = acts.take<int32_t>(R);
     logprobs_dev = acts.take<float>(R);
+    ranks_dev = acts.take<int32_t>(R);
     top_ids_dev = acts.take<int32_t>(R * kMaxLogprobs);
     top_lp_dev = acts.take<float>(R * kMaxLogprobs);
     RELAY_CUDA_CHECK(cudaMallocHost(&meta_host, meta.bytes));
     // One pinned block for the sampling mirrors.
-    const size_t host_bytes = R * (sizeof(kernels::SampleRowParams) + 8 + 8 * kMaxLogprobs) + 1024;
+    const size_t host_bytes = R * (sizeof(kernels::SampleRowParams) + 12 + 8 * kMaxLogprobs) + 1024;
     uint8_t* h = nullptr;
     RELAY_CUDA_CHECK(cudaMallocHost(&h, host_bytes));
     sample_rows_host = reinterpret_cast<kernels::SampleRowParams*>(h);
@@ -756,6 +813,8 @@ struct RankEngine {
     tokens_host = reinterpret_cast<int32_t*>(h);
     h += align_up(R * 4, 16);
     logprobs_host = reinterpret_cast<float*>(h);
+    h += align_up(R * 4, 16);
+    ranks_host = reinterpret_cast<int32_t*>(h);
     h += align_up(R * 4, 16);
     top_ids_host = reinterpret_cast<int32_t*>(h);
     h += align_up(R * kMaxLogprobs * 4, 16);
@@ -1060,6 +1119,27 @@ struct RankEngine {
                   s.tokens.size(), " tokens (sample ", s.sample,
                   "); the CUDA backend verifies at most ", opt.max_draft_tokens,
                   " drafts per sampling sequence");
+      RELAY_CHECK(s.num_prompt_logprobs <= kMaxLogprobs &&
+                      (s.num_prompt_logprobs < 0 || s.prompt_logprobs != nullptr),
+                  "sequence ", s.seq_id, " asks for ", s.num_prompt_logprobs,
+                  " prompt logprobs; the CUDA backend gives -1 (none) to ", kMaxLogprobs,
+                  ", into a prompt_logprobs output");
+      const size_t words = token_bitmask_words(vocab);
+      RELAY_CHECK(s.allowed_tokens.empty() ||
+                      s.allowed_tokens.size() == words * (1 + size_t(s.num_draft_tokens)),
+                  "sequence ", s.seq_id, " has a token bitmask of ", s.allowed_tokens.size(),
+                  " words; ", 1 + s.num_draft_tokens, " sampled rows over a vocabulary of ", vocab,
+                  " take ", words * (1 + size_t(s.num_draft_tokens)));
+      for (size_t at = 0; at < s.allowed_tokens.size(); at += words) {
+        const auto mask = s.allowed_tokens.subspan(at, words);
+        RELAY_CHECK(std::any_of(mask.begin(), mask.end(), [](uint32_t w) { return w != 0; }),
+                    "sequence ", s.seq_id, ": the token bitmask of row ", at / words,
+                    " allows no token");
+      }
+      for (const auto& [token, bias] : s.logit_bias) {
+        RELAY_CHECK(token >= 0 && token < vocab, "sequence ", s.seq_id, ": logit_bias token ",
+                    token, " outside [0, ", vocab, ")");
+      }
       tokens += static_cast<int>(s.tokens.size());
       const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
       RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
@@ -1253,27 +1333,124 @@ struct RankEngine {
     last_step_device_ms = ms;
   }
 
+  // A sequence's device-sampled rows' constraints (StepSequence::allowed_tokens, logit_bias) into
+  // the host staging, for its rows from `first` on (sample_rows_host); `rows` of them, the others
+  // (a graph step's fillers) unconstrained.
+  void stage_constraints(const StepSequence& s, int first, int rows, int per_seq,
+                         std::vector<uint32_t>& masks, std::vector<int32_t>& bias_tokens,
+                         std::vector<float>& bias_values) const {
+    const size_t words = token_bitmask_words(vocab);
+    for (int j = 0; j < std::max(rows, per_seq); ++j) {
+      kernels::SampleRowParams& row = sample_rows_host[first + j];
+      if (j >= rows) continue;
+      if (!s.allowed_tokens.empty()) {
+        row.mask_row = static_cast<int32_t>(masks.size() / words);
+        const auto mask = s.allowed_tokens.subspan(size_t(j) * words, words);
+        masks.insert(masks.end(), mask.begin(), mask.end());
+      }
+      row.bias_begin = static_cast<int32_t>(bias_tokens.size());
+      row.bias_count = static_cast<int32_t>(s.logit_bias.size());
+      for (const auto& [token, bias] : s.logit_bias) {
+        bias_tokens.push_back(token);
+        bias_values.push_back(bias);
+      }
+    }
+  }
+
+  // The sample kernel over rows [0, n) of `logits` (sample_rows_host filled), its results copied
+  // to the host mirrors; the constraints staged for them (stage_constraints) go up first.
+  void launch_sampling(int n, int max_logprobs, const std::vector<uint32_t>& masks,
+                       const std::vector<int32_t>& bias_tokens,
+                       const std::vector<float>& bias_values) {
+    kernels::SampleParams p{.logits = logits, .rows = sample_rows_dev, .tokens = tokens_dev,
+                            .logprobs = logprobs_dev, .top_ids = top_ids_dev,
+                            .top_logprobs = top_lp_dev, .ranks = ranks_dev,
+                            .num_rows = n, .vocab_size = vocab, .max_logprobs = max_logprobs};
+    if (!masks.empty() || !bias_tokens.empty()) {
+      // NOTE: staged from pageable memory, which the copy reads before it returns.
+      const size_t nb = bias_tokens.size(), mask_bytes = align_up(masks.size() * 4, 16);
+      const size_t bias_bytes = align_up(nb * 4, 16);
+      auto* base = static_cast<uint8_t*>(
+          constraints_ws.get(mask_bytes + 3 * bias_bytes + 16, stream, "token constraints"));
+      auto up = [&](void* dst, const void* src, size_t bytes) {
+        if (bytes) RELAY_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+      };
+      p.allowed = reinterpret_cast<const uint32_t*>(base);
+      p.mask_words = masks.empty() ? 0 : static_cast<int>(token_bitmask_words(vocab));
+      p.bias_tokens = reinterpret_cast<const int32_t*>(base + mask_bytes);
+      p.bias_values = reinterpret_cast<const float*>(base + mask_bytes + bias_bytes);
+      p.bias_raw = reinterpret_cast<float*>(base + mask_bytes + 2 * bias_bytes);
+      up(base, masks.data(), masks.size() * 4);
+      up(base + mask_bytes, bias_tokens.data(), nb * 4);
+      up(base + mask_bytes + bias_bytes, bias_values.data(), nb * 4);
+    }
+    RELAY_CUDA_CHECK(cudaMemcpyAsync(sample_rows_dev, sample_rows_host,
+                                     n * sizeof(kernels::SampleRowParams), cudaMemcpyHostToDevice,
+                                     stream));
+    kernels::launch_sample(p, stream);
+    auto down = [&](void* dst, const void* src, size_t bytes) {
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));
+    };
+    down(tokens_host, tokens_dev, n * 4);
+    down(logprobs_host, logprobs_dev, n * 4);
+    down(ranks_host, ranks_dev, n * 4);
+    if (max_logprobs > 0) {
+      down(top_ids_host, top_ids_dev, size_t(n) * max_logprobs * 4);
+      down(top_lp_host, top_lp_dev, size_t(n) * max_logprobs * 4);
+    }
+  }
+
+  // Row r of the last launch_sampling as a TokenLogprob with its top `top` logprobs.
+  TokenLogprob sampled_row(int r, int max_logprobs, int top) const {
+    TokenLogprob tok;
+    tok.token = tokens_host[r];
+    tok.logprob = logprobs_host[r];
+    for (int m = 0; m < top; ++m) {
+      tok.top.emplace_back(top_ids_host[r * max_logprobs + m], top_lp_host[r * max_logprobs + m]);
+    }
+    return tok;
+  }
+
   // Runs a checked batch (check_batch) and samples its sampling sequences, unless `sample` is
   // false (a TP rank other than 0: the same logits, sampled by rank 0). A sequence with k drafts
   // samples k + 1 rows, the last token's and each draft's, which verify the drafts in order
-  // (sampler.h, verify_drafts): it returns its accepted drafts and the token after them.
+  // (sampler.h, verify_drafts): it returns its accepted drafts and the token after them. Token
+  // constraints apply in the sample kernel; a sequence with penalties is sampled on the host,
+  // constraints included. Prompt logprobs score their rows in the same kernel, after the sampled
+  // rows, in chunks of what the logits buffer holds.
   std::vector<SampledToken> step(std::span<const StepSequence> batch, bool sample) {
     std::vector<int32_t> rows;
     std::vector<const StepSequence*> samplers;
     std::vector<int> first_row;  // samplers[i]'s rows start at rows[first_row[i]]
+    struct Scored {
+      const StepSequence* seq;
+      size_t index;  // in *seq->prompt_logprobs
+      int32_t row, target;
+    };
+    std::vector<Scored> scored;  // prompt logprob rows, by sequence then row
     int t = 0;
     for (const StepSequence& s : batch) {
+      const size_t n = s.num_prompt_logprob_rows();
+      if (sample && s.num_prompt_logprobs >= 0) s.prompt_logprobs->assign(n, TokenLogprob{});
+      for (size_t j = 0; j < n && sample; ++j) {
+        scored.push_back({&s, j, t + static_cast<int32_t>(j), s.prompt_tokens[s.num_computed + j + 1]});
+      }
       t += static_cast<int>(s.tokens.size());
       if (!s.sample) continue;
       samplers.push_back(&s);
       first_row.push_back(static_cast<int>(rows.size()));
       for (int j = s.num_draft_tokens; j >= 0; --j) rows.push_back(t - 1 - j);
     }
+    // The first chunk of scored rows rides on the step's LM head, after the sampled rows.
+    const size_t chunk = static_cast<size_t>(logit_rows());
+    const size_t scored_first = std::min(scored.size(), chunk - rows.size());
+    for (size_t i = 0; i < scored_first; ++i) rows.push_back(scored[i].row);
     const Shape sh = run(batch, rows);
-    if (samplers.empty() || !sample) {
+    if ((samplers.empty() && scored.empty()) || !sample) {
       finish_step();
       return {};
     }
+    RELAY_CHECK(scored.empty() || sh.per_seq == 0, "prompt logprobs in a CUDA graph step");
     // Logits row r belongs to rows[r] in an eager step. A graph step computes every token row, each
     // sequence's per_seq of them (its last token's, its drafts', then fillers) one after another
     // and the padding's after the real ones; its sequences all sample, and the sampler draws every
@@ -1284,6 +1461,9 @@ struct RankEngine {
       for (size_t i = 0; i < samplers.size(); ++i) first_row[i] = static_cast<int>(i) * rows_each;
     }
     int max_logprobs = 0;
+    std::vector<uint32_t> masks;
+    std::vector<int32_t> bias_tokens;
+    std::vector<float> bias_values;
     for (size_t i = 0; i < samplers.size(); ++i) {
       const StepSequence& s = *samplers[i];
       const SamplingParams& sp = *s.sampling;
@@ -1291,27 +1471,36 @@ struct RankEngine {
         sample_rows_host[first_row[i] + j] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p,
                                               sample_uniform(sp.seed, s.sample_index + j)};
       }
+      if (!needs_host_sampling(sp)) {
+        stage_constraints(s, first_row[i], 1 + s.num_draft_tokens, rows_each, masks, bias_tokens,
+                          bias_values);
+      }
       max_logprobs = std::max(max_logprobs, std::min(sp.num_logprobs, kMaxLogprobs));
     }
-    const int n = sh.per_seq > 0 ? static_cast<int>(samplers.size()) * rows_each
-                                 : static_cast<int>(rows.size());
-    RELAY_CUDA_CHECK(cudaMemcpyAsync(sample_rows_dev, sample_rows_host,
-                                     n * sizeof(kernels::SampleRowParams), cudaMemcpyHostToDevice,
-                                     stream));
-    kernels::launch_sample({logits, sample_rows_dev, tokens_dev, logprobs_dev, top_ids_dev,
-                            top_lp_dev, n, vocab, max_logprobs},
-                           stream);
-    RELAY_CUDA_CHECK(
-        cudaMemcpyAsync(tokens_host, tokens_dev, n * 4, cudaMemcpyDeviceToHost, stream));
-    RELAY_CUDA_CHECK(
-        cudaMemcpyAsync(logprobs_host, logprobs_dev, n * 4, cudaMemcpyDeviceToHost, stream));
-    if (max_logprobs > 0) {
-      RELAY_CUDA_CHECK(cudaMemcpyAsync(top_ids_host, top_ids_dev, size_t(n) * max_logprobs * 4,
-                                       cudaMemcpyDeviceToHost, stream));
-      RELAY_CUDA_CHECK(cudaMemcpyAsync(top_lp_host, top_lp_dev, size_t(n) * max_logprobs * 4,
-                                       cudaMemcpyDeviceToHost, stream));
-    }
+    for (const Scored& sc : scored) max_logprobs = std::max(max_logprobs, sc.seq->num_prompt_logprobs);
+    const int sampled_rows = sh.per_seq > 0 ? static_cast<int>(samplers.size()) * rows_each
+                                            : static_cast<int>(rows.size() - scored_first);
+    auto score_rows = [&](size_t begin, size_t end, int at) {  // scored[begin, end) from row `at`
+      for (size_t i = begin; i < end; ++i) {
+        kernels::SampleRowParams& p = sample_rows_host[at + static_cast<int>(i - begin)];
+        p = {};
+        p.score_token = scored[i].target;
+      }
+    };
+    auto collect_scores = [&](size_t begin, size_t end, int at) {
+      for (size_t i = begin; i < end; ++i) {
+        const StepSequence& s = *scored[i].seq;
+        const int r = at + static_cast<int>(i - begin);
+        TokenLogprob& lp = (*s.prompt_logprobs)[scored[i].index];
+        lp = sampled_row(r, max_logprobs, s.num_prompt_logprobs);
+        lp.rank = ranks_host[r];
+      }
+    };
+    score_rows(0, scored_first, sampled_rows);
+    launch_sampling(sampled_rows + static_cast<int>(scored_first), max_logprobs, masks,
+                    bias_tokens, bias_values);
     finish_step();
+    collect_scores(0, scored_first, sampled_rows);
     std::vector<SampledToken> out;
     std::vector<float> host_rows;
     for (size_t i = 0; i < samplers.size(); ++i) {
@@ -1325,19 +1514,18 @@ struct RankEngine {
         RELAY_CUDA_CHECK(cudaMemcpy(host_rows.data(), logits + size_t(r0) * vocab,
                                     host_rows.size() * 4, cudaMemcpyDeviceToHost));
         got = sample_with_drafts(host_rows, drafts, sp, s.prompt_tokens, s.output_tokens,
-                                 s.sample_index, {}, opt.forced_draft_acceptance);
+                                 s.sample_index, {s.allowed_tokens, s.logit_bias},
+                                 opt.forced_draft_acceptance);
       } else {
+        const int top = std::min(sp.num_logprobs, kMaxLogprobs);
         got = verify_drafts(drafts, sp.seed, s.sample_index, opt.forced_draft_acceptance,
                             [&](size_t j) {
-                              const int r = r0 + static_cast<int>(j);
                               SampledToken tok;
-                              tok.token = tokens_host[r];
+                              const int r = r0 + static_cast<int>(j);
                               if (sp.num_logprobs >= 0) {
-                                tok.logprob = logprobs_host[r];
-                                for (int m = 0; m < std::min(sp.num_logprobs, kMaxLogprobs); ++m) {
-                                  tok.top.emplace_back(top_ids_host[r * max_logprobs + m],
-                                                       top_lp_host[r * max_logprobs + m]);
-                                }
+                                static_cast<TokenLogprob&>(tok) = sampled_row(r, max_logprobs, top);
+                              } else {
+                                tok.token = tokens_host[r];
                               }
                               return tok;
                             });
@@ -1346,6 +1534,24 @@ struct RankEngine {
         tok.seq_id = s.seq_id;
         out.push_back(std::move(tok));
       }
+    }
+    // The rest of the scored rows (the host samplers have read their logits): the LM head again
+    // over each chunk of them.
+    for (size_t begin = scored_first; begin < scored.size(); begin += chunk) {
+      const size_t end = std::min(scored.size(), begin + chunk);
+      const int n = static_cast<int>(end - begin);
+      const MetaLayout m = MetaLayout::make(sh.tokens, sh.seqs, sh.rows, sh.width);
+      auto* host_rows = reinterpret_cast<int32_t*>(meta_host + m.logit_rows);
+      for (int i = 0; i < n; ++i) host_rows[i] = scored[begin + i].row;
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev + m.logit_rows, host_rows, n * 4,
+                                       cudaMemcpyHostToDevice, stream));
+      kernels::launch_lm_head({normed, reinterpret_cast<const int32_t*>(meta_dev + m.logit_rows),
+                               lm_head, logits, n, hidden, vocab},
+                              stream);
+      score_rows(begin, end, 0);
+      launch_sampling(n, max_logprobs, {}, {}, {});
+      RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+      collect_scores(begin, end, 0);
     }
     return out;
   }
@@ -1402,42 +1608,29 @@ struct RankEngine {
     auto enqueue = [&] { batch.empty() ? enqueue_idle() : enqueue_forward(sh); };
     enqueue();  // warm-up: workspaces, cuBLASLt plans, lazy module loads
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
-    // NOTE: the launches queue behind a host function that holds the stream until all of them are
-    // enqueued, so the GPU runs them back to back and the events time the GPU, not the host's
-    // launch rate (eager launches at batch 1 are slower than the kernels they launch).
-    std::atomic<bool> released{false};
-    RELAY_CUDA_CHECK(cudaLaunchHostFunc(
-        stream,
-        [](void* flag) {
-          auto* f = static_cast<std::atomic<bool>*>(flag);
-          while (!f->load(std::memory_order_acquire)) std::this_thread::yield();
-        },
-        &released));
     OpMarks m;
+    m.hold(stream);
     marks = &m;
     try {
       enqueue();
     } catch (...) {
       marks = nullptr;
-      released.store(true, std::memory_order_release);
+      m.release();
       cudaStreamSynchronize(stream);
-      for (cudaEvent_t e : m.events) cudaEventDestroy(e);
       throw;
     }
     marks = nullptr;
-    released.store(true, std::memory_order_release);
-    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    m.finish(stream);
     std::vector<OpTiming> out;
     std::map<std::string, size_t> index;
-    for (size_t i = 0; i + 1 < m.events.size(); ++i) {
+    for (size_t i = 0; i < m.names.size(); ++i) {
       float ms = 0.0f;
-      RELAY_CUDA_CHECK(cudaEventElapsedTime(&ms, m.events[i], m.events[i + 1]));
+      RELAY_CUDA_CHECK(cudaEventElapsedTime(&ms, m.starts[i], m.ends[i]));
       auto [it, fresh] = index.emplace(m.names[i], out.size());
       if (fresh) out.push_back({m.names[i], 0, 0.0});
       out[it->second].calls += 1;
       out[it->second].ms += ms;
     }
-    for (cudaEvent_t e : m.events) cudaEventDestroy(e);
     return out;
   }
   // Runs this rank alone, collectives off, on a prompt of every power of two up to a full step (and

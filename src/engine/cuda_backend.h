@@ -101,6 +101,10 @@ class CudaBackend : public Backend {
   // Drafts are verified (every row on the GPU sampler, penalties on the host) when the backend was
   // sized for them (CudaBackendOptions::max_draft_tokens).
   bool supports_draft_tokens() const override;
+  // Prompt logprobs and token constraints (structured outputs, logit_bias) ride on the sample
+  // kernel (kernels/cuda/ops_cuda.h, SampleParams).
+  bool supports_prompt_logprobs() const override { return true; }
+  bool supports_token_constraints() const override { return true; }
 
   enum class LogitRows {
     kLastTokens,  // the last token of every sequence: [num_seqs, vocab]

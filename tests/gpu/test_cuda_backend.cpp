@@ -1,6 +1,7 @@
 // CudaBackend end to end against the transformers fixtures (tests/fixtures/models, made by
 // tests/fixtures/make_model_fixtures.py): prompt logits, batched greedy decoding through the paged
-// cache (decode steps run through CUDA graphs), graphs == eager, and the demo model.
+// cache (decode steps run through CUDA graphs), graphs == eager, and the demo model: its sampling,
+// prompt logprobs and token constraints against the shared sampler on the same logits.
 //
 // The fixtures hold fp32 logits of bf16 checkpoints; the GPU computes in bf16 with fp32
 // accumulation (activations rounded to bf16 between ops, as a bf16 transformers run would). The
@@ -13,6 +14,7 @@
 #include <iostream>
 #include <map>
 #include <numeric>
+#include <random>
 
 #include "engine/cuda_backend.h"
 #include "engine/sampler.h"
@@ -185,6 +187,141 @@ TEST(CudaBackendDemo, SamplingMatchesTheSharedSampler) {
     ASSERT_EQ(got[0].top.size(), 3u);
     for (int k = 0; k < 3; ++k) EXPECT_EQ(got[0].top[k].first, want.top[k].first);
   }
+}
+
+// Prompt logprobs on the GPU equal token_logprob over the same logits: a 40-token prompt scored in
+// chunks of the logits buffer (16 rows here), in one step and split over two, beside a sequence
+// sampled on the host (penalties) whose logits the later chunks must not clobber first.
+TEST(CudaBackendDemo, PromptLogprobsMatchTheLogitsInEveryChunk) {
+  const auto model_dir = std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
+  CudaBackend backend(model_dir, small_options(false));
+  const int vocab = static_cast<int>(backend.config().vocab_size);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; ++i) prompt.push_back((i * 7919 + 13) % 5000);
+  const std::vector<float> logits = prefill_logits(backend, prompt);
+  const std::vector<int32_t> other{9707, 11, 1879, 0, 576, 3974, 13};
+  const std::vector<float> other_logits = prefill_logits(backend, other);
+  SamplingParams greedy, penalized;
+  penalized.repetition_penalty = 1.3f;
+  std::vector<float> scratch;
+  for (int split : {40, 17}) {
+    std::vector<int32_t> blocks{10, 11, 12, 13, 14}, other_blocks{20};
+    std::vector<TokenLogprob> got;
+    for (int begin = 0; begin < 40; begin += split) {
+      const int end = std::min(40, begin + split);
+      StepSequence s;
+      s.seq_id = 1;
+      s.tokens = std::span<const int32_t>(prompt).subspan(begin, end - begin);
+      s.num_computed = begin;
+      s.block_table = blocks;
+      s.sample = end == 40;
+      s.sampling = &greedy;
+      s.prompt_tokens = prompt;
+      s.num_prompt_logprobs = 3;
+      std::vector<TokenLogprob> part;
+      s.prompt_logprobs = &part;
+      std::vector<StepSequence> batch{s};
+      if (end == 40) {
+        StepSequence o;
+        o.seq_id = 2;
+        o.tokens = other;
+        o.block_table = other_blocks;
+        o.sample = true;
+        o.sampling = &penalized;
+        o.prompt_tokens = other;
+        batch.push_back(o);
+      }
+      const std::vector<SampledToken> sampled = backend.step(batch);
+      ASSERT_EQ(part.size(), s.num_prompt_logprob_rows());
+      got.insert(got.end(), part.begin(), part.end());
+      if (end == 40) {
+        ASSERT_EQ(sampled.size(), 2u);
+        std::vector<float> last(other_logits.end() - vocab, other_logits.end());
+        EXPECT_EQ(sampled[1].token, sample_token(last, penalized, other, {}, 0).token);
+      }
+    }
+    ASSERT_EQ(got.size(), 39u) << "split " << split;
+    for (size_t j = 0; j < got.size(); ++j) {
+      const TokenLogprob want = token_logprob(
+          std::span<const float>(logits).subspan(j * vocab, vocab), prompt[j + 1], 3, scratch);
+      EXPECT_EQ(got[j].token, want.token) << "row " << j;
+      EXPECT_NEAR(got[j].logprob, want.logprob, 1e-3) << "row " << j;
+      EXPECT_EQ(got[j].rank, want.rank) << "row " << j;
+      ASSERT_EQ(got[j].top.size(), 3u);
+      for (int k = 0; k < 3; ++k) {
+        EXPECT_EQ(got[j].top[k].first, want.top[k].first) << "row " << j;
+        EXPECT_NEAR(got[j].top[k].second, want.top[k].second, 1e-3) << "row " << j;
+      }
+    }
+  }
+}
+
+// A token bitmask and a logit_bias on the GPU sampler draw what sampler.h draws with them, eager
+// and through a decode graph, greedy and random, and on the host path (penalties).
+TEST(CudaBackendDemo, TokenConstraintsMatchTheSharedSampler) {
+  const auto model_dir = std::filesystem::path(RELAY_SOURCE_DIR) / "models" / "relay-demo-moe";
+  CudaBackend backend(model_dir, small_options(true));
+  const int vocab = static_cast<int>(backend.config().vocab_size);
+  const size_t words = (vocab + 31) / 32;
+  std::mt19937 rng(5);
+  std::vector<int32_t> prompt{9707, 11, 1879, 0, 576, 3974, 13};
+  std::vector<int32_t> blocks{5, 6};
+  int checked = 0;
+  for (int round = 0; round < 6; ++round) {
+    SamplingParams sp;
+    sp.temperature = round % 3 == 0 ? 0.0f : 0.9f;
+    sp.top_k = round % 2 ? 50 : 0;
+    sp.repetition_penalty = round == 5 ? 1.2f : 1.0f;
+    sp.seed = 40 + round;
+    sp.num_logprobs = 2;
+    std::vector<uint32_t> mask(words);
+    for (uint32_t& w : mask) w = static_cast<uint32_t>(rng()) & static_cast<uint32_t>(rng());
+    if (vocab % 32) mask.back() &= (1u << (vocab % 32)) - 1;
+    const std::vector<std::pair<int32_t, float>> bias{{static_cast<int32_t>(rng() % vocab), 30.0f},
+                                                      {static_cast<int32_t>(rng() % vocab), -3.0f}};
+    // Prefill (eager), then two decode steps (a graph: captured, then replayed).
+    std::vector<int32_t> tokens = prompt, output;
+    for (int step = 0; step < 3; ++step) {
+      StepSequence s;
+      s.seq_id = 1;
+      s.num_computed = step == 0 ? 0 : static_cast<int>(tokens.size()) - 1;
+      s.tokens = std::span<const int32_t>(tokens).subspan(s.num_computed);
+      s.block_table = blocks;
+      s.sample = true;
+      s.sampling = &sp;
+      s.prompt_tokens = prompt;
+      s.output_tokens = output;
+      s.sample_index = output.size();
+      s.allowed_tokens = mask;
+      if (round % 2 == 0) s.logit_bias = bias;
+      std::vector<StepSequence> batch{s};
+      std::vector<float> logits = backend.forward_logits(batch, CudaBackend::LogitRows::kLastTokens);
+      const SampledToken want =
+          sample_token(logits, sp, prompt, output, s.sample_index, {s.allowed_tokens, s.logit_bias});
+      const std::vector<SampledToken> got = backend.step(batch);
+      ASSERT_EQ(got.size(), 1u);
+      EXPECT_EQ(got[0].token, want.token) << "round " << round << " step " << step;
+      EXPECT_NEAR(got[0].logprob, want.logprob, 1e-3) << "round " << round << " step " << step;
+      EXPECT_TRUE((mask[got[0].token / 32] >> (got[0].token % 32)) & 1u);
+      ++checked;
+      tokens.push_back(got[0].token);
+      output.push_back(got[0].token);
+    }
+  }
+  EXPECT_EQ(checked, 18);
+  // A bitmask that allows nothing, or of the wrong size, is refused before the step runs.
+  SamplingParams sp;
+  StepSequence s;
+  s.seq_id = 1;
+  s.tokens = prompt;
+  s.block_table = blocks;
+  s.sample = true;
+  s.sampling = &sp;
+  std::vector<uint32_t> none(words, 0u), short_mask(words - 1, ~0u);
+  s.allowed_tokens = none;
+  EXPECT_THROW(backend.step(std::vector<StepSequence>{s}), Error);
+  s.allowed_tokens = short_mask;
+  EXPECT_THROW(backend.step(std::vector<StepSequence>{s}), Error);
 }
 
 TEST(CudaBackendDemo, ProfileNamesEveryOpOncePerLayerAndLeavesTheLogitsAlone) {

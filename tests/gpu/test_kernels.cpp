@@ -9,6 +9,7 @@
 
 #include "core/thread_pool.h"
 #include "engine/sampler.h"
+#include "grammar/grammar.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/ops.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -747,14 +748,22 @@ TEST(GpuKernels, MoeGroupedMatmul) {
   }
 }
 
+// Rows of every kind: greedy and filtered draws, some with a logit_bias and/or a token bitmask
+// (the constraints change the draw, never the raw logprobs), and scored prompt rows.
 TEST(GpuKernels, Sampling) {
   std::mt19937 rng(12);
   const int vocab = 5000, num_rows = 48, max_logprobs = 5;
+  const int words = static_cast<int>(token_bitmask_words(vocab));
   std::normal_distribution<float> dist(0.0f, 3.0f);
   std::vector<float> logits(static_cast<size_t>(num_rows) * vocab);
   for (auto& l : logits) l = dist(rng);
   std::vector<kernels::SampleRowParams> rows(num_rows);
   std::vector<SamplingParams> cpu(num_rows);
+  std::vector<uint32_t> masks;
+  std::vector<int32_t> bias_tokens;
+  std::vector<float> bias_values;
+  std::vector<std::vector<std::pair<int32_t, float>>> biases(num_rows);
+  std::uniform_int_distribution<int> any_token(0, vocab - 1);
   for (int r = 0; r < num_rows; ++r) {
     SamplingParams& sp = cpu[r];
     sp.temperature = r % 6 == 0 ? 0.0f : 0.3f + 0.1f * (r % 9);
@@ -764,20 +773,55 @@ TEST(GpuKernels, Sampling) {
     sp.seed = 1234 + r;
     sp.num_logprobs = max_logprobs;
     rows[r] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p, sample_uniform(sp.seed, 7)};
+    if (r % 7 == 4) rows[r].score_token = any_token(rng);
+    if (r % 4 == 2 || r % 5 == 1) {  // a bitmask allowing about a third of the vocabulary
+      rows[r].mask_row = static_cast<int32_t>(masks.size()) / words;
+      for (int w = 0; w < words; ++w) masks.push_back(static_cast<uint32_t>(rng()) & static_cast<uint32_t>(rng()));
+      masks.back() &= vocab % 32 ? (1u << (vocab % 32)) - 1 : ~0u;
+    }
+    if (r % 3 == 1) {  // biases, one large enough to win most greedy rows
+      rows[r].bias_begin = static_cast<int32_t>(bias_tokens.size());
+      for (float b : {25.0f, -5.0f, 2.5f}) biases[r].emplace_back(any_token(rng), b);
+      for (const auto& [t, b] : biases[r]) bias_tokens.push_back(t), bias_values.push_back(b);
+      rows[r].bias_count = 3;
+    }
   }
   DeviceBuffer<float> d_logits(logits), d_lp(num_rows), d_top_lp(static_cast<size_t>(num_rows) * max_logprobs);
   DeviceBuffer<kernels::SampleRowParams> d_rows(rows);
-  DeviceBuffer<int32_t> d_tokens(num_rows), d_top(static_cast<size_t>(num_rows) * max_logprobs);
-  kernels::launch_sample({d_logits.get(), d_rows.get(), d_tokens.get(), d_lp.get(), d_top.get(), d_top_lp.get(),
-                          num_rows, vocab, max_logprobs},
-                         nullptr);
+  DeviceBuffer<int32_t> d_tokens(num_rows), d_top(static_cast<size_t>(num_rows) * max_logprobs), d_ranks(num_rows);
+  DeviceBuffer<uint32_t> d_masks(masks);
+  DeviceBuffer<int32_t> d_bias_tokens(bias_tokens);
+  DeviceBuffer<float> d_bias_values(bias_values), d_bias_raw(bias_values.size());
+  kernels::SampleParams p{.logits = d_logits.get(), .rows = d_rows.get(), .tokens = d_tokens.get(),
+                          .logprobs = d_lp.get(), .top_ids = d_top.get(), .top_logprobs = d_top_lp.get(),
+                          .ranks = d_ranks.get(), .allowed = d_masks.get(), .mask_words = words,
+                          .bias_tokens = d_bias_tokens.get(), .bias_values = d_bias_values.get(),
+                          .bias_raw = d_bias_raw.get(), .num_rows = num_rows, .vocab_size = vocab,
+                          .max_logprobs = max_logprobs};
+  kernels::launch_sample(p, nullptr);
   auto tokens = d_tokens.download();
   auto lps = d_lp.download();
   auto top = d_top.download();
   auto top_lp = d_top_lp.download();
+  auto ranks = d_ranks.download();
+  int constrained = 0;
   for (int r = 0; r < num_rows; ++r) {
     std::vector<float> row(logits.begin() + static_cast<size_t>(r) * vocab, logits.begin() + static_cast<size_t>(r + 1) * vocab);
-    SampledToken want = sample_token(row, cpu[r], {}, {}, 7);
+    SampledToken want;
+    if (rows[r].score_token >= 0) {
+      std::vector<float> scratch;
+      static_cast<TokenLogprob&>(want) = token_logprob(row, rows[r].score_token, max_logprobs, scratch);
+      EXPECT_EQ(ranks[r], want.rank) << "row " << r;
+    } else {
+      TokenConstraints c;
+      if (rows[r].mask_row >= 0) c.allowed_tokens = std::span(masks).subspan(size_t(rows[r].mask_row) * words, words);
+      c.logit_bias = biases[r];
+      constrained += !c.allowed_tokens.empty() || !c.logit_bias.empty();
+      want = sample_token(row, cpu[r], {}, {}, 7, c);
+      if (!c.allowed_tokens.empty()) {
+        EXPECT_TRUE((c.allowed_tokens[tokens[r] / 32] >> (tokens[r] % 32)) & 1u) << "row " << r;
+      }
+    }
     EXPECT_EQ(tokens[r], want.token) << "row " << r;
     EXPECT_NEAR(lps[r], want.logprob, 1e-3) << "row " << r;
     for (int k = 0; k < max_logprobs; ++k) {
@@ -785,6 +829,9 @@ TEST(GpuKernels, Sampling) {
       EXPECT_NEAR(top_lp[r * max_logprobs + k], want.top[k].second, 1e-3);
     }
   }
+  EXPECT_GT(constrained, 20);
+  p.mask_words = words - 1;  // a bitmask of the wrong size
+  EXPECT_THROW(kernels::launch_sample(p, nullptr), Error);
 }
 
 }  // namespace

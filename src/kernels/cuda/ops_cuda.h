@@ -115,26 +115,42 @@ void launch_moe_grouped_matmul_cutlass(const MoeGroupedMatmulParams<bf16>& p, bo
 
 // Sampling on the GPU with the shared sampler's semantics (engine/sampler.h), one row of fp32 logits
 // per sequence and one CTA per row: the raw log-softmax logprob of the chosen token and the top
-// `max_logprobs` (token, logprob) pairs (best first, ties to the lower id); then greedy argmax when
-// temperature < 1e-5, else logits / temperature, min-p, top-k, top-p and an inverse-CDF draw in token
-// order at `uniform` (the caller passes sampler.h's sample_uniform(seed, sample_index), so both
-// backends draw the same token). Penalties are not applied here: the backend samples rows that need
-// them on the host. Thresholds are found by bisection over the ordered bit patterns of the logits,
-// which keeps every token tied at a top-k/top-p boundary (the CPU splits top-p ties by id).
+// `max_logprobs` (token, logprob) pairs (best first, ties to the lower id); then the row's token
+// constraints (logit_bias entries added, then every token its bitmask leaves out set to -inf, in
+// place in `logits`), then greedy argmax when temperature < 1e-5, else logits / temperature, min-p,
+// top-k, top-p and an inverse-CDF draw in token order at `uniform` (the caller passes sampler.h's
+// sample_uniform(seed, sample_index), so both backends draw the same token). Penalties are not
+// applied here: the backend samples rows that need them on the host. Thresholds are found by
+// bisection over the ordered bit patterns of the logits, which keeps every token tied at a
+// top-k/top-p boundary (the CPU splits top-p ties by id).
+// A row with score_token >= 0 is scored instead of sampled (prompt logprobs, sampler.h's
+// token_logprob): its token is score_token, with its raw logprob, its rank (1 + the tokens with a
+// larger logit) in `ranks`, and the top logprobs.
 struct SampleRowParams {
   float temperature = 0.0f;
   int top_k = 0;
   float top_p = 1.0f;
   float min_p = 0.0f;
   double uniform = 0.0;  // in [0, 1)
+  int32_t score_token = -1;
+  int32_t mask_row = -1;  // the row's bitmask in SampleParams::allowed, -1: none
+  int32_t bias_begin = 0, bias_count = 0;  // its entries in SampleParams::bias_*
 };
 struct SampleParams {
-  const float* logits = nullptr;            // [num_rows, vocab_size]
+  float* logits = nullptr;                  // [num_rows, vocab_size]; constrained rows change
   const SampleRowParams* rows = nullptr;    // [num_rows]
   int32_t* tokens = nullptr;                // [num_rows]
   float* logprobs = nullptr;                // [num_rows]
   int32_t* top_ids = nullptr;               // [num_rows, max_logprobs] or null when max_logprobs == 0
   float* top_logprobs = nullptr;            // [num_rows, max_logprobs]
+  int32_t* ranks = nullptr;                 // [num_rows], written for scored rows
+  // Token constraints: bitmasks of mask_words words (bit t of word t / 32: token t allowed; no
+  // row's may be all zero), and logit_bias entries with scratch for their tokens' raw logits.
+  const uint32_t* allowed = nullptr;
+  int mask_words = 0;
+  const int32_t* bias_tokens = nullptr;
+  const float* bias_values = nullptr;
+  float* bias_raw = nullptr;
   int num_rows = 0;
   int vocab_size = 0;
   int max_logprobs = 0;

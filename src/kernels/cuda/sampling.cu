@@ -1,4 +1,5 @@
 // GPU sampling: one 1024-thread CTA per row of fp32 logits (see ops_cuda.h for the semantics).
+// Constrained rows (structured outputs, logit_bias) cost two more passes, a scored prompt row one.
 //
 // Every stage is a pass over the row with a block reduction; the row (600 KB at vocab 151936) stays
 // in L2 between passes. Greedy rows cost two passes (max/arg-max, sum of exponentials); each
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   __shared__ ValueId best_scratch[32];
   __shared__ int chosen;
   const int r = blockIdx.x;
-  const float* row = p.logits + static_cast<int64_t>(r) * p.vocab_size;
+  float* row = p.logits + static_cast<int64_t>(r) * p.vocab_size;
   const SampleRowParams sp = p.rows[r];
 
   ValueId best{-INFINITY, INT32_MAX};
@@ -108,21 +109,59 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     prev = cand;
   }
 
+  if (sp.score_token >= 0) {  // a prompt row: rank and logprob of the given token, raw logits
+    const float l = row[sp.score_token];
+    int above = 0;
+    for (int i = threadIdx.x; i < p.vocab_size; i += kThreads) above += row[i] > l ? 1 : 0;
+    above = static_cast<int>(block_sum(static_cast<float>(above), scratch));
+    if (threadIdx.x == 0) {
+      p.tokens[r] = sp.score_token;
+      p.logprobs[r] = l - log_sum;
+      p.ranks[r] = 1 + above;
+    }
+    return;
+  }
+
+  // The constraints, in place: the biased tokens' raw logits are kept for the logprob.
+  const bool constrained = sp.mask_row >= 0 || sp.bias_count > 0;
+  if (constrained) {
+    __syncthreads();  // every raw read above is done
+    for (int k = threadIdx.x; k < sp.bias_count; k += kThreads) {
+      p.bias_raw[sp.bias_begin + k] = row[p.bias_tokens[sp.bias_begin + k]];
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < sp.bias_count; k += kThreads) {
+      atomicAdd(&row[p.bias_tokens[sp.bias_begin + k]], p.bias_values[sp.bias_begin + k]);
+    }
+    __syncthreads();
+    if (sp.mask_row >= 0) {
+      const uint32_t* mask = p.allowed + static_cast<int64_t>(sp.mask_row) * p.mask_words;
+      for (int i = threadIdx.x; i < p.vocab_size; i += kThreads) {
+        if (!((mask[i >> 5] >> (i & 31)) & 1u)) row[i] = -INFINITY;
+      }
+    }
+    __syncthreads();
+    best = ValueId{-INFINITY, INT32_MAX};
+    for (int i = threadIdx.x; i < p.vocab_size; i += kThreads) best = better(best, ValueId{row[i], i});
+    best = block_best(best, best_scratch);
+  }
+  const float top_logit = best.value;  // of the constrained row
+
   int token = best.id;
   if (sp.temperature >= 1e-5f) {
     // Work in scaled logits l / T; the filters raise a floor below which tokens are masked.
     const float inv_t = 1.0f / sp.temperature;
-    const float scaled_max = max_logit * inv_t;
+    const float scaled_max = top_logit * inv_t;
     float floor = -FLT_MAX;
     if (sp.min_p > 0.0f) floor = fmaxf(floor, (scaled_max + logf(sp.min_p)) / inv_t);
-    const uint32_t lo_key = ordered_key(-FLT_MAX), hi_key = ordered_key(max_logit);
+    const uint32_t lo_key = ordered_key(-FLT_MAX), hi_key = ordered_key(top_logit);
     if (sp.top_k > 0 && sp.top_k < p.vocab_size) {
       auto one = [](float) { return 1.0f; };
       const uint32_t key = bisect_threshold(row, p.vocab_size, floor, lo_key, hi_key, static_cast<float>(sp.top_k),
                                             one, scratch);
       floor = fmaxf(floor, key_to_float(key));
     }
-    auto mass = [&](float l) { return __expf((l - max_logit) * inv_t); };
+    auto mass = [&](float l) { return __expf((l - top_logit) * inv_t); };
     if (sp.top_p < 1.0f) {
       float kept = 0.0f;
       for (int i = threadIdx.x; i < p.vocab_size; i += kThreads) kept += row[i] >= floor ? mass(row[i]) : 0.0f;
@@ -171,8 +210,15 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     token = chosen;
   }
   if (threadIdx.x == 0) {
+    float raw = row[token];  // unchanged unless biased
+    for (int k = 0; k < sp.bias_count; ++k) {
+      if (p.bias_tokens[sp.bias_begin + k] == token) {
+        raw = p.bias_raw[sp.bias_begin + k];
+        break;
+      }
+    }
     p.tokens[r] = token;
-    p.logprobs[r] = row[token] - log_sum;
+    p.logprobs[r] = raw - log_sum;
   }
 }
 
@@ -181,6 +227,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
 void launch_sample(const SampleParams& p, cudaStream_t s) {
   RELAY_CHECK(p.max_logprobs == 0 || (p.top_ids && p.top_logprobs), "sample: max_logprobs ", p.max_logprobs,
               " needs top_ids and top_logprobs");
+  RELAY_CHECK(p.mask_words == 0 || (p.allowed && p.mask_words == (p.vocab_size + 31) / 32),
+              "sample: bitmasks of ", p.mask_words, " words for a vocabulary of ", p.vocab_size);
   if (p.num_rows == 0) return;
   sample_kernel<<<p.num_rows, kThreads, 0, s>>>(p);
   RELAY_CUDA_CHECK_LAUNCH("sample_kernel");
