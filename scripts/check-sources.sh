@@ -68,4 +68,20 @@ then
   status=1
 fi
 
+# 3. One definition per model architecture (model/decoder_plan.h and the builders of
+#    model/architectures.h): architecture names and checkpoint tensor names are spelled in
+#    src/model only, so a backend builds from the plan instead of its own copy of the model.
+if hits=$(grep -rnE 'For(CausalLM|ConditionalGeneration)' src --include='*.cpp' --include='*.h' \
+            --include='*.cu' --include='*.cuh' | grep -v '^src/model/'); then
+  echo "check-sources: architecture names belong in src/model (model/registry.cpp):"
+  echo "$hits"
+  status=1
+fi
+if hits=$(grep -rnE '"[^"]*(_proj|layernorm|embed_tokens|lm_head|norm)\.(weight|bias)"|"model\.layers' \
+            src/engine src/kernels src/server src/disagg src/cli 2>/dev/null); then
+  echo "check-sources: checkpoint tensor names belong in src/model (model/decoder_plan.h):"
+  echo "$hits"
+  status=1
+fi
+
 exit $status

@@ -400,11 +400,16 @@ IndexRange dense_mlp_slice(const ShardSpec& shard) {
 }
 
 std::unique_ptr<FeedForward> make_feed_forward(const ModelConfig& c, const Checkpoint& ckpt,
-                                               const std::string& prefix, int layer,
-                                               const ShardSpec& shard) {
-  if (c.layer_is_moe(layer)) return std::make_unique<SparseMoe>(c, ckpt, prefix, shard);
-  return std::make_unique<DenseMlp>(ckpt, prefix, c.hidden_size, c.intermediate_size,
-                                    dense_mlp_slice(shard), shard.tp_comm);
+                                               const LayerPlan& layer, const ShardSpec& shard) {
+  switch (layer.ffn) {
+    case FfnKind::kMoe:
+    case FfnKind::kMoeWithSharedExpert:  // SparseMoe loads the shared expert the config has
+      return std::make_unique<SparseMoe>(c, ckpt, layer.mlp(), shard);
+    case FfnKind::kDenseMlp:
+      return std::make_unique<DenseMlp>(ckpt, layer.mlp(), c.hidden_size, c.intermediate_size,
+                                        dense_mlp_slice(shard), shard.tp_comm);
+  }
+  fail(str("layer ", layer.index, " has an unknown feed-forward kind"));
 }
 
 SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::string& prefix,

@@ -19,6 +19,7 @@
 
 #include "kvcache/kv_cache.h"
 #include "model/config.h"
+#include "model/decoder_plan.h"
 #include "model/forward_batch.h"
 #include "model/rope.h"
 #include "model/safetensors.h"
@@ -230,12 +231,10 @@ class SparseMoe : public FeedForward {
 // A decoder MLP's slice of intermediate_size on this rank (DenseMlp's `slice`).
 IndexRange dense_mlp_slice(const ShardSpec& shard);
 
-// Layer `layer`'s feed-forward: the sparse MoE block where config.layer_is_moe(layer) says so
-// (HF's rule: experts exist, not in mlp_only_layers, on the decoder_sparse_step), else a dense
-// SwiGLU MLP of width intermediate_size. prefix: "model.layers.N.mlp".
+// A layer's feed-forward as its plan says (model/decoder_plan.h): the sparse MoE block (with its
+// shared expert when the config has one), or a dense SwiGLU MLP of width intermediate_size.
 std::unique_ptr<FeedForward> make_feed_forward(const ModelConfig& config, const Checkpoint& ckpt,
-                                               const std::string& prefix, int layer,
-                                               const ShardSpec& shard);
+                                               const LayerPlan& layer, const ShardSpec& shard);
 
 struct DecoderLayer {
   std::vector<float> input_norm;           // [hidden]

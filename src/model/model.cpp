@@ -302,25 +302,24 @@ std::unique_ptr<Model> load_decoder(const ModelConfig& c, const Checkpoint& ckpt
   RELAY_CHECK(c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads == 0,
               "num_attention_heads ", c.num_attention_heads,
               " must be a multiple of num_key_value_heads ", c.num_key_value_heads);
-  const std::string embed_name = blocks.prefix + "embed_tokens.weight";
-  std::vector<float> embedding = load_f32(ckpt, embed_name, {c.vocab_size, c.hidden_size});
+  const DecoderPlan plan = plan_decoder(c, ckpt);
+  std::vector<float> embedding =
+      load_f32(ckpt, plan.embed_tokens(), {c.vocab_size, c.hidden_size});
   std::vector<DecoderLayer> layers;
   layers.reserve(c.num_hidden_layers);
-  for (int i = 0; i < c.num_hidden_layers; ++i) {
+  for (const LayerPlan& lp : plan.layers) {
     DecoderLayer layer;
-    const std::string p = str(blocks.prefix, "layers.", i, ".");
-    layer.input_norm =
-        load_norm(ckpt, p + "input_layernorm.weight", c.hidden_size, c.zero_centered_norms);
-    layer.post_attention_norm = load_norm(ckpt, p + "post_attention_layernorm.weight",
-                                          c.hidden_size, c.zero_centered_norms);
-    layer.mixer = blocks.mixer(i, p);
-    layer.ffn = blocks.ffn(i, p);
+    layer.input_norm = load_norm(ckpt, lp.input_norm(), c.hidden_size, c.zero_centered_norms);
+    layer.post_attention_norm =
+        load_norm(ckpt, lp.post_attention_norm(), c.hidden_size, c.zero_centered_norms);
+    layer.mixer = blocks.mixer(lp);
+    layer.ffn = blocks.ffn(lp);
     layers.push_back(std::move(layer));
   }
   std::vector<float> final_norm =
-      load_norm(ckpt, blocks.prefix + "norm.weight", c.hidden_size, c.zero_centered_norms);
+      load_norm(ckpt, plan.final_norm(), c.hidden_size, c.zero_centered_norms);
   LmHeadWeights lm_head;
-  const std::string lm_name = c.tie_word_embeddings ? embed_name : "lm_head.weight";
+  const std::string lm_name = plan.lm_head();
   const TensorView& lm = ckpt.get(lm_name, {c.vocab_size, c.hidden_size});
   if (lm.dtype == DType::BF16) {
     lm_head.bf16.resize(lm.numel());

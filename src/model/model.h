@@ -32,6 +32,7 @@
 #include "kvcache/kv_cache.h"
 #include "kvcache/recurrent_state.h"
 #include "model/config.h"
+#include "model/decoder_plan.h"
 #include "model/forward_batch.h"
 #include "model/layers.h"
 #include "model/mtp.h"
@@ -144,9 +145,8 @@ RecurrentStateLayout recurrent_state_layout(const ModelConfig& config, const Sha
 // are under prefix + "layers.<l>." (passed to the callbacks as layer_prefix); the embedding and the
 // final norm under prefix too, and lm_head.weight at the top level.
 struct DecoderBlocks {
-  std::string prefix = "model.";  // "model.language_model." in a Qwen3.5 vision-language checkpoint
-  std::function<std::unique_ptr<TokenMixer>(int layer, const std::string& layer_prefix)> mixer;
-  std::function<std::unique_ptr<FeedForward>(int layer, const std::string& layer_prefix)> ffn;
+  std::function<std::unique_ptr<TokenMixer>(const LayerPlan& layer)> mixer;
+  std::function<std::unique_ptr<FeedForward>(const LayerPlan& layer)> ffn;
 };
 
 // Logs (one stderr line) how many tensors under `prefix` the checkpoint holds that the model does
@@ -155,7 +155,8 @@ void log_unloaded_tensors(const Checkpoint& ckpt, const std::string& prefix,
                           const std::string& why);
 
 // Loads what every Qwen-family decoder shares (embedding, norms, LM head) for `shard` and asks
-// `blocks` for each layer's token mixer and feed-forward. Norms are zero-centred (1 + w) when the
+// `blocks` for each layer's token mixer and feed-forward, layer by layer of the decoder's plan
+// (model/decoder_plan.h). Norms are zero-centred (1 + w) when the
 // config says so.
 std::unique_ptr<Model> load_decoder(const ModelConfig& config, const Checkpoint& ckpt,
                                     const ShardSpec& shard, const DecoderBlocks& blocks);

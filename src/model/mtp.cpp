@@ -11,12 +11,6 @@
 
 namespace relay {
 
-namespace {
-
-constexpr const char* kLayerPrefix = "mtp.layers.0.";
-
-}  // namespace
-
 int count_mtp_layers(const Checkpoint& ckpt) {
   const std::string prefix = "mtp.layers.";
   std::set<int> layers;
@@ -33,17 +27,18 @@ int count_mtp_layers(const Checkpoint& ckpt) {
 std::vector<std::string> mtp_tensor_names(const ModelConfig& c, const Checkpoint& ckpt) {
   std::vector<std::string> names = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight",
                                     "mtp.pre_fc_norm_hidden.weight"};
-  const std::string p = kLayerPrefix;
-  names.push_back(p + "input_layernorm.weight");
+  const LayerPlan lp = plan_mtp_layer(c);
+  const std::string& p = lp.prefix;
+  names.push_back(lp.input_norm());
   for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
     names.push_back(str(p, "self_attn.", proj, ".weight"));
     if (c.attention_bias) names.push_back(str(p, "self_attn.", proj, ".bias"));
   }
   names.push_back(p + "self_attn.q_norm.weight");
   names.push_back(p + "self_attn.k_norm.weight");
-  names.push_back(p + "post_attention_layernorm.weight");
-  const std::string mlp = p + "mlp.";
-  if (c.layer_is_moe(0)) {
+  names.push_back(lp.post_attention_norm());
+  const std::string mlp = lp.mlp() + ".";
+  if (lp.ffn != FfnKind::kDenseMlp) {
     names.push_back(mlp + "gate.weight");
     if (ckpt.has(mlp + "experts.gate_up_proj")) {
       names.push_back(mlp + "experts.gate_up_proj");
@@ -54,7 +49,7 @@ std::vector<std::string> mtp_tensor_names(const ModelConfig& c, const Checkpoint
           names.push_back(str(mlp, "experts.", e, ".", proj, ".weight"));
       }
     }
-    if (c.shared_expert_intermediate_size > 0) {
+    if (lp.ffn == FfnKind::kMoeWithSharedExpert) {
       for (const char* proj : {"gate_proj", "up_proj", "down_proj"})
         names.push_back(str(mlp, "shared_expert.", proj, ".weight"));
       names.push_back(mlp + "shared_expert_gate.weight");
@@ -74,13 +69,12 @@ MtpHead load_mtp_head(const ModelConfig& c, const Checkpoint& ckpt, const ShardS
   head.pre_fc_norm_embedding =
       load_norm(ckpt, "mtp.pre_fc_norm_embedding.weight", c.hidden_size, zc);
   head.pre_fc_norm_hidden = load_norm(ckpt, "mtp.pre_fc_norm_hidden.weight", c.hidden_size, zc);
-  const std::string p = kLayerPrefix;
-  head.layer.input_norm = load_norm(ckpt, p + "input_layernorm.weight", c.hidden_size, zc);
-  head.layer.mixer = std::make_unique<FullAttention>(
-      c, ckpt, p + "self_attn", c.num_kv_cache_layers(), compute_rope(c), shard);
-  head.layer.post_attention_norm =
-      load_norm(ckpt, p + "post_attention_layernorm.weight", c.hidden_size, zc);
-  head.layer.ffn = make_feed_forward(c, ckpt, p + "mlp", 0, shard);
+  const LayerPlan lp = plan_mtp_layer(c);
+  head.layer.input_norm = load_norm(ckpt, lp.input_norm(), c.hidden_size, zc);
+  head.layer.mixer = std::make_unique<FullAttention>(c, ckpt, lp.attention(),
+                                                     c.num_kv_cache_layers(), compute_rope(c), shard);
+  head.layer.post_attention_norm = load_norm(ckpt, lp.post_attention_norm(), c.hidden_size, zc);
+  head.layer.ffn = make_feed_forward(c, ckpt, lp, shard);
   head.norm = load_norm(ckpt, "mtp.norm.weight", c.hidden_size, zc);
   return head;
 }

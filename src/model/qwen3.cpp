@@ -9,13 +9,10 @@ std::unique_ptr<Model> build_qwen3(const ModelConfig& c, const Checkpoint& ckpt,
                                    const ShardSpec& shard) {
   const RopeTables rope = compute_rope(c);
   DecoderBlocks blocks;
-  blocks.mixer = [&](int layer, const std::string& p) -> std::unique_ptr<TokenMixer> {
-    return std::make_unique<FullAttention>(c, ckpt, p + "self_attn", layer, rope, shard);
+  blocks.mixer = [&](const LayerPlan& layer) -> std::unique_ptr<TokenMixer> {
+    return std::make_unique<FullAttention>(c, ckpt, layer.attention(), layer.index, rope, shard);
   };
-  blocks.ffn = [&](int, const std::string& p) -> std::unique_ptr<FeedForward> {
-    return std::make_unique<DenseMlp>(ckpt, p + "mlp", c.hidden_size, c.intermediate_size,
-                                      dense_mlp_slice(shard), shard.tp_comm);
-  };
+  blocks.ffn = [&](const LayerPlan& layer) { return make_feed_forward(c, ckpt, layer, shard); };
   return load_decoder(c, ckpt, shard, blocks);
 }
 

@@ -22,25 +22,21 @@ std::unique_ptr<Model> build_qwen3_5(const ModelConfig& c, const Checkpoint& ckp
   log_unloaded_tensors(ckpt, "model.visual.", "the vision encoder is not run");
   const RopeTables rope = compute_rope(c);
   DecoderBlocks blocks;
-  blocks.prefix =
-      ckpt.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
-  blocks.mixer = [&](int layer, const std::string& p) -> std::unique_ptr<TokenMixer> {
-    if (!c.layer_is_linear_attention(layer)) {
-      return std::make_unique<FullAttention>(c, ckpt, p + "self_attn", c.kv_cache_layer(layer),
-                                             rope, shard);
+  blocks.mixer = [&](const LayerPlan& layer) -> std::unique_ptr<TokenMixer> {
+    if (layer.mixer != MixerKind::kGatedDeltaNet) {
+      return std::make_unique<FullAttention>(c, ckpt, layer.attention(),
+                                             c.kv_cache_layer(layer.index), rope, shard);
     }
-    const std::string la = p + "linear_attn.";
+    const std::string la = layer.linear_attention() + ".";
     Linear in_proj = load_linear(
         ckpt, {la + "in_proj_qkv", la + "in_proj_z", la + "in_proj_b", la + "in_proj_a"},
         {c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads,
          c.linear_num_value_heads},
         c.hidden_size, false);
-    return std::make_unique<GatedDeltaNet>(c, ckpt, p + "linear_attn", c.recurrent_layer(layer),
-                                           in_proj, shard);
+    return std::make_unique<GatedDeltaNet>(c, ckpt, layer.linear_attention(),
+                                           c.recurrent_layer(layer.index), in_proj, shard);
   };
-  blocks.ffn = [&](int layer, const std::string& p) {
-    return make_feed_forward(c, ckpt, p + "mlp", layer, shard);
-  };
+  blocks.ffn = [&](const LayerPlan& layer) { return make_feed_forward(c, ckpt, layer, shard); };
   return load_decoder(c, ckpt, shard, blocks);
 }
 

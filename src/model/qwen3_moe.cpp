@@ -11,12 +11,10 @@ std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& c, const Checkpoint& c
                                        const ShardSpec& shard) {
   const RopeTables rope = compute_rope(c);
   DecoderBlocks blocks;
-  blocks.mixer = [&](int layer, const std::string& p) -> std::unique_ptr<TokenMixer> {
-    return std::make_unique<FullAttention>(c, ckpt, p + "self_attn", layer, rope, shard);
+  blocks.mixer = [&](const LayerPlan& layer) -> std::unique_ptr<TokenMixer> {
+    return std::make_unique<FullAttention>(c, ckpt, layer.attention(), layer.index, rope, shard);
   };
-  blocks.ffn = [&](int layer, const std::string& p) {
-    return make_feed_forward(c, ckpt, p + "mlp", layer, shard);
-  };
+  blocks.ffn = [&](const LayerPlan& layer) { return make_feed_forward(c, ckpt, layer, shard); };
   return load_decoder(c, ckpt, shard, blocks);
 }
 

@@ -48,22 +48,21 @@ std::unique_ptr<Model> build_qwen3_next(const ModelConfig& c, const Checkpoint& 
   const RopeTables rope = compute_rope(c);
   const std::vector<int64_t> in_proj_rows = uninterleaved_rows(c);
   DecoderBlocks blocks;
-  blocks.mixer = [&](int layer, const std::string& p) -> std::unique_ptr<TokenMixer> {
-    if (!c.layer_is_linear_attention(layer)) {
-      return std::make_unique<FullAttention>(c, ckpt, p + "self_attn", c.kv_cache_layer(layer),
-                                             rope, shard);
+  blocks.mixer = [&](const LayerPlan& layer) -> std::unique_ptr<TokenMixer> {
+    if (layer.mixer != MixerKind::kGatedDeltaNet) {
+      return std::make_unique<FullAttention>(c, ckpt, layer.attention(),
+                                             c.kv_cache_layer(layer.index), rope, shard);
     }
-    const std::string la = p + "linear_attn.";
+    const std::string la = layer.linear_attention() + ".";
     const Linear fused =
         load_linear(ckpt, {la + "in_proj_qkvz", la + "in_proj_ba"},
                     {c.linear_conv_dim() + c.linear_value_dim(), 2 * c.linear_num_value_heads},
                     c.hidden_size, false);
-    return std::make_unique<GatedDeltaNet>(c, ckpt, p + "linear_attn", c.recurrent_layer(layer),
+    return std::make_unique<GatedDeltaNet>(c, ckpt, layer.linear_attention(),
+                                           c.recurrent_layer(layer.index),
                                            take_rows(fused, in_proj_rows), shard);
   };
-  blocks.ffn = [&](int layer, const std::string& p) {
-    return make_feed_forward(c, ckpt, p + "mlp", layer, shard);
-  };
+  blocks.ffn = [&](const LayerPlan& layer) { return make_feed_forward(c, ckpt, layer, shard); };
   return load_decoder(c, ckpt, shard, blocks);
 }
 

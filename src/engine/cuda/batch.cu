@@ -1,0 +1,246 @@
+// RankEngine's step plumbing: batch checks, the metadata upload, the decode graph cache, warm-up.
+#include "engine/cuda/rank_engine.h"
+
+namespace relay::cuda_engine {
+
+void RankEngine::check_batch(std::span<const StepSequence> batch) const {
+  int tokens = 0;
+  const int bs = opt.block_size;
+  for (const StepSequence& s : batch) {
+    RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
+    RELAY_CHECK(s.num_computed >= 0, "sequence ", s.seq_id, " has num_computed ", s.num_computed);
+    RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
+                " samples but has no SamplingParams");
+    RELAY_CHECK(s.num_draft_tokens == 0 ||
+                    (s.sample && s.num_draft_tokens > 0 &&
+                     s.num_draft_tokens < static_cast<int>(s.tokens.size()) &&
+                     s.num_draft_tokens <= opt.max_draft_tokens),
+                "sequence ", s.seq_id, " has ", s.num_draft_tokens, " drafts among ",
+                s.tokens.size(), " tokens (sample ", s.sample,
+                "); the CUDA backend verifies at most ", opt.max_draft_tokens,
+                " drafts per sampling sequence");
+    RELAY_CHECK(s.num_prompt_logprobs <= kMaxLogprobs &&
+                    (s.num_prompt_logprobs < 0 || s.prompt_logprobs != nullptr),
+                "sequence ", s.seq_id, " asks for ", s.num_prompt_logprobs,
+                " prompt logprobs; the CUDA backend gives -1 (none) to ", kMaxLogprobs,
+                ", into a prompt_logprobs output");
+    const size_t words = token_bitmask_words(vocab);
+    RELAY_CHECK(s.allowed_tokens.empty() ||
+                    s.allowed_tokens.size() == words * (1 + size_t(s.num_draft_tokens)),
+                "sequence ", s.seq_id, " has a token bitmask of ", s.allowed_tokens.size(),
+                " words; ", 1 + s.num_draft_tokens, " sampled rows over a vocabulary of ", vocab,
+                " take ", words * (1 + size_t(s.num_draft_tokens)));
+    for (size_t at = 0; at < s.allowed_tokens.size(); at += words) {
+      const auto mask = s.allowed_tokens.subspan(at, words);
+      RELAY_CHECK(std::any_of(mask.begin(), mask.end(), [](uint32_t w) { return w != 0; }),
+                  "sequence ", s.seq_id, ": the token bitmask of row ", at / words,
+                  " allows no token");
+    }
+    for (const auto& [token, bias] : s.logit_bias) {
+      RELAY_CHECK(token >= 0 && token < vocab, "sequence ", s.seq_id, ": logit_bias token ",
+                  token, " outside [0, ", vocab, ")");
+    }
+    tokens += static_cast<int>(s.tokens.size());
+    const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
+    RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
+                " needs ", context, " KV slots but its block table has ", s.block_table.size(),
+                " blocks of ", bs);
+    RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) <= max_blocks, "sequence ", s.seq_id,
+                " has ", s.block_table.size(), " blocks; max_position_embeddings allows ",
+                max_blocks);
+    for (int32_t b : s.block_table) {
+      RELAY_CHECK(b >= 0 && b < kv_layout.num_blocks, "sequence ", s.seq_id, " uses block ", b,
+                  " outside the pool of ", kv_layout.num_blocks);
+    }
+    for (int32_t id : s.tokens) {
+      RELAY_CHECK(id >= 0 && id < vocab, "token ", id, " of sequence ", s.seq_id,
+                  " is outside the vocabulary of ", vocab);
+    }
+  }
+  RELAY_CHECK(tokens <= opt.max_num_tokens, "step has ", tokens,
+              " tokens; the CUDA backend was sized for ", opt.max_num_tokens);
+  RELAY_CHECK(batch.size() <= static_cast<size_t>(opt.max_num_seqs), "step has ", batch.size(),
+              " sequences; the CUDA backend was sized for ", opt.max_num_seqs);
+}
+
+RankEngine::Shape RankEngine::upload_batch(std::span<const StepSequence> batch, int pad_seqs, int width,
+                   const std::vector<int32_t>& rows, int per_seq) {
+  const bool graph = pad_seqs > 0;
+  int tokens = 0;
+  for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
+  const int seqs = std::max<int>(pad_seqs, static_cast<int>(batch.size()));
+  if (graph) tokens = seqs * per_seq;
+  const int num_rows = graph ? tokens : static_cast<int>(rows.size());
+  RELAY_CHECK(tokens <= opt.max_num_tokens && seqs <= opt.max_num_seqs &&
+                  num_rows <= logit_rows(),
+              "step of ", tokens, " tokens, ", seqs, " sequences and ", num_rows,
+              " logit rows; the CUDA backend was sized for ", opt.max_num_tokens, ", ",
+              opt.max_num_seqs, " and ", logit_rows());
+  const MetaLayout m = MetaLayout::make(tokens, seqs, num_rows, width);
+  RELAY_CHECK(m.bytes <= meta_capacity, "batch metadata of ", m.bytes, " bytes exceeds ",
+              meta_capacity);
+  auto* token_ids = reinterpret_cast<int32_t*>(meta_host + m.token_ids);
+  auto* positions = reinterpret_cast<int32_t*>(meta_host + m.positions);
+  auto* logit_rows = reinterpret_cast<int32_t*>(meta_host + m.logit_rows);
+  auto* query_starts = reinterpret_cast<int32_t*>(meta_host + m.query_starts);
+  auto* context_lens = reinterpret_cast<int32_t*>(meta_host + m.context_lens);
+  auto* slots = reinterpret_cast<int64_t*>(meta_host + m.slot_mapping);
+  auto* tables = reinterpret_cast<int32_t*>(meta_host + m.block_tables);
+  std::memset(tables, 0, sizeof(int32_t) * static_cast<size_t>(seqs) * width);
+  const int bs = opt.block_size;
+  int t = 0;
+  query_starts[0] = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const StepSequence& s = batch[i];
+    const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
+    RELAY_CHECK(static_cast<int>(s.block_table.size()) <= width, "sequence ", s.seq_id, " has ",
+                s.block_table.size(), " blocks; the table width is ", width);
+    std::copy(s.block_table.begin(), s.block_table.end(), tables + i * width);
+    for (size_t j = 0; j < s.tokens.size(); ++j, ++t) {
+      const int32_t pos = s.num_computed + static_cast<int32_t>(j);
+      token_ids[t] = s.tokens[j];
+      positions[t] = pos;
+      slots[t] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
+    }
+    const int fillers = graph ? per_seq - static_cast<int>(s.tokens.size()) : 0;
+    for (int f = 0; f < fillers; ++f, ++t) {
+      token_ids[t] = 0;
+      positions[t] = static_cast<int32_t>(context) + f;
+      slots[t] = -1;
+    }
+    query_starts[i + 1] = t;
+    context_lens[i] = static_cast<int32_t>(context) + fillers;
+  }
+  for (int i = static_cast<int>(batch.size()); i < seqs; ++i) {  // padding: writes nothing
+    for (int j = 0; j < per_seq; ++j, ++t) {
+      token_ids[t] = 0;
+      positions[t] = j;
+      slots[t] = -1;
+    }
+    query_starts[i + 1] = t;
+    context_lens[i] = per_seq;
+  }
+  if (graph) {
+    for (int r = 0; r < num_rows; ++r) logit_rows[r] = r;
+  } else {
+    std::copy(rows.begin(), rows.end(), logit_rows);
+  }
+  // The step's device time starts here, after the host built the metadata.
+  RELAY_CUDA_CHECK(cudaEventRecord(step_begin, stream));
+  RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev, meta_host, m.bytes, cudaMemcpyHostToDevice, stream));
+  return Shape{tokens, seqs, num_rows, width, graph ? per_seq : 0};
+}
+
+int RankEngine::width_of(std::span<const StepSequence> batch, bool pow2, int min_width) const {
+  int w = min_width;
+  for (const StepSequence& s : batch) w = std::max(w, static_cast<int>(s.block_table.size()));
+  if (!pow2) return w;
+  int p = 16;
+  while (p < w) p *= 2;
+  return std::min(p, std::max(w, max_blocks));
+}
+
+int RankEngine::graph_tokens_per_seq(std::span<const StepSequence> batch) const {
+  if (!opt.cuda_graphs || batch.empty() || static_cast<int>(batch.size()) > opt.max_num_seqs)
+    return 0;
+  int q = 1;
+  for (const StepSequence& s : batch) {
+    if (!s.sample || static_cast<int>(s.tokens.size()) != 1 + s.num_draft_tokens) return 0;
+    q = std::max(q, 1 + s.num_draft_tokens);
+  }
+  for (const StepSequence& s : batch) {  // the fillers' positions stay within the tables' width
+    if ((s.num_computed + q + opt.block_size - 1) / opt.block_size > max_blocks) return 0;
+  }
+  const int padded = std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
+  return padded * q <= opt.max_num_tokens ? q : 0;
+}
+
+int RankEngine::step_tokens(std::span<const StepSequence> batch) const {
+  if (batch.empty()) return 0;
+  if (const int q = graph_tokens_per_seq(batch); q > 0)
+    return std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs) * q;
+  int tokens = 0;
+  for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
+  return tokens;
+}
+
+RankEngine::Shape RankEngine::run(std::span<const StepSequence> batch, const std::vector<int32_t>& rows) {
+  const int q = graph_tokens_per_seq(batch);
+  if (q == 0 || (dispatch && moe_step_tokens > moe_graph_tokens(q))) {
+    const Shape sh = upload_batch(batch, 0, width_of(batch, false), rows);
+    moe_bound_tokens = moe_step_tokens;
+    enqueue_forward(sh);
+    return sh;
+  }
+  moe_bound_tokens = moe_graph_tokens(q);  // what the captured graph keeps
+  const int padded = std::min(bucket_of(static_cast<int>(batch.size())), opt.max_num_seqs);
+  // The fillers' positions run up to q - 1 past a sequence's drafts: the table covers them too.
+  int reach = 1;
+  for (const StepSequence& s : batch) reach = std::max(reach, (s.num_computed + q + opt.block_size - 1) / opt.block_size);
+  const int width = width_of(batch, true, reach);
+  const Shape sh = upload_batch(batch, padded, width, rows, q);
+  const auto key = std::make_tuple(padded, width, q);
+  auto it = graphs.find(key);
+  if (it != graphs.end()) {
+    RELAY_CUDA_CHECK(cudaGraphLaunch(it->second, stream));
+    return sh;
+  }
+  // First time for this bucket: run eagerly (which also grows any workspace), then capture.
+  enqueue_forward(sh);
+  cudaGraph_t graph = nullptr;
+  RELAY_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue_forward(sh);
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  RELAY_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  RELAY_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  RELAY_CUDA_CHECK(cudaGraphDestroy(graph));
+  graphs.emplace(key, exec);
+  return sh;
+}
+
+void RankEngine::finish_step() {
+  RELAY_CUDA_CHECK(cudaEventRecord(step_end, stream));
+  RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+  float ms = 0.0f;
+  RELAY_CUDA_CHECK(cudaEventElapsedTime(&ms, step_begin, step_end));
+  last_step_device_ms = ms;
+}
+
+void RankEngine::warm_up_alone() {
+  const bool tp = tp_reduce, moe = moe_reduce, disp = dispatch;
+  tp_reduce = moe_reduce = dispatch = false;
+  const int cap = std::min({opt.max_num_tokens, max_blocks * opt.block_size,
+                            kv_layout.num_blocks * opt.block_size});
+  std::vector<int32_t> tokens(cap, 0), table((cap + opt.block_size - 1) / opt.block_size);
+  std::iota(table.begin(), table.end(), 0);
+  std::vector<int> sizes;
+  for (int n = 1; n < cap; n *= 2) sizes.push_back(n);
+  sizes.push_back(cap);
+  for (int n : sizes) {
+    StepSequence s;
+    s.tokens = std::span<const int32_t>(tokens).first(n);
+    s.block_table = std::span<const int32_t>(table).first((n + opt.block_size - 1) / opt.block_size);
+    const std::vector<StepSequence> batch{s};
+    std::vector<int32_t> rows(std::min(n, logit_rows()));  // the LM head's row buckets too
+    std::iota(rows.begin(), rows.end(), n - static_cast<int>(rows.size()));
+    enqueue_forward(upload_batch(batch, 0, width_of(batch, false), rows));
+    RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  RELAY_CUDA_CHECK(cudaMemsetAsync(kv_pool, 0, kv_layout.total_bytes(), stream));
+  RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+  tp_reduce = tp, moe_reduce = moe, dispatch = disp;
+}
+
+void RankEngine::idle_step() {
+  moe_bound_tokens = moe_step_tokens;
+  enqueue_idle();
+  RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace relay::cuda_engine

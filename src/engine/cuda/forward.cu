@@ -1,0 +1,226 @@
+// RankEngine's forward pass, enqueued op by op on the rank's stream (graph-capturable).
+#include "engine/cuda/rank_engine.h"
+
+namespace relay::cuda_engine {
+
+void RankEngine::enqueue_forward(const Shape& sh) {
+  const MetaLayout m = MetaLayout::make(sh.tokens, sh.seqs, sh.rows, sh.width);
+  auto at = [&](size_t off) { return meta_dev + off; };
+  const auto* token_ids = reinterpret_cast<const int32_t*>(at(m.token_ids));
+  const auto* positions = reinterpret_cast<const int32_t*>(at(m.positions));
+  const auto* logit_rows = reinterpret_cast<const int32_t*>(at(m.logit_rows));
+  const auto* query_starts = reinterpret_cast<const int32_t*>(at(m.query_starts));
+  const auto* context_lens = reinterpret_cast<const int32_t*>(at(m.context_lens));
+  const auto* slots = reinterpret_cast<const int64_t*>(at(m.slot_mapping));
+  const auto* tables = reinterpret_cast<const int32_t*>(at(m.block_tables));
+  const int T = sh.tokens;
+  const float eps = static_cast<float>(cfg.rms_norm_eps);
+  mark("embedding");
+  kernels::launch_embedding({token_ids, embedding, residual, T, hidden, vocab}, stream);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerWeights& w = layers[l];
+    mark("input_norm");
+    if (l == 0) {
+      kernels::launch_rms_norm({residual, nullptr, w.input_norm, normed, T, hidden, eps}, stream);
+    } else {
+      kernels::launch_rms_norm({mix, residual, w.input_norm, normed, T, hidden, eps}, stream);
+    }
+    linear("qkv_proj", normed, w.qkv, w.qkv8, w.qkv_bias, qkv, T, qkv_dim, hidden);
+    bf16* k_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 0, 0, 0);
+    bf16* v_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 1, 0, 0);
+    mark("qk_norm_rope_kv_write");
+    kernels::launch_qk_norm_rope_kv_write(
+        {qkv, w.q_norm, w.k_norm, positions, inv_freq, attention_scaling, slots, q, k_cache,
+         v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps,
+         w.qkv8.present() ? quant::kFp8BlockSize : 0},
+        stream);
+    mark("attention");
+    kernels::launch_paged_attention(
+        {q, k_cache, v_cache, query_starts, context_lens, tables, attn, sh.seqs, T, q_heads,
+         kv_heads, head_dim, opt.block_size, sh.width,
+         1.0f / std::sqrt(static_cast<float>(head_dim))},
+        stream);
+    linear("o_proj", attn, w.o, w.o8, w.o_bias, mix, T, hidden, q_heads * head_dim);
+    if (tp_reduce) {
+      mark("attention_all_reduce");
+      comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
+    }
+    mark("post_attention_norm");
+    kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden, eps}, stream);
+    if (w.moe) {
+      enqueue_moe(w, T);
+    } else {
+      linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width,
+             hidden);
+      swiglu(w, T);
+      linear("mlp_down", act, w.down, w.down8, nullptr, mix, T, hidden, w.act_width,
+             w.down8.present());
+      if (tp_reduce) {
+        mark("mlp_all_reduce");
+        comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
+      }
+    }
+  }
+  mark("final_norm");
+  kernels::launch_rms_norm({mix, residual, final_norm, normed, T, hidden, eps}, stream);
+  mark("lm_head");
+  kernels::launch_lm_head({normed, logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
+  mark("end");
+}
+
+void RankEngine::enqueue_idle() {
+  for (const LayerWeights& w : layers) {
+    if (w.moe) enqueue_moe(w, 0);
+  }
+}
+
+bool RankEngine::fp8_on_cublaslt(const Fp8Weight& w8, int m, int k) const {
+  return kernels::fp8_block_matmul_cublaslt_supported(m, static_cast<int>(w8.shape.rows), k);
+}
+
+void RankEngine::linear(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8,
+            const bf16* bias, bf16* out, int m, int n, int k, bool quantized) {
+  if (!w8.present()) {
+    mark(name);
+    kernels::launch_matmul({x, w16, bias, out, m, n, k}, stream);
+    return;
+  }
+  const bool lt = fp8_on_cublaslt(w8, m, k);
+  if (!quantized) {
+    mark(name, ".act_quant");
+    kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k, quant::kFp8BlockSize, lt}, stream);
+  }
+  mark(name);
+  // n is the bf16 width; an FP8 weight's packed rows add any padding between fused parts.
+  const quant::Fp8BlockMatmulParams<bf16> mp{act_q, act_scale, w8.q, w8.scale, out, m,
+                                             static_cast<int>(w8.shape.rows), k,
+                                             quant::kFp8BlockSize, quant::kFp8BlockSize, lt};
+  if (lt) {
+    kernels::launch_fp8_block_matmul_cublaslt(mp, w8.row_scale, stream);
+  } else {
+    kernels::launch_fp8_block_matmul(mp, stream);
+  }
+}
+
+void RankEngine::grouped(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out,
+             int rows, int n, int k, bool quantized) {
+  if (!w8.present()) {
+    mark(name);
+    kernels::launch_moe_grouped_matmul({x, w16, expert_offsets, out, rows, local_experts, n, k},
+                                       stream);
+    return;
+  }
+  if (!quantized) {
+    mark(name, ".act_quant");
+    kernels::launch_fp8_act_quant({x, act_q, act_scale, rows, k}, stream);
+  }
+  mark(name);
+  kernels::launch_fp8_block_grouped_matmul(
+      {act_q, act_scale, w8.q, w8.scale, expert_offsets, out, rows, local_experts,
+       static_cast<int>(w8.shape.rows), k},
+      stream);
+}
+
+void RankEngine::swiglu(const LayerWeights& w, int rows, const kernels::LiveRows& live) {
+  mark(w.down8.present() ? "swiglu_fp8_quant" : "swiglu");
+  if (w.down8.present()) {
+    const bool group_major = !w.moe && fp8_on_cublaslt(w.down8, rows, w.act_width);
+    kernels::launch_swiglu_fp8_quant(
+        {gate_up, act_q, act_scale, rows, w.act_width, group_major, live}, stream);
+  } else {
+    kernels::launch_swiglu({gate_up, act, rows, w.act_width, live}, stream);
+  }
+}
+
+void RankEngine::enqueue_moe(const LayerWeights& w, int T) {
+  mark("router_gemm");
+  kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden}, stream);
+  mark("router_topk");
+  kernels::launch_moe_router_topk(
+      {router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob}, stream);
+  const bf16* x = normed;
+  const int32_t* ids = topk_ids;
+  const float* weights_in = topk_weights;
+  int tokens = T;
+  bf16* out = mix;
+  kernels::LiveRows live_tokens;  // every token, but under DP + EP the ones received
+  if (dispatch) {
+    mark("moe_dispatch");
+    group->moe_dispatch(rank, normed, topk_ids, topk_weights, T, experts, stream);
+    x = group->recv_hidden(rank);
+    ids = group->recv_ids(rank);
+    weights_in = group->recv_weights(rank);
+    tokens = moe_tokens;
+    out = recv_sum;
+    static_assert(kernels::kMaxLiveRegions >= parallel::cuda::kMaxRanks);
+    live_tokens = {group->recv_counts(rank), group->moe_layout().max_tokens};
+  } else if (shard.ep_size > 1) {
+    mark("moe_localize");
+    kernels::launch_moe_localize_experts(
+        {topk_ids, topk_weights, T * top_k, shard.expert_begin, local_experts}, stream);
+  }
+  // Under DP + EP the live rows are the received tokens' routes, at most moe_bound_tokens x top_k
+  // (see moe_step_tokens); the permute and combine keep the buffer's shape and their device bounds.
+  const int R = (dispatch ? std::min(tokens, moe_bound_tokens) : tokens) * top_k;
+  // The permuted rows of this rank's experts, [0, expert_offsets[local_experts]): under EP the
+  // absent id sorts after them and its rows are never computed, so they need not be copied or
+  // activated. (With all experts here the bound would be every row.) One region bounds a prefix,
+  // so it must span the largest op it bounds: the permute's copy runs over all tokens x top_k
+  // rows (under DP + EP the whole receive buffer, beyond R), the SwiGLU over R of them.
+  kernels::LiveRows computed_rows;
+  if (shard.ep_size > 1 && R > 0) computed_rows = {expert_offsets + local_experts, tokens * top_k};
+  // FP8 experts: each token is quantised once and its codes and scales are permuted (the same
+  // bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
+  const bool fp8_experts = w.gate_up8.present();
+  if (fp8_experts) {
+    mark("experts_gate_up.act_quant");
+    quant::Fp8ActQuantParams<bf16> qp{x, token_q, token_scale, tokens, hidden};
+    qp.live_tokens = live_tokens;
+    kernels::launch_fp8_act_quant(qp, stream);
+  }
+  // bf16 experts at decode's few rows per expert (and no DP + EP bound): the streaming kernel
+  // gathers the token rows itself and writes silu(gate) * up straight into the down projection's
+  // input, so the permute builds only its index (the two fusions are bit-identical to the ops
+  // they replace; two launches and two round trips fewer).
+  kernels::MoeGroupedMatmulParams<bf16> gate_up_p{x, w.gate_up, expert_offsets, act, R,
+                                                 local_experts, 2 * w.width, hidden};
+  const bool streamed = !fp8_experts && !w.down8.present() && !dispatch && R > 0 &&
+                        R <= kernels::kMaxGatheredRows &&
+                        kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
+                            kernels::GroupedGemmKind::Streaming;
+  mark("moe_permute");
+  kernels::launch_moe_permute({x, ids, fp8_experts || streamed ? nullptr : permuted_x,
+                               permuted_index, expert_offsets, tokens, hidden, route_experts(),
+                               top_k, live_tokens, computed_rows},
+                              stream);
+  if (fp8_experts) {
+    kernels::launch_fp8_permute_rows({token_q, token_scale, permuted_index, act_q, act_scale,
+                                      tokens, hidden, top_k, live_tokens, computed_rows},
+                                     stream);
+  }
+  if (streamed) {
+    mark("experts_gate_up_swiglu");
+    gate_up_p.swiglu = true;
+    gate_up_p.permuted_index = permuted_index;
+    gate_up_p.top_k = top_k;
+    kernels::launch_moe_grouped_matmul(gate_up_p, stream);
+  } else {
+    grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width,
+            hidden, fp8_experts);
+    swiglu(w, R, computed_rows);
+  }
+  grouped("experts_down", act, w.down, w.down8, expert_out, R, hidden, w.act_width,
+          w.down8.present());
+  mark("moe_combine");
+  kernels::launch_moe_unpermute_combine(
+      {expert_out, permuted_index, weights_in, out, tokens, hidden, top_k, live_tokens}, stream);
+  if (dispatch) {
+    mark("moe_dispatch_combine");
+    group->moe_combine(rank, recv_sum, mix, T, stream);
+  } else if (moe_reduce) {
+    mark("moe_all_reduce");
+    comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
+  }
+}
+
+}  // namespace relay::cuda_engine

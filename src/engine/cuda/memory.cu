@@ -1,0 +1,119 @@
+// RankEngine's memory plan: activations sized for a full step, then the KV pool in what is left.
+#include "engine/cuda/rank_engine.h"
+
+namespace relay::cuda_engine {
+
+void RankEngine::allocate_activations() {
+  const size_t T = opt.max_num_tokens, S = opt.max_num_seqs;
+  // Expert rows: every (token, k) pair of the token rows the experts run on.
+  const size_t M = moe_tokens, routes = T * std::max(top_k, 1);
+  const size_t rows = std::max(T, M * std::max(top_k, 1));
+  const int64_t max_context =
+      cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
+  max_blocks = static_cast<int>((max_context + opt.block_size - 1) / opt.block_size);
+  const MetaLayout meta =
+      MetaLayout::make(static_cast<int>(T), static_cast<int>(S), static_cast<int>(T), max_blocks);
+  meta_capacity = meta.bytes;
+  const size_t W = max_ffn_width;
+  size_t bytes = 0;
+  auto add = [&](size_t n, size_t elem) { bytes += align_up(n * elem, 256); };
+  const size_t fp8_k = std::max<size_t>({size_t(hidden), size_t(q_heads) * head_dim, W});
+  const bool any_fp8 = stats.fp8_linears > 0;
+  add(T * hidden, 2), add(T * hidden, 2), add(T * hidden, 2), add(T * max_qkv_width, 2);
+  if (any_fp8) add(rows * fp8_k, 1), add(rows * ((fp8_k + 127) / 128), 4);
+  if (any_fp8 && experts > 0) add(M * hidden, 1), add(M * ((hidden + 127) / 128), 4);
+  if (dispatch) add(M * hidden, 2);
+  add(T * q_heads * head_dim, 2), add(T * q_heads * head_dim, 2);
+  add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
+      add(rows * hidden, 2);
+  add(routes, 4), add(rows, 4), add(local_experts + 2, 4), add(routes, 4);
+  const size_t R = logit_rows();
+  add(R * size_t(vocab), 4);
+  add(meta.bytes, 1);
+  add(R * sizeof(kernels::SampleRowParams), 1), add(R, 4), add(R, 4), add(R, 4),
+      add(R * kMaxLogprobs, 4), add(R * kMaxLogprobs, 4);
+  acts.reserve(bytes + 4096);
+  residual = acts.take<bf16>(T * hidden);
+  normed = acts.take<bf16>(T * hidden);
+  mix = acts.take<bf16>(T * hidden);
+  qkv = acts.take<bf16>(T * max_qkv_width);
+  if (any_fp8) {
+    act_q = acts.take<uint8_t>(rows * fp8_k);
+    act_scale = acts.take<float>(rows * ((fp8_k + 127) / 128));
+  }
+  if (any_fp8 && experts > 0) {
+    token_q = acts.take<uint8_t>(M * hidden);
+    token_scale = acts.take<float>(M * ((hidden + 127) / 128));
+  }
+  if (dispatch) recv_sum = acts.take<bf16>(M * hidden);
+  q = acts.take<bf16>(T * q_heads * head_dim);
+  attn = acts.take<bf16>(T * q_heads * head_dim);
+  router_logits = acts.take<bf16>(T * std::max(experts, 1));
+  permuted_x = acts.take<bf16>(rows * hidden);
+  gate_up = acts.take<bf16>(rows * 2 * W);
+  act = acts.take<bf16>(rows * W);
+  expert_out = acts.take<bf16>(rows * hidden);
+  topk_ids = acts.take<int32_t>(routes);
+  permuted_index = acts.take<int32_t>(rows);
+  expert_offsets = acts.take<int32_t>(local_experts + 2);
+  topk_weights = acts.take<float>(routes);
+  logits = acts.take<float>(R * size_t(vocab));
+  meta_dev = acts.take<uint8_t>(meta.bytes);
+  sample_rows_dev = acts.take<kernels::SampleRowParams>(R);
+  tokens_dev = acts.take<int32_t>(R);
+  logprobs_dev = acts.take<float>(R);
+  ranks_dev = acts.take<int32_t>(R);
+  top_ids_dev = acts.take<int32_t>(R * kMaxLogprobs);
+  top_lp_dev = acts.take<float>(R * kMaxLogprobs);
+  RELAY_CUDA_CHECK(cudaMallocHost(&meta_host, meta.bytes));
+  // One pinned block for the sampling mirrors.
+  const size_t host_bytes = R * (sizeof(kernels::SampleRowParams) + 12 + 8 * kMaxLogprobs) + 1024;
+  uint8_t* h = nullptr;
+  RELAY_CUDA_CHECK(cudaMallocHost(&h, host_bytes));
+  sample_rows_host = reinterpret_cast<kernels::SampleRowParams*>(h);
+  h += align_up(R * sizeof(kernels::SampleRowParams), 16);
+  tokens_host = reinterpret_cast<int32_t*>(h);
+  h += align_up(R * 4, 16);
+  logprobs_host = reinterpret_cast<float*>(h);
+  h += align_up(R * 4, 16);
+  ranks_host = reinterpret_cast<int32_t*>(h);
+  h += align_up(R * 4, 16);
+  top_ids_host = reinterpret_cast<int32_t*>(h);
+  h += align_up(R * kMaxLogprobs * 4, 16);
+  top_lp_host = reinterpret_cast<float*>(h);
+}
+
+KvCacheLayout RankEngine::kv_layout_for(int num_blocks) const {
+  KvCacheLayout l;
+  l.num_layers = static_cast<int>(cfg.num_hidden_layers);
+  l.num_kv_heads = kv_heads;
+  l.block_size = opt.block_size;
+  l.head_dim = head_dim;
+  l.element_bytes = 2;
+  l.num_blocks = num_blocks;
+  return l;
+}
+
+int RankEngine::blocks_that_fit(int sharing) {
+  const size_t per_block = kv_layout_for(1).bytes_per_block();
+  size_t free_bytes = 0, total_bytes = 0;
+  RELAY_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  stats.free_bytes_before_kv = free_bytes / sharing;
+  const size_t reserve = opt.memory_reserve_bytes * sharing;
+  RELAY_CHECK(free_bytes > reserve + per_block * sharing, "only ", free_bytes,
+              " bytes of device memory left for the KV cache of ", sharing, " rank(s) (reserve ",
+              opt.memory_reserve_bytes, " per rank)");
+  return static_cast<int>(
+      std::min<size_t>((free_bytes - reserve) / sharing / per_block, size_t{INT32_MAX} / 2));
+}
+
+void RankEngine::allocate_kv(int num_blocks) {
+  kv_layout = kv_layout_for(num_blocks);
+  stats.kv_pool_bytes = kv_layout.total_bytes();
+  RELAY_CUDA_CHECK(cudaMalloc(&kv_pool, kv_layout.total_bytes()));
+  // NOTE: zeroed so a never-written page (a padded decode row) holds numbers, not NaN patterns.
+  RELAY_CUDA_CHECK(cudaMemsetAsync(kv_pool, 0, kv_layout.total_bytes(), stream));
+  RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace relay::cuda_engine

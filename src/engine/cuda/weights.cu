@@ -1,0 +1,434 @@
+// RankEngine::load: a rank's shard of the checkpoint onto the device (see rank_engine.h).
+#include "engine/cuda/rank_engine.h"
+#include "model/decoder_plan.h"
+
+namespace relay::cuda_engine {
+
+namespace {
+
+constexpr size_t kStagingBytes = size_t{64} << 20;
+
+// Copies host data to the device through two pinned staging buffers: while one chunk crosses
+// PCIe, threads fill the other (from the mmapped file, converting dtypes on the way), so reading
+// the file and the transfer overlap.
+class Uploader {
+ public:
+  explicit Uploader(cudaStream_t s) : stream_(s), pool_(8) {
+    for (int i = 0; i < 2; ++i) {
+      RELAY_CUDA_CHECK(cudaMallocHost(&staging_[i], kStagingBytes));
+      RELAY_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
+    }
+  }
+  ~Uploader() {
+    for (int i = 0; i < 2; ++i) {
+      cudaFreeHost(staging_[i]);
+      cudaEventDestroy(done_[i]);
+    }
+  }
+  // A BF16/F16/F32 checkpoint tensor as bf16.
+  void put(bf16* dst, const TensorView& t) {
+    RELAY_CHECK(t.dtype == DType::BF16 || t.dtype == DType::F32 || t.dtype == DType::F16,
+                "tensor ", t.name, " in ", t.file, " has dtype ", dtype_name(t.dtype),
+                "; the CUDA backend loads BF16/F16/F32 (and F8_E4M3 with its scales)");
+    upload(dst, static_cast<size_t>(t.numel()), 2, [&](size_t begin, size_t n, uint8_t* stage) {
+      if (t.dtype == DType::BF16) {
+        std::memcpy(stage, t.data + begin * 2, n * 2);
+        return;
+      }
+      auto* out = reinterpret_cast<uint16_t*>(stage);
+      for (size_t i = 0; i < n; ++i) {
+        float f;
+        if (t.dtype == DType::F32) {
+          std::memcpy(&f, t.data + (begin + i) * 4, 4);
+        } else {
+          uint16_t h;
+          std::memcpy(&h, t.data + (begin + i) * 2, 2);
+          f = f16_to_f32(h);
+        }
+        out[i] = f32_to_bf16(f);
+      }
+    });
+  }
+  // fp32 host values as bf16.
+  void put_f32(bf16* dst, const float* src, size_t count) {
+    upload(dst, count, 2, [&](size_t begin, size_t n, uint8_t* stage) {
+      auto* out = reinterpret_cast<uint16_t*>(stage);
+      for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(src[begin + i]);
+    });
+  }
+  void put_bytes(void* dst, const void* src, size_t bytes) {
+    upload(dst, bytes, 1, [&](size_t begin, size_t n, uint8_t* stage) {
+      std::memcpy(stage, static_cast<const uint8_t*>(src) + begin, n);
+    });
+  }
+  void finish() { RELAY_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  // Moves `count` destination elements of `elem` bytes; fill(begin, n, stage) writes elements
+  // [begin, begin + n) into the staging buffer, called in parallel on disjoint ranges.
+  void upload(void* dst, size_t count, size_t elem,
+              const std::function<void(size_t, size_t, uint8_t*)>& fill) {
+    const size_t per_chunk = kStagingBytes / elem;
+    constexpr size_t kPiece = size_t{1} << 18;
+    for (size_t begin = 0; begin < count; begin += per_chunk) {
+      const size_t n = std::min(per_chunk, count - begin);
+      uint8_t* stage = staging_[next_];
+      RELAY_CUDA_CHECK(cudaEventSynchronize(done_[next_]));
+      const int64_t pieces = static_cast<int64_t>((n + kPiece - 1) / kPiece);
+      pool_.parallel_for(pieces, 1, [&](int64_t b, int64_t e) {
+        const size_t lo = static_cast<size_t>(b) * kPiece,
+                     hi = std::min(n, static_cast<size_t>(e) * kPiece);
+        fill(begin + lo, hi - lo, stage + lo * elem);
+      });
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + begin * elem, stage, n * elem,
+                                       cudaMemcpyHostToDevice, stream_));
+      RELAY_CUDA_CHECK(cudaEventRecord(done_[next_], stream_));
+      next_ ^= 1;
+      bytes_ += n * elem;
+    }
+  }
+
+  cudaStream_t stream_;
+  ThreadPool pool_;
+  uint8_t* staging_[2] = {};
+  cudaEvent_t done_[2] = {};
+  int next_ = 0;
+  size_t bytes_ = 0;
+};
+
+}  // namespace
+
+void RankEngine::load(const std::filesystem::path& dir) {
+  const auto t0 = std::chrono::steady_clock::now();
+  cfg = ModelConfig::load(dir);
+  const Checkpoint ckpt = open_checkpoint(dir, opt.load_format);
+  // The decoder's plan (model/decoder_plan.h) names every tensor; the kernels here run plain
+  // attention with dense or MoE feed-forwards.
+  const DecoderPlan decoder = plan_decoder(cfg, ckpt);
+  for (const LayerPlan& lp : decoder.layers) {
+    RELAY_CHECK(lp.mixer == MixerKind::kAttention && lp.ffn != FfnKind::kMoeWithSharedExpert,
+                dir.string(), ": layer ", lp.index, " is ", mixer_kind_name(lp.mixer), " with a ",
+                ffn_kind_name(lp.ffn), " (", cfg.architecture,
+                "); the CUDA backend runs attention with a dense MLP or an MoE so far: serve it "
+                "with --device cpu");
+  }
+  // A layer's attention / feed-forward tensors (expert e of this rank's, or the dense MLP's).
+  auto attn = [&](int64_t l, const char* name) {
+    return linear_weight(decoder.layers[l].attention(), name);
+  };
+  auto ffn = [&](int64_t l, int64_t e, const char* name) {
+    const LayerPlan& lp = decoder.layers[l];
+    return lp.ffn == FfnKind::kMoe ? expert_weight(lp.mlp(), shard.expert_begin + e, name)
+                                   : linear_weight(lp.mlp(), name);
+  };
+  quant_cfg = quant::QuantConfig::load(dir);
+  hidden = static_cast<int>(cfg.hidden_size);
+  q_heads = shard.num_local_q_heads;
+  kv_heads = shard.num_local_kv_heads;
+  head_dim = static_cast<int>(cfg.head_dim);
+  vocab = static_cast<int>(cfg.vocab_size);
+  experts = static_cast<int>(cfg.num_experts);
+  local_experts = shard.num_local_experts;
+  top_k = static_cast<int>(cfg.num_experts_per_tok);
+  qkv_dim = (q_heads + 2 * kv_heads) * head_dim;
+  const int64_t H = hidden, hd = head_dim;
+  // Full (checkpoint) and local (this rank's) projection widths; the q rows of a rank are its q
+  // heads', its k / v rows its KV heads' (model/shard.h).
+  const int64_t q_full = cfg.num_attention_heads * hd, kv_full = cfg.num_key_value_heads * hd;
+  const int64_t q_dim = int64_t{q_heads} * hd, kv_dim = int64_t{kv_heads} * hd;
+  const IndexRange q_rows{shard.q_head_begin * hd, q_dim}, kv_rows{shard.kv_head_begin * hd, kv_dim};
+  // A fused group of linears (q|k|v, an MLP's gate|up|down) is FP8 when any of its tensors is an
+  // FP8 checkpoint tensor (unless --dtype bf16 asked to dequantise) or when --dtype fp8 asked to
+  // quantise bf16 ones; the other members of an FP8 group are quantised with it, so one group
+  // runs one kind of GEMM. The router, embeddings, norms and lm_head always stay bf16.
+  auto group_fp8 = [&](std::initializer_list<std::string> names) {
+    if (opt.weights == WeightFormat::kBf16) return false;
+    if (opt.weights == WeightFormat::kFp8) return true;
+    for (const std::string& n : names) {
+      if (ckpt.get(n).dtype == DType::F8_E4M3) return true;
+    }
+    return false;
+  };
+  RELAY_CHECK(!(cfg.attention_bias && opt.weights == WeightFormat::kFp8), "--dtype fp8 on ",
+              dir.string(),
+              ": config.json has attention_bias true, and the FP8 GEMMs add no bias (no released "
+              "Qwen3 checkpoint has attention biases); serve it with --dtype bf16");
+
+  // Plan every layer (formats and padded widths) and size every tensor, so the weights are one
+  // allocation.
+  struct Plan {
+    bool qkv_fp8 = false, o_fp8 = false, mlp_fp8 = false;
+    quant::Fp8PackedShape qkv, o, gate_up, down;  // per expert for MoE layers
+  };
+  std::vector<Plan> plans(cfg.num_hidden_layers);
+  size_t total = 0;
+  auto count = [&](int64_t n, size_t elem = 2) {
+    total += align_up(static_cast<size_t>(n) * elem, 256);
+  };
+  auto count_fp8 = [&](const quant::Fp8PackedShape& s, int64_t copies) {
+    count(s.code_bytes() * copies, 1);
+    count(s.scale_count() * copies, 4);
+    if (copies == 1) count(s.scale_cols() * s.rows, 4);  // Fp8Weight::row_scale
+  };
+  // The MLP width this rank holds of layer l and where it starts in the checkpoint's.
+  auto mlp_width = [&](bool moe) {
+    return moe ? IndexRange{shard.moe_width_begin, shard.num_local_moe_width}
+               : IndexRange{shard.mlp_width_begin, shard.num_local_mlp_width};
+  };
+  count(int64_t{vocab} * H);
+  count(H);
+  if (!cfg.tie_word_embeddings) count(int64_t{vocab} * H);
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    Plan& plan = plans[l];
+    count(H), count(H), count(head_dim), count(head_dim);
+    if (cfg.attention_bias) count(qkv_dim), count(H);
+    plan.qkv_fp8 = group_fp8({attn(l, "q_proj"), attn(l, "k_proj"), attn(l, "v_proj")});
+    plan.o_fp8 = group_fp8({attn(l, "o_proj")});
+    RELAY_CHECK(!(cfg.attention_bias && (plan.qkv_fp8 || plan.o_fp8)), dir.string(), ": layer ",
+                l,
+                " has FP8 attention weights and attention_bias, which the FP8 "
+                "GEMMs do not add");
+    if (plan.qkv_fp8) {
+      plan.qkv = {quant::round_up_to_block(q_dim) + quant::round_up_to_block(kv_dim) + kv_dim, H};
+      count_fp8(plan.qkv, 1);
+    } else {
+      count(qkv_dim * H);
+    }
+    if (plan.o_fp8) {
+      plan.o = {H, q_dim};
+      count_fp8(plan.o, 1);
+    } else {
+      count(q_dim * H);
+    }
+    const bool moe = decoder.layers[l].ffn != FfnKind::kDenseMlp;
+    const int64_t W = mlp_width(moe).count;
+    plan.mlp_fp8 =
+        group_fp8({ffn(l, 0, "gate_proj"), ffn(l, 0, "up_proj"), ffn(l, 0, "down_proj")});
+    const int64_t copies = moe ? local_experts : 1;
+    if (moe) count(int64_t{experts} * H);
+    if (plan.mlp_fp8) {
+      // gate and up each padded to whole blocks, so silu(gate) * up pairs column j with j + Wp;
+      // the padding columns come out 0 and meet zero columns of the padded down projection.
+      const int64_t Wp = quant::round_up_to_block(W);
+      plan.gate_up = {2 * Wp, H};
+      plan.down = {H, Wp};
+      count_fp8(plan.gate_up, copies);
+      count_fp8(plan.down, copies);
+    } else {
+      count(copies * 2 * W * H);
+      count(copies * H * W);
+    }
+  }
+  total += static_cast<size_t>(head_dim) * 4 + 256;
+  weights.reserve(total);
+  // Zeroed once: the padding of packed FP8 weights must read as zero codes.
+  weights.zero(stream);
+
+  Uploader up(stream);
+  ThreadPool pack_pool(std::max(2u, std::thread::hardware_concurrency()));
+  auto stored = [](const TensorView& v) {
+    return quant::StoredTensor{v.name, v.file, v.dtype, v.shape, v.data};
+  };
+  // The part of checkpoint tensor `name` (full shape `shape`) this rank holds — rows x cols, a
+  // count of -1 meaning all — and, for an F8_E4M3 tensor, the matching part of its scales. Whole
+  // tensors are the checkpoint's views; slices are copied into `slices` (cleared after each
+  // layer). FP8 slices must fall on the 128 x 128 scale blocks.
+  std::deque<TensorSlice> slices;
+  std::mutex slices_mu;  // experts are packed in parallel
+  struct Source {
+    const TensorView* w = nullptr;
+    const TensorView* scale = nullptr;  // F8_E4M3 weights only
+  };
+  auto source = [&](const std::string& name, std::vector<int64_t> shape, IndexRange rows = {},
+                    IndexRange cols = {}) -> Source {
+    const TensorView& t = ckpt.get(name, shape);
+    const int64_t num_rows = shape.size() == 1 ? 1 : shape[0], num_cols = shape.back();
+    if (rows.count < 0) rows = {0, num_rows};
+    if (cols.count < 0) cols = {0, num_cols};
+    const bool fp8 = t.dtype == DType::F8_E4M3;
+    if (fp8) RELAY_CHECK(quant_cfg.quantized(), "tensor ", name, " in ", t.file,
+                         " is F8_E4M3 but config.json has no quantization_config");
+    const TensorView* scale =
+        fp8 ? &ckpt.get(quant::scale_tensor_name(quant_cfg, name)) : nullptr;
+    if (rows.begin == 0 && rows.count == num_rows && cols.begin == 0 && cols.count == num_cols)
+      return {&t, scale};
+    std::lock_guard lock(slices_mu);
+    slices.push_back(slice_tensor(t, rows.begin, rows.count, cols.begin, cols.count));
+    const TensorView* w = &slices.back().view;
+    if (!fp8) return {w, nullptr};
+    const int64_t B = quant::kFp8BlockSize;
+    auto on_blocks = [&](IndexRange r, int64_t n) {
+      return r.begin % B == 0 && (r.count % B == 0 || r.begin + r.count == n);
+    };
+    RELAY_CHECK(on_blocks(rows, num_rows) && on_blocks(cols, num_cols), "tensor ", name, " in ",
+                t.file, ": rank ", rank, " holds rows [", rows.begin, ", +", rows.count,
+                ") x cols [", cols.begin, ", +", cols.count,
+                "), which do not fall on its 128 x 128 FP8 scale blocks; shard the experts with "
+                "--ep instead of splitting their width, or load it with --dtype bf16");
+    slices.push_back(slice_tensor(*scale, rows.begin / B, (rows.count + B - 1) / B,
+                                  cols.begin / B, (cols.count + B - 1) / B));
+    return {w, &slices.back().view};
+  };
+  // A bf16 destination from any checkpoint tensor part: FP8 ones (with --dtype bf16) dequantised.
+  auto put = [&](bf16* dst, const Source& src) {
+    const TensorView& t = *src.w;
+    if (t.dtype != DType::F8_E4M3) {
+      up.put(dst, t);
+      return;
+    }
+    std::vector<float> w(static_cast<size_t>(t.numel()));
+    quant::dequantize_stored_weight(
+        quant_cfg, stored(t), [&](const std::string&) { return stored(*src.scale); }, w.data());
+    up.put_f32(dst, w.data(), w.size());
+  };
+  // One part of a packed FP8 weight, into host buffers (q, scale) laid out as `packed`.
+  auto pack = [&](const Source& src, const quant::Fp8PackedShape& packed, int64_t row_offset,
+                  uint8_t* q, float* scale, ThreadPool* pool) {
+    const quant::StoredTensor w = stored(*src.w);
+    if (src.scale != nullptr) {
+      const quant::StoredTensor s = stored(*src.scale);
+      quant::pack_fp8_block_part(quant_cfg, w, &s, packed, row_offset, q, scale, pool);
+    } else {
+      quant::pack_fp8_block_part(quant_cfg, w, nullptr, packed, row_offset, q, scale, pool);
+    }
+  };
+  // Packs `copies` instances (experts) of a weight in parallel and uploads them as one tensor.
+  auto upload_fp8 = [&](Fp8Weight& dst, const quant::Fp8PackedShape& shape, int64_t copies,
+                        const std::function<void(int64_t, uint8_t*, float*, ThreadPool*)>& fill) {
+    dst.shape = shape;
+    dst.q = weights.take<uint8_t>(shape.code_bytes() * copies);
+    dst.scale = weights.take<float>(shape.scale_count() * copies);
+    std::vector<uint8_t> q(static_cast<size_t>(shape.code_bytes() * copies), 0);
+    std::vector<float> scale(static_cast<size_t>(shape.scale_count() * copies), 0.0f);
+    if (copies == 1) {
+      fill(0, q.data(), scale.data(), &pack_pool);
+    } else {
+      pack_pool.parallel_for(copies, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          fill(i, q.data() + i * shape.code_bytes(), scale.data() + i * shape.scale_count(),
+               nullptr);
+        }
+      });
+    }
+    up.put_bytes(dst.q, q.data(), q.size());
+    up.put_bytes(dst.scale, scale.data(), scale.size() * 4);
+    if (copies == 1) {
+      const std::vector<float> rows =
+          quant::expand_fp8_row_scales(scale.data(), shape.rows, shape.cols);
+      dst.row_scale = weights.take<float>(rows.size());
+      up.put_bytes(dst.row_scale, rows.data(), rows.size() * 4);
+    }
+    ++stats.fp8_linears;
+  };
+
+  embedding = weights.take<bf16>(size_t(vocab) * H);
+  put(embedding, source(decoder.embed_tokens(), {vocab, H}));
+  final_norm = weights.take<bf16>(H);
+  put(final_norm, source(decoder.final_norm(), {H}));
+  if (cfg.tie_word_embeddings) {
+    lm_head = embedding;
+  } else {
+    lm_head = weights.take<bf16>(size_t(vocab) * H);
+    put(lm_head, source(decoder.lm_head(), {vocab, H}));
+  }
+  for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+    const LayerPlan& lp = decoder.layers[l];
+    const Plan& plan = plans[l];
+    LayerWeights w;
+    w.input_norm = weights.take<bf16>(H);
+    put(w.input_norm, source(lp.input_norm(), {H}));
+    w.post_norm = weights.take<bf16>(H);
+    put(w.post_norm, source(lp.post_attention_norm(), {H}));
+    if (plan.qkv_fp8) {
+      const int64_t k_row = quant::round_up_to_block(q_dim),
+                    v_row = k_row + quant::round_up_to_block(kv_dim);
+      upload_fp8(w.qkv8, plan.qkv, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
+        pack(source(attn(l, "q_proj"), {q_full, H}, q_rows), plan.qkv, 0, q, s, pool);
+        pack(source(attn(l, "k_proj"), {kv_full, H}, kv_rows), plan.qkv, k_row, q, s, pool);
+        pack(source(attn(l, "v_proj"), {kv_full, H}, kv_rows), plan.qkv, v_row, q, s, pool);
+      });
+    } else {
+      w.qkv = weights.take<bf16>(qkv_dim * H);
+      put(w.qkv, source(attn(l, "q_proj"), {q_full, H}, q_rows));
+      put(w.qkv + q_dim * H, source(attn(l, "k_proj"), {kv_full, H}, kv_rows));
+      put(w.qkv + (q_dim + kv_dim) * H, source(attn(l, "v_proj"), {kv_full, H}, kv_rows));
+    }
+    // o_proj is row-parallel: this rank's q-head columns.
+    if (plan.o_fp8) {
+      upload_fp8(w.o8, plan.o, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
+        pack(source(attn(l, "o_proj"), {H, q_full}, {}, q_rows), plan.o, 0, q, s, pool);
+      });
+    } else {
+      w.o = weights.take<bf16>(q_dim * H);
+      put(w.o, source(attn(l, "o_proj"), {H, q_full}, {}, q_rows));
+    }
+    w.q_norm = weights.take<bf16>(head_dim);
+    put(w.q_norm, source(attn(l, "q_norm"), {head_dim}));
+    w.k_norm = weights.take<bf16>(head_dim);
+    put(w.k_norm, source(attn(l, "k_norm"), {head_dim}));
+    if (cfg.attention_bias) {
+      w.qkv_bias = weights.take<bf16>(qkv_dim);
+      put(w.qkv_bias, source(linear_bias(lp.attention(), "q_proj"), {q_full}, {}, q_rows));
+      put(w.qkv_bias + q_dim, source(linear_bias(lp.attention(), "k_proj"), {kv_full}, {}, kv_rows));
+      put(w.qkv_bias + q_dim + kv_dim, source(linear_bias(lp.attention(), "v_proj"), {kv_full}, {}, kv_rows));
+      // The o bias joins the all-reduced sum once, from TP rank 0.
+      if (shard.tp_rank == 0) {
+        w.o_bias = weights.take<bf16>(H);
+        put(w.o_bias, source(linear_bias(lp.attention(), "o_proj"), {H}));
+      }
+    }
+    w.moe = lp.ffn != FfnKind::kDenseMlp;
+    const int64_t full_w = w.moe ? cfg.moe_intermediate_size : cfg.intermediate_size;
+    const IndexRange cols = mlp_width(w.moe);
+    const int64_t W = cols.count;
+    const int64_t copies = w.moe ? local_experts : 1;
+    w.width = static_cast<int>(W);
+    w.act_width = w.width;
+    if (w.moe) {
+      w.router = weights.take<bf16>(size_t(experts) * H);
+      put(w.router, source(linear_weight(lp.mlp(), "gate"), {experts, H}));
+    }
+    if (plan.mlp_fp8) {
+      w.act_width = static_cast<int>(plan.down.cols);
+      upload_fp8(
+          w.gate_up8, plan.gate_up, copies,
+          [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
+            pack(source(ffn(l, e, "gate_proj"), {full_w, H}, cols), plan.gate_up, 0, q,
+                 s, pool);
+            pack(source(ffn(l, e, "up_proj"), {full_w, H}, cols), plan.gate_up,
+                 w.act_width, q, s, pool);
+          });
+      upload_fp8(w.down8, plan.down, copies,
+                 [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
+                   pack(source(ffn(l, e, "down_proj"), {H, full_w}, {}, cols), plan.down,
+                        0, q, s, pool);
+                 });
+    } else {
+      w.gate_up = weights.take<bf16>(size_t(copies) * 2 * W * H);
+      w.down = weights.take<bf16>(size_t(copies) * H * W);
+      for (int64_t e = 0; e < copies; ++e) {
+        bf16* gu = w.gate_up + e * 2 * W * H;
+        put(gu, source(ffn(l, e, "gate_proj"), {full_w, H}, cols));
+        put(gu + W * H, source(ffn(l, e, "up_proj"), {full_w, H}, cols));
+        put(w.down + e * H * W, source(ffn(l, e, "down_proj"), {H, full_w}, {}, cols));
+      }
+    }
+    max_ffn_width = std::max(max_ffn_width, w.act_width);
+    max_qkv_width = std::max<int64_t>(max_qkv_width, plan.qkv_fp8 ? plan.qkv.rows : qkv_dim);
+    layers.push_back(w);
+    up.finish();  // the staging buffers no longer read this layer's slices
+    slices.clear();
+  }
+  RopeTables rope = compute_rope(cfg);
+  inv_freq = weights.take<float>(rope.inv_freq.size());
+  RELAY_CUDA_CHECK(cudaMemcpy(inv_freq, rope.inv_freq.data(), rope.inv_freq.size() * 4,
+                              cudaMemcpyHostToDevice));
+  attention_scaling = rope.attention_scaling;
+  up.finish();
+  stats.weight_bytes = up.bytes();
+  stats.load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace relay::cuda_engine
