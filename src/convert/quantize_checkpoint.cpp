@@ -95,27 +95,27 @@ void quantize_weight(const QuantConfig& config, const TensorView& t, QuantizedWe
   out.codes.resize(rows * cols);
   // Stripes of whole scale blocks bound the fp32 working set.
   const int64_t stripe_rows =
-      config.method == QuantMethod::Fp8Block ? config.block_out : kFp8BlockSize;
+      config.method == QuantMethod::Fp8Block ? config.block_out : kernels::kFp8BlockSize;
   std::vector<float> stripe(stripe_rows * cols);
   if (config.method == QuantMethod::Fp8Block) {
-    const int64_t scale_cols = ceil_div(cols, config.block_in);
-    std::vector<float> scales(ceil_div(rows, config.block_out) * scale_cols);
+    const int64_t scale_cols = kernels::ceil_div(cols, config.block_in);
+    std::vector<float> scales(kernels::ceil_div(rows, config.block_out) * scale_cols);
     for (int64_t r0 = 0; r0 < rows; r0 += stripe_rows) {
       const int64_t n = std::min(stripe_rows, rows - r0);
       widen_range(t, r0 * cols, n * cols, stripe.data());
-      quantize_weight_fp8_block(stripe.data(), n, cols, config.block_out, config.block_in,
+      kernels::quantize_weight_fp8_block(stripe.data(), n, cols, config.block_out, config.block_in,
                                 out.codes.data() + r0 * cols,
                                 scales.data() + (r0 / config.block_out) * scale_cols);
     }
     out.scale_bytes.resize(scales.size() * sizeof(float));
     std::memcpy(out.scale_bytes.data(), scales.data(), out.scale_bytes.size());
   } else {
-    const int64_t groups = ceil_div(cols, config.group_size);
+    const int64_t groups = kernels::ceil_div(cols, config.group_size);
     out.scale_bytes.resize(rows * groups);
     for (int64_t r0 = 0; r0 < rows; r0 += stripe_rows) {
       const int64_t n = std::min(stripe_rows, rows - r0);
       widen_range(t, r0 * cols, n * cols, stripe.data());
-      quantize_weight_mxfp8(stripe.data(), n, cols, out.codes.data() + r0 * cols,
+      kernels::quantize_weight_mxfp8(stripe.data(), n, cols, out.codes.data() + r0 * cols,
                             out.scale_bytes.data() + r0 * groups);
     }
   }
@@ -215,11 +215,11 @@ QuantizeResult quantize_checkpoint(const QuantizeOptions& options) {
           specs.push_back(
               {name + "_scale_inv",
                DType::F32,
-               {ceil_div(t.shape[0], config.block_out), ceil_div(t.shape[1], config.block_in)}});
+               {kernels::ceil_div(t.shape[0], config.block_out), kernels::ceil_div(t.shape[1], config.block_in)}});
         } else {
           specs.push_back({name + "_scale",
                            DType::F8_E8M0,
-                           {t.shape[0], ceil_div(t.shape[1], config.group_size)}});
+                           {t.shape[0], kernels::ceil_div(t.shape[1], config.group_size)}});
         }
         items.push_back({OutputItem::Role::Scales, &t});
       } else {

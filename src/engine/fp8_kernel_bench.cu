@@ -152,11 +152,11 @@ struct Fp8Problem {
         xs(random_uniform<float>(size_t(rows_) * blocks128(k_), 13, 0.5e-2f, 1.5e-2f)),
         ws(random_uniform<float>(ws_elems * copies_, 14, 0.5e-3f, 1.5e-3f)),
         out(size_t(rows_) * n_) {}
-  quant::Fp8BlockGroupedMatmulParams<bf16> grouped(const int32_t* offsets, int rep) const {
+  kernels::Fp8BlockGroupedMatmulParams<bf16> grouped(const int32_t* offsets, int rep) const {
     const int c = rep % copies;
     return {x.p, xs.p, w.p + c * w_elems, ws.p + c * ws_elems, offsets, out.p, rows, experts, n, k};
   }
-  quant::Fp8BlockMatmulParams<bf16> dense(int rep) const {
+  kernels::Fp8BlockMatmulParams<bf16> dense(int rep) const {
     const int c = rep % copies;
     return {x.p, xs.p, w.p + c * w_elems, ws.p + c * ws_elems, out.p, rows, n, k};
   }
@@ -250,7 +250,7 @@ void bench_dense(std::vector<nlohmann::json>& out, double copy_gbps, double peak
       // The scale values are random either way; only their layout flag differs.
       const double ms = time_ms(
           [&](int i) {
-            quant::Fp8BlockMatmulParams<bf16> p = prob.dense(i);
+            kernels::Fp8BlockMatmulParams<bf16> p = prob.dense(i);
             p.x_scale_group_major = lt;
             if (lt) {
               kernels::launch_fp8_block_matmul_cublaslt(p, row_scales.p, nullptr);

@@ -36,6 +36,9 @@ class ThreadPool;
 
 namespace relay::kernels {
 
+// ceil(a / b) for positive b: tiles, groups, grid sizes.
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // out[t] = table[token_ids[t]].
 template <typename T>
 struct EmbeddingParams {
@@ -260,7 +263,7 @@ struct MoeRouterTopkParams {
 // permuted_index[r]; rows of expert e are [expert_offsets[e], expert_offsets[e+1]), in (t, k) order
 // inside an expert. Experts with no tokens get an empty range. Without permuted_x only the index
 // and the offsets are computed (the FP8 path quantises each token once and permutes the quantised
-// rows: quant::Fp8PermuteRowsParams).
+// rows: Fp8PermuteRowsParams).
 //
 // Bounds (LiveRows; none: today's op). live_tokens: only the live tokens are routed, as if the dead
 // ones were not there — expert_offsets count live rows only (expert_offsets[num_experts] = live

@@ -26,14 +26,14 @@ class ThreadPool;
 
 namespace relay::quant {
 
-inline int64_t round_up_to_block(int64_t n) { return ceil_div(n, kFp8BlockSize) * kFp8BlockSize; }
+inline int64_t round_up_to_block(int64_t n) { return kernels::ceil_div(n, kernels::kFp8BlockSize) * kernels::kFp8BlockSize; }
 
 // A packed weight's geometry: codes [rows, cols], scales [rows / 128, ceil(cols / 128)].
 struct Fp8PackedShape {
   int64_t rows = 0;  // sum of the parts' rows, each rounded up to 128
   int64_t cols = 0;
-  int64_t scale_rows() const { return ceil_div(rows, kFp8BlockSize); }
-  int64_t scale_cols() const { return ceil_div(cols, kFp8BlockSize); }
+  int64_t scale_rows() const { return kernels::ceil_div(rows, kernels::kFp8BlockSize); }
+  int64_t scale_cols() const { return kernels::ceil_div(cols, kernels::kFp8BlockSize); }
   int64_t code_bytes() const { return rows * cols; }
   int64_t scale_count() const { return scale_rows() * scale_cols(); }
 };

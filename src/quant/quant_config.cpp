@@ -83,8 +83,8 @@ QuantConfig QuantConfig::from_json(const nlohmann::json& j, const std::string& s
     c.method = QuantMethod::Mxfp8;
     if (j.contains("group_size")) {
       const nlohmann::json& g = j.at("group_size");
-      RELAY_CHECK(g.is_number_integer() && g.get<int>() == kMxGroupSize, source,
-                  ": quantization_config.group_size must be ", kMxGroupSize, " for mxfp8, got ",
+      RELAY_CHECK(g.is_number_integer() && g.get<int>() == kernels::kMxGroupSize, source,
+                  ": quantization_config.group_size must be ", kernels::kMxGroupSize, " for mxfp8, got ",
                   g.dump());
     }
   } else {

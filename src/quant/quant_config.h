@@ -21,18 +21,17 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "kernels/fp8_ops.h"
+
 namespace relay::quant {
 
 enum class QuantMethod { None, Fp8Block, Mxfp8 };
 
-inline constexpr int kFp8BlockSize = 128;  // Qwen / DeepSeek weight_block_size, both dimensions
-inline constexpr int kMxGroupSize = 32;    // OCP MX: elements per E8M0 scale
-
 struct QuantConfig {
   QuantMethod method = QuantMethod::None;
-  int block_out = kFp8BlockSize;  // Fp8Block: rows per scale block (weight_block_size[0])
-  int block_in = kFp8BlockSize;   // Fp8Block: columns per scale block (weight_block_size[1])
-  int group_size = kMxGroupSize;  // Mxfp8: input elements per scale
+  int block_out = kernels::kFp8BlockSize;  // Fp8Block: rows per scale block (weight_block_size[0])
+  int block_in = kernels::kFp8BlockSize;   // Fp8Block: columns per scale block (weight_block_size[1])
+  int group_size = kernels::kMxGroupSize;  // Mxfp8: input elements per scale
   std::vector<std::string> modules_to_not_convert;
 
   bool quantized() const { return method != QuantMethod::None; }

@@ -1,4 +1,6 @@
-// Quantising and dequantising weight matrices, and reading quantised weights from a checkpoint.
+// Reading quantised weights from a checkpoint; the quantisation recipes themselves (kernels/fp8_ops.h:
+// quantize_weight_fp8_block, quantize_weight_mxfp8 and their inverses) are shared with the
+// activation quantisers.
 //
 // Recipes (docs/fp8.md has the full description):
 //   - FP8 block (Qwen3-*-FP8 / DeepSeek-V3): a weight [rows, cols] is cut into block_rows x
@@ -7,7 +9,7 @@
 //     all-zero block), q = e4m3(clamp(w / scale, ±448)), and the checkpoint stores scale as
 //     `weight_scale_inv` [ceil(rows / 128), ceil(cols / 128)]. Dequantised: w = q * scale_inv.
 //   - MXFP8 (OCP MX): each run of 32 consecutive elements of a row (along the input dim) shares an
-//     E8M0 scale 2^e, the smallest power of two that keeps the group within ±448 (fp8_format.h);
+//     E8M0 scale 2^e, the smallest power of two that keeps the group within ±448 (kernels/fp8_ops.h);
 //     q = e4m3(w / 2^e) (exact scaling, so only the e4m3 rounding loses information). Scales are
 //     [rows, ceil(cols / 32)]. Dequantised: w = q * 2^e.
 // Every dequantised value is computed as one fp32 product of two exact values, so Relay's numbers
@@ -28,23 +30,6 @@
 #include "quant/quant_config.h"
 
 namespace relay::quant {
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// w [rows, cols] -> q [rows, cols] (E4M3 codes), scale_inv [ceil(rows / block_rows), ceil(cols /
-// block_cols)]. Streaming callers may pass a stripe of rows whose start is a multiple of
-// block_rows.
-void quantize_weight_fp8_block(const float* w, int64_t rows, int64_t cols, int block_rows,
-                               int block_cols, uint8_t* q, float* scale_inv);
-// q, scale_inv as above -> w [rows, cols].
-void dequantize_weight_fp8_block(const uint8_t* q, const float* scale_inv, int64_t rows,
-                                 int64_t cols, int block_rows, int block_cols, float* w);
-
-// w [rows, cols] -> q [rows, cols] (E4M3 codes), scale [rows, ceil(cols / 32)] (E8M0 codes).
-void quantize_weight_mxfp8(const float* w, int64_t rows, int64_t cols, uint8_t* q, uint8_t* scale);
-// q, scale as above -> w [rows, cols].
-void dequantize_weight_mxfp8(const uint8_t* q, const uint8_t* scale, int64_t rows, int64_t cols,
-                             float* w);
 
 // A checkpoint tensor as the loader sees it (the fields of relay::TensorView).
 struct StoredTensor {

@@ -1,4 +1,4 @@
-// The CUDA FP8 kernels (kernels/cuda/fp8_cuda.h) against the CPU references of quant/fp8_gemm.h.
+// The CUDA FP8 kernels (kernels/cuda/fp8_cuda.h) against the CPU references of kernels/fp8_ops.h.
 //
 // Both sides get identical inputs: bf16-rounded activations for the quantisers, and for the GEMMs
 // the same e4m3 codes and scales (made by the CPU quantisers). Quantisers must match bit for bit;
@@ -18,8 +18,7 @@
 #include "core/thread_pool.h"
 #include "kernels/cuda/fp8_cuda.h"
 #include "kernels/ops.h"
-#include "quant/fp8_format.h"
-#include "quant/fp8_gemm.h"
+#include "kernels/fp8_ops.h"
 #include "quant/weight_quant.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -120,7 +119,7 @@ QuantisedActs quantise_acts(int rows, int k, std::mt19937& rng) {
   const Bf16Data x = activations(rows, k, rng);
   QuantisedActs a{std::vector<uint8_t>(x.f32.size()),
                   std::vector<float>(static_cast<size_t>(rows) * groups_of(k, 128))};
-  quant::launch_fp8_act_quant({x.f32.data(), a.q.data(), a.scale.data(), rows, k, 128}, pool());
+  kernels::launch_fp8_act_quant({x.f32.data(), a.q.data(), a.scale.data(), rows, k, 128}, pool());
   return a;
 }
 
@@ -136,7 +135,7 @@ QuantisedWeights quantise_weights(int experts, int n, int k, std::mt19937& rng) 
                      std::vector<float>(scales_per_expert * experts)};
   for (int e = 0; e < experts; ++e) {
     const std::vector<float> f = random_weights(per_expert, rng);
-    quant::quantize_weight_fp8_block(f.data(), n, k, 128, 128, w.q.data() + e * per_expert,
+    kernels::quantize_weight_fp8_block(f.data(), n, k, 128, 128, w.q.data() + e * per_expert,
                                      w.scale.data() + e * scales_per_expert);
   }
   return w;
@@ -178,7 +177,7 @@ TEST(GpuFp8Kernels, ActQuantIsBitIdenticalToTheCpu) {
     const size_t num_scales = static_cast<size_t>(rows) * groups_of(k, 128);
     std::vector<uint8_t> q_ref(x.f32.size());
     std::vector<float> s_ref(num_scales);
-    quant::launch_fp8_act_quant({x.f32.data(), q_ref.data(), s_ref.data(), rows, k, 128}, pool());
+    kernels::launch_fp8_act_quant({x.f32.data(), q_ref.data(), s_ref.data(), rows, k, 128}, pool());
     DeviceBuffer<bf16> d_x(x.bits);
     DeviceBuffer<uint8_t> d_q(q_ref.size());
     DeviceBuffer<float> d_s(num_scales);
@@ -203,7 +202,7 @@ TEST(GpuFp8Kernels, PermuteRowsIsBitIdenticalToTheCpu) {
     std::shuffle(index.begin(), index.end(), rng);
     std::vector<uint8_t> pq_ref(rows * k);
     std::vector<float> ps_ref(rows * groups);
-    quant::launch_fp8_permute_rows({q.data(), scale.data(), index.data(), pq_ref.data(), ps_ref.data(), tokens, k, top_k},
+    kernels::launch_fp8_permute_rows({q.data(), scale.data(), index.data(), pq_ref.data(), ps_ref.data(), tokens, k, top_k},
                                    pool());
     DeviceBuffer<uint8_t> d_q(q), d_pq(pq_ref.size());
     DeviceBuffer<float> d_s(scale), d_ps(ps_ref.size());
@@ -222,11 +221,11 @@ TEST(GpuFp8Kernels, GroupMajorActQuantIsBitIdenticalToTheCpu) {
     const size_t num_scales = static_cast<size_t>(rows) * groups_of(k, 128);
     std::vector<uint8_t> q_ref(x.f32.size());
     std::vector<float> s_ref(num_scales), s_row(num_scales);
-    quant::launch_fp8_act_quant({x.f32.data(), q_ref.data(), s_ref.data(), rows, k, 128, true},
+    kernels::launch_fp8_act_quant({x.f32.data(), q_ref.data(), s_ref.data(), rows, k, 128, true},
                                 pool());
     // The same scales as the token-major layout, transposed.
     std::vector<uint8_t> q_row(x.f32.size());
-    quant::launch_fp8_act_quant({x.f32.data(), q_row.data(), s_row.data(), rows, k, 128}, pool());
+    kernels::launch_fp8_act_quant({x.f32.data(), q_row.data(), s_row.data(), rows, k, 128}, pool());
     const int groups = groups_of(k, 128);
     for (int r = 0; r < rows; ++r)
       for (int g = 0; g < groups; ++g)
@@ -259,21 +258,21 @@ TEST(GpuFp8Kernels, CublasLtBlockMatmulMatchesTheCpu) {
     const Bf16Data xf = activations(c.m, c.k, rng);
     std::vector<uint8_t> xq(xf.f32.size());
     std::vector<float> xs(static_cast<size_t>(c.m) * groups_of(c.k, 128));
-    quant::launch_fp8_act_quant({xf.f32.data(), xq.data(), xs.data(), c.m, c.k, 128, true}, pool());
+    kernels::launch_fp8_act_quant({xf.f32.data(), xq.data(), xs.data(), c.m, c.k, 128, true}, pool());
     const QuantisedWeights w = quantise_weights(1, c.n, c.k, rng);
     std::vector<float> ref(static_cast<size_t>(c.m) * c.n);
-    quant::launch_fp8_block_matmul({xq.data(), xs.data(), w.q.data(), w.scale.data(), ref.data(), c.m,
+    kernels::launch_fp8_block_matmul({xq.data(), xs.data(), w.q.data(), w.scale.data(), ref.data(), c.m,
                                     c.n, c.k, 128, 128, true},
                                    pool());
     DeviceBuffer<uint8_t> d_xq(xq), d_wq(w.q);
     DeviceBuffer<float> d_xs(xs), d_ws(w.scale);
-    DeviceBuffer<float> d_wr(quant::expand_fp8_row_scales(w.scale.data(), c.n, c.k));
+    DeviceBuffer<float> d_wr(kernels::expand_fp8_row_scales(w.scale.data(), c.n, c.k));
     DeviceBuffer<bf16> d_out(ref.size());
     kernels::launch_fp8_block_matmul_cublaslt({d_xq.get(), d_xs.get(), d_wq.get(), d_ws.get(),
                                                d_out.get(), c.m, c.n, c.k, 128, 128, true},
                                               d_wr.get(), nullptr);
     std::vector<float> abs_sum(ref.size());
-    quant::launch_fp8_block_matmul({magnitudes(xq).data(), xs.data(), magnitudes(w.q).data(),
+    kernels::launch_fp8_block_matmul({magnitudes(xq).data(), xs.data(), magnitudes(w.q).data(),
                                     w.scale.data(), abs_sum.data(), c.m, c.n, c.k, 128, 128, true},
                                    pool());
     expect_wgmma_gemm_close(d_out.download(), ref, abs_sum,
@@ -308,13 +307,13 @@ TEST(GpuFp8Kernels, SwigluQuantEqualsSwigluThenQuant) {
     for (float& v : h) v = bf16_to_f32(f32_to_bf16(v));
     std::vector<uint8_t> q_ref(n);
     std::vector<float> s_ref(num_scales);
-    quant::launch_fp8_act_quant({h.data(), q_ref.data(), s_ref.data(), rows, width, 128}, pool());
+    kernels::launch_fp8_act_quant({h.data(), q_ref.data(), s_ref.data(), rows, width, 128}, pool());
     const int groups = groups_of(width, 128);
     size_t bad = 0;
     for (size_t i = 0; i < n; ++i) {
       const size_t si = (i / width) * groups + (i % width) / 128;
-      const float got = quant::e4m3_to_f32(q[i]) * s[si];
-      const float want = quant::e4m3_to_f32(q_ref[i]) * s_ref[si];
+      const float got = kernels::e4m3_to_f32(q[i]) * s[si];
+      const float want = kernels::e4m3_to_f32(q_ref[i]) * s_ref[si];
       if (std::fabs(got - want) > 0.13f * std::fabs(want) + s_ref[si] * 0x1p-8f) ++bad;
     }
     EXPECT_EQ(bad, 0u) << "rows " << rows << " width " << width;
@@ -328,7 +327,7 @@ TEST(GpuFp8Kernels, MxActQuantIsBitIdenticalToTheCpu) {
     const Bf16Data x = activations(rows, k, rng);
     const size_t num_scales = static_cast<size_t>(rows) * groups_of(k, 32);
     std::vector<uint8_t> q_ref(x.f32.size()), s_ref(num_scales);
-    quant::launch_mxfp8_act_quant({x.f32.data(), q_ref.data(), s_ref.data(), rows, k}, pool());
+    kernels::launch_mxfp8_act_quant({x.f32.data(), q_ref.data(), s_ref.data(), rows, k}, pool());
     DeviceBuffer<bf16> d_x(x.bits);
     DeviceBuffer<uint8_t> d_q(q_ref.size()), d_s(num_scales);
     kernels::launch_mxfp8_act_quant({d_x.get(), d_q.get(), d_s.get(), rows, k}, nullptr);
@@ -376,7 +375,7 @@ void check_block_grouped_kinds(const GroupedCase& c, std::initializer_list<Group
   const QuantisedActs x = quantise_acts(rows, c.k, rng);
   const QuantisedWeights w = quantise_weights(c.experts, c.n, c.k, rng);
   std::vector<float> ref(static_cast<size_t>(rows) * c.n), abs_sum;
-  quant::launch_fp8_block_grouped_matmul({x.q.data(), x.scale.data(), w.q.data(), w.scale.data(),
+  kernels::launch_fp8_block_grouped_matmul({x.q.data(), x.scale.data(), w.q.data(), w.scale.data(),
                                           c.offsets.data(), ref.data(), rows, c.experts, c.n, c.k},
                                          pool());
   DeviceBuffer<uint8_t> d_xq(x.q), d_wq(w.q);
@@ -387,7 +386,7 @@ void check_block_grouped_kinds(const GroupedCase& c, std::initializer_list<Group
                               ", rows " + std::to_string(rows) + ", n " + std::to_string(c.n) +
                               ", k " + std::to_string(c.k) + ")";
     DeviceBuffer<bf16> d_out(ref.size());
-    const quant::Fp8BlockGroupedMatmulParams<bf16> p{
+    const kernels::Fp8BlockGroupedMatmulParams<bf16> p{
         d_xq.get(),  d_xs.get(), d_wq.get(), d_ws.get(), d_off.get(),
         d_out.get(), rows,       c.experts,  c.n,        c.k};
     const bool cutlass = kind == GroupedGemmKind::CutlassCooperative;
@@ -401,7 +400,7 @@ void check_block_grouped_kinds(const GroupedCase& c, std::initializer_list<Group
         (kind == GroupedGemmKind::Auto && auto_runs_cutlass(rows, c.experts, c.n, c.k))) {
       if (abs_sum.empty()) {
         abs_sum.resize(ref.size());
-        quant::launch_fp8_block_grouped_matmul(
+        kernels::launch_fp8_block_grouped_matmul(
             {magnitudes(x.q).data(), x.scale.data(), magnitudes(w.q).data(), w.scale.data(),
              c.offsets.data(), abs_sum.data(), rows, c.experts, c.n, c.k},
             pool());
@@ -452,7 +451,7 @@ TEST(GpuFp8Kernels, BlockMatmulMatchesTheCpu) {
     const QuantisedActs x = quantise_acts(c.m, c.k, rng);
     const QuantisedWeights w = quantise_weights(1, c.n, c.k, rng);
     std::vector<float> ref(static_cast<size_t>(c.m) * c.n);
-    quant::launch_fp8_block_matmul(
+    kernels::launch_fp8_block_matmul(
         {x.q.data(), x.scale.data(), w.q.data(), w.scale.data(), ref.data(), c.m, c.n, c.k},
         pool());
     DeviceBuffer<uint8_t> d_xq(x.q), d_wq(w.q);
@@ -480,11 +479,11 @@ MxOperands mx_operands(int rows, int experts, int n, int k, std::mt19937& rng) {
   const Bf16Data x = activations(rows, k, rng);
   o.xq.resize(x.f32.size());
   o.xs.resize(static_cast<size_t>(rows) * groups_of(k, 32));
-  quant::launch_mxfp8_act_quant({x.f32.data(), o.xq.data(), o.xs.data(), rows, k}, pool());
+  kernels::launch_mxfp8_act_quant({x.f32.data(), o.xq.data(), o.xs.data(), rows, k}, pool());
   const std::vector<float> w = random_weights(static_cast<size_t>(experts) * n * k, rng);
   o.wq.resize(w.size());
   o.ws.resize(static_cast<size_t>(experts) * n * groups_of(k, 32));
-  quant::quantize_weight_mxfp8(w.data(), static_cast<int64_t>(experts) * n, k, o.wq.data(),
+  kernels::quantize_weight_mxfp8(w.data(), static_cast<int64_t>(experts) * n, k, o.wq.data(),
                                o.ws.data());
   return o;
 }
@@ -498,7 +497,7 @@ TEST(GpuFp8Kernels, MxMatmulMatchesTheCpu) {
        {Case{1, 264, 136}, Case{7, 192, 2056}, Case{300, 256, 200}, Case{1031, 512, 1024}}) {
     const MxOperands o = mx_operands(c.m, 1, c.n, c.k, rng);
     std::vector<float> ref(static_cast<size_t>(c.m) * c.n);
-    quant::launch_mxfp8_matmul(
+    kernels::launch_mxfp8_matmul(
         {o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(), ref.data(), c.m, c.n, c.k}, pool());
     DeviceBuffer<uint8_t> d_xq(o.xq), d_xs(o.xs), d_wq(o.wq), d_ws(o.ws);
     DeviceBuffer<bf16> d_out(ref.size());
@@ -516,7 +515,7 @@ TEST(GpuFp8Kernels, MxGroupedMatmulMatchesTheCpu) {
     const int rows = c.offsets.back();
     const MxOperands o = mx_operands(rows, c.experts, c.n, c.k, rng);
     std::vector<float> ref(static_cast<size_t>(rows) * c.n);
-    quant::launch_mxfp8_grouped_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(),
+    kernels::launch_mxfp8_grouped_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(),
                                         c.offsets.data(), ref.data(), rows, c.experts, c.n, c.k},
                                        pool());
     DeviceBuffer<uint8_t> d_xq(o.xq), d_xs(o.xs), d_wq(o.wq), d_ws(o.ws);
@@ -543,7 +542,7 @@ TEST(GpuFp8Kernels, MxGroupedMatmulSm100MatchesTheCpu) {
     const int rows = c.offsets.back();
     const MxOperands o = mx_operands(rows, c.experts, c.n, c.k, rng);
     std::vector<float> ref(static_cast<size_t>(rows) * c.n);
-    quant::launch_mxfp8_grouped_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(),
+    kernels::launch_mxfp8_grouped_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(),
                                         c.offsets.data(), ref.data(), rows, c.experts, c.n, c.k},
                                        pool());
     DeviceBuffer<uint8_t> d_xq(o.xq), d_xs(o.xs), d_wq(o.wq), d_ws(o.ws);
@@ -559,7 +558,7 @@ TEST(GpuFp8Kernels, MxGroupedMatmulSm100MatchesTheCpu) {
     const int n = 264, k = 2064;
     const MxOperands o = mx_operands(m, 1, n, k, rng);
     std::vector<float> ref(static_cast<size_t>(m) * n);
-    quant::launch_mxfp8_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(), ref.data(), m,
+    kernels::launch_mxfp8_matmul({o.xq.data(), o.xs.data(), o.wq.data(), o.ws.data(), ref.data(), m,
                                 n, k},
                                pool());
     DeviceBuffer<uint8_t> d_xq(o.xq), d_xs(o.xs), d_wq(o.wq), d_ws(o.ws);
@@ -635,13 +634,13 @@ TEST(GpuFp8Kernels, BoundedActQuantAndPermuteRowsAreBitIdenticalToTheCpu) {
       // Sentinels the CPU must leave on the dead tokens.
       std::vector<uint8_t> q_ref(x.f32.size(), 0xAB);
       std::vector<float> s_ref(static_cast<size_t>(tokens) * groups, -1.0f);
-      quant::Fp8ActQuantParams<float> cp{x.f32.data(), q_ref.data(), s_ref.data(), tokens,
+      kernels::Fp8ActQuantParams<float> cp{x.f32.data(), q_ref.data(), s_ref.data(), tokens,
                                          c.k,          128,          group_major};
       cp.live_tokens = bound;
-      quant::launch_fp8_act_quant(cp, pool());
+      kernels::launch_fp8_act_quant(cp, pool());
       DeviceBuffer<uint8_t> d_q(q_ref.size());
       DeviceBuffer<float> d_s(s_ref.size());
-      quant::Fp8ActQuantParams<bf16> gp{d_x.get(), d_q.get(), d_s.get(),  tokens,
+      kernels::Fp8ActQuantParams<bf16> gp{d_x.get(), d_q.get(), d_s.get(),  tokens,
                                         c.k,       128,       group_major};
       gp.live_tokens = {d_counts.get(), c.slots};
       kernels::launch_fp8_act_quant(gp, nullptr);
@@ -701,15 +700,15 @@ TEST(GpuFp8Kernels, BoundedActQuantAndPermuteRowsAreBitIdenticalToTheCpu) {
     const int computed = offsets[local];
     std::vector<uint8_t> pq_ref(static_cast<size_t>(rows) * c.k, 0xAB);
     std::vector<float> ps_ref(static_cast<size_t>(rows) * groups, -1.0f);
-    quant::Fp8PermuteRowsParams cpr{tok_q.data(),  tok_s.data(), index.data(), pq_ref.data(),
+    kernels::Fp8PermuteRowsParams cpr{tok_q.data(),  tok_s.data(), index.data(), pq_ref.data(),
                                     ps_ref.data(), tokens,       c.k,          c.top_k};
     cpr.live_tokens = bound;
     cpr.copied_rows = {&computed, rows};
-    quant::launch_fp8_permute_rows(cpr, pool());
+    kernels::launch_fp8_permute_rows(cpr, pool());
     DeviceBuffer<uint8_t> d_q(tok_q), d_pq(pq_ref.size());
     DeviceBuffer<float> d_s(tok_s), d_ps(ps_ref.size());
     DeviceBuffer<int32_t> d_index(index), d_computed(std::vector<int32_t>{computed});
-    quant::Fp8PermuteRowsParams gpr{d_q.get(),  d_s.get(), d_index.get(), d_pq.get(),
+    kernels::Fp8PermuteRowsParams gpr{d_q.get(),  d_s.get(), d_index.get(), d_pq.get(),
                                     d_ps.get(), tokens,    c.k,           c.top_k};
     gpr.live_tokens = {d_counts.get(), c.slots};
     gpr.copied_rows = {d_computed.get(), rows};
@@ -761,7 +760,7 @@ TEST(GpuFp8Kernels, BoundedSwigluQuantEqualsBoundedSwigluThenQuant) {
     kernels::SwigluParams<bf16> sp{d_gate_up.get(), d_h.get(), rows, width};
     sp.live_rows = bound;
     kernels::launch_swiglu(sp, nullptr);
-    quant::Fp8ActQuantParams<bf16> qp{d_h.get(), d_q2.get(), d_s2.get(), rows, width, 128};
+    kernels::Fp8ActQuantParams<bf16> qp{d_h.get(), d_q2.get(), d_s2.get(), rows, width, 128};
     qp.live_tokens = bound;
     kernels::launch_fp8_act_quant(qp, nullptr);
     // Unbounded: the live rows' results must not depend on the bound (the dead rows' NaN stay
@@ -796,18 +795,18 @@ TEST(GpuFp8Kernels, GroupedMatmulCapturesIntoAGraph) {
     const QuantisedActs x = quantise_acts(rows, k, rng);
     const QuantisedWeights w = quantise_weights(experts, n, k, rng);
     std::vector<float> ref(static_cast<size_t>(rows) * n);
-    quant::launch_fp8_block_grouped_matmul({x.q.data(), x.scale.data(), w.q.data(), w.scale.data(),
+    kernels::launch_fp8_block_grouped_matmul({x.q.data(), x.scale.data(), w.q.data(), w.scale.data(),
                                             offsets.data(), ref.data(), rows, experts, n, k},
                                            pool());
     DeviceBuffer<uint8_t> d_xq(x.q), d_wq(w.q);
     DeviceBuffer<float> d_xs(x.scale), d_ws(w.scale);
     DeviceBuffer<int32_t> d_off(offsets);
     DeviceBuffer<bf16> d_out(ref.size());
-    const quant::Fp8BlockGroupedMatmulParams<bf16> p{
+    const kernels::Fp8BlockGroupedMatmulParams<bf16> p{
         d_xq.get(),  d_xs.get(), d_wq.get(), d_ws.get(), d_off.get(),
         d_out.get(), rows,       experts,    n,          k};
     std::vector<float> abs_sum(ref.size());
-    quant::launch_fp8_block_grouped_matmul(
+    kernels::launch_fp8_block_grouped_matmul(
         {magnitudes(x.q).data(), x.scale.data(), magnitudes(w.q).data(), w.scale.data(),
          offsets.data(), abs_sum.data(), rows, experts, n, k},
         pool());

@@ -32,7 +32,7 @@ void RankEngine::enqueue_forward(const Shape& sh) {
     kernels::launch_qk_norm_rope_kv_write(
         {qkv, w.q_norm, w.k_norm, positions, inv_freq, attention_scaling, slots, q, k_cache,
          v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps,
-         w.qkv8.present() ? quant::kFp8BlockSize : 0},
+         w.qkv8.present() ? kernels::kFp8BlockSize : 0},
         stream);
     mark("attention");
     kernels::launch_paged_attention(
@@ -88,13 +88,13 @@ void RankEngine::linear(const char* name, const bf16* x, const bf16* w16, const 
   const bool lt = fp8_on_cublaslt(w8, m, k);
   if (!quantized) {
     mark(name, ".act_quant");
-    kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k, quant::kFp8BlockSize, lt}, stream);
+    kernels::launch_fp8_act_quant({x, act_q, act_scale, m, k, kernels::kFp8BlockSize, lt}, stream);
   }
   mark(name);
   // n is the bf16 width; an FP8 weight's packed rows add any padding between fused parts.
-  const quant::Fp8BlockMatmulParams<bf16> mp{act_q, act_scale, w8.q, w8.scale, out, m,
+  const kernels::Fp8BlockMatmulParams<bf16> mp{act_q, act_scale, w8.q, w8.scale, out, m,
                                              static_cast<int>(w8.shape.rows), k,
-                                             quant::kFp8BlockSize, quant::kFp8BlockSize, lt};
+                                             kernels::kFp8BlockSize, kernels::kFp8BlockSize, lt};
   if (lt) {
     kernels::launch_fp8_block_matmul_cublaslt(mp, w8.row_scale, stream);
   } else {
@@ -174,7 +174,7 @@ void RankEngine::enqueue_moe(const LayerWeights& w, int T) {
   const bool fp8_experts = w.gate_up8.present();
   if (fp8_experts) {
     mark("experts_gate_up.act_quant");
-    quant::Fp8ActQuantParams<bf16> qp{x, token_q, token_scale, tokens, hidden};
+    kernels::Fp8ActQuantParams<bf16> qp{x, token_q, token_scale, tokens, hidden};
     qp.live_tokens = live_tokens;
     kernels::launch_fp8_act_quant(qp, stream);
   }

@@ -92,7 +92,7 @@ struct Fp8Weight {
   uint8_t* q = nullptr;
   float* scale = nullptr;
   // Dense weights only: the scales repeated per row ([scale_cols, rows]), for cuBLASLt where it
-  // pairs only 1 x 128 scales (quant::expand_fp8_row_scales).
+  // pairs only 1 x 128 scales (kernels::expand_fp8_row_scales).
   float* row_scale = nullptr;
   quant::Fp8PackedShape shape;  // of one copy
   bool present() const { return q != nullptr; }

@@ -257,7 +257,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
     slices.push_back(slice_tensor(t, rows.begin, rows.count, cols.begin, cols.count));
     const TensorView* w = &slices.back().view;
     if (!fp8) return {w, nullptr};
-    const int64_t B = quant::kFp8BlockSize;
+    const int64_t B = kernels::kFp8BlockSize;
     auto on_blocks = [&](IndexRange r, int64_t n) {
       return r.begin % B == 0 && (r.count % B == 0 || r.begin + r.count == n);
     };
@@ -315,7 +315,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
     up.put_bytes(dst.scale, scale.data(), scale.size() * 4);
     if (copies == 1) {
       const std::vector<float> rows =
-          quant::expand_fp8_row_scales(scale.data(), shape.rows, shape.cols);
+          kernels::expand_fp8_row_scales(scale.data(), shape.rows, shape.cols);
       dst.row_scale = weights.take<float>(rows.size());
       up.put_bytes(dst.row_scale, rows.data(), rows.size() * 4);
     }

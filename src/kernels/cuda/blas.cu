@@ -226,7 +226,7 @@ class Fp8Blas {
     return nullptr;
   }
 
-  void gemm(const quant::Fp8BlockMatmulParams<bf16>& p, const float* w_row_scale, cudaStream_t s) {
+  void gemm(const Fp8BlockMatmulParams<bf16>& p, const float* w_row_scale, cudaStream_t s) {
     const Fp8Plan* fp = plan_for(p.m, p.n, p.k);
     RELAY_CHECK(fp != nullptr, "cuBLASLt has no block-scaled FP8 algorithm for m ", p.m, " n ", p.n, " k ", p.k,
                 " (ask fp8_block_matmul_cublaslt_supported first)");
@@ -284,7 +284,7 @@ class Fp8Blas {
 };
 
 bool fp8_cublaslt_shape_ok(int n, int k) {
-  return n > 0 && k > 0 && n % 16 == 0 && k % 16 == 0 && ceil_div(k, quant::kFp8BlockSize) % 4 == 0;
+  return n > 0 && k > 0 && n % 16 == 0 && k % 16 == 0 && ceil_div(k, kFp8BlockSize) % 4 == 0;
 }
 
 __global__ void gather_rows_kernel(const bf16* x, const int32_t* rows, bf16* out, int hidden) {
@@ -325,11 +325,11 @@ bool fp8_block_matmul_cublaslt_supported(int m, int n, int k) {
   return m > 0 && fp8_cublaslt_shape_ok(n, k) && Fp8Blas::get().plan_for(m, n, k) != nullptr;
 }
 
-void launch_fp8_block_matmul_cublaslt(const quant::Fp8BlockMatmulParams<bf16>& p, const float* w_row_scale,
+void launch_fp8_block_matmul_cublaslt(const Fp8BlockMatmulParams<bf16>& p, const float* w_row_scale,
                                       cudaStream_t s) {
   RELAY_CHECK(fp8_cublaslt_shape_ok(p.n, p.k) && p.m >= 0, "fp8_block_matmul_cublaslt: m ", p.m, " n ", p.n, " k ",
               p.k, " (n and k multiples of 16, ceil(k / 128) a multiple of 4)");
-  RELAY_CHECK(p.block_n == quant::kFp8BlockSize && p.block_k == quant::kFp8BlockSize,
+  RELAY_CHECK(p.block_n == kFp8BlockSize && p.block_k == kFp8BlockSize,
               "fp8_block_matmul_cublaslt: blocks ", p.block_n, "x", p.block_k, " (only 128 x 128)");
   RELAY_CHECK(p.x_scale_group_major, "fp8_block_matmul_cublaslt: x scales must be group-major (cuBLASLt's VEC128 layout)");
   for (const void* ptr : {static_cast<const void*>(p.x), static_cast<const void*>(p.w), static_cast<const void*>(p.out),

@@ -38,8 +38,6 @@ namespace relay::kernels::cuda {
 
 using bf16 = __nv_bfloat16;
 
-inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
 // 8 bf16 values in one 16-byte load.
 struct alignas(16) Bf16x8 {
   __nv_bfloat162 v[4];

@@ -1,8 +1,8 @@
 // The CUDA FP8 ops: dynamic activation quantisation and the block-scaled (Hopper) and MXFP8 GEMMs
-// of quant/fp8_gemm.h, on bf16 activations and outputs.
+// of kernels/fp8_ops.h, on bf16 activations and outputs.
 //
 // Each launch takes the CPU reference's params struct instantiated on __nv_bfloat16 and a stream
-// (the CPU launches in quant/fp8_gemm.cpp define the results). Like ops_cuda.h: asynchronous, no
+// (the CPU launches in kernels/cpu/fp8_ops.cpp define the results). Like ops_cuda.h: asynchronous, no
 // synchronisation, no allocation, expert_offsets read only on the device, so every launch can be
 // captured into a CUDA graph. Shape checks at the boundary throw relay::Error naming the op.
 //
@@ -17,7 +17,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/ops_cuda.h"
-#include "quant/fp8_gemm.h"
+#include "kernels/fp8_ops.h"
 
 namespace relay::kernels {
 
@@ -26,12 +26,12 @@ using bf16 = __nv_bfloat16;
 // bf16 [num_tokens, k] -> e4m3 + one fp32 scale per (token, 128-group): bit-identical to the CPU
 // recipe applied to the bf16 values as floats (scale = amax / 448, 1 for an all-zero group; a true
 // division, the hardware's saturating round-to-nearest-even e4m3 conversion).
-void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t s);
+void launch_fp8_act_quant(const Fp8ActQuantParams<bf16>& p, cudaStream_t s);
 
-// quant::Fp8PermuteRowsParams on the GPU (k a multiple of 16): one warp per token reads its codes
+// Fp8PermuteRowsParams on the GPU (k a multiple of 16): one warp per token reads its codes
 // and scales once and writes them to its top_k permuted rows (with live_tokens, the warps of a
 // capped grid stride over the live tokens, as launch_moe_permute's row copy).
-void launch_fp8_permute_rows(const quant::Fp8PermuteRowsParams& p, cudaStream_t s);
+void launch_fp8_permute_rows(const Fp8PermuteRowsParams& p, cudaStream_t s);
 
 // The down projection's input in one pass: h = bf16(silu(gate) * up) exactly as launch_swiglu
 // computes it, then quantised as launch_fp8_act_quant would quantise h. So the result equals
@@ -43,7 +43,7 @@ struct SwigluFp8QuantParams {
   float* scale = nullptr;         // [num_rows, ceil(width / 128)] (or group-major, below)
   int num_rows = 0;
   int width = 0;
-  bool group_major_scales = false;  // as quant::Fp8ActQuantParams::group_major_scales
+  bool group_major_scales = false;  // as Fp8ActQuantParams::group_major_scales
   LiveRows live_rows = {};          // as SwigluParams::live_rows; none: every row
 };
 void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s);
@@ -56,14 +56,14 @@ void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s);
 // tiles, fp8_grouped_gemm_cutlass.cu). Auto picks streaming up to 8 rows per expert on average,
 // the tiled kernel up to 16, and beyond that (prefill) prefill_grouped_gemm_kind(): CUTLASS by
 // default, the tiled kernel for shapes CUTLASS cannot take (k not a multiple of 16).
-void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<bf16>& p,
                                      cudaStream_t s);
-void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<bf16>& p,
                                      GroupedGemmKind kind, cudaStream_t s);
 // The CUTLASS variant itself (called through launch_fp8_block_grouped_matmul). TMA moves 16-byte
 // rows, so it needs k a multiple of 16 (e4m3 x and w rows), n a multiple of 8 (bf16 out rows) and
 // 16-byte aligned x, w and out.
-void launch_fp8_block_grouped_matmul_cutlass(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+void launch_fp8_block_grouped_matmul_cutlass(const Fp8BlockGroupedMatmulParams<bf16>& p,
                                              cudaStream_t s);
 inline bool fp8_block_grouped_matmul_cutlass_supported(int n, int k) {
   return n > 0 && k > 0 && n % 8 == 0 && k % 16 == 0;
@@ -71,8 +71,8 @@ inline bool fp8_block_grouped_matmul_cutlass_supported(int n, int k) {
 
 // The dense block-scaled GEMM: the tiled and streaming kernels with the whole of m as one expert
 // (x scales token-major).
-void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, cudaStream_t s);
-void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, GroupedGemmKind kind,
+void launch_fp8_block_matmul(const Fp8BlockMatmulParams<bf16>& p, cudaStream_t s);
+void launch_fp8_block_matmul(const Fp8BlockMatmulParams<bf16>& p, GroupedGemmKind kind,
                              cudaStream_t s);
 
 // The dense block-scaled GEMM through cuBLASLt (CUDA >= 12.9 on Hopper: fp32 accumulation
@@ -85,16 +85,16 @@ void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, Grouped
 // cuBLASLt has an algorithm for the shape (asked once per shape and cached). The backend uses it
 // for the dense projections wherever supported.
 bool fp8_block_matmul_cublaslt_supported(int m, int n, int k);
-void launch_fp8_block_matmul_cublaslt(const quant::Fp8BlockMatmulParams<bf16>& p,
+void launch_fp8_block_matmul_cublaslt(const Fp8BlockMatmulParams<bf16>& p,
                                       const float* w_row_scale, cudaStream_t s);
 
 // MXFP8 (the Blackwell format): activations -> e4m3 + E8M0 per (token, 32-group), bit-identical to
 // the CPU quantiser. The GEMMs run the Blackwell-native kernel below where mxfp8_sm100_available()
 // and the shape allows it; elsewhere (Hopper) a correctness path that applies sx[row, g] *
 // sw[col, g] to every m16n8k32 product (one MX group along k).
-void launch_mxfp8_act_quant(const quant::Mxfp8ActQuantParams<bf16>& p, cudaStream_t s);
-void launch_mxfp8_matmul(const quant::Mxfp8MatmulParams<bf16>& p, cudaStream_t s);
-void launch_mxfp8_grouped_matmul(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s);
+void launch_mxfp8_act_quant(const Mxfp8ActQuantParams<bf16>& p, cudaStream_t s);
+void launch_mxfp8_matmul(const Mxfp8MatmulParams<bf16>& p, cudaStream_t s);
+void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s);
 
 // The Blackwell-native MXFP8 grouped GEMM (sm100/mxfp8_grouped_gemm_sm100.cu): CUTLASS's sm100
 // block-scaled tcgen05 kernel, the scales applied by the MMA per 32-group. expert_offsets may be
@@ -105,7 +105,7 @@ bool mxfp8_sm100_available();
 inline bool mxfp8_sm100_supported(int n, int k) {
   return n > 0 && k > 0 && n % 8 == 0 && k % 16 == 0;
 }
-void launch_mxfp8_grouped_matmul_sm100(const quant::Mxfp8GroupedMatmulParams<bf16>& p,
+void launch_mxfp8_grouped_matmul_sm100(const Mxfp8GroupedMatmulParams<bf16>& p,
                                        cudaStream_t s);
 
 }  // namespace relay::kernels

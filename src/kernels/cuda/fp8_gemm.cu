@@ -1,6 +1,6 @@
 // FP8 GEMMs on mma.sync m16n8k32 (e4m3 x e4m3 -> fp32): out[r] = dequant(x[r]) @ dequant(w[e])^T
 // for the rows r of each expert e, or for all rows of a dense weight (the same kernels with the
-// whole of m as one expert: expert_offsets null). The contract is quant/fp8_gemm.h's.
+// whole of m as one expert: expert_offsets null). The contract is kernels/fp8_ops.h's.
 //
 // Tiled (prefill; also the MXFP8 path): CTA tiles of kBm x 128 output and one 128-byte slice of k
 // per cp.async stage, 8 warps of 2 (m) x 4 (n), XOR-swizzled shared memory. An e4m3 m16n8k32
@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, kBm == 128 ? 1 : 2)
         }
       }
     } else {
-      const int num_groups = (p.k + quant::kMxGroupSize - 1) / quant::kMxGroupSize;
+      const int num_groups = (p.k + kMxGroupSize - 1) / kMxGroupSize;
       const uint8_t* x_scale = static_cast<const uint8_t*>(p.x_scale);
       const uint8_t* w_scale =
           static_cast<const uint8_t*>(p.w_scale) + static_cast<int64_t>(expert) * p.n * num_groups;
@@ -534,13 +534,13 @@ void run_block_scaled(const Fp8GemmArgs& a, GroupedGemmKind kind, cudaStream_t s
 void check_block_shape(const char* op, int n, int k, int block_n, int block_k) {
   RELAY_CHECK(n > 0 && k > 0 && n % 8 == 0 && k % 8 == 0, op, ": n ", n, " and k ", k,
               " must be positive multiples of 8");
-  RELAY_CHECK(block_n == quant::kFp8BlockSize && block_k == quant::kFp8BlockSize, op, ": blocks ",
+  RELAY_CHECK(block_n == kFp8BlockSize && block_k == kFp8BlockSize, op, ": blocks ",
               block_n, "x", block_k, " are not supported on the GPU (only 128x128)");
 }
 
 }  // namespace
 
-void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<bf16>& p,
                                      GroupedGemmKind kind, cudaStream_t s) {
   check_block_shape("fp8_block_grouped_matmul", p.n, p.k, p.block_n, p.block_k);
   RELAY_CHECK(p.num_rows >= 0 && p.num_experts > 0 && p.expert_offsets != nullptr,
@@ -556,12 +556,12 @@ void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf
   }
 }
 
-void launch_fp8_block_grouped_matmul(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<bf16>& p,
                                      cudaStream_t s) {
   launch_fp8_block_grouped_matmul(p, GroupedGemmKind::Auto, s);
 }
 
-void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, GroupedGemmKind kind,
+void launch_fp8_block_matmul(const Fp8BlockMatmulParams<bf16>& p, GroupedGemmKind kind,
                              cudaStream_t s) {
   check_block_shape("fp8_block_matmul", p.n, p.k, p.block_n, p.block_k);
   RELAY_CHECK(p.m >= 0, "fp8_block_matmul: m ", p.m, " is negative");
@@ -572,7 +572,7 @@ void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, Grouped
   run_block_scaled(a, resolve_block_scaled_kind(a, kind), s);
 }
 
-void launch_fp8_block_matmul(const quant::Fp8BlockMatmulParams<bf16>& p, cudaStream_t s) {
+void launch_fp8_block_matmul(const Fp8BlockMatmulParams<bf16>& p, cudaStream_t s) {
   launch_fp8_block_matmul(p, GroupedGemmKind::Auto, s);
 }
 
@@ -593,7 +593,7 @@ bool mxfp8_sm100_available() {
 }
 
 namespace {
-void launch_mxfp8_sm100(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
+void launch_mxfp8_sm100(const Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
 #if RELAY_HAVE_SM100_KERNELS
   launch_mxfp8_grouped_matmul_sm100(p, s);
 #else
@@ -604,7 +604,7 @@ void launch_mxfp8_sm100(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStre
 }
 }  // namespace
 
-void launch_mxfp8_grouped_matmul(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
+void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.n > 0 && p.k > 0 && p.n % 8 == 0 && p.k % 8 == 0, "mxfp8_grouped_matmul: n ", p.n,
               " and k ", p.k, " must be positive multiples of 8");
   RELAY_CHECK(p.num_rows >= 0 && p.num_experts > 0 && p.expert_offsets != nullptr,
@@ -620,7 +620,7 @@ void launch_mxfp8_grouped_matmul(const quant::Mxfp8GroupedMatmulParams<bf16>& p,
                                     p.num_rows <= 16 * p.num_experts, s);
 }
 
-void launch_mxfp8_matmul(const quant::Mxfp8MatmulParams<bf16>& p, cudaStream_t s) {
+void launch_mxfp8_matmul(const Mxfp8MatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.n > 0 && p.k > 0 && p.n % 8 == 0 && p.k % 8 == 0 && p.m >= 0, "mxfp8_matmul: m ",
               p.m, ", n ", p.n, " and k ", p.k, " (n and k must be positive multiples of 8)");
   if (p.m == 0) return;

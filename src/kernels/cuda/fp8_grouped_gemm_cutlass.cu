@@ -1,6 +1,6 @@
 // FP8 block-scaled MoE grouped GEMM through CUTLASS's Hopper kernel, one GEMM "group" per expert:
 // for the rows r of each expert e, out[r] = sum over k-blocks b of (x_q[r] . w_q[e] over b) *
-// x_scale[r, b] * w_scale[e, n/128, b] (quant/fp8_gemm.h's contract).
+// x_scale[r, b] * w_scale[e, n/128, b] (kernels/fp8_ops.h's contract).
 //
 // The kernel is CUTLASS 4's sm90 ptr-array grouped GEMM with the blockwise-scaled FP8 mainloop
 // (KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise): persistent CTAs walk a tile schedule
@@ -72,12 +72,12 @@ constexpr int kAlignmentOut = 8;  // bf16
 
 // One scale per (row, 128-block of k) for x and per 128 x 128 block for w, both K-major.
 using ScaleConfig =
-    cutlass::detail::Sm90BlockwiseScaleConfig<1, quant::kFp8BlockSize, quant::kFp8BlockSize,
+    cutlass::detail::Sm90BlockwiseScaleConfig<1, kFp8BlockSize, kFp8BlockSize,
                                               cute::GMMA::Major::K, cute::GMMA::Major::K>;
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
-using Tile = Shape<_128, _128, Int<quant::kFp8BlockSize>>;
+using Tile = Shape<_128, _128, Int<kFp8BlockSize>>;
 using Cluster = Shape<_1, _2, _1>;
 
 using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -117,10 +117,10 @@ struct GroupArgs {
   LayoutSFB* layout_sfb;
 };
 
-__global__ void fill_fp8_group_args_kernel(quant::Fp8BlockGroupedMatmulParams<bf16> p,
+__global__ void fill_fp8_group_args_kernel(Fp8BlockGroupedMatmulParams<bf16> p,
                                            GroupArgs g) {
-  const int num_kb = (p.k + quant::kFp8BlockSize - 1) / quant::kFp8BlockSize;
-  const int num_nb = (p.n + quant::kFp8BlockSize - 1) / quant::kFp8BlockSize;
+  const int num_kb = (p.k + kFp8BlockSize - 1) / kFp8BlockSize;
+  const int num_nb = (p.n + kFp8BlockSize - 1) / kFp8BlockSize;
   for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
     const int64_t row0 = p.expert_offsets[e];
     const int rows = p.expert_offsets[e + 1] - static_cast<int>(row0);
@@ -183,7 +183,7 @@ class CutlassFp8GroupedContext {
     return cuda::per_stream<CutlassFp8GroupedContext>(s);
   }
 
-  void run(const quant::Fp8BlockGroupedMatmulParams<bf16>& p, cudaStream_t s) {
+  void run(const Fp8BlockGroupedMatmulParams<bf16>& p, cudaStream_t s) {
     std::lock_guard lock(mu_);
     size_t bytes = 0;
     carve_group_args(nullptr, p.num_experts, &bytes);
@@ -245,9 +245,9 @@ bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 
 
 }  // namespace
 
-void launch_fp8_block_grouped_matmul_cutlass(const quant::Fp8BlockGroupedMatmulParams<bf16>& p,
+void launch_fp8_block_grouped_matmul_cutlass(const Fp8BlockGroupedMatmulParams<bf16>& p,
                                              cudaStream_t s) {
-  RELAY_CHECK(p.block_n == quant::kFp8BlockSize && p.block_k == quant::kFp8BlockSize,
+  RELAY_CHECK(p.block_n == kFp8BlockSize && p.block_k == kFp8BlockSize,
               "fp8_block_grouped_matmul (CUTLASS): blocks ", p.block_n, "x", p.block_k,
               " are not supported (only 128x128)");
   RELAY_CHECK(fp8_block_grouped_matmul_cutlass_supported(p.n, p.k),

@@ -7,7 +7,7 @@
 // quantises two (or eight) groups per pass with no shared memory. Every arithmetic step mirrors the
 // CPU recipe in quant/weight_quant.cpp: IEEE division for the scale and for x / scale, exact
 // power-of-two scaling for MX, and the hardware's saturating round-to-nearest-even e4m3 conversion,
-// which equals quant::f32_to_e4m3 after the CPU's clamp. So the codes and scales are bit-identical.
+// which equals f32_to_e4m3 after the CPU's clamp. So the codes and scales are bit-identical.
 //
 // With a kernels::LiveRows bound (the DP + EP receive buffer), the block-scaled quantiser and the
 // permutation of quantised rows walk only the live rows: each CTA builds the bound's LiveRowMap in
@@ -86,11 +86,11 @@ template <bool kSwiglu>
 __global__ void __launch_bounds__(kQuantThreads)
     fp8_act_quant_kernel(const bf16* x, uint8_t* q, float* scale, int num_rows, int k,
                          bool group_major_scales, LiveRows live_rows) {
-  constexpr int kLanes = quant::kFp8BlockSize / 8;
+  constexpr int kLanes = kFp8BlockSize / 8;
   constexpr int kUnitsPerCta = kQuantThreads / kLanes;
   __shared__ LiveRowMap live;
   load_live_map(live, live_rows, num_rows);
-  const int groups = (k + quant::kFp8BlockSize - 1) / quant::kFp8BlockSize;
+  const int groups = (k + kFp8BlockSize - 1) / kFp8BlockSize;
   const int64_t num_units = int64_t{live.total()} * groups;
   const int part = threadIdx.x % kLanes;
   // NOTE: the loop bound is the CTA's, so every lane of a warp runs every iteration and lanes past
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kQuantThreads)
        first += int64_t{gridDim.x} * kUnitsPerCta) {
     const int64_t unit = first + threadIdx.x / kLanes;
     const int g = static_cast<int>(unit % groups);
-    const int c = g * quant::kFp8BlockSize + part * 8;
+    const int c = g * kFp8BlockSize + part * 8;
     const bool valid = unit < num_units && c < k;
     const int64_t row = valid ? live.row(static_cast<int>(unit / groups)) : 0;
     float v[8] = {};
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kQuantThreads)
   }
 }
 
-// The E8M0 code of quant::e8m0_scale_code_for_amax: the smallest e with amax <= 448 * 2^(e - 127).
+// The E8M0 code of e8m0_scale_code_for_amax: the smallest e with amax <= 448 * 2^(e - 127).
 __device__ __forceinline__ int e8m0_code_for_amax(float amax) {
   if (amax == 0.0f) return 0;
   int exponent = 0;
@@ -132,14 +132,14 @@ __device__ __forceinline__ float exact_pow2(int e) {
 
 // One 32-group per 4 lanes: q = e4m3(x * 2^(127 - code)), an exact scaling as the CPU's ldexp.
 __global__ void __launch_bounds__(kQuantThreads)
-    mxfp8_act_quant_kernel(quant::Mxfp8ActQuantParams<bf16> p) {
-  constexpr int kLanes = quant::kMxGroupSize / 8;
-  const int groups = (p.k + quant::kMxGroupSize - 1) / quant::kMxGroupSize;
+    mxfp8_act_quant_kernel(Mxfp8ActQuantParams<bf16> p) {
+  constexpr int kLanes = kMxGroupSize / 8;
+  const int groups = (p.k + kMxGroupSize - 1) / kMxGroupSize;
   const int64_t unit = (blockIdx.x * static_cast<int64_t>(kQuantThreads) + threadIdx.x) / kLanes;
   const int part = threadIdx.x % kLanes;
   const int64_t row = unit / groups;
   const int g = static_cast<int>(unit % groups);
-  const int c = g * quant::kMxGroupSize + part * 8;
+  const int c = g * kMxGroupSize + part * 8;
   const bool valid = row < p.num_tokens && c < p.k;
   float v[8] = {};
   if (valid) load_row_values<false>(p.x, row, p.k, c, v);
@@ -164,11 +164,11 @@ constexpr int kPermuteWarps = 8;
 
 // One warp per token (unbounded) or, with live_tokens, warps striding over the live tokens; rows
 // outside copied_rows are skipped by the whole warp.
-__global__ void __launch_bounds__(kPermuteWarps * 32) fp8_permute_rows_kernel(quant::Fp8PermuteRowsParams p) {
+__global__ void __launch_bounds__(kPermuteWarps * 32) fp8_permute_rows_kernel(Fp8PermuteRowsParams p) {
   __shared__ LiveRowMap live;
   load_live_map(live, p.live_tokens, p.num_tokens);
   const int lane = threadIdx.x & 31;
-  const int vecs = p.k / 16, groups = (p.k + quant::kFp8BlockSize - 1) / quant::kFp8BlockSize;
+  const int vecs = p.k / 16, groups = (p.k + kFp8BlockSize - 1) / kFp8BlockSize;
   for (int v_tok = blockIdx.x * kPermuteWarps + (threadIdx.x >> 5); v_tok < live.total();
        v_tok += gridDim.x * kPermuteWarps) {
     const int64_t t = live.row(v_tok);
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kPermuteWarps * 32) fp8_permute_rows_kernel(qu
 
 }  // namespace
 
-void launch_fp8_permute_rows(const quant::Fp8PermuteRowsParams& p, cudaStream_t s) {
+void launch_fp8_permute_rows(const Fp8PermuteRowsParams& p, cudaStream_t s) {
   RELAY_CHECK(p.k % 16 == 0 && p.top_k >= 1 && p.top_k <= 32, "fp8_permute_rows: k ", p.k,
               " must be a multiple of 16 and top_k ", p.top_k, " in [1, 32]");
   RELAY_CHECK(live_rows_valid(p.live_tokens, p.num_tokens),
@@ -214,18 +214,18 @@ void launch_fp8_permute_rows(const quant::Fp8PermuteRowsParams& p, cudaStream_t 
   RELAY_CUDA_CHECK_LAUNCH("fp8_permute_rows_kernel");
 }
 
-void launch_fp8_act_quant(const quant::Fp8ActQuantParams<bf16>& p, cudaStream_t s) {
+void launch_fp8_act_quant(const Fp8ActQuantParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.k > 0 && p.k % 8 == 0 && p.num_tokens >= 0, "fp8_act_quant: k ", p.k,
               " must be a positive multiple of 8, num_tokens ", p.num_tokens, " non-negative");
-  RELAY_CHECK(p.group_size == quant::kFp8BlockSize, "fp8_act_quant: group_size ", p.group_size,
-              " is not supported on the GPU (only ", quant::kFp8BlockSize, ")");
+  RELAY_CHECK(p.group_size == kFp8BlockSize, "fp8_act_quant: group_size ", p.group_size,
+              " is not supported on the GPU (only ", kFp8BlockSize, ")");
   RELAY_CHECK(live_rows_valid(p.live_tokens, p.num_tokens),
               "fp8_act_quant: live_tokens.region_rows ", p.live_tokens.region_rows,
               " must be positive with at most ", kMaxLiveRegions, " regions over ", p.num_tokens,
               " tokens");
   if (p.num_tokens == 0) return;
-  const int groups = ceil_div(p.k, quant::kFp8BlockSize);
-  const int blocks = live_grid(quant_blocks(p.num_tokens, groups, quant::kFp8BlockSize / 8),
+  const int groups = ceil_div(p.k, kFp8BlockSize);
+  const int blocks = live_grid(quant_blocks(p.num_tokens, groups, kFp8BlockSize / 8),
                                p.live_tokens.counts != nullptr);
   fp8_act_quant_kernel<false><<<blocks, kQuantThreads, 0, s>>>(p.x, p.q, p.scale, p.num_tokens, p.k,
                                                                p.group_major_scales, p.live_tokens);
@@ -239,20 +239,20 @@ void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s) {
               p.live_rows.region_rows, " must be positive with at most ", kMaxLiveRegions,
               " regions over ", p.num_rows, " rows");
   if (p.num_rows == 0) return;
-  const int groups = ceil_div(p.width, quant::kFp8BlockSize);
-  const int blocks = live_grid(quant_blocks(p.num_rows, groups, quant::kFp8BlockSize / 8),
+  const int groups = ceil_div(p.width, kFp8BlockSize);
+  const int blocks = live_grid(quant_blocks(p.num_rows, groups, kFp8BlockSize / 8),
                                p.live_rows.counts != nullptr);
   fp8_act_quant_kernel<true><<<blocks, kQuantThreads, 0, s>>>(
       p.gate_up, p.q, p.scale, p.num_rows, p.width, p.group_major_scales, p.live_rows);
   RELAY_CUDA_CHECK_LAUNCH("fp8_act_quant_kernel<swiglu>");
 }
 
-void launch_mxfp8_act_quant(const quant::Mxfp8ActQuantParams<bf16>& p, cudaStream_t s) {
+void launch_mxfp8_act_quant(const Mxfp8ActQuantParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.k > 0 && p.k % 8 == 0 && p.num_tokens >= 0, "mxfp8_act_quant: k ", p.k,
               " must be a positive multiple of 8, num_tokens ", p.num_tokens, " non-negative");
   if (p.num_tokens == 0) return;
-  const int groups = ceil_div(p.k, quant::kMxGroupSize);
-  mxfp8_act_quant_kernel<<<quant_blocks(p.num_tokens, groups, quant::kMxGroupSize / 8),
+  const int groups = ceil_div(p.k, kMxGroupSize);
+  mxfp8_act_quant_kernel<<<quant_blocks(p.num_tokens, groups, kMxGroupSize / 8),
                            kQuantThreads, 0, s>>>(p);
   RELAY_CUDA_CHECK_LAUNCH("mxfp8_act_quant_kernel");
 }

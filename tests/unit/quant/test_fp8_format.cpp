@@ -8,7 +8,7 @@
 #include <random>
 
 #include "core/error.h"
-#include "quant/fp8_format.h"
+#include "kernels/fp8_ops.h"
 #include "quant_test_util.h"
 
 namespace relay::quant {
@@ -27,7 +27,7 @@ TEST_F(FormatFixture, DecodesEveryE4m3CodeAsTorch) {
   ASSERT_EQ(expected.size(), 256u);
   int nan_codes = 0;
   for (int c = 0; c < 256; ++c) {
-    const float got = e4m3_to_f32(static_cast<uint8_t>(c));
+    const float got = kernels::e4m3_to_f32(static_cast<uint8_t>(c));
     if (std::isnan(expected[c])) {
       EXPECT_TRUE(std::isnan(got)) << "code " << c;
       ++nan_codes;
@@ -37,17 +37,17 @@ TEST_F(FormatFixture, DecodesEveryE4m3CodeAsTorch) {
     }
   }
   EXPECT_EQ(nan_codes, 2);  // 0x7F and 0xFF
-  EXPECT_EQ(e4m3_to_f32(kE4m3MaxCode), kE4m3Max);
+  EXPECT_EQ(kernels::e4m3_to_f32(kernels::kE4m3MaxCode), kernels::kE4m3Max);
 }
 
 TEST_F(FormatFixture, DecodesEveryE8m0CodeAsTorch) {
   const std::vector<float> expected = testing::floats(get("e8m0_decode"));
   ASSERT_EQ(expected.size(), 256u);
   for (int c = 0; c < 255; ++c) {
-    EXPECT_EQ(bits_of(e8m0_to_f32(static_cast<uint8_t>(c))), bits_of(expected[c])) << "code " << c;
+    EXPECT_EQ(bits_of(kernels::e8m0_to_f32(static_cast<uint8_t>(c))), bits_of(expected[c])) << "code " << c;
   }
   EXPECT_TRUE(std::isnan(expected[255]));
-  EXPECT_TRUE(std::isnan(e8m0_to_f32(kE8m0NanCode)));
+  EXPECT_TRUE(std::isnan(kernels::e8m0_to_f32(kernels::kE8m0NanCode)));
 }
 
 TEST_F(FormatFixture, EncodesLikeTorchClampThenCast) {
@@ -57,7 +57,7 @@ TEST_F(FormatFixture, EncodesLikeTorchClampThenCast) {
   ASSERT_GT(inputs.size(), 9000u);
   int mismatches = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    const uint8_t got = f32_to_e4m3(inputs[i]);
+    const uint8_t got = kernels::f32_to_e4m3(inputs[i]);
     if (got != codes.data[i] && ++mismatches <= 10) {
       ADD_FAILURE() << "input " << inputs[i] << " (bits 0x" << std::hex << bits_of(inputs[i])
                     << "): got 0x" << int(got) << ", torch 0x" << int(codes.data[i]);
@@ -68,19 +68,19 @@ TEST_F(FormatFixture, EncodesLikeTorchClampThenCast) {
 
 TEST(Fp8Format, EncodeDecodeRoundTripsEveryFiniteCode) {
   for (int c = 0; c < 256; ++c) {
-    const float v = e4m3_to_f32(static_cast<uint8_t>(c));
+    const float v = kernels::e4m3_to_f32(static_cast<uint8_t>(c));
     if (std::isnan(v)) continue;
-    EXPECT_EQ(f32_to_e4m3(v), c) << "code " << c << " value " << v;
+    EXPECT_EQ(kernels::f32_to_e4m3(v), c) << "code " << c << " value " << v;
   }
 }
 
 TEST(Fp8Format, NanKeepsItsSignAndInfinitySaturates) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_EQ(f32_to_e4m3(nan), 0x7F);
-  EXPECT_EQ(f32_to_e4m3(-nan), 0xFF);
-  EXPECT_EQ(f32_to_e4m3(INFINITY), 0x7E);
-  EXPECT_EQ(f32_to_e4m3(-INFINITY), 0xFE);
-  EXPECT_EQ(f32_to_e4m3(1e30f), 0x7E);
+  EXPECT_EQ(kernels::f32_to_e4m3(nan), 0x7F);
+  EXPECT_EQ(kernels::f32_to_e4m3(-nan), 0xFF);
+  EXPECT_EQ(kernels::f32_to_e4m3(INFINITY), 0x7E);
+  EXPECT_EQ(kernels::f32_to_e4m3(-INFINITY), 0xFE);
+  EXPECT_EQ(kernels::f32_to_e4m3(1e30f), 0x7E);
 }
 
 TEST(Fp8Format, MxScaleIsTheSmallestPowerOfTwoThatAvoidsSaturation) {
@@ -88,19 +88,19 @@ TEST(Fp8Format, MxScaleIsTheSmallestPowerOfTwoThatAvoidsSaturation) {
   std::uniform_real_distribution<double> log2_mag(-140.0, 127.9);
   for (int i = 0; i < 20000; ++i) {
     const float amax = static_cast<float>(std::exp2(log2_mag(rng)));
-    const int code = e8m0_scale_code_for_amax(amax);
+    const int code = kernels::e8m0_scale_code_for_amax(amax);
     // amax <= 448 * 2^(code - 127), and one step smaller would not hold (unless code is 0).
     EXPECT_LE(static_cast<double>(amax), 448.0 * std::exp2(code - 127)) << amax;
     if (code > 0) {
       EXPECT_GT(static_cast<double>(amax), 448.0 * std::exp2(code - 128)) << amax;
     }
   }
-  EXPECT_EQ(e8m0_scale_code_for_amax(0.0f), 0);
-  EXPECT_EQ(e8m0_scale_code_for_amax(448.0f), 127);
-  EXPECT_EQ(e8m0_scale_code_for_amax(448.00003f), 128);
-  EXPECT_EQ(e8m0_scale_code_for_amax(1.0f), 127 - 8);  // 1 <= 448 * 2^-8 = 1.75, not <= 0.875
-  EXPECT_THROW(e8m0_scale_code_for_amax(INFINITY), Error);
-  EXPECT_THROW(e8m0_scale_code_for_amax(std::numeric_limits<float>::quiet_NaN()), Error);
+  EXPECT_EQ(kernels::e8m0_scale_code_for_amax(0.0f), 0);
+  EXPECT_EQ(kernels::e8m0_scale_code_for_amax(448.0f), 127);
+  EXPECT_EQ(kernels::e8m0_scale_code_for_amax(448.00003f), 128);
+  EXPECT_EQ(kernels::e8m0_scale_code_for_amax(1.0f), 127 - 8);  // 1 <= 448 * 2^-8 = 1.75, not <= 0.875
+  EXPECT_THROW(kernels::e8m0_scale_code_for_amax(INFINITY), Error);
+  EXPECT_THROW(kernels::e8m0_scale_code_for_amax(std::numeric_limits<float>::quiet_NaN()), Error);
 }
 
 }  // namespace

@@ -10,8 +10,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/ops.h"
-#include "quant/fp8_format.h"
-#include "quant/fp8_gemm.h"
+#include "kernels/fp8_ops.h"
 #include "quant/weight_quant.h"
 
 namespace relay::quant {
@@ -41,7 +40,7 @@ Reference dot(const float* a, const float* b, int k) {
 // fp32 accumulation of k exact products in groups, each group scaled once: the error is at most
 // (k + 3 * num_groups) roundings of the running magnitude, bounded by the sum of |terms|.
 void expect_close(float got, const Reference& ref, int k, int group, const std::string& where) {
-  const double bound = (k + 3.0 * ceil_div(k, group) + 2) * 0x1p-24 * ref.abs_sum + 1e-30;
+  const double bound = (k + 3.0 * kernels::ceil_div(k, group) + 2) * 0x1p-24 * ref.abs_sum + 1e-30;
   EXPECT_LE(std::fabs(got - ref.value), bound) << where << ": " << got << " vs " << ref.value;
 }
 
@@ -56,12 +55,12 @@ TEST(Fp8ActQuant, IsTheWeightRecipeOnOneByGroupBlocks) {
   std::mt19937 rng(1);
   for (const Shape& s : kShapes) {
     const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f);
-    const int groups = static_cast<int>(ceil_div(s.k, 128));
+    const int groups = static_cast<int>(kernels::ceil_div(s.k, 128));
     std::vector<uint8_t> q(x.size()), q_ref(x.size());
     std::vector<float> scale(s.m * groups), scale_ref(s.m * groups);
-    launch_fp8_act_quant({x.data(), q.data(), scale.data(), s.m, s.k, 128}, pool);
+    kernels::launch_fp8_act_quant({x.data(), q.data(), scale.data(), s.m, s.k, 128}, pool);
     for (int r = 0; r < s.m; ++r) {
-      quantize_weight_fp8_block(x.data() + r * s.k, 1, s.k, 1, 128, q_ref.data() + r * s.k,
+      kernels::quantize_weight_fp8_block(x.data() + r * s.k, 1, s.k, 1, 128, q_ref.data() + r * s.k,
                                 scale_ref.data() + r * groups);
       for (int g = 0; g < groups; ++g) {
         float amax = 0;
@@ -87,21 +86,21 @@ TEST(Fp8PermuteRows, QuantiseThenPermuteEqualsPermuteThenQuantise) {
       for (int j = 0; j < top_k; ++j) ids[t * top_k + j] = static_cast<int32_t>((t * 7 + j * 3 + rng() % 2) % experts);
     }
     const size_t rows = ids.size();
-    const int groups = static_cast<int>(ceil_div(k, 128));
+    const int groups = static_cast<int>(kernels::ceil_div(k, 128));
     std::vector<float> permuted(rows * k);
     std::vector<int32_t> index(rows), offsets(experts + 1);
     kernels::launch_moe_permute({x.data(), ids.data(), permuted.data(), index.data(), offsets.data(), tokens, k, experts, top_k},
                                 pool);
     std::vector<uint8_t> q_ref(rows * k), q_tok(x.size()), q(rows * k);
     std::vector<float> s_ref(rows * groups), s_tok(tokens * groups), s(rows * groups);
-    launch_fp8_act_quant({permuted.data(), q_ref.data(), s_ref.data(), static_cast<int>(rows), k}, pool);
-    launch_fp8_act_quant({x.data(), q_tok.data(), s_tok.data(), tokens, k}, pool);
+    kernels::launch_fp8_act_quant({permuted.data(), q_ref.data(), s_ref.data(), static_cast<int>(rows), k}, pool);
+    kernels::launch_fp8_act_quant({x.data(), q_tok.data(), s_tok.data(), tokens, k}, pool);
     std::vector<int32_t> index_only(rows), offsets_only(experts + 1);
     kernels::launch_moe_permute({x.data(), ids.data(), nullptr, index_only.data(), offsets_only.data(), tokens, k, experts, top_k},
                                 pool);
     EXPECT_EQ(index_only, index);
     EXPECT_EQ(offsets_only, offsets);
-    launch_fp8_permute_rows({q_tok.data(), s_tok.data(), index.data(), q.data(), s.data(), tokens, k, top_k}, pool);
+    kernels::launch_fp8_permute_rows({q_tok.data(), s_tok.data(), index.data(), q.data(), s.data(), tokens, k, top_k}, pool);
     EXPECT_EQ(q, q_ref) << tokens << " tokens, k " << k;
     EXPECT_EQ(s, s_ref) << tokens << " tokens, k " << k;
   }
@@ -113,17 +112,17 @@ TEST(Fp8BlockMatmul, MatchesDoubleProductOfDequantisedOperands) {
   for (const Shape& s : kShapes) {
     const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f),
                              w = random_matrix(s.n, s.k, rng, 0.02f);
-    const int kg = static_cast<int>(ceil_div(s.k, 128)), ng = static_cast<int>(ceil_div(s.n, 128));
+    const int kg = static_cast<int>(kernels::ceil_div(s.k, 128)), ng = static_cast<int>(kernels::ceil_div(s.n, 128));
     std::vector<uint8_t> xq(x.size()), wq(w.size());
     std::vector<float> xs(s.m * kg), ws(ng * kg), out(s.m * s.n);
-    launch_fp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k, 128}, pool);
-    quantize_weight_fp8_block(w.data(), s.n, s.k, 128, 128, wq.data(), ws.data());
-    launch_fp8_block_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
+    kernels::launch_fp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k, 128}, pool);
+    kernels::quantize_weight_fp8_block(w.data(), s.n, s.k, 128, 128, wq.data(), ws.data());
+    kernels::launch_fp8_block_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
                             pool);
 
     std::vector<float> xd(x.size()), wd(w.size());
-    dequantize_weight_fp8_block(xq.data(), xs.data(), s.m, s.k, 1, 128, xd.data());
-    dequantize_weight_fp8_block(wq.data(), ws.data(), s.n, s.k, 128, 128, wd.data());
+    kernels::dequantize_weight_fp8_block(xq.data(), xs.data(), s.m, s.k, 1, 128, xd.data());
+    kernels::dequantize_weight_fp8_block(wq.data(), ws.data(), s.n, s.k, 128, 128, wd.data());
     double err2 = 0, ref2 = 0;
     for (int r = 0; r < s.m; ++r) {
       for (int j = 0; j < s.n; ++j) {
@@ -148,22 +147,22 @@ TEST(Fp8BlockMatmul, GroupMajorScalesAndRowScalesAreTheSameNumbers) {
   for (const Shape& s : kShapes) {
     const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f),
                              w = random_matrix(s.n, s.k, rng, 0.02f);
-    const int kg = static_cast<int>(ceil_div(s.k, 128)), ng = static_cast<int>(ceil_div(s.n, 128));
+    const int kg = static_cast<int>(kernels::ceil_div(s.k, 128)), ng = static_cast<int>(kernels::ceil_div(s.n, 128));
     std::vector<uint8_t> xq(x.size()), xq_g(x.size()), wq(w.size());
     std::vector<float> xs(s.m * kg), xs_g(s.m * kg), ws(ng * kg), out(s.m * s.n), out_g(s.m * s.n);
-    launch_fp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k, 128}, pool);
-    launch_fp8_act_quant({x.data(), xq_g.data(), xs_g.data(), s.m, s.k, 128, true}, pool);
+    kernels::launch_fp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k, 128}, pool);
+    kernels::launch_fp8_act_quant({x.data(), xq_g.data(), xs_g.data(), s.m, s.k, 128, true}, pool);
     EXPECT_EQ(xq, xq_g);
     for (int r = 0; r < s.m; ++r)
       for (int g = 0; g < kg; ++g) ASSERT_EQ(xs_g[g * s.m + r], xs[r * kg + g]);
-    quantize_weight_fp8_block(w.data(), s.n, s.k, 128, 128, wq.data(), ws.data());
-    launch_fp8_block_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
+    kernels::quantize_weight_fp8_block(w.data(), s.n, s.k, 128, 128, wq.data(), ws.data());
+    kernels::launch_fp8_block_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
                             pool);
-    launch_fp8_block_matmul({xq.data(), xs_g.data(), wq.data(), ws.data(), out_g.data(), s.m, s.n,
+    kernels::launch_fp8_block_matmul({xq.data(), xs_g.data(), wq.data(), ws.data(), out_g.data(), s.m, s.n,
                              s.k, 128, 128, true},
                             pool);
     EXPECT_EQ(out, out_g);
-    const std::vector<float> rows = expand_fp8_row_scales(ws.data(), s.n, s.k);
+    const std::vector<float> rows = kernels::expand_fp8_row_scales(ws.data(), s.n, s.k);
     ASSERT_EQ(rows.size(), static_cast<size_t>(kg) * s.n);
     for (int g = 0; g < kg; ++g)
       for (int j = 0; j < s.n; ++j) ASSERT_EQ(rows[g * s.n + j], ws[(j / 128) * kg + g]);
@@ -190,20 +189,20 @@ TEST(Fp8BlockGroupedMatmul, EachRowUsesItsExpertsWeightsAndScales) {
     ASSERT_EQ(offsets.back(), num_rows);
     const std::vector<float> x = random_matrix(num_rows, k, rng, 1.0f),
                              w = random_matrix(num_experts * n, k, rng, 0.02f);
-    const int kg = static_cast<int>(ceil_div(k, 128)), ng = static_cast<int>(ceil_div(n, 128));
+    const int kg = static_cast<int>(kernels::ceil_div(k, 128)), ng = static_cast<int>(kernels::ceil_div(n, 128));
     std::vector<uint8_t> xq(x.size()), wq(w.size());
     std::vector<float> xs(num_rows * kg), ws(num_experts * ng * kg), out(num_rows * n);
-    launch_fp8_act_quant({x.data(), xq.data(), xs.data(), num_rows, k, 128}, pool);
+    kernels::launch_fp8_act_quant({x.data(), xq.data(), xs.data(), num_rows, k, 128}, pool);
     for (int e = 0; e < num_experts; ++e) {
-      quantize_weight_fp8_block(&w[e * n * k], n, k, 128, 128, &wq[e * n * k], &ws[e * ng * kg]);
+      kernels::quantize_weight_fp8_block(&w[e * n * k], n, k, 128, 128, &wq[e * n * k], &ws[e * ng * kg]);
     }
-    launch_fp8_block_grouped_matmul({xq.data(), xs.data(), wq.data(), ws.data(), offsets.data(),
+    kernels::launch_fp8_block_grouped_matmul({xq.data(), xs.data(), wq.data(), ws.data(), offsets.data(),
                                      out.data(), num_rows, num_experts, n, k},
                                     pool);
     std::vector<float> xd(x.size()), wd(w.size());
-    dequantize_weight_fp8_block(xq.data(), xs.data(), num_rows, k, 1, 128, xd.data());
+    kernels::dequantize_weight_fp8_block(xq.data(), xs.data(), num_rows, k, 1, 128, xd.data());
     for (int e = 0; e < num_experts; ++e) {
-      dequantize_weight_fp8_block(&wq[e * n * k], &ws[e * ng * kg], n, k, 128, 128, &wd[e * n * k]);
+      kernels::dequantize_weight_fp8_block(&wq[e * n * k], &ws[e * ng * kg], n, k, 128, 128, &wd[e * n * k]);
       for (int r = offsets[e]; r < offsets[e + 1]; ++r) {
         for (int j = 0; j < n; ++j) {
           expect_close(out[r * n + j], dot(&xd[r * k], &wd[(e * n + j) * k], k), k, 128,
@@ -220,15 +219,15 @@ TEST(Mxfp8Matmul, MatchesDoubleProductOfDequantisedOperands) {
   for (const Shape& s : kShapes) {
     const std::vector<float> x = random_matrix(s.m, s.k, rng, 1.0f),
                              w = random_matrix(s.n, s.k, rng, 0.02f);
-    const int kg = static_cast<int>(ceil_div(s.k, 32));
+    const int kg = static_cast<int>(kernels::ceil_div(s.k, 32));
     std::vector<uint8_t> xq(x.size()), wq(w.size()), xs(s.m * kg), ws(s.n * kg);
     std::vector<float> out(s.m * s.n), xd(x.size()), wd(w.size());
-    launch_mxfp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k}, pool);
-    quantize_weight_mxfp8(w.data(), s.n, s.k, wq.data(), ws.data());
-    launch_mxfp8_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
+    kernels::launch_mxfp8_act_quant({x.data(), xq.data(), xs.data(), s.m, s.k}, pool);
+    kernels::quantize_weight_mxfp8(w.data(), s.n, s.k, wq.data(), ws.data());
+    kernels::launch_mxfp8_matmul({xq.data(), xs.data(), wq.data(), ws.data(), out.data(), s.m, s.n, s.k},
                         pool);
-    dequantize_weight_mxfp8(xq.data(), xs.data(), s.m, s.k, xd.data());
-    dequantize_weight_mxfp8(wq.data(), ws.data(), s.n, s.k, wd.data());
+    kernels::dequantize_weight_mxfp8(xq.data(), xs.data(), s.m, s.k, xd.data());
+    kernels::dequantize_weight_mxfp8(wq.data(), ws.data(), s.n, s.k, wd.data());
     for (int r = 0; r < s.m; ++r) {
       for (int j = 0; j < s.n; ++j) {
         expect_close(out[r * s.n + j], dot(&xd[r * s.k], &wd[j * s.k], s.k), s.k, 32,
@@ -245,16 +244,16 @@ TEST(Mxfp8GroupedMatmul, EachRowUsesItsExpertsWeightsAndScales) {
   const std::vector<int32_t> offsets = offsets_for(num_rows, num_experts, rng);
   const std::vector<float> x = random_matrix(num_rows, k, rng, 1.0f),
                            w = random_matrix(num_experts * n, k, rng, 0.02f);
-  const int kg = static_cast<int>(ceil_div(k, 32));
+  const int kg = static_cast<int>(kernels::ceil_div(k, 32));
   std::vector<uint8_t> xq(x.size()), wq(w.size()), xs(num_rows * kg), ws(num_experts * n * kg);
   std::vector<float> out(num_rows * n), xd(x.size()), wd(w.size());
-  launch_mxfp8_act_quant({x.data(), xq.data(), xs.data(), num_rows, k}, pool);
-  quantize_weight_mxfp8(w.data(), num_experts * n, k, wq.data(), ws.data());
-  launch_mxfp8_grouped_matmul({xq.data(), xs.data(), wq.data(), ws.data(), offsets.data(),
+  kernels::launch_mxfp8_act_quant({x.data(), xq.data(), xs.data(), num_rows, k}, pool);
+  kernels::quantize_weight_mxfp8(w.data(), num_experts * n, k, wq.data(), ws.data());
+  kernels::launch_mxfp8_grouped_matmul({xq.data(), xs.data(), wq.data(), ws.data(), offsets.data(),
                                out.data(), num_rows, num_experts, n, k},
                               pool);
-  dequantize_weight_mxfp8(xq.data(), xs.data(), num_rows, k, xd.data());
-  dequantize_weight_mxfp8(wq.data(), ws.data(), num_experts * n, k, wd.data());
+  kernels::dequantize_weight_mxfp8(xq.data(), xs.data(), num_rows, k, xd.data());
+  kernels::dequantize_weight_mxfp8(wq.data(), ws.data(), num_experts * n, k, wd.data());
   for (int e = 0; e < num_experts; ++e) {
     for (int r = offsets[e]; r < offsets[e + 1]; ++r) {
       for (int j = 0; j < n; ++j) {
@@ -270,11 +269,11 @@ TEST(Fp8GroupedMatmul, RejectsOffsetsThatDoNotCoverTheRows) {
   std::vector<uint8_t> q(4 * 8);
   std::vector<float> s(4 * 8, 1.0f), out(4 * 8);
   const std::vector<int32_t> short_offsets = {0, 1, 3}, decreasing = {0, 3, 2};
-  EXPECT_THROW(launch_fp8_block_grouped_matmul({q.data(), s.data(), q.data(), s.data(),
+  EXPECT_THROW(kernels::launch_fp8_block_grouped_matmul({q.data(), s.data(), q.data(), s.data(),
                                                 short_offsets.data(), out.data(), 4, 2, 4, 8},
                                                pool),
                Error);
-  EXPECT_THROW(launch_fp8_block_grouped_matmul({q.data(), s.data(), q.data(), s.data(),
+  EXPECT_THROW(kernels::launch_fp8_block_grouped_matmul({q.data(), s.data(), q.data(), s.data(),
                                                 decreasing.data(), out.data(), 2, 2, 4, 8},
                                                pool),
                Error);

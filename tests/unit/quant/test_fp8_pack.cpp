@@ -43,10 +43,10 @@ TEST(Fp8Pack, PartsStartOnWholeBlocksAndDequantiseAsTheirOwnQuantisation) {
   const Part up_src = bf16_part(up_rows, cols, rng, up_w);
   // The second part arrives as an FP8 checkpoint tensor: quantised here with the same recipe.
   std::vector<uint8_t> up_q(up_rows * cols);
-  std::vector<float> up_scale(ceil_div(up_rows, 128) * ceil_div(cols, 128));
-  quantize_weight_fp8_block(up_w.data(), up_rows, cols, 128, 128, up_q.data(), up_scale.data());
+  std::vector<float> up_scale(kernels::ceil_div(up_rows, 128) * kernels::ceil_div(cols, 128));
+  kernels::quantize_weight_fp8_block(up_w.data(), up_rows, cols, 128, 128, up_q.data(), up_scale.data());
   Part up{{up_rows, cols}, up_q};
-  Part up_s{{ceil_div(up_rows, 128), ceil_div(cols, 128)},
+  Part up_s{{kernels::ceil_div(up_rows, 128), kernels::ceil_div(cols, 128)},
             std::vector<uint8_t>(up_scale.size() * 4)};
   std::memcpy(up_s.data.data(), up_scale.data(), up_s.data.size());
 
@@ -64,16 +64,16 @@ TEST(Fp8Pack, PartsStartOnWholeBlocksAndDequantiseAsTheirOwnQuantisation) {
                       q.data(), scale.data(), nullptr);
 
   std::vector<float> packed(shape.rows * shape.cols);
-  dequantize_weight_fp8_block(q.data(), scale.data(), shape.rows, shape.cols, 128, 128,
+  kernels::dequantize_weight_fp8_block(q.data(), scale.data(), shape.rows, shape.cols, 128, 128,
                               packed.data());
   std::vector<uint8_t> gate_q(gate_rows * cols);
-  std::vector<float> gate_scale(ceil_div(gate_rows, 128) * ceil_div(cols, 128));
-  quantize_weight_fp8_block(gate_w.data(), gate_rows, cols, 128, 128, gate_q.data(),
+  std::vector<float> gate_scale(kernels::ceil_div(gate_rows, 128) * kernels::ceil_div(cols, 128));
+  kernels::quantize_weight_fp8_block(gate_w.data(), gate_rows, cols, 128, 128, gate_q.data(),
                             gate_scale.data());
   std::vector<float> gate_ref(gate_rows * cols), up_ref(up_rows * cols);
-  dequantize_weight_fp8_block(gate_q.data(), gate_scale.data(), gate_rows, cols, 128, 128,
+  kernels::dequantize_weight_fp8_block(gate_q.data(), gate_scale.data(), gate_rows, cols, 128, 128,
                               gate_ref.data());
-  dequantize_weight_fp8_block(up_q.data(), up_scale.data(), up_rows, cols, 128, 128, up_ref.data());
+  kernels::dequantize_weight_fp8_block(up_q.data(), up_scale.data(), up_rows, cols, 128, 128, up_ref.data());
   for (int64_t r = 0; r < shape.rows; ++r) {
     for (int64_t c = 0; c < shape.cols; ++c) {
       const float got = packed[r * shape.cols + c];

@@ -14,7 +14,7 @@
 #include "model/make_model.h"
 #include "model/safetensors.h"
 #include "convert/quantize_checkpoint.h"
-#include "quant/fp8_format.h"
+#include "kernels/fp8_ops.h"
 #include "quant/weight_quant.h"
 
 namespace relay::quant {
@@ -85,16 +85,16 @@ void check_converted(const fs::path& in_dir, const fs::path& out_dir, QuantMetho
     std::vector<uint8_t> q(rows * cols);
     if (method == QuantMethod::Fp8Block) {
       EXPECT_EQ(scale.dtype, DType::F32);
-      EXPECT_EQ(scale.shape, (std::vector<int64_t>{ceil_div(rows, 128), ceil_div(cols, 128)}));
-      std::vector<float> s(ceil_div(rows, 128) * ceil_div(cols, 128));
-      quantize_weight_fp8_block(original.data(), rows, cols, 128, 128, q.data(), s.data());
-      dequantize_weight_fp8_block(q.data(), s.data(), rows, cols, 128, 128, expected.data());
+      EXPECT_EQ(scale.shape, (std::vector<int64_t>{kernels::ceil_div(rows, 128), kernels::ceil_div(cols, 128)}));
+      std::vector<float> s(kernels::ceil_div(rows, 128) * kernels::ceil_div(cols, 128));
+      kernels::quantize_weight_fp8_block(original.data(), rows, cols, 128, 128, q.data(), s.data());
+      kernels::dequantize_weight_fp8_block(q.data(), s.data(), rows, cols, 128, 128, expected.data());
     } else {
       EXPECT_EQ(scale.dtype, DType::F8_E8M0);
-      EXPECT_EQ(scale.shape, (std::vector<int64_t>{rows, ceil_div(cols, 32)}));
-      std::vector<uint8_t> s(rows * ceil_div(cols, 32));
-      quantize_weight_mxfp8(original.data(), rows, cols, q.data(), s.data());
-      dequantize_weight_mxfp8(q.data(), s.data(), rows, cols, expected.data());
+      EXPECT_EQ(scale.shape, (std::vector<int64_t>{rows, kernels::ceil_div(cols, 32)}));
+      std::vector<uint8_t> s(rows * kernels::ceil_div(cols, 32));
+      kernels::quantize_weight_mxfp8(original.data(), rows, cols, q.data(), s.data());
+      kernels::dequantize_weight_mxfp8(q.data(), s.data(), rows, cols, expected.data());
     }
     EXPECT_EQ(std::vector<uint8_t>(dst.data, dst.data + dst.nbytes), q) << name;
     EXPECT_EQ(deq, expected) << name;
@@ -202,13 +202,13 @@ TEST(QuantizeCheckpoint, StreamsTensorsLargerThanOneWriteChunk) {
   const TensorView& scales = result.tensors().at("model.layers.0.mlp.down_proj.weight_scale_inv");
   ASSERT_EQ(codes.nbytes, static_cast<size_t>(rows * cols));
   // Stripe by stripe, the expected codes and scales from the same recipe on the bf16 values.
-  std::vector<float> stripe(128 * cols), stripe_scales(ceil_div(cols, 128));
+  std::vector<float> stripe(128 * cols), stripe_scales(kernels::ceil_div(cols, 128));
   std::vector<uint8_t> stripe_codes(128 * cols);
   for (int64_t r0 = 0; r0 < rows; r0 += 128) {
     const int64_t n = std::min<int64_t>(128, rows - r0);
     for (int64_t i = 0; i < n * cols; ++i)
       stripe[i] = bf16_to_f32(f32_to_bf16(value(r0 * cols + i)));
-    quantize_weight_fp8_block(stripe.data(), n, cols, 128, 128, stripe_codes.data(),
+    kernels::quantize_weight_fp8_block(stripe.data(), n, cols, 128, 128, stripe_codes.data(),
                               stripe_scales.data());
     ASSERT_EQ(std::memcmp(codes.data + r0 * cols, stripe_codes.data(), n * cols), 0)
         << "rows from " << r0;

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "quant/fp8_format.h"
+#include "kernels/fp8_ops.h"
 #include "quant/quant_config.h"
 #include "quant/weight_quant.h"
 #include "quant_test_util.h"
@@ -57,24 +57,24 @@ TEST_F(WeightFixture, Fp8BlockQuantisationMatchesTorchBitForBit) {
   ASSERT_EQ(cols, 200);
   std::vector<uint8_t> q(rows * cols);
   std::vector<float> scale(2 * 2);
-  quantize_weight_fp8_block(w.data(), rows, cols, 128, 128, q.data(), scale.data());
+  kernels::quantize_weight_fp8_block(w.data(), rows, cols, 128, 128, q.data(), scale.data());
   EXPECT_EQ(q, testing::bytes(get("fp8_q")));
   expect_bitwise_equal(scale, testing::floats(get("fp8_scale_inv")), "scale_inv");
   EXPECT_EQ(scale[3], 1.0f);  // the all-zero edge block
 
   std::vector<float> deq(rows * cols);
-  dequantize_weight_fp8_block(q.data(), scale.data(), rows, cols, 128, 128, deq.data());
+  kernels::dequantize_weight_fp8_block(q.data(), scale.data(), rows, cols, 128, 128, deq.data());
   expect_bitwise_equal(deq, testing::floats(get("fp8_dequant")), "fp8 dequant");
 }
 
 TEST_F(WeightFixture, Mxfp8QuantisationMatchesTorchBitForBit) {
-  const int64_t groups = ceil_div(cols, kMxGroupSize);
+  const int64_t groups = kernels::ceil_div(cols, kernels::kMxGroupSize);
   std::vector<uint8_t> q(rows * cols), scale(rows * groups);
-  quantize_weight_mxfp8(w.data(), rows, cols, q.data(), scale.data());
+  kernels::quantize_weight_mxfp8(w.data(), rows, cols, q.data(), scale.data());
   EXPECT_EQ(q, testing::bytes(get("mx_q")));
   EXPECT_EQ(scale, testing::bytes(get("mx_scale")));
   std::vector<float> deq(rows * cols);
-  dequantize_weight_mxfp8(q.data(), scale.data(), rows, cols, deq.data());
+  kernels::dequantize_weight_mxfp8(q.data(), scale.data(), rows, cols, deq.data());
   expect_bitwise_equal(deq, testing::floats(get("mx_dequant")), "mx dequant");
 }
 
@@ -103,7 +103,7 @@ TEST_F(WeightFixture, StoredWeightDequantisesLikeTorchForEveryScaleDtype) {
                                   reinterpret_cast<const uint8_t*>(scale_bf16.data())};
   std::vector<float> got(rows * cols), expected(rows * cols);
   dequantize_stored_weight(fp8_config(), weight, scale_tensor, got.data());
-  dequantize_weight_fp8_block(q.data, scale_rounded.data(), rows, cols, 128, 128, expected.data());
+  kernels::dequantize_weight_fp8_block(q.data, scale_rounded.data(), rows, cols, 128, 128, expected.data());
   expect_bitwise_equal(got, expected, "BF16 scales");
 
   StoredTensor mx_weight = stored(get("mx_q"));
@@ -205,21 +205,21 @@ TEST(WeightQuant, QuantiseDequantiseErrorIsWithinTheE4m3Bound) {
     std::vector<float> w(rows * cols);
     std::normal_distribution<float> normal(0.0f, 0.02f);
     for (float& v : w) v = normal(rng) * (rng() % 50 == 0 ? 40.0f : 1.0f);  // heavy tails
-    const int64_t sc = ceil_div(cols, 128);
+    const int64_t sc = kernels::ceil_div(cols, 128);
     std::vector<uint8_t> q(w.size());
-    std::vector<float> scale(ceil_div(rows, 128) * sc), deq(w.size());
-    quantize_weight_fp8_block(w.data(), rows, cols, 128, 128, q.data(), scale.data());
-    dequantize_weight_fp8_block(q.data(), scale.data(), rows, cols, 128, 128, deq.data());
+    std::vector<float> scale(kernels::ceil_div(rows, 128) * sc), deq(w.size());
+    kernels::quantize_weight_fp8_block(w.data(), rows, cols, 128, 128, q.data(), scale.data());
+    kernels::dequantize_weight_fp8_block(q.data(), scale.data(), rows, cols, 128, 128, deq.data());
     expect_within_e4m3_bound(
         w, deq, [&](int64_t i) { return scale[(i / cols / 128) * sc + (i % cols) / 128]; },
         "fp8 block");
 
-    const int64_t groups = ceil_div(cols, 32);
+    const int64_t groups = kernels::ceil_div(cols, 32);
     std::vector<uint8_t> mq(w.size()), ms(rows * groups);
-    quantize_weight_mxfp8(w.data(), rows, cols, mq.data(), ms.data());
-    dequantize_weight_mxfp8(mq.data(), ms.data(), rows, cols, deq.data());
+    kernels::quantize_weight_mxfp8(w.data(), rows, cols, mq.data(), ms.data());
+    kernels::dequantize_weight_mxfp8(mq.data(), ms.data(), rows, cols, deq.data());
     expect_within_e4m3_bound(
-        w, deq, [&](int64_t i) { return e8m0_to_f32(ms[(i / cols) * groups + (i % cols) / 32]); },
+        w, deq, [&](int64_t i) { return kernels::e8m0_to_f32(ms[(i / cols) * groups + (i % cols) / 32]); },
         "mxfp8");
   }
 }
@@ -230,7 +230,7 @@ TEST(WeightQuant, BlockMaximumIsRepresentedExactly) {
   std::vector<float> w = {0.1f, -0.7f, 0.3f, 0.25f};
   std::vector<uint8_t> q(4);
   float scale = 0;
-  quantize_weight_fp8_block(w.data(), 2, 2, 128, 128, q.data(), &scale);
+  kernels::quantize_weight_fp8_block(w.data(), 2, 2, 128, 128, q.data(), &scale);
   EXPECT_EQ(scale, 0.7f / 448.0f);
   EXPECT_EQ(q[1], 0xFE);
 }

@@ -1,4 +1,4 @@
-// MXFP8 grouped GEMM on Blackwell (sm_100a): the native path of quant::Mxfp8GroupedMatmulParams,
+// MXFP8 grouped GEMM on Blackwell (sm_100a): the native path of Mxfp8GroupedMatmulParams,
 // out[r] = sum over 32-groups g of (x_q[r] . w_q[e] over g) * 2^(x_e8m0[r, g] - 127) *
 // 2^(w_e8m0[e, n, g] - 127), for the rows r of each expert e.
 //
@@ -57,7 +57,7 @@ using LayoutB = cutlass::layout::ColumnMajor;
 using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlignmentIn = 16;  // e4m3 elements per 16 bytes (TMA's minimum)
 constexpr int kAlignmentOut = 8;  // bf16
-constexpr int kGroup = quant::kMxGroupSize;
+constexpr int kGroup = kMxGroupSize;
 static_assert(kGroup == 32, "the sm100 block-scaled MMA scales every 32 elements of k");
 
 // 1-SM tcgen05 MMA, 128 x 128 output tile, 128 elements (four scale groups) of k per stage; no
@@ -118,16 +118,16 @@ struct GroupArgs {
 };
 
 // Rows of group e: expert_offsets, or (no offsets: a dense GEMM) all rows as one group.
-__device__ inline int group_row0(const quant::Mxfp8GroupedMatmulParams<bf16>& p, int e) {
+__device__ inline int group_row0(const Mxfp8GroupedMatmulParams<bf16>& p, int e) {
   return p.expert_offsets ? p.expert_offsets[e] : 0;
 }
-__device__ inline int group_rows(const quant::Mxfp8GroupedMatmulParams<bf16>& p, int e) {
+__device__ inline int group_rows(const Mxfp8GroupedMatmulParams<bf16>& p, int e) {
   return p.expert_offsets ? p.expert_offsets[e + 1] - p.expert_offsets[e] : p.num_rows;
 }
 
 // One CTA: the per-group arguments, and the x-scale offsets by a serial prefix sum over the
 // groups' padded sizes (a few hundred groups at most).
-__global__ void fill_mxfp8_group_args_kernel(quant::Mxfp8GroupedMatmulParams<bf16> p, GroupArgs g,
+__global__ void fill_mxfp8_group_args_kernel(Mxfp8GroupedMatmulParams<bf16> p, GroupArgs g,
                                              uint8_t* sfa_base, const uint8_t* sfb_base,
                                              int64_t sfa_capacity) {
   if (threadIdx.x == 0) {
@@ -165,7 +165,7 @@ __global__ void fill_mxfp8_group_args_kernel(quant::Mxfp8GroupedMatmulParams<bf1
 
 // x scales [num_rows, groups] row-major -> each group's interleaved block; one thread per
 // (row, 32-group), the row's expert found by binary search of expert_offsets.
-__global__ void convert_x_scales_kernel(quant::Mxfp8GroupedMatmulParams<bf16> p, GroupArgs g,
+__global__ void convert_x_scales_kernel(Mxfp8GroupedMatmulParams<bf16> p, GroupArgs g,
                                         uint8_t* sfa_base) {
   const int groups = (p.k + kGroup - 1) / kGroup;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -188,7 +188,7 @@ __global__ void convert_x_scales_kernel(quant::Mxfp8GroupedMatmulParams<bf16> p,
 }
 
 // w scales [experts, n, groups] -> one interleaved block per expert, sf_bytes(n, k) apart.
-__global__ void convert_w_scales_kernel(quant::Mxfp8GroupedMatmulParams<bf16> p,
+__global__ void convert_w_scales_kernel(Mxfp8GroupedMatmulParams<bf16> p,
                                         uint8_t* sfb_base) {
   const int groups = (p.k + kGroup - 1) / kGroup;
   const int64_t per_expert = static_cast<int64_t>(p.n) * groups;
@@ -234,7 +234,7 @@ class Sm100MxGroupedContext {
     return cuda::per_stream<Sm100MxGroupedContext>(s);
   }
 
-  void run(const quant::Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
+  void run(const Mxfp8GroupedMatmulParams<bf16>& p, cudaStream_t s) {
     std::lock_guard lock(mu_);
     const int groups = p.num_experts;
     size_t bytes = 0;
@@ -307,7 +307,7 @@ bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 
 
 }  // namespace
 
-void launch_mxfp8_grouped_matmul_sm100(const quant::Mxfp8GroupedMatmulParams<bf16>& p,
+void launch_mxfp8_grouped_matmul_sm100(const Mxfp8GroupedMatmulParams<bf16>& p,
                                        cudaStream_t s) {
   RELAY_CHECK(mxfp8_sm100_supported(p.n, p.k), "mxfp8_grouped_matmul (sm100): n ", p.n, " and k ",
               p.k, " must be positive multiples of 8 and 16 (TMA moves 16-byte rows)");

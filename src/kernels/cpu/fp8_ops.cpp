@@ -1,6 +1,6 @@
-// See fp8_gemm.h. One generic row loop serves all four GEMMs: they differ only in the group size
-// along k and in where a (row, group) pair finds its two scales.
-#include "quant/fp8_gemm.h"
+// See kernels/fp8_ops.h. The E4M3 encoder works on the fp32 bit pattern so that rounding is decided
+// by integer arithmetic, not by the current floating-point rounding mode.
+#include "kernels/fp8_ops.h"
 
 #include <algorithm>
 #include <array>
@@ -10,10 +10,85 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
-#include "quant/fp8_format.h"
-#include "quant/weight_quant.h"
 
-namespace relay::quant {
+namespace relay::kernels {
+
+namespace {
+
+float block_amax(const float* w, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  float amax = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(w[r * cols + c]));
+  }
+  return amax;
+}
+
+}  // namespace
+
+
+float e4m3_to_f32(uint8_t code) {
+  const int exponent = (code >> 3) & 0xF;
+  const int mantissa = code & 0x7;
+  float magnitude;
+  if (exponent == 0xF && mantissa == 0x7) {
+    magnitude = NAN;
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: m * 2^-9
+  } else {
+    magnitude = std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);  // 1.m * 2^(e-7)
+  }
+  return (code & 0x80) ? -magnitude : magnitude;
+}
+
+uint8_t f32_to_e4m3(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  if (abs_bits > 0x7F800000u) return sign | kE4m3NanCode;
+  // 448 = 0x43E00000; anything at or above it (infinity included) saturates.
+  if (abs_bits >= 0x43E00000u) return sign | kE4m3MaxCode;
+  // Below 2^-6 (E4M3's smallest normal, fp32 biased exponent 121) the grid is uniform with step
+  // 2^-9: scaling by 2^9 is exact and rounding to an integer in [0, 8] is the code itself (8 is the
+  // smallest normal, whose code is also 8).
+  if (abs_bits < (121u << 23)) {
+    float magnitude;
+    std::memcpy(&magnitude, &abs_bits, sizeof magnitude);
+    const float scaled = magnitude * 512.0f;
+    const float floor_value = std::floor(scaled);
+    const float fraction = scaled - floor_value;
+    uint32_t q = static_cast<uint32_t>(floor_value);
+    if (fraction > 0.5f || (fraction == 0.5f && (q & 1u))) ++q;
+    return sign | static_cast<uint8_t>(q);
+  }
+  // Normal range: keep 3 of the 23 mantissa bits, rounding the dropped 20 to nearest even; a carry
+  // out of the mantissa correctly bumps the exponent. Rebias the exponent from 127 to 7.
+  const uint32_t odd = (abs_bits >> 20) & 1u;
+  const uint32_t rounded = (abs_bits + 0x7FFFFu + odd) >> 20;
+  return sign | static_cast<uint8_t>(rounded - ((127u - 7u) << 3));
+}
+
+float e8m0_to_f32(uint8_t code) {
+  if (code == kE8m0NanCode) return NAN;
+  return std::ldexp(1.0f, static_cast<int>(code) - kE8m0Bias);
+}
+
+uint8_t e8m0_scale_code_for_amax(float amax) {
+  RELAY_CHECK(std::isfinite(amax) && amax >= 0.0f, "MX scale: group amax ", amax,
+              " is not a finite non-negative value");
+  if (amax == 0.0f) return 0;
+  // amax = f * 2^E with f in [0.5, 1); 448 = 0.875 * 2^9, so amax <= 448 * 2^k holds for
+  // k >= E - 9 when f <= 0.875 and for k >= E - 8 otherwise. Both tests are exact.
+  int exponent;
+  const float fraction = std::frexp(amax, &exponent);
+  const int k = exponent - 9 + (fraction > 0.875f ? 1 : 0);
+  const int code = k + kE8m0Bias;
+  if (code < 0) return 0;
+  RELAY_CHECK(code < kE8m0NanCode, "MX scale: group amax ", amax, " needs scale 2^", k,
+              ", beyond E8M0's range");
+  return static_cast<uint8_t>(code);
+}
+
 
 namespace {
 
@@ -214,4 +289,68 @@ void launch_mxfp8_grouped_matmul(const Mxfp8GroupedMatmulParams<float>& p, Threa
   });
 }
 
-}  // namespace relay::quant
+void quantize_weight_fp8_block(const float* w, int64_t rows, int64_t cols, int block_rows,
+                               int block_cols, uint8_t* q, float* scale_inv) {
+  RELAY_CHECK(block_rows > 0 && block_cols > 0, "fp8 block size ", block_rows, "x", block_cols,
+              " must be positive");
+  const int64_t scale_cols = ceil_div(cols, block_cols);
+  for (int64_t br = 0; br * block_rows < rows; ++br) {
+    const int64_t r0 = br * block_rows, r1 = std::min(rows, r0 + block_rows);
+    for (int64_t bc = 0; bc < scale_cols; ++bc) {
+      const int64_t c0 = bc * block_cols, c1 = std::min(cols, c0 + block_cols);
+      const float amax = block_amax(w, cols, r0, r1, c0, c1);
+      RELAY_CHECK(std::isfinite(amax), "fp8 quantisation: block (", br, ", ", bc,
+                  ") holds a non-finite value");
+      // NOTE: scale = amax / 448 rounded once in fp32, and q = w / scale (a division, not a
+      // multiply by 448 / amax): the recipe of the published FP8 checkpoints, reproduced bit for
+      // bit by the fixture.
+      const float scale = amax > 0.0f ? amax / kE4m3Max : 1.0f;
+      scale_inv[br * scale_cols + bc] = scale;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const float v = std::clamp(w[r * cols + c] / scale, -kE4m3Max, kE4m3Max);
+          q[r * cols + c] = f32_to_e4m3(v);
+        }
+      }
+    }
+  }
+}
+
+void dequantize_weight_fp8_block(const uint8_t* q, const float* scale_inv, int64_t rows,
+                                 int64_t cols, int block_rows, int block_cols, float* w) {
+  const int64_t scale_cols = ceil_div(cols, block_cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* scale_row = scale_inv + (r / block_rows) * scale_cols;
+    for (int64_t c = 0; c < cols; ++c)
+      w[r * cols + c] = e4m3_to_f32(q[r * cols + c]) * scale_row[c / block_cols];
+  }
+}
+
+void quantize_weight_mxfp8(const float* w, int64_t rows, int64_t cols, uint8_t* q, uint8_t* scale) {
+  const int64_t num_groups = ceil_div(cols, kMxGroupSize);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t c0 = g * kMxGroupSize, c1 = std::min(cols, c0 + kMxGroupSize);
+      const float amax = block_amax(w, cols, r, r + 1, c0, c1);
+      const uint8_t code = e8m0_scale_code_for_amax(amax);
+      scale[r * num_groups + g] = code;
+      // Division by a power of two is exact (ldexp), so the e4m3 rounding is the only loss.
+      const int shift = kE8m0Bias - static_cast<int>(code);
+      for (int64_t c = c0; c < c1; ++c)
+        q[r * cols + c] = f32_to_e4m3(std::ldexp(w[r * cols + c], shift));
+    }
+  }
+}
+
+void dequantize_weight_mxfp8(const uint8_t* q, const uint8_t* scale, int64_t rows, int64_t cols,
+                             float* w) {
+  const int64_t num_groups = ceil_div(cols, kMxGroupSize);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      w[r * cols + c] =
+          e4m3_to_f32(q[r * cols + c]) * e8m0_to_f32(scale[r * num_groups + c / kMxGroupSize]);
+    }
+  }
+}
+
+}  // namespace relay::kernels
