@@ -191,14 +191,17 @@ int run_router(const ServeOptions& o) {
   http.start();
   const int max_model_len =
       static_cast<int>(o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings);
-  // NOTE: the router neither scores prompts nor constrains tokens: its workers would have to carry
-  // them, and its control messages do not yet (a request asking gets 400).
+  // NOTE: the router compiles a request's grammar too, so a bad one is its 400 before any worker
+  // sees it; the workers compile its spec again and apply it, and score prompts, where the tokens
+  // are computed (disagg/protocol.h).
   server::ServedModel served;
   served.tokenizer = &tokenizer;
   served.vocab_size = config.vocab_size;
   served.max_model_len = max_model_len;
-  http.attach(served, router,
-              std::move(chat_template));
+  served.prompt_logprobs = true;
+  served.token_constraints = true;
+  served.stop_token_ids = config.eos_token_ids;
+  http.attach(served, router, std::move(chat_template));
   std::fprintf(stderr,
                "relay: router listening on %s://%s:%d (workers register with --router %s:%d)\n",
                scheme(o), o.host.c_str(), http.port(), o.host.c_str(), http.port());
@@ -295,7 +298,9 @@ int run_serve(const ServeOptions& o) {
   wo.ucx_transports = o.ucx_transports;
   wo.kv_transport = o.kv_transport;
   wo.auth = auth;
-  disagg::DisaggWorker w(wo, engine, loop);
+  disagg::DisaggWorker w(wo, engine, loop, [&http](const GrammarSpec& spec) {
+    return http.grammar_compiler().compile(spec);
+  });
   worker = &w;
   w.start();
   std::fprintf(stderr, "relay: %s worker ready at %s%s\n", o.role.c_str(), wo.url.c_str(),

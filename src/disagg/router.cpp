@@ -233,12 +233,15 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
   const int64_t n = static_cast<int64_t>(request.prompt.size());
   const Clock::time_point wait_until = Clock::now() + ms(options_.wait_for_workers_s);
   auto wait_a_little = [&] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); };
+  // A prompt-only request (max_tokens 0: scoring the prompt) ends with its prompt, on the prefill
+  // worker: no decode worker takes part.
+  const bool prompt_only = request.stop.max_tokens == 0;
 
   // 1. KV pages on a decode worker.
   std::string decode_url;
   json reservation;
   std::set<std::string> full;
-  for (;;) {
+  while (!prompt_only) {
     if (live.aborted) break;
     auto d = registry_.pick("decode", Clock::now(), full);
     if (!d) {
@@ -282,9 +285,10 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
     finish_aborted(live);
     return "";
   }
-  registry_.assigned(decode_url, n);
-  const int64_t reservation_id = reservation.at("id").get<int64_t>();
+  const int64_t reservation_id = prompt_only ? 0 : reservation.at("id").get<int64_t>();
+  if (!prompt_only) registry_.assigned(decode_url, n);
   auto release = [&] {
+    if (prompt_only) return;
     post(decode_url, "/disagg/release", json{{"id", reservation_id}}.dump(),
          std::chrono::seconds(5));
   };
@@ -302,10 +306,9 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
     return "";
   }
   registry_.assigned(*p, n);
-  const json prefill_msg = {
-      {"request", request_to_json(request)},
-      {"kv", reservation.at("kv")},
-      {"timeout_ms", static_cast<int64_t>(options_.prefill_timeout_s * 1000)}};
+  json prefill_msg = {{"request", request_to_json(request)},
+                      {"timeout_ms", static_cast<int64_t>(options_.prefill_timeout_s * 1000)}};
+  if (!prompt_only) prefill_msg["kv"] = reservation.at("kv");
   auto pr = post(*p, "/disagg/prefill", prefill_msg.dump(), ms(options_.prefill_timeout_s + 5));
   if (!pr || pr->status == 502 || pr->status == 504) {
     // The prefill worker is gone, or the hand-off failed: send the prompt again, elsewhere.
@@ -319,14 +322,43 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
     finish_failed(live, str("prefill worker ", *p, ": ", error_of(pr)), 502);
     return "";
   }
-  const json first = parse_json(pr->body, "a prefill reply").at("first");
+  // A prompt-only request's answer is its one output; any other's, the first token.
+  RequestOutput only_output;
+  FirstToken first;
+  try {
+    const json reply = parse_json(pr->body, "a prefill reply");
+    if (prompt_only) {
+      only_output = output_from_json(field<json>(reply, "output", "prefill reply"));
+    } else {
+      first = first_token_from_json(field<json>(reply, "first", "prefill reply"));
+    }
+  } catch (const Error& e) {
+    release();
+    finish_failed(live, str("prefill worker ", *p, ": ", e.what()), 502);
+    return "";
+  }
+  if (prompt_only) {
+    only_output.id = live.handle->id();
+    server::record_output(metrics_, *live.handle, only_output);
+    --num_unfinished_;
+    live.handle->push(std::move(only_output));
+    return "";
+  }
+  // The prompt logprobs go into the request's first output here: the decode worker neither
+  // computes nor needs them.
+  std::vector<std::optional<TokenLogprob>> prompt_logprobs = std::move(first.prompt_logprobs);
+  first.prompt_logprobs.clear();
+  EngineRequest decode_request = request;
+  decode_request.num_prompt_logprobs = -1;
 
   // 3. Decode, streaming the outputs into the handle.
   httplib::Request req;
   req.method = "POST";
   req.path = "/disagg/generate";
-  req.body =
-      json{{"id", reservation_id}, {"request", request_to_json(request)}, {"first", first}}.dump();
+  req.body = json{{"id", reservation_id},
+                  {"request", request_to_json(decode_request)},
+                  {"first", first_token_to_json(first)}}
+                 .dump();
   req.set_header("Content-Type", "application/json");
   for (auto& [name, value] : signed_headers(options_.auth.get(), req.path, req.body))
     req.set_header(name.c_str(), value.c_str());
@@ -338,19 +370,23 @@ std::string DisaggRouter::attempt(Live& live, const EngineRequest& request, bool
       const std::string line = buffer.substr(0, nl);
       buffer.erase(0, nl + 1);
       if (line.empty()) continue;  // the worker's heartbeat
-      json j;
+      RequestOutput out;
       try {
-        j = parse_json(line, "a decode output line");
-      } catch (const JsonError& e) {
+        const json j = parse_json(line, "a decode output line");
+        if (j.contains("error") && !j.contains("id")) {
+          stream_error = field<std::string>(j, "error", "a decode error line");
+          return false;
+        }
+        out = output_from_json(j);
+      } catch (const Error& e) {
         stream_error = e.what();
         return false;
       }
-      if (j.contains("error") && !j.contains("id")) {
-        stream_error = j.at("error").get<std::string>();
-        return false;
-      }
-      RequestOutput out = output_from_json(j);
       out.id = live.handle->id();
+      if (!prompt_logprobs.empty()) {
+        out.prompt_logprobs = std::move(prompt_logprobs);
+        prompt_logprobs.clear();
+      }
       server::record_output(metrics_, *live.handle, out);
       if (out.finish != FinishReason::kNone) {
         finished = true;

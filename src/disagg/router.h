@@ -11,6 +11,10 @@
 //      another (the reservation is released and taken anew);
 //   3. start the request on the decode worker and relay its stream of outputs into the request's
 //      handle, which the front end formats exactly as for a local engine.
+// A request's grammar and logit_bias apply on both workers (the first token's sample and the
+// rest), its prompt logprobs come from the prefill worker with the first token and go into its
+// first output here. A prompt-only request (max_tokens 0: scoring the prompt) takes step 2 alone,
+// without a reservation: the prefill worker's answer is its one output.
 // A decode worker that dies mid-stream ends its requests with an error (502: their tokens already
 // went out, so they are not restarted) and is marked down; workers that beat again are used again.
 // While no prefill or no decode worker is up, /health answers 503 with the reason.

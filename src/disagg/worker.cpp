@@ -43,6 +43,38 @@ T wait_engine(std::future<T> f, const char* what) {
 
 std::string error_json(const std::string& message) { return json{{"error", message}}.dump(); }
 
+// Whatever happens to a prefill, its request's pages go back when this ends: a request that is
+// still running is aborted, one that finished holding its pages for the hand-off releases them
+// (release_kv is a no-op for a request that holds none). The abort is queued before the release,
+// so a request that finishes in between still has its pages released.
+struct ReleaseOnExit {
+  server::EngineLoop& loop;
+  int64_t id;
+  ~ReleaseOnExit() {
+    loop.abort(id);
+    loop.call([id = id](LLMEngine& e) { e.release_kv(id); });
+  }
+};
+
+// The outputs of a request run here until it finished, merged into its last one (the prompt
+// logprobs come with the first), by `deadline`.
+RequestOutput wait_finished(server::RequestHandle& handle, Clock::time_point deadline,
+                            std::chrono::milliseconds timeout) {
+  RequestOutput last;
+  std::vector<std::optional<TokenLogprob>> prompt_logprobs;
+  while (!handle.done()) {
+    RELAY_CHECK(Clock::now() < deadline, "prefill did not finish within ", timeout.count(), " ms");
+    for (RequestOutput& o : handle.next(kPollInterval)) {
+      if (!o.prompt_logprobs.empty()) prompt_logprobs = std::move(o.prompt_logprobs);
+      last = std::move(o);
+    }
+  }
+  if (!handle.error().empty()) fail(str("prefill failed: ", handle.error()));
+  RELAY_CHECK(last.finish != FinishReason::kNone, "prefill did not finish its request");
+  last.prompt_logprobs = std::move(prompt_logprobs);
+  return last;
+}
+
 std::vector<KvPoolExport> exported_pools(LLMEngine& engine) {
   std::vector<KvPoolExport> pools = engine.backend().kv_pool_exports();
   RELAY_CHECK(!pools.empty(),
@@ -81,9 +113,11 @@ std::unique_ptr<Transport> make_transport(const WorkerOptions& o,
 
 }  // namespace
 
-DisaggWorker::DisaggWorker(WorkerOptions options, LLMEngine& engine, server::EngineLoop& loop)
+DisaggWorker::DisaggWorker(WorkerOptions options, LLMEngine& engine, server::EngineLoop& loop,
+                           CompileGrammar compile_grammar)
     : options_(std::move(options)),
       loop_(loop),
+      compile_grammar_(std::move(compile_grammar)),
       pools_(exported_pools(engine)),
       num_kv_heads_(static_cast<int>(engine.model_config().num_key_value_heads)) {
   RELAY_CHECK(options_.role == "prefill" || options_.role == "decode",
@@ -196,11 +230,30 @@ void DisaggWorker::release(const std::string& body) {
 
 void DisaggWorker::prefill(const std::string& body, std::string& reply, int& status) {
   const json j = parse_json(body, "a prefill message");
-  EngineRequest request = request_from_json(field<json>(j, "request", "prefill"));
-  const json kv = field<json>(j, "kv", "prefill");
+  EngineRequest request = request_from_json(field<json>(j, "request", "prefill"), compile_grammar_);
   const auto timeout = std::chrono::milliseconds(field<int64_t>(j, "timeout_ms", "prefill"));
   const Clock::time_point deadline = Clock::now() + timeout;
   const int64_t num_tokens = static_cast<int64_t>(request.prompt.size());
+  queued_prompt_tokens_ += num_tokens;
+  struct Done {
+    std::atomic<int64_t>& queued;
+    int64_t n;
+    ~Done() { queued -= n; }
+  } done_guard{queued_prompt_tokens_, num_tokens};
+
+  // A prompt-only request (max_tokens 0: scoring the prompt) ends here, as on a local engine: its
+  // one output, with the prompt logprobs, is the answer, and no KV moves.
+  if (request.stop.max_tokens == 0) {
+    RELAY_CHECK(!j.contains("kv"), "prefill: a prompt-only request (max_tokens 0) takes no \"kv\"");
+    auto handle = loop_.submit(std::move(request));
+    const ReleaseOnExit release_guard{loop_, handle->id()};
+    const RequestOutput out = wait_finished(*handle, deadline, timeout);
+    prefill_tokens_done_ += num_tokens;
+    reply = json{{"output", output_to_json(out)}}.dump();
+    return;
+  }
+
+  const json kv = field<json>(j, "kv", "prefill");
   std::vector<KvPoolDesc> dst_pools = field<std::vector<KvPoolDesc>>(kv, "ranks", "kv");
   const std::vector<RegionDescriptor> dst_regions =
       field<std::vector<RegionDescriptor>>(kv, "regions", "kv");
@@ -210,41 +263,18 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
   RELAY_CHECK(token_begin >= 0 && token_begin < num_tokens, "kv: token_begin ", token_begin,
               " outside the ", num_tokens, "-token prompt");
 
-  // The prompt only: one token sampled, the KV kept for the transfer.
-  EngineRequest first_only = request;
+  // The prompt only: one token sampled (under the request's grammar and logit_bias, its prompt
+  // scored when it asks), the KV kept for the transfer.
+  EngineRequest first_only = std::move(request);
   first_only.stop.max_tokens = 1;
   first_only.stop.min_tokens = 0;
   first_only.stop.stop_strings.clear();
   first_only.hold_kv = true;
-  queued_prompt_tokens_ += num_tokens;
-  struct Done {
-    std::atomic<int64_t>& queued;
-    int64_t n;
-    ~Done() { queued -= n; }
-  } done_guard{queued_prompt_tokens_, num_tokens};
-
   auto handle = loop_.submit(std::move(first_only));
-  // Whatever happens from here, the request's pages go back: a request that is still running is
-  // aborted, one that finished is holding its pages for us and releases them (release_kv is a no-op
-  // for a request that holds none). The abort is queued before the release, so a request that
-  // finishes in between still has its pages released.
-  struct Release {
-    server::EngineLoop& loop;
-    int64_t id;
-    ~Release() {
-      loop.abort(id);
-      loop.call([id = id](LLMEngine& e) { e.release_kv(id); });
-    }
-  } release_guard{loop_, handle->id()};
-  RequestOutput last;
-  while (!handle->done()) {
-    RELAY_CHECK(Clock::now() < deadline, "prefill did not finish within ", timeout.count(), " ms");
-    for (RequestOutput& o : handle->next(kPollInterval)) last = std::move(o);
-  }
-  if (!handle->error().empty()) fail(str("prefill failed: ", handle->error()));
-  RELAY_CHECK(
-      last.finish != FinishReason::kNone && last.new_tokens.size() == 1 && !last.kv_blocks.empty(),
-      "prefill produced no first token");
+  const ReleaseOnExit release_guard{loop_, handle->id()};
+  RequestOutput last = wait_finished(*handle, deadline, timeout);
+  RELAY_CHECK(last.new_tokens.size() == 1 && !last.kv_blocks.empty(),
+              "prefill produced no first token");
 
   {
     std::lock_guard lock(mu_);
@@ -307,6 +337,7 @@ void DisaggWorker::prefill(const std::string& body, std::string& reply, int& sta
     first.token.top = last.logprobs[0].top;
   }
   first.num_cached_tokens = last.num_cached_tokens;
+  first.prompt_logprobs = std::move(last.prompt_logprobs);
   reply = json{{"first", first_token_to_json(first)},
                {"bytes", result.bytes_copied},
                {"copies", result.num_copies_done},
@@ -319,7 +350,8 @@ void DisaggWorker::generate(http::Exchange& ex) {
   try {
     const json j = parse_json(ex.request().body, "a generate message");
     const int64_t id = field<int64_t>(j, "id", "generate");
-    EngineRequest request = request_from_json(field<json>(j, "request", "generate"));
+    EngineRequest request =
+        request_from_json(field<json>(j, "request", "generate"), compile_grammar_);
     const FirstToken first = first_token_from_json(field<json>(j, "first", "generate"));
     {
       std::lock_guard lock(mu_);

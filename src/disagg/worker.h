@@ -5,22 +5,27 @@
 // are registered with a transfer engine; their descriptors travel in the control messages, so a
 // prefill worker can write straight into a decode worker's pages:
 //
-//   decode  POST /disagg/reserve  {"num_tokens"}                 -> {"id", "kv": side}  (503: full)
-//   prefill POST /disagg/prefill  {"request", "kv": side, "timeout_ms"} -> {"first"}  after the KV
-//   landed decode  POST /disagg/generate {"id", "request", "first"}     -> one RequestOutput JSON
-//   per line decode  POST /disagg/release  {"id"}                         -> {}  (a reservation not
-//   needed)
+//   decode  POST /disagg/reserve  {"prompt"}              -> {"id", "kv": side}  (503: full)
+//   prefill POST /disagg/prefill  {"request", "kv": side, "timeout_ms"}
+//                                 -> {"first"} after the KV landed; {"output"} without "kv"
+//   decode  POST /disagg/generate {"id", "request", "first"} -> one RequestOutput per line
+//   decode  POST /disagg/release  {"id"}                  -> {}  (a reservation not needed)
 //
 // "side" is the destination of a transfer: {"num_kv_heads", "ranks": [KvPoolDesc], "regions":
 // [RegionDescriptor], "block_table"} for the DP rank holding the reservation (block ids local to
 // it); a hybrid model's side adds "state": {"num_k_heads", "num_v_heads", "ranks":
 // [StatePoolDesc], "slot"}, where the prompt's recurrent state goes (transfer/state_pool.h
-// re-shards it as the layout mapper does the KV). The prefill worker runs the prompt with max_tokens 1 and hold_kv, plans the copies from its
-// ranks into that side with the layout mapper (re-sharding heads, re-blocking pages), pushes them
-// with a deadline, then frees its blocks; a failure frees them too and answers 502 / 504, so the
-// router can release the reservation. A decode reservation that is never used expires. The
-// generate stream sends a blank line while the request waits, so a router that went away is
-// noticed by a failed write and the request is aborted.
+// re-shards it as the layout mapper does the KV). The prefill worker runs the prompt with
+// max_tokens 1 and hold_kv, plans the copies from its ranks into that side with the layout mapper
+// (re-sharding heads, re-blocking pages), pushes them with a deadline, then frees its blocks; a
+// failure frees them too and answers 502 / 504, so the router can release the reservation. A
+// request's grammar and logit_bias constrain the first token there and the rest on the decode
+// worker (each compiles the grammar's spec against its own vocabulary); its prompt logprobs are
+// computed with the prompt and come back with the first token. A prompt-only request (max_tokens
+// 0, scoring) comes without "kv": it runs to its end on the prefill worker, whose answer is its
+// one output. A decode reservation that is never used expires. The generate stream sends a blank
+// line while the request waits, so a router that went away is noticed by a failed write and the
+// request is aborted.
 #pragma once
 
 #include <atomic>
@@ -34,6 +39,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "disagg/protocol.h"
 #include "engine/backend.h"
 #include "http/server.h"
 #include "server/engine_loop.h"
@@ -68,7 +74,10 @@ class DisaggWorker {
  public:
   // `engine` runs on `loop`'s thread; its backend must export its KV pools
   // (Backend::kv_pool_exports): host pools travel over UCX, device pools over CUDA IPC.
-  DisaggWorker(WorkerOptions options, LLMEngine& engine, server::EngineLoop& loop);
+  // `compile_grammar` compiles the grammars the router's requests carry against this worker's
+  // vocabulary (the process's own GrammarCompiler, so its cache serves both APIs).
+  DisaggWorker(WorkerOptions options, LLMEngine& engine, server::EngineLoop& loop,
+               CompileGrammar compile_grammar);
   ~DisaggWorker();
 
   // Starts the heartbeats (and the reservation sweeper on a decode worker).
@@ -99,6 +108,7 @@ class DisaggWorker {
 
   WorkerOptions options_;
   server::EngineLoop& loop_;
+  CompileGrammar compile_grammar_;
   std::vector<KvPoolExport> pools_;  // every rank's, in rank order
   int num_kv_heads_ = 0;             // the model's
   int num_k_heads_ = 0, num_v_heads_ = 0;  // its Gated DeltaNet heads (hybrid models)

@@ -174,15 +174,8 @@ void LLMEngine::validate(int64_t id, const EngineRequest& request) const {
               max_model_len_);
 }
 
-void LLMEngine::add_request(int64_t id, EngineRequest request) {
-  validate(id, request);
-  RELAY_CHECK(held_kv_.count(id) == 0, "request id ", id, " still holds KV blocks");
-  auto seq = std::make_unique<Sequence>();
-  seq->id = id;
-  seq->tokens = std::move(request.prompt);
-  seq->sampling = request.sampling;
-  seq->wants_prompt_logprobs = request.num_prompt_logprobs >= 0;
-  seq->prompt_only = request.stop.max_tokens == 0;
+std::unique_ptr<LLMEngine::Request> LLMEngine::make_request(int64_t id,
+                                                            EngineRequest& request) const {
   auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_,
                                      request.sampling.num_logprobs >= 0);
   r->hold_kv = request.hold_kv;
@@ -196,6 +189,19 @@ void LLMEngine::add_request(int64_t id, EngineRequest request) {
     r->grammar_phase = request.reasoning.starts_inside ? Request::GrammarPhase::kWaiting
                                                        : Request::GrammarPhase::kActive;
   }
+  return r;
+}
+
+void LLMEngine::add_request(int64_t id, EngineRequest request) {
+  validate(id, request);
+  RELAY_CHECK(held_kv_.count(id) == 0, "request id ", id, " still holds KV blocks");
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->tokens = std::move(request.prompt);
+  seq->sampling = request.sampling;
+  seq->wants_prompt_logprobs = request.num_prompt_logprobs >= 0;
+  seq->prompt_only = request.stop.max_tokens == 0;
+  std::unique_ptr<Request> r = make_request(id, request);
   if (seq->wants_prompt_logprobs) {
     r->num_prompt_logprobs = request.num_prompt_logprobs;
     r->prompt_logprobs_due = true;
@@ -251,6 +257,11 @@ RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request
               "request ", id, ": its reservation does not cover the ", n, "-token prompt");
   RELAY_CHECK(first.token >= 0 && first.token < backend_->config().vocab_size, "first token ",
               first.token, " is outside the vocabulary");
+  std::unique_ptr<Request> r = make_request(id, request);
+  // The grammar goes on from after the first token, which the prefill worker sampled under its
+  // mask; checked before anything is committed, so a refusal leaves the reservation as it was.
+  RELAY_CHECK(!r->matcher || advance_grammar(*r, first.token, /*first_output=*/true), "request ",
+              id, ": its grammar refuses the first token ", first.token);
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->tokens = std::move(request.prompt);
@@ -262,8 +273,6 @@ RequestOutput LLMEngine::add_prefilled_request(int64_t id, EngineRequest request
   blocks_.cache_full_blocks(id, seq->tokens, n);  // the received prompt serves later prefixes too
   held_kv_.erase(id);
   scheduler_.add_running(std::move(seq));
-  auto r = std::make_unique<Request>(id, std::move(request.stop), tokenizer_,
-                                     request.sampling.num_logprobs >= 0);
   r->first_scheduled = r->arrival;
   Request& req = *r;
   requests_.emplace(id, std::move(r));

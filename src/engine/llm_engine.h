@@ -213,8 +213,11 @@ class LLMEngine {
   // its leading full blocks from the prefix cache (nothing when the pool or max_num_seqs has no
   // room now); a prefill worker then writes the KV of the rest of the prompt into them, and
   // add_prefilled_request starts the request from the first token the prefill worker sampled,
-  // returning that token's output (it may already finish the request). release_kv frees a
-  // reservation that will not be used, or a finished hold_kv request's blocks.
+  // returning that token's output (it may already finish the request). The prefill worker sampled
+  // it under the request's grammar and logit_bias; here the grammar advances past it (a grammar
+  // that refuses it is an error) and constrains the tokens after it, and a stop token that
+  // completes the grammar finishes the request. Prompt logprobs come from the prefill worker.
+  // release_kv frees a reservation that will not be used, or a finished hold_kv request's blocks.
   struct KvReservation {
     std::vector<int32_t> block_table;
     int num_cached_tokens = 0;  // leading prompt tokens whose KV is already in the reserved blocks
@@ -247,6 +250,9 @@ class LLMEngine {
   struct Request;
   // The checks add_request and add_prefilled_request share.
   void validate(int64_t id, const EngineRequest& request) const;
+  // The request's state both start with: its stop conditions, logprobs, held KV and token
+  // constraints (the grammar's matcher at its start), moved out of `request`.
+  std::unique_ptr<Request> make_request(int64_t id, EngineRequest& request) const;
   // Appends the text of new token `token` and decides whether the request stops. The sequence
   // already holds it and the `num_later` tokens committed after it in the same step.
   void on_token(Request& r, const SampledToken& sampled, RequestOutput& out, int num_later = 0);

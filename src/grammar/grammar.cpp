@@ -40,12 +40,17 @@ using Json = nlohmann::ordered_json;
 
 class CompiledGrammar {
  public:
-  explicit CompiledGrammar(xgrammar::CompiledGrammar compiled) : compiled_(std::move(compiled)) {}
+  CompiledGrammar(GrammarSpec spec, xgrammar::CompiledGrammar compiled)
+      : spec_(std::move(spec)), compiled_(std::move(compiled)) {}
+  const GrammarSpec& spec() const { return spec_; }
   const xgrammar::CompiledGrammar& xgrammar() const { return compiled_; }
 
  private:
+  GrammarSpec spec_;
   xgrammar::CompiledGrammar compiled_;
 };
+
+const GrammarSpec& grammar_spec(const CompiledGrammar& grammar) { return grammar.spec(); }
 
 namespace {
 
@@ -297,7 +302,7 @@ struct GrammarCompiler::Impl {
 
   Result compile_checked(const GrammarSpec& spec) {
     try {
-      return std::make_shared<const CompiledGrammar>(compile_uncached(spec));
+      return std::make_shared<const CompiledGrammar>(spec, compile_uncached(spec));
     } catch (const std::bad_alloc&) {
       throw;
     } catch (const std::exception& e) {

@@ -14,6 +14,8 @@
 //     for one spec compile it once.
 //   - CompiledGrammar: immutable, shared (shared_ptr) by the cache and the requests using it; a
 //     matcher keeps the tables it needs alive itself, so eviction never pulls them from under it.
+//     It keeps the spec it was compiled from (grammar_spec), which is what crosses a process
+//     boundary: a disaggregated worker compiles the router's spec against its own vocabulary.
 //   - GrammarMatcher: one per constrained sequence, used by the engine thread only. Each step the
 //     sampler asks for the bitmask of allowed next tokens (fill_next_token_bitmask), masks the
 //     logits with it (apply_token_bitmask), and the sampled token is accepted (accept_token).
@@ -116,6 +118,10 @@ struct GrammarSpec {
 
 // A compiled grammar: immutable, opaque, shared by every matcher built on it.
 class CompiledGrammar;
+
+// The spec a grammar was compiled from. A compiled grammar belongs to one tokenizer's vocabulary,
+// so a disaggregated router sends its workers this, and each compiles it with its own.
+const GrammarSpec& grammar_spec(const CompiledGrammar& grammar);
 
 struct GrammarCompilerOptions {
   // The model's vocab_size (config.json): the logits' width. At least the tokenizer's; 0 means the

@@ -200,6 +200,9 @@ std::shared_ptr<RequestHandle> EngineLoop::submit_prefilled(int64_t id, EngineRe
           live_.emplace(handle->id(), handle);
           deliver(std::move(out));
         } catch (const Error& e) {
+          // NOTE: the caller handed its reservation over with the request, so a request the engine
+          // refuses (a first token its grammar does not allow, say) frees it here.
+          engine.release_kv(handle->id());
           metrics_.request_finished("error", 0.0, 0.0);
           --num_unfinished_;
           handle->fail(e.what());

@@ -137,7 +137,8 @@ class EngineLoop : public RequestSink {
   // A fresh request id (for a KV reservation that submit_prefilled later turns into a request).
   int64_t new_id() { return next_id_++; }
   // Starts request `id`, whose prompt's KV is already in blocks reserved under `id`, from the first
-  // token a prefill worker sampled; returns its handle (the first output is already in it).
+  // token a prefill worker sampled; returns its handle (the first output is already in it). A
+  // request the engine refuses fails its handle and frees the reservation.
   std::shared_ptr<RequestHandle> submit_prefilled(int64_t id, EngineRequest request,
                                                   SampledToken first, int num_cached_tokens);
 

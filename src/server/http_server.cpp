@@ -228,10 +228,9 @@ struct HttpServer::State {
   void check_job(const GenerationOptions& o, size_t num_choices, const char* prompt_logprobs_param) {
     check_token_ids(o.stop_token_ids, model.vocab_size, "stop_token_ids");
     if (prompt_logprobs_param != nullptr && !model.prompt_logprobs) {
-      throw bad_param(prompt_logprobs_param,
-                      str("'", prompt_logprobs_param, "' needs prompt logprobs, which this "
-                          "deployment does not compute (the CPU backend does; the CUDA backend "
-                          "and disaggregated routers do not yet)"));
+      throw bad_param(prompt_logprobs_param, str("'", prompt_logprobs_param,
+                                                 "' needs prompt logprobs, which this "
+                                                 "deployment's backend does not compute"));
     }
     check_capacity(static_cast<int>(num_choices));
   }
@@ -292,9 +291,9 @@ struct HttpServer::State {
     }
     if ((spec || !o.logit_bias.empty()) && !model.token_constraints) {
       const std::string field = spec ? param : "logit_bias";
-      throw bad_param(field, str("'", field, "' needs token constraints in the sampler, which this "
-                                 "deployment does not apply (the CPU backend does; the CUDA backend "
-                                 "and disaggregated routers do not yet)"));
+      throw bad_param(field, str("'", field,
+                                 "' needs token constraints in the sampler, which this "
+                                 "deployment's backend does not apply"));
     }
     for (const auto& [token, bias] : o.logit_bias) {
       check_token_ids({token}, model.vocab_size, "logit_bias");
@@ -1007,6 +1006,8 @@ void HttpServer::attach(const ServedModel& model, RequestSink& sink,
 void HttpServer::add_routes(const std::function<void(http::Server&)>& add) { add(state_->svr); }
 
 Metrics& HttpServer::metrics() { return state_->metrics; }
+
+GrammarCompiler& HttpServer::grammar_compiler() { return state_->grammar_compiler(); }
 
 bool HttpServer::drain(double timeout_s) {
   State& s = *state_;

@@ -76,6 +76,9 @@ class HttpServer {
   // Extra routes (a worker's internal API) on the same listener; call before start().
   void add_routes(const std::function<void(http::Server&)>& add);
   Metrics& metrics();
+  // The compiler of the served model's grammars (after attach; built at its first use), which a
+  // disaggregated worker also compiles the router's grammars with.
+  GrammarCompiler& grammar_compiler();
   // Refuses new requests (503) and waits until running ones finish or `timeout_s` passes; then
   // fails what is left. Returns whether everything finished in time.
   bool drain(double timeout_s);

@@ -1,9 +1,10 @@
 """Disaggregated serving on loopback: a router, prefill workers and decode workers as separate
 processes, the KV handed over by UCX. The text equals the single-process server's (greedy), across
-mismatched sharding (prefill TP 2 -> decode DP 2 + EP 2); a decode worker killed mid-stream fails
-only its requests and is marked down, and is used again once it re-joins; a KV hand-off that misses
-its deadline fails that request cleanly and frees the blocks on both sides; the router exports the
-autoscaling signals."""
+mismatched sharding (prefill TP 2 -> decode DP 2 + EP 2); prompt logprobs (a max_tokens 0 scoring
+request included), structured outputs, forced tool calls and logit_bias give what the single-process
+server gives; a decode worker killed mid-stream fails only its requests and is marked down, and is
+used again once it re-joins; a KV hand-off that misses its deadline fails that request cleanly and
+frees the blocks on both sides; the router exports the autoscaling signals."""
 import concurrent.futures as cf
 import hashlib
 import hmac
@@ -22,6 +23,14 @@ from relay_server import MODEL, RelayServer
 
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n\ndef normalize(x):", "class Queue:\n    def push(self, item):",
            "for i in range(10):"]
+PROMPT_IDS = [785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562]  # "The quick brown fox jumps over the lazy dog"
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                           "count": {"type": "integer", "enum": [1, 2, 3]}},
+          "required": ["answer", "count"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {
+    "name": "set_mode", "parameters": {"type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "safe"]}},
+                                       "required": ["mode"]}}},
+    {"type": "function", "function": {"name": "stop_all", "parameters": {"type": "object", "properties": {}}}}]
 
 
 def complete(client, prompt, max_tokens=20, stream=False):
@@ -30,6 +39,37 @@ def complete(client, prompt, max_tokens=20, stream=False):
     if stream:
         return "".join(c.choices[0].text for c in r)
     return r.choices[0].text
+
+
+def post(server, path, body):
+    r = requests.post(server.base + path, json={"model": MODEL, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def constrained_answers(server):
+    """The answers that need prompt logprobs or token constraints, as the tests below compare them."""
+    chat = [{"role": "user", "content": "Answer."}]
+    x = requests.post(server.base + "/tokenize", json={"prompt": "x"}, timeout=10).json()["tokens"][0]
+    return {
+        # lm-eval's loglikelihood request: the prompt scored, nothing generated.
+        "score": post(server, "/v1/completions", {"prompt": PROMPT_IDS, "echo": True, "logprobs": 2,
+                                                  "max_tokens": 0})["choices"][0],
+        # Prompt logprobs beside generated tokens (the prefill worker scores, the decode worker continues).
+        "prompt_logprobs": post(server, "/v1/completions", {"prompt": PROMPT_IDS, "prompt_logprobs": 1,
+                                                            "max_tokens": 3, "temperature": 0})["choices"][0],
+        "json": post(server, "/v1/chat/completions", {
+            "messages": chat, "max_tokens": 400, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+        })["choices"][0],
+        "tools": post(server, "/v1/chat/completions", {"messages": chat, "max_tokens": 60, "temperature": 0,
+                                                       "tools": TOOLS, "tool_choice": "required",
+                                                       "parallel_tool_calls": False})["choices"][0],
+        "biased": post(server, "/v1/completions", {"prompt": "def answer():\n    return ", "max_tokens": 4,
+                                                   "temperature": 0, "logit_bias": {str(x): 100}})["choices"][0],
+        "unbiased": post(server, "/v1/completions", {"prompt": "def answer():\n    return ", "max_tokens": 4,
+                                                     "temperature": 0})["choices"][0],
+    }
 
 
 def workers(router):
@@ -88,6 +128,7 @@ def colocated(relay_bin):
     chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0,
                                           messages=[{"role": "user", "content": "Write a sort function."}])
     want["chat"] = chat.choices[0].message.content
+    want["constrained"] = constrained_answers(s)
     assert s.stop() == 0
     return want
 
@@ -142,16 +183,85 @@ def test_client_disconnect_aborts_on_the_decode_worker(deployment):
     assert deployment.router.wait_idle(timeout=15)[f'relay:num_requests_running{{model_name="{MODEL}"}}'] == 0
 
 
-def test_features_the_router_cannot_carry_yet_are_400s(deployment):
-    # Grammars, logit_bias and prompt logprobs are applied where the tokens are sampled, and the
-    # control messages do not carry them yet: refused up front, naming the field.
-    for path, body, param in [
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                      "response_format": {"type": "json_object"}}, "response_format"),
-            ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
-            ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo")]:
-        r = requests.post(deployment.router.base + path, json={"model": MODEL, **body}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+@pytest.fixture(scope="module")
+def constrained(deployment):
+    """The router's constrained answers, with how many requests the decode worker saw meanwhile."""
+    def decode_requests():
+        return sum(deployment.decode.metric("relay:request_success_total", finished_reason=reason)
+                   for reason in ("stop", "length", "abort", "error"))
+    before = decode_requests()
+    got = constrained_answers(deployment.router)
+    return got, decode_requests() - before
+
+
+def test_prompt_logprobs_through_the_router(deployment, colocated, constrained):
+    got, _ = constrained
+    want = colocated["constrained"]
+    # A scoring request (echo + logprobs, max_tokens 0) ends on the prefill worker.
+    score, want_score = got["score"], want["score"]
+    assert score["finish_reason"] == "length" and score["text"] == want_score["text"]
+    lp, want_lp = score["logprobs"], want_score["logprobs"]
+    assert lp["tokens"] == want_lp["tokens"] and lp["text_offset"] == want_lp["text_offset"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for pos in range(1, len(PROMPT_IDS)):
+        assert abs(lp["token_logprobs"][pos] - want_lp["token_logprobs"][pos]) < 1e-4
+        assert lp["top_logprobs"][pos].keys() == want_lp["top_logprobs"][pos].keys()
+        for token, value in lp["top_logprobs"][pos].items():
+            assert abs(value - want_lp["top_logprobs"][pos][token]) < 1e-4
+    # vLLM's prompt_logprobs with generated tokens after them: ranks and decoded tokens included.
+    rows, want_rows = got["prompt_logprobs"]["prompt_logprobs"], want["prompt_logprobs"]["prompt_logprobs"]
+    assert len(rows) == len(PROMPT_IDS) and rows[0] is None
+    for row, want_row in zip(rows[1:], want_rows[1:]):
+        assert row.keys() == want_row.keys()
+        for token, entry in row.items():
+            assert entry["rank"] == want_row[token]["rank"]
+            assert entry["decoded_token"] == want_row[token]["decoded_token"]
+            assert abs(entry["logprob"] - want_row[token]["logprob"]) < 1e-4
+    assert got["prompt_logprobs"]["text"] == want["prompt_logprobs"]["text"]
+
+
+def test_a_scoring_request_takes_no_decode_worker(constrained):
+    # Only the five requests that generate reached the decode worker.
+    _, num_decoded = constrained
+    assert num_decoded == 5
+
+
+def test_structured_outputs_through_the_router(deployment, colocated, constrained):
+    got, _ = constrained
+    choice = got["json"]
+    assert choice["finish_reason"] == "stop", choice
+    value = json.loads(choice["message"]["content"])
+    assert set(value) == {"answer", "count"} and value["answer"] in ("yes", "no") and value["count"] in (1, 2, 3)
+    assert choice["message"]["content"] == colocated["constrained"]["json"]["message"]["content"]
+    # The router compiles the grammar as a single server does, so a bad schema is its 400.
+    r = requests.post(deployment.router.base + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
+
+
+def test_forced_tool_call_through_the_router(colocated, constrained):
+    got, _ = constrained
+    choice = got["tools"]
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = choice["message"]["tool_calls"]
+    assert calls and all(c["function"]["name"] in ("set_mode", "stop_all") for c in calls)
+    for c in calls:
+        args = json.loads(c["function"]["arguments"])
+        if c["function"]["name"] == "set_mode":
+            assert args["mode"] in ("fast", "safe")
+    want = colocated["constrained"]["tools"]["message"]["tool_calls"]
+    assert [c["function"] for c in calls] == [c["function"] for c in want]
+
+
+def test_logit_bias_through_the_router(deployment, colocated, constrained):
+    got, _ = constrained
+    want = colocated["constrained"]
+    assert got["biased"]["text"] == want["biased"]["text"] == "xxxx"
+    assert got["unbiased"]["text"] == want["unbiased"]["text"] != "xxxx"
+    # Every page went back on both sides.
+    for w in (deployment.prefill, deployment.decode):
+        assert w.wait_idle()[f'relay:kv_cache_usage_perc{{model_name="{MODEL}"}}'] == 0
 
 
 def test_router_exports_autoscaling_signals(deployment):

@@ -1,16 +1,41 @@
 // The router's worker registry (picks, heartbeat timeouts, re-joining, autoscaling signals) on an
-// explicit clock, and the control plane's message codecs (round trips and refusals naming the
-// field).
+// explicit clock, and the control plane's message codecs: round trips (prompt logprobs and token
+// constraints included, the grammars compiled against the demo model's vocabulary) and refusals
+// naming the field.
 #include <gtest/gtest.h>
 
 #include "core/error.h"
 #include "disagg/protocol.h"
 #include "disagg/registry.h"
+#include "grammar/grammar.h"
+#include "tokenizer/tokenizer.h"
 
 namespace relay::disagg {
 namespace {
 
 using std::chrono::milliseconds;
+
+// A worker's grammar compiler: the demo model's Qwen3 vocabulary.
+GrammarCompiler& compiler() {
+  static const Tokenizer tokenizer =
+      Tokenizer::from_model_dir(RELAY_SOURCE_DIR "/models/relay-demo-moe");
+  static GrammarCompiler compiler(tokenizer, GrammarCompilerOptions{151936, {151645}});
+  return compiler;
+}
+
+std::shared_ptr<const CompiledGrammar> compile(const GrammarSpec& spec) {
+  return compiler().compile(spec);
+}
+
+// The error request_from_json throws for `j`, or "" when it decodes.
+std::string request_error(const nlohmann::json& j) {
+  try {
+    request_from_json(j, compile);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 WorkerLoad load(int running, int64_t queued_tokens = 0, int64_t done_tokens = 0) {
   WorkerLoad l;
@@ -113,7 +138,8 @@ TEST(Protocol, RequestsOutputsAndFirstTokensRoundTrip) {
   r.stop.stop_strings = {"\n\n", "END"};
   r.stop.stop_token_ids = {7};
   r.stop.ignore_eos = true;
-  const EngineRequest back = request_from_json(nlohmann::json::parse(request_to_json(r).dump()));
+  const EngineRequest back =
+      request_from_json(nlohmann::json::parse(request_to_json(r).dump()), compile);
   EXPECT_EQ(back.prompt, r.prompt);
   EXPECT_EQ(back.sampling.seed, r.sampling.seed);
   EXPECT_EQ(back.sampling.top_k, 20);
@@ -146,24 +172,147 @@ TEST(Protocol, RequestsOutputsAndFirstTokensRoundTrip) {
 }
 
 TEST(Protocol, MalformedMessagesNameTheField) {
-  auto message = [](const nlohmann::json& j) {
-    try {
-      request_from_json(j);
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
-  EXPECT_NE(message({{"sampling", nlohmann::json::object()}}).find("\"prompt\""),
+  EXPECT_NE(request_error({{"sampling", nlohmann::json::object()}}).find("\"prompt\""),
             std::string::npos);
   EngineRequest one;
   one.prompt = {1};
   nlohmann::json j = request_to_json(one);
   j["stop"]["max_tokens"] = "many";
-  EXPECT_NE(message(j).find("\"max_tokens\" has the wrong type"), std::string::npos);
+  EXPECT_NE(request_error(j).find("\"max_tokens\" has the wrong type"), std::string::npos);
   nlohmann::json out = output_to_json(RequestOutput{});
   out["finish"] = "exploded";
   EXPECT_THROW(output_from_json(out), Error);
+}
+
+// Prompt logprobs and token constraints cross the control plane: the grammar as its spec, which
+// the receiving worker compiles again; logit_bias, the reasoning tokens, and the prompt logprobs
+// (ranks included) of the prefill worker's answer and of an output.
+TEST(Protocol, ConstraintsAndPromptLogprobsRoundTrip) {
+  const GrammarSpec schema = GrammarSpec::json_schema(
+      R"({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})", true);
+  for (const GrammarSpec& spec :
+       {schema, GrammarSpec::choice(std::vector<std::string>{"yes", "no"}), GrammarSpec::json()}) {
+    EngineRequest r;
+    r.prompt = {1, 2, 3};
+    r.num_prompt_logprobs = 4;
+    r.logit_bias = {{5, 1.5f}, {151000, -100.0f}};
+    r.reasoning = {151667, 151668, true};
+    r.grammar = compiler().compile(spec);
+    int num_compiled = 0;
+    const EngineRequest back = request_from_json(nlohmann::json::parse(request_to_json(r).dump()),
+                                                 [&](const GrammarSpec& s) {
+                                                   ++num_compiled;
+                                                   return compile(s);
+                                                 });
+    EXPECT_EQ(back.num_prompt_logprobs, 4);
+    EXPECT_EQ(back.logit_bias, r.logit_bias);
+    EXPECT_EQ(back.reasoning.open, 151667);
+    EXPECT_EQ(back.reasoning.close, 151668);
+    EXPECT_TRUE(back.reasoning.starts_inside);
+    ASSERT_NE(back.grammar, nullptr);
+    EXPECT_EQ(num_compiled, 1);
+    EXPECT_EQ(grammar_spec(*back.grammar), spec);
+  }
+  // None of them: none come back, and a message without the fields (an older router's) means the
+  // same.
+  EngineRequest plain;
+  plain.prompt = {1};
+  nlohmann::json j = request_to_json(plain);
+  EXPECT_FALSE(j.contains("grammar"));
+  for (const char* key : {"num_prompt_logprobs", "logit_bias", "reasoning"}) {
+    for (const nlohmann::json& message : {j, [&] {
+                                            nlohmann::json old = j;
+                                            old.erase(key);
+                                            return old;
+                                          }()}) {
+      const EngineRequest back = request_from_json(message, compile);
+      EXPECT_EQ(back.num_prompt_logprobs, -1);
+      EXPECT_TRUE(back.logit_bias.empty());
+      EXPECT_EQ(back.reasoning.open, -1);
+      EXPECT_EQ(back.grammar, nullptr);
+    }
+  }
+
+  const std::vector<std::optional<TokenLogprob>> rows = {
+      std::nullopt, TokenLogprob{7, -2.5f, {{3, -0.5f}, {7, -2.5f}}, 2},
+      TokenLogprob{9, -0.25f, {}, 1}};
+  FirstToken f;
+  f.token.token = 11;
+  f.token.logprob = -0.75f;
+  f.token.rank = 3;
+  f.num_cached_tokens = 0;
+  f.prompt_logprobs = rows;
+  const FirstToken fb = first_token_from_json(nlohmann::json::parse(first_token_to_json(f).dump()));
+  EXPECT_EQ(fb.token.rank, 3);
+  ASSERT_EQ(fb.prompt_logprobs.size(), 3u);
+  EXPECT_FALSE(fb.prompt_logprobs[0]);
+  EXPECT_EQ(fb.prompt_logprobs[1]->token, 7);
+  EXPECT_EQ(fb.prompt_logprobs[1]->rank, 2);
+  EXPECT_EQ(fb.prompt_logprobs[1]->top, rows[1]->top);
+  EXPECT_FLOAT_EQ(fb.prompt_logprobs[2]->logprob, -0.25f);
+  EXPECT_FALSE(first_token_to_json(FirstToken{}).contains("prompt_logprobs"));
+
+  RequestOutput o;
+  o.finish = FinishReason::kLength;
+  o.prompt_logprobs = rows;
+  const RequestOutput ob = output_from_json(nlohmann::json::parse(output_to_json(o).dump()));
+  ASSERT_EQ(ob.prompt_logprobs.size(), 3u);
+  EXPECT_FALSE(ob.prompt_logprobs[0]);
+  EXPECT_EQ(ob.prompt_logprobs[1]->rank, 2);
+  EXPECT_TRUE(output_from_json(output_to_json(RequestOutput{})).prompt_logprobs.empty());
+}
+
+TEST(Protocol, MalformedConstraintsNameTheField) {
+  EngineRequest r;
+  r.prompt = {1};
+  r.grammar = compiler().compile(GrammarSpec::regex("[0-9]+"));
+  const nlohmann::json good = request_to_json(r);
+  auto with = [&](const char* key, nlohmann::json value) {
+    nlohmann::json j = good;
+    j[key] = std::move(value);
+    return request_error(j);
+  };
+  auto names = [](const std::string& message, const std::string& part) {
+    return message.find(part) != std::string::npos ? ::testing::AssertionSuccess()
+                                                   : ::testing::AssertionFailure() << message;
+  };
+  EXPECT_TRUE(
+      names(with("grammar", {{"kind", "yaml"}, {"text", ""}}), "grammar: unknown kind \"yaml\""));
+  EXPECT_TRUE(names(with("grammar", {{"kind", "regex"}}), "grammar: missing field \"text\""));
+  EXPECT_TRUE(names(with("grammar", "[0-9]+"), "grammar: missing field \"kind\""));
+  EXPECT_TRUE(names(with("grammar", {{"kind", "json_schema"}, {"text", "{\"type\": \"objekt\"}"}}),
+                    "grammar: invalid JSON schema"));
+  EXPECT_TRUE(names(with("logit_bias", nlohmann::json::parse("[[5]]")),
+                    "\"logit_bias\": each entry must be [token, number]"));
+  EXPECT_TRUE(names(with("logit_bias", nlohmann::json::parse(R"([["5", 1.0]])")),
+                    "\"logit_bias\": each entry"));
+  EXPECT_TRUE(names(with("logit_bias", nlohmann::json::parse("[[1099511627776, 1.0]]")),
+                    "\"logit_bias\": each entry"));
+  EXPECT_TRUE(names(with("logit_bias", "5"), "\"logit_bias\": must be a list"));
+  EXPECT_TRUE(
+      names(with("num_prompt_logprobs", "all"), "\"num_prompt_logprobs\" has the wrong type"));
+  EXPECT_TRUE(names(with("reasoning", {{"open", 1}, {"close", 2}}),
+                    "reasoning: missing field \"starts_inside\""));
+
+  RequestOutput o;
+  o.prompt_logprobs = {std::nullopt, TokenLogprob{7, -2.5f, {}, 1}};
+  nlohmann::json out = output_to_json(o);
+  out["prompt_logprobs"][1].erase("logprob");
+  EXPECT_THROW(
+      {
+        try {
+          output_from_json(out);
+        } catch (const Error& e) {
+          EXPECT_TRUE(names(e.what(), "prompt logprob: missing field \"logprob\""));
+          throw;
+        }
+      },
+      Error);
+  out["prompt_logprobs"] = 5;
+  EXPECT_THROW(output_from_json(out), Error);
+  nlohmann::json first = first_token_to_json(FirstToken{});
+  first["top"] = nlohmann::json::parse(R"([[1, "high"]])");
+  EXPECT_THROW(first_token_from_json(first), Error);
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 // grammar applies after it; logit_bias reaches the sampler; backends without constraints refuse
 // them; on the CPU backend a constrained request writes only what its grammar allows; and with
 // drafts every verified row gets the mask a step without drafts would have given it, while drafts
-// the grammar refuses are dropped when they are set.
+// the grammar refuses are dropped when they are set; a disaggregated decode's grammar goes on after
+// the first token its prefill worker sampled.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -198,6 +199,53 @@ TEST(StructuredOutputs, DraftsTheGrammarRefusesAreDropped) {
   EXPECT_EQ(engine.last_step().num_draft_tokens, 1);
   ASSERT_EQ(out.size(), 1u);
   EXPECT_EQ(out[0].new_tokens, (std::vector<int32_t>{script[1], script[2]}));
+}
+
+// Disaggregated decode: the prefill worker sampled the first token under the grammar, and the
+// decode engine's grammar goes on after it, so each later sample gets the mask a local run gives it
+// (and the logit_bias). A first token the grammar refuses is an error that leaves the reservation
+// held; a first token that is a stop token completing the grammar finishes the request.
+TEST(StructuredOutputs, APrefilledRequestsGrammarGoesOnAfterItsFirstToken) {
+  std::vector<int32_t> script = tokenizer().encode(R"({"a": 12})");
+  script.push_back(kImEnd);
+  auto local = std::make_unique<testing::ScriptedBackend>(script);
+  testing::ScriptedBackend& local_seen = *local;
+  LLMEngine local_engine(std::move(local), tokenizer(), {});
+  local_engine.add_request(1, constrained(kSchema));
+  ASSERT_EQ(run_one(local_engine).text, R"({"a": 12})");
+
+  auto backend = std::make_unique<testing::ScriptedBackend>(script);
+  testing::ScriptedBackend& seen = *backend;
+  LLMEngine engine(std::move(backend), tokenizer(), {});
+  EngineRequest r = constrained(kSchema);
+  r.logit_bias = {{7, 1.5f}};
+  ASSERT_TRUE(engine.reserve_kv(1, r.prompt));
+  SampledToken first;
+  first.token = script.front();
+  const RequestOutput head = engine.add_prefilled_request(1, r, first, 0);
+  EXPECT_EQ(head.finish, FinishReason::kNone);
+  const RequestOutput rest = run_one(engine);
+  EXPECT_EQ(head.text + rest.text, R"({"a": 12})");
+  EXPECT_EQ(rest.finish, FinishReason::kStop);
+  ASSERT_EQ(seen.masks.size(), script.size() - 1);
+  for (size_t i = 0; i < seen.masks.size(); ++i) {
+    EXPECT_EQ(seen.masks[i], local_seen.masks[i + 1]) << "sample " << i + 1;
+    EXPECT_EQ(seen.biases[i], r.logit_bias) << "sample " << i + 1;
+  }
+
+  ASSERT_TRUE(engine.reserve_kv(2, r.prompt));
+  first.token = tokenizer().encode("hello").front();
+  EXPECT_THROW(engine.add_prefilled_request(2, r, first, 0), Error);
+  EXPECT_EQ(engine.num_held_kv(), 1);
+  engine.release_kv(2);
+
+  // "(ab)?" is complete before any token: the stop token may come first, and ends the request.
+  EngineRequest optional = constrained(GrammarSpec::regex("(ab)?"));
+  ASSERT_TRUE(engine.reserve_kv(3, optional.prompt));
+  first.token = kImEnd;
+  const RequestOutput stopped = engine.add_prefilled_request(3, optional, first, 0);
+  EXPECT_EQ(stopped.finish, FinishReason::kStop);
+  EXPECT_FALSE(engine.has_work());
 }
 
 TEST(StructuredOutputs, LogitBiasReachesTheSampler) {
