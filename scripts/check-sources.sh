@@ -80,4 +80,13 @@ if hits=$(grep -rnE '"[^"]*(_proj|layernorm|embed_tokens|lm_head|norm)\.(weight|
   status=1
 fi
 
+# 4. No source file over 1,000 lines: past that a file holds several concerns, which get their own
+#    files (as engine/cuda/ splits the CUDA backend's rank).
+if hits=$(find src -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | sort |
+            xargs wc -l | awk '$2 != "total" && $1 > 1000 {print $2 ": " $1 " lines"}' | grep .); then
+  echo "check-sources: files over 1,000 lines (split them by concern):"
+  echo "$hits"
+  status=1
+fi
+
 exit $status

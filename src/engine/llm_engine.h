@@ -98,16 +98,6 @@ struct EngineConfig {
 };
 
 
-struct StopConditions {
-  int64_t max_tokens = 16;  // >= 1; 0 only with prompt logprobs (score the prompt, sample nothing)
-  int64_t min_tokens = 0;  // EOS and stop tokens are ignored before this many tokens
-  std::vector<int32_t> stop_token_ids;
-  std::vector<std::string> stop_strings;
-  bool ignore_eos = false;
-  bool include_stop_str_in_output = false;
-  bool skip_special_tokens = true;
-};
-
 // The tokens that open and close a reasoning block (Qwen3's <think> and </think>), for a grammar
 // that applies after it; -1: the model does not reason (the grammar applies from the first token).
 struct ReasoningTokens {

@@ -38,4 +38,15 @@ struct SampledToken : TokenLogprob {
   int64_t seq_id = 0;
 };
 
+// When a request stops (vLLM's stop parameters); the engine applies them to the tokens it samples.
+struct StopConditions {
+  int64_t max_tokens = 16;  // >= 1; 0 only with prompt logprobs (score the prompt, sample nothing)
+  int64_t min_tokens = 0;  // EOS and stop tokens are ignored before this many tokens
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::string> stop_strings;
+  bool ignore_eos = false;
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;
+};
+
 }  // namespace relay

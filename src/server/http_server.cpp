@@ -85,38 +85,22 @@ struct Job {
   }
 };
 
-// The OpenAI error of a status the transport answers by itself (http/server.h).
-ApiError transport_error(int status, const std::string& message) {
-  const char* type = status == 503 ? "service_unavailable"
-                     : status >= 500 ? "internal_server_error"
-                                     : "invalid_request_error";
-  const char* code = status == 404   ? "not_found"
-                     : status == 405 ? "method_not_allowed"
-                     : status == 408 ? "request_timeout"
-                     : status == 413 ? "request_too_large"
-                     : status == 431 ? "request_header_fields_too_large"
-                                     : "";
-  return ApiError{status, message, type, "", code};
-}
-
-// vLLM's GET /tokenizer_info: the model's tokenizer_config.json (special tokens as plain strings),
-// with the chat template the server renders with and the context it serves. lm-eval's remote
-// tokenizer reads eos_token and chat_template from it.
-json tokenizer_info(const std::string& model_dir, int max_model_len) {
-  namespace fs = std::filesystem;
-  json info = json::object();
-  const fs::path config = fs::path(model_dir) / "tokenizer_config.json";
-  if (fs::exists(config)) info = parse_json_file<json>(config);
-  for (auto& [key, value] : info.items()) {
-    // AddedToken objects ({"content": ...}) of older configs, as the string they stand for.
-    if (key.ends_with("_token") && value.is_object() && value.contains("content")) {
-      value = json(value["content"]);
-    }
+// The grammar a structured-output constraint compiles to.
+GrammarSpec grammar_spec(const OutputConstraint& c) {
+  using Kind = OutputConstraint::Kind;
+  switch (c.kind) {
+    case Kind::kJsonObject:
+      return GrammarSpec::json();
+    case Kind::kJsonSchema:
+      return GrammarSpec::json_schema(c.text, c.strict);
+    case Kind::kRegex:
+      return GrammarSpec::regex(c.text);
+    case Kind::kChoice:
+      return GrammarSpec::choice(c.choices);
+    case Kind::kGrammar:
+      return GrammarSpec::ebnf(c.text);
   }
-  const fs::path jinja = fs::path(model_dir) / "chat_template.jinja";
-  if (fs::exists(jinja)) info["chat_template"] = read_text_file(jinja);
-  info["model_max_length"] = max_model_len;
-  return info;
+  fail("unknown output constraint");
 }
 
 http::Response json_response(int status, const json& body) {
@@ -254,23 +238,6 @@ struct HttpServer::State {
     return *compiler;
   }
 
-  static GrammarSpec spec_of(const OutputConstraint& c) {
-    using Kind = OutputConstraint::Kind;
-    switch (c.kind) {
-      case Kind::kJsonObject:
-        return GrammarSpec::json();
-      case Kind::kJsonSchema:
-        return GrammarSpec::json_schema(c.text, c.strict);
-      case Kind::kRegex:
-        return GrammarSpec::regex(c.text);
-      case Kind::kChoice:
-        return GrammarSpec::choice(c.choices);
-      case Kind::kGrammar:
-        return GrammarSpec::ebnf(c.text);
-    }
-    fail("unknown output constraint");
-  }
-
   // A job's constraints: its structured-output constraint or forced tool calls (`tool_calls`, with
   // the request field `tool_param` that asked) compiled here on the request's thread, so a bad
   // schema is its 400; its logit_bias checked against the vocabulary.
@@ -281,7 +248,7 @@ struct HttpServer::State {
     std::string param = "tool_choice";
     try {
       if (o.constraint) {
-        spec = spec_of(*o.constraint);
+        spec = grammar_spec(*o.constraint);
         param = o.constraint->param;
       } else {
         spec = tool_calls;
@@ -331,22 +298,8 @@ struct HttpServer::State {
       r.grammar = constraints.grammar;
       r.logit_bias = constraints.logit_bias;
       r.reasoning = constraints.reasoning;
-      r.sampling.temperature = static_cast<float>(o.temperature);
-      r.sampling.top_k = o.top_k < 0 ? 0 : static_cast<int>(o.top_k);
-      r.sampling.top_p = static_cast<float>(o.top_p);
-      r.sampling.min_p = static_cast<float>(o.min_p);
-      r.sampling.presence_penalty = static_cast<float>(o.presence_penalty);
-      r.sampling.frequency_penalty = static_cast<float>(o.frequency_penalty);
-      r.sampling.repetition_penalty = static_cast<float>(o.repetition_penalty);
-      r.sampling.seed = seed + static_cast<uint64_t>(i);
-      r.sampling.num_logprobs = o.logprobs ? static_cast<int>(o.top_logprobs) : -1;
-      r.stop.max_tokens = max_tokens;
-      r.stop.min_tokens = std::min(o.min_tokens, max_tokens);
-      for (int64_t t : o.stop_token_ids) r.stop.stop_token_ids.push_back(static_cast<int32_t>(t));
-      r.stop.stop_strings = o.stop;
-      r.stop.ignore_eos = o.ignore_eos;
-      r.stop.include_stop_str_in_output = o.include_stop_str_in_output;
-      r.stop.skip_special_tokens = o.skip_special_tokens;
+      r.sampling = sampling_params(o, seed + static_cast<uint64_t>(i));
+      r.stop = stop_conditions(o, max_tokens);
       c.handle = loop->submit(std::move(r));
       job.choices.push_back(std::move(c));
     }

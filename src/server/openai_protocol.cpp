@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <set>
 
 #include "core/error.h"
@@ -598,6 +599,62 @@ void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab_size,
                                  "' is outside the vocabulary [0, ", vocab_size, ")"));
     }
   }
+}
+
+ApiError transport_error(int status, const std::string& message) {
+  const char* type = status == 503 ? "service_unavailable"
+                     : status >= 500 ? "internal_server_error"
+                                     : "invalid_request_error";
+  const char* code = status == 404   ? "not_found"
+                     : status == 405 ? "method_not_allowed"
+                     : status == 408 ? "request_timeout"
+                     : status == 413 ? "request_too_large"
+                     : status == 431 ? "request_header_fields_too_large"
+                                     : "";
+  return ApiError{status, message, type, "", code};
+}
+
+SamplingParams sampling_params(const GenerationOptions& o, uint64_t seed) {
+  SamplingParams s;
+  s.temperature = static_cast<float>(o.temperature);
+  s.top_k = o.top_k < 0 ? 0 : static_cast<int>(o.top_k);
+  s.top_p = static_cast<float>(o.top_p);
+  s.min_p = static_cast<float>(o.min_p);
+  s.presence_penalty = static_cast<float>(o.presence_penalty);
+  s.frequency_penalty = static_cast<float>(o.frequency_penalty);
+  s.repetition_penalty = static_cast<float>(o.repetition_penalty);
+  s.seed = seed;
+  s.num_logprobs = o.logprobs ? static_cast<int>(o.top_logprobs) : -1;
+  return s;
+}
+
+StopConditions stop_conditions(const GenerationOptions& o, int64_t max_tokens) {
+  StopConditions s;
+  s.max_tokens = max_tokens;
+  s.min_tokens = std::min(o.min_tokens, max_tokens);
+  for (int64_t t : o.stop_token_ids) s.stop_token_ids.push_back(static_cast<int32_t>(t));
+  s.stop_strings = o.stop;
+  s.ignore_eos = o.ignore_eos;
+  s.include_stop_str_in_output = o.include_stop_str_in_output;
+  s.skip_special_tokens = o.skip_special_tokens;
+  return s;
+}
+
+nlohmann::json tokenizer_info(const std::string& model_dir, int max_model_len) {
+  namespace fs = std::filesystem;
+  nlohmann::json info = nlohmann::json::object();
+  const fs::path config = fs::path(model_dir) / "tokenizer_config.json";
+  if (fs::exists(config)) info = parse_json_file<nlohmann::json>(config);
+  for (auto& [key, value] : info.items()) {
+    // AddedToken objects ({"content": ...}) of older configs, as the string they stand for.
+    if (key.ends_with("_token") && value.is_object() && value.contains("content")) {
+      value = nlohmann::json(value["content"]);
+    }
+  }
+  const fs::path jinja = fs::path(model_dir) / "chat_template.jinja";
+  if (fs::exists(jinja)) info["chat_template"] = read_text_file(jinja);
+  info["model_max_length"] = max_model_len;
+  return info;
 }
 
 }  // namespace relay::server

@@ -20,6 +20,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sequence/sampling.h"
+
 namespace relay::server {
 
 // An error answered to the client as {"error": {"message", "type", "param", "code"}}.
@@ -34,6 +36,9 @@ struct ApiError {
 };
 
 ApiError bad_param(const std::string& param, const std::string& message);
+// The OpenAI error of a status the transport answers by itself (http/server.h: 404, 405, 408,
+// 413, 431, 503, ...).
+ApiError transport_error(int status, const std::string& message);
 
 // A structured-output constraint, as one of OpenAI's response_format, vLLM's structured_outputs or
 // its older guided_* fields asks (the server compiles it with grammar/grammar.h).
@@ -138,5 +143,14 @@ int64_t check_context_length(int64_t num_prompt_tokens, const GenerationOptions&
                              int64_t max_model_len, const std::string& prompt_param);
 // 400 naming `param` when a token id is outside [0, vocab_size).
 void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab_size, const std::string& param);
+
+// The engine's sampling parameters for one choice of a request (its seed `seed`).
+SamplingParams sampling_params(const GenerationOptions& o, uint64_t seed);
+// Its stop conditions, with the request's max_tokens (0: a prompt-only scoring request).
+StopConditions stop_conditions(const GenerationOptions& o, int64_t max_tokens);
+// vLLM's GET /tokenizer_info: the model's tokenizer_config.json (special tokens as plain strings),
+// with the chat template the server renders with and the context it serves. lm-eval's remote
+// tokenizer reads eos_token and chat_template from it.
+nlohmann::json tokenizer_info(const std::string& model_dir, int max_model_len);
 
 }  // namespace relay::server
