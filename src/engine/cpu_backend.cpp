@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "engine/ranks.h"
 #include "engine/sampler.h"
+#include "engine/step_check.h"
 #include "model/registry.h"
 #include "parallel/local_group.h"
 #include "parallel/tcp_group.h"
@@ -621,21 +622,11 @@ std::vector<NodeResult> CpuBackend::run_step(NodeCommand command,
   if (!lost_.empty()) fail(lost_);
   RELAY_CHECK(!batch.empty(), "step with an empty batch");
   // Checked here, before any node starts, so that a bad batch fails the step on every rank alike.
-  for (const StepSequence& s : batch) {
-    RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
-    RELAY_CHECK(s.num_computed >= 0, "sequence ", s.seq_id, " has num_computed ", s.num_computed);
-    RELAY_CHECK(!s.block_table.empty(), "sequence ", s.seq_id, " has no KV blocks");
-    RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
-                " samples but has no SamplingParams");
-    RELAY_CHECK(s.num_prompt_logprobs >= -1, "sequence ", s.seq_id, " has num_prompt_logprobs ",
-                s.num_prompt_logprobs);
-    RELAY_CHECK(
-        s.num_draft_tokens == 0 || (s.sample && s.num_draft_tokens > 0 &&
-                                    static_cast<size_t>(s.num_draft_tokens) < s.tokens.size()),
-        "sequence ", s.seq_id, " has num_draft_tokens ", s.num_draft_tokens,
-        ": drafts need a sampling sequence and a token before them (it has ", s.tokens.size(),
-        " tokens)");
-  }
+  StepLimits limits;
+  limits.vocab_size = config().vocab_size;
+  limits.block_size = block_size();
+  limits.backend = "the CPU backend";
+  for (const StepSequence& s : batch) check_step_sequence(s, limits);
   // A lost node ends the worker: its ranks' shards and KV are gone.
   const auto lose = [&](const Error& e) {
     lost_ = str("the multi-node worker lost a node and cannot run steps: ", e.what());
@@ -697,10 +688,6 @@ void CpuBackend::follow() {
 }
 
 std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) {
-  for (const StepSequence& s : batch) {
-    RELAY_CHECK(s.num_prompt_logprobs < 0 || s.prompt_logprobs != nullptr, "sequence ", s.seq_id,
-                " asks for prompt logprobs but has no prompt_logprobs output");
-  }
   std::vector<NodeResult> all = run_step(NodeCommand::kStep, batch);
   // Each sampling sequence's tokens (its accepted drafts, then the token after them, consecutive
   // under its id), and each scored sequence's prompt logprobs, come from the one node holding its

@@ -1,60 +1,26 @@
 // RankEngine's step plumbing: batch checks, the metadata upload, the decode graph cache, warm-up.
 #include "engine/cuda/rank_engine.h"
+#include "engine/step_check.h"
 
 namespace relay::cuda_engine {
 
 void RankEngine::check_batch(std::span<const StepSequence> batch) const {
   int tokens = 0;
   const int bs = opt.block_size;
+  const StepLimits limits{vocab, bs, opt.max_draft_tokens, kMaxLogprobs, "the CUDA backend"};
   for (const StepSequence& s : batch) {
-    RELAY_CHECK(!s.tokens.empty(), "sequence ", s.seq_id, " has no tokens in this step");
-    RELAY_CHECK(s.num_computed >= 0, "sequence ", s.seq_id, " has num_computed ", s.num_computed);
-    RELAY_CHECK(!s.sample || s.sampling != nullptr, "sequence ", s.seq_id,
-                " samples but has no SamplingParams");
-    RELAY_CHECK(s.num_draft_tokens == 0 ||
-                    (s.sample && s.num_draft_tokens > 0 &&
-                     s.num_draft_tokens < static_cast<int>(s.tokens.size()) &&
-                     s.num_draft_tokens <= opt.max_draft_tokens),
-                "sequence ", s.seq_id, " has ", s.num_draft_tokens, " drafts among ",
-                s.tokens.size(), " tokens (sample ", s.sample,
-                "); the CUDA backend verifies at most ", opt.max_draft_tokens,
-                " drafts per sampling sequence");
-    RELAY_CHECK(s.num_prompt_logprobs <= kMaxLogprobs &&
-                    (s.num_prompt_logprobs < 0 || s.prompt_logprobs != nullptr),
-                "sequence ", s.seq_id, " asks for ", s.num_prompt_logprobs,
-                " prompt logprobs; the CUDA backend gives -1 (none) to ", kMaxLogprobs,
-                ", into a prompt_logprobs output");
-    const size_t words = token_bitmask_words(vocab);
-    RELAY_CHECK(s.allowed_tokens.empty() ||
-                    s.allowed_tokens.size() == words * (1 + size_t(s.num_draft_tokens)),
-                "sequence ", s.seq_id, " has a token bitmask of ", s.allowed_tokens.size(),
-                " words; ", 1 + s.num_draft_tokens, " sampled rows over a vocabulary of ", vocab,
-                " take ", words * (1 + size_t(s.num_draft_tokens)));
-    for (size_t at = 0; at < s.allowed_tokens.size(); at += words) {
-      const auto mask = s.allowed_tokens.subspan(at, words);
-      RELAY_CHECK(std::any_of(mask.begin(), mask.end(), [](uint32_t w) { return w != 0; }),
-                  "sequence ", s.seq_id, ": the token bitmask of row ", at / words,
-                  " allows no token");
-    }
-    for (const auto& [token, bias] : s.logit_bias) {
-      RELAY_CHECK(token >= 0 && token < vocab, "sequence ", s.seq_id, ": logit_bias token ",
-                  token, " outside [0, ", vocab, ")");
+    check_step_sequence(s, limits);
+    for (int32_t id : s.tokens) {
+      RELAY_CHECK(id >= 0 && id < vocab, "token ", id, " of sequence ", s.seq_id,
+                  " is outside the vocabulary of ", vocab);
     }
     tokens += static_cast<int>(s.tokens.size());
-    const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
-    RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
-                " needs ", context, " KV slots but its block table has ", s.block_table.size(),
-                " blocks of ", bs);
     RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) <= max_blocks, "sequence ", s.seq_id,
                 " has ", s.block_table.size(), " blocks; max_position_embeddings allows ",
                 max_blocks);
     for (int32_t b : s.block_table) {
       RELAY_CHECK(b >= 0 && b < kv_layout.num_blocks, "sequence ", s.seq_id, " uses block ", b,
                   " outside the pool of ", kv_layout.num_blocks);
-    }
-    for (int32_t id : s.tokens) {
-      RELAY_CHECK(id >= 0 && id < vocab, "token ", id, " of sequence ", s.seq_id,
-                  " is outside the vocabulary of ", vocab);
     }
   }
   RELAY_CHECK(tokens <= opt.max_num_tokens, "step has ", tokens,
