@@ -748,6 +748,103 @@ TEST(GpuKernels, MoeGroupedMatmul) {
   }
 }
 
+// Gated DeltaNet's ops against their CPU references on the same bf16-rounded inputs: three
+// sequences (one token, a short chunk, a long one; one fresh, two continuing random states in
+// scattered slots, one taking snapshots mid-chunk), at the released shapes' head dims and small odd
+// ones; then the sigmoid gate, per element and per row with accumulation.
+TEST(GpuKernels, GatedDeltaNetOps) {
+  struct Shape {
+    int k_heads, v_heads, key_dim, value_dim;
+  };
+  for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 3, 24, 40}}) {
+    SCOPED_TRACE(::testing::Message() << "key_dim " << sh.key_dim << " value_dim " << sh.value_dim);
+    std::mt19937 rng(31 + sh.key_dim);
+    const std::vector<int32_t> starts{0, 1, 8, 48}, slots{2, 0, 3};
+    const std::vector<uint8_t> fresh{0, 1, 0};
+    const int seqs = 3, T = starts.back(), num_slots = 5, K = 4, width = K - 1;
+    std::vector<int32_t> snapshots(T, -1);
+    snapshots[3] = 1, snapshots[6] = 4;  // sequence 1's tokens 2 and 5
+    const int conv_dim = 2 * sh.k_heads * sh.key_dim + sh.v_heads * sh.value_dim;
+    const int x_stride = conv_dim + 8;
+
+    // The convolution.
+    Bf16Data x = random_bf16(size_t(T) * x_stride, rng), w = random_bf16(size_t(conv_dim) * K, rng, 0.5f);
+    Bf16Data conv0 = random_bf16(size_t(num_slots) * conv_dim * width, rng);
+    std::vector<float> conv_states = conv0.f32, conv_out(size_t(T) * conv_dim);
+    const int64_t conv_stride = int64_t{conv_dim} * width;
+    kernels::CausalConv1dParams<float> cc{x.f32.data(), x_stride, w.f32.data(), conv_states.data(),
+                                          conv_stride, starts.data(), slots.data(), fresh.data(),
+                                          snapshots.data(), conv_out.data(), seqs, T, conv_dim, K};
+    kernels::launch_causal_conv1d(cc, pool());
+    DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits), d_conv(conv0.bits), d_conv_out(size_t(T) * conv_dim);
+    DeviceBuffer<int32_t> d_starts(starts), d_slots(slots), d_snap(snapshots);
+    DeviceBuffer<uint8_t> d_fresh(fresh);
+    kernels::launch_causal_conv1d({d_x.get(), x_stride, d_w.get(), d_conv.get(), conv_stride,
+                                   d_starts.get(), d_slots.get(), d_fresh.get(), d_snap.get(),
+                                   d_conv_out.get(), seqs, T, conv_dim, K},
+                                  nullptr);
+    EXPECT_LT(rel_error(to_f32(d_conv_out.download()), conv_out), kBf16Tolerance);
+    EXPECT_LT(rel_error(to_f32(d_conv.download()), conv_states), kBf16Tolerance);
+
+    // The recurrence.
+    const int64_t row = conv_dim, gate_stride = sh.v_heads + 3;
+    const int64_t state_stride = int64_t{sh.v_heads} * sh.key_dim * sh.value_dim;
+    Bf16Data qkv = random_bf16(size_t(T) * row, rng), b = random_bf16(size_t(T) * gate_stride, rng),
+             a = random_bf16(size_t(T) * gate_stride, rng), dt = random_bf16(sh.v_heads, rng, 0.5f);
+    std::vector<float> a_log(sh.v_heads);
+    for (float& v : a_log) v = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
+    std::vector<float> states0(size_t(num_slots) * state_stride);
+    for (float& v : states0) v = std::normal_distribution<float>(0.0f, 0.1f)(rng);
+    std::vector<float> states = states0, out(size_t(T) * sh.v_heads * sh.value_dim);
+    kernels::GatedDeltaRuleParams<float> gd{qkv.f32.data(), b.f32.data(), a.f32.data(), gate_stride,
+                                            a_log.data(), dt.f32.data(), states.data(), state_stride,
+                                            starts.data(), slots.data(), fresh.data(),
+                                            snapshots.data(), out.data(), seqs, T, sh.k_heads,
+                                            sh.v_heads, sh.key_dim, sh.value_dim};
+    kernels::launch_gated_delta_rule(gd, pool());
+    DeviceBuffer<bf16> d_qkv(qkv.bits), d_b(b.bits), d_a(a.bits), d_dt(dt.bits), d_out(out.size());
+    DeviceBuffer<float> d_a_log(a_log), d_states(states0);
+    kernels::launch_gated_delta_rule({d_qkv.get(), d_b.get(), d_a.get(), gate_stride, d_a_log.get(),
+                                      d_dt.get(), d_states.get(), state_stride, d_starts.get(),
+                                      d_slots.get(), d_fresh.get(), d_snap.get(), d_out.get(), seqs,
+                                      T, sh.k_heads, sh.v_heads, sh.key_dim, sh.value_dim},
+                                     nullptr);
+    EXPECT_LT(rel_error(to_f32(d_out.download()), out), kBf16Tolerance);
+    // fp32 states from the same inputs: only the order of fp32 operations differs.
+    EXPECT_LT(rel_error(d_states.download(), states), 1e-4);
+
+    // The output norm, gated by a strided z.
+    const int heads = sh.v_heads, hd = sh.value_dim;
+    const int64_t z_stride = int64_t{heads} * hd + 5;
+    Bf16Data y = random_bf16(size_t(T) * heads * hd, rng), z = random_bf16(size_t(T) * z_stride, rng),
+             nw = random_bf16(hd, rng);
+    std::vector<float> normed(y.f32.size());
+    kernels::launch_gated_rms_norm({y.f32.data(), z.f32.data(), z_stride, nw.f32.data(), normed.data(),
+                                    T, heads, hd, 1e-6f},
+                                   pool());
+    DeviceBuffer<bf16> d_y(y.bits), d_z(z.bits), d_nw(nw.bits), d_normed(normed.size());
+    kernels::launch_gated_rms_norm({d_y.get(), d_z.get(), z_stride, d_nw.get(), d_normed.get(), T,
+                                    heads, hd, 1e-6f},
+                                   nullptr);
+    EXPECT_LT(rel_error(to_f32(d_normed.download()), normed), kBf16Tolerance);
+  }
+  // The sigmoid gate: per element (gated attention), then one gate per row added (shared expert).
+  std::mt19937 rng(77);
+  const int rows = 37, width = 96;
+  Bf16Data gx = random_bf16(size_t(rows) * width, rng), gg = random_bf16(size_t(rows) * width, rng),
+           base = random_bf16(size_t(rows) * width, rng);
+  for (int gate_width : {width, 1}) {
+    const bool acc = gate_width == 1;
+    std::vector<float> want = acc ? base.f32 : std::vector<float>(gx.f32.size());
+    kernels::launch_sigmoid_gate({gx.f32.data(), gg.f32.data(), want.data(), rows, width, gate_width, acc},
+                                 pool());
+    DeviceBuffer<bf16> d_gx(gx.bits), d_gg(gg.bits), d_gout(base.bits);
+    kernels::launch_sigmoid_gate({d_gx.get(), d_gg.get(), d_gout.get(), rows, width, gate_width, acc},
+                                 nullptr);
+    EXPECT_LT(rel_error(to_f32(d_gout.download()), want), kBf16Tolerance) << "gate_width " << gate_width;
+  }
+}
+
 // Rows of every kind: greedy and filtered draws, some with a logit_bias and/or a token bitmask
 // (the constraints change the draw, never the raw logprobs), and scored prompt rows.
 TEST(GpuKernels, Sampling) {

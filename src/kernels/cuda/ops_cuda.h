@@ -157,4 +157,12 @@ struct SampleParams {
 };
 void launch_sample(const SampleParams& p, cudaStream_t s);
 
+// Gated DeltaNet and the sigmoid gate (linear_attention.cu): the CPU references' token-by-token
+// order, fp32 states (the conv state in bf16, as the activations it holds). The conv takes
+// kernel_size up to 8, the recurrence key_dim up to 128 and value_dim up to 1024.
+void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s);
+void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s);
+void launch_gated_rms_norm(const GatedRmsNormParams<bf16>& p, cudaStream_t s);
+void launch_sigmoid_gate(const SigmoidGateParams<bf16>& p, cudaStream_t s);
+
 }  // namespace relay::kernels
