@@ -110,7 +110,7 @@ struct QkNormRopeKvWriteParams {
   // Partial rotary (Qwen3.5 / Qwen3-Next): RoPE turns only dims [0, rotary_dim) of each head,
   // rotate-half within them (pairs i, i + rotary_dim / 2), and inv_freq holds rotary_dim / 2
   // rates; dims [rotary_dim, head_dim) pass through (normed). 0 means head_dim (Qwen3). The CUDA
-  // kernel implements only the full rotation so far.
+  // kernel takes a power of two from 16.
   int rotary_dim = 0;
 };
 

@@ -147,9 +147,13 @@ PagedSetup make_tables(const std::vector<int>& contexts, int block_size, int num
 
 TEST(GpuKernels, QkNormRopeKvWrite) {
   std::mt19937 rng(6);
-  struct Case { int tokens, q_heads, kv_heads, head_dim; };
+  struct Case { int tokens, q_heads, kv_heads, head_dim, rotary_dim = 0; };
   for (Case c : {Case{1, 32, 4, 128}, Case{19, 32, 4, 128}, Case{5, 4, 2, 32}, Case{300, 16, 4, 64},
-                 Case{600, 32, 4, 128}, Case{9, 6, 2, 256}, Case{33, 8, 8, 16}}) {
+                 Case{600, 32, 4, 128}, Case{9, 6, 2, 256}, Case{33, 8, 8, 16},
+                 // partial rotary: Qwen3.5 / Qwen3-Next (head_dim 256, a quarter rotated), and others
+                 Case{7, 16, 2, 256, 64}, Case{700, 16, 2, 256, 64}, Case{5, 4, 2, 128, 32},
+                 Case{3, 2, 1, 64, 16}}) {
+    const int rd = c.rotary_dim == 0 ? c.head_dim : c.rotary_dim;
     const int block_size = 16;
     PagedSetup s = make_tables({c.tokens + 40}, block_size, c.kv_heads, c.head_dim, rng);
     const int row = (c.q_heads + 2 * c.kv_heads) * c.head_dim;
@@ -164,12 +168,13 @@ TEST(GpuKernels, QkNormRopeKvWrite) {
       const int pos = 40 + t;
       slots[t] = (t % 7 == 3) ? -1 : int64_t{s.block_tables[pos / block_size]} * block_size + pos % block_size;
     }
-    std::vector<float> inv_freq(c.head_dim / 2);
-    for (int i = 0; i < c.head_dim / 2; ++i) inv_freq[i] = std::pow(1e6f, -2.0f * i / c.head_dim);
+    std::vector<float> inv_freq(rd / 2);
+    for (int i = 0; i < rd / 2; ++i) inv_freq[i] = std::pow(1e6f, -2.0f * i / rd);
     std::vector<float> q_ref(static_cast<size_t>(c.tokens) * c.q_heads * c.head_dim), k_ref = kc.f32, v_ref = vc.f32;
     kernels::launch_qk_norm_rope_kv_write({qkv.f32.data(), qn.f32.data(), kn.f32.data(), positions.data(),
                                            inv_freq.data(), 1.0f, slots.data(), q_ref.data(), k_ref.data(),
-                                           v_ref.data(), c.tokens, c.q_heads, c.kv_heads, c.head_dim, block_size, 1e-6f},
+                                           v_ref.data(), c.tokens, c.q_heads, c.kv_heads, c.head_dim, block_size, 1e-6f,
+                                           0, c.rotary_dim},
                                           pool());
     DeviceBuffer<bf16> d_qkv(qkv.bits), d_qn(qn.bits), d_kn(kn.bits), d_q(q_ref.size()), d_k(kc.bits), d_v(vc.bits);
     DeviceBuffer<int32_t> d_pos(positions);
@@ -177,10 +182,10 @@ TEST(GpuKernels, QkNormRopeKvWrite) {
     DeviceBuffer<int64_t> d_slots(slots);
     kernels::launch_qk_norm_rope_kv_write({d_qkv.get(), d_qn.get(), d_kn.get(), d_pos.get(), d_freq.get(), 1.0f,
                                            d_slots.get(), d_q.get(), d_k.get(), d_v.get(), c.tokens, c.q_heads,
-                                           c.kv_heads, c.head_dim, block_size, 1e-6f},
+                                           c.kv_heads, c.head_dim, block_size, 1e-6f, 0, c.rotary_dim},
                                           nullptr);
-    EXPECT_LT(rel_error(to_f32(d_q.download()), q_ref), kBf16Tolerance) << "tokens " << c.tokens;
-    EXPECT_LT(rel_error(to_f32(d_k.download()), k_ref), kBf16Tolerance) << "tokens " << c.tokens;
+    EXPECT_LT(rel_error(to_f32(d_q.download()), q_ref), kBf16Tolerance) << "tokens " << c.tokens << " rd " << rd;
+    EXPECT_LT(rel_error(to_f32(d_k.download()), k_ref), kBf16Tolerance) << "tokens " << c.tokens << " rd " << rd;
     EXPECT_EQ(rel_error(to_f32(d_v.download()), v_ref), 0.0) << "tokens " << c.tokens;
   }
 }
@@ -231,6 +236,9 @@ TEST(GpuKernels, PagedAttentionPrefill) {
   check_attention({{13, 13}, {100, 260}, {1, 40}, {64, 64}}, 32, 4, 128, 32, rng);
   check_attention({{37, 37}, {5, 90}}, 4, 2, 32, 16, rng);
   check_attention({{129, 200}}, 64, 4, 64, 16, rng);
+  // head_dim 256 (Qwen3.5 / Qwen3-Next gated attention: 16 q heads over 2 KV heads, or 32 / 2)
+  check_attention({{77, 77}, {30, 200}}, 16, 2, 256, 16, rng);
+  check_attention({{300, 300}}, 32, 2, 256, 16, rng);
 }
 
 // Every prefill kernel over the shapes that stress its tiling: one-token and odd-length sequences,
@@ -276,6 +284,8 @@ TEST(GpuKernels, PagedAttentionDecode) {
   check_attention({{1, 900}, {1, 40}}, 64, 2, 128, 16, rng);   // group 32: two row tiles per KV head
   check_attention({{1, 12}, {1, 1000}}, 20, 4, 64, 16, rng);   // group 5
   check_attention({{1, 33}, {1, 300}}, 4, 2, 32, 16, rng);
+  check_attention({{1, 40}, {1, 3000}}, 16, 2, 256, 16, rng);  // head_dim 256, split-K
+  check_attention({{1, 700}}, 32, 2, 256, 16, rng);
 }
 
 // Every split count merges to the same attention (more splits than tiles leave empty splits).

@@ -812,7 +812,8 @@ void launch_attention(const PagedAttentionParams<bf16>& p, PrefillAttentionKind 
     case 32: dispatch_config<32>(p, kind, decode_splits, s); break;
     case 64: dispatch_config<64>(p, kind, decode_splits, s); break;
     case 128: dispatch_config<128>(p, kind, decode_splits, s); break;
-    default: fail(str("paged_attention: head_dim ", p.head_dim, " is not built (32, 64, 128)"));
+    case 256: dispatch_config<256>(p, kind, decode_splits, s); break;  // Qwen3.5 / Qwen3-Next
+    default: fail(str("paged_attention: head_dim ", p.head_dim, " is not built (32, 64, 128, 256)"));
   }
 }
 

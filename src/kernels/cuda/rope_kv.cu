@@ -1,4 +1,5 @@
-// Fused per-head RMSNorm of q and k, rotate-half RoPE, and the paged HND KV-cache write.
+// Fused per-head RMSNorm of q and k, rotate-half RoPE (of the first rotary_dim dims: all of them in
+// Qwen3, a quarter in Qwen3.5 / Qwen3-Next), and the paged HND KV-cache write.
 //
 // A head is held by head_dim / 8 lanes, eight consecutive elements (one 16-byte load and store)
 // each, so a warp works on 32 * 8 / head_dim heads at once (two for head_dim 128): the lanes of the
@@ -41,14 +42,19 @@ __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
   release_dependent_grid();
   const int t = blockIdx.x;
   const int lane = threadIdx.x & 31, num_warps = blockDim.x >> 5;
-  const int hd = p.head_dim, half = hd / 2;
+  const int hd = p.head_dim;
+  const int rd = p.rotary_dim == 0 ? hd : p.rotary_dim, half = rd / 2;  // rotated dims, their half
   const int group_lanes = hd / kElemsPerLane;      // lanes per head
   const int heads_per_warp = 32 / group_lanes;
   const int sub = lane % group_lanes;              // this lane's place in its head
   const int group = lane / group_lanes;
   const unsigned group_mask =
       group_lanes == 32 ? 0xffffffffu : ((1u << group_lanes) - 1u) << (group * group_lanes);
-  const bool first_half = sub < group_lanes / 2;
+  // Partial rotary: the first rd / 8 lanes of a head rotate (their halves rd / 16 lanes apart),
+  // the others pass their normed elements through.
+  const int rot_lanes = rd / kElemsPerLane;
+  const bool rotates = sub < rot_lanes;
+  const bool first_half = sub < rot_lanes / 2;
   const int elem = sub * kElemsPerLane;                         // within the head
   const int angle0 = first_half ? elem : elem - half;           // within the cos/sin table
   const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, hd, p.section_align);
@@ -104,7 +110,11 @@ __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int i = 2 * j + c;
-        const float partner = __shfl_xor_sync(group_mask, x[i], group_lanes / 2);
+        const float partner = __shfl_xor_sync(group_mask, x[i], rot_lanes / 2);
+        if (!rotates) {
+          r[c] = x[i];
+          continue;
+        }
         const float cs = cos_s[angle0 + i], sn = sin_s[angle0 + i];
         r[c] = first_half ? x[i] * cs - partner * sn : x[i] * cs + partner * sn;
       }
@@ -123,6 +133,10 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaSt
   const bool shape_ok = p.head_dim >= 16 && p.head_dim <= kMaxHeadDim && (p.head_dim & (p.head_dim - 1)) == 0;
   RELAY_CHECK(shape_ok, "qk_norm_rope_kv_write: head_dim ", p.head_dim,
               " must be a power of two from 16 to ", kMaxHeadDim);
+  // The rotated dims' halves are whole lane groups a power of two apart (a shuffle by XOR).
+  const int rd = p.rotary_dim == 0 ? p.head_dim : p.rotary_dim;
+  RELAY_CHECK(rd >= 16 && rd <= p.head_dim && (rd & (rd - 1)) == 0, "qk_norm_rope_kv_write: rotary_dim ",
+              rd, " must be a power of two from 16 to head_dim ", p.head_dim);
   const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, p.head_dim, p.section_align);
   RELAY_CHECK(sec.row % kElemsPerLane == 0 && sec.k_col % kElemsPerLane == 0 && sec.v_col % kElemsPerLane == 0,
               "qk_norm_rope_kv_write: q|k|v sections must start on 16-byte boundaries (section_align ",
