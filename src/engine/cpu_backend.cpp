@@ -29,26 +29,17 @@ struct CpuBackend::Rank {
   parallel::RankPlace place;    // its TP / DP rank in the whole worker
   std::vector<size_t> members;  // indices into the step's batch of the sequences this rank runs
   ForwardBatch batch;
-  std::vector<int32_t> token_ids, positions, query_starts, context_lens, block_tables, logit_rows;
-  std::vector<int64_t> slot_mapping;
+  FlatBatch flat;  // behind `batch`
   std::vector<int32_t> state_slots, snapshot_slots;  // local slot ids
   std::vector<uint8_t> state_fresh;
   // One MTP forward (the catch-up over a step's committed rows, or one step of the chain).
   struct MtpBatch {
-    std::vector<int32_t> token_ids, positions, query_starts, context_lens, block_tables, logit_rows;
-    std::vector<int64_t> slot_mapping;
+    FlatBatch flat;
     // Per logit row: the member (index into members) it drafts for.
     std::vector<size_t> logit_member;
     std::vector<float> hidden, logits;
-    int max_blocks = 0;
-    void clear() {
-      token_ids.clear();
-      positions.clear();
-      query_starts.assign(1, 0);
-      context_lens.clear();
-      block_tables.clear();
-      logit_rows.clear();
-      slot_mapping.clear();
+    void reset(int width) {
+      flat.reset(width);
       logit_member.clear();
       hidden.clear();
     }
@@ -237,40 +228,20 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
   const int32_t first_block = r.place.dp_rank * blocks_per_rank_;
   size_t max_blocks = 1;
   for (size_t i : r.members) max_blocks = std::max(max_blocks, batch[i].block_table.size());
-  r.token_ids.clear();
-  r.positions.clear();
-  r.slot_mapping.clear();
-  r.query_starts.assign(1, 0);
-  r.context_lens.clear();
-  r.block_tables.assign(r.members.size() * max_blocks, 0);
-  r.logit_rows.clear();
+  FlatBatch& f = r.flat;
+  f.reset(static_cast<int>(max_blocks));
   std::vector<int32_t> local;
   for (size_t m = 0; m < r.members.size(); ++m) {
     const StepSequence& s = batch[r.members[m]];
-    const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
-    RELAY_CHECK(static_cast<int64_t>(s.block_table.size()) * bs >= context, "sequence ", s.seq_id,
-                " needs ", context, " KV slots but its block table has ", s.block_table.size(),
-                " blocks of ", bs);
     localize_block_table(s, first_block, blocks_per_rank_, local);
-    std::copy(local.begin(), local.end(), r.block_tables.begin() + m * max_blocks);
-    const int32_t* table = r.block_tables.data() + m * max_blocks;
-    for (size_t j = 0; j < s.tokens.size(); ++j) {
-      const int32_t pos = s.num_computed + static_cast<int32_t>(j);
-      r.token_ids.push_back(s.tokens[j]);
-      r.positions.push_back(pos);
-      r.slot_mapping.push_back(static_cast<int64_t>(table[pos / bs]) * bs + pos % bs);
-    }
-    r.query_starts.push_back(static_cast<int32_t>(r.token_ids.size()));
-    r.context_lens.push_back(static_cast<int32_t>(context));
-    const int32_t last = r.query_starts.back() - 1;
-    if (rows_of[r.members[m]] == RowsOf::kLast) r.logit_rows.push_back(last);
+    f.append(s.tokens, s.num_computed, local, bs);
+    const int32_t last = f.query_starts.back() - 1;
+    if (rows_of[r.members[m]] == RowsOf::kLast) f.logit_rows.push_back(last);
     if (rows_of[r.members[m]] == RowsOf::kAll) {
-      for (int32_t row = r.query_starts[m]; row <= last; ++row) r.logit_rows.push_back(row);
+      for (int32_t row = f.query_starts[m]; row <= last; ++row) f.logit_rows.push_back(row);
     }
   }
-  r.batch = ForwardBatch{r.token_ids,    r.positions,    r.query_starts,
-                         r.context_lens, r.block_tables, static_cast<int>(max_blocks),
-                         r.slot_mapping, r.logit_rows};
+  r.batch = f.view();
   if (r.state == nullptr) return;
   // The recurrent state: each sequence's slot, fresh from position 0, and with drafts the
   // snapshots of the rows a rollback may return to (the last token's and each draft's but the
@@ -288,13 +259,13 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
   };
   r.state_slots.clear();
   r.state_fresh.clear();
-  r.snapshot_slots.assign(r.token_ids.size(), -1);
+  r.snapshot_slots.assign(r.flat.token_ids.size(), -1);
   bool snapshots = false;
   for (size_t m = 0; m < r.members.size(); ++m) {
     const StepSequence& s = batch[r.members[m]];
     r.state_slots.push_back(local_slot(s, 0));
     r.state_fresh.push_back(s.num_computed == 0 ? 1 : 0);
-    const int32_t first_row = r.query_starts[m + 1] - 1 - s.num_draft_tokens;
+    const int32_t first_row = r.flat.query_starts[m + 1] - 1 - s.num_draft_tokens;
     for (int32_t j = 0; j < s.num_draft_tokens; ++j) {
       r.snapshot_slots[first_row + j] = local_slot(s, 1 + static_cast<size_t>(j));
       snapshots = true;
@@ -314,7 +285,7 @@ void CpuBackend::build_batch(Rank& r, std::span<const StepSequence> batch,
       // With drafts the copy comes after verification, from the row's draft slot
       // (roll_back_states).
       if (s.num_draft_tokens > 0) continue;
-      r.snapshot_slots[r.query_starts[m] + save.row] = slot;
+      r.snapshot_slots[r.flat.query_starts[m] + save.row] = slot;
       snapshots = true;
     }
   }
@@ -373,12 +344,16 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
   const size_t hidden = static_cast<size_t>(config().hidden_size);
   // Under DP attention + EP the head's MoE exchanges every rank's rows: each rank runs all
   // num_mtp_drafts_ forwards, idle ones (forward_mtp_idle) where it has no rows left.
+  // Member mi's block table in the rank's step (its own block ids, the batch's width).
+  auto member_table = [](const Rank& r, size_t mi) {
+    return std::span<const int32_t>(r.flat.block_tables).subspan(mi * r.flat.width, r.flat.width);
+  };
   auto run_rank = [&](Rank& r) {
     Rank::MtpBatch& m = r.mtp;
     const bool exchange = r.model->shard().dispatch_tokens;
     r.drafts.assign(r.members.size(), {});
-    m.clear();
-    m.max_blocks = r.batch.max_blocks_per_seq;
+    m.reset(r.batch.max_blocks_per_seq);
+    FlatBatch& f = m.flat;
     const std::span<const float> target_hidden = r.model->last_hidden();
     // Where each member's chain goes on: the position of its next chained row (-1: no chain).
     std::vector<int32_t> chain_at(r.members.size(), -1);
@@ -387,26 +362,21 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
       const StepSequence& s = batch[i];
       const int rows = mtp_rows[i];
       if (rows == 0) continue;
-      const int32_t first = r.query_starts[mi];
-      for (int j = 0; j < rows; ++j) {
-        m.token_ids.push_back(j + 1 < rows ? s.tokens[static_cast<size_t>(j) + 1] : next_token[i]);
-        m.positions.push_back(s.num_computed + j);
-        m.slot_mapping.push_back(r.slot_mapping[static_cast<size_t>(first + j)]);
-        const auto row = target_hidden.begin() + static_cast<ptrdiff_t>((first + j) * hidden);
-        m.hidden.insert(m.hidden.end(), row, row + static_cast<ptrdiff_t>(hidden));
-      }
-      m.query_starts.push_back(static_cast<int32_t>(m.token_ids.size()));
-      m.context_lens.push_back(s.num_computed + rows);
-      const auto table = r.block_tables.begin() + static_cast<ptrdiff_t>(mi * m.max_blocks);
-      m.block_tables.insert(m.block_tables.end(), table, table + m.max_blocks);
+      // Row j of the head reads the token after row j of the target and row j's hidden state.
+      const int32_t first = r.flat.query_starts[mi];
+      std::vector<int32_t> next(s.tokens.begin() + 1, s.tokens.begin() + rows);
+      next.push_back(next_token[i]);
+      f.append(next, s.num_computed, member_table(r, mi), bs);
+      const auto rows_begin = target_hidden.begin() + static_cast<ptrdiff_t>(first * hidden);
+      m.hidden.insert(m.hidden.end(), rows_begin, rows_begin + static_cast<ptrdiff_t>(rows * hidden));
       if (s.sample && s.proposed_drafts != nullptr) {
-        m.logit_rows.push_back(static_cast<int32_t>(m.token_ids.size()) - 1);
+        f.logit_rows.push_back(static_cast<int32_t>(f.token_ids.size()) - 1);
         m.logit_member.push_back(mi);
         chain_at[mi] = s.num_computed + rows;
       }
     }
     // NOTE: the ranks of one DP group build the same batches, so they stop together.
-    if (m.token_ids.empty()) {
+    if (f.token_ids.empty()) {
       if (exchange) {
         for (int step = 0; step < num_mtp_drafts_; ++step) r.model->forward_mtp_idle(r.pool);
       }
@@ -416,37 +386,29 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
     for (int step = 1; step < num_mtp_drafts_; ++step) {
       // Each chaining member's next row: its last draft at the next position, on the MTP
       // output of its previous row; it stops where its blocks (with the lookahead) end.
-      const std::vector<int32_t> prev_rows = m.logit_rows;
+      const std::vector<int32_t> prev_rows = f.logit_rows;
       const std::vector<size_t> prev_members = m.logit_member;
       const std::span<const float> prev_hidden = r.model->last_hidden();
       std::vector<float> chained_hidden;
-      std::vector<int32_t> tables;
-      m.clear();
+      m.reset(r.batch.max_blocks_per_seq);
       for (size_t x = 0; x < prev_members.size(); ++x) {
         const size_t mi = prev_members[x];
         const int32_t pos = chain_at[mi];
         const StepSequence& s = batch[r.members[mi]];
         if (pos >= static_cast<int64_t>(s.block_table.size()) * bs) continue;
-        const int32_t* table = r.block_tables.data() + mi * static_cast<size_t>(m.max_blocks);
-        m.token_ids.push_back(r.drafts[mi].back());
-        m.positions.push_back(pos);
-        m.slot_mapping.push_back(static_cast<int64_t>(table[pos / bs]) * bs + pos % bs);
-        m.query_starts.push_back(static_cast<int32_t>(m.token_ids.size()));
-        m.context_lens.push_back(pos + 1);
-        tables.insert(tables.end(), table, table + m.max_blocks);
+        f.append(std::span<const int32_t>(&r.drafts[mi].back(), 1), pos, member_table(r, mi), bs);
         const auto row = prev_hidden.begin() + static_cast<ptrdiff_t>(prev_rows[x] * hidden);
         chained_hidden.insert(chained_hidden.end(), row, row + static_cast<ptrdiff_t>(hidden));
-        m.logit_rows.push_back(static_cast<int32_t>(m.token_ids.size()) - 1);
+        f.logit_rows.push_back(static_cast<int32_t>(f.token_ids.size()) - 1);
         m.logit_member.push_back(mi);
         chain_at[mi] = pos + 1;
       }
-      if (m.token_ids.empty()) {
+      if (f.token_ids.empty()) {
         if (!exchange) break;
         r.model->forward_mtp_idle(r.pool);
         continue;
       }
       m.hidden = std::move(chained_hidden);
-      m.block_tables = std::move(tables);
       run_mtp_step(r);
     }
   };
@@ -462,11 +424,10 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
 
 void CpuBackend::run_mtp_step(Rank& r) {
   Rank::MtpBatch& m = r.mtp;
-  const ForwardBatch b{m.token_ids,    m.positions,  m.query_starts, m.context_lens,
-                       m.block_tables, m.max_blocks, m.slot_mapping, m.logit_rows};
+  const ForwardBatch b = m.flat.view();
   r.model->forward_mtp(b, m.hidden, r.kv, r.pool, m.logits);
   const size_t vocab = static_cast<size_t>(config().vocab_size);
-  for (size_t x = 0; x < m.logit_rows.size(); ++x) {
+  for (size_t x = 0; x < m.flat.logit_rows.size(); ++x) {
     const auto row = m.logits.begin() + static_cast<ptrdiff_t>(x * vocab);
     const auto best = std::max_element(row, row + static_cast<ptrdiff_t>(vocab));
     r.drafts[m.logit_member[x]].push_back(static_cast<int32_t>(best - row));

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace relay {
 
@@ -47,6 +48,29 @@ struct ForwardBatch {
 
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
   int num_seqs() const { return static_cast<int>(context_lens.size()); }
+};
+
+// The storage behind a ForwardBatch, filled sequence by sequence: the one step flattener of both
+// backends (the CPU backend's rank and MTP batches, the CUDA backend's step metadata).
+struct FlatBatch {
+  std::vector<int32_t> token_ids, positions, query_starts{0}, context_lens, block_tables,
+      logit_rows;
+  std::vector<int64_t> slot_mapping;
+  int width = 0;  // block-table columns
+
+  // Empties it for a batch whose block tables are `width` columns wide.
+  void reset(int width);
+  // Appends a sequence: its new `tokens` at positions num_computed.., each token's K/V slot from
+  // `table` (blocks of block_size), the table itself (at most `width` blocks); then `fillers` rows
+  // after them that write no K/V (a CUDA graph step pads each sequence to its tokens per sequence;
+  // causal attention keeps them out of the real rows). Returns the sequence's first row.
+  int32_t append(std::span<const int32_t> tokens, int32_t num_computed,
+                 std::span<const int32_t> table, int block_size, int fillers = 0);
+  // Appends a padding sequence of `rows` rows at positions 0.. that writes nothing (a CUDA graph
+  // step's batch bucket).
+  void append_padding(int rows);
+  // The flattened fields (the recurrent-state ones are the caller's).
+  ForwardBatch view() const;
 };
 
 }  // namespace relay

@@ -45,47 +45,23 @@ RankEngine::Shape RankEngine::upload_batch(std::span<const StepSequence> batch, 
   const MetaLayout m = MetaLayout::make(tokens, seqs, num_rows, width);
   RELAY_CHECK(m.bytes <= meta_capacity, "batch metadata of ", m.bytes, " bytes exceeds ",
               meta_capacity);
-  auto* token_ids = reinterpret_cast<int32_t*>(meta_host + m.token_ids);
-  auto* positions = reinterpret_cast<int32_t*>(meta_host + m.positions);
-  auto* logit_rows = reinterpret_cast<int32_t*>(meta_host + m.logit_rows);
-  auto* query_starts = reinterpret_cast<int32_t*>(meta_host + m.query_starts);
-  auto* context_lens = reinterpret_cast<int32_t*>(meta_host + m.context_lens);
-  auto* slots = reinterpret_cast<int64_t*>(meta_host + m.slot_mapping);
-  auto* tables = reinterpret_cast<int32_t*>(meta_host + m.block_tables);
-  std::memset(tables, 0, sizeof(int32_t) * static_cast<size_t>(seqs) * width);
   const int bs = opt.block_size;
-  int t = 0;
-  query_starts[0] = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const StepSequence& s = batch[i];
-    const int64_t context = s.num_computed + static_cast<int64_t>(s.tokens.size());
-    RELAY_CHECK(static_cast<int>(s.block_table.size()) <= width, "sequence ", s.seq_id, " has ",
-                s.block_table.size(), " blocks; the table width is ", width);
-    std::copy(s.block_table.begin(), s.block_table.end(), tables + i * width);
-    for (size_t j = 0; j < s.tokens.size(); ++j, ++t) {
-      const int32_t pos = s.num_computed + static_cast<int32_t>(j);
-      token_ids[t] = s.tokens[j];
-      positions[t] = pos;
-      slots[t] = int64_t{s.block_table[pos / bs]} * bs + pos % bs;
-    }
-    const int fillers = graph ? per_seq - static_cast<int>(s.tokens.size()) : 0;
-    for (int f = 0; f < fillers; ++f, ++t) {
-      token_ids[t] = 0;
-      positions[t] = static_cast<int32_t>(context) + f;
-      slots[t] = -1;
-    }
-    query_starts[i + 1] = t;
-    context_lens[i] = static_cast<int32_t>(context) + fillers;
+  flat.reset(width);
+  for (const StepSequence& s : batch) {
+    flat.append(s.tokens, s.num_computed, s.block_table, bs,
+                graph ? per_seq - static_cast<int>(s.tokens.size()) : 0);
   }
-  for (int i = static_cast<int>(batch.size()); i < seqs; ++i) {  // padding: writes nothing
-    for (int j = 0; j < per_seq; ++j, ++t) {
-      token_ids[t] = 0;
-      positions[t] = j;
-      slots[t] = -1;
-    }
-    query_starts[i + 1] = t;
-    context_lens[i] = per_seq;
-  }
+  for (int i = static_cast<int>(batch.size()); i < seqs; ++i) flat.append_padding(per_seq);
+  auto put = [&](size_t offset, const auto& v) {
+    std::memcpy(meta_host + offset, v.data(), v.size() * sizeof(v[0]));
+  };
+  put(m.token_ids, flat.token_ids);
+  put(m.positions, flat.positions);
+  put(m.slot_mapping, flat.slot_mapping);
+  put(m.query_starts, flat.query_starts);
+  put(m.context_lens, flat.context_lens);
+  put(m.block_tables, flat.block_tables);
+  auto* logit_rows = reinterpret_cast<int32_t*>(meta_host + m.logit_rows);
   if (graph) {
     for (int r = 0; r < num_rows; ++r) logit_rows[r] = r;
   } else {

@@ -39,6 +39,7 @@
 #include "kernels/cuda/fp8_cuda.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "kvcache/kv_cache.h"
+#include "model/forward_batch.h"
 #include "model/layers.h"
 #include "model/rope.h"
 #include "model/safetensors.h"
@@ -215,6 +216,7 @@ struct RankEngine {
   float* act_scale = nullptr;
   uint8_t* token_q = nullptr;  // FP8 experts: the tokens' codes and scales before the permutation
   float* token_scale = nullptr;
+  FlatBatch flat;                // a step's flattened metadata (model/forward_batch.h), host side
   uint8_t* meta_dev = nullptr;   // packed metadata (MetaLayout)
   uint8_t* meta_host = nullptr;  // pinned mirror
   size_t meta_capacity = 0;
