@@ -350,7 +350,8 @@ CommandRegistrar serve_command({
                      "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                      "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}' or "
                      "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's "
-                     "MTP head, or \"model\": DIR for a separate one)");
+                     "MTP head, or \"model\": DIR for a separate one); \"disable_by_batch_size\": B "
+                     "turns drafting off while more than B requests run");
       sub.add_option("--tool-call-parser", o->tool_call_parser,
                      "how the model writes tool calls, as vLLM names it: hermes (Qwen3) or "
                      "qwen3_coder (Qwen3.5, Qwen3-Coder) (default: the format the chat template "

@@ -316,6 +316,11 @@ EngineStats LLMEngine::stats() const {
           snapshots_ != nullptr ? snapshots_->num_cached() : 0};
 }
 
+bool LLMEngine::drafting() const {
+  return speculative_.enabled() && (speculative_.disable_by_batch_size == 0 ||
+                                    scheduler_.num_running() <= speculative_.disable_by_batch_size);
+}
+
 void LLMEngine::propose_drafts() {
   for (Sequence* seq : scheduler_.running()) {
     // Only a decode (its last sampled token not yet computed) can carry drafts, and drafts given
@@ -333,7 +338,11 @@ std::vector<RequestOutput> LLMEngine::step() {
   last_step_ = {};
   if (!scheduler_.has_work()) return {};
   const Clock::time_point start = Clock::now();
-  if (speculative_.method == SpeculativeConfig::Method::kNgram) propose_drafts();
+  if (drafting()) {
+    if (speculative_.method == SpeculativeConfig::Method::kNgram) propose_drafts();
+  } else {  // a batch past disable_by_batch_size: the MTP head's drafts from the last step go too
+    for (Sequence* seq : scheduler_.running()) seq->draft_tokens.clear();
+  }
   const SchedulerOutput plan = scheduler_.schedule();
   if (plan.empty()) return {};
   // NOTE: a step that fails before update() hands its plan's state snapshots back (the server

@@ -42,13 +42,14 @@ SpeculativeConfig SpeculativeConfig::parse(std::string_view json_text) {
   RELAY_CHECK(c.prompt_lookup_min <= c.prompt_lookup_max, "--speculative-config: ",
               "'prompt_lookup_min' (", c.prompt_lookup_min, ") exceeds 'prompt_lookup_max' (",
               c.prompt_lookup_max, ")");
+  c.disable_by_batch_size = integer("disable_by_batch_size", 2, 1 << 20, 0);
   if (const auto m = j.find("model"); m != j.end() && !m->is_null()) {
     RELAY_CHECK(m->is_string(), "--speculative-config: 'model' must be a directory");
     c.model = m->get<std::string>();
   }
   for (const auto& [key, value] : j.items()) {
     static const char* const kKnown[] = {"method", "num_speculative_tokens", "prompt_lookup_max",
-                                         "prompt_lookup_min", "model"};
+                                         "prompt_lookup_min", "model", "disable_by_batch_size"};
     RELAY_CHECK(std::find(std::begin(kKnown), std::end(kKnown), key) != std::end(kKnown),
                 "--speculative-config: unknown field '", key, "'");
     RELAY_CHECK(c.method == Method::kNgram || (key != "prompt_lookup_max" && key != "prompt_lookup_min"),
@@ -60,14 +61,17 @@ SpeculativeConfig SpeculativeConfig::parse(std::string_view json_text) {
 }
 
 std::string SpeculativeConfig::describe() const {
+  const std::string off_above =
+      disable_by_batch_size > 0 ? str(", off above ", disable_by_batch_size, " running") : "";
   switch (method) {
     case Method::kNone:
       return "off";
     case Method::kNgram:
       return str("ngram k=", num_speculative_tokens, " lookup ", prompt_lookup_min, "..",
-                 prompt_lookup_max);
+                 prompt_lookup_max, off_above);
     case Method::kMtp:
-      return str("mtp k=", num_speculative_tokens, model.empty() ? "" : str(" head ", model));
+      return str("mtp k=", num_speculative_tokens, model.empty() ? "" : str(" head ", model),
+                 off_above);
   }
   return "";
 }

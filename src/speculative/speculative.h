@@ -33,10 +33,14 @@ struct SpeculativeConfig {
   int prompt_lookup_max = 5;       // ngram: the longest suffix looked up
   int prompt_lookup_min = 2;       // ngram: the shortest
   std::string model;               // mtp: a directory with the MTP head, when not in the checkpoint
+  // vLLM's disable_by_batch_size: no drafts in a step that starts with more running requests than
+  // this (verifying 1 + k rows per sequence stops paying once the batch is compute-bound); 0: off.
+  int disable_by_batch_size = 0;
 
   bool enabled() const { return method != Method::kNone; }
   // vLLM's JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
-  // "prompt_lookup_min": M} or {"method": "mtp", "num_speculative_tokens": K, "model": DIR}.
+  // "prompt_lookup_min": M} or {"method": "mtp", "num_speculative_tokens": K, "model": DIR}, either
+  // with "disable_by_batch_size": B (at least 2, as vLLM).
   // Throws relay::Error naming the field on anything else (unknown method or field, K outside
   // [1, kMaxSpeculativeTokens], min > max, ...).
   static SpeculativeConfig parse(std::string_view json_text);

@@ -100,6 +100,27 @@ TEST(SpeculativeEngine, NgramDraftsAreLosslessAndSaveSteps) {
   }
 }
 
+// vLLM's disable_by_batch_size: with three requests running no step carries drafts above a
+// threshold of 2, and the output stays the output without speculation; once requests finish and
+// the batch is within it again, drafting resumes (the run is longer than the shortest requests).
+TEST(SpeculativeEngine, DraftsStopWhileTheBatchIsPastDisableByBatchSize) {
+  SpeculativeConfig ngram;
+  ngram.method = SpeculativeConfig::Method::kNgram;
+  ngram.num_speculative_tokens = 4;
+  ngram.prompt_lookup_min = 1;
+  ngram.prompt_lookup_max = 4;
+  const Decoded plain = run({}, 0.0f);
+  const Decoded all = run(ngram, 0.0f);
+  ngram.disable_by_batch_size = 2;
+  const Decoded capped = run(ngram, 0.0f);
+  EXPECT_EQ(capped.tokens, plain.tokens);
+  // Every request decodes 48 tokens, so all three run side by side until the end: no drafts.
+  EXPECT_EQ(capped.stats.num_drafts, 0u);
+  EXPECT_GT(all.stats.num_drafts, 0u);
+  ngram.disable_by_batch_size = 3;
+  EXPECT_EQ(run(ngram, 0.0f).stats.num_drafts, all.stats.num_drafts);
+}
+
 TEST(SpeculativeEngine, ConfigurationsABackendCannotRunAreRefused) {
   SpeculativeConfig ngram;
   ngram.method = SpeculativeConfig::Method::kNgram;

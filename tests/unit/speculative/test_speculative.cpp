@@ -27,6 +27,10 @@ TEST(SpeculativeConfig, ParsesVllmsJson) {
   c = SpeculativeConfig::parse(R"({"method": "mtp", "num_speculative_tokens": 2, "model": "/m"})");
   EXPECT_EQ(c.method, SpeculativeConfig::Method::kMtp);
   EXPECT_EQ(c.model, "/m");
+  EXPECT_EQ(c.disable_by_batch_size, 0);
+  c = SpeculativeConfig::parse(R"({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8})");
+  EXPECT_EQ(c.disable_by_batch_size, 8);
+  EXPECT_EQ(c.describe(), "ngram k=2 lookup 2..5, off above 8 running");
   EXPECT_FALSE(SpeculativeConfig{}.enabled());
 }
 
@@ -46,6 +50,9 @@ TEST(SpeculativeConfig, BadConfigurationsNameTheField) {
             std::string::npos);
   EXPECT_NE(error(R"({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3})")
                 .find("is an ngram option"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 1})")
+                .find("'disable_by_batch_size' must be between 2"),
             std::string::npos);
   EXPECT_NE(error("[1]").find("must be a JSON object"), std::string::npos);
   EXPECT_NE(error("{").find("not valid JSON"), std::string::npos);
