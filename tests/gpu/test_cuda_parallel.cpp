@@ -142,6 +142,64 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{1, 4, 4, "demo", 16384}),
     layout_name);
 
+// Prompt logprobs and token constraints on sharded ranks: one step with a scored prompt in the
+// first DP partition and a constrained greedy decode in the last; the scores are one rank's within
+// bf16 noise, the constrained token obeys its bitmask and the bias that forces it.
+TEST(ShardedCudaBackendDemo, PromptLogprobsAndConstraintsOnShardedRanks) {
+  const auto dir = model_dir("demo");
+  CudaBackend one(dir, small_options(false));
+  const int vocab = static_cast<int>(one.config().vocab_size);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 20; ++i) prompt.push_back((i * 7919 + 13) % 5000);
+  const std::vector<int32_t> other{9707, 11, 1879, 0, 576, 3974, 13};
+  std::vector<uint32_t> mask((vocab + 31) / 32, 0x55555555u);  // the even tokens
+  const int32_t forced = 2 * 1234;
+  const std::vector<std::pair<int32_t, float>> bias{{forced, 40.0f}, {forced + 1, 80.0f}};
+  SamplingParams greedy;
+  auto run = [&](CudaBackend& b, std::vector<TokenLogprob>& scores) {
+    const int parts = b.num_kv_partitions(), per_part = b.num_kv_blocks() / parts;
+    std::vector<int32_t> blocks_a{per_part - 1, per_part - 2, per_part - 3};
+    std::vector<int32_t> blocks_b{parts * per_part - 4};  // the last partition, apart from a's
+    StepSequence a;
+    a.seq_id = 1;
+    a.tokens = prompt;
+    a.block_table = blocks_a;
+    a.sample = true;
+    a.sampling = &greedy;
+    a.prompt_tokens = prompt;
+    a.num_prompt_logprobs = 2;
+    a.prompt_logprobs = &scores;
+    StepSequence c;
+    c.seq_id = 2;
+    c.tokens = other;
+    c.block_table = blocks_b;
+    c.sample = true;
+    c.sampling = &greedy;
+    c.prompt_tokens = other;
+    c.allowed_tokens = mask;
+    c.logit_bias = bias;
+    return b.step(std::vector<StepSequence>{a, c});
+  };
+  std::vector<TokenLogprob> want;
+  const std::vector<SampledToken> want_tokens = run(one, want);
+  ASSERT_EQ(want.size(), 19u);
+  for (const Layout& l : {Layout{2, 1, 1, "demo"}, Layout{1, 2, 2, "demo"}}) {
+    SCOPED_TRACE(layout_name({l, 0}));
+    CudaBackend many(dir, sharded(l, false));
+    std::vector<TokenLogprob> got;
+    const std::vector<SampledToken> tokens = run(many, got);
+    ASSERT_EQ(tokens.size(), 2u);
+    EXPECT_EQ(tokens[1].token, forced);  // the odd token's larger bias is masked out
+    EXPECT_EQ(want_tokens[1].token, forced);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t j = 0; j < got.size(); ++j) {
+      EXPECT_EQ(got[j].token, prompt[j + 1]);
+      EXPECT_NEAR(got[j].logprob, want[j].logprob, 0.1) << "row " << j;
+      ASSERT_EQ(got[j].top.size(), 2u);
+    }
+  }
+}
+
 // A DP + EP step in which one rank has no sequences: it still serves the other's experts.
 TEST(ShardedCudaBackendDemo, AnIdleDpRankServesTheOthersExperts) {
   const auto dir = model_dir("demo");
