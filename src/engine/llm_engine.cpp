@@ -317,8 +317,8 @@ EngineStats LLMEngine::stats() const {
 }
 
 bool LLMEngine::drafting() const {
-  return speculative_.enabled() && (speculative_.disable_by_batch_size == 0 ||
-                                    scheduler_.num_running() <= speculative_.disable_by_batch_size);
+  return speculative_.disable_by_batch_size == 0 ||
+         scheduler_.num_running() <= speculative_.disable_by_batch_size;
 }
 
 void LLMEngine::propose_drafts() {

@@ -257,8 +257,8 @@ class LLMEngine {
                       std::vector<uint32_t>* masks);
   // Speculative decoding: asks the proposer for every running decode's drafts (before a step).
   void propose_drafts();
-  // Whether the coming step carries drafts: speculation is on and the running batch is within
-  // its disable_by_batch_size.
+  // Whether the coming step may carry drafts (a proposer's or set_drafts'): the running batch is
+  // within speculative decoding's disable_by_batch_size, when one is set.
   bool drafting() const;
   // Records a verified step of `num_drafts` drafts, `num_accepted` of them accepted.
   void count_drafts(int num_drafts, int num_accepted);
