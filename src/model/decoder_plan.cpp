@@ -23,9 +23,17 @@ const char* ffn_kind_name(FfnKind kind) {
   fail("unknown FfnKind");
 }
 
-MixerKind mixer_kind(const ModelConfig& c, int layer) {
-  if (c.layer_is_linear_attention(layer)) return MixerKind::kGatedDeltaNet;
+namespace {
+
+// The model's softmax attention: gated where the config says so (the hybrids).
+MixerKind attention_kind(const ModelConfig& c) {
   return c.attn_output_gate ? MixerKind::kGatedAttention : MixerKind::kAttention;
+}
+
+}  // namespace
+
+MixerKind mixer_kind(const ModelConfig& c, int layer) {
+  return c.layer_is_linear_attention(layer) ? MixerKind::kGatedDeltaNet : attention_kind(c);
 }
 
 FfnKind ffn_kind(const ModelConfig& c, int layer) {
@@ -52,7 +60,7 @@ DecoderPlan plan_decoder(const ModelConfig& c, const Checkpoint& ckpt) {
 LayerPlan plan_mtp_layer(const ModelConfig& c) {
   LayerPlan layer;
   layer.prefix = "mtp.layers.0.";
-  layer.mixer = c.attn_output_gate ? MixerKind::kGatedAttention : MixerKind::kAttention;
+  layer.mixer = attention_kind(c);
   layer.ffn = ffn_kind(c, 0);
   return layer;
 }

@@ -86,7 +86,7 @@ struct Job {
 };
 
 // The grammar a structured-output constraint compiles to.
-GrammarSpec grammar_spec(const OutputConstraint& c) {
+GrammarSpec spec_of(const OutputConstraint& c) {
   using Kind = OutputConstraint::Kind;
   switch (c.kind) {
     case Kind::kJsonObject:
@@ -248,7 +248,7 @@ struct HttpServer::State {
     std::string param = "tool_choice";
     try {
       if (o.constraint) {
-        spec = grammar_spec(*o.constraint);
+        spec = spec_of(*o.constraint);
         param = o.constraint->param;
       } else {
         spec = tool_calls;

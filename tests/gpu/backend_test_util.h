@@ -91,6 +91,20 @@ inline std::vector<std::string> unshifted_fixtures() {
   return names;
 }
 
+// A whole prompt in one step from position 0 into `blocks`, sampling with `sp` after it (its
+// penalties count `prompt`). The spans must outlive the step.
+inline StepSequence sampling_prompt(int64_t id, std::span<const int32_t> prompt,
+                                    std::span<const int32_t> blocks, const SamplingParams* sp) {
+  StepSequence s;
+  s.seq_id = id;
+  s.tokens = prompt;
+  s.block_table = blocks;
+  s.sample = true;
+  s.sampling = sp;
+  s.prompt_tokens = prompt;
+  return s;
+}
+
 // Logits of `tokens` as one prefill (every position).
 inline std::vector<float> prefill_logits(CudaBackend& backend, const std::vector<int32_t>& tokens) {
   std::vector<int32_t> blocks((tokens.size() + 7) / 8);

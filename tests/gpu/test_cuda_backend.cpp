@@ -222,14 +222,7 @@ TEST(CudaBackendDemo, PromptLogprobsMatchTheLogitsInEveryChunk) {
       s.prompt_logprobs = &part;
       std::vector<StepSequence> batch{s};
       if (end == 40) {
-        StepSequence o;
-        o.seq_id = 2;
-        o.tokens = other;
-        o.block_table = other_blocks;
-        o.sample = true;
-        o.sampling = &penalized;
-        o.prompt_tokens = other;
-        batch.push_back(o);
+        batch.push_back(sampling_prompt(2, other, other_blocks, &penalized));
       }
       const std::vector<SampledToken> sampled = backend.step(batch);
       ASSERT_EQ(part.size(), s.num_prompt_logprob_rows());
@@ -311,12 +304,7 @@ TEST(CudaBackendDemo, TokenConstraintsMatchTheSharedSampler) {
   EXPECT_EQ(checked, 18);
   // A bitmask that allows nothing, or of the wrong size, is refused before the step runs.
   SamplingParams sp;
-  StepSequence s;
-  s.seq_id = 1;
-  s.tokens = prompt;
-  s.block_table = blocks;
-  s.sample = true;
-  s.sampling = &sp;
+  StepSequence s = sampling_prompt(1, prompt, blocks, &sp);
   std::vector<uint32_t> none(words, 0u), short_mask(words - 1, ~0u);
   s.allowed_tokens = none;
   EXPECT_THROW(backend.step(std::vector<StepSequence>{s}), Error);

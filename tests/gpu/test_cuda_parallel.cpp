@@ -160,22 +160,10 @@ TEST(ShardedCudaBackendDemo, PromptLogprobsAndConstraintsOnShardedRanks) {
     const int parts = b.num_kv_partitions(), per_part = b.num_kv_blocks() / parts;
     std::vector<int32_t> blocks_a{per_part - 1, per_part - 2, per_part - 3};
     std::vector<int32_t> blocks_b{parts * per_part - 4};  // the last partition, apart from a's
-    StepSequence a;
-    a.seq_id = 1;
-    a.tokens = prompt;
-    a.block_table = blocks_a;
-    a.sample = true;
-    a.sampling = &greedy;
-    a.prompt_tokens = prompt;
+    StepSequence a = sampling_prompt(1, prompt, blocks_a, &greedy);
     a.num_prompt_logprobs = 2;
     a.prompt_logprobs = &scores;
-    StepSequence c;
-    c.seq_id = 2;
-    c.tokens = other;
-    c.block_table = blocks_b;
-    c.sample = true;
-    c.sampling = &greedy;
-    c.prompt_tokens = other;
+    StepSequence c = sampling_prompt(2, other, blocks_b, &greedy);
     c.allowed_tokens = mask;
     c.logit_bias = bias;
     return b.step(std::vector<StepSequence>{a, c});

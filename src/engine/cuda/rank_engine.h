@@ -427,15 +427,15 @@ struct RankEngine {
   void finish_step();
 
   // A sequence's device-sampled rows' constraints (StepSequence::allowed_tokens, logit_bias) into
-  // the host staging, for its rows from `first` on (sample_rows_host); `rows` of them, the others
-  // (a graph step's fillers) unconstrained.
-  void stage_constraints(const StepSequence& s, int first, int rows, int per_seq,
-                         std::vector<uint32_t>& masks, std::vector<int32_t>& bias_tokens,
-                         std::vector<float>& bias_values) const;
+  // the host staging, for its `rows` rows from `first` on (sample_rows_host); a graph step's
+  // filler rows after them stay unconstrained.
+  void stage_constraints(const StepSequence& s, int first, int rows, std::vector<uint32_t>& masks,
+                         std::vector<int32_t>& bias_tokens, std::vector<float>& bias_values) const;
 
   // The sample kernel over rows [0, n) of `logits` (sample_rows_host filled), its results copied
-  // to the host mirrors; the constraints staged for them (stage_constraints) go up first.
-  void launch_sampling(int n, int max_logprobs, const std::vector<uint32_t>& masks,
+  // to the host mirrors (the ranks only when `scored`: rows scoring prompt logprobs); the
+  // constraints staged for them (stage_constraints) go up first.
+  void launch_sampling(int n, int max_logprobs, bool scored, const std::vector<uint32_t>& masks,
                        const std::vector<int32_t>& bias_tokens,
                        const std::vector<float>& bias_values);
 

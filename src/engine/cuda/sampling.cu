@@ -3,13 +3,12 @@
 
 namespace relay::cuda_engine {
 
-void RankEngine::stage_constraints(const StepSequence& s, int first, int rows, int per_seq,
-                       std::vector<uint32_t>& masks, std::vector<int32_t>& bias_tokens,
-                       std::vector<float>& bias_values) const {
+void RankEngine::stage_constraints(const StepSequence& s, int first, int rows,
+                                   std::vector<uint32_t>& masks, std::vector<int32_t>& bias_tokens,
+                                   std::vector<float>& bias_values) const {
   const size_t words = token_bitmask_words(vocab);
-  for (int j = 0; j < std::max(rows, per_seq); ++j) {
+  for (int j = 0; j < rows; ++j) {
     kernels::SampleRowParams& row = sample_rows_host[first + j];
-    if (j >= rows) continue;
     if (!s.allowed_tokens.empty()) {
       row.mask_row = static_cast<int32_t>(masks.size() / words);
       const auto mask = s.allowed_tokens.subspan(size_t(j) * words, words);
@@ -24,9 +23,10 @@ void RankEngine::stage_constraints(const StepSequence& s, int first, int rows, i
   }
 }
 
-void RankEngine::launch_sampling(int n, int max_logprobs, const std::vector<uint32_t>& masks,
-                     const std::vector<int32_t>& bias_tokens,
-                     const std::vector<float>& bias_values) {
+void RankEngine::launch_sampling(int n, int max_logprobs, bool scored,
+                                 const std::vector<uint32_t>& masks,
+                                 const std::vector<int32_t>& bias_tokens,
+                                 const std::vector<float>& bias_values) {
   kernels::SampleParams p{.logits = logits, .rows = sample_rows_dev, .tokens = tokens_dev,
                           .logprobs = logprobs_dev, .top_ids = top_ids_dev,
                           .top_logprobs = top_lp_dev, .ranks = ranks_dev,
@@ -58,7 +58,7 @@ void RankEngine::launch_sampling(int n, int max_logprobs, const std::vector<uint
   };
   down(tokens_host, tokens_dev, n * 4);
   down(logprobs_host, logprobs_dev, n * 4);
-  down(ranks_host, ranks_dev, n * 4);
+  if (scored) down(ranks_host, ranks_dev, n * 4);
   if (max_logprobs > 0) {
     down(top_ids_host, top_ids_dev, size_t(n) * max_logprobs * 4);
     down(top_lp_host, top_lp_dev, size_t(n) * max_logprobs * 4);
@@ -129,7 +129,7 @@ std::vector<SampledToken> RankEngine::step(std::span<const StepSequence> batch, 
                                             sample_uniform(sp.seed, s.sample_index + j)};
     }
     if (!needs_host_sampling(sp)) {
-      stage_constraints(s, first_row[i], 1 + s.num_draft_tokens, rows_each, masks, bias_tokens,
+      stage_constraints(s, first_row[i], 1 + s.num_draft_tokens, masks, bias_tokens,
                         bias_values);
     }
     max_logprobs = std::max(max_logprobs, std::min(sp.num_logprobs, kMaxLogprobs));
@@ -154,8 +154,8 @@ std::vector<SampledToken> RankEngine::step(std::span<const StepSequence> batch, 
     }
   };
   score_rows(0, scored_first, sampled_rows);
-  launch_sampling(sampled_rows + static_cast<int>(scored_first), max_logprobs, masks,
-                  bias_tokens, bias_values);
+  launch_sampling(sampled_rows + static_cast<int>(scored_first), max_logprobs, scored_first > 0,
+                  masks, bias_tokens, bias_values);
   finish_step();
   collect_scores(0, scored_first, sampled_rows);
   std::vector<SampledToken> out;
@@ -206,7 +206,7 @@ std::vector<SampledToken> RankEngine::step(std::span<const StepSequence> batch, 
                              lm_head, logits, n, hidden, vocab},
                             stream);
     score_rows(begin, end, 0);
-    launch_sampling(n, max_logprobs, {}, {}, {});
+    launch_sampling(n, max_logprobs, true, {}, {}, {});
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     collect_scores(begin, end, 0);
   }

@@ -69,12 +69,18 @@ Decoded run(const SpeculativeConfig& spec, float temperature) {
   return out;
 }
 
-TEST(SpeculativeEngine, NgramDraftsAreLosslessAndSaveSteps) {
+// n-gram drafts, K = 4, suffixes of 1..4 tokens (the demo prompts repeat short runs).
+SpeculativeConfig ngram_k4() {
   SpeculativeConfig ngram;
   ngram.method = SpeculativeConfig::Method::kNgram;
   ngram.num_speculative_tokens = 4;
   ngram.prompt_lookup_min = 1;
   ngram.prompt_lookup_max = 4;
+  return ngram;
+}
+
+TEST(SpeculativeEngine, NgramDraftsAreLosslessAndSaveSteps) {
+  SpeculativeConfig ngram = ngram_k4();
   for (const float temperature : {0.0f, 0.8f}) {
     const Decoded plain = run({}, temperature);
     const Decoded spec = run(ngram, temperature);
@@ -104,11 +110,7 @@ TEST(SpeculativeEngine, NgramDraftsAreLosslessAndSaveSteps) {
 // threshold of 2, and the output stays the output without speculation; once requests finish and
 // the batch is within it again, drafting resumes (the run is longer than the shortest requests).
 TEST(SpeculativeEngine, DraftsStopWhileTheBatchIsPastDisableByBatchSize) {
-  SpeculativeConfig ngram;
-  ngram.method = SpeculativeConfig::Method::kNgram;
-  ngram.num_speculative_tokens = 4;
-  ngram.prompt_lookup_min = 1;
-  ngram.prompt_lookup_max = 4;
+  SpeculativeConfig ngram = ngram_k4();
   const Decoded plain = run({}, 0.0f);
   const Decoded all = run(ngram, 0.0f);
   ngram.disable_by_batch_size = 2;
