@@ -179,7 +179,8 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                 "cuda device runs every rank as a thread of one process (use --gpus)");
 #if RELAY_HAVE_CUDA
     return std::make_unique<CudaBackend>(
-        model_dir, cuda_backend_options(c, max_num_seqs, max_num_batched_tokens, speculative));
+        model_dir, cuda_backend_options(c, max_num_seqs, max_num_batched_tokens, speculative,
+                                        num_state_snapshots));
 #else
     fail("--device cuda: this relay was built without CUDA (no nvcc at build time)");
 #endif
@@ -201,7 +202,8 @@ void check_speculation_device(const std::string& device, const SpeculativeConfig
 
 CudaBackendOptions cuda_backend_options(const BackendChoice& c, int max_num_seqs,
                                         int max_num_batched_tokens,
-                                        const SpeculativeConfig& speculative) {
+                                        const SpeculativeConfig& speculative,
+                                        int num_state_snapshots) {
   CudaBackendOptions o;
   o.device = c.gpu;
   if (!c.gpus.empty()) o.devices = parse_device_list(c.gpus, "--gpus");
@@ -215,6 +217,9 @@ CudaBackendOptions cuda_backend_options(const BackendChoice& c, int max_num_seqs
   o.max_num_seqs = max_num_seqs;
   o.max_num_tokens = max_num_batched_tokens;
   o.max_draft_tokens = speculative.enabled() ? speculative.num_speculative_tokens : 0;
+  // Hybrid models only (the backend ignores them otherwise), as cpu_backend_options sizes them.
+  o.num_state_slots = max_num_seqs * (1 + o.max_draft_tokens);
+  o.num_state_snapshots = num_state_snapshots;
   return o;
 }
 

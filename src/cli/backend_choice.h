@@ -67,7 +67,8 @@ void check_speculation_device(const std::string& device, const SpeculativeConfig
 // the options but no backend to take them.
 CudaBackendOptions cuda_backend_options(const BackendChoice& choice, int max_num_seqs,
                                         int max_num_batched_tokens,
-                                        const SpeculativeConfig& speculative);
+                                        const SpeculativeConfig& speculative,
+                                        int num_state_snapshots = 0);
 // The cpu device's backend options, as make_backend builds them (the state slots, snapshots and MTP
 // head of `speculative` included); relay bench adds its benchmark-only settings to them.
 CpuBackendOptions cpu_backend_options(const BackendChoice& choice, int max_num_seqs,

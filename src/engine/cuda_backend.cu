@@ -72,6 +72,7 @@ struct CudaBackend::Impl {
       e->opt = o;
       e->opt.device = devices[r];
       e->rank = r;
+      e->dp_rank = parallel::place_rank(parallel, r).dp_rank;
       e->shard = plan_shard(cfg, parallel, r);
       e->tp_reduce = e->shard.tp_size > 1;
       e->moe_reduce = !dispatch && (e->shard.ep_size > 1 || e->shard.tp_size > 1);
@@ -86,6 +87,7 @@ struct CudaBackend::Impl {
       kernels::prepare_blas_stream(e->stream);
       e->load(model_dir);
       e->allocate_activations();
+      if (cfg.has_linear_attention()) e->allocate_states(o.num_state_slots, o.num_state_snapshots);
       ranks.push_back(std::move(e));
     }
     if (world > 1) {
@@ -320,6 +322,29 @@ std::vector<KvPoolExport> CudaBackend::kv_pool_exports() {
   }
   return out;
 }
+int CudaBackend::num_state_slots() const {
+  return impl_->ranks.front()->state_slots * impl_->parallel.dp;
+}
+int CudaBackend::num_state_snapshots() const {
+  return impl_->ranks.front()->state_snapshots * impl_->parallel.dp;
+}
+size_t CudaBackend::state_slot_bytes() const {
+  const RankEngine& e = *impl_->ranks.front();
+  return e.state_pool == nullptr ? 0 : e.state_layout.bytes_per_slot();
+}
+
+std::vector<StatePoolExport> CudaBackend::state_pool_exports() {
+  std::vector<StatePoolExport> out;
+  for (size_t r = 0; r < impl_->size(); ++r) {
+    const RankEngine& e = *impl_->ranks[r];
+    if (e.state_pool == nullptr) continue;
+    out.push_back({reinterpret_cast<std::byte*>(e.state_pool), e.state_layout,
+                   e.shard.k_head_begin, e.shard.num_local_k_heads, e.shard.v_head_begin,
+                   e.shard.num_local_v_heads, impl_->place(r).dp_rank, e.opt.device});
+  }
+  return out;
+}
+
 std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch) {
   return impl_->step(batch);
 }

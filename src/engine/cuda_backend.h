@@ -1,4 +1,6 @@
-// The CUDA backend: Qwen3 / Qwen3-MoE on one GPU, bf16 weights and KV cache, fp32 accumulation.
+// The CUDA backend: Qwen3 / Qwen3-MoE and the Qwen3.5 / Qwen3-Next hybrids (Gated DeltaNet layers
+// over a recurrent-state pool of fp32 slots beside the KV pool, gated attention, the shared
+// expert), bf16 weights and KV cache, fp32 accumulation.
 //
 // Weights are uploaded once from the safetensors mmap through pinned staging buffers (fused q|k|v
 // and gate|up layouts, per-expert tensors stacked into [experts, n, k]); the paged HND KV pool
@@ -65,6 +67,11 @@ struct CudaBackendOptions {
   // num_speculative_tokens; 0: the backend takes none, supports_draft_tokens() is false). Sizes the
   // logit rows a step samples: max_num_seqs x (1 + max_draft_tokens).
   int max_draft_tokens = 0;
+  // Hybrid models (Gated DeltaNet layers): recurrent-state slots per DP rank (the engine's
+  // StateSlotManager hands them out: max_num_seqs x (1 + max_draft_tokens)) and prefix-cache
+  // state snapshots per DP rank. Both live in device memory before the KV pool takes the rest.
+  int num_state_slots = 0;
+  int num_state_snapshots = 0;
   // relay bench's --spec-forced-acceptance only (make_backend never sets it): drafts are accepted
   // with this probability instead of verified (sampler.h, verify_drafts).
   std::optional<double> forced_draft_acceptance;
@@ -97,6 +104,11 @@ class CudaBackend : public Backend {
   int num_kv_partitions() const override;
   // Every rank's device pool (bf16), for a CUDA IPC hand-off.
   std::vector<KvPoolExport> kv_pool_exports() override;
+  // Hybrid models: the recurrent-state pools (fp32 on the device, the CPU backend's layout).
+  int num_state_slots() const override;
+  int num_state_snapshots() const override;
+  size_t state_slot_bytes() const override;
+  std::vector<StatePoolExport> state_pool_exports() override;
   std::vector<SampledToken> step(std::span<const StepSequence> batch) override;
   // Drafts are verified (every row on the GPU sampler, penalties on the host) when the backend was
   // sized for them (CudaBackendOptions::max_draft_tokens).

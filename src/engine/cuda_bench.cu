@@ -479,7 +479,9 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
 
   CudaBackend backend(o.model_dir, bo);
   const ModelConfig& cfg = backend.config();
-  RELAY_CHECK(cfg.is_moe(), "relay bench's model mode expects a Qwen3-MoE checkpoint, got ", cfg.architecture);
+  RELAY_CHECK(cfg.is_moe() && !cfg.has_linear_attention(),
+              "relay bench's model mode expects a Qwen3-MoE checkpoint, got ", cfg.architecture,
+              "; bench a hybrid model through the engine (--mode engine --device cuda)");
   const CudaLoadStats& ls = backend.load_stats();
   const int dp = backend.num_kv_partitions();
   const int blocks_per_partition = backend.num_kv_blocks() / dp;

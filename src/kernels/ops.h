@@ -110,7 +110,7 @@ struct QkNormRopeKvWriteParams {
   // Partial rotary (Qwen3.5 / Qwen3-Next): RoPE turns only dims [0, rotary_dim) of each head,
   // rotate-half within them (pairs i, i + rotary_dim / 2), and inv_freq holds rotary_dim / 2
   // rates; dims [rotary_dim, head_dim) pass through (normed). 0 means head_dim (Qwen3). The CUDA
-  // kernel takes a power of two from 16.
+  // kernel takes a power of two from 8.
   int rotary_dim = 0;
 };
 
@@ -385,14 +385,16 @@ struct SigmoidGateParams {
 // kernel_size - 1 inputs it saw, oldest first; zeros for a fresh sequence). Afterwards the state
 // holds the last kernel_size - 1 inputs, this step's included, so a prefill in one chunk, in
 // several, and one token at a time compute the same thing. Sequence s's state is the slot
-// state_slots[s]; slots of one batch must differ.
+// state_slots[s]; slots of one batch must differ. A slot of -1 (graph padding, warm-up) starts
+// from zeros and keeps nothing. The state is fp32 whatever T is: every backend's recurrent-state
+// pool is fp32 (kvcache/recurrent_state.h), so a hand-off between any two copies bytes.
 template <typename T>
 struct CausalConv1dParams {
   const T* x = nullptr;       // [num_tokens, x_stride]; columns [0, conv_dim) are the input
   int64_t x_stride = 0;       // elements between consecutive tokens of x
   const T* weight = nullptr;  // [conv_dim, kernel_size] (conv1d.weight [conv_dim, 1, K])
   // Slot i's state at conv_states + i * state_stride: [conv_dim, kernel_size - 1].
-  T* conv_states = nullptr;
+  float* conv_states = nullptr;
   int64_t state_stride = 0;               // elements between consecutive slots
   const int32_t* query_starts = nullptr;  // [num_seqs + 1], as PagedAttentionParams
   const int32_t* state_slots = nullptr;   // [num_seqs]
@@ -416,7 +418,7 @@ struct CausalConv1dParams {
 // A prefill chunk is its tokens' decode steps in turn, so any chunking gives the same state and
 // outputs (the GPU's chunked form is a faster order of the same sums). The gates are computed in
 // fp32 whatever T is. Sequence s's state is the slot state_slots[s]; slots of one batch must
-// differ.
+// differ; a slot of -1 starts from zeros and keeps nothing (as CausalConv1dParams).
 template <typename T>
 struct GatedDeltaRuleParams {
   // [num_tokens, 2 * num_k_heads * key_dim + num_v_heads * value_dim]: q | k | v (conv output)

@@ -12,6 +12,7 @@
 
 #include "model/config.h"
 #include "model/safetensors.h"
+#include "model/shard.h"
 
 namespace relay {
 
@@ -41,6 +42,7 @@ struct LayerPlan {
   std::string attention() const { return prefix + "self_attn"; }
   std::string linear_attention() const { return prefix + "linear_attn"; }
   std::string mlp() const { return prefix + "mlp"; }
+  std::string shared_expert() const { return mlp() + ".shared_expert"; }  // a dense MLP's tensors
 };
 
 struct DecoderPlan {
@@ -67,11 +69,37 @@ DecoderPlan plan_decoder(const ModelConfig& config, const Checkpoint& ckpt);
 // attention is) and layer 0's feed-forward.
 LayerPlan plan_mtp_layer(const ModelConfig& config);
 
+// A Gated DeltaNet layer's input projection as one rank runs it: rows [q | k | v | z | b | a] (q
+// and k over the rank's key heads, v and z over its value heads, b and a one per value head),
+// gathered from the checkpoint's tensors. Qwen3.5 stores them split and contiguous (in_proj_qkv,
+// in_proj_z, in_proj_b, in_proj_a); Qwen3-Next fused and interleaved per key-head group g
+// (transformers' fix_query_key_value_ordering):
+//   in_proj_qkvz rows: for each g, [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)],  r = Hv / Hk
+//   in_proj_ba rows:   for each g, [b_g (r) | a_g (r)]
+// Both are read the same way: the tensors stacked in order, then `rows` of the stack.
+struct InProjPlan {
+  std::vector<std::string> tensors;      // weight names, stacked in this order
+  std::vector<int64_t> tensor_rows;      // rows of each
+  std::vector<int64_t> rows;             // rows of the stack, in the block's order
+};
+// The layout is the checkpoint's (it has in_proj_qkvz or in_proj_qkv); the rows are the shard's.
+InProjPlan plan_in_proj(const ModelConfig& config, const LayerPlan& layer, const Checkpoint& ckpt,
+                        const ShardSpec& shard);
+// The channels of the short convolution (q | k | v of the full layer) a rank keeps: its key heads'
+// q and k, its value heads' v. Also the first rows of its plan_in_proj, in the unfused order.
+std::vector<int64_t> linear_attention_channels(const ModelConfig& config, const ShardSpec& shard);
+
 // `block`.`name`.weight: a linear (or norm) of a block ("model.layers.0.self_attn", "q_proj").
 std::string linear_weight(const std::string& block, const char* name);
 // `block`.`name`.bias (attention_bias checkpoints).
 std::string linear_bias(const std::string& block, const char* name);
 // Expert e's `name` (gate_proj, up_proj, down_proj) weight in an MoE block stored per expert.
 std::string expert_weight(const std::string& mlp, int64_t expert, const char* name);
+// An MoE block's experts stored fused 3-D (transformers' own layout): `name` gate_up_proj
+// [E, 2I, H] (gate rows first) or down_proj [E, H, I]. A checkpoint has these or the per-expert
+// tensors (expert_weight).
+std::string fused_experts_weight(const std::string& mlp, const char* name);
+// A block's parameter that is not a linear weight (Gated DeltaNet's A_log and dt_bias).
+std::string block_tensor(const std::string& block, const char* name);
 
 }  // namespace relay

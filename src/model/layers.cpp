@@ -250,9 +250,25 @@ void FullAttention::forward(const float* x, const ForwardBatch& b, KvPool& kv, T
   if (tp_comm_ != nullptr) tp_comm_->all_reduce_sum(out, static_cast<size_t>(t) * o_.out_features);
 }
 
-GatedDeltaNet::GatedDeltaNet(const ModelConfig& c, const Checkpoint& ckpt,
-                             const std::string& prefix, int state_layer, const Linear& in_proj,
-                             const ShardSpec& shard)
+namespace {
+
+// The rank's input projection of a Gated DeltaNet layer (decoder_plan.h, InProjPlan): the stored
+// tensors stacked, then its rows.
+Linear load_in_proj(const ModelConfig& c, const Checkpoint& ckpt, const InProjPlan& plan) {
+  Linear stack;
+  stack.in_features = static_cast<int>(c.hidden_size);
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const std::vector<float> w = load_f32(ckpt, plan.tensors[i], {plan.tensor_rows[i], c.hidden_size});
+    stack.weight.insert(stack.weight.end(), w.begin(), w.end());
+    stack.out_features += static_cast<int>(plan.tensor_rows[i]);
+  }
+  return take_rows(stack, plan.rows);
+}
+
+}  // namespace
+
+GatedDeltaNet::GatedDeltaNet(const ModelConfig& c, const Checkpoint& ckpt, const LayerPlan& layer,
+                             int state_layer, const ShardSpec& shard)
     : state_layer_(state_layer),
       num_k_heads_(shard.num_local_k_heads),
       num_v_heads_(shard.num_local_v_heads),
@@ -262,40 +278,27 @@ GatedDeltaNet::GatedDeltaNet(const ModelConfig& c, const Checkpoint& ckpt,
       kernel_size_(static_cast<int>(c.linear_conv_kernel_dim)),
       eps_(static_cast<float>(c.rms_norm_eps)),
       tp_comm_(shard.tp_comm) {
-  const std::string p = prefix + ".";
+  const std::string p = layer.linear_attention() + ".";
   const int64_t full_conv = c.linear_conv_dim(), full_v = c.linear_value_dim();
   const int64_t heads = c.linear_num_value_heads;
-  RELAY_CHECK(in_proj.out_features == full_conv + full_v + 2 * heads &&
-                  in_proj.in_features == c.hidden_size,
-              prefix, ": the input projection is [", in_proj.out_features, ", ",
-              in_proj.in_features, "], expected [", full_conv + full_v + 2 * heads, ", ",
-              c.hidden_size, "] (q | k | v | z | b | a)");
   // This rank's rows of [q | k | v | z | b | a] and channels of the convolution (q | k | v): its
   // key heads' q and k, its value heads' v, z, b and a (all of them on one rank).
-  const int64_t dk = key_dim_, dv = value_dim_, kb = shard.k_head_begin, vb = shard.v_head_begin;
-  const int64_t qk_dim = c.linear_num_key_heads * dk;
-  std::vector<int64_t> channels, rows;
-  auto take = [](std::vector<int64_t>& to, int64_t begin, int64_t count) {
-    for (int64_t i = 0; i < count; ++i) to.push_back(begin + i);
-  };
-  take(channels, kb * dk, num_k_heads_ * dk);
-  take(channels, qk_dim + kb * dk, num_k_heads_ * dk);
-  take(channels, 2 * qk_dim + vb * dv, num_v_heads_ * dv);
-  rows = channels;
-  take(rows, full_conv + vb * dv, num_v_heads_ * dv);
-  take(rows, full_conv + full_v + vb, num_v_heads_);
-  take(rows, full_conv + full_v + heads + vb, num_v_heads_);
-  in_proj_ = take_rows(in_proj, rows);
+  const int64_t dv = value_dim_, vb = shard.v_head_begin;
+  in_proj_ = load_in_proj(c, ckpt, plan_in_proj(c, layer, ckpt, shard));
+  const std::vector<int64_t> channels = linear_attention_channels(c, shard);
   // Row-parallel: this rank's value-head columns, summed over the TP group after.
   out_proj_ = load_linear(ckpt, {p + "out_proj"}, {c.hidden_size}, full_v, false, {},
                           IndexRange{vb * dv, num_v_heads_ * dv});
-  const std::vector<float> conv = load_f32(ckpt, p + "conv1d.weight", {full_conv, 1, kernel_size_});
+  const std::vector<float> conv =
+      load_f32(ckpt, linear_weight(layer.linear_attention(), "conv1d"), {full_conv, 1, kernel_size_});
   for (int64_t ch : channels) {
     conv_weight_.insert(conv_weight_.end(), conv.begin() + ch * kernel_size_,
                         conv.begin() + (ch + 1) * kernel_size_);
   }
-  const std::vector<float> a_log = load_f32(ckpt, p + "A_log", {heads});
-  const std::vector<float> dt_bias = load_f32(ckpt, p + "dt_bias", {heads});
+  const std::vector<float> a_log =
+      load_f32(ckpt, block_tensor(layer.linear_attention(), "A_log"), {heads});
+  const std::vector<float> dt_bias =
+      load_f32(ckpt, block_tensor(layer.linear_attention(), "dt_bias"), {heads});
   a_log_.assign(a_log.begin() + vb, a_log.begin() + vb + num_v_heads_);
   dt_bias_.assign(dt_bias.begin() + vb, dt_bias.begin() + vb + num_v_heads_);
   norm_weight_ = load_f32(ckpt, p + "norm.weight", {c.linear_value_head_dim});
@@ -394,6 +397,16 @@ void DenseMlp::forward(const float* x, int num_tokens, ThreadPool& pool, float* 
     tp_comm_->all_reduce_sum(out, static_cast<size_t>(num_tokens) * down_.out_features);
 }
 
+std::unique_ptr<TokenMixer> make_token_mixer(const ModelConfig& c, const Checkpoint& ckpt,
+                                             const LayerPlan& layer, const RopeTables& rope,
+                                             const ShardSpec& shard) {
+  if (layer.mixer == MixerKind::kGatedDeltaNet) {
+    return std::make_unique<GatedDeltaNet>(c, ckpt, layer, c.recurrent_layer(layer.index), shard);
+  }
+  return std::make_unique<FullAttention>(c, ckpt, layer.attention(), c.kv_cache_layer(layer.index),
+                                         rope, shard);
+}
+
 IndexRange dense_mlp_slice(const ShardSpec& shard) {
   return shard.tp_size == 1 ? IndexRange{}
                             : IndexRange{shard.mlp_width_begin, shard.num_local_mlp_width};
@@ -430,13 +443,14 @@ SparseMoe::SparseMoe(const ModelConfig& c, const Checkpoint& ckpt, const std::st
               " must be in [1, num_experts ", num_experts_, "]");
   const int64_t h = hidden_, w = width_, full_w = c.moe_intermediate_size;
   const IndexRange slice{shard.moe_width_begin, w};
-  if (ckpt.has(prefix + ".experts.gate_up_proj")) {
+  const std::string fused_gate_up = fused_experts_weight(prefix, "gate_up_proj");
+  if (ckpt.has(fused_gate_up)) {
     // Fused 3-D tensors: read whole, then keep this rank's experts and width slice (gate rows
     // [b, b + w) and up rows [full_w + b, ...) of gate_up; down's columns [b, b + w)).
     const std::vector<float> all_gate_up =
-        load_f32(ckpt, prefix + ".experts.gate_up_proj", {num_experts_, 2 * full_w, h});
+        load_f32(ckpt, fused_gate_up, {num_experts_, 2 * full_w, h});
     const std::vector<float> all_down =
-        load_f32(ckpt, prefix + ".experts.down_proj", {num_experts_, h, full_w});
+        load_f32(ckpt, fused_experts_weight(prefix, "down_proj"), {num_experts_, h, full_w});
     gate_up_.resize(static_cast<size_t>(num_local_experts_) * 2 * w * h);
     down_.resize(static_cast<size_t>(num_local_experts_) * h * w);
     const int64_t b = shard.moe_width_begin;

@@ -114,17 +114,15 @@ class FullAttention : public TokenMixer {
 // in_proj -> causal conv1d + SiLU over q | k | v -> gated delta rule -> gated RMSNorm with
 // silu(z) -> out_proj. Each sequence's conv and SSM states live in its slot of the batch's
 // recurrent-state pool, at layer `state_layer` of the slot; nothing goes to the KV pool. The two
-// checkpoint layouts differ only in how the input projection is stored, so the architecture file
-// builds in_proj (rows [q | k | v | z | b | a]: q and k over every key head, v and z over every
-// value head, b and a one per value head) and this block loads the rest. Under tensor parallelism
+// checkpoint layouts differ only in how the input projection is stored, which the decoder plan
+// reads into rows [q | k | v | z | b | a] (decoder_plan.h, plan_in_proj). Under tensor parallelism
 // the rank keeps its key heads and the value heads that read them (model/shard.h): their rows of
 // in_proj, channels of the convolution, gates and out_proj columns; its slot of the state pool
 // holds only those, and the partial out_proj outputs are summed across the TP group.
 class GatedDeltaNet : public TokenMixer {
  public:
-  // prefix: "model.layers.N.linear_attn"; in_proj: every head's rows, as stored.
-  GatedDeltaNet(const ModelConfig& config, const Checkpoint& ckpt, const std::string& prefix,
-                int state_layer, const Linear& in_proj, const ShardSpec& shard);
+  GatedDeltaNet(const ModelConfig& config, const Checkpoint& ckpt, const LayerPlan& layer,
+                int state_layer, const ShardSpec& shard);
   void forward(const float* x, const ForwardBatch& batch, KvPool& kv, ThreadPool& pool,
                float* out) override;
 
@@ -227,6 +225,13 @@ class SparseMoe : public FeedForward {
   std::vector<std::vector<int32_t>> send_ids_, recv_ids_;
   std::vector<float> recv_x_, recv_weights_, recv_out_;
 };
+
+// A layer's token mixer as its plan says: (gated) attention over KV-pool layer
+// config.kv_cache_layer(index), or Gated DeltaNet over recurrent-state layer
+// config.recurrent_layer(index).
+std::unique_ptr<TokenMixer> make_token_mixer(const ModelConfig& config, const Checkpoint& ckpt,
+                                             const LayerPlan& layer, const RopeTables& rope,
+                                             const ShardSpec& shard);
 
 // A decoder MLP's slice of intermediate_size on this rank (DenseMlp's `slice`).
 IndexRange dense_mlp_slice(const ShardSpec& shard);

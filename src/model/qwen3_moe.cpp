@@ -11,9 +11,7 @@ std::unique_ptr<Model> build_qwen3_moe(const ModelConfig& c, const Checkpoint& c
                                        const ShardSpec& shard) {
   const RopeTables rope = compute_rope(c);
   DecoderBlocks blocks;
-  blocks.mixer = [&](const LayerPlan& layer) -> std::unique_ptr<TokenMixer> {
-    return std::make_unique<FullAttention>(c, ckpt, layer.attention(), layer.index, rope, shard);
-  };
+  blocks.mixer = [&](const LayerPlan& layer) { return make_token_mixer(c, ckpt, layer, rope, shard); };
   blocks.ffn = [&](const LayerPlan& layer) { return make_feed_forward(c, ckpt, layer, shard); };
   return load_decoder(c, ckpt, shard, blocks);
 }

@@ -44,76 +44,6 @@ const Tokenizer& tokenizer() {
   return t;
 }
 
-// A sequence decoded by hand through backend.step: prompt, then committed tokens.
-struct Decoding {
-  std::vector<int32_t> tokens, output, blocks;
-  int num_computed = 0;
-};
-
-// One step of every `ds[i]` with `drafts[i]` after its last token (sequence i has seq_id 5 + i);
-// commits what comes back and returns it per sequence.
-std::vector<std::vector<SampledToken>> step_all(CudaBackend& backend, std::vector<Decoding*> ds,
-                                                const std::vector<std::vector<int32_t>>& drafts,
-                                                const SamplingParams& sampling) {
-  std::vector<std::vector<int32_t>> tokens(ds.size());
-  std::vector<StepSequence> batch(ds.size());
-  for (size_t i = 0; i < ds.size(); ++i) {
-    const Decoding& d = *ds[i];
-    tokens[i].assign(d.tokens.begin() + d.num_computed, d.tokens.end());
-    tokens[i].insert(tokens[i].end(), drafts[i].begin(), drafts[i].end());
-    StepSequence& s = batch[i];
-    s.seq_id = 5 + static_cast<int64_t>(i);
-    s.tokens = tokens[i];
-    s.num_computed = d.num_computed;
-    s.block_table = d.blocks;
-    s.sample = true;
-    s.num_draft_tokens = static_cast<int32_t>(drafts[i].size());
-    s.sampling = &sampling;
-    s.output_tokens = d.output;
-    s.sample_index = d.output.size();
-  }
-  const std::vector<SampledToken> out = backend.step(batch);
-  std::vector<std::vector<SampledToken>> per_seq(ds.size());
-  size_t at = 0;
-  for (size_t i = 0; i < ds.size(); ++i) {
-    while (at < out.size() && out[at].seq_id == batch[i].seq_id) per_seq[i].push_back(out[at++]);
-    const std::vector<SampledToken>& got = per_seq[i];
-    EXPECT_GE(got.size(), 1u) << "sequence " << i;
-    EXPECT_LE(got.size(), drafts[i].size() + 1) << "sequence " << i;
-    for (size_t j = 0; j + 1 < got.size(); ++j) EXPECT_EQ(got[j].token, drafts[i][j]) << "accepted draft " << j;
-    Decoding& d = *ds[i];
-    d.num_computed = static_cast<int>(d.tokens.size());  // the last token; accepted drafts follow
-    for (const SampledToken& t : got) {
-      d.tokens.push_back(t.token);
-      d.output.push_back(t.token);
-    }
-    d.num_computed += static_cast<int>(got.size()) - 1;
-  }
-  EXPECT_EQ(at, out.size());
-  return per_seq;
-}
-
-std::vector<SampledToken> step_with(CudaBackend& backend, Decoding& d,
-                                    const std::vector<int32_t>& drafts,
-                                    const SamplingParams& sampling) {
-  return step_all(backend, {&d}, {drafts}, sampling).front();
-}
-
-// `first_block`: where its blocks start (a DP backend's partition r starts at r x blocks / dp).
-Decoding start(const std::vector<int32_t>& prompt, int room, int first_block = 10) {
-  Decoding d;
-  d.tokens = prompt;
-  d.blocks.resize((prompt.size() + room + 7) / 8);
-  std::iota(d.blocks.begin(), d.blocks.end(), first_block);
-  return d;
-}
-
-// Whether greedy token `a` and `b` after `context` are a near tie in one rank's logits.
-bool near_tie(CudaBackend& one, std::vector<int32_t> context, int32_t a, int32_t b) {
-  const std::vector<float> logits = prefill_logits(one, context);
-  const float* last = logits.data() + (context.size() - 1) * one.config().vocab_size;
-  return std::abs(last[a] - last[b]) <= kNearTie;
-}
 
 // Each step: k = step % 4 drafts, the reference continuation's next tokens, the last one made
 // wrong every third step. Greedy: every right draft is accepted, the first wrong one rejected, and
@@ -144,7 +74,7 @@ TEST(CudaDrafts, GreedyDraftsAreVerifiedAgainstTheContinuation) {
       if (out[j].token == want) continue;
       std::vector<int32_t> context = prompt;
       context.insert(context.end(), ref.output.begin(), ref.output.begin() + at + j);
-      EXPECT_TRUE(near_tie(plain, context, out[j].token, want))
+      EXPECT_TRUE(near_tie(plain, context, out[j].token, want, kNearTie))
           << "step " << step << " row " << j << ": " << out[j].token << " vs " << want;
       return;  // the runs part at a near tie; nothing after it is comparable
     }
@@ -254,41 +184,6 @@ TEST(CudaDrafts, SeededDraftsThatAreTheRowsDrawsAreAccepted) {
 
 // The engine with the n-gram proposer on the CUDA backend: the greedy output of the run without
 // drafts, in fewer steps, one rank and sharded (DP + EP, TP).
-struct EngineRun {
-  std::vector<std::vector<int32_t>> tokens;
-  int steps = 0;
-  SpecDecodeStats stats;
-};
-
-EngineRun run_engine(CudaBackendOptions o, const SpeculativeConfig& spec,
-                     const std::vector<std::vector<int32_t>>& prompts) {
-  o.max_draft_tokens = spec.enabled() ? spec.num_speculative_tokens : 0;
-  EngineConfig config;
-  config.max_num_seqs = o.max_num_seqs;
-  config.max_num_batched_tokens = 64;  // chunked prefill for the longer prompts
-  config.speculative = spec;
-  LLMEngine engine(std::make_unique<CudaBackend>(kDemo, o), tokenizer(), config);
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    EngineRequest r;
-    r.prompt = prompts[i];
-    r.sampling.temperature = 0.0f;
-    r.stop.max_tokens = 40;
-    r.stop.ignore_eos = true;
-    engine.add_request(static_cast<int64_t>(i), r);
-  }
-  EngineRun out;
-  out.tokens.resize(prompts.size());
-  while (engine.has_work()) {
-    for (const RequestOutput& ro : engine.step()) {
-      auto& t = out.tokens.at(static_cast<size_t>(ro.id));
-      t.insert(t.end(), ro.new_tokens.begin(), ro.new_tokens.end());
-    }
-    ++out.steps;
-  }
-  out.stats = engine.stats().spec_decode;
-  return out;
-}
-
 TEST(CudaDrafts, NgramDecodingIsTheGreedyOutputOnOneRankAndSharded) {
   const std::vector<std::vector<int32_t>> prompts = {
       tokenizer().encode("def add(a, b):\n    return a + b\n\ndef add(a, b):"),
@@ -300,14 +195,14 @@ TEST(CudaDrafts, NgramDecodingIsTheGreedyOutputOnOneRankAndSharded) {
   ngram.prompt_lookup_min = 1;
   ngram.prompt_lookup_max = 4;
   CudaBackend one(kDemo, small_options(false));
-  const EngineRun plain = run_engine(small_options(true), {}, prompts);
+  const EngineRun plain = run_engine(kDemo, tokenizer(), small_options(true), {}, prompts);
   for (const parallel::ParallelConfig layout :
        {parallel::ParallelConfig{1, 1, 1}, parallel::ParallelConfig{1, 2, 2},
         parallel::ParallelConfig{2, 1, 1}}) {
     CudaBackendOptions o = small_options(true);
     o.parallel = layout;
     o.devices.assign(static_cast<size_t>(layout.world_size()), 0);
-    const EngineRun spec = run_engine(o, ngram, prompts);
+    const EngineRun spec = run_engine(kDemo, tokenizer(), o, ngram, prompts);
     const std::string name = layout.describe();
     EXPECT_GT(spec.stats.num_drafts, 0u) << name;
     EXPECT_GT(spec.stats.num_accepted_tokens, 0u) << name;
@@ -319,7 +214,7 @@ TEST(CudaDrafts, NgramDecodingIsTheGreedyOutputOnOneRankAndSharded) {
       if (a == spec.tokens[i].end()) continue;
       std::vector<int32_t> context = prompts[i];
       context.insert(context.end(), plain.tokens[i].begin(), b);
-      EXPECT_TRUE(near_tie(one, context, *a, *b))
+      EXPECT_TRUE(near_tie(one, context, *a, *b, kNearTie))
           << name << " request " << i << " parts at token " << (b - plain.tokens[i].begin())
           << ": " << *a << " vs " << *b;
     }

@@ -22,6 +22,25 @@ void RankEngine::check_batch(std::span<const StepSequence> batch) const {
       RELAY_CHECK(b >= 0 && b < kv_layout.num_blocks, "sequence ", s.seq_id, " uses block ", b,
                   " outside the pool of ", kv_layout.num_blocks);
     }
+    if (state_pool == nullptr) continue;
+    // The recurrent state: a slot per sequence and one per draft, on this DP rank.
+    RELAY_CHECK(s.state_slots.size() >= 1 + static_cast<size_t>(s.num_draft_tokens), "sequence ",
+                s.seq_id, " brings ", s.state_slots.size(), " recurrent-state slots for ",
+                s.num_draft_tokens, " drafts; ", cfg.architecture,
+                " needs one slot more than its drafts");
+    for (size_t i = 0; i < s.state_slots.size(); ++i) local_state_slot(s, i);
+    if (s.restore_state_snapshot >= 0) {
+      RELAY_CHECK(s.num_computed > 0 && s.num_draft_tokens == 0, "sequence ", s.seq_id,
+                  " restores a state snapshot at position ", s.num_computed, " with ",
+                  s.num_draft_tokens, " drafts (a restore continues a prompt past a prefix hit)");
+      snapshot_pool_slot(s, s.restore_state_snapshot);
+    }
+    for (const SnapshotSave& save : s.save_state_snapshots) {
+      RELAY_CHECK(save.row >= 0 && static_cast<size_t>(save.row) < s.tokens.size(), "sequence ",
+                  s.seq_id, ": state snapshot after row ", save.row, " of its ", s.tokens.size(),
+                  " tokens");
+      snapshot_pool_slot(s, save.snapshot);
+    }
   }
   RELAY_CHECK(tokens <= opt.max_num_tokens, "step has ", tokens,
               " tokens; the CUDA backend was sized for ", opt.max_num_tokens);
@@ -69,6 +88,37 @@ RankEngine::Shape RankEngine::upload_batch(std::span<const StepSequence> batch, 
   }
   // The step's device time starts here, after the host built the metadata.
   RELAY_CUDA_CHECK(cudaEventRecord(step_begin, stream));
+  // The recurrent state (hybrid models): each sequence's slot, fresh at position 0; the rows
+  // whose states a rollback or a prefix-cache save may want copied into slots as they pass; the
+  // snapshots restored before the layers run. Padding and batches without slots (warm-up) get
+  // slot -1: computed from a zero state, nothing kept.
+  auto* state_slot = reinterpret_cast<int32_t*>(meta_host + m.state_slots);
+  auto* snapshot = reinterpret_cast<int32_t*>(meta_host + m.snapshot_slots);
+  auto* fresh = reinterpret_cast<uint8_t*>(meta_host + m.state_fresh);
+  std::fill_n(state_slot, seqs, -1);
+  std::fill_n(snapshot, tokens, -1);
+  std::fill_n(fresh, seqs, uint8_t{1});
+  for (size_t i = 0; i < batch.size() && state_pool != nullptr; ++i) {
+    const StepSequence& s = batch[i];
+    if (s.state_slots.empty()) continue;
+    state_slot[i] = local_state_slot(s, 0);
+    fresh[i] = s.num_computed == 0 ? 1 : 0;
+    const int k = s.num_draft_tokens, n = static_cast<int>(s.tokens.size());
+    const int last = flat.query_starts[i] + n - 1;  // its last real row
+    for (int j = 0; j < k; ++j) snapshot[last - k + j] = local_state_slot(s, 1 + j);
+    if (graph && per_seq > n) {
+      // Its fillers move the state on past its last row: that row's state goes to a draft slot.
+      RELAY_CHECK(s.state_slots.size() > static_cast<size_t>(k) + 1, "sequence ", s.seq_id,
+                  " is padded from ", n, " to ", per_seq, " tokens in a verify graph with ",
+                  s.state_slots.size(), " recurrent-state slots (needs 1 + num_speculative_tokens)");
+      snapshot[last] = local_state_slot(s, 1 + k);
+    } else if (k == 0) {
+      for (const SnapshotSave& save : s.save_state_snapshots)
+        snapshot[flat.query_starts[i] + save.row] = snapshot_pool_slot(s, save.snapshot);
+    }
+    if (s.restore_state_snapshot >= 0)
+      copy_state_slot(state_slot[i], snapshot_pool_slot(s, s.restore_state_snapshot));
+  }
   RELAY_CUDA_CHECK(cudaMemcpyAsync(meta_dev, meta_host, m.bytes, cudaMemcpyHostToDevice, stream));
   return Shape{tokens, seqs, num_rows, width, graph ? per_seq : 0};
 }
@@ -177,6 +227,34 @@ void RankEngine::warm_up_alone() {
   RELAY_CUDA_CHECK(cudaMemsetAsync(kv_pool, 0, kv_layout.total_bytes(), stream));
   RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
   tp_reduce = tp, moe_reduce = moe, dispatch = disp;
+}
+
+int RankEngine::local_state_slot(const StepSequence& s, size_t i) const {
+  const int slot = s.state_slots[i] - dp_rank * state_slots;
+  RELAY_CHECK(slot >= 0 && slot < state_slots, "sequence ", s.seq_id, ": recurrent-state slot ",
+              s.state_slots[i], " is not on its DP rank ", dp_rank, " (", state_slots,
+              " slots per rank)");
+  return slot;
+}
+
+int RankEngine::snapshot_pool_slot(const StepSequence& s, int32_t id) const {
+  const int local = id - dp_rank * state_snapshots;
+  RELAY_CHECK(local >= 0 && local < state_snapshots, "sequence ", s.seq_id, ": state snapshot ",
+              id, " is not on its DP rank ", dp_rank, " (", state_snapshots, " snapshots per rank)");
+  return state_slots + local;  // the snapshots follow the slots in the pool
+}
+
+void RankEngine::settle_draft_states(const StepSequence& s, size_t accepted, bool padded) {
+  const size_t k = static_cast<size_t>(s.num_draft_tokens);
+  // Where the state after row j of the sequence's tokens is now.
+  auto after_row = [&](size_t j) {
+    return j < k || padded ? local_state_slot(s, 1 + j) : local_state_slot(s, 0);
+  };
+  for (const SnapshotSave& save : s.save_state_snapshots) {
+    if (static_cast<size_t>(save.row) <= accepted)
+      copy_state_slot(snapshot_pool_slot(s, save.snapshot), after_row(save.row));
+  }
+  if (accepted < k || padded) copy_state_slot(local_state_slot(s, 0), after_row(accepted));
 }
 
 void RankEngine::idle_step() {

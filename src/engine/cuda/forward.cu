@@ -6,17 +6,16 @@ namespace relay::cuda_engine {
 void RankEngine::enqueue_forward(const Shape& sh) {
   const MetaLayout m = MetaLayout::make(sh.tokens, sh.seqs, sh.rows, sh.width);
   auto at = [&](size_t off) { return meta_dev + off; };
-  const auto* token_ids = reinterpret_cast<const int32_t*>(at(m.token_ids));
-  const auto* positions = reinterpret_cast<const int32_t*>(at(m.positions));
-  const auto* logit_rows = reinterpret_cast<const int32_t*>(at(m.logit_rows));
-  const auto* query_starts = reinterpret_cast<const int32_t*>(at(m.query_starts));
-  const auto* context_lens = reinterpret_cast<const int32_t*>(at(m.context_lens));
-  const auto* slots = reinterpret_cast<const int64_t*>(at(m.slot_mapping));
-  const auto* tables = reinterpret_cast<const int32_t*>(at(m.block_tables));
+  auto i32 = [&](size_t off) { return reinterpret_cast<const int32_t*>(at(off)); };
+  const StepMeta meta{i32(m.token_ids),    i32(m.positions),    i32(m.logit_rows),
+                      i32(m.query_starts), i32(m.context_lens), i32(m.block_tables),
+                      i32(m.state_slots),  i32(m.snapshot_slots),
+                      reinterpret_cast<const int64_t*>(at(m.slot_mapping)),
+                      reinterpret_cast<const uint8_t*>(at(m.state_fresh))};
   const int T = sh.tokens;
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   mark("embedding");
-  kernels::launch_embedding({token_ids, embedding, residual, T, hidden, vocab}, stream);
+  kernels::launch_embedding({meta.token_ids, embedding, residual, T, hidden, vocab}, stream);
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
     mark("input_norm");
@@ -25,22 +24,11 @@ void RankEngine::enqueue_forward(const Shape& sh) {
     } else {
       kernels::launch_rms_norm({mix, residual, w.input_norm, normed, T, hidden, eps}, stream);
     }
-    linear("qkv_proj", normed, w.qkv, w.qkv8, w.qkv_bias, qkv, T, qkv_dim, hidden);
-    bf16* k_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 0, 0, 0);
-    bf16* v_cache = kv_pool + kv_layout.element_offset(static_cast<int>(l), 1, 0, 0);
-    mark("qk_norm_rope_kv_write");
-    kernels::launch_qk_norm_rope_kv_write(
-        {qkv, w.q_norm, w.k_norm, positions, inv_freq, attention_scaling, slots, q, k_cache,
-         v_cache, T, q_heads, kv_heads, head_dim, opt.block_size, eps,
-         w.qkv8.present() ? kernels::kFp8BlockSize : 0},
-        stream);
-    mark("attention");
-    kernels::launch_paged_attention(
-        {q, k_cache, v_cache, query_starts, context_lens, tables, attn, sh.seqs, T, q_heads,
-         kv_heads, head_dim, opt.block_size, sh.width,
-         1.0f / std::sqrt(static_cast<float>(head_dim))},
-        stream);
-    linear("o_proj", attn, w.o, w.o8, w.o_bias, mix, T, hidden, q_heads * head_dim);
+    if (w.mixer == MixerKind::kGatedDeltaNet) {
+      enqueue_gated_delta_net(w, sh, meta);
+    } else {
+      enqueue_attention(w, sh, meta);
+    }
     if (tp_reduce) {
       mark("attention_all_reduce");
       comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
@@ -49,6 +37,7 @@ void RankEngine::enqueue_forward(const Shape& sh) {
     kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden, eps}, stream);
     if (w.moe) {
       enqueue_moe(w, T);
+      if (w.shared_width > 0) enqueue_shared_expert(w, T);
     } else {
       linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width,
              hidden);
@@ -64,13 +53,78 @@ void RankEngine::enqueue_forward(const Shape& sh) {
   mark("final_norm");
   kernels::launch_rms_norm({mix, residual, final_norm, normed, T, hidden, eps}, stream);
   mark("lm_head");
-  kernels::launch_lm_head({normed, logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
+  kernels::launch_lm_head({normed, meta.logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
   mark("end");
+}
+
+void RankEngine::enqueue_attention(const LayerWeights& w, const Shape& sh, const StepMeta& m) {
+  const int T = sh.tokens, q_dim = q_heads * head_dim;
+  const bool gated = w.mixer == MixerKind::kGatedAttention;
+  linear("qkv_proj", normed, w.qkv, w.qkv8, w.qkv_bias, qkv, T, qkv_dim, hidden);
+  if (gated) linear("attn_gate_proj", normed, w.attn_gate, {}, nullptr, attn_gate_out, T, q_dim, hidden);
+  bf16* k_cache = kv_pool + kv_layout.element_offset(w.kv_layer, 0, 0, 0);
+  bf16* v_cache = kv_pool + kv_layout.element_offset(w.kv_layer, 1, 0, 0);
+  mark("qk_norm_rope_kv_write");
+  kernels::QkNormRopeKvWriteParams<bf16> rp{
+      qkv, w.q_norm, w.k_norm, m.positions, inv_freq, attention_scaling, m.slots, q, k_cache,
+      v_cache, T, q_heads, kv_heads, head_dim, opt.block_size,
+      static_cast<float>(cfg.rms_norm_eps), w.qkv8.present() ? kernels::kFp8BlockSize : 0};
+  rp.rotary_dim = rotary_dim;
+  kernels::launch_qk_norm_rope_kv_write(rp, stream);
+  mark("attention");
+  kernels::launch_paged_attention(
+      {q, k_cache, v_cache, m.query_starts, m.context_lens, m.tables, attn, sh.seqs, T, q_heads,
+       kv_heads, head_dim, opt.block_size, sh.width,
+       1.0f / std::sqrt(static_cast<float>(head_dim))},
+      stream);
+  if (gated) {
+    mark("attn_output_gate");
+    kernels::launch_sigmoid_gate({attn, attn_gate_out, attn, T, q_dim, q_dim}, stream);
+  }
+  linear("o_proj", attn, w.o, w.o8, w.o_bias, mix, T, hidden, q_dim);
+}
+
+void RankEngine::enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh, const StepMeta& m) {
+  const int T = sh.tokens, v_dim = gdn_heads_v * gdn_value_dim;
+  linear("gdn_in_proj", normed, w.in_proj, {}, nullptr, gdn_proj, T, gdn_in_width, hidden);
+  const int64_t slot_stride = state_layout.slot_stride();
+  mark("gdn_conv1d");
+  kernels::launch_causal_conv1d(
+      {gdn_proj, gdn_in_width, w.conv, state_pool + state_layout.conv_offset(0, w.state_layer),
+       slot_stride, m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots, gdn_conv_out,
+       sh.seqs, T, gdn_conv_dim, gdn_kernel},
+      stream);
+  // in_proj's row: q | k | v (conv_dim) | z (v_dim) | b (v heads) | a (v heads).
+  const bf16* z = gdn_proj + gdn_conv_dim;
+  const bf16* b = z + v_dim;
+  mark("gdn_delta_rule");
+  kernels::launch_gated_delta_rule(
+      {gdn_conv_out, b, b + gdn_heads_v, gdn_in_width, w.a_log, w.dt_bias,
+       state_pool + state_layout.ssm_offset(0, w.state_layer), slot_stride, m.query_starts,
+       m.state_slots, m.state_fresh, m.snapshot_slots, gdn_core, sh.seqs, T, gdn_heads_k,
+       gdn_heads_v, gdn_key_dim, gdn_value_dim},
+      stream);
+  mark("gdn_gated_norm");
+  kernels::launch_gated_rms_norm({gdn_core, z, gdn_in_width, w.gdn_norm, gdn_core, T, gdn_heads_v,
+                                  gdn_value_dim, static_cast<float>(cfg.rms_norm_eps)},
+                                 stream);
+  linear("gdn_out_proj", gdn_core, w.out_proj, {}, nullptr, mix, T, hidden, v_dim);
+}
+
+void RankEngine::enqueue_shared_expert(const LayerWeights& w, int T) {
+  linear("shared_gate_up", normed, w.shared_gate_up, {}, nullptr, gate_up, T, 2 * w.shared_width,
+         hidden);
+  mark("shared_swiglu");
+  kernels::launch_swiglu({gate_up, act, T, w.shared_width}, stream);
+  linear("shared_down", act, w.shared_down, {}, nullptr, shared_out, T, hidden, w.shared_width);
+  linear("shared_gate", normed, w.shared_gate, {}, nullptr, shared_logit, T, 1, hidden);
+  mark("shared_add");
+  kernels::launch_sigmoid_gate({shared_out, shared_logit, mix, T, hidden, 1, true}, stream);
 }
 
 void RankEngine::enqueue_idle() {
   for (const LayerWeights& w : layers) {
-    if (w.moe) enqueue_moe(w, 0);
+    if (w.moe) enqueue_moe(w, 0);  // the shared expert has no tokens to run here
   }
 }
 

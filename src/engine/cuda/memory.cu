@@ -27,6 +27,17 @@ void RankEngine::allocate_activations() {
   add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
       add(rows * hidden, 2);
   add(routes, 4), add(rows, 4), add(local_experts + 2, 4), add(routes, 4);
+  // The hybrids' layers (rank_engine.h): gated attention's gate, Gated DeltaNet's buffers, the
+  // shared expert's output and gate logits.
+  const bool gated = std::any_of(layers.begin(), layers.end(), [](const LayerWeights& w) {
+    return w.mixer == MixerKind::kGatedAttention;
+  });
+  const bool shared = std::any_of(layers.begin(), layers.end(),
+                                  [](const LayerWeights& w) { return w.shared_width > 0; });
+  const size_t gdn_v = size_t(gdn_heads_v) * gdn_value_dim;
+  if (gated) add(T * q_heads * head_dim, 2);
+  if (gdn_in_width > 0) add(T * gdn_in_width, 2), add(T * gdn_conv_dim, 2), add(T * gdn_v, 2);
+  if (shared) add(T * hidden, 2), add(T, 2);
   const size_t R = logit_rows();
   add(R * size_t(vocab), 4);
   add(meta.bytes, 1);
@@ -57,6 +68,16 @@ void RankEngine::allocate_activations() {
   permuted_index = acts.take<int32_t>(rows);
   expert_offsets = acts.take<int32_t>(local_experts + 2);
   topk_weights = acts.take<float>(routes);
+  if (gated) attn_gate_out = acts.take<bf16>(T * q_heads * head_dim);
+  if (gdn_in_width > 0) {
+    gdn_proj = acts.take<bf16>(T * gdn_in_width);
+    gdn_conv_out = acts.take<bf16>(T * gdn_conv_dim);
+    gdn_core = acts.take<bf16>(T * gdn_v);
+  }
+  if (shared) {
+    shared_out = acts.take<bf16>(T * hidden);
+    shared_logit = acts.take<bf16>(T);
+  }
   logits = acts.take<float>(R * size_t(vocab));
   meta_dev = acts.take<uint8_t>(meta.bytes);
   sample_rows_dev = acts.take<kernels::SampleRowParams>(R);
@@ -85,7 +106,7 @@ void RankEngine::allocate_activations() {
 
 KvCacheLayout RankEngine::kv_layout_for(int num_blocks) const {
   KvCacheLayout l;
-  l.num_layers = static_cast<int>(cfg.num_hidden_layers);
+  l.num_layers = cfg.num_kv_cache_layers();
   l.num_kv_heads = kv_heads;
   l.block_size = opt.block_size;
   l.head_dim = head_dim;
@@ -105,6 +126,32 @@ int RankEngine::blocks_that_fit(int sharing) {
               opt.memory_reserve_bytes, " per rank)");
   return static_cast<int>(
       std::min<size_t>((free_bytes - reserve) / sharing / per_block, size_t{INT32_MAX} / 2));
+}
+
+void RankEngine::allocate_states(int slots, int snapshots) {
+  RELAY_CHECK(slots > 0 && snapshots >= 0, "CUDA backend options: ", cfg.architecture,
+              " (linear-attention layers) needs recurrent-state slots, got ", slots, " slots and ",
+              snapshots, " snapshots");
+  state_layout = recurrent_state_layout(cfg, shard, slots + snapshots);
+  state_slots = slots;
+  state_snapshots = snapshots;
+  size_t free_bytes = 0, total_bytes = 0;
+  RELAY_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const size_t need = state_layout.total_bytes();
+  RELAY_CHECK(need + opt.memory_reserve_bytes < free_bytes, "the recurrent state of ", slots,
+              " sequence slots (--max-num-seqs x (1 + num_speculative_tokens)) and ", snapshots,
+              " prefix-cache snapshots (--num-state-snapshots) takes ", need, " bytes (",
+              state_layout.bytes_per_slot(), " per slot), but only ", free_bytes,
+              " bytes of device memory are free on rank ", rank,
+              " after the weights; lower --max-num-seqs or --num-state-snapshots");
+  RELAY_CUDA_CHECK(cudaMalloc(&state_pool, need));
+  RELAY_CUDA_CHECK(cudaMemsetAsync(state_pool, 0, need, stream));
+  RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void RankEngine::copy_state_slot(int dst, int src) {
+  RELAY_CUDA_CHECK(cudaMemcpyAsync(state_slot_ptr(dst), state_slot_ptr(src),
+                                   state_layout.bytes_per_slot(), cudaMemcpyDeviceToDevice, stream));
 }
 
 void RankEngine::allocate_kv(int num_blocks) {

@@ -39,8 +39,11 @@
 #include "kernels/cuda/fp8_cuda.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "kvcache/kv_cache.h"
+#include "kvcache/recurrent_state.h"
+#include "model/decoder_plan.h"
 #include "model/forward_batch.h"
 #include "model/layers.h"
+#include "model/model.h"
 #include "model/rope.h"
 #include "model/safetensors.h"
 #include "model/shard.h"
@@ -99,7 +102,12 @@ struct Fp8Weight {
   bool present() const { return q != nullptr; }
 };
 
+// Norm weights of zero-centred models (the hybrids) are stored as 1 + w, formed in fp32 and
+// rounded to bf16 once at load (model/layers.h folds it the same way in fp32).
 struct LayerWeights {
+  MixerKind mixer = MixerKind::kAttention;
+  int kv_layer = -1;     // (gated) attention: its layer of the KV pool
+  int state_layer = -1;  // Gated DeltaNet: its layer of the recurrent-state pool
   bf16* input_norm = nullptr;  // [hidden]
   bf16* post_norm = nullptr;   // [hidden]
   bf16* qkv = nullptr;         // [(q_heads + 2 kv_heads) * head_dim, hidden]
@@ -108,7 +116,20 @@ struct LayerWeights {
   bf16* o_bias = nullptr;      // [hidden] or null
   bf16* q_norm = nullptr;      // [head_dim]
   bf16* k_norm = nullptr;      // [head_dim]
+  bf16* attn_gate = nullptr;   // gated attention: [q_heads * head_dim, hidden], q_proj's gate rows
+  // Gated DeltaNet (bf16 always: an FP8 checkpoint's tensors are dequantised at load).
+  bf16* in_proj = nullptr;   // [conv_dim + v_dim + 2 v_heads, hidden]: q | k | v | z | b | a
+  bf16* conv = nullptr;      // [conv_dim, kernel_size]
+  float* a_log = nullptr;    // [v_heads]
+  bf16* dt_bias = nullptr;   // [v_heads]
+  bf16* gdn_norm = nullptr;  // [value_dim], plain (not zero-centred)
+  bf16* out_proj = nullptr;  // [hidden, v_dim]
   bool moe = false;
+  // The MoE's sigmoid-gated shared expert (hybrid MoE layers; bf16): added after the routed sum.
+  bf16* shared_gate_up = nullptr;  // [2 shared_width, hidden]
+  bf16* shared_down = nullptr;     // [hidden, shared_width]
+  bf16* shared_gate = nullptr;     // [1, hidden]
+  int shared_width = 0;
   bf16* router = nullptr;   // [experts, hidden]
   bf16* gate_up = nullptr;  // moe: [experts, 2 width, hidden]; dense: [2 width, hidden]
   bf16* down = nullptr;     // moe: [experts, hidden, width]; dense: [hidden, width]
@@ -122,9 +143,10 @@ struct LayerWeights {
 // The per-step metadata, packed contiguously so one copy moves it to the device. Offsets depend
 // only on (tokens, seqs, logit rows, table width), so a graph bucket always sees the same
 // addresses.
+// The recurrent-state fields (hybrid models) are there for every model: a few bytes.
 struct MetaLayout {
   size_t token_ids, positions, logit_rows, query_starts, context_lens, slot_mapping, block_tables,
-      bytes;
+      state_slots, snapshot_slots, state_fresh, bytes;
   static MetaLayout make(int tokens, int seqs, int rows, int width) {
     MetaLayout m{};
     size_t at = 0;
@@ -140,6 +162,9 @@ struct MetaLayout {
     m.query_starts = put(sizeof(int32_t) * (seqs + 1));
     m.context_lens = put(sizeof(int32_t) * seqs);
     m.block_tables = put(sizeof(int32_t) * static_cast<size_t>(seqs) * width);
+    m.state_slots = put(sizeof(int32_t) * seqs);
+    m.snapshot_slots = put(sizeof(int32_t) * tokens);
+    m.state_fresh = put(sizeof(uint8_t) * seqs);
     m.bytes = at;
     return m;
   }
@@ -201,13 +226,29 @@ struct RankEngine {
   float attention_scaling = 1.0f;
   std::vector<LayerWeights> layers;
 
-  // KV pool: one allocation, kvcache/kv_cache.h layout with bf16 elements.
+  // KV pool: one allocation, kvcache/kv_cache.h layout with bf16 elements; a layer for each
+  // attention layer (LayerWeights::kv_layer).
   KvCacheLayout kv_layout;
   bf16* kv_pool = nullptr;
+
+  // Hybrid models: the recurrent-state pool (kvcache/recurrent_state.h, fp32 as on the CPU, so a
+  // disaggregated hand-off copies bytes between any two backends): state_slots sequence slots (the
+  // engine's slots of this DP rank, local ids), then state_snapshots prefix-cache snapshots.
+  RecurrentStateLayout state_layout;
+  float* state_pool = nullptr;
+  int state_slots = 0, state_snapshots = 0;
+  int dp_rank = 0;  // whose slot and snapshot ids this rank holds
+  int gdn_heads_k = 0, gdn_heads_v = 0, gdn_key_dim = 0, gdn_value_dim = 0, gdn_conv_dim = 0;
+  int gdn_kernel = 0, gdn_in_width = 0;  // in_proj rows
+  int rotary_dim = 0;
 
   // Activations, sized for max_num_tokens.
   bf16 *residual, *normed, *mix, *qkv, *q, *attn, *router_logits, *permuted_x, *gate_up, *act,
       *expert_out;
+  // Hybrid layers: gated attention's gate, Gated DeltaNet's projection / conv output / core
+  // output, the shared expert's output and gate logit (null when no layer needs them).
+  bf16 *attn_gate_out = nullptr, *gdn_proj = nullptr, *gdn_conv_out = nullptr, *gdn_core = nullptr,
+       *shared_out = nullptr, *shared_logit = nullptr;
   int32_t *topk_ids, *permuted_index, *expert_offsets;
   float *topk_weights, *logits;
   bf16* recv_sum = nullptr;  // DP + EP: each received row's weighted expert sum [moe_tokens, H]
@@ -328,6 +369,7 @@ struct RankEngine {
     if (meta_host) cudaFreeHost(meta_host);
     if (sample_rows_host) cudaFreeHost(sample_rows_host);  // owns the other sampling mirrors too
     if (kv_pool) cudaFree(kv_pool);
+    if (state_pool) cudaFree(state_pool);
     weights.release();
     acts.release();
     if (stream) cudaStreamDestroy(stream);
@@ -346,6 +388,15 @@ struct RankEngine {
   // has its own streams' cuBLASLt workspace, grown workspaces and graphs.
   int blocks_that_fit(int sharing);
   void allocate_kv(int num_blocks);
+  // The recurrent-state pool of `slots` sequence slots and `snapshots` snapshots (hybrid models;
+  // before the KV pool, which takes what is left). The error names --max-num-seqs and
+  // --num-state-snapshots when the device cannot hold it.
+  void allocate_states(int slots, int snapshots);
+  float* state_slot_ptr(int local_slot) const {
+    return state_pool + static_cast<int64_t>(local_slot) * state_layout.slot_stride();
+  }
+  // Copies local slot `src`'s whole state over `dst`'s on the stream.
+  void copy_state_slot(int dst, int src);
 
   // ---------------------------------------------------------------- forward
   struct Shape {
@@ -387,6 +438,18 @@ struct RankEngine {
   // EP the permute's copy and the SwiGLU also skip the absent expert's rows. The grouped GEMMs
   // read expert_offsets on the device and so compute only live rows of this rank's experts anyway.
   void enqueue_moe(const LayerWeights& w, int T);
+  // The layer's mixers: (gated) softmax attention over its KV-pool layer, and Gated DeltaNet over
+  // its recurrent-state layer (kernels/ops.h has the math); both leave their output in `mix`.
+  struct StepMeta {
+    const int32_t *token_ids, *positions, *logit_rows, *query_starts, *context_lens, *tables,
+        *state_slots, *snapshot_slots;
+    const int64_t* slots;
+    const uint8_t* state_fresh;
+  };
+  void enqueue_attention(const LayerWeights& w, const Shape& sh, const StepMeta& m);
+  void enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh, const StepMeta& m);
+  // mix += sigmoid(x . shared_gate) * shared_expert(x), x = normed (the MoE's input).
+  void enqueue_shared_expert(const LayerWeights& w, int T);
 
   // Every check of a batch that can fail, made before anything is enqueued: a sharded step checks
   // every rank's part first, so no rank is left spinning in a collective for one that threw.
@@ -441,6 +504,16 @@ struct RankEngine {
 
   // Row r of the last launch_sampling as a TokenLogprob with its top `top` logprobs.
   TokenLogprob sampled_row(int r, int max_logprobs, int top) const;
+
+  // The local state slot of a sequence's state_slots[i] (this DP rank's ids), and the pool slot of
+  // a snapshot id.
+  int local_state_slot(const StepSequence& s, size_t i) const;
+  int snapshot_pool_slot(const StepSequence& s, int32_t snapshot) const;
+  // After a step verified `s`'s drafts (accepted of them): the prefix-cache snapshots it saves at
+  // accepted rows and the state after its last accepted token, copied from the draft slots the
+  // kernels filled (upload_batch: row j < k into slot 1 + j; a sequence padded past its drafts in
+  // a graph step also row k into slot 1 + k, since its fillers moved the state on).
+  void settle_draft_states(const StepSequence& s, size_t accepted, bool padded);
 
   // Runs a checked batch (check_batch) and samples its sampling sequences, unless `sample` is
   // false (a TP rank other than 0: the same logits, sampled by rank 0). A sequence with k drafts

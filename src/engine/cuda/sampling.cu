@@ -187,6 +187,10 @@ std::vector<SampledToken> RankEngine::step(std::span<const StepSequence> batch, 
                             return tok;
                           });
     }
+    // A hybrid model's state after the last accepted token (and the snapshots at accepted rows).
+    const bool padded = sh.per_seq > 1 + k;
+    if (state_pool != nullptr && !s.state_slots.empty() && (k > 0 || padded))
+      settle_draft_states(s, got.size() - 1, padded);
     for (SampledToken& tok : got) {
       tok.seq_id = s.seq_id;
       out.push_back(std::move(tok));

@@ -103,24 +103,26 @@ void RankEngine::load(const std::filesystem::path& dir) {
   const auto t0 = std::chrono::steady_clock::now();
   cfg = ModelConfig::load(dir);
   const Checkpoint ckpt = open_checkpoint(dir, opt.load_format);
-  // The decoder's plan (model/decoder_plan.h) names every tensor; the kernels here run plain
-  // attention with dense or MoE feed-forwards.
+  // The decoder's plan (model/decoder_plan.h) names every tensor and gives each layer's kinds.
   const DecoderPlan decoder = plan_decoder(cfg, ckpt);
-  for (const LayerPlan& lp : decoder.layers) {
-    RELAY_CHECK(lp.mixer == MixerKind::kAttention && lp.ffn != FfnKind::kMoeWithSharedExpert,
-                dir.string(), ": layer ", lp.index, " is ", mixer_kind_name(lp.mixer), " with a ",
-                ffn_kind_name(lp.ffn), " (", cfg.architecture,
-                "); the CUDA backend runs attention with a dense MLP or an MoE so far: serve it "
-                "with --device cpu");
-  }
+  // NOTE: a TP rank would hold a slice of each Gated DeltaNet layer's heads and of the shared
+  // expert, and the draft rollback copies its states on the sampling rank only (step()).
+  RELAY_CHECK(!cfg.has_linear_attention() || shard.tp_size == 1, dir.string(), ": ",
+              cfg.architecture, " has Gated DeltaNet layers, which the cuda device runs on whole "
+              "ranks so far (--dp with --ep, not --tp ", shard.tp_size,
+              "); serve it with --device cpu for tensor parallelism");
   // A layer's attention / feed-forward tensors (expert e of this rank's, or the dense MLP's).
   auto attn = [&](int64_t l, const char* name) {
     return linear_weight(decoder.layers[l].attention(), name);
   };
+  auto fused = [&](int64_t l) {
+    const LayerPlan& lp = decoder.layers[l];
+    return lp.ffn != FfnKind::kDenseMlp && ckpt.has(fused_experts_weight(lp.mlp(), "gate_up_proj"));
+  };
   auto ffn = [&](int64_t l, int64_t e, const char* name) {
     const LayerPlan& lp = decoder.layers[l];
-    return lp.ffn == FfnKind::kMoe ? expert_weight(lp.mlp(), shard.expert_begin + e, name)
-                                   : linear_weight(lp.mlp(), name);
+    return lp.ffn != FfnKind::kDenseMlp ? expert_weight(lp.mlp(), shard.expert_begin + e, name)
+                                        : linear_weight(lp.mlp(), name);
   };
   quant_cfg = quant::QuantConfig::load(dir);
   hidden = static_cast<int>(cfg.hidden_size);
@@ -132,16 +134,30 @@ void RankEngine::load(const std::filesystem::path& dir) {
   local_experts = shard.num_local_experts;
   top_k = static_cast<int>(cfg.num_experts_per_tok);
   qkv_dim = (q_heads + 2 * kv_heads) * head_dim;
+  rotary_dim = cfg.rotary_dim() == cfg.head_dim ? 0 : static_cast<int>(cfg.rotary_dim());
+  if (cfg.has_linear_attention()) {
+    gdn_heads_k = shard.num_local_k_heads;
+    gdn_heads_v = shard.num_local_v_heads;
+    gdn_key_dim = static_cast<int>(cfg.linear_key_head_dim);
+    gdn_value_dim = static_cast<int>(cfg.linear_value_head_dim);
+    gdn_conv_dim = 2 * gdn_heads_k * gdn_key_dim + gdn_heads_v * gdn_value_dim;
+    gdn_kernel = static_cast<int>(cfg.linear_conv_kernel_dim);
+    gdn_in_width = gdn_conv_dim + gdn_heads_v * gdn_value_dim + 2 * gdn_heads_v;
+  }
   const int64_t H = hidden, hd = head_dim;
   // Full (checkpoint) and local (this rank's) projection widths; the q rows of a rank are its q
   // heads', its k / v rows its KV heads' (model/shard.h).
   const int64_t q_full = cfg.num_attention_heads * hd, kv_full = cfg.num_key_value_heads * hd;
   const int64_t q_dim = int64_t{q_heads} * hd, kv_dim = int64_t{kv_heads} * hd;
   const IndexRange q_rows{shard.q_head_begin * hd, q_dim}, kv_rows{shard.kv_head_begin * hd, kv_dim};
+  const int64_t gdn_v_dim = int64_t{gdn_heads_v} * gdn_value_dim;
+  const int64_t shared_w = cfg.shared_expert_intermediate_size;
   // A fused group of linears (q|k|v, an MLP's gate|up|down) is FP8 when any of its tensors is an
   // FP8 checkpoint tensor (unless --dtype bf16 asked to dequantise) or when --dtype fp8 asked to
   // quantise bf16 ones; the other members of an FP8 group are quantised with it, so one group
-  // runs one kind of GEMM. The router, embeddings, norms and lm_head always stay bf16.
+  // runs one kind of GEMM. The router, embeddings, norms and lm_head always stay bf16, and so do
+  // the hybrids' gated attention, Gated DeltaNet and shared expert (their FP8 tensors are
+  // dequantised at load).
   auto group_fp8 = [&](std::initializer_list<std::string> names) {
     if (opt.weights == WeightFormat::kBf16) return false;
     if (opt.weights == WeightFormat::kFp8) return true;
@@ -180,31 +196,42 @@ void RankEngine::load(const std::filesystem::path& dir) {
   count(H);
   if (!cfg.tie_word_embeddings) count(int64_t{vocab} * H);
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const LayerPlan& lp = decoder.layers[l];
     Plan& plan = plans[l];
-    count(H), count(H), count(head_dim), count(head_dim);
-    if (cfg.attention_bias) count(qkv_dim), count(H);
-    plan.qkv_fp8 = group_fp8({attn(l, "q_proj"), attn(l, "k_proj"), attn(l, "v_proj")});
-    plan.o_fp8 = group_fp8({attn(l, "o_proj")});
-    RELAY_CHECK(!(cfg.attention_bias && (plan.qkv_fp8 || plan.o_fp8)), dir.string(), ": layer ",
-                l,
-                " has FP8 attention weights and attention_bias, which the FP8 "
-                "GEMMs do not add");
-    if (plan.qkv_fp8) {
-      plan.qkv = {quant::round_up_to_block(q_dim) + quant::round_up_to_block(kv_dim) + kv_dim, H};
-      count_fp8(plan.qkv, 1);
+    count(H), count(H);
+    if (lp.mixer == MixerKind::kGatedDeltaNet) {
+      count(int64_t{gdn_in_width} * H), count(int64_t{gdn_conv_dim} * gdn_kernel);
+      count(gdn_heads_v, 4), count(gdn_heads_v), count(gdn_value_dim), count(H * gdn_v_dim);
     } else {
-      count(qkv_dim * H);
+      const bool gated = lp.mixer == MixerKind::kGatedAttention;
+      count(head_dim), count(head_dim);
+      if (cfg.attention_bias) count(qkv_dim), count(H);
+      if (gated) count(q_dim * H);
+      plan.qkv_fp8 = !gated && group_fp8({attn(l, "q_proj"), attn(l, "k_proj"), attn(l, "v_proj")});
+      plan.o_fp8 = !gated && group_fp8({attn(l, "o_proj")});
+      RELAY_CHECK(!(cfg.attention_bias && (plan.qkv_fp8 || plan.o_fp8)), dir.string(), ": layer ",
+                  l,
+                  " has FP8 attention weights and attention_bias, which the FP8 "
+                  "GEMMs do not add");
+      if (plan.qkv_fp8) {
+        plan.qkv = {quant::round_up_to_block(q_dim) + quant::round_up_to_block(kv_dim) + kv_dim, H};
+        count_fp8(plan.qkv, 1);
+      } else {
+        count(qkv_dim * H);
+      }
+      if (plan.o_fp8) {
+        plan.o = {H, q_dim};
+        count_fp8(plan.o, 1);
+      } else {
+        count(q_dim * H);
+      }
     }
-    if (plan.o_fp8) {
-      plan.o = {H, q_dim};
-      count_fp8(plan.o, 1);
-    } else {
-      count(q_dim * H);
-    }
-    const bool moe = decoder.layers[l].ffn != FfnKind::kDenseMlp;
+    const bool moe = lp.ffn != FfnKind::kDenseMlp;
     const int64_t W = mlp_width(moe).count;
     plan.mlp_fp8 =
-        group_fp8({ffn(l, 0, "gate_proj"), ffn(l, 0, "up_proj"), ffn(l, 0, "down_proj")});
+        fused(l) ? group_fp8({fused_experts_weight(lp.mlp(), "gate_up_proj"),
+                              fused_experts_weight(lp.mlp(), "down_proj")})
+                 : group_fp8({ffn(l, 0, "gate_proj"), ffn(l, 0, "up_proj"), ffn(l, 0, "down_proj")});
     const int64_t copies = moe ? local_experts : 1;
     if (moe) count(int64_t{experts} * H);
     if (plan.mlp_fp8) {
@@ -219,6 +246,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
       count(copies * 2 * W * H);
       count(copies * H * W);
     }
+    if (lp.ffn == FfnKind::kMoeWithSharedExpert) count(2 * shared_w * H), count(H * shared_w), count(H);
   }
   total += static_cast<size_t>(head_dim) * 4 + 256;
   weights.reserve(total);
@@ -230,27 +258,27 @@ void RankEngine::load(const std::filesystem::path& dir) {
   auto stored = [](const TensorView& v) {
     return quant::StoredTensor{v.name, v.file, v.dtype, v.shape, v.data};
   };
-  // The part of checkpoint tensor `name` (full shape `shape`) this rank holds — rows x cols, a
-  // count of -1 meaning all — and, for an F8_E4M3 tensor, the matching part of its scales. Whole
+  // The part of a checkpoint tensor (full shape `shape`) this rank holds — rows x cols, a count
+  // of -1 meaning all — and, for an F8_E4M3 tensor, the matching part of its scales. Whole
   // tensors are the checkpoint's views; slices are copied into `slices` (cleared after each
   // layer). FP8 slices must fall on the 128 x 128 scale blocks.
   std::deque<TensorSlice> slices;
+  std::deque<TensorView> views;  // experts of fused 3-D tensors (views into the file)
   std::mutex slices_mu;  // experts are packed in parallel
   struct Source {
     const TensorView* w = nullptr;
     const TensorView* scale = nullptr;  // F8_E4M3 weights only
   };
-  auto source = [&](const std::string& name, std::vector<int64_t> shape, IndexRange rows = {},
-                    IndexRange cols = {}) -> Source {
-    const TensorView& t = ckpt.get(name, shape);
+  auto part = [&](const TensorView& t, const std::vector<int64_t>& shape, IndexRange rows,
+                  IndexRange cols) -> Source {
     const int64_t num_rows = shape.size() == 1 ? 1 : shape[0], num_cols = shape.back();
     if (rows.count < 0) rows = {0, num_rows};
     if (cols.count < 0) cols = {0, num_cols};
     const bool fp8 = t.dtype == DType::F8_E4M3;
-    if (fp8) RELAY_CHECK(quant_cfg.quantized(), "tensor ", name, " in ", t.file,
+    if (fp8) RELAY_CHECK(quant_cfg.quantized(), "tensor ", t.name, " in ", t.file,
                          " is F8_E4M3 but config.json has no quantization_config");
     const TensorView* scale =
-        fp8 ? &ckpt.get(quant::scale_tensor_name(quant_cfg, name)) : nullptr;
+        fp8 ? &ckpt.get(quant::scale_tensor_name(quant_cfg, t.name)) : nullptr;
     if (rows.begin == 0 && rows.count == num_rows && cols.begin == 0 && cols.count == num_cols)
       return {&t, scale};
     std::lock_guard lock(slices_mu);
@@ -261,7 +289,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
     auto on_blocks = [&](IndexRange r, int64_t n) {
       return r.begin % B == 0 && (r.count % B == 0 || r.begin + r.count == n);
     };
-    RELAY_CHECK(on_blocks(rows, num_rows) && on_blocks(cols, num_cols), "tensor ", name, " in ",
+    RELAY_CHECK(on_blocks(rows, num_rows) && on_blocks(cols, num_cols), "tensor ", t.name, " in ",
                 t.file, ": rank ", rank, " holds rows [", rows.begin, ", +", rows.count,
                 ") x cols [", cols.begin, ", +", cols.count,
                 "), which do not fall on its 128 x 128 FP8 scale blocks; shard the experts with "
@@ -270,17 +298,84 @@ void RankEngine::load(const std::filesystem::path& dir) {
                                   cols.begin / B, (cols.count + B - 1) / B));
     return {w, &slices.back().view};
   };
+  auto source = [&](const std::string& name, std::vector<int64_t> shape, IndexRange rows = {},
+                    IndexRange cols = {}) -> Source {
+    return part(ckpt.get(name, shape), shape, rows, cols);
+  };
+  // Expert e of a fused 3-D tensor [E, rows, cols] as a 2-D part (bf16 / f16 / f32 tensors).
+  auto expert_source = [&](int64_t l, const char* name, int64_t e, int64_t rows_per_expert,
+                           int64_t cols, IndexRange rows = {}, IndexRange col_range = {}) -> Source {
+    const TensorView& t = ckpt.get(fused_experts_weight(decoder.layers[l].mlp(), name),
+                                   {experts, rows_per_expert, cols});
+    RELAY_CHECK(t.dtype != DType::F8_E4M3, "tensor ", t.name, " in ", t.file,
+                ": fused 3-D FP8 experts are not read by the cuda device; store them per expert");
+    const size_t bytes = static_cast<size_t>(rows_per_expert * cols) * dtype_size(t.dtype);
+    const TensorView* v = nullptr;
+    {
+      std::lock_guard lock(slices_mu);
+      views.push_back(TensorView{str(t.name, "[", shard.expert_begin + e, "]"), t.dtype,
+                                 {rows_per_expert, cols},
+                                 t.data + static_cast<size_t>(shard.expert_begin + e) * bytes,
+                                 bytes, t.file});
+      v = &views.back();
+    }
+    return part(*v, {rows_per_expert, cols}, rows, col_range);
+  };
+  // Any checkpoint tensor part widened to fp32 (FP8 ones dequantised).
+  auto to_f32 = [&](const Source& src) {
+    const TensorView& t = *src.w;
+    std::vector<float> w(static_cast<size_t>(t.numel()));
+    if (t.dtype != DType::F8_E4M3) {
+      tensor_to_f32(t, w.data());
+    } else {
+      quant::dequantize_stored_weight(
+          quant_cfg, stored(t), [&](const std::string&) { return stored(*src.scale); }, w.data());
+    }
+    return w;
+  };
   // A bf16 destination from any checkpoint tensor part: FP8 ones (with --dtype bf16) dequantised.
   auto put = [&](bf16* dst, const Source& src) {
-    const TensorView& t = *src.w;
-    if (t.dtype != DType::F8_E4M3) {
-      up.put(dst, t);
+    if (src.w->dtype != DType::F8_E4M3) {
+      up.put(dst, *src.w);
       return;
     }
-    std::vector<float> w(static_cast<size_t>(t.numel()));
-    quant::dequantize_stored_weight(
-        quant_cfg, stored(t), [&](const std::string&) { return stored(*src.scale); }, w.data());
+    const std::vector<float> w = to_f32(src);
     up.put_f32(dst, w.data(), w.size());
+  };
+  // An RMSNorm weight: 1 + w in fp32 for zero-centred models, then bf16.
+  auto put_norm = [&](bf16* dst, const std::string& name, int64_t size) {
+    const Source src = source(name, {size});
+    if (!cfg.zero_centered_norms) {
+      put(dst, src);
+      return;
+    }
+    std::vector<float> w = to_f32(src);
+    for (float& v : w) v += 1.0f;
+    up.put_f32(dst, w.data(), w.size());
+  };
+  // Rows `rows` of tensors stacked along their first dimension (each [tensor_rows[i], ...], as
+  // `shapes` say), as one bf16 upload: a Gated DeltaNet layer's in_proj and conv channels.
+  auto put_rows = [&](bf16* dst, const std::vector<std::string>& names,
+                      const std::vector<std::vector<int64_t>>& shapes,
+                      const std::vector<int64_t>& rows) {
+    std::vector<std::vector<float>> whole;
+    std::vector<int64_t> first_row;
+    int64_t cols = 0, stacked = 0;
+    for (size_t i = 0; i < names.size(); ++i) {
+      whole.push_back(to_f32(source(names[i], shapes[i])));
+      first_row.push_back(stacked);
+      stacked += shapes[i][0];
+      cols = static_cast<int64_t>(whole.back().size()) / shapes[i][0];
+    }
+    std::vector<float> out;
+    out.reserve(rows.size() * static_cast<size_t>(cols));
+    for (int64_t r : rows) {
+      const size_t i = static_cast<size_t>(
+          std::upper_bound(first_row.begin(), first_row.end(), r) - first_row.begin() - 1);
+      const float* from = whole[i].data() + (r - first_row[i]) * cols;
+      out.insert(out.end(), from, from + cols);
+    }
+    up.put_f32(dst, out.data(), out.size());
   };
   // One part of a packed FP8 weight, into host buffers (q, scale) laid out as `packed`.
   auto pack = [&](const Source& src, const quant::Fp8PackedShape& packed, int64_t row_offset,
@@ -325,7 +420,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
   embedding = weights.take<bf16>(size_t(vocab) * H);
   put(embedding, source(decoder.embed_tokens(), {vocab, H}));
   final_norm = weights.take<bf16>(H);
-  put(final_norm, source(decoder.final_norm(), {H}));
+  put_norm(final_norm, decoder.final_norm(), H);
   if (cfg.tie_word_embeddings) {
     lm_head = embedding;
   } else {
@@ -336,11 +431,54 @@ void RankEngine::load(const std::filesystem::path& dir) {
     const LayerPlan& lp = decoder.layers[l];
     const Plan& plan = plans[l];
     LayerWeights w;
+    w.mixer = lp.mixer;
+    w.kv_layer = cfg.kv_cache_layer(l);
+    w.state_layer = cfg.recurrent_layer(l);
     w.input_norm = weights.take<bf16>(H);
-    put(w.input_norm, source(lp.input_norm(), {H}));
+    put_norm(w.input_norm, lp.input_norm(), H);
     w.post_norm = weights.take<bf16>(H);
-    put(w.post_norm, source(lp.post_attention_norm(), {H}));
-    if (plan.qkv_fp8) {
+    put_norm(w.post_norm, lp.post_attention_norm(), H);
+    if (lp.mixer == MixerKind::kGatedDeltaNet) {
+      const std::string la = lp.linear_attention();
+      const InProjPlan ip = plan_in_proj(cfg, lp, ckpt, shard);
+      std::vector<std::vector<int64_t>> shapes;
+      for (int64_t rows : ip.tensor_rows) shapes.push_back({rows, H});
+      w.in_proj = weights.take<bf16>(size_t(gdn_in_width) * H);
+      put_rows(w.in_proj, ip.tensors, shapes, ip.rows);
+      w.conv = weights.take<bf16>(size_t(gdn_conv_dim) * gdn_kernel);
+      put_rows(w.conv, {linear_weight(la, "conv1d")},
+               {{cfg.linear_conv_dim(), 1, cfg.linear_conv_kernel_dim}},
+               linear_attention_channels(cfg, shard));
+      const IndexRange heads{shard.v_head_begin, gdn_heads_v};
+      const int64_t all_heads = cfg.linear_num_value_heads;
+      w.a_log = weights.take<float>(gdn_heads_v);
+      const std::vector<float> a_log = to_f32(source(block_tensor(la, "A_log"), {all_heads}, {}, heads));
+      up.put_bytes(w.a_log, a_log.data(), a_log.size() * 4);
+      w.dt_bias = weights.take<bf16>(gdn_heads_v);
+      put(w.dt_bias, source(block_tensor(la, "dt_bias"), {all_heads}, {}, heads));
+      w.gdn_norm = weights.take<bf16>(gdn_value_dim);
+      put(w.gdn_norm, source(linear_weight(la, "norm"), {gdn_value_dim}));
+      w.out_proj = weights.take<bf16>(size_t(H) * gdn_v_dim);
+      put(w.out_proj, source(linear_weight(la, "out_proj"), {H, cfg.linear_value_dim()}, {},
+                             {int64_t{shard.v_head_begin} * gdn_value_dim, gdn_v_dim}));
+    } else if (lp.mixer == MixerKind::kGatedAttention) {
+      RELAY_CHECK(!cfg.attention_bias, dir.string(), ": layer ", l,
+                  " is gated attention with attention_bias, which no released hybrid has");
+      // q_proj's rows are per head [query | gate]: the queries join q|k|v, the gates their own
+      // projection.
+      w.qkv = weights.take<bf16>(qkv_dim * H);
+      w.attn_gate = weights.take<bf16>(q_dim * H);
+      for (int h = 0; h < q_heads; ++h) {
+        const int64_t g = shard.q_head_begin + h;
+        put(w.qkv + h * hd * H, source(attn(l, "q_proj"), {2 * q_full, H}, {2 * g * hd, hd}));
+        put(w.attn_gate + h * hd * H,
+            source(attn(l, "q_proj"), {2 * q_full, H}, {(2 * g + 1) * hd, hd}));
+      }
+      put(w.qkv + q_dim * H, source(attn(l, "k_proj"), {kv_full, H}, kv_rows));
+      put(w.qkv + (q_dim + kv_dim) * H, source(attn(l, "v_proj"), {kv_full, H}, kv_rows));
+      w.o = weights.take<bf16>(q_dim * H);
+      put(w.o, source(attn(l, "o_proj"), {H, q_full}, {}, q_rows));
+    } else if (plan.qkv_fp8) {
       const int64_t k_row = quant::round_up_to_block(q_dim),
                     v_row = k_row + quant::round_up_to_block(kv_dim);
       upload_fp8(w.qkv8, plan.qkv, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
@@ -354,20 +492,24 @@ void RankEngine::load(const std::filesystem::path& dir) {
       put(w.qkv + q_dim * H, source(attn(l, "k_proj"), {kv_full, H}, kv_rows));
       put(w.qkv + (q_dim + kv_dim) * H, source(attn(l, "v_proj"), {kv_full, H}, kv_rows));
     }
-    // o_proj is row-parallel: this rank's q-head columns.
-    if (plan.o_fp8) {
-      upload_fp8(w.o8, plan.o, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
-        pack(source(attn(l, "o_proj"), {H, q_full}, {}, q_rows), plan.o, 0, q, s, pool);
-      });
-    } else {
-      w.o = weights.take<bf16>(q_dim * H);
-      put(w.o, source(attn(l, "o_proj"), {H, q_full}, {}, q_rows));
+    if (lp.mixer == MixerKind::kAttention) {
+      // o_proj is row-parallel: this rank's q-head columns.
+      if (plan.o_fp8) {
+        upload_fp8(w.o8, plan.o, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
+          pack(source(attn(l, "o_proj"), {H, q_full}, {}, q_rows), plan.o, 0, q, s, pool);
+        });
+      } else {
+        w.o = weights.take<bf16>(q_dim * H);
+        put(w.o, source(attn(l, "o_proj"), {H, q_full}, {}, q_rows));
+      }
     }
-    w.q_norm = weights.take<bf16>(head_dim);
-    put(w.q_norm, source(attn(l, "q_norm"), {head_dim}));
-    w.k_norm = weights.take<bf16>(head_dim);
-    put(w.k_norm, source(attn(l, "k_norm"), {head_dim}));
-    if (cfg.attention_bias) {
+    if (lp.mixer != MixerKind::kGatedDeltaNet) {
+      w.q_norm = weights.take<bf16>(head_dim);
+      put_norm(w.q_norm, attn(l, "q_norm"), head_dim);
+      w.k_norm = weights.take<bf16>(head_dim);
+      put_norm(w.k_norm, attn(l, "k_norm"), head_dim);
+    }
+    if (cfg.attention_bias && lp.mixer == MixerKind::kAttention) {
       w.qkv_bias = weights.take<bf16>(qkv_dim);
       put(w.qkv_bias, source(linear_bias(lp.attention(), "q_proj"), {q_full}, {}, q_rows));
       put(w.qkv_bias + q_dim, source(linear_bias(lp.attention(), "k_proj"), {kv_full}, {}, kv_rows));
@@ -389,36 +531,60 @@ void RankEngine::load(const std::filesystem::path& dir) {
       w.router = weights.take<bf16>(size_t(experts) * H);
       put(w.router, source(linear_weight(lp.mlp(), "gate"), {experts, H}));
     }
+    // Expert e's (or the dense MLP's) gate, up and down parts of this rank's width.
+    const bool fused_experts = fused(l);
+    auto gate_src = [&](int64_t e) {
+      return fused_experts ? expert_source(l, "gate_up_proj", e, 2 * full_w, H, cols)
+                           : source(ffn(l, e, "gate_proj"), {full_w, H}, cols);
+    };
+    auto up_src = [&](int64_t e) {
+      return fused_experts ? expert_source(l, "gate_up_proj", e, 2 * full_w, H,
+                                           {full_w + cols.begin, W})
+                           : source(ffn(l, e, "up_proj"), {full_w, H}, cols);
+    };
+    auto down_src = [&](int64_t e) {
+      return fused_experts ? expert_source(l, "down_proj", e, H, full_w, {}, cols)
+                           : source(ffn(l, e, "down_proj"), {H, full_w}, {}, cols);
+    };
     if (plan.mlp_fp8) {
       w.act_width = static_cast<int>(plan.down.cols);
-      upload_fp8(
-          w.gate_up8, plan.gate_up, copies,
-          [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
-            pack(source(ffn(l, e, "gate_proj"), {full_w, H}, cols), plan.gate_up, 0, q,
-                 s, pool);
-            pack(source(ffn(l, e, "up_proj"), {full_w, H}, cols), plan.gate_up,
-                 w.act_width, q, s, pool);
-          });
+      upload_fp8(w.gate_up8, plan.gate_up, copies,
+                 [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
+                   pack(gate_src(e), plan.gate_up, 0, q, s, pool);
+                   pack(up_src(e), plan.gate_up, w.act_width, q, s, pool);
+                 });
       upload_fp8(w.down8, plan.down, copies,
                  [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
-                   pack(source(ffn(l, e, "down_proj"), {H, full_w}, {}, cols), plan.down,
-                        0, q, s, pool);
+                   pack(down_src(e), plan.down, 0, q, s, pool);
                  });
     } else {
       w.gate_up = weights.take<bf16>(size_t(copies) * 2 * W * H);
       w.down = weights.take<bf16>(size_t(copies) * H * W);
       for (int64_t e = 0; e < copies; ++e) {
         bf16* gu = w.gate_up + e * 2 * W * H;
-        put(gu, source(ffn(l, e, "gate_proj"), {full_w, H}, cols));
-        put(gu + W * H, source(ffn(l, e, "up_proj"), {full_w, H}, cols));
-        put(w.down + e * H * W, source(ffn(l, e, "down_proj"), {H, full_w}, {}, cols));
+        put(gu, gate_src(e));
+        put(gu + W * H, up_src(e));
+        put(w.down + e * H * W, down_src(e));
       }
     }
-    max_ffn_width = std::max(max_ffn_width, w.act_width);
+    if (lp.ffn == FfnKind::kMoeWithSharedExpert) {
+      // Whole on every rank (tp is 1 for the hybrids here), added after the MoE's reduction.
+      w.shared_width = static_cast<int>(shared_w);
+      w.shared_gate_up = weights.take<bf16>(size_t(2 * shared_w * H));
+      put(w.shared_gate_up, source(linear_weight(lp.shared_expert(), "gate_proj"), {shared_w, H}));
+      put(w.shared_gate_up + shared_w * H,
+          source(linear_weight(lp.shared_expert(), "up_proj"), {shared_w, H}));
+      w.shared_down = weights.take<bf16>(size_t(H * shared_w));
+      put(w.shared_down, source(linear_weight(lp.shared_expert(), "down_proj"), {H, shared_w}));
+      w.shared_gate = weights.take<bf16>(H);
+      put(w.shared_gate, source(linear_weight(lp.mlp(), "shared_expert_gate"), {1, H}));
+    }
+    max_ffn_width = std::max({max_ffn_width, w.act_width, w.shared_width});
     max_qkv_width = std::max<int64_t>(max_qkv_width, plan.qkv_fp8 ? plan.qkv.rows : qkv_dim);
     layers.push_back(w);
     up.finish();  // the staging buffers no longer read this layer's slices
     slices.clear();
+    views.clear();
   }
   RopeTables rope = compute_rope(cfg);
   inv_freq = weights.take<float>(rope.inv_freq.size());

@@ -52,11 +52,12 @@ void launch_causal_conv1d(const CausalConv1dParams<float>& p, ThreadPool& pool) 
       const int s = static_cast<int>(task / blocks);
       const int c0 = static_cast<int>(task % blocks) * kConvChannelBlock;
       const int c1 = std::min(p.conv_dim, c0 + kConvChannelBlock);
-      float* state = p.conv_states + p.state_slots[s] * p.state_stride;
+      const bool keeps = p.state_slots[s] >= 0;  // -1: padding, no state
+      float* state = keeps ? p.conv_states + p.state_slots[s] * p.state_stride : nullptr;
       // window[c - c0] holds channel c's last `width` inputs, oldest first.
       for (int c = c0; c < c1; ++c) {
         float* w = window.data() + static_cast<size_t>(c - c0) * width;
-        if (p.state_fresh[s]) {
+        if (!keeps || p.state_fresh[s]) {
           std::fill(w, w + width, 0.0f);
         } else {
           std::copy_n(state + static_cast<int64_t>(c) * width, width, w);
@@ -85,7 +86,7 @@ void launch_causal_conv1d(const CausalConv1dParams<float>& p, ThreadPool& pool) 
           }
         }
       }
-      for (int c = c0; c < c1; ++c) {
+      for (int c = c0; c < c1 && keeps; ++c) {
         std::copy_n(window.data() + static_cast<size_t>(c - c0) * width, width,
                     state + static_cast<int64_t>(c) * width);
       }
@@ -106,13 +107,19 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<float>& p, ThreadPool& p
   pool.parallel_for(
       static_cast<int64_t>(p.num_seqs) * p.num_v_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> q(dk), k(dk), kv_mem(dv), delta(dv), o(dv);
+        std::vector<float> unkept;  // the state of a sequence without a slot (padding)
         for (int64_t task = begin; task < end; ++task) {
           const int s = static_cast<int>(task / p.num_v_heads);
           const int h = static_cast<int>(task % p.num_v_heads);
           const int kh = h / group;
-          float* state = p.states + p.state_slots[s] * p.state_stride +
-                         static_cast<int64_t>(h) * dk * dv;  // [dk, dv]
-          if (p.state_fresh[s]) std::fill(state, state + static_cast<int64_t>(dk) * dv, 0.0f);
+          const bool keeps = p.state_slots[s] >= 0;
+          if (!keeps) unkept.resize(static_cast<size_t>(dk) * dv);
+          float* state = keeps ? p.states + p.state_slots[s] * p.state_stride +
+                                     static_cast<int64_t>(h) * dk * dv
+                               : unkept.data();  // [dk, dv]
+          if (!keeps || p.state_fresh[s]) {
+            std::fill(state, state + static_cast<int64_t>(dk) * dv, 0.0f);
+          }
           const float a_rate = std::exp(p.a_log[h]);
           for (int t = p.query_starts[s]; t < p.query_starts[s + 1]; ++t) {
             const float* in = p.qkv + t * row;

@@ -34,12 +34,14 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= p.conv_dim) return;
   const int width = p.kernel_size - 1;
-  bf16* state = p.conv_states + p.state_slots[s] * p.state_stride + static_cast<int64_t>(c) * width;
+  const bool keeps = p.state_slots[s] >= 0;  // -1: padding, no state
+  float* state = keeps ? p.conv_states + p.state_slots[s] * p.state_stride + static_cast<int64_t>(c) * width
+                       : nullptr;
   float w[kMaxConvWidth];  // the channel's last `width` inputs, oldest first
   float taps[kMaxConvWidth + 1];
 #pragma unroll
   for (int j = 0; j < kMaxConvWidth; ++j) {
-    w[j] = j < width && !p.state_fresh[s] ? __bfloat162float(state[j]) : 0.0f;
+    w[j] = j < width && keeps && !p.state_fresh[s] ? state[j] : 0.0f;
   }
 #pragma unroll
   for (int j = 0; j <= kMaxConvWidth; ++j) {
@@ -60,17 +62,18 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
     }
     p.out[static_cast<int64_t>(t) * p.conv_dim + c] = __float2bfloat16(silu(acc));
     if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
-      bf16* snap =
+      float* snap =
           p.conv_states + p.snapshot_slots[t] * p.state_stride + static_cast<int64_t>(c) * width;
 #pragma unroll
       for (int j = 0; j < kMaxConvWidth; ++j) {
-        if (j < width) snap[j] = __float2bfloat16(w[j]);
+        if (j < width) snap[j] = w[j];
       }
     }
   }
+  if (!keeps) return;
 #pragma unroll
   for (int j = 0; j < kMaxConvWidth; ++j) {
-    if (j < width) state[j] = __float2bfloat16(w[j]);
+    if (j < width) state[j] = w[j];
   }
 }
 
@@ -85,9 +88,10 @@ __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
   const int j = threadIdx.x;
   const bool owns = j < dv;
   const int64_t head_state = static_cast<int64_t>(h) * dk * dv;
-  float* state = p.states + p.state_slots[s] * p.state_stride + head_state;
+  const bool keeps = p.state_slots[s] >= 0;  // -1: padding, no state
+  float* state = keeps ? p.states + p.state_slots[s] * p.state_stride + head_state : nullptr;
   float col[MaxDk];  // S[:, j]
-  const bool fresh = p.state_fresh[s];
+  const bool fresh = !keeps || p.state_fresh[s];
 #pragma unroll
   for (int i = 0; i < MaxDk; ++i) {
     col[i] = owns && i < dk && !fresh ? state[static_cast<int64_t>(i) * dv + j] : 0.0f;
@@ -143,7 +147,7 @@ __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
     }
     __syncthreads();  // q and k are rewritten for the next token
   }
-  if (owns) {
+  if (owns && keeps) {
 #pragma unroll
     for (int i = 0; i < MaxDk; ++i) {
       if (i < dk) state[static_cast<int64_t>(i) * dv + j] = col[i];

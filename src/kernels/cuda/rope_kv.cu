@@ -51,8 +51,10 @@ __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
   const unsigned group_mask =
       group_lanes == 32 ? 0xffffffffu : ((1u << group_lanes) - 1u) << (group * group_lanes);
   // Partial rotary: the first rd / 8 lanes of a head rotate (their halves rd / 16 lanes apart),
-  // the others pass their normed elements through.
+  // the others pass their normed elements through. With rd 8 (a small head_dim's quarter) the
+  // first lane holds both halves and rotates its own elements, four apart.
   const int rot_lanes = rd / kElemsPerLane;
+  const bool in_lane = rot_lanes == 1;
   const bool rotates = sub < rot_lanes;
   const bool first_half = sub < rot_lanes / 2;
   const int elem = sub * kElemsPerLane;                         // within the head
@@ -110,13 +112,17 @@ __global__ void qk_norm_rope_kv_write_kernel(QkNormRopeKvWriteParams<bf16> p) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int i = 2 * j + c;
-        const float partner = __shfl_xor_sync(group_mask, x[i], rot_lanes / 2);
+        constexpr int kHalfLane = kElemsPerLane / 2;
+        const float partner =
+            in_lane ? x[i ^ kHalfLane] : __shfl_xor_sync(group_mask, x[i], rot_lanes / 2);
         if (!rotates) {
           r[c] = x[i];
           continue;
         }
-        const float cs = cos_s[angle0 + i], sn = sin_s[angle0 + i];
-        r[c] = first_half ? x[i] * cs - partner * sn : x[i] * cs + partner * sn;
+        const int a = in_lane ? i % kHalfLane : angle0 + i;
+        const bool first = in_lane ? i < kHalfLane : first_half;
+        const float cs = cos_s[a], sn = sin_s[a];
+        r[c] = first ? x[i] * cs - partner * sn : x[i] * cs + partner * sn;
       }
       out.h[j] = __floats2bfloat162_rn(r[0], r[1]);
     }
@@ -133,10 +139,11 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaSt
   const bool shape_ok = p.head_dim >= 16 && p.head_dim <= kMaxHeadDim && (p.head_dim & (p.head_dim - 1)) == 0;
   RELAY_CHECK(shape_ok, "qk_norm_rope_kv_write: head_dim ", p.head_dim,
               " must be a power of two from 16 to ", kMaxHeadDim);
-  // The rotated dims' halves are whole lane groups a power of two apart (a shuffle by XOR).
+  // The rotated dims' halves are whole lane groups a power of two apart (a shuffle by XOR), or
+  // both in the first lane (8).
   const int rd = p.rotary_dim == 0 ? p.head_dim : p.rotary_dim;
-  RELAY_CHECK(rd >= 16 && rd <= p.head_dim && (rd & (rd - 1)) == 0, "qk_norm_rope_kv_write: rotary_dim ",
-              rd, " must be a power of two from 16 to head_dim ", p.head_dim);
+  RELAY_CHECK(rd >= 8 && rd <= p.head_dim && (rd & (rd - 1)) == 0, "qk_norm_rope_kv_write: rotary_dim ",
+              rd, " must be a power of two from 8 to head_dim ", p.head_dim);
   const QkvSections sec = qkv_sections(p.num_q_heads, p.num_kv_heads, p.head_dim, p.section_align);
   RELAY_CHECK(sec.row % kElemsPerLane == 0 && sec.k_col % kElemsPerLane == 0 && sec.v_col % kElemsPerLane == 0,
               "qk_norm_rope_kv_write: q|k|v sections must start on 16-byte boundaries (section_align ",
