@@ -278,6 +278,36 @@ TEST_F(HybridOps, StatefulOpsGiveTheSameBitsInOneCallAndTokenByToken) {
   EXPECT_TRUE(std::equal(ssm_a.begin() + ssm_stride, ssm_a.end(), ssm_b.begin() + ssm_stride));
 }
 
+// Graph padding: a sequence with slot -1 is computed from a zero state (as a fresh one) and
+// leaves every slot of the pool as it was.
+TEST_F(HybridOps, ASequenceWithoutASlotStartsFromZerosAndKeepsNothing) {
+  ConvCase cc;
+  cc.weight = random_vec(cc.conv_dim * cc.kernel, rng, 0.5f);
+  DeltaCase dc;
+  dc.a_log = random_vec(dc.v_heads, rng);
+  dc.dt_bias = random_vec(dc.v_heads, rng);
+  const int n = 5;
+  const int64_t conv_stride = static_cast<int64_t>(cc.conv_dim) * (cc.kernel - 1);
+  const int64_t ssm_stride = dc.state_elements();
+  const auto x = random_vec(n * cc.x_stride, rng);
+  const auto qkv = random_vec(n * dc.row(), rng);
+  const auto gates = random_vec(n * dc.gate_stride, rng);
+  std::vector<float> conv_out(n * cc.conv_dim), out(n * dc.v_heads * dc.dv);
+  std::vector<float> conv_want(n * cc.conv_dim), out_want(n * dc.v_heads * dc.dv);
+  std::vector<float> conv(2 * conv_stride, 5.0f), ssm(2 * ssm_stride, 5.0f);
+  const std::vector<float> conv_before = conv, ssm_before = ssm;
+  const Batch padding = Batch::of({n}, {-1}, {0});
+  run_conv(cc, padding, x.data(), conv.data(), conv_stride, conv_out.data(), pool);
+  run_delta(dc, padding, qkv.data(), gates.data(), ssm.data(), ssm_stride, out.data(), pool);
+  EXPECT_EQ(conv, conv_before);
+  EXPECT_EQ(ssm, ssm_before);
+  const Batch fresh = Batch::of({n}, {1}, {1});
+  run_conv(cc, fresh, x.data(), conv.data(), conv_stride, conv_want.data(), pool);
+  run_delta(dc, fresh, qkv.data(), gates.data(), ssm.data(), ssm_stride, out_want.data(), pool);
+  EXPECT_EQ(conv_out, conv_want);
+  EXPECT_EQ(out, out_want);
+}
+
 // Drafts' snapshots: one call over 8 tokens in slot 0, with rows 2, 5 and 7 copying their state
 // into slots 1, 2 and 3, leaves in each exactly the state a call over the tokens up to that row
 // leaves (so a rollback to a snapshot is as if the later tokens never ran); slot 4 is untouched.

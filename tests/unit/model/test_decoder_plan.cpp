@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "../engine/fixtures.h"
 #include "model/decoder_plan.h"
@@ -36,7 +37,13 @@ void expect_names_exist(const Loaded& m) {
     EXPECT_TRUE(ckpt.has(lp.input_norm())) << lp.input_norm();
     EXPECT_TRUE(ckpt.has(lp.post_attention_norm())) << lp.post_attention_norm();
     if (lp.mixer == MixerKind::kGatedDeltaNet) {
-      EXPECT_TRUE(ckpt.has(linear_weight(lp.linear_attention(), "out_proj"))) << lp.index;
+      const std::string la = lp.linear_attention();
+      for (const char* w : {"out_proj", "conv1d", "norm"})
+        EXPECT_TRUE(ckpt.has(linear_weight(la, w))) << lp.index << " " << w;
+      for (const char* t : {"A_log", "dt_bias"})
+        EXPECT_TRUE(ckpt.has(block_tensor(la, t))) << lp.index << " " << t;
+      for (const std::string& t : plan_in_proj(m.config, lp, ckpt, unsharded(m.config)).tensors)
+        EXPECT_TRUE(ckpt.has(t)) << t;
     } else {
       for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"})
         EXPECT_TRUE(ckpt.has(linear_weight(lp.attention(), proj))) << lp.index << " " << proj;
@@ -46,10 +53,12 @@ void expect_names_exist(const Loaded& m) {
         EXPECT_TRUE(ckpt.has(linear_weight(lp.mlp(), proj))) << lp.index << " " << proj;
     } else {
       EXPECT_TRUE(ckpt.has(linear_weight(lp.mlp(), "gate"))) << lp.index;
-      if (!ckpt.has(lp.mlp() + ".experts.gate_up_proj")) {
+      if (ckpt.has(fused_experts_weight(lp.mlp(), "gate_up_proj"))) {
+        EXPECT_TRUE(ckpt.has(fused_experts_weight(lp.mlp(), "down_proj")));
+      } else {
         EXPECT_TRUE(ckpt.has(expert_weight(lp.mlp(), m.config.num_experts - 1, "down_proj")));
       }
-      EXPECT_EQ(ckpt.has(linear_weight(lp.mlp() + ".shared_expert", "up_proj")),
+      EXPECT_EQ(ckpt.has(linear_weight(lp.shared_expert(), "up_proj")),
                 lp.ffn == FfnKind::kMoeWithSharedExpert)
           << lp.index;
     }
@@ -96,6 +105,55 @@ TEST(DecoderPlan, HybridsInterleaveGatedDeltaNetAndGatedAttention) {
   EXPECT_EQ(load("qwen3_5-moe-text").plan.prefix, "model.");
   EXPECT_EQ(load("qwen3_5-moe").plan.layers[0].ffn, FfnKind::kMoeWithSharedExpert);
   EXPECT_EQ(load("qwen3_5-dense").plan.layers[0].ffn, FfnKind::kDenseMlp);
+}
+
+// The Gated DeltaNet input projection, [q | k | v | z | b | a] of a rank's heads: Qwen3.5's split
+// tensors in order; Qwen3-Next's fused ones un-interleaved per key-head group (q of group 1
+// starts one group of rows, 2 dk + 2 r dv, after q of group 0; b and a come from in_proj_ba's
+// groups of 2 r rows); a TP rank's rows are its heads'.
+TEST(DecoderPlan, TheGatedDeltaNetInputProjectionIsReadInTheBlocksOrder) {
+  const Loaded q35 = load("qwen3_5-moe-text"), next = load("qwen3-next");
+  const LayerPlan& l35 = q35.plan.layers[0];
+  const InProjPlan split = plan_in_proj(q35.config, l35, q35.ckpt, unsharded(q35.config));
+  EXPECT_EQ(split.tensors,
+            (std::vector<std::string>{linear_weight(l35.linear_attention(), "in_proj_qkv"),
+                                      linear_weight(l35.linear_attention(), "in_proj_z"),
+                                      linear_weight(l35.linear_attention(), "in_proj_b"),
+                                      linear_weight(l35.linear_attention(), "in_proj_a")}));
+  EXPECT_EQ(split.tensor_rows, (std::vector<int64_t>{128, 64, 4, 4}));
+  std::vector<int64_t> all(200);
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(split.rows, all);
+
+  const LayerPlan& ln = next.plan.layers[0];
+  const InProjPlan fused = plan_in_proj(next.config, ln, next.ckpt, unsharded(next.config));
+  EXPECT_EQ(fused.tensor_rows, (std::vector<int64_t>{320, 8}));  // 2 groups of 16 + 16 + 64 + 64
+  ASSERT_EQ(fused.rows.size(), 328u);
+  std::vector<int64_t> sorted = fused.rows;
+  std::sort(sorted.begin(), sorted.end());
+  all.resize(328);
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(sorted, all);  // a permutation of the stored rows
+  EXPECT_EQ(fused.rows[0], 0);     // q of group 0
+  EXPECT_EQ(fused.rows[16], 160);  // q of group 1
+  EXPECT_EQ(fused.rows[32], 16);   // k of group 0
+  EXPECT_EQ(fused.rows[64], 32);   // v of group 0 (value heads 0 and 1)
+  EXPECT_EQ(fused.rows[128], 192);  // v of group 1
+  EXPECT_EQ(fused.rows[192], 96);   // z of group 0
+  EXPECT_EQ(fused.rows[320], 320);  // b of value head 0
+  EXPECT_EQ(fused.rows[322], 324);  // b of value head 2 (group 1)
+  EXPECT_EQ(fused.rows[324], 322);  // a of value head 0
+
+  // TP rank 1 of 2: key head 1 and value heads 2, 3.
+  const ShardSpec rank1 = plan_shard(q35.config, parallel::ParallelConfig{2, 1, 1}, 1);
+  const InProjPlan half = plan_in_proj(q35.config, l35, q35.ckpt, rank1);
+  ASSERT_EQ(half.rows.size(), 100u);
+  EXPECT_EQ(half.rows[0], 16);    // q of key head 1
+  EXPECT_EQ(half.rows[16], 48);   // k of key head 1
+  EXPECT_EQ(half.rows[32], 96);   // v of value head 2
+  EXPECT_EQ(half.rows[64], 160);  // z of value head 2
+  EXPECT_EQ(half.rows[96], 194);  // b of value head 2
+  EXPECT_EQ(linear_attention_channels(q35.config, rank1).size(), 64u);
 }
 
 TEST(DecoderPlan, TheMtpLayerIsAttentionWithLayerZerosFeedForward) {
