@@ -1,7 +1,7 @@
 // What a Qwen-family decoder is made of, layer by layer, and where each part's tensors sit in the
 // checkpoint: the one definition both backends build from. The CPU builders
 // (model/architectures.h, through load_decoder) make a block per LayerPlan; the CUDA backend
-// (engine/cuda/weights.cu) uploads the same tensors and refuses the kinds it has no kernels for.
+// (engine/cuda/weights.cu) uploads the same tensors.
 // Tensor names are spelled here and in the blocks that read their own parts (model/layers.h), never
 // in a backend.
 #pragma once
