@@ -228,6 +228,16 @@ struct CudaBackend::Impl {
     const std::vector<RankPart> parts = split(batch);
     const std::vector<std::vector<SampledToken>> sampled = run_groups<std::vector<SampledToken>>(
         parts, [](RankEngine& e, const RankPart& p, bool lead) { return e.step(p.seqs, lead); });
+    // Hybrid models under TP: the ranks that did not sample roll their heads' states back too.
+    if (parallel.tp > 1 && ranks.front()->state_pool != nullptr) {
+      for (size_t r = 0; r < size(); ++r) {
+        if (place(r).tp_rank == 0) continue;
+        const int g = place(r).dp_rank;
+        ranks[r]->bind();
+        ranks[r]->settle_after(parts[g].seqs, sampled[g]);
+      }
+      RELAY_CUDA_CHECK(cudaSetDevice(ranks.front()->opt.device));
+    }
     // Back in batch order: each DP group's tokens follow its members' order, a sampling member's
     // consecutive (its accepted drafts, then the token after them).
     std::vector<std::span<const SampledToken>> by_index(batch.size());

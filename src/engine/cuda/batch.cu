@@ -162,6 +162,7 @@ RankEngine::Shape RankEngine::run(std::span<const StepSequence> batch, const std
     const Shape sh = upload_batch(batch, 0, width_of(batch, false), rows);
     moe_bound_tokens = moe_step_tokens;
     enqueue_forward(sh);
+    last_shape = sh;
     return sh;
   }
   moe_bound_tokens = moe_graph_tokens(q);  // what the captured graph keeps
@@ -173,6 +174,7 @@ RankEngine::Shape RankEngine::run(std::span<const StepSequence> batch, const std
   const Shape sh = upload_batch(batch, padded, width, rows, q);
   const auto key = std::make_tuple(padded, width, q);
   auto it = graphs.find(key);
+  last_shape = sh;
   if (it != graphs.end()) {
     RELAY_CUDA_CHECK(cudaGraphLaunch(it->second, stream));
     return sh;
@@ -255,6 +257,20 @@ void RankEngine::settle_draft_states(const StepSequence& s, size_t accepted, boo
       copy_state_slot(snapshot_pool_slot(s, save.snapshot), after_row(save.row));
   }
   if (accepted < k || padded) copy_state_slot(local_state_slot(s, 0), after_row(accepted));
+}
+
+void RankEngine::settle_after(std::span<const StepSequence> batch,
+                              std::span<const SampledToken> sampled) {
+  size_t next = 0;
+  for (const StepSequence& s : batch) {
+    if (!s.sample) continue;
+    size_t n = 0;
+    while (next + n < sampled.size() && sampled[next + n].seq_id == s.seq_id) ++n;
+    next += n;
+    const bool padded = last_shape.per_seq > 1 + s.num_draft_tokens;
+    if (n > 0 && !s.state_slots.empty() && (s.num_draft_tokens > 0 || padded))
+      settle_draft_states(s, n - 1, padded);
+  }
 }
 
 void RankEngine::idle_step() {

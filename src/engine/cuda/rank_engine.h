@@ -486,6 +486,7 @@ struct RankEngine {
 
   // Runs the forward for a step; decode and verify batches through (and into) the graph cache.
   Shape run(std::span<const StepSequence> batch, const std::vector<int32_t>& rows);
+  Shape last_shape{};  // of the last run()
 
   void finish_step();
 
@@ -512,8 +513,13 @@ struct RankEngine {
   // After a step verified `s`'s drafts (accepted of them): the prefix-cache snapshots it saves at
   // accepted rows and the state after its last accepted token, copied from the draft slots the
   // kernels filled (upload_batch: row j < k into slot 1 + j; a sequence padded past its drafts in
-  // a graph step also row k into slot 1 + k, since its fillers moved the state on).
+  // a graph step also row k into slot 1 + k, since its fillers moved the state on). Every TP rank
+  // of the sequence's DP group does it for its heads: the one that sampled in step(), the others
+  // through settle_after (the rank executor gives them the sampled tokens).
   void settle_draft_states(const StepSequence& s, size_t accepted, bool padded);
+  // settle_draft_states for every drafted (or graph-padded) sequence of `batch`, from the tokens
+  // the group's sampling rank returned for it (its accepted drafts and the token after them).
+  void settle_after(std::span<const StepSequence> batch, std::span<const SampledToken> sampled);
 
   // Runs a checked batch (check_batch) and samples its sampling sequences, unless `sample` is
   // false (a TP rank other than 0: the same logits, sampled by rank 0). A sequence with k drafts

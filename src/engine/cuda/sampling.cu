@@ -103,6 +103,7 @@ std::vector<SampledToken> RankEngine::step(std::span<const StepSequence> batch, 
   const size_t scored_first = std::min(scored.size(), chunk - rows.size());
   for (size_t i = 0; i < scored_first; ++i) rows.push_back(scored[i].row);
   const Shape sh = run(batch, rows);
+  // A TP rank that does not sample settles its drafted states later (settle_after).
   if ((samplers.empty() && scored.empty()) || !sample) {
     finish_step();
     return {};

@@ -105,12 +105,6 @@ void RankEngine::load(const std::filesystem::path& dir) {
   const Checkpoint ckpt = open_checkpoint(dir, opt.load_format);
   // The decoder's plan (model/decoder_plan.h) names every tensor and gives each layer's kinds.
   const DecoderPlan decoder = plan_decoder(cfg, ckpt);
-  // NOTE: a TP rank would hold a slice of each Gated DeltaNet layer's heads and of the shared
-  // expert, and the draft rollback copies its states on the sampling rank only (step()).
-  RELAY_CHECK(!cfg.has_linear_attention() || shard.tp_size == 1, dir.string(), ": ",
-              cfg.architecture, " has Gated DeltaNet layers, which the cuda device runs on whole "
-              "ranks so far (--dp with --ep, not --tp ", shard.tp_size,
-              "); serve it with --device cpu for tensor parallelism");
   // A layer's attention / feed-forward tensors (expert e of this rank's, or the dense MLP's).
   auto attn = [&](int64_t l, const char* name) {
     return linear_weight(decoder.layers[l].attention(), name);
@@ -568,7 +562,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
       }
     }
     if (lp.ffn == FfnKind::kMoeWithSharedExpert) {
-      // Whole on every rank (tp is 1 for the hybrids here), added after the MoE's reduction.
+      // Whole on every rank (a TP rank too), added after the MoE's reduction or combine.
       w.shared_width = static_cast<int>(shared_w);
       w.shared_gate_up = weights.take<bf16>(size_t(2 * shared_w * H));
       put(w.shared_gate_up, source(linear_weight(lp.shared_expert(), "gate_proj"), {shared_w, H}));
