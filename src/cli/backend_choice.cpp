@@ -172,7 +172,6 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                                       int num_state_snapshots) {
   c.parallel.validate();
   c.nodes.validate(c.parallel);
-  check_speculation_device(c.device, speculative);
   if (c.device == "cuda") {
     RELAY_CHECK(c.nodes.nnodes == 1,
                 "--nnodes: multi-node workers run on the cpu device; the "
@@ -190,14 +189,6 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
   return std::make_unique<CpuBackend>(model_dir,
                                       cpu_backend_options(c, max_num_seqs, speculative,
                                                           num_state_snapshots));
-}
-
-void check_speculation_device(const std::string& device, const SpeculativeConfig& speculative) {
-  // NOTE: refused before the GPU loads the model (the engine would refuse it after).
-  RELAY_CHECK(device != "cuda" || speculative.method != SpeculativeConfig::Method::kMtp,
-              "--speculative-config ", speculative.describe(),
-              ": the cuda device verifies n-gram drafts but runs no MTP head yet (the cpu device "
-              "does)");
 }
 
 CudaBackendOptions cuda_backend_options(const BackendChoice& c, int max_num_seqs,
@@ -220,6 +211,10 @@ CudaBackendOptions cuda_backend_options(const BackendChoice& c, int max_num_seqs
   // Hybrid models only (the backend ignores them otherwise), as cpu_backend_options sizes them.
   o.num_state_slots = max_num_seqs * (1 + o.max_draft_tokens);
   o.num_state_snapshots = num_state_snapshots;
+  if (speculative.method == SpeculativeConfig::Method::kMtp) {
+    o.mtp = {.enabled = true, .dir = speculative.model};
+    o.num_mtp_drafts = o.max_draft_tokens;
+  }
   return o;
 }
 

@@ -59,11 +59,8 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                                       int max_num_seqs, int max_num_batched_tokens,
                                       const SpeculativeConfig& speculative = {},
                                       int num_state_snapshots = 0);
-// Refuses (relay::Error) a --speculative-config the device cannot run: an MTP head on cuda, for
-// now (it verifies n-gram drafts). make_backend and relay bench ask before anything loads.
-void check_speculation_device(const std::string& device, const SpeculativeConfig& speculative);
 // The cuda device's backend options, as make_backend builds them (sized for the drafts of
-// `speculative`); relay bench adds its benchmark-only settings to them. Builds without CUDA have
+// `speculative`, its MTP head included, and the hybrids' state slots and snapshots); relay bench adds its benchmark-only settings to them. Builds without CUDA have
 // the options but no backend to take them.
 CudaBackendOptions cuda_backend_options(const BackendChoice& choice, int max_num_seqs,
                                         int max_num_batched_tokens,

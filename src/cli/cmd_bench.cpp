@@ -84,7 +84,9 @@ SpeculativeConfig check_device(const BenchArgs& a) {
   }
   RELAY_CHECK(!spec.enabled() || engine || a.mode == "model", "--speculative-config measures "
               "decode (--mode engine, or model); --mode ", a.mode, " has none");
-  check_speculation_device(a.device, spec);
+  RELAY_CHECK(spec.method != SpeculativeConfig::Method::kMtp || engine, "--speculative-config ",
+              spec.describe(), ": --mode model verifies random drafts at a forced acceptance (an "
+              "n-gram's form); an MTP head drafts through the engine (--mode engine)");
   RELAY_CHECK(!a.forced_acceptance || spec.enabled(), "--spec-forced-acceptance ",
               *a.forced_acceptance, " sets how often drafts are accepted: it needs "
               "--speculative-config");

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "engine/mtp_plan.h"
 #include "engine/ranks.h"
 #include "engine/sampler.h"
 #include "engine/step_check.h"
@@ -306,40 +307,8 @@ int32_t CpuBackend::local_snapshot_slot(const Rank& r, const StepSequence& s, in
 
 void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
                                     std::span<const SampledToken> sampled) {
-  // Per sequence: how many of its rows the step committed (the MTP head's catch-up rows) and the
-  // token after the last of them.
-  std::vector<int> mtp_rows(batch.size(), 0);
-  std::vector<int32_t> next_token(batch.size(), -1);
-  size_t k = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const StepSequence& s = batch[i];
-    const int t = static_cast<int>(s.tokens.size());
-    if (s.sample) {
-      size_t n = 0;
-      while (k + n < sampled.size() && sampled[k + n].seq_id == s.seq_id) ++n;
-      RELAY_CHECK(n >= 1, "MTP drafting: sequence ", s.seq_id, " sampled nothing");
-      // Its rows up to the last accepted draft's; after that comes the token sampled last.
-      mtp_rows[i] = t - s.num_draft_tokens + static_cast<int>(n) - 1;
-      next_token[i] = sampled[k + n - 1].token;
-      k += n;
-      continue;
-    }
-    // A prompt chunk: the token after its last row is the sequence's next one (the prompt's, or an
-    // output's in a recompute). A prompt-only sequence at the end of its prompt has none: its last
-    // row gets no MTP row, and the row before it pairs with its last token.
-    const size_t next = static_cast<size_t>(s.num_computed) + static_cast<size_t>(t);
-    if (next < s.prompt_tokens.size()) {
-      next_token[i] = s.prompt_tokens[next];
-      mtp_rows[i] = t;
-    } else if (next - s.prompt_tokens.size() < s.output_tokens.size()) {
-      next_token[i] = s.output_tokens[next - s.prompt_tokens.size()];
-      mtp_rows[i] = t;
-    } else {
-      next_token[i] = s.tokens[static_cast<size_t>(t) - 1];
-      mtp_rows[i] = t - 1;
-    }
-  }
-
+  // Per sequence: its catch-up rows and the token after them (engine/mtp_plan.h).
+  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled);
   const int bs = block_size();
   const size_t hidden = static_cast<size_t>(config().hidden_size);
   // Under DP attention + EP the head's MoE exchanges every rank's rows: each rank runs all
@@ -360,12 +329,12 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
     for (size_t mi = 0; mi < r.members.size(); ++mi) {
       const size_t i = r.members[mi];
       const StepSequence& s = batch[i];
-      const int rows = mtp_rows[i];
+      const int rows = catch_up[i].rows;
       if (rows == 0) continue;
       // Row j of the head reads the token after row j of the target and row j's hidden state.
       const int32_t first = r.flat.query_starts[mi];
       std::vector<int32_t> next(s.tokens.begin() + 1, s.tokens.begin() + rows);
-      next.push_back(next_token[i]);
+      next.push_back(catch_up[i].next_token);
       f.append(next, s.num_computed, member_table(r, mi), bs);
       const auto rows_begin = target_hidden.begin() + static_cast<ptrdiff_t>(first * hidden);
       m.hidden.insert(m.hidden.end(), rows_begin, rows_begin + static_cast<ptrdiff_t>(rows * hidden));

@@ -220,10 +220,13 @@ struct CudaBackend::Impl {
   }
 
   std::vector<SampledToken> step(std::span<const StepSequence> batch) {
+    const bool drafting = ranks.front()->mtp.present && ranks.front()->opt.num_mtp_drafts > 0;
     if (size() == 1) {
       RELAY_CHECK(!batch.empty(), "step with an empty batch");
       ranks[0]->check_batch(batch);
-      return ranks[0]->step(batch, true);
+      std::vector<SampledToken> out = ranks[0]->step(batch, true);
+      if (drafting) ranks[0]->propose_mtp(batch, out, true);
+      return out;
     }
     const std::vector<RankPart> parts = split(batch);
     const std::vector<std::vector<SampledToken>> sampled = run_groups<std::vector<SampledToken>>(
@@ -237,6 +240,16 @@ struct CudaBackend::Impl {
         ranks[r]->settle_after(parts[g].seqs, sampled[g]);
       }
       RELAY_CUDA_CHECK(cudaSetDevice(ranks.front()->opt.device));
+    }
+    // The MTP head's drafts: every rank of a DP group runs it on the group's sampled tokens.
+    if (drafting) {
+      on_ranks(parts, [&](RankEngine& e, const RankPart& p, bool lead) {
+        if (p.seqs.empty()) {
+          if (e.dispatch) e.mtp_idle();
+          return;
+        }
+        e.propose_mtp(p.seqs, sampled[place(e.rank).dp_rank], lead);
+      });
     }
     // Back in batch order: each DP group's tokens follow its members' order, a sampling member's
     // consecutive (its accepted drafts, then the token after them).
@@ -310,6 +323,10 @@ CudaBackend::CudaBackend(const std::filesystem::path& model_dir, const CudaBacke
   RELAY_CHECK(options.max_draft_tokens >= 0 && options.max_draft_tokens <= 16,
               "CUDA backend options: max_draft_tokens ", options.max_draft_tokens,
               " (0 to 16 drafts per sequence)");
+  RELAY_CHECK(options.num_mtp_drafts >= 0 && options.num_mtp_drafts <= options.max_draft_tokens &&
+                  (options.num_mtp_drafts == 0 || options.mtp.enabled),
+              "CUDA backend options: num_mtp_drafts ", options.num_mtp_drafts,
+              " needs the MTP head and at most max_draft_tokens (", options.max_draft_tokens, ")");
   RELAY_CHECK(options.block_size > 0 && options.max_num_seqs > 0 &&
                   options.max_num_tokens >= options.max_num_seqs,
               "CUDA backend options: block_size ", options.block_size, ", max_num_seqs ",
@@ -361,6 +378,7 @@ std::vector<SampledToken> CudaBackend::step(std::span<const StepSequence> batch)
 bool CudaBackend::supports_draft_tokens() const {
   return impl_->ranks.front()->opt.max_draft_tokens > 0;
 }
+int CudaBackend::num_proposed_drafts() const { return impl_->ranks.front()->opt.num_mtp_drafts; }
 std::vector<float> CudaBackend::forward_logits(std::span<const StepSequence> batch,
                                                LogitRows rows) {
   return impl_->forward_logits(batch, rows);

@@ -39,6 +39,7 @@
 
 #include "engine/backend.h"
 #include "model/dummy_weights.h"
+#include "model/registry.h"
 #include "parallel/parallel_config.h"
 
 namespace relay {
@@ -72,6 +73,11 @@ struct CudaBackendOptions {
   // state snapshots per DP rank. Both live in device memory before the KV pool takes the rest.
   int num_state_slots = 0;
   int num_state_snapshots = 0;
+  // MTP speculative decoding: the draft head (the checkpoint's mtp.* or a separate directory) and
+  // the drafts it chains per sequence after each step (0: none proposed); max_draft_tokens must
+  // hold them.
+  MtpSource mtp;
+  int num_mtp_drafts = 0;
   // relay bench's --spec-forced-acceptance only (make_backend never sets it): drafts are accepted
   // with this probability instead of verified (sampler.h, verify_drafts).
   std::optional<double> forced_draft_acceptance;
@@ -113,6 +119,8 @@ class CudaBackend : public Backend {
   // Drafts are verified (every row on the GPU sampler, penalties on the host) when the backend was
   // sized for them (CudaBackendOptions::max_draft_tokens).
   bool supports_draft_tokens() const override;
+  // The MTP head's drafts per sequence (CudaBackendOptions::num_mtp_drafts).
+  int num_proposed_drafts() const override;
   // Prompt logprobs and token constraints (structured outputs, logit_bias) ride on the sample
   // kernel (kernels/cuda/ops_cuda.h, SampleParams).
   bool supports_prompt_logprobs() const override { return true; }

@@ -39,6 +39,17 @@ struct MtpHead {
   std::vector<float> norm;                   // [hidden]
 };
 
+// The head's own tensors (its decoder layer's are plan_mtp_layer's, model/decoder_plan.h).
+struct MtpTensors {
+  std::string fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm;
+};
+MtpTensors mtp_tensors();
+
+// Throws, naming the directory and the first missing tensor, unless `head` holds the whole head
+// of `config`, one layer of it: the target checkpoint's own mtp.* (`own`) or a separate head
+// directory's. Both backends check with it before loading.
+void check_mtp_head(const ModelConfig& config, const Checkpoint& head, bool own);
+
 // How many MTP layers `ckpt` holds: the distinct i of its mtp.layers.<i>.* tensors.
 int count_mtp_layers(const Checkpoint& ckpt);
 

@@ -58,25 +58,7 @@ const Architecture& find_architecture(const std::string& name) {
 // The MTP head of `head` (the target's checkpoint when `own`), after checking it is all there.
 MtpHead load_mtp(const ModelConfig& config, const Checkpoint& head, const ShardSpec& shard,
                  bool own) {
-  const std::string dir = head.dir().string();
-  const int num_layers = count_mtp_layers(head);
-  RELAY_CHECK(num_layers <= 1 && config.mtp_num_hidden_layers <= 1, "the MTP head in ", dir,
-              " has ", std::max<int64_t>(num_layers, config.mtp_num_hidden_layers),
-              " layers (mtp.layers.N, mtp_num_hidden_layers); Relay runs exactly one");
-  for (const std::string& name : mtp_tensor_names(config, head)) {
-    if (head.has(name)) continue;
-    if (own) {
-      fail(str("MTP was requested but the checkpoint ", dir, " has no tensor ", name,
-               num_layers == 0 ? " (it ships no MTP head: Qwen3 / Qwen3-MoE checkpoints have none)"
-                               : " (its MTP head is incomplete)",
-               "; a separate MTP head directory (mtp.* tensors) is given with \"model\": DIR in "
-               "the speculative config"));
-    }
-    fail(str("the MTP head directory ", dir, " has no tensor ", name, " (\"model\": DIR points at ",
-             "a separate MTP head: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, "
-             "mtp.norm and one decoder layer mtp.layers.0.* of the target's kind, ",
-             config.architecture, ")"));
-  }
+  check_mtp_head(config, head, own);
   return load_mtp_head(config, head, shard);
 }
 

@@ -223,6 +223,10 @@ inline EngineRun run_engine(const std::filesystem::path& model, const Tokenizer&
                             const std::vector<std::vector<int32_t>>& prompts, int max_tokens = 40) {
   o.max_draft_tokens = spec.enabled() ? spec.num_speculative_tokens : 0;
   o.num_state_slots = o.max_num_seqs * (1 + o.max_draft_tokens);
+  if (spec.method == SpeculativeConfig::Method::kMtp) {
+    o.mtp = {.enabled = true, .dir = spec.model};
+    o.num_mtp_drafts = spec.num_speculative_tokens;
+  }
   EngineConfig config;
   config.max_num_seqs = o.max_num_seqs;
   config.max_num_batched_tokens = 64;  // chunked prefill for the longer prompts

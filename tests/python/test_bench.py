@@ -158,7 +158,7 @@ SPEC_REFUSED = [
      "'num_speculative_tokens' must be between 1 and 16"),
     (CPU + ["--model", DEMO_MODEL, "--speculative-config", "{not json"], "--speculative-config"),
     (CPU + ["--model", DEMO_MODEL, "--spec-forced-acceptance", 0.5], "it needs --speculative-config"),
-    (MODEL + ["--speculative-config", MTP], "runs no MTP head yet"),
+    (MODEL + ["--speculative-config", MTP], "an MTP head drafts through the engine"),
     (["--mode", "kernels", "--speculative-config", MTP], "--mode kernels has none"),
     (CPU + ["--model", DEMO_MODEL, "--speculative-config", MTP],
      "MTP was requested but the checkpoint"),

@@ -3,15 +3,19 @@
 
 namespace relay::cuda_engine {
 
-void RankEngine::enqueue_forward(const Shape& sh) {
+RankEngine::StepMeta RankEngine::step_meta(const Shape& sh) const {
   const MetaLayout m = MetaLayout::make(sh.tokens, sh.seqs, sh.rows, sh.width);
   auto at = [&](size_t off) { return meta_dev + off; };
   auto i32 = [&](size_t off) { return reinterpret_cast<const int32_t*>(at(off)); };
-  const StepMeta meta{i32(m.token_ids),    i32(m.positions),    i32(m.logit_rows),
-                      i32(m.query_starts), i32(m.context_lens), i32(m.block_tables),
-                      i32(m.state_slots),  i32(m.snapshot_slots),
-                      reinterpret_cast<const int64_t*>(at(m.slot_mapping)),
-                      reinterpret_cast<const uint8_t*>(at(m.state_fresh))};
+  return {i32(m.token_ids),    i32(m.positions),    i32(m.logit_rows),
+          i32(m.query_starts), i32(m.context_lens), i32(m.block_tables),
+          i32(m.state_slots),  i32(m.snapshot_slots),
+          reinterpret_cast<const int64_t*>(at(m.slot_mapping)),
+          reinterpret_cast<const uint8_t*>(at(m.state_fresh))};
+}
+
+void RankEngine::enqueue_forward(const Shape& sh) {
+  const StepMeta meta = step_meta(sh);
   const int T = sh.tokens;
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   mark("embedding");
@@ -24,37 +28,43 @@ void RankEngine::enqueue_forward(const Shape& sh) {
     } else {
       kernels::launch_rms_norm({mix, residual, w.input_norm, normed, T, hidden, eps}, stream);
     }
-    if (w.mixer == MixerKind::kGatedDeltaNet) {
-      enqueue_gated_delta_net(w, sh, meta);
-    } else {
-      enqueue_attention(w, sh, meta);
-    }
-    if (tp_reduce) {
-      mark("attention_all_reduce");
-      comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
-    }
-    mark("post_attention_norm");
-    kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden, eps}, stream);
-    if (w.moe) {
-      enqueue_moe(w, T);
-      if (w.shared_width > 0) enqueue_shared_expert(w, T);
-    } else {
-      linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width,
-             hidden);
-      swiglu(w, T);
-      linear("mlp_down", act, w.down, w.down8, nullptr, mix, T, hidden, w.act_width,
-             w.down8.present());
-      if (tp_reduce) {
-        mark("mlp_all_reduce");
-        comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
-      }
-    }
+    enqueue_layer(w, sh, meta);
   }
   mark("final_norm");
   kernels::launch_rms_norm({mix, residual, final_norm, normed, T, hidden, eps}, stream);
   mark("lm_head");
   kernels::launch_lm_head({normed, meta.logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
   mark("end");
+}
+
+void RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const StepMeta& m) {
+  const int T = sh.tokens;
+  if (w.mixer == MixerKind::kGatedDeltaNet) {
+    enqueue_gated_delta_net(w, sh, m);
+  } else {
+    enqueue_attention(w, sh, m);
+  }
+  if (tp_reduce) {
+    mark("attention_all_reduce");
+    comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
+  }
+  mark("post_attention_norm");
+  kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden,
+                            static_cast<float>(cfg.rms_norm_eps)},
+                           stream);
+  if (w.moe) {
+    enqueue_moe(w, T);
+    if (w.shared_width > 0) enqueue_shared_expert(w, T);
+  } else {
+    linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width, hidden);
+    swiglu(w, T);
+    linear("mlp_down", act, w.down, w.down8, nullptr, mix, T, hidden, w.act_width,
+           w.down8.present());
+    if (tp_reduce) {
+      mark("mlp_all_reduce");
+      comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
+    }
+  }
 }
 
 void RankEngine::enqueue_attention(const LayerWeights& w, const Shape& sh, const StepMeta& m) {

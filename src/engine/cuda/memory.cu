@@ -38,6 +38,7 @@ void RankEngine::allocate_activations() {
   if (gated) add(T * q_heads * head_dim, 2);
   if (gdn_in_width > 0) add(T * gdn_in_width, 2), add(T * gdn_conv_dim, 2), add(T * gdn_v, 2);
   if (shared) add(T * hidden, 2), add(T, 2);
+  if (mtp.present) add(T * hidden, 2), add(T * hidden, 2), add(T, 4);
   const size_t R = logit_rows();
   add(R * size_t(vocab), 4);
   add(meta.bytes, 1);
@@ -78,6 +79,12 @@ void RankEngine::allocate_activations() {
     shared_out = acts.take<bf16>(T * hidden);
     shared_logit = acts.take<bf16>(T);
   }
+  if (mtp.present) {
+    mtp_embed = acts.take<bf16>(T * hidden);
+    mtp_hidden = acts.take<bf16>(T * hidden);
+    mtp_rows_dev = acts.take<int32_t>(T);
+    RELAY_CUDA_CHECK(cudaMallocHost(&mtp_rows_host, T * sizeof(int32_t)));
+  }
   logits = acts.take<float>(R * size_t(vocab));
   meta_dev = acts.take<uint8_t>(meta.bytes);
   sample_rows_dev = acts.take<kernels::SampleRowParams>(R);
@@ -106,7 +113,7 @@ void RankEngine::allocate_activations() {
 
 KvCacheLayout RankEngine::kv_layout_for(int num_blocks) const {
   KvCacheLayout l;
-  l.num_layers = cfg.num_kv_cache_layers();
+  l.num_layers = cfg.num_kv_cache_layers() + (mtp.present ? 1 : 0);  // the head's after
   l.num_kv_heads = kv_heads;
   l.block_size = opt.block_size;
   l.head_dim = head_dim;

@@ -7,6 +7,7 @@
 //   forward.cu   the forward pass as CUDA blocks (attention, dense MLP, MoE, collectives)
 //   batch.cu     a step's checks, its metadata upload, the decode graph cache, warm-up
 //   sampling.cu  the sampler driver: a step's sampled and scored rows, logits, profiles
+//   mtp.cu       the MTP draft head after a step: catch-up rows, K chained greedy drafts
 #pragma once
 
 #include <cuda_runtime.h>
@@ -140,6 +141,15 @@ struct LayerWeights {
   int act_width = 0;  // the SwiGLU output width: width, or its FP8 padding
 };
 
+// The MTP draft head (model/mtp.h) on the device: fc as its two column halves (fc(cat([e, h])) =
+// fc_embed(e) + fc_hidden(h)), its three norms (zero-centred ones as 1 + w) and its decoder layer.
+struct MtpWeights {
+  bool present = false;
+  bf16 *fc_embed = nullptr, *fc_hidden = nullptr;  // [hidden, hidden] each
+  bf16 *norm_embed = nullptr, *norm_hidden = nullptr, *norm = nullptr;  // [hidden]
+  LayerWeights layer;  // (gated) attention at KV-pool layer num_kv_cache_layers(), layer 0's FFN
+};
+
 // The per-step metadata, packed contiguously so one copy moves it to the device. Offsets depend
 // only on (tokens, seqs, logit rows, table width), so a graph bucket always sees the same
 // addresses.
@@ -225,6 +235,7 @@ struct RankEngine {
   float* inv_freq = nullptr;   // [head_dim / 2]
   float attention_scaling = 1.0f;
   std::vector<LayerWeights> layers;
+  MtpWeights mtp;  // when opt.mtp.enabled
 
   // KV pool: one allocation, kvcache/kv_cache.h layout with bf16 elements; a layer for each
   // attention layer (LayerWeights::kv_layer).
@@ -249,6 +260,9 @@ struct RankEngine {
   // output, the shared expert's output and gate logit (null when no layer needs them).
   bf16 *attn_gate_out = nullptr, *gdn_proj = nullptr, *gdn_conv_out = nullptr, *gdn_core = nullptr,
        *shared_out = nullptr, *shared_logit = nullptr;
+  // The MTP head: its rows' embeddings and hidden inputs, and which hidden row each gathers.
+  bf16 *mtp_embed = nullptr, *mtp_hidden = nullptr;
+  int32_t *mtp_rows_dev = nullptr, *mtp_rows_host = nullptr;
   int32_t *topk_ids, *permuted_index, *expert_offsets;
   float *topk_weights, *logits;
   bf16* recv_sum = nullptr;  // DP + EP: each received row's weighted expert sum [moe_tokens, H]
@@ -367,6 +381,7 @@ struct RankEngine {
     if (step_begin) cudaEventDestroy(step_begin);
     if (step_end) cudaEventDestroy(step_end);
     if (meta_host) cudaFreeHost(meta_host);
+    if (mtp_rows_host) cudaFreeHost(mtp_rows_host);
     if (sample_rows_host) cudaFreeHost(sample_rows_host);  // owns the other sampling mirrors too
     if (kv_pool) cudaFree(kv_pool);
     if (state_pool) cudaFree(state_pool);
@@ -446,6 +461,10 @@ struct RankEngine {
     const int64_t* slots;
     const uint8_t* state_fresh;
   };
+  StepMeta step_meta(const Shape& sh) const;  // the device arrays of meta_dev, laid out for sh
+  // A decoder layer after its input norm (normed holds it; residual the stream): the mixer, its
+  // reduction, the post-attention norm and the feed-forward, whose output is left in `mix`.
+  void enqueue_layer(const LayerWeights& w, const Shape& sh, const StepMeta& m);
   void enqueue_attention(const LayerWeights& w, const Shape& sh, const StepMeta& m);
   void enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh, const StepMeta& m);
   // mix += sigmoid(x . shared_gate) * shared_expert(x), x = normed (the MoE's input).
@@ -520,6 +539,20 @@ struct RankEngine {
   // settle_draft_states for every drafted (or graph-padded) sequence of `batch`, from the tokens
   // the group's sampling rank returned for it (its accepted drafts and the token after them).
   void settle_after(std::span<const StepSequence> batch, std::span<const SampledToken> sampled);
+
+  // The MTP head over the batch whose metadata is in meta_dev (laid out for `sh`, upload_batch):
+  // row r reads its token's embedding and row mtp_rows_dev[r] of `hidden_in` ([hidden_rows,
+  // hidden]: the target's final-normed rows, or the head's previous output when chaining); its
+  // output y is left in `normed` and the logits of the `sh.rows` requested rows in `logits`.
+  void enqueue_mtp(const Shape& sh, const bf16* hidden_in, int hidden_rows);
+  // After a step of `batch` (this rank's part) whose sampling rank returned `sampled`: the head's
+  // catch-up rows, then opt.num_mtp_drafts chained greedy drafts per sequence that wants them
+  // (StepSequence::proposed_drafts, written when `lead`). Every TP rank of the group runs it (the
+  // head's collectives); under DP + EP a rank whose rows ran out joins the remaining MoE
+  // exchanges idle, and a rank without sequences calls mtp_idle.
+  void propose_mtp(std::span<const StepSequence> batch, std::span<const SampledToken> sampled,
+                   bool lead);
+  void mtp_idle();
 
   // Runs a checked batch (check_batch) and samples its sampling sequences, unless `sample` is
   // false (a TP rank other than 0: the same logits, sampled by rank 0). A sequence with k drafts

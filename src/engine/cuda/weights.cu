@@ -105,16 +105,27 @@ void RankEngine::load(const std::filesystem::path& dir) {
   const Checkpoint ckpt = open_checkpoint(dir, opt.load_format);
   // The decoder's plan (model/decoder_plan.h) names every tensor and gives each layer's kinds.
   const DecoderPlan decoder = plan_decoder(cfg, ckpt);
+  // The MTP head (model/mtp.h), when asked for: the checkpoint's own mtp.* or a separate directory
+  // of them, checked whole before anything is allocated.
+  std::optional<Checkpoint> separate_head;
+  const Checkpoint* head_ckpt = nullptr;
+  if (opt.mtp.enabled) {
+    if (!opt.mtp.dir.empty()) {
+      RELAY_CHECK(std::filesystem::is_directory(opt.mtp.dir), "the MTP head directory ",
+                  opt.mtp.dir.string(), " (\"model\" in the speculative config) does not exist");
+      separate_head.emplace(opt.mtp.dir);
+    }
+    head_ckpt = separate_head ? &*separate_head : &ckpt;
+    check_mtp_head(cfg, *head_ckpt, !separate_head);
+  }
+  // The checkpoint the tensor lambdas below read: the model's, then the MTP head's.
+  const Checkpoint* from = &ckpt;
   // A layer's attention / feed-forward tensors (expert e of this rank's, or the dense MLP's).
-  auto attn = [&](int64_t l, const char* name) {
-    return linear_weight(decoder.layers[l].attention(), name);
+  auto attn = [&](const LayerPlan& lp, const char* name) { return linear_weight(lp.attention(), name); };
+  auto fused = [&](const LayerPlan& lp) {
+    return lp.ffn != FfnKind::kDenseMlp && from->has(fused_experts_weight(lp.mlp(), "gate_up_proj"));
   };
-  auto fused = [&](int64_t l) {
-    const LayerPlan& lp = decoder.layers[l];
-    return lp.ffn != FfnKind::kDenseMlp && ckpt.has(fused_experts_weight(lp.mlp(), "gate_up_proj"));
-  };
-  auto ffn = [&](int64_t l, int64_t e, const char* name) {
-    const LayerPlan& lp = decoder.layers[l];
+  auto ffn = [&](const LayerPlan& lp, int64_t e, const char* name) {
     return lp.ffn != FfnKind::kDenseMlp ? expert_weight(lp.mlp(), shard.expert_begin + e, name)
                                         : linear_weight(lp.mlp(), name);
   };
@@ -156,7 +167,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
     if (opt.weights == WeightFormat::kBf16) return false;
     if (opt.weights == WeightFormat::kFp8) return true;
     for (const std::string& n : names) {
-      if (ckpt.get(n).dtype == DType::F8_E4M3) return true;
+      if (from->get(n).dtype == DType::F8_E4M3) return true;
     }
     return false;
   };
@@ -171,7 +182,6 @@ void RankEngine::load(const std::filesystem::path& dir) {
     bool qkv_fp8 = false, o_fp8 = false, mlp_fp8 = false;
     quant::Fp8PackedShape qkv, o, gate_up, down;  // per expert for MoE layers
   };
-  std::vector<Plan> plans(cfg.num_hidden_layers);
   size_t total = 0;
   auto count = [&](int64_t n, size_t elem = 2) {
     total += align_up(static_cast<size_t>(n) * elem, 256);
@@ -186,12 +196,9 @@ void RankEngine::load(const std::filesystem::path& dir) {
     return moe ? IndexRange{shard.moe_width_begin, shard.num_local_moe_width}
                : IndexRange{shard.mlp_width_begin, shard.num_local_mlp_width};
   };
-  count(int64_t{vocab} * H);
-  count(H);
-  if (!cfg.tie_word_embeddings) count(int64_t{vocab} * H);
-  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    const LayerPlan& lp = decoder.layers[l];
-    Plan& plan = plans[l];
+  // A layer's formats, its bytes counted.
+  auto plan_layer = [&](const LayerPlan& lp) {
+    Plan plan;
     count(H), count(H);
     if (lp.mixer == MixerKind::kGatedDeltaNet) {
       count(int64_t{gdn_in_width} * H), count(int64_t{gdn_conv_dim} * gdn_kernel);
@@ -201,11 +208,10 @@ void RankEngine::load(const std::filesystem::path& dir) {
       count(head_dim), count(head_dim);
       if (cfg.attention_bias) count(qkv_dim), count(H);
       if (gated) count(q_dim * H);
-      plan.qkv_fp8 = !gated && group_fp8({attn(l, "q_proj"), attn(l, "k_proj"), attn(l, "v_proj")});
-      plan.o_fp8 = !gated && group_fp8({attn(l, "o_proj")});
-      RELAY_CHECK(!(cfg.attention_bias && (plan.qkv_fp8 || plan.o_fp8)), dir.string(), ": layer ",
-                  l,
-                  " has FP8 attention weights and attention_bias, which the FP8 "
+      plan.qkv_fp8 = !gated && group_fp8({attn(lp, "q_proj"), attn(lp, "k_proj"), attn(lp, "v_proj")});
+      plan.o_fp8 = !gated && group_fp8({attn(lp, "o_proj")});
+      RELAY_CHECK(!(cfg.attention_bias && (plan.qkv_fp8 || plan.o_fp8)), dir.string(), ": ",
+                  lp.prefix, " has FP8 attention weights and attention_bias, which the FP8 "
                   "GEMMs do not add");
       if (plan.qkv_fp8) {
         plan.qkv = {quant::round_up_to_block(q_dim) + quant::round_up_to_block(kv_dim) + kv_dim, H};
@@ -223,9 +229,9 @@ void RankEngine::load(const std::filesystem::path& dir) {
     const bool moe = lp.ffn != FfnKind::kDenseMlp;
     const int64_t W = mlp_width(moe).count;
     plan.mlp_fp8 =
-        fused(l) ? group_fp8({fused_experts_weight(lp.mlp(), "gate_up_proj"),
-                              fused_experts_weight(lp.mlp(), "down_proj")})
-                 : group_fp8({ffn(l, 0, "gate_proj"), ffn(l, 0, "up_proj"), ffn(l, 0, "down_proj")});
+        fused(lp) ? group_fp8({fused_experts_weight(lp.mlp(), "gate_up_proj"),
+                               fused_experts_weight(lp.mlp(), "down_proj")})
+                  : group_fp8({ffn(lp, 0, "gate_proj"), ffn(lp, 0, "up_proj"), ffn(lp, 0, "down_proj")});
     const int64_t copies = moe ? local_experts : 1;
     if (moe) count(int64_t{experts} * H);
     if (plan.mlp_fp8) {
@@ -241,6 +247,20 @@ void RankEngine::load(const std::filesystem::path& dir) {
       count(copies * H * W);
     }
     if (lp.ffn == FfnKind::kMoeWithSharedExpert) count(2 * shared_w * H), count(H * shared_w), count(H);
+    return plan;
+  };
+  count(int64_t{vocab} * H);
+  count(H);
+  if (!cfg.tie_word_embeddings) count(int64_t{vocab} * H);
+  std::vector<Plan> plans;
+  for (const LayerPlan& lp : decoder.layers) plans.push_back(plan_layer(lp));
+  Plan mtp_plan;
+  const LayerPlan mtp_layer = plan_mtp_layer(cfg);
+  if (head_ckpt != nullptr) {
+    from = head_ckpt;
+    mtp_plan = plan_layer(mtp_layer);
+    count(2 * H * H), count(H), count(H), count(H);  // fc (as two halves) and the head's norms
+    from = &ckpt;
   }
   total += static_cast<size_t>(head_dim) * 4 + 256;
   weights.reserve(total);
@@ -272,7 +292,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
     if (fp8) RELAY_CHECK(quant_cfg.quantized(), "tensor ", t.name, " in ", t.file,
                          " is F8_E4M3 but config.json has no quantization_config");
     const TensorView* scale =
-        fp8 ? &ckpt.get(quant::scale_tensor_name(quant_cfg, t.name)) : nullptr;
+        fp8 ? &from->get(quant::scale_tensor_name(quant_cfg, t.name)) : nullptr;
     if (rows.begin == 0 && rows.count == num_rows && cols.begin == 0 && cols.count == num_cols)
       return {&t, scale};
     std::lock_guard lock(slices_mu);
@@ -294,13 +314,13 @@ void RankEngine::load(const std::filesystem::path& dir) {
   };
   auto source = [&](const std::string& name, std::vector<int64_t> shape, IndexRange rows = {},
                     IndexRange cols = {}) -> Source {
-    return part(ckpt.get(name, shape), shape, rows, cols);
+    return part(from->get(name, shape), shape, rows, cols);
   };
   // Expert e of a fused 3-D tensor [E, rows, cols] as a 2-D part (bf16 / f16 / f32 tensors).
-  auto expert_source = [&](int64_t l, const char* name, int64_t e, int64_t rows_per_expert,
+  auto expert_source = [&](const LayerPlan& lp, const char* name, int64_t e, int64_t rows_per_expert,
                            int64_t cols, IndexRange rows = {}, IndexRange col_range = {}) -> Source {
-    const TensorView& t = ckpt.get(fused_experts_weight(decoder.layers[l].mlp(), name),
-                                   {experts, rows_per_expert, cols});
+    const TensorView& t = from->get(fused_experts_weight(lp.mlp(), name),
+                                    {experts, rows_per_expert, cols});
     RELAY_CHECK(t.dtype != DType::F8_E4M3, "tensor ", t.name, " in ", t.file,
                 ": fused 3-D FP8 experts are not read by the cuda device; store them per expert");
     const size_t bytes = static_cast<size_t>(rows_per_expert * cols) * dtype_size(t.dtype);
@@ -421,13 +441,10 @@ void RankEngine::load(const std::filesystem::path& dir) {
     lm_head = weights.take<bf16>(size_t(vocab) * H);
     put(lm_head, source(decoder.lm_head(), {vocab, H}));
   }
-  for (int l = 0; l < cfg.num_hidden_layers; ++l) {
-    const LayerPlan& lp = decoder.layers[l];
-    const Plan& plan = plans[l];
+  // One decoder layer (its caches' layers are the caller's to set).
+  auto load_layer = [&](const LayerPlan& lp, const Plan& plan) {
     LayerWeights w;
     w.mixer = lp.mixer;
-    w.kv_layer = cfg.kv_cache_layer(l);
-    w.state_layer = cfg.recurrent_layer(l);
     w.input_norm = weights.take<bf16>(H);
     put_norm(w.input_norm, lp.input_norm(), H);
     w.post_norm = weights.take<bf16>(H);
@@ -456,7 +473,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
       put(w.out_proj, source(linear_weight(la, "out_proj"), {H, cfg.linear_value_dim()}, {},
                              {int64_t{shard.v_head_begin} * gdn_value_dim, gdn_v_dim}));
     } else if (lp.mixer == MixerKind::kGatedAttention) {
-      RELAY_CHECK(!cfg.attention_bias, dir.string(), ": layer ", l,
+      RELAY_CHECK(!cfg.attention_bias, dir.string(), ": ", lp.prefix,
                   " is gated attention with attention_bias, which no released hybrid has");
       // q_proj's rows are per head [query | gate]: the queries join q|k|v, the gates their own
       // projection.
@@ -464,44 +481,44 @@ void RankEngine::load(const std::filesystem::path& dir) {
       w.attn_gate = weights.take<bf16>(q_dim * H);
       for (int h = 0; h < q_heads; ++h) {
         const int64_t g = shard.q_head_begin + h;
-        put(w.qkv + h * hd * H, source(attn(l, "q_proj"), {2 * q_full, H}, {2 * g * hd, hd}));
+        put(w.qkv + h * hd * H, source(attn(lp, "q_proj"), {2 * q_full, H}, {2 * g * hd, hd}));
         put(w.attn_gate + h * hd * H,
-            source(attn(l, "q_proj"), {2 * q_full, H}, {(2 * g + 1) * hd, hd}));
+            source(attn(lp, "q_proj"), {2 * q_full, H}, {(2 * g + 1) * hd, hd}));
       }
-      put(w.qkv + q_dim * H, source(attn(l, "k_proj"), {kv_full, H}, kv_rows));
-      put(w.qkv + (q_dim + kv_dim) * H, source(attn(l, "v_proj"), {kv_full, H}, kv_rows));
+      put(w.qkv + q_dim * H, source(attn(lp, "k_proj"), {kv_full, H}, kv_rows));
+      put(w.qkv + (q_dim + kv_dim) * H, source(attn(lp, "v_proj"), {kv_full, H}, kv_rows));
       w.o = weights.take<bf16>(q_dim * H);
-      put(w.o, source(attn(l, "o_proj"), {H, q_full}, {}, q_rows));
+      put(w.o, source(attn(lp, "o_proj"), {H, q_full}, {}, q_rows));
     } else if (plan.qkv_fp8) {
       const int64_t k_row = quant::round_up_to_block(q_dim),
                     v_row = k_row + quant::round_up_to_block(kv_dim);
       upload_fp8(w.qkv8, plan.qkv, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
-        pack(source(attn(l, "q_proj"), {q_full, H}, q_rows), plan.qkv, 0, q, s, pool);
-        pack(source(attn(l, "k_proj"), {kv_full, H}, kv_rows), plan.qkv, k_row, q, s, pool);
-        pack(source(attn(l, "v_proj"), {kv_full, H}, kv_rows), plan.qkv, v_row, q, s, pool);
+        pack(source(attn(lp, "q_proj"), {q_full, H}, q_rows), plan.qkv, 0, q, s, pool);
+        pack(source(attn(lp, "k_proj"), {kv_full, H}, kv_rows), plan.qkv, k_row, q, s, pool);
+        pack(source(attn(lp, "v_proj"), {kv_full, H}, kv_rows), plan.qkv, v_row, q, s, pool);
       });
     } else {
       w.qkv = weights.take<bf16>(qkv_dim * H);
-      put(w.qkv, source(attn(l, "q_proj"), {q_full, H}, q_rows));
-      put(w.qkv + q_dim * H, source(attn(l, "k_proj"), {kv_full, H}, kv_rows));
-      put(w.qkv + (q_dim + kv_dim) * H, source(attn(l, "v_proj"), {kv_full, H}, kv_rows));
+      put(w.qkv, source(attn(lp, "q_proj"), {q_full, H}, q_rows));
+      put(w.qkv + q_dim * H, source(attn(lp, "k_proj"), {kv_full, H}, kv_rows));
+      put(w.qkv + (q_dim + kv_dim) * H, source(attn(lp, "v_proj"), {kv_full, H}, kv_rows));
     }
     if (lp.mixer == MixerKind::kAttention) {
       // o_proj is row-parallel: this rank's q-head columns.
       if (plan.o_fp8) {
         upload_fp8(w.o8, plan.o, 1, [&](int64_t, uint8_t* q, float* s, ThreadPool* pool) {
-          pack(source(attn(l, "o_proj"), {H, q_full}, {}, q_rows), plan.o, 0, q, s, pool);
+          pack(source(attn(lp, "o_proj"), {H, q_full}, {}, q_rows), plan.o, 0, q, s, pool);
         });
       } else {
         w.o = weights.take<bf16>(q_dim * H);
-        put(w.o, source(attn(l, "o_proj"), {H, q_full}, {}, q_rows));
+        put(w.o, source(attn(lp, "o_proj"), {H, q_full}, {}, q_rows));
       }
     }
     if (lp.mixer != MixerKind::kGatedDeltaNet) {
       w.q_norm = weights.take<bf16>(head_dim);
-      put_norm(w.q_norm, attn(l, "q_norm"), head_dim);
+      put_norm(w.q_norm, attn(lp, "q_norm"), head_dim);
       w.k_norm = weights.take<bf16>(head_dim);
-      put_norm(w.k_norm, attn(l, "k_norm"), head_dim);
+      put_norm(w.k_norm, attn(lp, "k_norm"), head_dim);
     }
     if (cfg.attention_bias && lp.mixer == MixerKind::kAttention) {
       w.qkv_bias = weights.take<bf16>(qkv_dim);
@@ -526,19 +543,19 @@ void RankEngine::load(const std::filesystem::path& dir) {
       put(w.router, source(linear_weight(lp.mlp(), "gate"), {experts, H}));
     }
     // Expert e's (or the dense MLP's) gate, up and down parts of this rank's width.
-    const bool fused_experts = fused(l);
+    const bool fused_experts = fused(lp);
     auto gate_src = [&](int64_t e) {
-      return fused_experts ? expert_source(l, "gate_up_proj", e, 2 * full_w, H, cols)
-                           : source(ffn(l, e, "gate_proj"), {full_w, H}, cols);
+      return fused_experts ? expert_source(lp, "gate_up_proj", e, 2 * full_w, H, cols)
+                           : source(ffn(lp, e, "gate_proj"), {full_w, H}, cols);
     };
     auto up_src = [&](int64_t e) {
-      return fused_experts ? expert_source(l, "gate_up_proj", e, 2 * full_w, H,
+      return fused_experts ? expert_source(lp, "gate_up_proj", e, 2 * full_w, H,
                                            {full_w + cols.begin, W})
-                           : source(ffn(l, e, "up_proj"), {full_w, H}, cols);
+                           : source(ffn(lp, e, "up_proj"), {full_w, H}, cols);
     };
     auto down_src = [&](int64_t e) {
-      return fused_experts ? expert_source(l, "down_proj", e, H, full_w, {}, cols)
-                           : source(ffn(l, e, "down_proj"), {H, full_w}, {}, cols);
+      return fused_experts ? expert_source(lp, "down_proj", e, H, full_w, {}, cols)
+                           : source(ffn(lp, e, "down_proj"), {H, full_w}, {}, cols);
     };
     if (plan.mlp_fp8) {
       w.act_width = static_cast<int>(plan.down.cols);
@@ -575,10 +592,36 @@ void RankEngine::load(const std::filesystem::path& dir) {
     }
     max_ffn_width = std::max({max_ffn_width, w.act_width, w.shared_width});
     max_qkv_width = std::max<int64_t>(max_qkv_width, plan.qkv_fp8 ? plan.qkv.rows : qkv_dim);
-    layers.push_back(w);
     up.finish();  // the staging buffers no longer read this layer's slices
     slices.clear();
     views.clear();
+    return w;
+  };
+  for (const LayerPlan& lp : decoder.layers) {
+    LayerWeights w = load_layer(lp, plans[lp.index]);
+    w.kv_layer = cfg.kv_cache_layer(lp.index);
+    w.state_layer = cfg.recurrent_layer(lp.index);
+    layers.push_back(w);
+  }
+  if (head_ckpt != nullptr) {
+    // The head's fc [hidden, 2 hidden] as its two halves (embedding | hidden columns), its norms,
+    // and its decoder layer, caching K/V in the KV pool's layer after the target's.
+    from = head_ckpt;
+    const MtpTensors names = mtp_tensors();
+    mtp.fc_embed = weights.take<bf16>(size_t(H) * H);
+    put(mtp.fc_embed, source(names.fc, {H, 2 * H}, {}, {0, H}));
+    mtp.fc_hidden = weights.take<bf16>(size_t(H) * H);
+    put(mtp.fc_hidden, source(names.fc, {H, 2 * H}, {}, {H, H}));
+    mtp.norm_embed = weights.take<bf16>(H);
+    put_norm(mtp.norm_embed, names.pre_fc_norm_embedding, H);
+    mtp.norm_hidden = weights.take<bf16>(H);
+    put_norm(mtp.norm_hidden, names.pre_fc_norm_hidden, H);
+    mtp.norm = weights.take<bf16>(H);
+    put_norm(mtp.norm, names.norm, H);
+    mtp.layer = load_layer(mtp_layer, mtp_plan);
+    mtp.layer.kv_layer = cfg.num_kv_cache_layers();
+    mtp.present = true;
+    from = &ckpt;
   }
   RopeTables rope = compute_rope(cfg);
   inv_freq = weights.take<float>(rope.inv_freq.size());
