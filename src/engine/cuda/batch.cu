@@ -223,7 +223,14 @@ void RankEngine::warm_up_alone() {
     const std::vector<StepSequence> batch{s};
     std::vector<int32_t> rows(std::min(n, logit_rows()));  // the LM head's row buckets too
     std::iota(rows.begin(), rows.end(), n - static_cast<int>(rows.size()));
-    enqueue_forward(upload_batch(batch, 0, width_of(batch, false), rows));
+    const Shape sh = upload_batch(batch, 0, width_of(batch, false), rows);
+    enqueue_forward(sh);
+    if (mtp.present) {  // the head's GEMMs (its fc halves are shapes of their own) on every row
+      std::iota(mtp_rows_host, mtp_rows_host + n, 0);
+      RELAY_CUDA_CHECK(cudaMemcpyAsync(mtp_rows_dev, mtp_rows_host, size_t(n) * 4,
+                                       cudaMemcpyHostToDevice, stream));
+      enqueue_mtp(sh, normed, n);
+    }
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
   RELAY_CUDA_CHECK(cudaMemsetAsync(kv_pool, 0, kv_layout.total_bytes(), stream));
