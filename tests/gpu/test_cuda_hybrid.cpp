@@ -65,6 +65,43 @@ void expect_same_greedy(CudaBackend& one, const std::vector<int32_t>& prompt,
       << what << " parts at token " << (b - want.begin()) << ": " << *a << " vs " << *b;
 }
 
+// Teacher forced: `ref`'s logits over each prompt and the tokens decoded after it; each decoded
+// token against ref's arg-max at its position, exactly and within `noise`.
+struct Agreement {
+  int exact = 0, within = 0, total = 0;
+};
+Agreement agreement(CudaBackend& ref, const std::vector<std::vector<int32_t>>& prompts,
+                    const std::vector<std::vector<int32_t>>& decoded, float noise) {
+  const int vocab = static_cast<int>(ref.config().vocab_size);
+  Agreement a;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    std::vector<int32_t> seq = prompts[i];
+    seq.insert(seq.end(), decoded[i].begin(), decoded[i].end() - 1);
+    const std::vector<float> got = prefill_logits(ref, seq);
+    for (size_t j = 0; j < decoded[i].size(); ++j) {
+      const float* row = got.data() + (prompts[i].size() + j - 1) * vocab;
+      const int best = argmax(row, vocab);
+      ++a.total;
+      a.exact += best == decoded[i][j];
+      a.within += row[decoded[i][j]] >= row[best] - noise;
+    }
+  }
+  return a;
+}
+
+// The demo hybrid's tokenizer and its fixture's prompts (tests/unit/engine/fixtures.h).
+const Tokenizer& demo_tokenizer() {
+  static const Tokenizer t = Tokenizer::from_model_dir(test::DemoHybridFixture::model_dir());
+  return t;
+}
+std::vector<std::vector<int32_t>> demo_prompts(size_t first = 0, size_t count = SIZE_MAX) {
+  const auto fx = test::DemoHybridFixture::load();
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = first; i < fx.samples.size() && prompts.size() < count; ++i)
+    prompts.push_back(fx.samples[i].prompt_ids);
+  return prompts;
+}
+
 class CudaHybrid : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaHybrid, PromptLogitsMatchTransformers) {
@@ -162,24 +199,9 @@ TEST_P(CudaHybrid, GraphDecodeAgreesWithPrefill) {
   const auto dir = test::fixture_models_dir() / GetParam();
   const auto fx = test::ModelFixture::load(dir, dir);
   CudaBackend backend(dir, hybrid_options(true));
-  const int vocab = static_cast<int>(backend.config().vocab_size);
-  const int steps = 16;
-  const auto decoded = greedy_batched(backend, fx.prompts, steps);
-  int exact = 0, within = 0, total = 0;
-  for (size_t i = 0; i < fx.prompts.size(); ++i) {
-    std::vector<int32_t> seq = fx.prompts[i];
-    seq.insert(seq.end(), decoded[i].begin(), decoded[i].end() - 1);
-    const std::vector<float> got = prefill_logits(backend, seq);
-    for (int j = 0; j < steps; ++j) {
-      const float* row = got.data() + (fx.prompts[i].size() + j - 1) * vocab;
-      const int best = argmax(row, vocab);
-      ++total;
-      exact += best == decoded[i][j];
-      within += row[decoded[i][j]] >= row[best] - 2e-2f;
-    }
-  }
-  EXPECT_EQ(within, total) << GetParam();
-  EXPECT_GE(exact, total * 95 / 100) << GetParam();
+  const Agreement a = agreement(backend, fx.prompts, greedy_batched(backend, fx.prompts, 16), 2e-2f);
+  EXPECT_EQ(a.within, a.total) << GetParam();
+  EXPECT_GE(a.exact, a.total * 95 / 100) << GetParam();
 }
 
 std::string hybrid_name(const ::testing::TestParamInfo<std::string>& info) {
@@ -303,9 +325,8 @@ TEST(CudaHybridDemo, GreedyMatchesTransformersTeacherForced) {
 TEST(CudaHybridDemo, EngineOutputIsTransformersGreedySpeculationAndPrefixHitsIncluded) {
   const std::filesystem::path dir = test::DemoHybridFixture::model_dir();
   const auto fx = test::DemoHybridFixture::load();
-  const Tokenizer tokenizer = Tokenizer::from_model_dir(dir);
-  std::vector<std::vector<int32_t>> prompts;
-  for (const auto& s : fx.samples) prompts.push_back(s.prompt_ids);
+  const Tokenizer& tokenizer = demo_tokenizer();
+  const std::vector<std::vector<int32_t>> prompts = demo_prompts();
   const int max_tokens = 48;
   CudaBackendOptions o = hybrid_options(true);
   const EngineRun plain = run_engine(dir, tokenizer, o, {}, prompts, max_tokens);
@@ -369,28 +390,13 @@ TEST_P(CudaHybridSharded, DecodesWhatOneRankPredicts) {
   const auto dir = test::fixture_models_dir() / GetParam().model;
   const auto fx = test::ModelFixture::load(dir, dir);
   CudaBackend one(dir, hybrid_options(false));
-  const int vocab = static_cast<int>(one.config().vocab_size);
   CudaBackendOptions o = hybrid_options(true);
   o.parallel = GetParam().parallel;
   o.devices.assign(static_cast<size_t>(o.parallel.world_size()), 0);
   CudaBackend sharded(dir, o);
-  const int steps = 12;
-  const auto decoded = greedy_batched(sharded, fx.prompts, steps);
-  int exact = 0, within = 0, total = 0;
-  for (size_t i = 0; i < fx.prompts.size(); ++i) {
-    std::vector<int32_t> seq = fx.prompts[i];
-    seq.insert(seq.end(), decoded[i].begin(), decoded[i].end() - 1);
-    const std::vector<float> got = prefill_logits(one, seq);
-    for (int j = 0; j < steps; ++j) {
-      const float* row = got.data() + (fx.prompts[i].size() + j - 1) * vocab;
-      const int best = argmax(row, vocab);
-      ++total;
-      exact += best == decoded[i][j];
-      within += row[decoded[i][j]] >= row[best] - 5e-2f;
-    }
-  }
-  EXPECT_EQ(within, total) << GetParam().model;
-  EXPECT_GE(exact, total * 9 / 10) << GetParam().model;
+  const Agreement a = agreement(one, fx.prompts, greedy_batched(sharded, fx.prompts, 12), 5e-2f);
+  EXPECT_EQ(a.within, a.total) << GetParam().model;
+  EXPECT_GE(a.exact, a.total * 9 / 10) << GetParam().model;
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -405,10 +411,8 @@ INSTANTIATE_TEST_SUITE_P(
 // as the sampling rank does, so the n-gram output is the plain greedy output.
 TEST(CudaHybridSharded, NgramUnderTensorParallelIsTheGreedyOutput) {
   const std::filesystem::path dir = test::DemoHybridFixture::model_dir();
-  const auto fx = test::DemoHybridFixture::load();
-  const Tokenizer tokenizer = Tokenizer::from_model_dir(dir);
-  std::vector<std::vector<int32_t>> prompts;
-  for (size_t i = 5; i < 9; ++i) prompts.push_back(fx.samples[i].prompt_ids);
+  const Tokenizer& tokenizer = demo_tokenizer();
+  const std::vector<std::vector<int32_t>> prompts = demo_prompts(5, 4);
   SpeculativeConfig ngram;
   ngram.method = SpeculativeConfig::Method::kNgram;
   ngram.num_speculative_tokens = 3;
@@ -425,21 +429,14 @@ TEST(CudaHybridSharded, NgramUnderTensorParallelIsTheGreedyOutput) {
     expect_same_greedy(one, prompts[i], spec.tokens[i], plain.tokens[i], "TP 2 n-gram request " + std::to_string(i));
 }
 
-}  // namespace
-}  // namespace relay::gpu_test
-
-namespace relay::gpu_test {
-namespace {
 
 // The demo hybrid's own MTP head drafting on the GPU (K = 1 and 3, one rank; K = 2 on TP 2 and
 // DP 2 + EP 2): the output is the plain greedy output (within a near tie), and at K = 1 the head
 // is accepted about as often as its teacher-forced drafts hit in torch (0.893; 0.882 on the CPU).
 TEST(CudaHybridDemo, MtpDraftsAreLosslessAndAcceptedAsTheHeadPredicts) {
   const std::filesystem::path dir = test::DemoHybridFixture::model_dir();
-  const auto fx = test::DemoHybridFixture::load();
-  const Tokenizer tokenizer = Tokenizer::from_model_dir(dir);
-  std::vector<std::vector<int32_t>> prompts;
-  for (const auto& s : fx.samples) prompts.push_back(s.prompt_ids);
+  const Tokenizer& tokenizer = demo_tokenizer();
+  const std::vector<std::vector<int32_t>> prompts = demo_prompts();
   const int max_tokens = 48;
   const EngineRun plain = run_engine(dir, tokenizer, hybrid_options(true), {}, prompts, max_tokens);
   CudaBackend one(dir, hybrid_options(false));

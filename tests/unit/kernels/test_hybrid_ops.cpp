@@ -240,25 +240,43 @@ TEST_F(HybridOps, GatedDeltaRuleMatchesTheRecurrenceInDouble) {
   }
 }
 
-TEST_F(HybridOps, StatefulOpsGiveTheSameBitsInOneCallAndTokenByToken) {
+// Both stateful ops (conv, then the rule) over n random tokens: each call runs the batch over the
+// tokens from row `at` of the inputs, states in slots of `conv` / `ssm` (conv_stride / ssm_stride
+// apart), outputs from row `at` of conv_out / out.
+struct StatefulOps {
   ConvCase cc;
-  cc.weight = random_vec(cc.conv_dim * cc.kernel, rng, 0.5f);
   DeltaCase dc;
-  dc.a_log = random_vec(dc.v_heads, rng);
-  dc.dt_bias = random_vec(dc.v_heads, rng);
+  int64_t conv_stride = 0, ssm_stride = 0;
+  std::vector<float> x, qkv, gates;
+  StatefulOps(std::mt19937& rng, int n) {
+    cc.weight = random_vec(cc.conv_dim * cc.kernel, rng, 0.5f);
+    dc.a_log = random_vec(dc.v_heads, rng);
+    dc.dt_bias = random_vec(dc.v_heads, rng);
+    conv_stride = static_cast<int64_t>(cc.conv_dim) * (cc.kernel - 1);
+    ssm_stride = dc.state_elements();
+    x = random_vec(n * cc.x_stride, rng);
+    qkv = random_vec(n * dc.row(), rng);
+    gates = random_vec(n * dc.gate_stride, rng);
+  }
+  void run(const Batch& b, int at, float* conv, float* ssm, float* conv_out, float* out,
+           ThreadPool& pool) const {
+    run_conv(cc, b, x.data() + at * cc.x_stride, conv, conv_stride, conv_out + at * cc.conv_dim, pool);
+    run_delta(dc, b, qkv.data() + at * dc.row(), gates.data() + at * dc.gate_stride, ssm,
+              ssm_stride, out + at * dc.v_heads * dc.dv, pool);
+  }
+};
+
+TEST_F(HybridOps, StatefulOpsGiveTheSameBitsInOneCallAndTokenByToken) {
   const int n = 11;
-  const int64_t conv_stride = static_cast<int64_t>(cc.conv_dim) * (cc.kernel - 1);
-  const int64_t ssm_stride = dc.state_elements();
-  const auto x = random_vec(n * cc.x_stride, rng);
-  const auto qkv = random_vec(n * dc.row(), rng);
-  const auto gates = random_vec(n * dc.gate_stride, rng);
+  const StatefulOps ops(rng, n);
+  const int64_t conv_stride = ops.conv_stride, ssm_stride = ops.ssm_stride;
+  const ConvCase& cc = ops.cc;
+  const DeltaCase& dc = ops.dc;
 
   // One call over all n tokens, fresh, in slot 1 of 2.
   std::vector<float> conv_a(2 * conv_stride, 7.0f), ssm_a(2 * ssm_stride, 7.0f);
   std::vector<float> conv_out_a(n * cc.conv_dim), out_a(n * dc.v_heads * dc.dv);
-  const Batch whole = Batch::of({n}, {1}, {1});
-  run_conv(cc, whole, x.data(), conv_a.data(), conv_stride, conv_out_a.data(), pool);
-  run_delta(dc, whole, qkv.data(), gates.data(), ssm_a.data(), ssm_stride, out_a.data(), pool);
+  ops.run(Batch::of({n}, {1}, {1}), 0, conv_a.data(), ssm_a.data(), conv_out_a.data(), out_a.data(), pool);
 
   // The same tokens as 1 + 3 + 1 + 6, continuing the state of the first (fresh) call.
   std::vector<float> conv_b(2 * conv_stride, -3.0f), ssm_b(2 * ssm_stride, -3.0f);
@@ -266,10 +284,7 @@ TEST_F(HybridOps, StatefulOpsGiveTheSameBitsInOneCallAndTokenByToken) {
   int at = 0;
   for (int len : {1, 3, 1, 6}) {
     const Batch piece = Batch::of({len}, {1}, {static_cast<uint8_t>(at == 0)});
-    run_conv(cc, piece, x.data() + at * cc.x_stride, conv_b.data(), conv_stride,
-             conv_out_b.data() + at * cc.conv_dim, pool);
-    run_delta(dc, piece, qkv.data() + at * dc.row(), gates.data() + at * dc.gate_stride,
-              ssm_b.data(), ssm_stride, out_b.data() + at * dc.v_heads * dc.dv, pool);
+    ops.run(piece, at, conv_b.data(), ssm_b.data(), conv_out_b.data(), out_b.data(), pool);
     at += len;
   }
   EXPECT_EQ(conv_out_a, conv_out_b);
@@ -281,29 +296,16 @@ TEST_F(HybridOps, StatefulOpsGiveTheSameBitsInOneCallAndTokenByToken) {
 // Graph padding: a sequence with slot -1 is computed from a zero state (as a fresh one) and
 // leaves every slot of the pool as it was.
 TEST_F(HybridOps, ASequenceWithoutASlotStartsFromZerosAndKeepsNothing) {
-  ConvCase cc;
-  cc.weight = random_vec(cc.conv_dim * cc.kernel, rng, 0.5f);
-  DeltaCase dc;
-  dc.a_log = random_vec(dc.v_heads, rng);
-  dc.dt_bias = random_vec(dc.v_heads, rng);
   const int n = 5;
-  const int64_t conv_stride = static_cast<int64_t>(cc.conv_dim) * (cc.kernel - 1);
-  const int64_t ssm_stride = dc.state_elements();
-  const auto x = random_vec(n * cc.x_stride, rng);
-  const auto qkv = random_vec(n * dc.row(), rng);
-  const auto gates = random_vec(n * dc.gate_stride, rng);
-  std::vector<float> conv_out(n * cc.conv_dim), out(n * dc.v_heads * dc.dv);
-  std::vector<float> conv_want(n * cc.conv_dim), out_want(n * dc.v_heads * dc.dv);
-  std::vector<float> conv(2 * conv_stride, 5.0f), ssm(2 * ssm_stride, 5.0f);
+  const StatefulOps ops(rng, n);
+  const size_t conv_rows = n * ops.cc.conv_dim, rows = n * ops.dc.v_heads * ops.dc.dv;
+  std::vector<float> conv_out(conv_rows), out(rows), conv_want(conv_rows), out_want(rows);
+  std::vector<float> conv(2 * ops.conv_stride, 5.0f), ssm(2 * ops.ssm_stride, 5.0f);
   const std::vector<float> conv_before = conv, ssm_before = ssm;
-  const Batch padding = Batch::of({n}, {-1}, {0});
-  run_conv(cc, padding, x.data(), conv.data(), conv_stride, conv_out.data(), pool);
-  run_delta(dc, padding, qkv.data(), gates.data(), ssm.data(), ssm_stride, out.data(), pool);
+  ops.run(Batch::of({n}, {-1}, {0}), 0, conv.data(), ssm.data(), conv_out.data(), out.data(), pool);
   EXPECT_EQ(conv, conv_before);
   EXPECT_EQ(ssm, ssm_before);
-  const Batch fresh = Batch::of({n}, {1}, {1});
-  run_conv(cc, fresh, x.data(), conv.data(), conv_stride, conv_want.data(), pool);
-  run_delta(dc, fresh, qkv.data(), gates.data(), ssm.data(), ssm_stride, out_want.data(), pool);
+  ops.run(Batch::of({n}, {1}, {1}), 0, conv.data(), ssm.data(), conv_want.data(), out_want.data(), pool);
   EXPECT_EQ(conv_out, conv_want);
   EXPECT_EQ(out, out_want);
 }
@@ -312,33 +314,23 @@ TEST_F(HybridOps, ASequenceWithoutASlotStartsFromZerosAndKeepsNothing) {
 // into slots 1, 2 and 3, leaves in each exactly the state a call over the tokens up to that row
 // leaves (so a rollback to a snapshot is as if the later tokens never ran); slot 4 is untouched.
 TEST_F(HybridOps, SnapshotsHoldTheStateAfterTheirRow) {
-  ConvCase cc;
-  cc.weight = random_vec(cc.conv_dim * cc.kernel, rng, 0.5f);
-  DeltaCase dc;
-  dc.a_log = random_vec(dc.v_heads, rng);
-  dc.dt_bias = random_vec(dc.v_heads, rng);
   const int n = 8, num_slots = 5;
-  const int64_t conv_stride = static_cast<int64_t>(cc.conv_dim) * (cc.kernel - 1);
-  const int64_t ssm_stride = dc.state_elements();
-  const auto x = random_vec(n * cc.x_stride, rng);
-  const auto qkv = random_vec(n * dc.row(), rng);
-  const auto gates = random_vec(n * dc.gate_stride, rng);
-  std::vector<float> conv_out(n * cc.conv_dim), out(n * dc.v_heads * dc.dv);
+  const StatefulOps ops(rng, n);
+  const int64_t conv_stride = ops.conv_stride, ssm_stride = ops.ssm_stride;
+  std::vector<float> conv_out(n * ops.cc.conv_dim), out(n * ops.dc.v_heads * ops.dc.dv);
 
   std::vector<float> conv(num_slots * conv_stride, 5.0f), ssm(num_slots * ssm_stride, 5.0f);
   Batch whole = Batch::of({n}, {0}, {1});
   whole.snapshots.assign(n, -1);
   const std::vector<std::pair<int, int32_t>> snapshots{{2, 1}, {5, 2}, {7, 3}};
   for (const auto& [row, slot] : snapshots) whole.snapshots[row] = slot;
-  run_conv(cc, whole, x.data(), conv.data(), conv_stride, conv_out.data(), pool);
-  run_delta(dc, whole, qkv.data(), gates.data(), ssm.data(), ssm_stride, out.data(), pool);
+  ops.run(whole, 0, conv.data(), ssm.data(), conv_out.data(), out.data(), pool);
 
   for (const auto& [row, slot] : snapshots) {
     SCOPED_TRACE(::testing::Message() << "row " << row);
     std::vector<float> conv_p(conv_stride), ssm_p(ssm_stride);
-    const Batch prefix = Batch::of({row + 1}, {0}, {1});
-    run_conv(cc, prefix, x.data(), conv_p.data(), conv_stride, conv_out.data(), pool);
-    run_delta(dc, prefix, qkv.data(), gates.data(), ssm_p.data(), ssm_stride, out.data(), pool);
+    ops.run(Batch::of({row + 1}, {0}, {1}), 0, conv_p.data(), ssm_p.data(), conv_out.data(),
+            out.data(), pool);
     EXPECT_TRUE(std::equal(conv_p.begin(), conv_p.end(), conv.begin() + slot * conv_stride));
     EXPECT_TRUE(std::equal(ssm_p.begin(), ssm_p.end(), ssm.begin() + slot * ssm_stride));
   }
