@@ -144,7 +144,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Prompt logprobs and token constraints on sharded ranks: one step with a scored prompt in the
 // first DP partition and a constrained greedy decode in the last; the scores are one rank's within
-// bf16 noise, the constrained token obeys its bitmask and the bias that forces it.
+// bf16 noise (logits of one rank and a sharded layout of this model differ by up to about 1.2, the
+// sharded greedy tests above measure; these arbitrary prompt tokens sit 10 to 18 nats down, where
+// DP 2 + EP 2 moved two of them by 0.12 and 0.17), the constrained token obeys its bitmask and the
+// bias that forces it.
 TEST(ShardedCudaBackendDemo, PromptLogprobsAndConstraintsOnShardedRanks) {
   const auto dir = model_dir("demo");
   CudaBackend one(dir, small_options(false));
@@ -182,7 +185,7 @@ TEST(ShardedCudaBackendDemo, PromptLogprobsAndConstraintsOnShardedRanks) {
     ASSERT_EQ(got.size(), want.size());
     for (size_t j = 0; j < got.size(); ++j) {
       EXPECT_EQ(got[j].token, prompt[j + 1]);
-      EXPECT_NEAR(got[j].logprob, want[j].logprob, 0.1) << "row " << j;
+      EXPECT_NEAR(got[j].logprob, want[j].logprob, 0.5) << "row " << j;
       ASSERT_EQ(got[j].top.size(), 2u);
     }
   }
