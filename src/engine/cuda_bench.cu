@@ -41,6 +41,7 @@
 #include "engine/fp8_kernel_bench.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
+#include "model/decoder_plan.h"
 #include "parallel/cuda/collective_bench.h"
 
 namespace relay {
@@ -386,32 +387,68 @@ void bench_moe_routing(Reporter& rep, const Ceilings& c, bool quick) {
 
 // ---------------------------------------------------------------- end to end
 struct ModelCosts {
-  double attn_weight_bytes = 0;   // per step, all layers: projections, norms, router
-  double expert_bytes = 0;        // one expert, all layers
+  double attn_weight_bytes = 0;   // per step, all layers: every weight but the routed experts'
+  double expert_bytes = 0;        // one expert, all MoE layers
   double lm_head_bytes = 0;
   double all_weight_bytes = 0;
-  double kv_bytes_per_token = 0;  // all layers, K and V
+  double kv_bytes_per_token = 0;  // all attention layers, K and V
+  double state_bytes = 0;         // one sequence's recurrent state, all Gated DeltaNet layers
   double matmul_flops_per_token = 0;
-  double attn_flops_per_token_pair = 0;  // per (query, key) pair, all layers
+  double attn_flops_per_token_pair = 0;  // per (query, key) pair, all attention layers
+  double delta_rule_flops_per_token = 0;  // the Gated DeltaNet recurrence, all its layers
   int experts = 0, top_k = 0;
 };
 
 // `linear_bytes`: bytes per weight of the attention projections and experts (2 bf16, 1 FP8; the
-// router, embeddings and lm_head stay bf16).
+// router, embeddings and lm_head stay bf16, and so do the hybrids' gated attention, Gated
+// DeltaNet and shared expert). Layer by layer, as the decoder plan gives their kinds.
 ModelCosts model_costs(const ModelConfig& c, double linear_bytes) {
   ModelCosts m;
   const double H = c.hidden_size, hd = c.head_dim, nq = c.num_attention_heads, nkv = c.num_key_value_heads;
-  const double L = c.num_hidden_layers, W = c.moe_intermediate_size;
-  const double attn_params = (nq + 2 * nkv) * hd * H + nq * hd * H + 2 * H + 2 * hd;
+  const double W = c.moe_intermediate_size, E = c.num_experts;
   m.experts = static_cast<int>(c.num_experts);
   m.top_k = static_cast<int>(c.num_experts_per_tok);
-  m.attn_weight_bytes = L * (attn_params * linear_bytes + m.experts * H * 2);
-  m.expert_bytes = L * 3 * W * H * linear_bytes;
+  double params = 0;  // every weight a token's forward multiplies but the routed experts'
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const MixerKind mixer = mixer_kind(c, l);
+    const FfnKind ffn = ffn_kind(c, l);
+    if (mixer == MixerKind::kGatedDeltaNet) {
+      const double hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+      const double dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+      const double conv = 2 * hk * dk + hv * dv;
+      const double p = (conv + hv * dv + 2 * hv) * H + hv * dv * H;  // in_proj, out_proj
+      params += p;
+      m.attn_weight_bytes += (p + conv * c.linear_conv_kernel_dim) * 2;
+      m.state_bytes += (conv * (c.linear_conv_kernel_dim - 1) + hv * dk * dv) * 4;
+      // Per token and value head: decay, S^T k, the rank-1 update and S^T q over dk x dv.
+      m.delta_rule_flops_per_token += 8 * hv * dk * dv;
+    } else {
+      const double gate = mixer == MixerKind::kGatedAttention ? nq * hd * H : 0;
+      const double p = (nq + 2 * nkv) * hd * H + nq * hd * H;
+      params += p + gate;
+      m.attn_weight_bytes += p * (gate > 0 ? 2 : linear_bytes) + gate * 2;
+      m.kv_bytes_per_token += 2 * nkv * hd * 2;
+      m.attn_flops_per_token_pair += 4 * nq * hd;
+    }
+    if (ffn == FfnKind::kDenseMlp) {
+      const double p = 3 * double(c.intermediate_size) * H;
+      params += p;
+      m.attn_weight_bytes += p * linear_bytes;
+      continue;
+    }
+    params += E * H;  // the router
+    m.attn_weight_bytes += E * H * 2;
+    m.expert_bytes += 3 * W * H * linear_bytes;
+    m.matmul_flops_per_token += 2 * m.top_k * 3 * W * H;
+    if (ffn == FfnKind::kMoeWithSharedExpert) {
+      const double p = 3 * double(c.shared_expert_intermediate_size) * H + H;
+      params += p;
+      m.attn_weight_bytes += p * 2;
+    }
+  }
+  m.matmul_flops_per_token += 2 * params;
   m.lm_head_bytes = double(c.vocab_size) * H * 2;
-  m.all_weight_bytes = m.attn_weight_bytes + m.experts * m.expert_bytes + m.lm_head_bytes + double(c.vocab_size) * H * 2;
-  m.kv_bytes_per_token = L * 2 * nkv * hd * 2;
-  m.matmul_flops_per_token = 2 * L * (attn_params + m.experts * H + m.top_k * 3 * W * H);
-  m.attn_flops_per_token_pair = L * 4 * nq * hd;
+  m.all_weight_bytes = m.attn_weight_bytes + E * m.expert_bytes + m.lm_head_bytes + double(c.vocab_size) * H * 2;
   return m;
 }
 
@@ -465,6 +502,9 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
   bo.max_num_seqs = std::min(bo.max_num_seqs, bo.max_num_tokens);  // a sequence takes a token a step
   bo.parallel = o.parallel;
   bo.devices = o.devices;
+  // Hybrid models: a state slot per sequence and draft position on each DP rank (the prefill's
+  // sequence takes partition 0's first).
+  bo.num_state_slots = bo.max_num_seqs * (1 + o.spec_tokens);
   BenchLayout layout;
   layout.parallel = o.parallel;
   layout.ranks = o.parallel.world_size();
@@ -479,12 +519,20 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
 
   CudaBackend backend(o.model_dir, bo);
   const ModelConfig& cfg = backend.config();
-  RELAY_CHECK(cfg.is_moe() && !cfg.has_linear_attention(),
-              "relay bench's model mode expects a Qwen3-MoE checkpoint, got ", cfg.architecture,
-              "; bench a hybrid model through the engine (--mode engine --device cuda)");
+  RELAY_CHECK(cfg.is_moe(), "relay bench's model mode expects an MoE checkpoint (Qwen3-MoE, "
+              "Qwen3.5-MoE, Qwen3-Next), got ", cfg.architecture);
   const CudaLoadStats& ls = backend.load_stats();
   const int dp = backend.num_kv_partitions();
   const int blocks_per_partition = backend.num_kv_blocks() / dp;
+  const int slots_per_partition = backend.num_state_slots() / dp;  // 0 without linear attention
+  // Sequence i's state slots: the (i / dp)-th group of 1 + K in its partition i % dp.
+  auto state_slots_of = [&](int i) {
+    std::vector<int32_t> slots;
+    if (slots_per_partition == 0) return slots;
+    const int first = (i % dp) * slots_per_partition + (i / dp) * (1 + o.spec_tokens);
+    for (int k = 0; k <= o.spec_tokens; ++k) slots.push_back(first + k);
+    return slots;
+  };
   emit({{"mode", "load"}, {"load_format", o.load_format}, {"fp8_linears", ls.fp8_linears}, {"weight_bytes", ls.weight_bytes}, {"seconds", ls.load_seconds},
         {"gbps", ls.weight_bytes / ls.load_seconds / 1e9}, {"kv_pool_bytes", ls.kv_pool_bytes},
         {"free_bytes_before_kv", ls.free_bytes_before_kv},
@@ -513,12 +561,14 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
                 " tokens: ", blocks.size(), " blocks, ", blocks_per_partition, " per DP rank");
     for (auto& t : tokens) t = token_dist(rng);
     std::iota(blocks.begin(), blocks.end(), 0);
+    const std::vector<int32_t> prefill_slots = state_slots_of(0);
     StepSequence s;
     s.seq_id = 1;
     s.tokens = tokens;
     s.block_table = blocks;
     s.sample = true;
     s.sampling = &greedy;
+    s.state_slots = prefill_slots;
     std::vector<StepSequence> batch{s};
     // Warm-up (plans, workspaces). Its greedy token is reported: every layout of one model gets
     // the same prompt, so sharded runs are checked against one rank's token.
@@ -531,7 +581,8 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
     }
     std::sort(ms.begin(), ms.end());
     const double t = ms[ms.size() / 2];
-    const double flops = mc.matmul_flops_per_token * len + mc.attn_flops_per_token_pair * (double(len) * (len + 1) / 2);
+    const double flops = (mc.matmul_flops_per_token + mc.delta_rule_flops_per_token) * len +
+                         mc.attn_flops_per_token_pair * (double(len) * (len + 1) / 2);
     const double one_gpu_roof_ms = std::max(flops / (c.gemm_tflops * 1e9), mc.all_weight_bytes / (c.copy_gbps * 1e6));
     const double roof_ms = one_gpu_roof_ms / layout.gpus;
     nlohmann::json j{{"mode", "prefill"}, {"batch", 1}, {"tokens", len}, {"context", len},
@@ -559,7 +610,7 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
       RELAY_CHECK(seqs_per_partition * blocks_per_seq <= blocks_per_partition, "KV pool too small for decode batch ",
                   batch_size, " at context ", ctx, ": ", seqs_per_partition, " sequences of ", blocks_per_seq,
                   " blocks in each DP partition of ", blocks_per_partition, " blocks");
-      std::vector<std::vector<int32_t>> tables(batch_size), toks(batch_size);
+      std::vector<std::vector<int32_t>> tables(batch_size), toks(batch_size), slots(batch_size);
       std::vector<int> computed(batch_size, ctx - 1);
       std::vector<int> dp_rank_seqs(dp, 0);
       for (int i = 0; i < batch_size; ++i) {
@@ -567,6 +618,7 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
         tables[i].resize(blocks_per_seq);
         std::iota(tables[i].begin(), tables[i].end(), g * blocks_per_partition + (i / dp) * blocks_per_seq);
         toks[i] = {token_dist(rng)};
+        slots[i] = state_slots_of(i);
         ++dp_rank_seqs[g];
       }
       // The batch views toks / tables, so it is rebuilt for every step.
@@ -579,6 +631,7 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
           batch[i].block_table = tables[i];
           batch[i].sample = sample;
           batch[i].sampling = sample ? &greedy : nullptr;
+          batch[i].state_slots = slots[i];
         }
         return batch;
       };
@@ -608,8 +661,9 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
       device_ms /= steps;
       const double active = mc.experts * (1.0 - std::pow(1.0 - double(mc.top_k) / mc.experts, batch_size));
       const double avg_ctx = ctx_start + (steps - 1) / 2.0;
+      // A hybrid's recurrent state is read and written once per sequence and step.
       const double bytes = mc.attn_weight_bytes + active * mc.expert_bytes + mc.lm_head_bytes +
-                           batch_size * avg_ctx * mc.kv_bytes_per_token;
+                           batch_size * (avg_ctx * mc.kv_bytes_per_token + 2 * mc.state_bytes);
       const double roof_ms = bytes / (c.copy_gbps * 1e6) / layout.gpus;
       nlohmann::json j{{"mode", "decode"}, {"batch", batch_size}, {"tokens", batch_size}, {"context", ctx},
                        {"ms_per_step", t}, {"tok_per_s", batch_size / (t / 1e3)},
@@ -649,6 +703,7 @@ void bench_model(Reporter& rep, const Ceilings& c, const CudaBenchOptions& o) {
           batch[i].sampling = &greedy;
           batch[i].num_draft_tokens = K;
           batch[i].sample_index = static_cast<uint64_t>(computed[i]);
+          batch[i].state_slots = slots[i];
         }
         const std::vector<SampledToken> out = backend.step(batch);
         size_t at = 0;
