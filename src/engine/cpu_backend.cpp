@@ -126,11 +126,14 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   // The recurrent-state pool comes out of the KV budget.
   size_t kv_bytes = o.kv_cache_bytes;
   if (config.has_linear_attention()) {
-    // NOTE: the draft rollback and the state snapshots' copies run where the tokens are known, on
-    // node 0 after the step (roll_back_states): a follower node's ranks would keep unrolled states.
-    RELAY_CHECK(o.nodes.nnodes == 1, config.architecture, " (linear-attention layers) runs its ",
-                "ranks in one process for now (their recurrent states are rolled back there), got "
-                "--nnodes ", o.nodes.nnodes);
+    // NOTE: the draft rollback and the state snapshots' copies run where the tokens are known: on
+    // each node for the DP groups whose sampling rank (TP rank 0) it holds (roll_back_states in
+    // compute), so a TP group must not span nodes.
+    RELAY_CHECK(o.nodes.nnodes == 1 || o.nodes.ranks_per_node(parallel_) % parallel_.tp == 0,
+                config.architecture, " (linear-attention layers) across nodes needs each TP group "
+                "on one node (its states are rolled back where it samples): --tp ", parallel_.tp,
+                " must divide the ", o.nodes.ranks_per_node(parallel_), " ranks of each of the "
+                "--nnodes ", o.nodes.nnodes, " nodes");
     RELAY_CHECK(o.num_state_slots > 0, "a model with linear-attention layers needs recurrent-state "
                 "slots, got ", o.num_state_slots);
     RELAY_CHECK(o.num_state_snapshots >= 0, "num_state_snapshots must not be negative, got ",
@@ -413,8 +416,8 @@ void CpuBackend::roll_back_states(std::span<const StepSequence> batch,
     size_t n = 0;
     while (next + n < sampled.size() && sampled[next + n].seq_id == s.seq_id) ++n;
     next += n;
+    if (n == 0 || s.num_draft_tokens == 0) continue;  // (sampled on another node)
     const size_t accepted = n - 1;
-    if (s.num_draft_tokens == 0) continue;
     const bool all = accepted == static_cast<size_t>(s.num_draft_tokens);
     for (auto& r : ranks_) {
       if (std::find(r->members.begin(), r->members.end(), i) == r->members.end()) continue;
@@ -532,6 +535,9 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
         }
       }
     }
+    // This node's DP groups sampled here (a TP group lies on one node for a hybrid model): their
+    // recurrent states roll back to their last accepted tokens.
+    if (command == NodeCommand::kStep) roll_back_states(batch, result.sampled);
     // NOTE: one node (checked at construction), so every sequence was sampled here.
     if (command == NodeCommand::kStep && num_mtp_drafts_ > 0) {
       propose_mtp_drafts(batch, result.sampled);
@@ -658,7 +664,6 @@ std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) 
     RELAY_CHECK(!tokens[i].empty(), "no node sampled sequence ", s.seq_id);
     out.insert(out.end(), tokens[i].begin(), tokens[i].end());
   }
-  roll_back_states(batch, out);
   return out;
 }
 

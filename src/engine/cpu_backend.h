@@ -175,8 +175,9 @@ class CpuBackend : public Backend {
   // Rank r's pool slot of state snapshot `id` (global id, of s's DP rank; relay::Error otherwise).
   int32_t local_snapshot_slot(const Rank& r, const StepSequence& s, int32_t id) const;
   // After a step verified drafts: fills the prefix-cache snapshots the step saves at accepted rows
-  // (from the rows' draft slots) and restores, in every rank that ran the sequence, the state after
-  // its last accepted draft from its draft slot (see the top of this file).
+  // (from the rows' draft slots) and restores, in every local rank that ran the sequence, the state
+  // after its last accepted draft from its draft slot (see the top of this file). Each node runs it
+  // in compute() with the tokens it sampled (its DP groups'; a TP group lies on one node).
   void roll_back_states(std::span<const StepSequence> batch,
                         std::span<const SampledToken> sampled);
 

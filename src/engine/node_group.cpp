@@ -18,7 +18,8 @@ static_assert(std::endian::native == std::endian::little,
 // 2: prompt logprobs (a step's num_prompt_logprobs, a result's prompt_logprobs).
 // 3: drafts (a sampling sequence's num_draft_tokens; a result's sampled tokens may hold several per
 //    sequence, its accepted drafts then the token after them).
-constexpr uint8_t kWireVersion = 3;
+// 4: the recurrent state of hybrid models (a step's state slots, snapshot restore and saves).
+constexpr uint8_t kWireVersion = 4;
 
 class Writer {
  public:
@@ -152,6 +153,15 @@ std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequen
     w.put_array(history || s.num_prompt_logprobs >= 0 ? s.prompt_tokens
                                                       : std::span<const int32_t>());
     w.put_array(history ? s.output_tokens : std::span<const int32_t>());
+    w.put_array(s.state_slots);
+    w.put(s.restore_state_snapshot);
+    std::vector<int32_t> save_rows, save_ids;
+    for (const SnapshotSave& save : s.save_state_snapshots) {
+      save_rows.push_back(save.row);
+      save_ids.push_back(save.snapshot);
+    }
+    w.put_array(std::span<const int32_t>(save_rows));
+    w.put_array(std::span<const int32_t>(save_ids));
   }
   return w.take();
 }
@@ -170,6 +180,8 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
   step.sampling.resize(n);
   step.allowed_tokens.resize(n);
   step.logit_bias.resize(n);
+  step.state_slots.resize(n);
+  step.snapshot_saves.resize(n);
   step.batch.resize(n);
   for (uint32_t i = 0; i < n; ++i) {
     StepSequence& s = step.batch[i];
@@ -209,6 +221,15 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
     step.output_tokens[i] = r.get_array<int32_t>();
     s.prompt_tokens = step.prompt_tokens[i];
     s.output_tokens = step.output_tokens[i];
+    step.state_slots[i] = r.get_array<int32_t>();
+    s.state_slots = step.state_slots[i];
+    s.restore_state_snapshot = r.get<int32_t>();
+    const std::vector<int32_t> save_rows = r.get_array<int32_t>(), save_ids = r.get_array<int32_t>();
+    RELAY_CHECK(save_rows.size() == save_ids.size(), "node message: sequence ", s.seq_id, " has ",
+                save_rows.size(), " state snapshot rows for ", save_ids.size(), " snapshots");
+    for (size_t k = 0; k < save_rows.size(); ++k)
+      step.snapshot_saves[i].push_back({save_rows[k], save_ids[k]});
+    s.save_state_snapshots = step.snapshot_saves[i];
   }
   r.expect_end();
   return step;

@@ -47,6 +47,8 @@ struct NodeStep {
   std::vector<SamplingParams> sampling;  // one per sequence (read only when it samples)
   std::vector<std::vector<uint32_t>> allowed_tokens;  // token constraints of sampling sequences
   std::vector<std::vector<std::pair<int32_t, float>>> logit_bias;
+  std::vector<std::vector<int32_t>> state_slots;        // hybrid models' recurrent-state slots
+  std::vector<std::vector<SnapshotSave>> snapshot_saves;  // and the prefix-cache saves
 };
 
 // What one node answers for a step.

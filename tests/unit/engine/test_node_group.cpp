@@ -49,6 +49,12 @@ TEST(NodeMessages, AStepRoundTrips) {
   const std::vector<std::pair<int32_t, float>> bias{{3, 2.5f}, {40, -100.0f}};
   batch[2].allowed_tokens = mask;
   batch[2].logit_bias = bias;
+  // A hybrid model's recurrent state: its slots, a snapshot to restore, snapshots to save.
+  const std::vector<int32_t> slots{6, 7, 8};
+  const std::vector<SnapshotSave> saves{{0, 3}, {2, 5}};
+  batch[1].state_slots = slots;
+  batch[1].restore_state_snapshot = 4;
+  batch[1].save_state_snapshots = saves;
 
   const NodeStep got = decode_step(encode_step(NodeCommand::kStep, batch));
   EXPECT_EQ(got.command, NodeCommand::kStep);
@@ -63,6 +69,14 @@ TEST(NodeMessages, AStepRoundTrips) {
               std::vector(want.block_table.begin(), want.block_table.end()));
     EXPECT_EQ(s.sample, want.sample);
     EXPECT_EQ(s.num_draft_tokens, want.num_draft_tokens);
+    EXPECT_EQ(std::vector(s.state_slots.begin(), s.state_slots.end()),
+              std::vector(want.state_slots.begin(), want.state_slots.end()));
+    EXPECT_EQ(s.restore_state_snapshot, want.restore_state_snapshot);
+    ASSERT_EQ(s.save_state_snapshots.size(), want.save_state_snapshots.size());
+    for (size_t k = 0; k < s.save_state_snapshots.size(); ++k) {
+      EXPECT_EQ(s.save_state_snapshots[k].row, want.save_state_snapshots[k].row);
+      EXPECT_EQ(s.save_state_snapshots[k].snapshot, want.save_state_snapshots[k].snapshot);
+    }
     if (!want.sample) {
       EXPECT_EQ(s.sampling, nullptr);
       continue;

@@ -573,6 +573,91 @@ TEST(MultiNodeBackend, VerifiesDraftsOnTheNodeHoldingTheLogits) {
   }
 }
 
+// A hybrid model's drafts across nodes (DP 2 + EP 2 over 2 nodes: each node samples its DP group's
+// sequence and rolls its recurrent state back there): six verify steps of two drafts each (both
+// right, the second wrong, the first wrong, by turns, from the one-process greedy continuation)
+// commit exactly the one-process worker's tokens and logprobs, which a follower keeping an unrolled
+// state would not.
+TEST(MultiNodeBackend, HybridStatesRollBackOnTheNodeThatSampled) {
+  const auto dir = test::fixture_models_dir() / "qwen3_5-moe";
+  CpuBackendOptions o;
+  o.block_size = 8;
+  o.num_blocks = 16;
+  o.parallel = {1, 2, 2};
+  o.num_state_slots = 6;  // per DP rank: a sequence's slot and two draft slots
+  CpuBackend one_process(dir, o);
+  MultiNode nodes(dir, 2, [&](int) { return o; });
+  ASSERT_NE(nodes.leader(), nullptr) << nodes.join()[0];
+  const std::vector<int32_t> prompt_a{5, 6, 7, 8, 9, 10, 11}, prompt_b{40, 41, 42, 43, 44};
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  greedy.num_logprobs = 2;
+  // The sequences: a in partition 0, b in partition 1 (blocks 16.., slots 6..).
+  auto start = [](int64_t id, const std::vector<int32_t>& prompt, int32_t block, int32_t slot) {
+    Seq s{id, prompt, {block, block + 1, block + 2, block + 3}, 0, {slot, slot + 1, slot + 2}};
+    return s;
+  };
+  // One step of both: their uncomputed tokens and then `drafts`; commits what comes back.
+  auto step = [&](CpuBackend& backend, std::vector<Seq>& seqs,
+                  const std::vector<std::vector<int32_t>>& drafts) {
+    std::vector<std::vector<int32_t>> tokens(seqs.size());
+    std::vector<StepSequence> batch;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq& s = seqs[i];
+      const size_t uncomputed = s.tokens.size() - static_cast<size_t>(s.num_computed);
+      s.tokens.insert(s.tokens.end(), drafts[i].begin(), drafts[i].end());
+      StepSequence st = make_step(s, static_cast<int>(uncomputed + drafts[i].size()));
+      st.sample = true;
+      st.sampling = &greedy;
+      st.num_draft_tokens = static_cast<int32_t>(drafts[i].size());
+      batch.push_back(st);
+    }
+    const std::vector<SampledToken> out = backend.step(batch);
+    size_t at = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq& s = seqs[i];
+      s.tokens.resize(s.tokens.size() - drafts[i].size());
+      s.num_computed = static_cast<int>(s.tokens.size());  // the last token's, then accepted drafts
+      size_t n = 0;
+      while (at + n < out.size() && out[at + n].seq_id == s.id) ++n;
+      for (size_t j = 0; j < n; ++j) s.tokens.push_back(out[at + j].token);
+      s.num_computed += static_cast<int>(n) - 1;
+      at += n;
+    }
+    return out;
+  };
+  // The greedy continuations without drafts.
+  std::vector<Seq> ref{start(1, prompt_a, 0, 0), start(2, prompt_b, 16, 6)};
+  for (int i = 0; i < 20; ++i) step(one_process, ref, {{}, {}});
+  auto run = [&](CpuBackend& backend) {
+    std::vector<Seq> seqs{start(1, prompt_a, 0, 0), start(2, prompt_b, 16, 6)};
+    std::vector<SampledToken> all = step(backend, seqs, {{}, {}});
+    for (int k = 0; k < 6; ++k) {
+      std::vector<std::vector<int32_t>> drafts;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        const size_t at = seqs[i].tokens.size();
+        std::vector<int32_t> d{ref[i].tokens.at(at), ref[i].tokens.at(at + 1)};
+        if (k % 3 == 1) d[1] = (d[1] + 1) % 512;
+        if (k % 3 == 2) d[0] = (d[0] + 1) % 512;
+        drafts.push_back(d);
+      }
+      const std::vector<SampledToken> out = step(backend, seqs, drafts);
+      all.insert(all.end(), out.begin(), out.end());
+    }
+    return all;
+  };
+  const std::vector<SampledToken> want = run(one_process), got = run(*nodes.leader());
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_GT(want.size(), 2u + 6 * 2);  // drafts were accepted
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].seq_id, want[i].seq_id) << i;
+    EXPECT_EQ(got[i].token, want[i].token) << i;
+    EXPECT_EQ(got[i].logprob, want[i].logprob) << i;
+    EXPECT_EQ(got[i].top, want[i].top) << i;
+  }
+  for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
+}
+
 // A rank of node 1 fails (a token outside the vocabulary) while node 0's rank waits for it in the
 // MoE exchange: the step fails on node 0 naming the cause, every node re-arms its collectives, and
 // the next step runs.
