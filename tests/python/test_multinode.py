@@ -11,6 +11,7 @@ import openai
 import pytest
 import requests
 
+from conftest import ROOT
 from relay_server import RelayServer, completion_text, free_port
 
 PROMPT = "def merge_sort(values):"
@@ -156,3 +157,26 @@ def test_score_across_processes_is_bit_identical_to_one_process(relay_bin, tmp_p
     assert follower.returncode == 0, err
     assert (tmp_path / "two.f32").read_bytes() == (tmp_path / "one.f32").read_bytes()
     assert not (tmp_path / "unused.f32").exists()
+
+
+def test_hybrid_with_drafts_across_processes_equals_one_process(relay_bin):
+    """The demo hybrid (Gated DeltaNet layers) with n-gram drafts, DP 2 + EP 2 ranks in two
+    processes: each node rolls back the recurrent states of the sequences it samples, so the text
+    is the one-process text."""
+    model = ["--model", str(ROOT / "models" / "relay-demo-hybrid")]
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    layout = ["--dp", 2, "--ep", 2]
+    one = subprocess.run(generate_cmd(relay_bin, *model, *spec, *layout), capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    address = f"127.0.0.1:{free_port()}"
+    followers = start_followers(relay_bin, "generate", 2, address, "--prompt", PROMPT,
+                                "--max-tokens", 24, "--ignore-eos", *model, *spec, *layout)
+    leader = subprocess.run(generate_cmd(relay_bin, *model, *spec, *layout, *node_args(2, 0, address)),
+                            capture_output=True, text=True, timeout=300)
+    assert leader.returncode == 0, leader.stderr
+    assert leader.stdout == one.stdout
+    assert "drafts accepted" in leader.stderr
+    for f in followers:
+        _, err = f.communicate(timeout=60)
+        assert f.returncode == 0, err
