@@ -303,6 +303,17 @@ TEST(ShardedBackend, ABadSequenceFailsTheStepAndTheNextStepStillRuns) {
 
 using test::free_port;
 
+// The same sampled tokens, bit for bit: ids, logprobs and top logprobs.
+void expect_same_tokens(const std::vector<SampledToken>& got, const std::vector<SampledToken>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].seq_id, want[i].seq_id) << i;
+    EXPECT_EQ(got[i].token, want[i].token) << i;
+    EXPECT_EQ(got[i].logprob, want[i].logprob) << i;
+    EXPECT_EQ(got[i].top, want[i].top) << i;
+  }
+}
+
 // Node 0's backend in the calling thread, nodes 1.. following it on their own threads until node 0
 // is destroyed. `options(n)` gives node n's options (their .nodes is filled in here).
 class MultiNode {
@@ -434,14 +445,8 @@ TEST(MultiNodeBackend, SamplesOnTheNodeHoldingTheLogits) {
   batch[1].sample_index = 4;
   const std::vector<SampledToken> want = one_process.step(batch);
   const std::vector<SampledToken> got = nodes.leader()->step(batch);
-  ASSERT_EQ(got.size(), 2u);
   ASSERT_EQ(want.size(), 2u);
-  for (size_t i = 0; i < 2; ++i) {
-    EXPECT_EQ(got[i].seq_id, want[i].seq_id);
-    EXPECT_EQ(got[i].token, want[i].token);
-    EXPECT_EQ(got[i].logprob, want[i].logprob);
-    EXPECT_EQ(got[i].top, want[i].top);
-  }
+  expect_same_tokens(got, want);
   EXPECT_EQ(got[0].top.size(), 3u);
   for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
 }
@@ -562,13 +567,7 @@ TEST(MultiNodeBackend, VerifiesDraftsOnTheNodeHoldingTheLogits) {
     EXPECT_EQ(want[0].token, next);
     EXPECT_EQ(want[1].seq_id, 1);
     EXPECT_NE(want[1].token, (next + 1) % 512);
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < want.size(); ++i) {
-      EXPECT_EQ(got[i].seq_id, want[i].seq_id) << i;
-      EXPECT_EQ(got[i].token, want[i].token) << i;
-      EXPECT_EQ(got[i].logprob, want[i].logprob) << i;
-      EXPECT_EQ(got[i].top, want[i].top) << i;
-    }
+    expect_same_tokens(got, want);
     for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
   }
 }
@@ -647,14 +646,8 @@ TEST(MultiNodeBackend, HybridStatesRollBackOnTheNodeThatSampled) {
     return all;
   };
   const std::vector<SampledToken> want = run(one_process), got = run(*nodes.leader());
-  ASSERT_EQ(got.size(), want.size());
   EXPECT_GT(want.size(), 2u + 6 * 2);  // drafts were accepted
-  for (size_t i = 0; i < want.size(); ++i) {
-    EXPECT_EQ(got[i].seq_id, want[i].seq_id) << i;
-    EXPECT_EQ(got[i].token, want[i].token) << i;
-    EXPECT_EQ(got[i].logprob, want[i].logprob) << i;
-    EXPECT_EQ(got[i].top, want[i].top) << i;
-  }
+  expect_same_tokens(got, want);
   for (const std::string& e : nodes.join()) EXPECT_EQ(e, "");
 }
 
