@@ -158,6 +158,8 @@ int run_engine_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
   d.contexts = a.decode_contexts.empty() ? std::vector<int>{128} : a.decode_contexts;
   d.num_decode_tokens = a.decode_tokens > 0 ? a.decode_tokens : 32;
   d.speculative = spec;
+  // The GPU's one-time costs at a shape's first steps (graph captures, GEMM plans) are not decode.
+  d.warmup_runs = a.device == "cuda" ? 1 : 0;
   const int drafts = spec.enabled() ? spec.num_speculative_tokens : 0;
   EngineConfig ec;
   ec.max_num_seqs = *std::max_element(d.batches.begin(), d.batches.end());

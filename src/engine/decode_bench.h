@@ -9,7 +9,10 @@
 // finish, and the line reports the tokens they committed per second, with, when the engine drafts,
 // speculative decoding's counters over those steps: drafts, acceptance rate and mean acceptance
 // length (SpecDecodeStats). Prefix
-// caching is the engine's choice (EngineConfig); the prompts share no block.
+// caching is the engine's choice (EngineConfig); the prompts share no block. With warmup_runs, each
+// shape first runs that many times untimed (other prompts, the same lengths), so the one-time costs
+// a GPU backend pays at a shape's first steps (CUDA graph captures of each batch bucket and, with
+// drafts, of each number of tokens per sequence; GEMM plans) stay out of the timed run.
 #pragma once
 
 #include <functional>
@@ -26,11 +29,13 @@ struct DecodeBenchOptions {
   std::vector<int> contexts;  // prompt tokens of each sequence
   int num_decode_tokens = 64;  // tokens each sequence generates in the timed steps
   SpeculativeConfig speculative;  // the engine's (EngineConfig::speculative), for the report
+  int warmup_runs = 0;            // untimed runs of each shape first
 };
 
 // Runs every (batch, context) shape on `engine` (idle, and left idle) and passes one JSON line per
 // shape to `emit`: {"mode": "decode", "batch", "context", "tokens", "steps", "seconds",
-// "tok_per_s", "ms_per_step", "prefill_seconds", "prefill_tok_per_s", "speculative"} and, with
+// "tok_per_s", "ms_per_step", "prefill_seconds", "prefill_tok_per_s", "speculative",
+// "warmup_runs"} and, with
 // speculative decoding, "num_drafts",
 // "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
 // "accepted_per_position".
