@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "core/error.h"
-#include "engine/mtp_plan.h"
+#include "engine/after_step.h"
 #include "engine/ranks.h"
 #include "engine/sampler.h"
 #include "engine/step_check.h"
@@ -310,7 +310,7 @@ int32_t CpuBackend::local_snapshot_slot(const Rank& r, const StepSequence& s, in
 
 void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
                                     std::span<const SampledToken> sampled) {
-  // Per sequence: its catch-up rows and the token after them (engine/mtp_plan.h).
+  // Per sequence: its catch-up rows and the token after them (engine/after_step.h).
   const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled);
   const int bs = block_size();
   const size_t hidden = static_cast<size_t>(config().hidden_size);
@@ -409,31 +409,19 @@ void CpuBackend::run_mtp_step(Rank& r) {
 void CpuBackend::roll_back_states(std::span<const StepSequence> batch,
                                   std::span<const SampledToken> sampled) {
   if (state_slots_per_rank_ == 0) return;
-  size_t next = 0;
+  const std::vector<std::span<const SampledToken>> runs = tokens_per_sequence(batch, sampled);
   for (size_t i = 0; i < batch.size(); ++i) {
     const StepSequence& s = batch[i];
-    if (!s.sample) continue;
-    size_t n = 0;
-    while (next + n < sampled.size() && sampled[next + n].seq_id == s.seq_id) ++n;
-    next += n;
-    if (n == 0 || s.num_draft_tokens == 0) continue;  // (sampled on another node)
-    const size_t accepted = n - 1;
-    const bool all = accepted == static_cast<size_t>(s.num_draft_tokens);
+    if (runs[i].empty() || s.num_draft_tokens == 0) continue;  // (empty: sampled on another node)
+    // The scheduler commits the snapshots at accepted rows and drops the others.
+    const std::vector<StateCopy> copies = draft_state_copies(s, runs[i].size() - 1, false);
     for (auto& r : ranks_) {
       if (std::find(r->members.begin(), r->members.end(), i) == r->members.end()) continue;
       const int32_t first_slot = r->place.dp_rank * state_slots_per_rank_;
-      // The prefix-cache snapshots at accepted rows: the state after row j < k is in the draft
-      // slot j + 1, after the last draft (all accepted) in the sequence's own; the scheduler
-      // commits these and drops the others.
-      for (const SnapshotSave& save : s.save_state_snapshots) {
-        if (static_cast<size_t>(save.row) > accepted) continue;
-        const size_t from = save.row < s.num_draft_tokens ? 1 + static_cast<size_t>(save.row) : 0;
-        r->state->copy_slot(local_snapshot_slot(*r, s, save.snapshot),
-                            s.state_slots[from] - first_slot);
-      }
-      if (!all) {
-        r->state->copy_slot(s.state_slots[0] - first_slot,
-                            s.state_slots[1 + accepted] - first_slot);
+      for (const StateCopy& c : copies) {
+        r->state->copy_slot(c.to_snapshot >= 0 ? local_snapshot_slot(*r, s, c.to_snapshot)
+                                               : s.state_slots[c.to_slot] - first_slot,
+                            s.state_slots[c.from] - first_slot);
       }
     }
   }

@@ -232,12 +232,12 @@ struct CudaBackend::Impl {
     const std::vector<std::vector<SampledToken>> sampled = run_groups<std::vector<SampledToken>>(
         parts, [](RankEngine& e, const RankPart& p, bool lead) { return e.step(p.seqs, lead); });
     // Hybrid models under TP: the ranks that did not sample roll their heads' states back too.
-    if (parallel.tp > 1 && ranks.front()->state_pool != nullptr) {
+    if (parallel.tp > 1) {
       for (size_t r = 0; r < size(); ++r) {
         if (place(r).tp_rank == 0) continue;
         const int g = place(r).dp_rank;
         ranks[r]->bind();
-        ranks[r]->settle_after(parts[g].seqs, sampled[g]);
+        ranks[r]->settle_draft_states(parts[g].seqs, sampled[g]);
       }
       RELAY_CUDA_CHECK(cudaSetDevice(ranks.front()->opt.device));
     }

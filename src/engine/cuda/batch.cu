@@ -1,5 +1,6 @@
 // RankEngine's step plumbing: batch checks, the metadata upload, the decode graph cache, warm-up.
 #include "engine/cuda/rank_engine.h"
+#include "engine/after_step.h"
 #include "engine/step_check.h"
 
 namespace relay::cuda_engine {
@@ -253,30 +254,19 @@ int RankEngine::snapshot_pool_slot(const StepSequence& s, int32_t id) const {
   return state_slots + local;  // the snapshots follow the slots in the pool
 }
 
-void RankEngine::settle_draft_states(const StepSequence& s, size_t accepted, bool padded) {
-  const size_t k = static_cast<size_t>(s.num_draft_tokens);
-  // Where the state after row j of the sequence's tokens is now.
-  auto after_row = [&](size_t j) {
-    return j < k || padded ? local_state_slot(s, 1 + j) : local_state_slot(s, 0);
-  };
-  for (const SnapshotSave& save : s.save_state_snapshots) {
-    if (static_cast<size_t>(save.row) <= accepted)
-      copy_state_slot(snapshot_pool_slot(s, save.snapshot), after_row(save.row));
-  }
-  if (accepted < k || padded) copy_state_slot(local_state_slot(s, 0), after_row(accepted));
-}
-
-void RankEngine::settle_after(std::span<const StepSequence> batch,
-                              std::span<const SampledToken> sampled) {
-  size_t next = 0;
-  for (const StepSequence& s : batch) {
-    if (!s.sample) continue;
-    size_t n = 0;
-    while (next + n < sampled.size() && sampled[next + n].seq_id == s.seq_id) ++n;
-    next += n;
+void RankEngine::settle_draft_states(std::span<const StepSequence> batch,
+                                     std::span<const SampledToken> sampled) {
+  if (state_pool == nullptr) return;
+  const std::vector<std::span<const SampledToken>> runs = tokens_per_sequence(batch, sampled);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const StepSequence& s = batch[i];
     const bool padded = last_shape.per_seq > 1 + s.num_draft_tokens;
-    if (n > 0 && !s.state_slots.empty() && (s.num_draft_tokens > 0 || padded))
-      settle_draft_states(s, n - 1, padded);
+    if (runs[i].empty() || s.state_slots.empty() || (s.num_draft_tokens == 0 && !padded)) continue;
+    for (const StateCopy& c : draft_state_copies(s, runs[i].size() - 1, padded)) {
+      copy_state_slot(c.to_snapshot >= 0 ? snapshot_pool_slot(s, c.to_snapshot)
+                                         : local_state_slot(s, static_cast<size_t>(c.to_slot)),
+                      local_state_slot(s, static_cast<size_t>(c.from)));
+    }
   }
 }
 

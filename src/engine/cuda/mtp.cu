@@ -1,8 +1,8 @@
-// RankEngine's MTP draft head (model/mtp.h has the forward, engine/mtp_plan.h which rows it
+// RankEngine's MTP draft head (model/mtp.h has the forward, engine/after_step.h which rows it
 // computes): after a step, the catch-up rows of every sequence in one forward, then K - 1 chained
 // forwards of one row per drafting sequence, each drafting greedily on the GPU sampler.
 #include "engine/cuda/rank_engine.h"
-#include "engine/mtp_plan.h"
+#include "engine/after_step.h"
 
 namespace relay::cuda_engine {
 

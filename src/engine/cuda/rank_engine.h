@@ -529,16 +529,14 @@ struct RankEngine {
   // a snapshot id.
   int local_state_slot(const StepSequence& s, size_t i) const;
   int snapshot_pool_slot(const StepSequence& s, int32_t snapshot) const;
-  // After a step verified `s`'s drafts (accepted of them): the prefix-cache snapshots it saves at
-  // accepted rows and the state after its last accepted token, copied from the draft slots the
-  // kernels filled (upload_batch: row j < k into slot 1 + j; a sequence padded past its drafts in
-  // a graph step also row k into slot 1 + k, since its fillers moved the state on). Every TP rank
-  // of the sequence's DP group does it for its heads: the one that sampled in step(), the others
-  // through settle_after (the rank executor gives them the sampled tokens).
-  void settle_draft_states(const StepSequence& s, size_t accepted, bool padded);
-  // settle_draft_states for every drafted (or graph-padded) sequence of `batch`, from the tokens
-  // the group's sampling rank returned for it (its accepted drafts and the token after them).
-  void settle_after(std::span<const StepSequence> batch, std::span<const SampledToken> sampled);
+  // After the last run() of `batch` verified its drafts (`sampled`: what the group's sampling rank
+  // returned): each drafted or graph-padded sequence's prefix-cache saves at accepted rows and its
+  // state after its last accepted token, copied from the draft slots the kernels filled
+  // (upload_batch; engine/after_step.h, draft_state_copies, has the rule). Every TP rank of the
+  // DP group does it for its heads: the sampling one at the end of step(), the others when the
+  // rank executor hands them the sampled tokens.
+  void settle_draft_states(std::span<const StepSequence> batch,
+                           std::span<const SampledToken> sampled);
 
   // The MTP head over the batch whose metadata is in meta_dev (laid out for `sh`, upload_batch):
   // row r reads its token's embedding and row mtp_rows_dev[r] of `hidden_in` ([hidden_rows,

@@ -103,7 +103,7 @@ std::vector<SampledToken> RankEngine::step(std::span<const StepSequence> batch, 
   const size_t scored_first = std::min(scored.size(), chunk - rows.size());
   for (size_t i = 0; i < scored_first; ++i) rows.push_back(scored[i].row);
   const Shape sh = run(batch, rows);
-  // A TP rank that does not sample settles its drafted states later (settle_after).
+  // A TP rank that does not sample settles its drafted states later (settle_draft_states).
   if ((samplers.empty() && scored.empty()) || !sample) {
     finish_step();
     return {};
@@ -188,15 +188,13 @@ std::vector<SampledToken> RankEngine::step(std::span<const StepSequence> batch, 
                             return tok;
                           });
     }
-    // A hybrid model's state after the last accepted token (and the snapshots at accepted rows).
-    const bool padded = sh.per_seq > 1 + k;
-    if (state_pool != nullptr && !s.state_slots.empty() && (k > 0 || padded))
-      settle_draft_states(s, got.size() - 1, padded);
     for (SampledToken& tok : got) {
       tok.seq_id = s.seq_id;
       out.push_back(std::move(tok));
     }
   }
+  // A hybrid model's states after the last accepted tokens (and the snapshots at accepted rows).
+  settle_draft_states(batch, out);
   // The rest of the scored rows (the host samplers have read their logits): the LM head again
   // over each chunk of them.
   for (size_t begin = scored_first; begin < scored.size(); begin += chunk) {
