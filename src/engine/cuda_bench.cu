@@ -42,6 +42,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
 #include "model/decoder_plan.h"
+#include "model/model.h"
 #include "parallel/cuda/collective_bench.h"
 
 namespace relay {
@@ -413,15 +414,12 @@ ModelCosts model_costs(const ModelConfig& c, double linear_bytes) {
     const MixerKind mixer = mixer_kind(c, l);
     const FfnKind ffn = ffn_kind(c, l);
     if (mixer == MixerKind::kGatedDeltaNet) {
-      const double hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
-      const double dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-      const double conv = 2 * hk * dk + hv * dv;
-      const double p = (conv + hv * dv + 2 * hv) * H + hv * dv * H;  // in_proj, out_proj
+      const double hv = c.linear_num_value_heads, conv = c.linear_conv_dim(), v = c.linear_value_dim();
+      const double p = (conv + v + 2 * hv) * H + v * H;  // in_proj, out_proj
       params += p;
       m.attn_weight_bytes += (p + conv * c.linear_conv_kernel_dim) * 2;
-      m.state_bytes += (conv * (c.linear_conv_kernel_dim - 1) + hv * dk * dv) * 4;
       // Per token and value head: decay, S^T k, the rank-1 update and S^T q over dk x dv.
-      m.delta_rule_flops_per_token += 8 * hv * dk * dv;
+      m.delta_rule_flops_per_token += 8 * v * c.linear_key_head_dim;
     } else {
       const double gate = mixer == MixerKind::kGatedAttention ? nq * hd * H : 0;
       const double p = (nq + 2 * nkv) * hd * H + nq * hd * H;
@@ -447,6 +445,7 @@ ModelCosts model_costs(const ModelConfig& c, double linear_bytes) {
     }
   }
   m.matmul_flops_per_token += 2 * params;
+  if (c.has_linear_attention()) m.state_bytes = recurrent_state_layout(c, unsharded(c), 1).bytes_per_slot();
   m.lm_head_bytes = double(c.vocab_size) * H * 2;
   m.all_weight_bytes = m.attn_weight_bytes + E * m.expert_bytes + m.lm_head_bytes + double(c.vocab_size) * H * 2;
   return m;

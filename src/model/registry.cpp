@@ -74,15 +74,16 @@ std::unique_ptr<Model> build_model(const ModelConfig& config, const Checkpoint& 
   }
   std::unique_ptr<Model> model = arch.build(config, ckpt, shard);
   if (!mtp.enabled) return model;
-  if (mtp.dir.empty()) {
-    model->set_mtp_head(load_mtp(config, ckpt, shard, true));
-  } else {
-    RELAY_CHECK(std::filesystem::is_directory(mtp.dir), "the MTP head directory ",
-                mtp.dir.string(), " (\"model\" in the speculative config) does not exist");
-    const Checkpoint head(mtp.dir);
-    model->set_mtp_head(load_mtp(config, head, shard, false));
-  }
+  const std::optional<Checkpoint> separate = open_separate_mtp_head(mtp);
+  model->set_mtp_head(load_mtp(config, separate ? *separate : ckpt, shard, !separate));
   return model;
+}
+
+std::optional<Checkpoint> open_separate_mtp_head(const MtpSource& mtp) {
+  if (!mtp.enabled || mtp.dir.empty()) return std::nullopt;
+  RELAY_CHECK(std::filesystem::is_directory(mtp.dir), "the MTP head directory ", mtp.dir.string(),
+              " (\"model\" in the speculative config) does not exist");
+  return std::optional<Checkpoint>(std::in_place, mtp.dir);
 }
 
 std::unique_ptr<Model> load_model(const std::filesystem::path& dir) {

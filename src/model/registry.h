@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,11 @@ struct MtpSource {
   bool enabled = false;
   std::filesystem::path dir;  // empty: the checkpoint's own mtp.*
 };
+
+// The separate head directory `mtp` names, opened (a missing directory is an error naming it);
+// nothing when no head is asked for or it is the target checkpoint's own. Both backends load the
+// head from it, or from the target's checkpoint, after model/mtp.h's check_mtp_head.
+std::optional<Checkpoint> open_separate_mtp_head(const MtpSource& mtp);
 
 // Builds the model for config.architecture from the checkpoint's tensors (copied to fp32, so the
 // checkpoint may be closed afterwards). An unknown architecture is an error listing the supported

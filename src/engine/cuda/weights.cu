@@ -107,14 +107,9 @@ void RankEngine::load(const std::filesystem::path& dir) {
   const DecoderPlan decoder = plan_decoder(cfg, ckpt);
   // The MTP head (model/mtp.h), when asked for: the checkpoint's own mtp.* or a separate directory
   // of them, checked whole before anything is allocated.
-  std::optional<Checkpoint> separate_head;
+  const std::optional<Checkpoint> separate_head = open_separate_mtp_head(opt.mtp);
   const Checkpoint* head_ckpt = nullptr;
   if (opt.mtp.enabled) {
-    if (!opt.mtp.dir.empty()) {
-      RELAY_CHECK(std::filesystem::is_directory(opt.mtp.dir), "the MTP head directory ",
-                  opt.mtp.dir.string(), " (\"model\" in the speculative config) does not exist");
-      separate_head.emplace(opt.mtp.dir);
-    }
     head_ckpt = separate_head ? &*separate_head : &ckpt;
     check_mtp_head(cfg, *head_ckpt, !separate_head);
   }
@@ -140,13 +135,14 @@ void RankEngine::load(const std::filesystem::path& dir) {
   top_k = static_cast<int>(cfg.num_experts_per_tok);
   qkv_dim = (q_heads + 2 * kv_heads) * head_dim;
   rotary_dim = cfg.rotary_dim() == cfg.head_dim ? 0 : static_cast<int>(cfg.rotary_dim());
-  if (cfg.has_linear_attention()) {
+  if (cfg.has_linear_attention()) {  // this rank's heads and channels, as its state slot holds them
+    const RecurrentStateLayout gdn = recurrent_state_layout(cfg, shard, 0);
     gdn_heads_k = shard.num_local_k_heads;
-    gdn_heads_v = shard.num_local_v_heads;
-    gdn_key_dim = static_cast<int>(cfg.linear_key_head_dim);
-    gdn_value_dim = static_cast<int>(cfg.linear_value_head_dim);
-    gdn_conv_dim = 2 * gdn_heads_k * gdn_key_dim + gdn_heads_v * gdn_value_dim;
-    gdn_kernel = static_cast<int>(cfg.linear_conv_kernel_dim);
+    gdn_heads_v = gdn.num_heads;
+    gdn_key_dim = gdn.key_dim;
+    gdn_value_dim = gdn.value_dim;
+    gdn_conv_dim = gdn.conv_dim;
+    gdn_kernel = gdn.conv_width + 1;
     gdn_in_width = gdn_conv_dim + gdn_heads_v * gdn_value_dim + 2 * gdn_heads_v;
   }
   const int64_t H = hidden, hd = head_dim;
