@@ -152,13 +152,15 @@ CpuBackendOptions cpu_options(const BackendChoice& c) {
 
 }  // namespace
 
-int follow_leader(const std::string& model_dir, const BackendChoice& c) {
+int follow_leader(const std::string& model_dir, const BackendChoice& c, int max_num_seqs,
+                  const SpeculativeConfig& speculative, int num_state_snapshots) {
   c.parallel.validate();
   c.nodes.validate(c.parallel);
   RELAY_CHECK(c.device == "cpu",
               "--nnodes: multi-node workers run on the cpu device; the cuda "
               "device runs every rank as a thread of one process (use --gpus)");
-  CpuBackend backend(model_dir, cpu_options(c));
+  CpuBackend backend(model_dir,
+                     cpu_backend_options(c, max_num_seqs, speculative, num_state_snapshots));
   std::fprintf(stderr, "relay: node %d of %d loaded its ranks; following node 0 at %s\n",
                c.nodes.node_rank, c.nodes.nnodes, c.nodes.dist_init.c_str());
   backend.follow();

@@ -73,9 +73,11 @@ CpuBackendOptions cpu_backend_options(const BackendChoice& choice, int max_num_s
                                       int num_state_snapshots = 0);
 // True for nodes 1.. of a multi-node worker (--node-rank > 0): they run no engine of their own.
 inline bool is_follower_node(const BackendChoice& choice) { return choice.nodes.node_rank > 0; }
-// A follower node: loads its ranks, runs node 0's steps until node 0 shuts the worker down, and
-// returns the exit code (0; a lost leader is a relay::Error).
-int follow_leader(const std::string& model_dir, const BackendChoice& choice);
+// A follower node: loads its ranks with the options node 0's make_backend gets (the same pools,
+// state slots and MTP head), runs node 0's steps until node 0 shuts the worker down, and returns
+// the exit code (0; a lost leader is a relay::Error).
+int follow_leader(const std::string& model_dir, const BackendChoice& choice, int max_num_seqs,
+                  const SpeculativeConfig& speculative = {}, int num_state_snapshots = 0);
 // "0,1,1" -> {0, 1, 1}; `option` names the flag in errors.
 std::vector<int> parse_device_list(const std::string& text, const std::string& option);
 // "512MiB", "2G", "1.5GiB", "1000000" -> bytes; `option` names the flag in errors.

@@ -37,7 +37,14 @@ struct GenerateOptions {
 
 int run_generate(const GenerateOptions& o) {
   using Clock = std::chrono::steady_clock;
-  if (is_follower_node(o.backend)) return follow_leader(o.model_dir, o.backend);
+  EngineConfig config;
+  config.max_num_seqs = 1;
+  if (!o.speculative_config.empty()) {
+    config.speculative = SpeculativeConfig::parse(o.speculative_config);
+  }
+  if (is_follower_node(o.backend)) {
+    return follow_leader(o.model_dir, o.backend, config.max_num_seqs, config.speculative);
+  }
   const Tokenizer tokenizer = Tokenizer::from_model_dir(o.model_dir);
   std::string prompt = o.prompt;
   if (o.chat) {
@@ -47,11 +54,6 @@ int run_generate(const GenerateOptions& o) {
     nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();
     if (o.no_thinking) kwargs["enable_thinking"] = false;
     prompt = tmpl.render(messages, nullptr, /*add_generation_prompt=*/true, kwargs);
-  }
-  EngineConfig config;
-  config.max_num_seqs = 1;
-  if (!o.speculative_config.empty()) {
-    config.speculative = SpeculativeConfig::parse(o.speculative_config);
   }
   LLMEngine engine(make_backend(o.model_dir, o.backend, config.max_num_seqs,
                                 config.max_num_batched_tokens, config.speculative),

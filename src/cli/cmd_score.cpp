@@ -106,7 +106,6 @@ std::vector<float> all_token_logits(Backend& backend, std::span<const StepSequen
 }
 
 int run_score(ScoreOptions o) {
-  if (is_follower_node(o.backend)) return follow_leader(o.model_dir, o.backend);
   using Clock = std::chrono::steady_clock;
   const ModelConfig config = ModelConfig::load(o.model_dir);
   const std::vector<std::vector<int32_t>> prompts =
@@ -126,12 +125,14 @@ int run_score(ScoreOptions o) {
               " x --block-size ", bs, " tokens cannot hold the longest ", "prompt of ",
               o.prompts_path, " (", longest, " tokens)");
 
-  const Clock::time_point load_start = Clock::now();
   // NOTE: max_num_seqs sizes the CUDA backend's logits buffer (forward_logits runs the LM head that
   // many rows at a time) and may not exceed its tokens per step.
+  const int max_num_seqs = std::min(chunk, 128);
+  // A follower node reads the same prompts, so its pools are node 0's.
+  if (is_follower_node(o.backend)) return follow_leader(o.model_dir, o.backend, max_num_seqs);
+  const Clock::time_point load_start = Clock::now();
   std::unique_ptr<Backend> backend =
-      make_backend(o.model_dir, o.backend, /*max_num_seqs=*/std::min(chunk, 128),
-                   /*max_num_batched_tokens=*/chunk);
+      make_backend(o.model_dir, o.backend, max_num_seqs, /*max_num_batched_tokens=*/chunk);
   const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
   const int64_t vocab = backend->config().vocab_size;
 

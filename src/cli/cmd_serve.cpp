@@ -223,7 +223,14 @@ int run_serve(const ServeOptions& o) {
               "--speculative-config belongs on the decode workers (they verify the drafts), not "
               "on the router");
   if (o.role == "router") return run_router(o);
-  if (is_follower_node(o.backend)) return follow_leader(o.model_dir, o.backend);
+  SpeculativeConfig speculative;
+  if (!o.speculative_config.empty()) speculative = SpeculativeConfig::parse(o.speculative_config);
+  const int num_state_snapshots =
+      o.no_prefix_caching ? 0
+                          : (o.num_state_snapshots >= 0 ? o.num_state_snapshots : o.max_num_seqs);
+  if (is_follower_node(o.backend)) {
+    return follow_leader(o.model_dir, o.backend, o.max_num_seqs, speculative, num_state_snapshots);
+  }
   // Block the shutdown signals before any thread starts, so that every thread inherits the mask and
   // only sigwait below receives them; a client that hangs up must not kill the process either.
   const sigset_t signals = block_shutdown_signals();
@@ -253,12 +260,7 @@ int run_serve(const ServeOptions& o) {
   ec.max_num_batched_tokens = o.max_num_batched_tokens;
   ec.max_model_len = o.max_model_len;
   ec.enable_prefix_caching = !o.no_prefix_caching;
-  if (!o.speculative_config.empty()) {
-    ec.speculative = SpeculativeConfig::parse(o.speculative_config);
-  }
-  const int num_state_snapshots =
-      o.no_prefix_caching ? 0
-                          : (o.num_state_snapshots >= 0 ? o.num_state_snapshots : o.max_num_seqs);
+  ec.speculative = speculative;
   auto backend = make_backend(o.model_dir, o.backend, o.max_num_seqs, o.max_num_batched_tokens,
                               ec.speculative, num_state_snapshots);
   LLMEngine engine(std::move(backend), tokenizer, ec);

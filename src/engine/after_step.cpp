@@ -43,7 +43,7 @@ std::vector<MtpCatchUp> plan_mtp_catch_up(std::span<const StepSequence> batch,
     const int t = static_cast<int>(s.tokens.size());
     if (s.sample) {
       const size_t n = runs[i].size();
-      RELAY_CHECK(n >= 1, "MTP drafting: sequence ", s.seq_id, " sampled nothing");
+      if (n == 0) continue;  // sampled on another node, which drafts for it
       // Its rows up to the last accepted draft's; after that comes the token sampled last.
       out[i] = {t - s.num_draft_tokens + static_cast<int>(n) - 1, runs[i].back().token};
       continue;

@@ -45,9 +45,9 @@ struct MtpCatchUp {
   int32_t next_token = -1;  // the token after the last of them
 };
 
-// A sampling sequence catches up over its rows up to its last accepted draft's; a prompt chunk
-// over all its rows when the token after it is known (the prompt's next, or an output's in a
-// recompute), else over all but its last.
+// A sampling sequence catches up over its rows up to its last accepted draft's (none when another
+// node sampled it: that node drafts for it); a prompt chunk over all its rows when the token after
+// it is known (the prompt's next, or an output's in a recompute), else over all but its last.
 std::vector<MtpCatchUp> plan_mtp_catch_up(std::span<const StepSequence> batch,
                                           std::span<const SampledToken> sampled);
 

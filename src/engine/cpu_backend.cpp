@@ -70,7 +70,14 @@ std::string worker_fingerprint(const ModelConfig& c, const CpuBackendOptions& o)
   return str(c.architecture, " (", c.num_hidden_layers, " layers, hidden ", c.hidden_size,
              ", vocab ", c.vocab_size, ", ", c.num_experts, " experts), ", o.parallel.describe(),
              ", --nnodes ", o.nodes.nnodes, ", --block-size ", o.block_size,
-             o.load_format == LoadFormat::kDummy ? ", --load-format dummy" : "");
+             o.num_blocks > 0 ? str(", ", o.num_blocks, " KV blocks per rank")
+                              : str(", ", o.kv_cache_bytes, " KV cache bytes"),
+             c.has_linear_attention() ? str(", ", o.num_state_slots, " state slots and ",
+                                            o.num_state_snapshots, " snapshots per DP rank")
+                                      : "",
+             o.load_format == LoadFormat::kDummy ? ", --load-format dummy" : "",
+             // Every node runs the head's forwards (their MoE exchanges cross nodes).
+             o.num_mtp_drafts > 0 ? str(", MTP with ", o.num_mtp_drafts, " drafts") : "");
 }
 
 void check_same_worker(parallel::TcpBootstrap& nodes, const std::string& mine) {
@@ -111,9 +118,13 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   }
   if (o.num_mtp_drafts > 0) {
     RELAY_CHECK(o.mtp.enabled, "num_mtp_drafts ", o.num_mtp_drafts, " needs the MTP head");
-    // NOTE: the MTP forwards run after sampling, which happens on node 0 only.
-    RELAY_CHECK(o.nodes.nnodes == 1, "--speculative-config mtp runs on one node for now, got ",
-                parallel_.describe(), ", --nnodes ", o.nodes.nnodes);
+    // NOTE: the head's first forward reads the tokens sampled in the step, which only the node
+    // holding the sampling rank (TP rank 0) knows, so each node drafts for the DP groups it samples.
+    RELAY_CHECK(o.nodes.nnodes == 1 || o.nodes.ranks_per_node(parallel_) % parallel_.tp == 0,
+                "--speculative-config mtp across nodes needs each TP group on one node (it drafts "
+                "where it samples): --tp ", parallel_.tp, " must divide the ",
+                o.nodes.ranks_per_node(parallel_), " ranks of each of the --nnodes ",
+                o.nodes.nnodes, " nodes");
     num_mtp_drafts_ = o.num_mtp_drafts;
   }
   forced_draft_acceptance_ = o.forced_draft_acceptance;
@@ -526,9 +537,13 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
     // This node's DP groups sampled here (a TP group lies on one node for a hybrid model): their
     // recurrent states roll back to their last accepted tokens.
     if (command == NodeCommand::kStep) roll_back_states(batch, result.sampled);
-    // NOTE: one node (checked at construction), so every sequence was sampled here.
+    // The head drafts for the sequences sampled here (a TP group lies on one node with MTP).
     if (command == NodeCommand::kStep && num_mtp_drafts_ > 0) {
       propose_mtp_drafts(batch, result.sampled);
+      for (const Held& h : held) {
+        const StepSequence& s = batch[h.seq];
+        if (s.sample && s.proposed_drafts != nullptr) result.drafts.push_back(*s.proposed_drafts);
+      }
     }
   } catch (const std::exception& e) {
     failure = std::current_exception();
@@ -558,7 +573,7 @@ std::vector<NodeResult> CpuBackend::run_step(NodeCommand command,
   };
   if (nodes_) {
     try {
-      nodes_->send(command, batch);
+      nodes_->send(command, batch, num_mtp_drafts_ > 0);
     } catch (const Error& e) {
       lose(e);
     }
@@ -614,12 +629,12 @@ void CpuBackend::follow() {
 std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) {
   std::vector<NodeResult> all = run_step(NodeCommand::kStep, batch);
   // Each sampling sequence's tokens (its accepted drafts, then the token after them, consecutive
-  // under its id), and each scored sequence's prompt logprobs, come from the one node holding its
-  // logits.
+  // under its id), its MTP drafts for the next step, and each scored sequence's prompt logprobs,
+  // come from the one node holding its logits.
   std::vector<std::span<const SampledToken>> tokens(batch.size());
   std::vector<std::vector<TokenLogprob>*> scored(batch.size(), nullptr);
   for (NodeResult& r : all) {
-    size_t k = 0, p = 0;
+    size_t k = 0, p = 0, d = 0;
     for (uint32_t i : r.seqs) {
       RELAY_CHECK(i < batch.size(), "a node answered for sequence index ", i, " of ", batch.size());
       if (batch[i].sample) {
@@ -630,6 +645,11 @@ std::vector<SampledToken> CpuBackend::step(std::span<const StepSequence> batch) 
                     ", which verified ", batch[i].num_draft_tokens, " drafts");
         tokens[i] = std::span<const SampledToken>(r.sampled).subspan(k, n);
         k += n;
+        if (num_mtp_drafts_ > 0 && batch[i].proposed_drafts != nullptr) {
+          RELAY_CHECK(d < r.drafts.size(), "a node returned no MTP drafts for sequence ",
+                      batch[i].seq_id);
+          *batch[i].proposed_drafts = std::move(r.drafts[d++]);
+        }
       }
       const size_t rows = batch[i].num_prompt_logprob_rows();
       if (rows == 0) continue;

@@ -3,6 +3,7 @@
 // nodes of different builds fail clearly instead of misreading each other.
 #include "engine/node_group.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <type_traits>
@@ -19,7 +20,9 @@ static_assert(std::endian::native == std::endian::little,
 // 3: drafts (a sampling sequence's num_draft_tokens; a result's sampled tokens may hold several per
 //    sequence, its accepted drafts then the token after them).
 // 4: the recurrent state of hybrid models (a step's state slots, snapshot restore and saves).
-constexpr uint8_t kWireVersion = 4;
+// 5: MTP drafting on every node (a sampling sequence's wants-drafts flag, a result's drafts; a
+//    chunk that does not sample carries the token after it).
+constexpr uint8_t kWireVersion = 5;
 
 class Writer {
  public:
@@ -120,7 +123,8 @@ void get_logprob(Reader& r, TokenLogprob& t) {
 
 }  // namespace
 
-std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequence> batch) {
+std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequence> batch,
+                                 bool mtp) {
   Writer w;
   w.put(kWireVersion);
   w.put(command);
@@ -139,6 +143,7 @@ std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequen
       w.put(*s.sampling);
       w.put(s.sample_index);
       w.put(s.num_draft_tokens);
+      w.put(static_cast<uint8_t>(s.proposed_drafts != nullptr));
       history = reads_history(*s.sampling);
       w.put_array(s.allowed_tokens);
       std::vector<int32_t> bias_tokens;
@@ -150,9 +155,20 @@ std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequen
       w.put_array(std::span<const int32_t>(bias_tokens));
       w.put_array(std::span<const float>(biases));
     }
-    w.put_array(history || s.num_prompt_logprobs >= 0 ? s.prompt_tokens
-                                                      : std::span<const int32_t>());
-    w.put_array(history ? s.output_tokens : std::span<const int32_t>());
+    std::span<const int32_t> prompt, output;
+    if (history || s.num_prompt_logprobs >= 0) prompt = s.prompt_tokens;
+    if (history) output = s.output_tokens;
+    if (mtp && !s.sample) {
+      // Index-preserving prefixes, up to and including the token after the chunk where known.
+      const size_t next = static_cast<size_t>(s.num_computed) + s.tokens.size();
+      const size_t num_prompt = s.prompt_tokens.size();
+      if (prompt.empty()) prompt = s.prompt_tokens.first(std::min(next + 1, num_prompt));
+      if (output.empty() && next >= num_prompt) {
+        output = s.output_tokens.first(std::min(next + 1 - num_prompt, s.output_tokens.size()));
+      }
+    }
+    w.put_array(prompt);
+    w.put_array(output);
     w.put_array(s.state_slots);
     w.put(s.restore_state_snapshot);
     std::vector<int32_t> save_rows, save_ids;
@@ -182,6 +198,7 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
   step.logit_bias.resize(n);
   step.state_slots.resize(n);
   step.snapshot_saves.resize(n);
+  step.proposed_drafts.resize(n);
   step.batch.resize(n);
   for (uint32_t i = 0; i < n; ++i) {
     StepSequence& s = step.batch[i];
@@ -204,6 +221,7 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
           s.num_draft_tokens >= 0 && static_cast<size_t>(s.num_draft_tokens) < s.tokens.size(),
           "node message: sequence ", s.seq_id, " has ", s.num_draft_tokens, " drafts among its ",
           s.tokens.size(), " tokens");
+      if (r.get<uint8_t>() != 0) s.proposed_drafts = &step.proposed_drafts[i];
       step.allowed_tokens[i] = r.get_array<uint32_t>();
       RELAY_CHECK(
           step.allowed_tokens[i].size() % (1 + static_cast<size_t>(s.num_draft_tokens)) == 0,
@@ -250,6 +268,8 @@ std::vector<uint8_t> encode_result(const NodeResult& result) {
     w.put(static_cast<uint32_t>(rows.size()));
     for (const TokenLogprob& t : rows) put_logprob(w, t);
   }
+  w.put(static_cast<uint32_t>(result.drafts.size()));
+  for (const std::vector<int32_t>& d : result.drafts) w.put_array(std::span<const int32_t>(d));
   w.put_array(std::span<const float>(result.logits));
   return w.take();
 }
@@ -270,6 +290,8 @@ NodeResult decode_result(std::span<const uint8_t> bytes) {
     rows.resize(r.get_count(kMinLogprobBytes));
     for (TokenLogprob& t : rows) get_logprob(r, t);
   }
+  result.drafts.resize(r.get_count(sizeof(uint32_t)));
+  for (std::vector<int32_t>& d : result.drafts) d = r.get_array<int32_t>();
   result.logits = r.get_array<float>();
   r.expect_end();
   return result;
@@ -282,9 +304,9 @@ NodeGroup::NodeGroup(const parallel::NodeConfig& nodes, std::chrono::millisecond
       bootstrap_(parallel::parse_dist_init(nodes.dist_init), nodes.node_rank, nodes.nnodes,
                  setup_timeout) {}
 
-void NodeGroup::send(NodeCommand command, std::span<const StepSequence> batch) {
+void NodeGroup::send(NodeCommand command, std::span<const StepSequence> batch, bool mtp) {
   RELAY_CHECK(config_.is_leader(), "only node 0 sends steps");
-  const std::vector<uint8_t> bytes = encode_step(command, batch);
+  const std::vector<uint8_t> bytes = encode_step(command, batch, mtp);
   bootstrap_.broadcast(bytes, step_timeout_);
 }
 

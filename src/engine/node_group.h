@@ -11,11 +11,13 @@
 // A step message carries everything a follower needs to run and sample its sequences (tokens,
 // block tables, sampling parameters, draft counts and prompt-logprob counts; the prompt tokens only
 // for a sequence whose penalties read them or that asks for prompt logprobs, whose targets they
-// are; the output tokens only for penalties). Sampling is a pure function of (seed, sample index),
+// are; the output tokens only for penalties; under an MTP head, a chunk that does not sample sends
+// both up to the token after it, which the head's catch-up reads). Sampling is a pure function of (seed, sample index),
 // so a sequence samples the same token on whichever node holds its logits, and verifies its drafts
 // there (its result then holds its accepted drafts and the token after them); its prompt logprobs
 // come back from that node too (a follower's decoded step has no prompt_logprobs output: they
-// travel in its NodeResult).
+// travel in its NodeResult). With an MTP head, each node drafts for the sequences it samples, and
+// its drafts come back in its NodeResult too.
 #pragma once
 
 #include <chrono>
@@ -49,6 +51,8 @@ struct NodeStep {
   std::vector<std::vector<std::pair<int32_t, float>>> logit_bias;
   std::vector<std::vector<int32_t>> state_slots;        // hybrid models' recurrent-state slots
   std::vector<std::vector<SnapshotSave>> snapshot_saves;  // and the prefix-cache saves
+  // Where a sequence that wants drafts (StepSequence::proposed_drafts) has them written.
+  std::vector<std::vector<int32_t>> proposed_drafts;
 };
 
 // What one node answers for a step.
@@ -61,6 +65,9 @@ struct NodeResult {
   // kStep: one per sequence of `seqs` with prompt logprob rows (num_prompt_logprob_rows() > 0), in
   // order, each holding its rows.
   std::vector<std::vector<TokenLogprob>> prompt_logprobs;
+  // kStep with an MTP head: one per sequence of `seqs` that samples and wants drafts
+  // (StepSequence::proposed_drafts), in order, each its drafts for the next step.
+  std::vector<std::vector<int32_t>> drafts;
   std::vector<float> logits;          // kLogits*: the rows of `seqs`, concatenated
 };
 
@@ -75,8 +82,9 @@ class NodeGroup {
   const parallel::NodeConfig& config() const { return config_; }
   parallel::TcpBootstrap& bootstrap() { return bootstrap_; }
 
-  // Leader: sends the command (and, for a step, the batch) to every follower.
-  void send(NodeCommand command, std::span<const StepSequence> batch = {});
+  // Leader: sends the command (and, for a step, the batch) to every follower; `mtp`: the worker
+  // runs an MTP head (see encode_step).
+  void send(NodeCommand command, std::span<const StepSequence> batch = {}, bool mtp = false);
   // Leader: every node's answer, by node (mine at index 0). Throws relay::Error when a follower
   // does not answer in time or its connection is gone.
   std::vector<NodeResult> gather(NodeResult mine);
@@ -94,7 +102,10 @@ class NodeGroup {
 };
 
 // The wire format, exposed for its round-trip test.
-std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequence> batch);
+// `mtp`: the worker runs an MTP head, so a chunk that does not sample carries its prompt and
+// output tokens up to the one after it (plan_mtp_catch_up pairs its last row with that token).
+std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequence> batch,
+                                 bool mtp = false);
 NodeStep decode_step(std::span<const uint8_t> bytes);
 std::vector<uint8_t> encode_result(const NodeResult& result);
 NodeResult decode_result(std::span<const uint8_t> bytes);

@@ -4,7 +4,8 @@
 // bytes, and a decoded step's spans must point inside the storage the step owns, its
 // num_prompt_logprobs be -1 or more, its prompt_logprobs output unset (a follower answers in its
 // NodeResult), and its drafts only on a sampling sequence, fewer than its tokens, with a bitmask
-// that splits into one per sampled row.
+// that splits into one per sampled row; only a sampling sequence asks for MTP drafts, written into
+// the step's own storage.
 //
 // The corpus (tests/fuzz/corpus_node_messages) holds the first byte, then what encode_step and
 // encode_result write for the batch and results of tests/unit/engine/test_node_group.cpp's round
@@ -46,7 +47,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
             !inside(s.allowed_tokens, step.allowed_tokens[i]) ||
             !inside(s.logit_bias, step.logit_bias[i]) ||
             (s.sample && s.sampling != &step.sampling[i]) || (!s.sample && s.sampling != nullptr) ||
-            s.num_prompt_logprobs < -1 || s.prompt_logprobs != nullptr)
+            s.num_prompt_logprobs < -1 || s.prompt_logprobs != nullptr ||
+            (s.proposed_drafts != nullptr &&
+             (!s.sample || s.proposed_drafts != &step.proposed_drafts[i])))
           std::abort();
         const auto rows = static_cast<size_t>(s.num_draft_tokens) + 1;
         if (s.num_draft_tokens < 0 ||

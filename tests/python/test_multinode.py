@@ -100,6 +100,52 @@ def test_server_across_processes_and_a_lost_follower(relay_bin):
         assert leader.stop() == 0, leader.log_text()
 
 
+def test_mtp_server_across_processes_equals_one_process(relay_bin):
+    """The demo hybrid served with MTP drafts, DP 2 + EP 2 ranks in two processes, concurrent
+    requests with prompts in chunks of at most 24 tokens: each node drafts for the sequences it
+    samples (node 1's from the tokens after its own chunks), so every text is the one-process one,
+    and so are the drafts: the same number accepted at each position."""
+    model = ["--model", ROOT / "models" / "relay-demo-hybrid"]
+    spec = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    args = [*model, *spec, "--dp", 2, "--ep", 2, "--max-num-batched-tokens", 24, "--max-num-seqs", 8]
+    prompts = [f"def task_{i}(items, n={i}):\n    \"\"\"Sort the items, keep the first n, and return "
+               f"them as a list of {i} values.\"\"\"\n" for i in range(6)]
+
+    def complete(client, prompt):
+        r = client.completions.create(model="relay-demo-hybrid", prompt=prompt, max_tokens=16,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    def accepted(server):
+        metrics = requests.get(server.base + "/metrics", timeout=10).text
+        return sorted(line for line in metrics.splitlines()
+                      if line.startswith("relay:spec_decode_num_accepted_tokens"))
+
+    one = RelayServer(relay_bin, *args)
+    one.wait_ready()
+    try:
+        want = [complete(one.client(), p) for p in prompts]
+        want_accepted = accepted(one)
+    finally:
+        assert one.stop() == 0
+    assert float(want_accepted[-1].split()[-1]) > 0, want_accepted
+
+    address = f"127.0.0.1:{free_port()}"
+    [follower] = start_followers(relay_bin, "serve", 2, address, *args)
+    leader = RelayServer(relay_bin, *args, *node_args(2, 0, address))
+    try:
+        leader.wait_ready()
+        client = leader.client()
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: complete(client, p), prompts))
+        assert got == want
+        assert accepted(leader) == want_accepted
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        assert leader.stop() == 0, leader.log_text()
+
+
 def test_nodes_with_different_flags_are_refused(relay_bin):
     address = f"127.0.0.1:{free_port()}"
     [follower] = start_followers(relay_bin, "generate", 2, address, "--prompt", PROMPT,
@@ -159,12 +205,16 @@ def test_score_across_processes_is_bit_identical_to_one_process(relay_bin, tmp_p
     assert not (tmp_path / "unused.f32").exists()
 
 
-def test_hybrid_with_drafts_across_processes_equals_one_process(relay_bin):
-    """The demo hybrid (Gated DeltaNet layers) with n-gram drafts, DP 2 + EP 2 ranks in two
-    processes: each node rolls back the recurrent states of the sequences it samples, so the text
-    is the one-process text."""
+@pytest.mark.parametrize("spec", ['{"method": "ngram", "num_speculative_tokens": 3}',
+                                  '{"method": "mtp", "num_speculative_tokens": 2}'],
+                         ids=["ngram", "mtp"])
+def test_hybrid_with_drafts_across_processes_equals_one_process(relay_bin, spec):
+    """The demo hybrid (Gated DeltaNet layers) with n-gram or MTP drafts, DP 2 + EP 2 ranks in two
+    processes: each node rolls back the recurrent states of the sequences it samples, and with MTP
+    drafts for them (the head's MoE exchanging rows across the processes) and hands its drafts to
+    node 0, so the text, and the drafts accepted, are the one-process ones."""
     model = ["--model", str(ROOT / "models" / "relay-demo-hybrid")]
-    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    spec = ["--speculative-config", spec]
     layout = ["--dp", 2, "--ep", 2]
     one = subprocess.run(generate_cmd(relay_bin, *model, *spec, *layout), capture_output=True,
                          text=True, timeout=300)
@@ -176,7 +226,9 @@ def test_hybrid_with_drafts_across_processes_equals_one_process(relay_bin):
                             capture_output=True, text=True, timeout=300)
     assert leader.returncode == 0, leader.stderr
     assert leader.stdout == one.stdout
-    assert "drafts accepted" in leader.stderr
+    accepted = [line for line in leader.stderr.splitlines() if "drafts accepted" in line]
+    assert accepted and accepted == [line for line in one.stderr.splitlines()
+                                     if "drafts accepted" in line]
     for f in followers:
         _, err = f.communicate(timeout=60)
         assert f.returncode == 0, err

@@ -2,7 +2,8 @@
 // results survive the wire exactly (drafts and the several tokens a sequence with drafts commits
 // included), a sequence's history travels only when its penalties read it (its prompt also when it
 // asks for prompt logprobs), and a damaged or foreign message fails with a message instead of being
-// misread (draft counts and per-row bitmasks out of bounds included).
+// misread (draft counts and per-row bitmasks out of bounds included); under an MTP head a chunk
+// that does not sample carries the token after it, and a result the drafts of its sequences.
 #include <gtest/gtest.h>
 
 #include "../error_text.h"
@@ -142,6 +143,28 @@ TEST(NodeMessages, PromptLogprobsSendThePrompt) {
   EXPECT_TRUE(got.batch[1].output_tokens.empty());
 }
 
+// Under an MTP head a chunk that does not sample sends its prompt and output tokens up to the one
+// after it (the head's catch-up pairs its last row with that token), indices kept: a prompt chunk,
+// a recompute chunk whose next token is an output, and a prompt's last chunk (nothing after it).
+TEST(NodeMessages, UnderAnMtpHeadAChunkSendsTheTokenAfterIt) {
+  const std::vector<int32_t> prompt{1, 2, 3, 4, 5, 6}, output{7, 8, 9}, blocks{0};
+  const std::vector<int32_t> first{1, 2, 3}, recompute{5, 6, 7}, last{4, 5, 6};
+  std::vector<StepSequence> batch{sequence(1, first, 0, blocks), sequence(2, recompute, 4, blocks),
+                                  sequence(3, last, 3, blocks)};
+  for (StepSequence& s : batch) s.prompt_tokens = prompt;
+  batch[1].output_tokens = output;
+  auto tokens = [](std::span<const int32_t> s) { return std::vector(s.begin(), s.end()); };
+  const NodeStep plain = decode_step(encode_step(NodeCommand::kStep, batch));
+  for (const StepSequence& s : plain.batch) EXPECT_TRUE(s.prompt_tokens.empty());
+  const NodeStep got = decode_step(encode_step(NodeCommand::kStep, batch, /*mtp=*/true));
+  EXPECT_EQ(tokens(got.batch[0].prompt_tokens), (std::vector<int32_t>{1, 2, 3, 4}));
+  EXPECT_TRUE(got.batch[0].output_tokens.empty());
+  EXPECT_EQ(tokens(got.batch[1].prompt_tokens), prompt);
+  EXPECT_EQ(tokens(got.batch[1].output_tokens), (std::vector<int32_t>{7, 8}));
+  EXPECT_EQ(tokens(got.batch[2].prompt_tokens), prompt);
+  EXPECT_TRUE(got.batch[2].output_tokens.empty());
+}
+
 // Drafts travel with a sampling sequence, with one bitmask per sampled row; a count that leaves no
 // token before the drafts, or a bitmask that does not split into the rows, fails to decode.
 TEST(NodeMessages, DraftsTravelWithinTheirBounds) {
@@ -157,6 +180,15 @@ TEST(NodeMessages, DraftsTravelWithinTheirBounds) {
   EXPECT_EQ(got.batch[0].num_draft_tokens, 2);
   EXPECT_EQ(std::vector(got.batch[0].allowed_tokens.begin(), got.batch[0].allowed_tokens.end()),
             masks);
+  // Whether the sequence wants MTP drafts for its next step: the follower writes them into its
+  // own storage (node 0's pointer stays on node 0).
+  EXPECT_EQ(got.batch[0].proposed_drafts, nullptr);
+  std::vector<int32_t> proposed;
+  batch[0].proposed_drafts = &proposed;
+  const NodeStep wants = decode_step(encode_step(NodeCommand::kStep, batch));
+  ASSERT_NE(wants.batch[0].proposed_drafts, nullptr);
+  EXPECT_EQ(wants.batch[0].proposed_drafts, &wants.proposed_drafts[0]);
+  batch[0].proposed_drafts = nullptr;
   auto error_of = [&](int32_t num_drafts, std::span<const uint32_t> mask) {
     batch[0].num_draft_tokens = num_drafts;
     batch[0].allowed_tokens = mask;
@@ -183,6 +215,7 @@ TEST(NodeMessages, AResultRoundTrips) {
   r.sampled.push_back(sampled(9, {1, -1.0f, {}}));
   r.sampled.push_back(sampled(9, {3, -2.0f, {}}));  // 9 had a draft accepted
   r.prompt_logprobs = {{{5, -1.5f, {{2, -0.5f}}, 4}, {6, -0.75f, {{6, -0.75f}}, 1}}, {}};
+  r.drafts = {{11, 12}, {}};  // MTP drafts: 9's, and 7's (its blocks ended)
   r.logits = {1.0f, -2.0f, 3.5f};
   const NodeResult got = decode_result(encode_result(r));
   EXPECT_EQ(got.error, "");
@@ -205,6 +238,7 @@ TEST(NodeMessages, AResultRoundTrips) {
     EXPECT_EQ(got.prompt_logprobs[0][j].rank, r.prompt_logprobs[0][j].rank);
   }
   EXPECT_TRUE(got.prompt_logprobs[1].empty());
+  EXPECT_EQ(got.drafts, r.drafts);
   EXPECT_EQ(got.logits, r.logits);
 
   NodeResult failed;
