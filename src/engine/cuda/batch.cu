@@ -50,13 +50,17 @@ void RankEngine::check_batch(std::span<const StepSequence> batch) const {
 }
 
 RankEngine::Shape RankEngine::upload_batch(std::span<const StepSequence> batch, int pad_seqs, int width,
-                   const std::vector<int32_t>& rows, int per_seq) {
+                   const std::vector<int32_t>& rows, int per_seq,
+                   std::span<const int32_t> graph_rows) {
   const bool graph = pad_seqs > 0;
   int tokens = 0;
   for (const StepSequence& s : batch) tokens += static_cast<int>(s.tokens.size());
   const int seqs = std::max<int>(pad_seqs, static_cast<int>(batch.size()));
   if (graph) tokens = seqs * per_seq;
-  const int num_rows = graph ? tokens : static_cast<int>(rows.size());
+  const bool every_row = graph && graph_rows.empty();
+  const int num_rows = every_row ? tokens
+                       : graph   ? static_cast<int>(graph_rows.size())
+                                 : static_cast<int>(rows.size());
   RELAY_CHECK(tokens <= opt.max_num_tokens && seqs <= opt.max_num_seqs &&
                   num_rows <= logit_rows(),
               "step of ", tokens, " tokens, ", seqs, " sequences and ", num_rows,
@@ -82,8 +86,10 @@ RankEngine::Shape RankEngine::upload_batch(std::span<const StepSequence> batch, 
   put(m.context_lens, flat.context_lens);
   put(m.block_tables, flat.block_tables);
   auto* logit_rows = reinterpret_cast<int32_t*>(meta_host + m.logit_rows);
-  if (graph) {
+  if (every_row) {
     for (int r = 0; r < num_rows; ++r) logit_rows[r] = r;
+  } else if (graph) {
+    std::copy(graph_rows.begin(), graph_rows.end(), logit_rows);
   } else {
     std::copy(rows.begin(), rows.end(), logit_rows);
   }
@@ -180,12 +186,16 @@ RankEngine::Shape RankEngine::run(std::span<const StepSequence> batch, const std
     RELAY_CUDA_CHECK(cudaGraphLaunch(it->second, stream));
     return sh;
   }
-  // First time for this bucket: run eagerly (which also grows any workspace), then capture.
-  enqueue_forward(sh);
+  graphs.emplace(key, run_then_capture([&] { enqueue_forward(sh); }));
+  return sh;
+}
+
+cudaGraphExec_t RankEngine::run_then_capture(const std::function<void()>& enqueue) {
+  enqueue();
   cudaGraph_t graph = nullptr;
   RELAY_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   try {
-    enqueue_forward(sh);
+    enqueue();
   } catch (...) {
     cudaStreamEndCapture(stream, &graph);
     if (graph) cudaGraphDestroy(graph);
@@ -195,8 +205,7 @@ RankEngine::Shape RankEngine::run(std::span<const StepSequence> batch, const std
   cudaGraphExec_t exec = nullptr;
   RELAY_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   RELAY_CUDA_CHECK(cudaGraphDestroy(graph));
-  graphs.emplace(key, exec);
-  return sh;
+  return exec;
 }
 
 void RankEngine::finish_step() {
@@ -230,7 +239,7 @@ void RankEngine::warm_up_alone() {
       std::iota(mtp_rows_host, mtp_rows_host + n, 0);
       RELAY_CUDA_CHECK(cudaMemcpyAsync(mtp_rows_dev, mtp_rows_host, size_t(n) * 4,
                                        cudaMemcpyHostToDevice, stream));
-      enqueue_mtp(sh, normed, n);
+      enqueue_mtp(sh, step_meta(sh), normed, n, mtp_rows_dev);
     }
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
   }

@@ -3,9 +3,10 @@
 
 namespace relay::cuda_engine {
 
-RankEngine::StepMeta RankEngine::step_meta(const Shape& sh) const {
+RankEngine::StepMeta RankEngine::step_meta(const Shape& sh, const uint8_t* base) const {
   const MetaLayout m = MetaLayout::make(sh.tokens, sh.seqs, sh.rows, sh.width);
-  auto at = [&](size_t off) { return meta_dev + off; };
+  if (base == nullptr) base = meta_dev;
+  auto at = [&](size_t off) { return base + off; };
   auto i32 = [&](size_t off) { return reinterpret_cast<const int32_t*>(at(off)); };
   return {i32(m.token_ids),    i32(m.positions),    i32(m.logit_rows),
           i32(m.query_starts), i32(m.context_lens), i32(m.block_tables),

@@ -38,7 +38,13 @@ void RankEngine::allocate_activations() {
   if (gated) add(T * q_heads * head_dim, 2);
   if (gdn_in_width > 0) add(T * gdn_in_width, 2), add(T * gdn_conv_dim, 2), add(T * gdn_v, 2);
   if (shared) add(T * hidden, 2), add(T, 2);
-  if (mtp.present) add(T * hidden, 2), add(T * hidden, 2), add(T, 4);
+  // The MTP head (and, for its graphs, the chain metadata, greedy rows and drafts).
+  const int K = std::max(opt.num_mtp_drafts, 1);
+  const size_t chain_bytes = MtpChainMeta::make(static_cast<int>(S), max_blocks).bytes(K);
+  if (mtp.present) {
+    add(T * hidden, 2), add(T * hidden, 2), add(T + 2 * S, 4), add(chain_bytes, 1);
+    add(S * sizeof(kernels::SampleRowParams), 1), add(K * S, 4);
+  }
   const size_t R = logit_rows();
   add(R * size_t(vocab), 4);
   add(meta.bytes, 1);
@@ -82,8 +88,16 @@ void RankEngine::allocate_activations() {
   if (mtp.present) {
     mtp_embed = acts.take<bf16>(T * hidden);
     mtp_hidden = acts.take<bf16>(T * hidden);
-    mtp_rows_dev = acts.take<int32_t>(T);
-    RELAY_CUDA_CHECK(cudaMallocHost(&mtp_rows_host, T * sizeof(int32_t)));
+    mtp_rows_dev = acts.take<int32_t>(T + 2 * S);
+    RELAY_CUDA_CHECK(cudaMallocHost(&mtp_rows_host, (T + 2 * S) * sizeof(int32_t)));
+    mtp_meta_dev = acts.take<uint8_t>(chain_bytes);
+    RELAY_CUDA_CHECK(cudaMallocHost(&mtp_meta_host, chain_bytes));
+    greedy_rows_dev = acts.take<kernels::SampleRowParams>(S);
+    const std::vector<kernels::SampleRowParams> greedy(S);  // temperature 0: arg-max
+    RELAY_CUDA_CHECK(cudaMemcpy(greedy_rows_dev, greedy.data(), S * sizeof(greedy[0]),
+                                cudaMemcpyHostToDevice));
+    mtp_drafts_dev = acts.take<int32_t>(K * S);
+    RELAY_CUDA_CHECK(cudaMallocHost(&mtp_drafts_host, K * S * sizeof(int32_t)));
   }
   logits = acts.take<float>(R * size_t(vocab));
   meta_dev = acts.take<uint8_t>(meta.bytes);

@@ -1,18 +1,19 @@
 // RankEngine's MTP draft head (model/mtp.h has the forward, engine/after_step.h which rows it
 // computes): after a step, the catch-up rows of every sequence in one forward, then K - 1 chained
-// forwards of one row per drafting sequence, each drafting greedily on the GPU sampler.
+// forwards of one row per drafting sequence, each drafting greedily on the GPU sampler. After a
+// graph step the whole head is one graph (propose_mtp_graphed), else it runs eagerly.
 #include "engine/cuda/rank_engine.h"
 #include "engine/after_step.h"
 
 namespace relay::cuda_engine {
 
-void RankEngine::enqueue_mtp(const Shape& sh, const bf16* hidden_in, int hidden_rows) {
-  const StepMeta m = step_meta(sh);
+void RankEngine::enqueue_mtp(const Shape& sh, const StepMeta& m, const bf16* hidden_in,
+                             int hidden_rows, const int32_t* gather) {
   const int T = sh.tokens;
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   // The inputs first: the hidden rows may be `normed`, which the layer overwrites.
   mark("mtp_gather_hidden");
-  kernels::launch_embedding({mtp_rows_dev, hidden_in, mtp_hidden, T, hidden, hidden_rows}, stream);
+  kernels::launch_embedding({gather, hidden_in, mtp_hidden, T, hidden, hidden_rows}, stream);
   mark("mtp_embedding");
   kernels::launch_embedding({m.token_ids, embedding, mtp_embed, T, hidden, vocab}, stream);
   mark("mtp_pre_fc_norms");
@@ -32,6 +33,13 @@ void RankEngine::enqueue_mtp(const Shape& sh, const bf16* hidden_in, int hidden_
   kernels::launch_lm_head({normed, m.logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
 }
 
+void RankEngine::enqueue_greedy_drafts(int n, int32_t* out) {
+  mark("mtp_greedy");
+  kernels::launch_sample({.logits = logits, .rows = greedy_rows_dev, .tokens = out,
+                          .logprobs = logprobs_dev, .num_rows = n, .vocab_size = vocab},
+                         stream);
+}
+
 void RankEngine::mtp_idle() {
   for (int step = 0; step < opt.num_mtp_drafts; ++step) {
     if (mtp.layer.moe) enqueue_moe(mtp.layer, 0);
@@ -41,6 +49,7 @@ void RankEngine::mtp_idle() {
 
 void RankEngine::propose_mtp(std::span<const StepSequence> batch,
                              std::span<const SampledToken> sampled, bool lead) {
+  if (mtp_graphable()) return propose_mtp_graphed(batch, sampled, lead);
   const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled);
   // The step's token rows (a graph step's include its fillers): where each sequence's hidden rows
   // are in `normed`. upload_batch below replaces `flat`.
@@ -87,11 +96,11 @@ void RankEngine::propose_mtp(std::span<const StepSequence> batch,
     RELAY_CUDA_CHECK(cudaMemcpyAsync(mtp_rows_dev, mtp_rows_host, hidden_rows.size() * 4,
                                      cudaMemcpyHostToDevice, stream));
     moe_bound_tokens = moe_step_tokens;
-    enqueue_mtp(sh, hidden_in, hidden_count);
-    // Greedy drafts on the sampler (temperature 0: its arg-max).
+    enqueue_mtp(sh, step_meta(sh), hidden_in, hidden_count, mtp_rows_dev);
     const int n = static_cast<int>(logit_rows.size());
-    for (int x = 0; x < n; ++x) sample_rows_host[x] = kernels::SampleRowParams{};
-    launch_sampling(n, 0, false, {}, {}, {});
+    enqueue_greedy_drafts(n, tokens_dev);
+    RELAY_CUDA_CHECK(cudaMemcpyAsync(tokens_host, tokens_dev, n * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, stream));
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     for (int x = 0; x < n; ++x) drafts[logit_member[x]].push_back(tokens_host[x]);
     // The next chained row of each drafting sequence: its last draft at the next position, on
@@ -126,6 +135,140 @@ void RankEngine::propose_mtp(std::span<const StepSequence> batch,
   if (!lead) return;
   for (size_t i = 0; i < batch.size(); ++i) {
     if (batch[i].proposed_drafts != nullptr) *batch[i].proposed_drafts = drafts[i];
+  }
+}
+
+bool RankEngine::mtp_graphable() const {
+  // NOTE: under DP + EP the head's MoE exchanges meet other DP groups' heads, which may run
+  // eagerly or idle: those steps stay eager.
+  return opt.cuda_graphs && !dispatch && last_shape.per_seq > 0 && opt.num_mtp_drafts >= 1;
+}
+
+void RankEngine::propose_mtp_graphed(std::span<const StepSequence> batch,
+                                     std::span<const SampledToken> sampled, bool lead) {
+  const Shape target = last_shape;
+  const int P = target.seqs, q = target.per_seq, W = target.width, K = opt.num_mtp_drafts;
+  const int bs = opt.block_size, B = static_cast<int>(batch.size());
+  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled);
+  // The catch-up in the target step's shape. Row j of a sequence reads the token after row j:
+  // the next of its tokens while they were accepted, the token sampled after its last accepted
+  // one there, and past it (rows whose outputs nobody reads) its rejected drafts.
+  std::vector<std::vector<int32_t>> tokens(batch.size());
+  std::vector<StepSequence> rows(batch.size());
+  std::vector<int32_t> draft_row(P), accepted(batch.size());
+  for (int x = 0; x < P; ++x) draft_row[x] = x * q;  // the padding sequences' (ignored)
+  for (int i = 0; i < B; ++i) {
+    const StepSequence& s = batch[i];
+    const int n = static_cast<int>(s.tokens.size());
+    accepted[i] = catch_up[i].rows - 1;
+    RELAY_CHECK(s.sample && accepted[i] >= 0 && accepted[i] < n, "sequence ", s.seq_id,
+                ": MTP catch-up over ", catch_up[i].rows, " of its ", n, " rows in a graph step");
+    tokens[i].assign(s.tokens.begin() + 1, s.tokens.end());
+    tokens[i].push_back(catch_up[i].next_token);
+    tokens[i][accepted[i]] = catch_up[i].next_token;
+    rows[i].seq_id = s.seq_id;
+    rows[i].tokens = tokens[i];
+    rows[i].num_computed = s.num_computed;
+    rows[i].block_table = s.block_table;
+    draft_row[i] = i * q + accepted[i];
+  }
+  const Shape catch_shape = upload_batch(rows, P, W, {}, q, draft_row);
+  RELAY_CHECK(catch_shape.tokens == target.tokens && catch_shape.seqs == P,
+              "the MTP catch-up's shape differs from its graph step's");
+  // The hidden rows each forward gathers: the target's rows as they are, then the catch-up's
+  // drafting rows, then the chain's rows as they are.
+  const int T = catch_shape.tokens;
+  std::iota(mtp_rows_host, mtp_rows_host + T, 0);
+  std::copy(draft_row.begin(), draft_row.end(), mtp_rows_host + T);
+  std::iota(mtp_rows_host + T + P, mtp_rows_host + T + 2 * P, 0);
+  RELAY_CUDA_CHECK(cudaMemcpyAsync(mtp_rows_dev, mtp_rows_host, (T + 2 * P) * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream));
+  // The chain's metadata: chain step s computes each sequence's row at position num_computed +
+  // accepted + s, while that is inside its blocks; past them, a row clamped into the table's
+  // width that writes nothing.
+  const MtpChainMeta c = MtpChainMeta::make(P, W);
+  auto position = [&](int i, int step) { return batch[i].num_computed + accepted[i] + step; };
+  auto inside = [&](int i, int step) {
+    return position(i, step) < static_cast<int64_t>(batch[i].block_table.size()) * bs;
+  };
+  auto fill_rows = [&](int step, int64_t* slots, int32_t* positions, int32_t* contexts) {
+    for (int x = 0; x < P; ++x) {
+      int32_t pos = 0;
+      int64_t slot = -1;
+      if (x < B) {
+        pos = std::min(position(x, step), W * bs - 1);
+        if (inside(x, step)) slot = int64_t{batch[x].block_table[pos / bs]} * bs + pos % bs;
+      }
+      slots[x] = slot;
+      positions[x] = pos;
+      contexts[x] = pos + 1;
+    }
+  };
+  const MetaLayout& m = c.meta;
+  auto upload_chain = [&] {
+    uint8_t* h = mtp_meta_host;
+    auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(h + off); };
+    std::memset(h, 0, m.bytes);
+    fill_rows(1, reinterpret_cast<int64_t*>(h + m.slot_mapping), i32(m.positions),
+              i32(m.context_lens));
+    for (int x = 0; x < P; ++x) {
+      i32(m.logit_rows)[x] = x;
+      i32(m.query_starts)[x + 1] = x + 1;
+      i32(m.state_slots)[x] = -1;
+      i32(m.snapshot_slots)[x] = -1;
+      h[m.state_fresh + x] = 1;
+      if (x < B) {
+        std::copy(batch[x].block_table.begin(), batch[x].block_table.end(),
+                  i32(m.block_tables) + static_cast<size_t>(x) * W);
+      }
+    }
+    for (int step = 2; step < K; ++step) {
+      fill_rows(step, reinterpret_cast<int64_t*>(h + c.prefix_of(step) + m.slot_mapping),
+                i32(c.prefix_of(step) + m.positions), i32(c.context_of(step)));
+    }
+    RELAY_CUDA_CHECK(cudaMemcpyAsync(mtp_meta_dev, mtp_meta_host, c.bytes(K),
+                                     cudaMemcpyHostToDevice, stream));
+  };
+  if (K >= 2) upload_chain();
+  // The head's K forwards and drafts; on device from the catch-up's upload on.
+  const Shape chain{P, P, P, W, 1};
+  auto enqueue = [&] {
+    enqueue_mtp(catch_shape, step_meta(catch_shape), normed, T, mtp_rows_dev);
+    enqueue_greedy_drafts(P, mtp_drafts_dev);
+    const StepMeta cm = step_meta(chain, mtp_meta_dev);
+    for (int step = 1; step < K; ++step) {
+      auto d2d = [&](size_t to, const void* from, size_t bytes) {
+        RELAY_CUDA_CHECK(cudaMemcpyAsync(mtp_meta_dev + to, from, bytes, cudaMemcpyDeviceToDevice,
+                                         stream));
+      };
+      if (step >= 2) {
+        d2d(0, mtp_meta_dev + c.prefix_of(step), c.prefix_bytes);
+        d2d(m.context_lens, mtp_meta_dev + c.context_of(step), P * sizeof(int32_t));
+      }
+      d2d(m.token_ids, mtp_drafts_dev + (step - 1) * P, P * sizeof(int32_t));
+      if (step == 1) {
+        enqueue_mtp(chain, cm, normed, T, mtp_rows_dev + T);
+      } else {
+        enqueue_mtp(chain, cm, normed, P, mtp_rows_dev + T + P);
+      }
+      enqueue_greedy_drafts(P, mtp_drafts_dev + step * P);
+    }
+  };
+  const auto key = std::make_tuple(P, W, q);
+  if (auto it = mtp_graphs.find(key); it != mtp_graphs.end()) {
+    RELAY_CUDA_CHECK(cudaGraphLaunch(it->second, stream));
+  } else {
+    mtp_graphs.emplace(key, run_then_capture(enqueue));
+  }
+  RELAY_CUDA_CHECK(cudaMemcpyAsync(mtp_drafts_host, mtp_drafts_dev, K * P * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, stream));
+  RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (!lead) return;
+  for (int i = 0; i < B; ++i) {
+    if (batch[i].proposed_drafts == nullptr) continue;
+    std::vector<int32_t>& d = *batch[i].proposed_drafts;
+    d.assign(1, mtp_drafts_host[i]);
+    for (int step = 1; step < K && inside(i, step); ++step) d.push_back(mtp_drafts_host[step * P + i]);
   }
 }
 

@@ -180,6 +180,32 @@ struct MetaLayout {
   }
 };
 
+// The graphed MTP head's chained forwards' metadata (RankEngine::mtp_meta_dev): a decode step's
+// MetaLayout for `seqs` sequences of table width `width`, holding chain step 1's; then for each
+// chain step s >= 2 its slot_mapping | token_ids | positions prefix (the layout's first fields)
+// and its context_lens, which the graph copies over the layout's before that step (the tokens
+// then come from the previous step's drafts).
+struct MtpChainMeta {
+  MetaLayout meta;
+  size_t prefix_bytes = 0, step_bytes = 0;
+  static MtpChainMeta make(int seqs, int width) {
+    MtpChainMeta c;
+    c.meta = MetaLayout::make(seqs, seqs, seqs, width);
+    RELAY_CHECK(c.meta.slot_mapping == 0 && c.meta.token_ids < c.meta.positions,
+                "MetaLayout must start with slot_mapping, token_ids, positions");
+    c.prefix_bytes = c.meta.positions + sizeof(int32_t) * seqs;
+    c.step_bytes = align_up(c.prefix_bytes, 16) + align_up(sizeof(int32_t) * seqs, 16);
+    return c;
+  }
+  // Chain step s's prefix (s >= 2); its context_lens follow at context_of(s).
+  size_t prefix_of(int s) const { return align_up(meta.bytes, 16) + (s - 2) * step_bytes; }
+  size_t context_of(int s) const { return prefix_of(s) + align_up(prefix_bytes, 16); }
+  // The bytes for a head of k drafts: chain steps 1 .. k - 1, of which 2 .. k - 1 stored apart.
+  size_t bytes(int k) const {
+    return align_up(meta.bytes, 16) + static_cast<size_t>(std::max(k - 2, 0)) * step_bytes;
+  }
+};
+
 inline bool needs_host_sampling(const SamplingParams& p) {
   return p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
 }
@@ -260,9 +286,18 @@ struct RankEngine {
   // output, the shared expert's output and gate logit (null when no layer needs them).
   bf16 *attn_gate_out = nullptr, *gdn_proj = nullptr, *gdn_conv_out = nullptr, *gdn_core = nullptr,
        *shared_out = nullptr, *shared_logit = nullptr;
-  // The MTP head: its rows' embeddings and hidden inputs, and which hidden row each gathers.
+  // The MTP head: its rows' embeddings and hidden inputs, and which hidden row each gathers
+  // (max_num_tokens + 2 max_num_seqs: a graphed head's three gathers, propose_mtp_graphed).
   bf16 *mtp_embed = nullptr, *mtp_hidden = nullptr;
   int32_t *mtp_rows_dev = nullptr, *mtp_rows_host = nullptr;
+  // The graphed head (propose_mtp_graphed): the chained forwards' metadata (MtpChainMeta) and its
+  // pinned staging, greedy sample rows for max_num_seqs rows, each forward's drafts ([K,
+  // max_num_seqs]) and their pinned mirror, and the graphs by (batch bucket, table width, tokens
+  // per sequence) of the target step they follow.
+  uint8_t *mtp_meta_dev = nullptr, *mtp_meta_host = nullptr;
+  kernels::SampleRowParams* greedy_rows_dev = nullptr;
+  int32_t *mtp_drafts_dev = nullptr, *mtp_drafts_host = nullptr;
+  std::map<std::tuple<int, int, int>, cudaGraphExec_t> mtp_graphs;
   int32_t *topk_ids, *permuted_index, *expert_offsets;
   float *topk_weights, *logits;
   bf16* recv_sum = nullptr;  // DP + EP: each received row's weighted expert sum [moe_tokens, H]
@@ -378,6 +413,9 @@ struct RankEngine {
 
   ~RankEngine() {
     for (auto& [key, g] : graphs) cudaGraphExecDestroy(g);
+    for (auto& [key, g] : mtp_graphs) cudaGraphExecDestroy(g);
+    if (mtp_meta_host) cudaFreeHost(mtp_meta_host);
+    if (mtp_drafts_host) cudaFreeHost(mtp_drafts_host);
     if (step_begin) cudaEventDestroy(step_begin);
     if (step_end) cudaEventDestroy(step_end);
     if (meta_host) cudaFreeHost(meta_host);
@@ -461,7 +499,8 @@ struct RankEngine {
     const int64_t* slots;
     const uint8_t* state_fresh;
   };
-  StepMeta step_meta(const Shape& sh) const;  // the device arrays of meta_dev, laid out for sh
+  // The device arrays of the metadata at `base` (meta_dev by default), laid out for sh.
+  StepMeta step_meta(const Shape& sh, const uint8_t* base = nullptr) const;
   // A decoder layer after its input norm (normed holds it; residual the stream): the mixer, its
   // reduction, the post-attention norm and the feed-forward, whose output is left in `mix`.
   void enqueue_layer(const LayerWeights& w, const Shape& sh, const StepMeta& m);
@@ -478,10 +517,12 @@ struct RankEngine {
   // (a graph step, graph_tokens_per_seq) every sequence is padded to per_seq tokens with filler
   // rows after its own, and the batch to pad_seqs sequences with dummies of per_seq tokens; fillers
   // and dummies write no K/V, and every token row gets logits (a graph step's sequences sample
-  // after their last token and each draft); else the logit rows are `rows`. A filler row sits at
-  // the positions after the sequence's drafts: causal attention keeps it out of the real rows.
+  // after their last token and each draft) unless `graph_rows` names them (the graphed MTP head
+  // drafts from one row per sequence); else the logit rows are `rows`. A filler row sits at the
+  // positions after the sequence's drafts: causal attention keeps it out of the real rows.
   Shape upload_batch(std::span<const StepSequence> batch, int pad_seqs, int width,
-                     const std::vector<int32_t>& rows, int per_seq = 1);
+                     const std::vector<int32_t>& rows, int per_seq = 1,
+                     std::span<const int32_t> graph_rows = {});
 
   static int bucket_of(int n) {
     for (int b : kBatchBuckets) {
@@ -503,6 +544,9 @@ struct RankEngine {
   // its tokens (an upper bound either way, which is what moe_step_tokens needs).
   int step_tokens(std::span<const StepSequence> batch) const;
 
+  // The first run of a graph's work: enqueues it (eagerly, which also grows any workspace), then
+  // captures it again and returns the instantiated graph, not launched.
+  cudaGraphExec_t run_then_capture(const std::function<void()>& enqueue);
   // Runs the forward for a step; decode and verify batches through (and into) the graph cache.
   Shape run(std::span<const StepSequence> batch, const std::vector<int32_t>& rows);
   Shape last_shape{};  // of the last run()
@@ -538,11 +582,14 @@ struct RankEngine {
   void settle_draft_states(std::span<const StepSequence> batch,
                            std::span<const SampledToken> sampled);
 
-  // The MTP head over the batch whose metadata is in meta_dev (laid out for `sh`, upload_batch):
-  // row r reads its token's embedding and row mtp_rows_dev[r] of `hidden_in` ([hidden_rows,
-  // hidden]: the target's final-normed rows, or the head's previous output when chaining); its
-  // output y is left in `normed` and the logits of the `sh.rows` requested rows in `logits`.
-  void enqueue_mtp(const Shape& sh, const bf16* hidden_in, int hidden_rows);
+  // The MTP head over the batch whose metadata `m` holds (laid out for `sh`): row r reads its
+  // token's embedding and row gather[r] of `hidden_in` ([hidden_rows, hidden]: the target's
+  // final-normed rows, or the head's previous output when chaining); its output y is left in
+  // `normed` and the logits of the `sh.rows` requested rows in `logits`.
+  void enqueue_mtp(const Shape& sh, const StepMeta& m, const bf16* hidden_in, int hidden_rows,
+                   const int32_t* gather);
+  // Greedy drafts of logits rows [0, n) into out[0, n) (the sample kernel at temperature 0).
+  void enqueue_greedy_drafts(int n, int32_t* out);
   // After a step of `batch` (this rank's part) whose sampling rank returned `sampled`: the head's
   // catch-up rows, then opt.num_mtp_drafts chained greedy drafts per sequence that wants them
   // (StepSequence::proposed_drafts, written when `lead`). Every TP rank of the group runs it (the
@@ -551,6 +598,18 @@ struct RankEngine {
   void propose_mtp(std::span<const StepSequence> batch, std::span<const SampledToken> sampled,
                    bool lead);
   void mtp_idle();
+  // propose_mtp after a graph step (last_shape.per_seq > 0; not under DP + EP): the head's K
+  // forwards and their greedy drafts as one graph with one host synchronisation. The catch-up
+  // forward takes the target step's padded shape, so its row r reads the target's row r: a
+  // sequence's row j reads the token after row j, and the rows past its last accepted one read
+  // its rejected drafts (their K/V lies past the sequence's end, and the chain's first row writes
+  // its position itself before it reads it; the next step's catch-up writes the rest). The chain's
+  // K - 1 forwards take a decode step's shape; each one's positions are the host's (uploaded
+  // ahead, copied into place on the device) and its tokens the previous forward's drafts. Drafts
+  // past a sequence's blocks are computed on a clamped row that writes nothing, and dropped.
+  bool mtp_graphable() const;
+  void propose_mtp_graphed(std::span<const StepSequence> batch,
+                           std::span<const SampledToken> sampled, bool lead);
 
   // Runs a checked batch (check_batch) and samples its sampling sequences, unless `sample` is
   // false (a TP rank other than 0: the same logits, sampled by rank 0). A sequence with k drafts
