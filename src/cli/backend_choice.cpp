@@ -18,6 +18,9 @@ void add_backend_options(CLI::App& sub, BackendChoice& c) {
                  "checkpoint dequantised at load) or fp8 (block-scaled FP8; a bf16 checkpoint "
                  "quantised at load). The cpu device always computes in fp32 (default auto)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8"}));
+  sub.add_flag("--enforce-eager", c.enforce_eager,
+               "cuda: run every step eagerly, without CUDA graphs (slower at small batches; for "
+               "debugging and comparisons)");
   add_load_format_option(sub, c.load_format);
   sub.add_option("--block-size", c.block_size, "tokens per KV block (default 16)")
       ->check(CLI::PositiveNumber);
@@ -139,6 +142,8 @@ CpuBackendOptions cpu_options(const BackendChoice& c) {
   RELAY_CHECK(c.dtype == "auto", "--dtype ", c.dtype,
               " is a GPU weight format; the cpu device computes in fp32 (FP8 checkpoints are "
               "dequantised at load): leave --dtype at auto or use --device cuda");
+  RELAY_CHECK(!c.enforce_eager, "--enforce-eager turns the cuda device's CUDA graphs off; the cpu "
+              "device has none: leave it out or use --device cuda");
   CpuBackendOptions o;
   o.block_size = c.block_size;
   o.num_blocks = c.num_kv_blocks;
@@ -207,6 +212,7 @@ CudaBackendOptions cuda_backend_options(const BackendChoice& c, int max_num_seqs
   o.block_size = c.block_size;
   o.num_kv_blocks = c.num_kv_blocks;
   o.load_format = parse_load_format(c.load_format);
+  o.cuda_graphs = !c.enforce_eager;
   o.max_num_seqs = max_num_seqs;
   o.max_num_tokens = max_num_batched_tokens;
   o.max_draft_tokens = speculative.enabled() ? speculative.num_speculative_tokens : 0;

@@ -30,12 +30,13 @@ struct BackendChoice {
   std::string gpus;                        // "0,1,2,3": the CUDA device of each rank, in rank order
   std::string dtype = "auto";              // cuda weights: auto (as stored), bf16 or fp8
   std::string load_format = "auto";        // auto (the safetensors) or dummy (random weights)
+  bool enforce_eager = false;              // cuda: no CUDA graphs (vLLM's --enforce-eager)
   parallel::ParallelConfig parallel;       // --tp / --ep / --dp ranks
   parallel::NodeConfig nodes;              // --nnodes / --node-rank / --dist-init (cpu device)
 };
 
-// Adds --device, --dtype, --block-size, --num-kv-blocks, --kv-cache-memory, --threads, --gpu,
-// --gpus, --tp, --ep, --dp, --nnodes, --node-rank and --dist-init to `sub`.
+// Adds --device, --dtype, --enforce-eager, --block-size, --num-kv-blocks, --kv-cache-memory,
+// --threads, --gpu, --gpus, --tp, --ep, --dp, --nnodes, --node-rank and --dist-init to `sub`.
 void add_backend_options(CLI::App& sub, BackendChoice& choice);
 // Adds --load-format (auto | dummy), for the commands that load a model.
 void add_load_format_option(CLI::App& sub, std::string& load_format);

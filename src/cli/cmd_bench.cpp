@@ -64,6 +64,7 @@ struct BenchArgs {
   std::optional<double> forced_acceptance;  // --spec-forced-acceptance, when given
   int decode_tokens = 0;              // engine mode: timed tokens per sequence (0: the default)
   int threads = 0;                    // cpu device: threads (0: all cores)
+  bool enforce_eager = false;         // engine mode, cuda: no CUDA graphs
 };
 
 // Whether the run measures decode through the engine (engine/decode_bench.h): --mode engine on
@@ -102,6 +103,10 @@ SpeculativeConfig check_device(const BenchArgs& a) {
   }
   RELAY_CHECK(a.threads == 0 || a.device == "cpu",
               "--threads sizes the cpu device's thread pool (add --device cpu)");
+  RELAY_CHECK(!a.enforce_eager || (a.mode == "engine" && a.device == "cuda"),
+              "--enforce-eager turns CUDA graphs off in the engine mode on the cuda device "
+              "(--mode engine --device cuda); the model mode times graph steps and profiles eager "
+              "ones itself");
   return spec;
 }
 
@@ -174,6 +179,7 @@ int run_engine_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
   choice.num_threads = a.threads;
   choice.dtype = a.dtype;
   choice.gpus = a.gpus;
+  choice.enforce_eager = a.enforce_eager;
   // KV blocks for the largest shape: every sequence's prompt, its tokens and a step of drafts.
   const int max_context = *std::max_element(d.contexts.begin(), d.contexts.end());
   const int tokens_per_seq = max_context + 1 + d.num_decode_tokens + drafts;
@@ -270,6 +276,9 @@ CommandRegistrar bench_command({
              "not lossless): speculation's speed at a chosen acceptance on models without a "
              "trained draft head, e.g. 0.8")
           ->check(CLI::Range(0.0, 1.0));
+      sub.add_flag("--enforce-eager", a->enforce_eager,
+                   "engine mode, cuda device: every step eagerly, without CUDA graphs (as relay "
+                   "serve --enforce-eager)");
       sub.add_option("--decode-tokens", a->decode_tokens,
                      "engine mode: tokens each sequence generates in the timed steps (default 32)")
           ->check(CLI::PositiveNumber);

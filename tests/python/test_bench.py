@@ -172,6 +172,8 @@ SPEC_REFUSED = [
      "the engine mode measures decode only"),
     (["--mode", "engine", "--model", DEMO_MODEL, "--threads", 2], "--threads sizes the cpu device"),
     (["--mode", "engine"], "bench --mode engine needs --model DIR"),
+    (CPU + ["--model", DEMO_MODEL, "--enforce-eager"], "--enforce-eager turns CUDA graphs off"),
+    (MODEL + ["--enforce-eager"], "--enforce-eager turns CUDA graphs off"),
 ]
 
 

@@ -69,3 +69,7 @@ def test_bad_options_fail_cleanly(relay_bin):
     r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--tp", "2", "--gpus", "0,0"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "--gpus places ranks on CUDA devices; it needs --device cuda" in r.stderr
+    # --enforce-eager turns the GPU's CUDA graphs off; the CPU device has none.
+    r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--enforce-eager"], capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and "--enforce-eager turns the cuda device's CUDA graphs off" in r.stderr
