@@ -228,25 +228,51 @@ __global__ void __launch_bounds__(kPermuteRowWarps * 32) permute_rows_kernel(Moe
   }
 }
 
-// One CTA per token; with live_tokens the CTAs stride over the live tokens.
-__global__ void unpermute_combine_kernel(MoeUnpermuteCombineParams<bf16> p) {
+// One CTA per token and slice of the hidden vector (gridDim.y slices: several when the tokens are
+// few, so a decode step's few tokens still spread over SMs); with live_tokens the CTAs stride over
+// the live tokens. The token's weights and rows go to shared memory first, then each thread loads
+// its vector of all of them at once before it sums them: the sum is latency-bound at decode's few
+// tokens, and loads that waited on each other (weight, index, row, per expert) cost a round trip
+// each. The terms are added in k order as before.
+constexpr int kCombineThreads = 128;
+constexpr int kCombineBatch = 8;  // expert rows loaded at once
+
+__global__ void __launch_bounds__(kCombineThreads) unpermute_combine_kernel(MoeUnpermuteCombineParams<bf16> p) {
   wait_on_prior_grid();  // launched dependent (common.cuh)
   release_dependent_grid();
   __shared__ LiveRowMap live;
+  __shared__ float weight[kPermuteMaxTopK];
+  __shared__ int64_t row_of[kPermuteMaxTopK];  // -1: an absent expert's row, never computed (ops.h)
   load_live_map(live, p.live_tokens, p.num_tokens);
   const int num_vecs = p.hidden / 8;
   for (int v_tok = blockIdx.x; v_tok < live.total(); v_tok += gridDim.x) {
     const int64_t t = live.row(v_tok);
-    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    __syncthreads();  // the previous token's weights are read
+    if (threadIdx.x < p.top_k) {
+      const float w = p.topk_weights[t * p.top_k + threadIdx.x];
+      weight[threadIdx.x] = w;
+      row_of[threadIdx.x] = w == 0.0f ? -1 : p.permuted_index[t * p.top_k + threadIdx.x];
+    }
+    __syncthreads();
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_vecs; i += blockDim.x * gridDim.y) {
       float acc[8] = {};
-      for (int k = 0; k < p.top_k; ++k) {
-        const float w = p.topk_weights[t * p.top_k + k];
-        if (w == 0.0f) continue;  // an absent expert's row: never computed (ops.h)
-        const int64_t row = p.permuted_index[t * p.top_k + k];
-        float v[8];
-        bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.expert_out + row * p.hidden)[i], v);
+      for (int k0 = 0; k0 < p.top_k; k0 += kCombineBatch) {
+        Bf16x8 v[kCombineBatch];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] += v[j] * w;
+        for (int b = 0; b < kCombineBatch; ++b) {
+          const int k = k0 + b;
+          if (k < p.top_k && row_of[k] >= 0)
+            v[b] = reinterpret_cast<const Bf16x8*>(p.expert_out + row_of[k] * p.hidden)[i];
+        }
+#pragma unroll
+        for (int b = 0; b < kCombineBatch; ++b) {
+          const int k = k0 + b;
+          if (k >= p.top_k || row_of[k] < 0) continue;
+          float f[8];
+          bf16x8_to_f32(v[b], f);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] += f[j] * weight[k];
+        }
       }
       reinterpret_cast<Bf16x8*>(p.out + t * p.hidden)[i] = f32_to_bf16x8(acc);
     }
@@ -314,9 +340,15 @@ void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<bf16>& p, cuda
               "moe_unpermute_combine: live_tokens.region_rows ", p.live_tokens.region_rows,
               " must be positive with at most ", kMaxLiveRegions, " regions over ", p.num_tokens,
               " tokens");
+  RELAY_CHECK(p.top_k >= 1 && p.top_k <= kPermuteMaxTopK, "moe_unpermute_combine: top_k ", p.top_k,
+              " must be in [1, ", kPermuteMaxTopK, "]");
   if (p.num_tokens == 0) return;
   const int blocks = live_grid(p.num_tokens, 1, p.live_tokens.counts != nullptr);
-  launch_dependent("unpermute_combine_kernel", unpermute_combine_kernel, dim3(blocks), dim3(128), 0, s, p);
+  // Slices of the hidden vector: one vector per thread at a decode step's few tokens (at most 16
+  // CTAs' worth), one slice when there are tokens enough to fill the GPU.
+  const int slices = p.num_tokens >= 64 ? 1 : static_cast<int>(std::min<int64_t>(16, ceil_div(p.hidden / 8, kCombineThreads)));
+  launch_dependent("unpermute_combine_kernel", unpermute_combine_kernel, dim3(blocks, slices),
+                   dim3(kCombineThreads), 0, s, p);
 }
 
 }  // namespace relay::kernels
