@@ -760,22 +760,27 @@ TEST(GpuKernels, MoeGroupedMatmul) {
 }
 
 // Gated DeltaNet's ops against their CPU references on the same bf16-rounded inputs: four
-// sequences (one token, a short chunk, a long one; one fresh, two continuing random states in
-// scattered slots, one taking snapshots mid-chunk; and graph padding without a slot), at the
-// released shapes' head dims and small odd ones; then the sigmoid gate, per element and per row
-// with accumulation.
+// sequences (one token, a short chunk, a long one of 150 tokens; one fresh, two continuing random
+// states in scattered slots, one taking snapshots mid-chunk, the long one one in its second chunk
+// of the recurrence's prompt form; and graph padding without a slot), then one token each (the
+// recurrence's decode form), at the released shapes' head dims and small odd ones; then the
+// sigmoid gate, per element and per row with accumulation.
 TEST(GpuKernels, GatedDeltaNetOps) {
   struct Shape {
     int k_heads, v_heads, key_dim, value_dim;
   };
-  for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 3, 24, 40}}) {
-    SCOPED_TRACE(::testing::Message() << "key_dim " << sh.key_dim << " value_dim " << sh.value_dim);
+  for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 3, 24, 40}})
+  for (const std::vector<int32_t>& starts :
+       {std::vector<int32_t>{0, 1, 8, 158, 162}, std::vector<int32_t>{0, 1, 2, 3, 4}}) {
+    SCOPED_TRACE(::testing::Message() << "key_dim " << sh.key_dim << " value_dim " << sh.value_dim
+                                      << ", " << starts.back() << " tokens");
     std::mt19937 rng(31 + sh.key_dim);
-    const std::vector<int32_t> starts{0, 1, 8, 48, 52}, slots{2, 0, 3, -1};
+    const std::vector<int32_t> slots{2, 0, 3, -1};
     const std::vector<uint8_t> fresh{0, 1, 0, 0};
-    const int seqs = 4, T = starts.back(), num_slots = 5, K = 4, width = K - 1;
+    const int seqs = 4, T = starts.back(), num_slots = 6, K = 4, width = K - 1;
     std::vector<int32_t> snapshots(T, -1);
-    snapshots[3] = 1, snapshots[6] = 4;  // sequence 1's tokens 2 and 5
+    if (T > 8) snapshots[3] = 1, snapshots[6] = 4, snapshots[8 + 70] = 5;  // sequence 1's tokens 2
+                                                                           // and 5, 2's token 70
     const int conv_dim = 2 * sh.k_heads * sh.key_dim + sh.v_heads * sh.value_dim;
     const int x_stride = conv_dim + 8;
 
