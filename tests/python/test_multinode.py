@@ -4,6 +4,7 @@ one-process text; a follower that disappears makes node 0 fail requests with the
 hanging or crashing; nodes started with different flags, and layouts no node count can split, are
 refused with a message naming the flag."""
 import concurrent.futures as cf
+import contextlib
 import json
 import subprocess
 
@@ -58,6 +59,29 @@ def test_generate_across_processes_equals_one_process(relay_bin, one_process_tex
         assert "following node 0" in err and "shut the worker down" in err
 
 
+@contextlib.contextmanager
+def two_node_server(relay_bin, *args):
+    """`relay serve` as node 0 of two (a follower node with the same flags beside it), ready:
+    yields (node 0's server, the follower's process)."""
+    address = f"127.0.0.1:{free_port()}"
+    [follower] = start_followers(relay_bin, "serve", 2, address, *args)
+    leader = RelayServer(relay_bin, *args, *node_args(2, 0, address))
+    try:
+        leader.wait_ready()
+        yield leader, follower
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        assert leader.stop() == 0, leader.log_text()
+
+
+def complete_together(server, complete, prompts):
+    """Every prompt at once (continuous batching puts them in the same steps)."""
+    client = server.client()
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(client, p), prompts))
+
+
 def test_server_across_processes_and_a_lost_follower(relay_bin):
     prompts = [f"def task_{i}(items, n={i}):" for i in range(6)]
 
@@ -71,16 +95,8 @@ def test_server_across_processes_and_a_lost_follower(relay_bin):
     finally:
         assert one.stop() == 0
 
-    address = f"127.0.0.1:{free_port()}"
-    layout = ["--dp", 2, "--ep", 2]
-    [follower] = start_followers(relay_bin, "serve", 2, address, *layout)
-    leader = RelayServer(relay_bin, *layout, *node_args(2, 0, address))
-    try:
-        leader.wait_ready()
-        client = leader.client()
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: complete(client, p), prompts))
-        assert got == want
+    with two_node_server(relay_bin, "--dp", 2, "--ep", 2) as (leader, follower):
+        assert complete_together(leader, complete, prompts) == want
 
         # Node 1 vanishes: its ranks (half the experts, half the KV) are gone. Node 0 fails the
         # requests with the reason and keeps answering; it does not hang or crash.
@@ -88,16 +104,12 @@ def test_server_across_processes_and_a_lost_follower(relay_bin):
         follower.wait(timeout=30)
         for _ in range(2):
             with pytest.raises(openai.InternalServerError) as err:
-                complete(client, prompts[0])
+                complete(leader.client(), prompts[0])
             assert "lost a node" in str(err.value), str(err.value)
         health = requests.get(leader.base + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "unusable", health.text
         assert "lost a node" in health.json()["reason"]
         assert leader.proc.poll() is None
-    finally:
-        if follower.poll() is None:
-            follower.kill()
-        assert leader.stop() == 0, leader.log_text()
 
 
 def test_mtp_server_across_processes_equals_one_process(relay_bin):
@@ -130,20 +142,9 @@ def test_mtp_server_across_processes_equals_one_process(relay_bin):
         assert one.stop() == 0
     assert float(want_accepted[-1].split()[-1]) > 0, want_accepted
 
-    address = f"127.0.0.1:{free_port()}"
-    [follower] = start_followers(relay_bin, "serve", 2, address, *args)
-    leader = RelayServer(relay_bin, *args, *node_args(2, 0, address))
-    try:
-        leader.wait_ready()
-        client = leader.client()
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: complete(client, p), prompts))
-        assert got == want
+    with two_node_server(relay_bin, *args) as (leader, _):
+        assert complete_together(leader, complete, prompts) == want
         assert accepted(leader) == want_accepted
-    finally:
-        if follower.poll() is None:
-            follower.kill()
-        assert leader.stop() == 0, leader.log_text()
 
 
 def test_nodes_with_different_flags_are_refused(relay_bin):

@@ -77,6 +77,37 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
   }
 }
 
+// Value head h of the state in pool slot `slot`: [key_dim, value_dim].
+__device__ __forceinline__ float* head_state(const GatedDeltaRuleParams<bf16>& p, int slot, int h) {
+  return p.states + slot * p.state_stride + static_cast<int64_t>(h) * p.key_dim * p.value_dim;
+}
+
+// Thread j's column of sequence s's value-head-h state (zeros when it starts fresh or has no slot,
+// and for threads past value_dim), and where it is kept (null without a slot: graph padding).
+template <int MaxDk>
+__device__ __forceinline__ float* load_state_column(const GatedDeltaRuleParams<bf16>& p, int s,
+                                                    int h, int j, float (&col)[MaxDk]) {
+  const bool keeps = p.state_slots[s] >= 0;
+  float* state = keeps ? head_state(p, p.state_slots[s], h) : nullptr;
+  const bool fresh = !keeps || p.state_fresh[s];
+#pragma unroll
+  for (int i = 0; i < MaxDk; ++i) {
+    col[i] = j < p.value_dim && i < p.key_dim && !fresh ? state[static_cast<int64_t>(i) * p.value_dim + j]
+                                                        : 0.0f;
+  }
+  return state;
+}
+
+// Thread j's column into a head's state (its sequence's, or a snapshot's).
+template <int MaxDk>
+__device__ __forceinline__ void store_state_column(const GatedDeltaRuleParams<bf16>& p, float* at,
+                                                   int j, const float (&col)[MaxDk]) {
+#pragma unroll
+  for (int i = 0; i < MaxDk; ++i) {
+    if (i < p.key_dim) at[static_cast<int64_t>(i) * p.value_dim + j] = col[i];
+  }
+}
+
 // One CTA per (sequence, value head); blockDim.x >= max(key_dim, value_dim), a multiple of 32.
 template <int MaxDk>
 __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
@@ -87,15 +118,8 @@ __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
   const int kh = h / (p.num_v_heads / p.num_k_heads);
   const int j = threadIdx.x;
   const bool owns = j < dv;
-  const int64_t head_state = static_cast<int64_t>(h) * dk * dv;
-  const bool keeps = p.state_slots[s] >= 0;  // -1: padding, no state
-  float* state = keeps ? p.states + p.state_slots[s] * p.state_stride + head_state : nullptr;
   float col[MaxDk];  // S[:, j]
-  const bool fresh = !keeps || p.state_fresh[s];
-#pragma unroll
-  for (int i = 0; i < MaxDk; ++i) {
-    col[i] = owns && i < dk && !fresh ? state[static_cast<int64_t>(i) * dv + j] : 0.0f;
-  }
+  float* state = load_state_column(p, s, h, j, col);
   const int64_t row = 2 * static_cast<int64_t>(p.num_k_heads) * dk + static_cast<int64_t>(p.num_v_heads) * dv;
   // NOTE: transformers divides by the Python float dk ** 0.5, which torch rounds to fp32.
   const float q_scale = sqrtf(static_cast<float>(dk));
@@ -138,21 +162,12 @@ __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
       }
       p.out[(static_cast<int64_t>(t) * p.num_v_heads + h) * dv + j] = __float2bfloat16(o);
       if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
-        float* snap = p.states + p.snapshot_slots[t] * p.state_stride + head_state;
-#pragma unroll
-        for (int i = 0; i < MaxDk; ++i) {
-          if (i < dk) snap[static_cast<int64_t>(i) * dv + j] = col[i];
-        }
+        store_state_column(p, head_state(p, p.snapshot_slots[t], h), j, col);
       }
     }
     __syncthreads();  // q and k are rewritten for the next token
   }
-  if (owns && keeps) {
-#pragma unroll
-    for (int i = 0; i < MaxDk; ++i) {
-      if (i < dk) state[static_cast<int64_t>(i) * dv + j] = col[i];
-    }
-  }
+  if (owns && state != nullptr) store_state_column(p, state, j, col);
 }
 
 // The chunked form of the same recurrence, for prompts. Within a chunk of at most kGdnChunk tokens
@@ -196,15 +211,8 @@ __global__ void __launch_bounds__(kGdnChunkThreads)
   const int j = threadIdx.x, lane = j & 31, warp = j >> 5;
   constexpr int kWarps = kGdnChunkThreads / 32, kPerLane = MaxDk / 32;
   const bool owns = j < dv;
-  const int64_t head_state = static_cast<int64_t>(h) * dk * dv;
-  const bool keeps = p.state_slots[s] >= 0;  // -1: padding, no state
-  float* state = keeps ? p.states + p.state_slots[s] * p.state_stride + head_state : nullptr;
   float col[MaxDk];  // S[:, j]
-  const bool fresh = !keeps || p.state_fresh[s];
-#pragma unroll
-  for (int i = 0; i < MaxDk; ++i) {
-    col[i] = owns && i < dk && !fresh ? state[static_cast<int64_t>(i) * dv + j] : 0.0f;
-  }
+  float* state = load_state_column(p, s, h, j, col);
   const int64_t row = 2 * static_cast<int64_t>(p.num_k_heads) * dk + static_cast<int64_t>(p.num_v_heads) * dv;
   const float q_scale = sqrtf(static_cast<float>(dk));  // as the token-by-token kernel
   const float a_rate = expf(p.a_log[h]);
@@ -305,22 +313,13 @@ __global__ void __launch_bounds__(kGdnChunkThreads)
       }
       const int last = chunk_end - 1;
       if (p.snapshot_slots != nullptr && p.snapshot_slots[last] >= 0) {
-        float* snap = p.states + p.snapshot_slots[last] * p.state_stride + head_state;
-#pragma unroll
-        for (int i = 0; i < MaxDk; ++i) {
-          if (i < dk) snap[static_cast<int64_t>(i) * dv + j] = col[i];
-        }
+        store_state_column(p, head_state(p, p.snapshot_slots[last], h), j, col);
       }
     }
     c0 += len;
     __syncthreads();  // the chunk's shared arrays are rewritten for the next one
   }
-  if (owns && keeps) {
-#pragma unroll
-    for (int i = 0; i < MaxDk; ++i) {
-      if (i < dk) state[static_cast<int64_t>(i) * dv + j] = col[i];
-    }
-  }
+  if (owns && state != nullptr) store_state_column(p, state, j, col);
 }
 
 template <int MaxDk>
