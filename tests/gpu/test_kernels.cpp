@@ -761,10 +761,9 @@ TEST(GpuKernels, MoeGroupedMatmul) {
 
 // Gated DeltaNet's ops against their CPU references on the same bf16-rounded inputs: four
 // sequences (one token, a short chunk, a long one of 150 tokens; one fresh, two continuing random
-// states in scattered slots, one taking snapshots mid-chunk, the long one one in its second chunk
-// of the recurrence's prompt form; and graph padding without a slot), then one token each (the
-// recurrence's decode form), at the released shapes' head dims and small odd ones; then the
-// sigmoid gate, per element and per row with accumulation.
+// states in scattered slots, one taking snapshots mid-chunk, the long one at its token 70; and
+// graph padding without a slot), then one token each, at the released shapes' head dims and small
+// odd ones; then the sigmoid gate, per element and per row with accumulation.
 TEST(GpuKernels, GatedDeltaNetOps) {
   struct Shape {
     int k_heads, v_heads, key_dim, value_dim;

@@ -8,9 +8,12 @@
 // holding column j of the head's fp32 state S [key_dim, value_dim] in registers for the whole
 // chunk: per token, the CTA normalises q and k into shared memory, then each thread decays its
 // column, forms its entry of S^T k, adds k delta_j and its entry of S^T q — the state touches
-// memory only at the chunk's ends (and at snapshot rows). That is the decode form. Prompts take
-// the chunked form (gated_delta_rule_chunked_kernel): the same sums reordered, so that per token
-// only one row of a triangular solve stays serial.
+// memory only at the chunk's ends (and at snapshot rows). That is the decode form; a long prefill
+// walks its tokens serially. (The chunked WY form in plain fp32 arithmetic, pairwise k.k and q.k
+// products in shared memory and a forward substitution per column, was measured slower than this
+// on H100, 258 against 138 ms for a 4096-token prompt of Qwen3.5-35B-A3B's first 8 layers: it does
+// as many multiply-adds per thread as the walk and only saves its per-token reductions. It pays
+// with its pairwise products and state updates on tensor cores, the step that follows.)
 #include <cfloat>
 
 #include "kernels/cuda/common.cuh"
@@ -170,170 +173,6 @@ __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
   if (owns && state != nullptr) store_state_column(p, state, j, col);
 }
 
-// The chunked form of the same recurrence, for prompts. Within a chunk of at most kGdnChunk tokens
-// (cut short after a snapshot row, whose state is then the chunk's end state), with S0 the state
-// before it and G_t the cumulative log decay of its tokens up to t:
-//   delta_t = beta_t (v_t - e^{G_t} S0^T k_t) - sum_{s<t} beta_t e^{G_t - G_s} (k_t . k_s) delta_s
-//   o_t     = e^{G_t} S0^T q_t + sum_{s<=t} e^{G_t - G_s} (q_t . k_s) delta_s
-//   S_end   = e^{G_L} S0 + sum_s e^{G_L - G_s} k_s delta_s^T
-// (the WY form of flash-linear-attention's chunk_gated_delta_rule, unrolled from the recurrence
-// above: S_t = e^{g_t} S_{t-1} + k_t delta_t^T). The pairwise products are one pass over the
-// chunk's normalised q and k in shared memory; each value column's deltas are a forward
-// substitution with one matrix for all columns. One CTA of kGdnChunkThreads threads per (sequence,
-// value head), thread j holding state column j in registers; key_dim and value_dim at most 128.
-constexpr int kGdnChunk = 64;
-constexpr int kGdnChunkThreads = 128;
-
-template <int MaxDk>
-constexpr int gdn_chunk_smem_bytes() {
-  return (2 * kGdnChunk * (MaxDk + 1) + 2 * kGdnChunk * (kGdnChunk + 1) +
-          kGdnChunk * kGdnChunkThreads + 3 * kGdnChunk) *
-         static_cast<int>(sizeof(float));
-}
-
-template <int MaxDk>
-__global__ void __launch_bounds__(kGdnChunkThreads)
-    gated_delta_rule_chunked_kernel(GatedDeltaRuleParams<bf16> p) {
-  constexpr int ld = MaxDk + 1, la = kGdnChunk + 1;  // padded rows: no bank conflicts across rows
-  extern __shared__ float smem[];
-  float* ks = smem;                                 // [chunk][ld] normalised k
-  float* qs = ks + kGdnChunk * ld;                  // [chunk][ld] normalised q / sqrt(dk)
-  float* akk = qs + kGdnChunk * ld;                 // [chunk][la] beta_t e^{G_t-G_s} k_t.k_s, s < t
-  float* aqk = akk + kGdnChunk * la;                // [chunk][la] e^{G_t-G_s} q_t.k_s, s <= t
-  float* delta = aqk + kGdnChunk * la;              // [chunk][threads]: v, then delta, per column
-  float* gsum = delta + kGdnChunk * kGdnChunkThreads;  // [chunk] G_t
-  float* beta = gsum + kGdnChunk;                   // [chunk]
-  float* tail = beta + kGdnChunk;                   // [chunk] e^{G_L - G_s}
-  __shared__ int chunk_end;
-  const int s = blockIdx.x / p.num_v_heads, h = blockIdx.x % p.num_v_heads;
-  const int dk = p.key_dim, dv = p.value_dim;
-  const int kh = h / (p.num_v_heads / p.num_k_heads);
-  const int j = threadIdx.x, lane = j & 31, warp = j >> 5;
-  constexpr int kWarps = kGdnChunkThreads / 32, kPerLane = MaxDk / 32;
-  const bool owns = j < dv;
-  float col[MaxDk];  // S[:, j]
-  float* state = load_state_column(p, s, h, j, col);
-  const int64_t row = 2 * static_cast<int64_t>(p.num_k_heads) * dk + static_cast<int64_t>(p.num_v_heads) * dv;
-  const float q_scale = sqrtf(static_cast<float>(dk));  // as the token-by-token kernel
-  const float a_rate = expf(p.a_log[h]);
-  const float dt_bias = __bfloat162float(p.dt_bias[h]);
-  const int end = p.query_starts[s + 1];
-  for (int c0 = p.query_starts[s]; c0 < end;) {
-    if (j == 0) {
-      int e = min(end, c0 + kGdnChunk);
-      for (int t = c0; p.snapshot_slots != nullptr && t < e; ++t) {
-        if (p.snapshot_slots[t] >= 0) e = t + 1;
-      }
-      chunk_end = e;
-    }
-    __syncthreads();
-    const int len = chunk_end - c0;
-    // Each token's normalised q and k and its gates, a warp per token.
-    for (int t = warp; t < len; t += kWarps) {
-      const bf16* in = p.qkv + (c0 + t) * row;
-      float qv[kPerLane], kv[kPerLane], qq = 0.0f, kk = 0.0f;
-#pragma unroll
-      for (int u = 0; u < kPerLane; ++u) {
-        const int i = lane + 32 * u;
-        qv[u] = i < dk ? __bfloat162float(in[static_cast<int64_t>(kh) * dk + i]) : 0.0f;
-        kv[u] = i < dk ? __bfloat162float(in[static_cast<int64_t>(p.num_k_heads + kh) * dk + i]) : 0.0f;
-        qq += qv[u] * qv[u];
-        kk += kv[u] * kv[u];
-      }
-      const float q_inv = rsqrtf(warp_sum(qq) + 1e-6f), k_inv = rsqrtf(warp_sum(kk) + 1e-6f);
-#pragma unroll
-      for (int u = 0; u < kPerLane; ++u) {
-        const int i = lane + 32 * u;
-        if (i < dk) {
-          qs[t * ld + i] = (qv[u] * q_inv) / q_scale;
-          ks[t * ld + i] = kv[u] * k_inv;
-        }
-      }
-      if (lane == 0) {
-        const int64_t g = static_cast<int64_t>(c0 + t) * p.gate_stride + h;
-        beta[t] = 1.0f / (1.0f + expf(-__bfloat162float(p.b[g])));
-        gsum[t] = -a_rate * softplus(__bfloat162float(p.a[g]) + dt_bias);
-      }
-    }
-    // Each column's v, read ahead of the substitution that overwrites it with delta.
-    if (owns) {
-      for (int t = 0; t < len; ++t) {
-        delta[t * kGdnChunkThreads + j] = __bfloat162float(
-            p.qkv[(c0 + t) * row + 2 * static_cast<int64_t>(p.num_k_heads) * dk +
-                  static_cast<int64_t>(h) * dv + j]);
-      }
-    }
-    __syncthreads();
-    if (j == 0) {
-      for (int t = 1; t < len; ++t) gsum[t] += gsum[t - 1];
-    }
-    __syncthreads();
-    if (j < len) tail[j] = expf(gsum[len - 1] - gsum[j]);
-    // The pairwise products of the chunk's tokens.
-    for (int e = j; e < len * len; e += kGdnChunkThreads) {
-      const int t = e / len, u = e % len;
-      if (u > t) continue;
-      float kk = 0.0f, qk = 0.0f;
-      for (int i = 0; i < dk; ++i) {
-        kk += ks[t * ld + i] * ks[u * ld + i];
-        qk += qs[t * ld + i] * ks[u * ld + i];
-      }
-      const float decay = expf(gsum[t] - gsum[u]);
-      akk[t * la + u] = u < t ? beta[t] * decay * kk : 0.0f;
-      aqk[t * la + u] = decay * qk;
-    }
-    __syncthreads();
-    if (owns) {
-      for (int t = 0; t < len; ++t) {
-        float ks0 = 0.0f, qs0 = 0.0f;
-#pragma unroll
-        for (int i = 0; i < MaxDk; ++i) {
-          if (i < dk) {
-            ks0 += ks[t * ld + i] * col[i];
-            qs0 += qs[t * ld + i] * col[i];
-          }
-        }
-        const float eg = expf(gsum[t]);
-        float d = beta[t] * (delta[t * kGdnChunkThreads + j] - eg * ks0);
-        for (int u = 0; u < t; ++u) d -= akk[t * la + u] * delta[u * kGdnChunkThreads + j];
-        delta[t * kGdnChunkThreads + j] = d;
-        float o = eg * qs0;
-        for (int u = 0; u <= t; ++u) o += aqk[t * la + u] * delta[u * kGdnChunkThreads + j];
-        p.out[(static_cast<int64_t>(c0 + t) * p.num_v_heads + h) * dv + j] = __float2bfloat16(o);
-      }
-      const float el = expf(gsum[len - 1]);
-#pragma unroll
-      for (int i = 0; i < MaxDk; ++i) col[i] *= el;
-      for (int u = 0; u < len; ++u) {
-        const float w = tail[u] * delta[u * kGdnChunkThreads + j];
-#pragma unroll
-        for (int i = 0; i < MaxDk; ++i) {
-          if (i < dk) col[i] += ks[u * ld + i] * w;
-        }
-      }
-      const int last = chunk_end - 1;
-      if (p.snapshot_slots != nullptr && p.snapshot_slots[last] >= 0) {
-        store_state_column(p, head_state(p, p.snapshot_slots[last], h), j, col);
-      }
-    }
-    c0 += len;
-    __syncthreads();  // the chunk's shared arrays are rewritten for the next one
-  }
-  if (owns && state != nullptr) store_state_column(p, state, j, col);
-}
-
-template <int MaxDk>
-void run_gated_delta_rule_chunked(const GatedDeltaRuleParams<bf16>& p, int ctas, cudaStream_t s) {
-  constexpr int kSmem = gdn_chunk_smem_bytes<MaxDk>();
-  static bool configured = false;  // one attribute call per instantiation
-  if (!configured) {
-    RELAY_CUDA_CHECK(cudaFuncSetAttribute(gated_delta_rule_chunked_kernel<MaxDk>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    configured = true;
-  }
-  gated_delta_rule_chunked_kernel<MaxDk><<<ctas, kGdnChunkThreads, kSmem, s>>>(p);
-}
-
 // One warp per (token, head) row.
 __global__ void gated_rms_norm_kernel(GatedRmsNormParams<bf16> p) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -388,21 +227,6 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
               " (1 to 1024)");
   if (p.num_seqs == 0 || p.num_tokens == 0) return;
   const int ctas = p.num_seqs * p.num_v_heads;
-  // Prompts (more than kChunkedFrom tokens per sequence on average) take the chunked form; decode
-  // and verify steps the token-by-token one. Both are the same sums, so the choice, which depends
-  // only on the step's shape, changes nothing but fp32 rounding.
-  constexpr int kChunkedFrom = 8;
-  if (p.num_tokens > kChunkedFrom * p.num_seqs && p.value_dim <= kGdnChunkThreads) {
-    if (p.key_dim <= 32) {
-      run_gated_delta_rule_chunked<32>(p, ctas, s);
-    } else if (p.key_dim <= 64) {
-      run_gated_delta_rule_chunked<64>(p, ctas, s);
-    } else {
-      run_gated_delta_rule_chunked<128>(p, ctas, s);
-    }
-    RELAY_CUDA_CHECK_LAUNCH("gated_delta_rule_chunked_kernel");
-    return;
-  }
   const int threads = static_cast<int>(ceil_div(std::max(p.key_dim, p.value_dim), 32)) * 32;
   if (p.key_dim <= 32) {
     gated_delta_rule_kernel<32><<<ctas, threads, 0, s>>>(p);
