@@ -95,8 +95,14 @@ class Deployment:
                                   *router_args, api_key=api_key)
         self.router.wait_ready(path="/version")
         # No worker yet: the router is unhealthy and says why, and a request fails at once with 503.
+        # (/version answers while the router still loads, when /health says only "loading".)
+        deadline = time.time() + 30
         health = requests.get(self.router.base + "/health", timeout=5)
-        assert health.status_code == 503 and health.json()["reason"] == "no prefill or decode worker is up"
+        while health.json().get("status") == "loading" and time.time() < deadline:
+            time.sleep(0.05)
+            health = requests.get(self.router.base + "/health", timeout=5)
+        assert health.status_code == 503 and health.json().get("reason") == "no prefill or decode worker is up", \
+            health.text
         start = time.time()
         r = requests.post(self.router.base + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30,
                           headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
