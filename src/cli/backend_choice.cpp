@@ -135,9 +135,9 @@ size_t parse_bytes(const std::string& text, const std::string& option) {
   return static_cast<size_t>(v * scale);
 }
 
-namespace {
-
-CpuBackendOptions cpu_options(const BackendChoice& c) {
+CpuBackendOptions cpu_backend_options(const BackendChoice& c, int max_num_seqs,
+                                      const SpeculativeConfig& speculative,
+                                      int num_state_snapshots) {
   RELAY_CHECK(c.gpus.empty(), "--gpus places ranks on CUDA devices; it needs --device cuda");
   RELAY_CHECK(c.dtype == "auto", "--dtype ", c.dtype,
               " is a GPU weight format; the cpu device computes in fp32 (FP8 checkpoints are "
@@ -152,10 +152,15 @@ CpuBackendOptions cpu_options(const BackendChoice& c) {
   o.parallel = c.parallel;
   o.nodes = c.nodes;
   o.load_format = parse_load_format(c.load_format);
+  const int drafts = speculative.enabled() ? speculative.num_speculative_tokens : 0;
+  o.num_state_slots = max_num_seqs * (1 + drafts);
+  o.num_state_snapshots = num_state_snapshots;
+  if (speculative.method == SpeculativeConfig::Method::kMtp) {
+    o.mtp = {.enabled = true, .dir = speculative.model};
+    o.num_mtp_drafts = drafts;
+  }
   return o;
 }
-
-}  // namespace
 
 int follow_leader(const std::string& model_dir, const BackendChoice& c, int max_num_seqs,
                   const SpeculativeConfig& speculative, int num_state_snapshots) {
@@ -226,18 +231,5 @@ CudaBackendOptions cuda_backend_options(const BackendChoice& c, int max_num_seqs
   return o;
 }
 
-CpuBackendOptions cpu_backend_options(const BackendChoice& c, int max_num_seqs,
-                                      const SpeculativeConfig& speculative,
-                                      int num_state_snapshots) {
-  CpuBackendOptions o = cpu_options(c);
-  const int drafts = speculative.enabled() ? speculative.num_speculative_tokens : 0;
-  o.num_state_slots = max_num_seqs * (1 + drafts);
-  o.num_state_snapshots = num_state_snapshots;
-  if (speculative.method == SpeculativeConfig::Method::kMtp) {
-    o.mtp = {.enabled = true, .dir = speculative.model};
-    o.num_mtp_drafts = drafts;
-  }
-  return o;
-}
 
 }  // namespace relay::cli

@@ -61,8 +61,9 @@ std::unique_ptr<Backend> make_backend(const std::string& model_dir, const Backen
                                       const SpeculativeConfig& speculative = {},
                                       int num_state_snapshots = 0);
 // The cuda device's backend options, as make_backend builds them (sized for the drafts of
-// `speculative`, its MTP head included, and the hybrids' state slots and snapshots); relay bench adds its benchmark-only settings to them. Builds without CUDA have
-// the options but no backend to take them.
+// `speculative`, its MTP head included, and the hybrids' state slots and snapshots); relay bench
+// adds its benchmark-only settings to them. Builds without CUDA have the options but no backend
+// to take them.
 CudaBackendOptions cuda_backend_options(const BackendChoice& choice, int max_num_seqs,
                                         int max_num_batched_tokens,
                                         const SpeculativeConfig& speculative,

@@ -109,6 +109,18 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   const int first_rank = o.nodes.first_rank(parallel_);
   const ModelConfig config = ModelConfig::load(model_dir);
   const Checkpoint ckpt = open_checkpoint(model_dir, o.load_format);
+  // NOTE: what follows sampling runs where the sampled tokens are, on the node holding each DP
+  // group's sampling rank (TP rank 0): a hybrid model's draft rollback (roll_back_states) and the
+  // MTP head's drafts (propose_mtp_drafts), both in compute(). Their TP groups must not span nodes.
+  if (o.nodes.nnodes > 1 && (config.has_linear_attention() || o.num_mtp_drafts > 0)) {
+    RELAY_CHECK(o.nodes.ranks_per_node(parallel_) % parallel_.tp == 0,
+                config.has_linear_attention() ? str(config.architecture, " (linear-attention layers)")
+                                              : std::string("--speculative-config mtp"),
+                " across nodes needs each TP group on one node (it runs after sampling, where the "
+                "group samples): --tp ", parallel_.tp, " must divide the ",
+                o.nodes.ranks_per_node(parallel_), " ranks of each of the --nnodes ",
+                o.nodes.nnodes, " nodes");
+  }
   if (o.nodes.nnodes > 1) {
     nodes_ = std::make_unique<NodeGroup>(o.nodes, kNodeSetupTimeout, kNodeStepTimeout);
     check_same_worker(nodes_->bootstrap(), worker_fingerprint(config, o));
@@ -118,13 +130,6 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   }
   if (o.num_mtp_drafts > 0) {
     RELAY_CHECK(o.mtp.enabled, "num_mtp_drafts ", o.num_mtp_drafts, " needs the MTP head");
-    // NOTE: the head's first forward reads the tokens sampled in the step, which only the node
-    // holding the sampling rank (TP rank 0) knows, so each node drafts for the DP groups it samples.
-    RELAY_CHECK(o.nodes.nnodes == 1 || o.nodes.ranks_per_node(parallel_) % parallel_.tp == 0,
-                "--speculative-config mtp across nodes needs each TP group on one node (it drafts "
-                "where it samples): --tp ", parallel_.tp, " must divide the ",
-                o.nodes.ranks_per_node(parallel_), " ranks of each of the --nnodes ",
-                o.nodes.nnodes, " nodes");
     num_mtp_drafts_ = o.num_mtp_drafts;
   }
   forced_draft_acceptance_ = o.forced_draft_acceptance;
@@ -137,14 +142,6 @@ CpuBackend::CpuBackend(const std::filesystem::path& model_dir, const CpuBackendO
   // The recurrent-state pool comes out of the KV budget.
   size_t kv_bytes = o.kv_cache_bytes;
   if (config.has_linear_attention()) {
-    // NOTE: the draft rollback and the state snapshots' copies run where the tokens are known: on
-    // each node for the DP groups whose sampling rank (TP rank 0) it holds (roll_back_states in
-    // compute), so a TP group must not span nodes.
-    RELAY_CHECK(o.nodes.nnodes == 1 || o.nodes.ranks_per_node(parallel_) % parallel_.tp == 0,
-                config.architecture, " (linear-attention layers) across nodes needs each TP group "
-                "on one node (its states are rolled back where it samples): --tp ", parallel_.tp,
-                " must divide the ", o.nodes.ranks_per_node(parallel_), " ranks of each of the "
-                "--nnodes ", o.nodes.nnodes, " nodes");
     RELAY_CHECK(o.num_state_slots > 0, "a model with linear-attention layers needs recurrent-state "
                 "slots, got ", o.num_state_slots);
     RELAY_CHECK(o.num_state_snapshots >= 0, "num_state_snapshots must not be negative, got ",
@@ -319,8 +316,8 @@ int32_t CpuBackend::local_snapshot_slot(const Rank& r, const StepSequence& s, in
   return state_slots_per_rank_ + local;
 }
 
-void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
-                                    std::span<const SampledToken> sampled) {
+std::vector<std::vector<int32_t>> CpuBackend::propose_mtp_drafts(
+    std::span<const StepSequence> batch, std::span<const SampledToken> sampled) {
   // Per sequence: its catch-up rows and the token after them (engine/after_step.h).
   const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled);
   const int bs = block_size();
@@ -396,13 +393,12 @@ void CpuBackend::propose_mtp_drafts(std::span<const StepSequence> batch,
     }
   };
   on_ranks(run_rank);
+  std::vector<std::vector<int32_t>> out(batch.size());
   for (auto& r : ranks_) {
     if (r->place.tp_rank != 0) continue;
-    for (size_t mi = 0; mi < r->members.size(); ++mi) {
-      const StepSequence& s = batch[r->members[mi]];
-      if (s.proposed_drafts != nullptr) *s.proposed_drafts = r->drafts[mi];
-    }
+    for (size_t mi = 0; mi < r->members.size(); ++mi) out[r->members[mi]] = std::move(r->drafts[mi]);
   }
+  return out;
 }
 
 void CpuBackend::run_mtp_step(Rank& r) {
@@ -539,10 +535,10 @@ NodeResult CpuBackend::compute(NodeCommand command, std::span<const StepSequence
     if (command == NodeCommand::kStep) roll_back_states(batch, result.sampled);
     // The head drafts for the sequences sampled here (a TP group lies on one node with MTP).
     if (command == NodeCommand::kStep && num_mtp_drafts_ > 0) {
-      propose_mtp_drafts(batch, result.sampled);
+      std::vector<std::vector<int32_t>> drafts = propose_mtp_drafts(batch, result.sampled);
       for (const Held& h : held) {
         const StepSequence& s = batch[h.seq];
-        if (s.sample && s.proposed_drafts != nullptr) result.drafts.push_back(*s.proposed_drafts);
+        if (s.sample && s.proposed_drafts != nullptr) result.drafts.push_back(std::move(drafts[h.seq]));
       }
     }
   } catch (const std::exception& e) {

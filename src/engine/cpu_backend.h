@@ -165,10 +165,11 @@ class CpuBackend : public Backend {
   void build_batch(Rank& r, std::span<const StepSequence> batch,
                    const std::vector<RowsOf>& rows_of);
 
-  // After a step sampled `sampled` (every sequence's committed tokens, in batch order): runs the
-  // MTP head on every rank and writes each sampling sequence's drafts (see the top of this file).
-  void propose_mtp_drafts(std::span<const StepSequence> batch,
-                          std::span<const SampledToken> sampled);
+  // After a step sampled `sampled` (this node's sequences' committed tokens, in batch order): runs
+  // the MTP head on every local rank. Returns, per batch index, the drafts of each sequence that
+  // wants them and that this node sampled (see the top of this file); step() hands them out.
+  std::vector<std::vector<int32_t>> propose_mtp_drafts(std::span<const StepSequence> batch,
+                                                       std::span<const SampledToken> sampled);
   // Rank r's MTP forward over the rows in r.mtp (one step of the chain, or the catch-up over the
   // committed rows); appends each logit row's greedy token to its member's drafts.
   void run_mtp_step(Rank& r);

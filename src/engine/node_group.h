@@ -12,12 +12,12 @@
 // block tables, sampling parameters, draft counts and prompt-logprob counts; the prompt tokens only
 // for a sequence whose penalties read them or that asks for prompt logprobs, whose targets they
 // are; the output tokens only for penalties; under an MTP head, a chunk that does not sample sends
-// both up to the token after it, which the head's catch-up reads). Sampling is a pure function of (seed, sample index),
-// so a sequence samples the same token on whichever node holds its logits, and verifies its drafts
-// there (its result then holds its accepted drafts and the token after them); its prompt logprobs
-// come back from that node too (a follower's decoded step has no prompt_logprobs output: they
-// travel in its NodeResult). With an MTP head, each node drafts for the sequences it samples, and
-// its drafts come back in its NodeResult too.
+// both up to the token after it, which the head's catch-up reads). Sampling is a pure function of
+// (seed, sample index), so a sequence samples the same token on whichever node holds its logits,
+// and verifies its drafts there (its result then holds its accepted drafts and the token after
+// them); its prompt logprobs come back from that node too (a follower's decoded step has no
+// prompt_logprobs output: they travel in its NodeResult). With an MTP head, each node drafts for
+// the sequences it samples, and its drafts come back in its NodeResult too.
 #pragma once
 
 #include <chrono>

@@ -17,6 +17,7 @@
 #include <numeric>
 #include <thread>
 
+#include "../error_text.h"
 #include "core/error.h"
 #include "engine/cpu_backend.h"
 #include "fixtures.h"
@@ -696,6 +697,28 @@ TEST(MultiNodeBackend, NodesWithDifferentFlagsRefuseToJoin) {
     EXPECT_NE(e.find("node 1 was started for"), std::string::npos) << e;
     EXPECT_NE(e.find("--block-size 16"), std::string::npos) << e;
   }
+}
+
+// What runs after sampling (a hybrid model's draft rollback, an MTP head's drafts) runs on the
+// node that samples a DP group, so a TP group split over nodes is refused before any node joins.
+TEST(MultiNodeBackend, WorkAfterSamplingNeedsEachTpGroupOnOneNode) {
+  CpuBackendOptions o;
+  o.num_blocks = 8;
+  o.parallel = {2, 1, 1};
+  o.nodes = {2, 0, "127.0.0.1:1"};
+  const std::string hybrid = test::error_text(
+      [&] { CpuBackend b(test::fixture_models_dir() / "qwen3_5-moe", o); });
+  EXPECT_NE(hybrid.find("(linear-attention layers) across nodes needs each TP group on one node"),
+            std::string::npos)
+      << hybrid;
+  o.mtp = {.enabled = true, .dir = (test::fixture_models_dir() / "qwen3-moe-mtp").string()};
+  o.num_mtp_drafts = 1;
+  const std::string mtp =
+      test::error_text([&] { CpuBackend b(test::fixture_models_dir() / "qwen3-moe", o); });
+  EXPECT_NE(mtp.find("--speculative-config mtp across nodes needs each TP group on one node"),
+            std::string::npos)
+      << mtp;
+  EXPECT_NE(mtp.find("--tp 2 must divide the 1 ranks"), std::string::npos) << mtp;
 }
 
 TEST(MultiNodeBackend, RefusesNodeCountsThatDoNotSplitTheRanks) {
