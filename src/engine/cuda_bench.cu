@@ -386,6 +386,71 @@ void bench_moe_routing(Reporter& rep, const Ceilings& c, bool quick) {
             {"hidden", hidden}, {"ms", ms}, {"gbps", bytes / (ms * 1e6)}, {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
 }
 
+// Gated DeltaNet's recurrence at Qwen3.5-35B-A3B's heads (16 key, 32 value heads of 128), one
+// layer: prompts in the chunked and the decode (token-walk) form, with the FLOPs of the chunked
+// form's products (bench/gdn_peer.py times flash-linear-attention's chunk_gated_delta_rule on the
+// same shapes); then decode steps, whose floor is reading and writing each sequence's fp32 state.
+void bench_gated_delta_rule(Reporter& rep, const Ceilings& c, bool quick) {
+  constexpr int hk = 16, hv = 32, dim = 128, gate_stride = 2 * hv;
+  const int64_t row = (2 * hk + hv) * dim, state_elems = int64_t{hv} * dim * dim;
+  struct Case {
+    int seqs, len;
+    bool chunked;
+  };
+  std::vector<Case> cases;
+  for (auto [seqs, len] : quick ? std::vector<std::pair<int, int>>{{1, 4096}}
+                                : std::vector<std::pair<int, int>>{{1, 4096}, {1, 16384}, {8, 512}}) {
+    cases.push_back({seqs, len, true});
+    if (len <= 4096) cases.push_back({seqs, len, false});
+  }
+  for (int batch : {1, 64, 256}) cases.push_back({batch, 1, false});
+  std::vector<float> a_log(hv);
+  for (int h = 0; h < hv; ++h) a_log[h] = std::log(1.0f + 0.25f * h);  // decays as the released models'
+  DevBuf<float> a_log_d(hv);
+  DevBuf<bf16> dt_bias(hv);
+  upload(a_log_d, a_log);
+  fill_random(dt_bias.p, hv, 31);
+  for (const Case& k : cases) {
+    const int T = k.seqs * k.len;
+    DevBuf<bf16> qkv(size_t(T) * row), gates(size_t(T) * gate_stride), out(size_t(T) * hv * dim);
+    DevBuf<float> states(size_t(k.seqs) * state_elems);
+    DevBuf<uint8_t> ws(k.chunked ? kernels::gated_delta_rule_workspace_bytes(T, hk, hv) : 1);
+    std::vector<int32_t> starts(k.seqs + 1), slots(k.seqs);
+    for (int i = 0; i <= k.seqs; ++i) starts[i] = i * k.len;
+    std::iota(slots.begin(), slots.end(), 0);
+    DevBuf<int32_t> starts_d(k.seqs + 1), slots_d(k.seqs);
+    DevBuf<uint8_t> fresh_d(k.seqs);
+    upload(starts_d, starts);
+    upload(slots_d, slots);
+    RELAY_CUDA_CHECK(cudaMemset(fresh_d.p, 0, k.seqs));
+    RELAY_CUDA_CHECK(cudaMemset(states.p, 0, size_t(k.seqs) * state_elems * 4));
+    fill_random(qkv.p, size_t(T) * row, 32);
+    fill_random(gates.p, size_t(T) * gate_stride, 33, 2.0f);
+    const kernels::GatedDeltaRuleParams<bf16> p{qkv.p, gates.p, gates.p + hv, gate_stride, a_log_d.p, dt_bias.p,
+                                                states.p, state_elems, starts_d.p, slots_d.p, fresh_d.p, nullptr,
+                                                out.p, k.seqs, T, hk, hv, dim, dim,
+                                                k.chunked ? ws.p : nullptr};
+    const double ms = time_ms([&](int) { kernels::launch_gated_delta_rule(p, nullptr); }, quick ? 3 : 10);
+    nlohmann::json j{{"mode", "kernel"}, {"kernel", "gated_delta_rule"}, {"form", k.chunked ? "chunked" : "decode"},
+                     {"seqs", k.seqs}, {"tokens_per_seq", k.len}, {"k_heads", hk}, {"v_heads", hv},
+                     {"head_dim", dim}, {"ms", ms}, {"tok_per_s", T / (ms * 1e-3)}};
+    if (k.len > 1) {
+      // Per 64-token chunk and value head: q.k and k.k (2 x 64x64x128), W and U (2 x 64x128x64),
+      // W S and Q S (2 x 64x128x128), P D (64x128x64) and the state update (128x128x64).
+      const double chunk_flops = 2.0 * (2 * 64 * 64 * 128 + 2 * 64 * 128 * 64 + 2 * 64 * 128 * 128 +
+                                        64 * 128 * 64 + 128 * 128 * 64);
+      const double flops = chunk_flops * hv * k.seqs * std::ceil(k.len / 64.0);
+      j["tflops"] = flops / (ms * 1e9);
+      j["fraction_of_peak"] = flops / (ms * 1e9) / c.gemm_tflops;
+    } else {
+      const double bytes = 2.0 * k.seqs * state_elems * 4;  // each state read and written
+      j["gbps"] = bytes / (ms * 1e6);
+      j["fraction_of_copy"] = bytes / (ms * 1e6) / c.copy_gbps;
+    }
+    rep.emit(std::move(j));
+  }
+}
+
 // ---------------------------------------------------------------- end to end
 struct ModelCosts {
   double attn_weight_bytes = 0;   // per step, all layers: every weight but the routed experts'
@@ -822,6 +887,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     bench_attention(rep, c, o.quick);
     bench_decode_splits(rep, c, o.quick);
     bench_moe_routing(rep, c, o.quick);
+    bench_gated_delta_rule(rep, c, o.quick);
     for (auto& j : run_fp8_kernel_bench(c.copy_gbps, c.fp8_gemm_tflops, o.quick)) rep.emit(std::move(j));
   }
   if (o.mode == "accuracy") bench_accuracy(rep, o);

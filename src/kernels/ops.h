@@ -442,6 +442,10 @@ struct GatedDeltaRuleParams {
   int num_v_heads = 0;  // a multiple of num_k_heads
   int key_dim = 0;
   int value_dim = 0;
+  // GPU only: scratch of gated_delta_rule_workspace_bytes() for the chunked (WY) form, which then
+  // takes every sequence of at least kGatedDeltaChunkedMinTokens new tokens; null walks them all
+  // token by token (the decode form). The CPU reference always walks.
+  void* chunk_workspace = nullptr;
 };
 
 // Gated DeltaNet's output norm, per head vector, norm before gate (transformers'

@@ -761,25 +761,27 @@ TEST(GpuKernels, MoeGroupedMatmul) {
 
 // Gated DeltaNet's ops against their CPU references on the same bf16-rounded inputs: four
 // sequences (one token, a short chunk, a long one of 150 tokens; one fresh, two continuing random
-// states in scattered slots, one taking snapshots mid-chunk, the long one at its token 70; and
-// graph padding without a slot), then one token each, at the released shapes' head dims and small
-// odd ones; then the sigmoid gate, per element and per row with accumulation.
+// states in scattered slots, one taking snapshots mid-chunk, the long one at its tokens 55 and 70;
+// and graph padding without a slot), then one token each, then four with three long ones (one
+// exactly a 64-token chunk, fresh, with snapshots at its rows 3, 6 and 63; one without a slot), at
+// the released shapes' head dims and small odd ones; at the released dims the recurrence also in
+// its chunked form; then the sigmoid gate, per element and per row with accumulation.
 TEST(GpuKernels, GatedDeltaNetOps) {
   struct Shape {
     int k_heads, v_heads, key_dim, value_dim;
   };
   for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 3, 24, 40}})
   for (const std::vector<int32_t>& starts :
-       {std::vector<int32_t>{0, 1, 8, 158, 162}, std::vector<int32_t>{0, 1, 2, 3, 4}}) {
+       {std::vector<int32_t>{0, 1, 8, 158, 162}, std::vector<int32_t>{0, 1, 2, 3, 4},
+        std::vector<int32_t>{0, 64, 65, 200, 330}}) {
     SCOPED_TRACE(::testing::Message() << "key_dim " << sh.key_dim << " value_dim " << sh.value_dim
                                       << ", " << starts.back() << " tokens");
     std::mt19937 rng(31 + sh.key_dim);
     const std::vector<int32_t> slots{2, 0, 3, -1};
     const std::vector<uint8_t> fresh{0, 1, 0, 0};
-    const int seqs = 4, T = starts.back(), num_slots = 6, K = 4, width = K - 1;
+    const int seqs = 4, T = starts.back(), num_slots = 7, K = 4, width = K - 1;
     std::vector<int32_t> snapshots(T, -1);
-    if (T > 8) snapshots[3] = 1, snapshots[6] = 4, snapshots[8 + 70] = 5;  // sequence 1's tokens 2
-                                                                           // and 5, 2's token 70
+    if (T > 8) snapshots[3] = 1, snapshots[6] = 4, snapshots[63] = 6, snapshots[78] = 5;
     const int conv_dim = 2 * sh.k_heads * sh.key_dim + sh.v_heads * sh.value_dim;
     const int x_stride = conv_dim + 8;
 
@@ -819,16 +821,26 @@ TEST(GpuKernels, GatedDeltaNetOps) {
                                             snapshots.data(), out.data(), seqs, T, sh.k_heads,
                                             sh.v_heads, sh.key_dim, sh.value_dim};
     kernels::launch_gated_delta_rule(gd, pool());
-    DeviceBuffer<bf16> d_qkv(qkv.bits), d_b(b.bits), d_a(a.bits), d_dt(dt.bits), d_out(out.size());
-    DeviceBuffer<float> d_a_log(a_log), d_states(states0);
-    kernels::launch_gated_delta_rule({d_qkv.get(), d_b.get(), d_a.get(), gate_stride, d_a_log.get(),
-                                      d_dt.get(), d_states.get(), state_stride, d_starts.get(),
-                                      d_slots.get(), d_fresh.get(), d_snap.get(), d_out.get(), seqs,
-                                      T, sh.k_heads, sh.v_heads, sh.key_dim, sh.value_dim},
-                                     nullptr);
-    EXPECT_LT(rel_error(to_f32(d_out.download()), out), kBf16Tolerance);
-    // fp32 states from the same inputs: only the order of fp32 operations differs.
-    EXPECT_LT(rel_error(d_states.download(), states), 1e-4);
+    DeviceBuffer<bf16> d_qkv(qkv.bits), d_b(b.bits), d_a(a.bits), d_dt(dt.bits);
+    DeviceBuffer<float> d_a_log(a_log);
+    const bool chunks = kernels::gated_delta_rule_chunks(sh.key_dim, sh.value_dim);
+    for (const bool chunked : {false, true}) {
+      if (chunked && !chunks) continue;
+      SCOPED_TRACE(chunked ? "chunked form" : "decode form");
+      DeviceBuffer<bf16> d_out(out.size());
+      DeviceBuffer<float> d_states(states0);
+      DeviceBuffer<uint8_t> d_ws(chunked ? kernels::gated_delta_rule_workspace_bytes(T, sh.k_heads, sh.v_heads) : 1);
+      kernels::launch_gated_delta_rule({d_qkv.get(), d_b.get(), d_a.get(), gate_stride, d_a_log.get(),
+                                        d_dt.get(), d_states.get(), state_stride, d_starts.get(),
+                                        d_slots.get(), d_fresh.get(), d_snap.get(), d_out.get(), seqs,
+                                        T, sh.k_heads, sh.v_heads, sh.key_dim, sh.value_dim,
+                                        chunked ? d_ws.get() : nullptr},
+                                       nullptr);
+      EXPECT_LT(rel_error(to_f32(d_out.download()), out), kBf16Tolerance);
+      // The decode form's fp32 states from the same inputs differ only in the order of fp32
+      // operations; the chunked form multiplies bf16-rounded operands on tensor cores.
+      EXPECT_LT(rel_error(d_states.download(), states), chunked ? kBf16Tolerance : 1e-4);
+    }
 
     // The output norm, gated by a strided z.
     const int heads = sh.v_heads, hd = sh.value_dim;

@@ -109,11 +109,13 @@ void RankEngine::enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh,
   const bf16* z = gdn_proj + gdn_conv_dim;
   const bf16* b = z + v_dim;
   mark("gdn_delta_rule");
+  // A graph step (decode, or verifying a few drafts) walks its tokens; an eager one gives its
+  // prompts' long sequences the chunked form.
   kernels::launch_gated_delta_rule(
       {gdn_conv_out, b, b + gdn_heads_v, gdn_in_width, w.a_log, w.dt_bias,
        state_pool + state_layout.ssm_offset(0, w.state_layer), slot_stride, m.query_starts,
        m.state_slots, m.state_fresh, m.snapshot_slots, gdn_core, sh.seqs, T, gdn_heads_k,
-       gdn_heads_v, gdn_key_dim, gdn_value_dim},
+       gdn_heads_v, gdn_key_dim, gdn_value_dim, sh.per_seq == 0 ? gdn_chunk_workspace : nullptr},
       stream);
   mark("gdn_gated_norm");
   kernels::launch_gated_rms_norm({gdn_core, z, gdn_in_width, w.gdn_norm, gdn_core, T, gdn_heads_v,

@@ -37,6 +37,11 @@ void RankEngine::allocate_activations() {
   const size_t gdn_v = size_t(gdn_heads_v) * gdn_value_dim;
   if (gated) add(T * q_heads * head_dim, 2);
   if (gdn_in_width > 0) add(T * gdn_in_width, 2), add(T * gdn_conv_dim, 2), add(T * gdn_v, 2);
+  const size_t gdn_chunk_bytes =
+      gdn_in_width > 0 && kernels::gated_delta_rule_chunks(gdn_key_dim, gdn_value_dim)
+          ? kernels::gated_delta_rule_workspace_bytes(static_cast<int>(T), gdn_heads_k, gdn_heads_v)
+          : 0;
+  add(gdn_chunk_bytes, 1);
   if (shared) add(T * hidden, 2), add(T, 2);
   // The MTP head (and, for its graphs, the chain metadata, greedy rows and drafts).
   const int K = std::max(opt.num_mtp_drafts, 1);
@@ -81,6 +86,7 @@ void RankEngine::allocate_activations() {
     gdn_conv_out = acts.take<bf16>(T * gdn_conv_dim);
     gdn_core = acts.take<bf16>(T * gdn_v);
   }
+  if (gdn_chunk_bytes > 0) gdn_chunk_workspace = acts.take<uint8_t>(gdn_chunk_bytes);
   if (shared) {
     shared_out = acts.take<bf16>(T * hidden);
     shared_logit = acts.take<bf16>(T);

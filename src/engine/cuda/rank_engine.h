@@ -286,6 +286,9 @@ struct RankEngine {
   // output, the shared expert's output and gate logit (null when no layer needs them).
   bf16 *attn_gate_out = nullptr, *gdn_proj = nullptr, *gdn_conv_out = nullptr, *gdn_core = nullptr,
        *shared_out = nullptr, *shared_logit = nullptr;
+  // The chunked Gated DeltaNet form's scratch (kernels::gated_delta_rule_workspace_bytes for
+  // max_num_tokens; null where the heads do not suit it): eager steps' prompts take that form.
+  uint8_t* gdn_chunk_workspace = nullptr;
   // The MTP head: its rows' embeddings and hidden inputs, and which hidden row each gathers
   // (max_num_tokens + 2 max_num_seqs: a graphed head's three gathers, propose_mtp_graphed).
   bf16 *mtp_embed = nullptr, *mtp_hidden = nullptr;

@@ -31,16 +31,6 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows hold kChunks chunks.
-template <int kChunks>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  if constexpr (kChunks >= 8) {
-    return (row * kChunks + (chunk ^ (row & 7))) * 16;
-  } else {
-    return (row * kChunks + (chunk ^ ((row >> 1) & 3))) * 16;
-  }
-}
-
 constexpr int kMaxDecodeSplits = 64;
 
 // The decode split-K plan the host decides per launch besides the op's params.

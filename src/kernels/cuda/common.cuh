@@ -111,6 +111,17 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Byte offset of 16-byte chunk `chunk` of row `row` in a shared-memory tile whose rows hold
+// kChunks chunks, XOR-swizzled so the eight row addresses of an ldmatrix hit distinct banks.
+template <int kChunks>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  if constexpr (kChunks >= 8) {
+    return (row * kChunks + (chunk ^ (row & 7))) * 16;
+  } else {
+    return (row * kChunks + (chunk ^ ((row >> 1) & 3))) * 16;
+  }
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

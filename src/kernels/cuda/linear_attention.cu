@@ -2,18 +2,30 @@
 // attention and the shared expert, on the GPU (semantics in kernels/ops.h; CPU references in
 // kernels/cpu/linear_attention.cpp and norm_embed.cpp).
 //
-// The stateful ops keep the CPU reference's order: each sequence's new tokens one at a time, so
-// any chunking of a prompt gives the same state. The conv runs a thread per (sequence, channel)
-// with its window in registers. The recurrence runs a CTA per (sequence, value head) with thread j
-// holding column j of the head's fp32 state S [key_dim, value_dim] in registers for the whole
-// chunk: per token, the CTA normalises q and k into shared memory, then each thread decays its
-// column, forms its entry of S^T k, adds k delta_j and its entry of S^T q — the state touches
-// memory only at the chunk's ends (and at snapshot rows). That is the decode form; a long prefill
-// walks its tokens serially. (The chunked WY form in plain fp32 arithmetic, pairwise k.k and q.k
-// products in shared memory and a forward substitution per column, was measured slower than this
-// on H100, 258 against 138 ms for a 4096-token prompt of Qwen3.5-35B-A3B's first 8 layers: it does
-// as many multiply-adds per thread as the walk and only saves its per-token reductions. It pays
-// with its pairwise products and state updates on tensor cores, the step that follows.)
+// The conv runs a thread per (sequence, channel) with its window in registers, token by token.
+//
+// The recurrence has two forms. The decode form walks each sequence's tokens one at a time, in the
+// CPU reference's order: a CTA per (sequence, value head), thread j holding column j of the head's
+// fp32 state S [key_dim, value_dim] in registers; per token the CTA normalises q and k into shared
+// memory, then each thread decays its column, forms its entry of S^T k, adds k delta_j and its
+// entry of S^T q. It suits decode steps; on a long prompt it is a serial chain of tiny steps.
+//
+// The chunked (WY) form takes a prefill's long sequences 64 tokens at a time on tensor cores
+// (mma.sync, bf16 operands, fp32 accumulators; the state itself stays fp32). Within a chunk, with
+// G the cumulative log decay and S0 the state before it, the delta rule unrolls to
+//   (I + A) D = diag(beta) (V - diag(exp G) K S0),  A[t,i] = beta_t exp(G_t - G_i) k_t.k_i (i < t)
+// so with T = (I + A)^-1, W = T diag(beta exp G) K and U = T diag(beta) V the chunk's deltas are
+// D = U - W S0, its outputs O = diag(exp G) Q S0 + P D with P[t,i] = exp(G_t - G_i) q_t.k_i
+// (i <= t), and the state after row r is exp(G_r) S0 + sum_{i<=r} exp(G_r - G_i) k_i D_i^T.
+// Everything but S0 is local to the chunk, so two kernels: gdn_chunk_prepare_kernel, a CTA per
+// (chunk, value head), all in parallel: normalised q and k, G, A and T (forward substitution in
+// fp32), W, U and P into a workspace; then gdn_chunk_scan_kernel, a CTA per (sequence, value head,
+// half of the value columns), walks the chunks in order with its state slice in mma accumulators:
+// three products per chunk, the next chunk's operands loading (cp.async) meanwhile. A snapshot row
+// inside a chunk gets the truncated sum above. (An fp32 SIMT version of the same form was slower
+// than the decode form on H100, 258 against 138 ms for a 4096-token prompt of Qwen3.5-35B-A3B's
+// first 8 layers: it did as many multiply-adds per thread as the walk. The products must be on
+// tensor cores.)
 #include <cfloat>
 
 #include "kernels/cuda/common.cuh"
@@ -111,12 +123,19 @@ __device__ __forceinline__ void store_state_column(const GatedDeltaRuleParams<bf
   }
 }
 
-// One CTA per (sequence, value head); blockDim.x >= max(key_dim, value_dim), a multiple of 32.
+// Whether sequence s takes the chunked form (given a workspace).
+__device__ __forceinline__ bool takes_chunks(const GatedDeltaRuleParams<bf16>& p, int s) {
+  return p.query_starts[s + 1] - p.query_starts[s] >= kGatedDeltaChunkedMinTokens;
+}
+
+// The decode form: one CTA per (sequence, value head); blockDim.x >= max(key_dim, value_dim), a
+// multiple of 32.
 template <int MaxDk>
 __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
   __shared__ float q[MaxDk], k[MaxDk];
   __shared__ float scratch[32];
   const int s = blockIdx.x / p.num_v_heads, h = blockIdx.x % p.num_v_heads;
+  if (p.chunk_workspace != nullptr && takes_chunks(p, s)) return;
   const int dk = p.key_dim, dv = p.value_dim;
   const int kh = h / (p.num_v_heads / p.num_k_heads);
   const int j = threadIdx.x;
@@ -173,6 +192,546 @@ __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
   if (owns && state != nullptr) store_state_column(p, state, j, col);
 }
 
+// ---------------------------------------------------------------- the chunked (WY) form
+
+constexpr int kChunk = 64;     // tokens per chunk
+constexpr int kDim = 128;      // key_dim = value_dim
+constexpr int kVBlock = 64;    // value columns per scan CTA
+constexpr int kAStride = 68;   // floats per row of A in shared memory (16-byte rows, few conflicts)
+constexpr int kChunkThreads = 128;
+
+// The chunked form's scratch, carved from chunk_workspace: per token, the normalised q (already
+// divided by sqrt(key_dim)) and k of each key head, and per value head W's and U's rows, the row of
+// the chunk's P and the cumulative log decay G.
+struct ChunkWorkspace {
+  bf16 *qn, *kn;  // [num_tokens, num_k_heads, 128]
+  bf16 *w, *u;    // [num_tokens, num_v_heads, 128]
+  bf16* pm;       // [num_tokens, num_v_heads, 64]
+  float* gcum;    // [num_tokens, num_v_heads]
+};
+
+constexpr size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+ChunkWorkspace carve_workspace(void* base, int num_tokens, int num_k_heads, int num_v_heads,
+                               size_t* bytes) {
+  const size_t T = num_tokens;
+  const size_t sizes[6] = {T * num_k_heads * kDim * 2, T * num_k_heads * kDim * 2,
+                           T * num_v_heads * kDim * 2, T * num_v_heads * kDim * 2,
+                           T * num_v_heads * kChunk * 2, T * num_v_heads * 4};
+  uint8_t* at = static_cast<uint8_t*>(base);
+  void* parts[6];
+  size_t total = 0;
+  for (int i = 0; i < 6; ++i) {
+    parts[i] = at == nullptr ? nullptr : at + total;
+    total += align256(sizes[i]);
+  }
+  if (bytes != nullptr) *bytes = total;
+  return {static_cast<bf16*>(parts[0]), static_cast<bf16*>(parts[1]), static_cast<bf16*>(parts[2]),
+          static_cast<bf16*>(parts[3]), static_cast<bf16*>(parts[4]), static_cast<float*>(parts[5])};
+}
+
+struct ChunkPlace {
+  int seq, t0, len;  // len 0: no such chunk
+};
+
+// Chunk c of the chunked sequences (each cut into kChunk-token chunks from its first new token,
+// in sequence order). Called by a whole warp; every lane gets the answer.
+__device__ ChunkPlace find_chunk(const GatedDeltaRuleParams<bf16>& p, int c) {
+  const int lane = threadIdx.x & 31;
+  int before = 0;  // chunks of the sequences passed
+  for (int s0 = 0; s0 < p.num_seqs; s0 += 32) {
+    const int s = s0 + lane;
+    const int n = s < p.num_seqs && takes_chunks(p, s)
+                      ? (p.query_starts[s + 1] - p.query_starts[s] + kChunk - 1) / kChunk
+                      : 0;
+    int upto = n;  // inclusive scan over the lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, upto, o);
+      if (lane >= o) upto += v;
+    }
+    const unsigned hit = __ballot_sync(0xffffffffu, c < before + upto);
+    if (hit != 0) {
+      const int l = __ffs(hit) - 1;
+      const int first = before + __shfl_sync(0xffffffffu, upto - n, l);
+      const int seq = s0 + l;
+      const int t0 = p.query_starts[seq] + (c - first) * kChunk;
+      return {seq, t0, min(kChunk, p.query_starts[seq + 1] - t0)};
+    }
+    before += __shfl_sync(0xffffffffu, upto, 31);
+  }
+  return {0, 0, 0};
+}
+
+// Byte offset of element (row, col) of a swizzled bf16 tile whose rows hold kChunks 16-byte chunks.
+template <int kChunks>
+__device__ __forceinline__ int tile_offset(int row, int col) {
+  return swizzle<kChunks>(row, col >> 3) + (col & 7) * 2;
+}
+
+__device__ __forceinline__ void store_bf16x2(void* at, float lo, float hi) {
+  *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(lo, hi);
+}
+
+// One warp's 16 rows (row0..) of a [16, 8 * kNt] product, k = 16 * kKt: A rows from a swizzled
+// row-major tile (kAChunks per row), B from a swizzled tile holding B's rows (k-major, kBChunks per
+// row; ldmatrix.trans), acc in mma C order.
+template <int kKt, int kNt, int kAChunks, int kBChunks>
+__device__ __forceinline__ void warp_rows_times(float (&acc)[kNt][4], const uint8_t* a_tile, int row0,
+                                                const uint8_t* b_tile, int lane) {
+#pragma unroll
+  for (int kt = 0; kt < kKt; ++kt) {
+    uint32_t a[4];
+    ldmatrix_x4(a, a_tile + swizzle<kAChunks>(row0 + (lane & 15), kt * 2 + (lane >> 4)));
+#pragma unroll
+    for (int nd = 0; nd < kNt / 2; ++nd) {
+      uint32_t b[4];
+      const int r = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+      ldmatrix_x4_trans(b, b_tile + swizzle<kBChunks>(r, nd * 2 + (lane >> 4)));
+      mma_bf16_16816(acc[2 * nd], a, b);
+      mma_bf16_16816(acc[2 * nd + 1], a, b + 2);
+    }
+  }
+}
+
+constexpr int kPrepareBytes = 3 * kChunk * kDim * 2 + kChunk * kChunk * 2 + kChunk * kAStride * 4 + 2 * kChunk * 4;
+
+// Per (chunk, value head): q and k normalised, G, A, T = (I + A)^-1, then W, U and P rows into the
+// workspace (q and k by the first value head of each key head).
+__global__ void __launch_bounds__(kChunkThreads)
+    gdn_chunk_prepare_kernel(GatedDeltaRuleParams<bf16> p, ChunkWorkspace ws) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* qs = smem;                     // [64][128] q; then beta exp(G) k
+  uint8_t* ks = qs + kChunk * kDim * 2;   // [64][128] k
+  uint8_t* vs = ks + kChunk * kDim * 2;   // [64][128] v; then beta v
+  uint8_t* ts = vs + kChunk * kDim * 2;   // [64][64] T
+  float* am = reinterpret_cast<float*>(ts + kChunk * kChunk * 2);  // [64][kAStride] A
+  float* gs = am + kChunk * kAStride;     // [64] G (g before the scan)
+  float* bs = gs + kChunk;                // [64] beta
+  __shared__ ChunkPlace place;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp == 0) {
+    const ChunkPlace c = find_chunk(p, blockIdx.x);
+    if (lane == 0) place = c;
+  }
+  __syncthreads();
+  const int t0 = place.t0, len = place.len;
+  if (len == 0) return;
+  const int h = blockIdx.y, hk = p.num_k_heads, hv = p.num_v_heads;
+  const int kh = h / (hv / hk);
+  const bool writes_qk = h % (hv / hk) == 0;
+  const int64_t row_width = 2 * int64_t{hk} * kDim + int64_t{hv} * kDim;
+  const float a_rate = expf(p.a_log[h]);
+  const float dt_bias = __bfloat162float(p.dt_bias[h]);
+
+  // Rows: q and k normalised (q also divided by sqrt(key_dim), as the decode form), v, the gates;
+  // zeros past the chunk's end (beta 0 and g 0 there make those rows inert).
+  for (int i = warp; i < kChunk; i += kChunkThreads / 32) {
+    const int col = lane * 4;
+    float q[4] = {}, k[4] = {}, v[4] = {};
+    if (i < len) {
+      const bf16* in = p.qkv + (t0 + i) * row_width;
+      const bf16* srcs[3] = {in + kh * kDim + col, in + (hk + kh) * kDim + col,
+                             in + 2 * hk * kDim + h * kDim + col};
+      float* dsts[3] = {q, k, v};
+#pragma unroll
+      for (int m = 0; m < 3; ++m) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(srcs[m]);
+        const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        dsts[m][0] = __low2float(pair[0]), dsts[m][1] = __high2float(pair[0]);
+        dsts[m][2] = __low2float(pair[1]), dsts[m][3] = __high2float(pair[1]);
+      }
+    }
+    const float q_mul = rsqrtf(warp_sum(q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3]) + 1e-6f);
+    const float k_mul = rsqrtf(warp_sum(k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3]) + 1e-6f);
+    const float q_scale = sqrtf(static_cast<float>(kDim));
+    uint2 qb, kb, vb;
+    __nv_bfloat162* qp = reinterpret_cast<__nv_bfloat162*>(&qb);
+    __nv_bfloat162* kp = reinterpret_cast<__nv_bfloat162*>(&kb);
+    __nv_bfloat162* vp = reinterpret_cast<__nv_bfloat162*>(&vb);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      qp[e] = __floats2bfloat162_rn((q[2 * e] * q_mul) / q_scale, (q[2 * e + 1] * q_mul) / q_scale);
+      kp[e] = __floats2bfloat162_rn(k[2 * e] * k_mul, k[2 * e + 1] * k_mul);
+      vp[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+    }
+    const int off = tile_offset<16>(i, col);
+    *reinterpret_cast<uint2*>(qs + off) = qb;
+    *reinterpret_cast<uint2*>(ks + off) = kb;
+    *reinterpret_cast<uint2*>(vs + off) = vb;
+    if (writes_qk && i < len) {
+      *reinterpret_cast<uint2*>(ws.qn + (int64_t{t0 + i} * hk + kh) * kDim + col) = qb;
+      *reinterpret_cast<uint2*>(ws.kn + (int64_t{t0 + i} * hk + kh) * kDim + col) = kb;
+    }
+    if (lane == 0) {
+      const int64_t t = t0 + i;
+      gs[i] = i < len ? -a_rate * softplus(__bfloat162float(p.a[t * p.gate_stride + h]) + dt_bias) : 0.0f;
+      bs[i] = i < len ? 1.0f / (1.0f + expf(-__bfloat162float(p.b[t * p.gate_stride + h]))) : 0.0f;
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {  // G: the inclusive scan of g, two rows per lane
+    const float g0 = gs[2 * lane], g1 = gs[2 * lane + 1];
+    float upto = g0 + g1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float v = __shfl_up_sync(0xffffffffu, upto, o);
+      if (lane >= o) upto += v;
+    }
+    gs[2 * lane] = upto - g1;
+    gs[2 * lane + 1] = upto;
+  }
+  __syncthreads();
+  if (threadIdx.x < len) ws.gcum[int64_t{t0 + threadIdx.x} * hv + h] = gs[threadIdx.x];
+
+  // K K^T and Q K^T for this warp's 16 rows, decayed and masked: A (strictly lower, times beta)
+  // into shared memory, P (lower with the diagonal) into the workspace.
+  {
+    float kk[8][4] = {}, qk[8][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < kDim / 16; ++kt) {
+      uint32_t ak[4], aq[4];
+      ldmatrix_x4(ak, ks + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
+      ldmatrix_x4(aq, qs + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+        uint32_t b[4];
+        const int r = nb * 16 + (lane & 7) + ((lane >> 4) << 3);
+        ldmatrix_x4(b, ks + swizzle<16>(r, kt * 2 + ((lane >> 3) & 1)));
+        mma_bf16_16816(kk[2 * nb], ak, b);
+        mma_bf16_16816(kk[2 * nb + 1], ak, b + 2);
+        mma_bf16_16816(qk[2 * nb], aq, b);
+        mma_bf16_16816(qk[2 * nb + 1], aq, b + 2);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = warp * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
+        float a2[2], p2[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float decay = j + e <= i ? __expf(gs[i] - gs[j + e]) : 0.0f;
+          a2[e] = j + e < i ? bs[i] * decay * kk[n][2 * half + e] : 0.0f;
+          p2[e] = decay * qk[n][2 * half + e];
+        }
+        am[i * kAStride + j] = a2[0];
+        am[i * kAStride + j + 1] = a2[1];
+        if (i < len) store_bf16x2(ws.pm + (int64_t{t0 + i} * hv + h) * kChunk + j, p2[0], p2[1]);
+      }
+    }
+  }
+  __syncthreads();
+
+  if (warp < 2) {
+    // T = (I + A)^-1 by forward substitution, thread j holding column j: T[i][j] = [i == j] -
+    // sum_{m < i} A[i][m] T[m][j] (the terms with m < j vanish, as T is lower triangular).
+    const int j = threadIdx.x;
+    float tc[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) tc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int m = 0; m < i; m += 4) {  // A[i][m..m+3] past i - 1 are zeros, as tc[i..] still are
+        const float4 a4 = *reinterpret_cast<const float4*>(am + i * kAStride + m);
+        acc[0] += a4.x * tc[m];
+        acc[1] += a4.y * tc[m + 1];
+        acc[2] += a4.z * tc[m + 2];
+        acc[3] += a4.w * tc[m + 3];
+      }
+      tc[i] = (i == j ? 1.0f : 0.0f) - ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    }
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      *reinterpret_cast<bf16*>(ts + tile_offset<8>(i, j)) = __float2bfloat16(tc[i]);
+    }
+  } else {
+    // Meanwhile: beta exp(G) k over q's tile (done with it) and beta v in place.
+    for (int e = threadIdx.x - 64; e < kChunk * kDim / 8; e += 64) {
+      const int i = e / (kDim / 8), off = swizzle<16>(i, e % (kDim / 8));
+      const float sk = bs[i] * __expf(gs[i]), sv = bs[i];
+      uint4 kraw = *reinterpret_cast<const uint4*>(ks + off), vraw = *reinterpret_cast<const uint4*>(vs + off);
+      __nv_bfloat162* kp = reinterpret_cast<__nv_bfloat162*>(&kraw);
+      __nv_bfloat162* vp = reinterpret_cast<__nv_bfloat162*>(&vraw);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        kp[m] = __floats2bfloat162_rn(__low2float(kp[m]) * sk, __high2float(kp[m]) * sk);
+        vp[m] = __floats2bfloat162_rn(__low2float(vp[m]) * sv, __high2float(vp[m]) * sv);
+      }
+      *reinterpret_cast<uint4*>(qs + off) = kraw;
+      *reinterpret_cast<uint4*>(vs + off) = vraw;
+    }
+  }
+  __syncthreads();
+
+  // W = T (beta exp(G) k), U = T (beta v): this warp's 16 rows.
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    float acc[kDim / 8][4] = {};
+    warp_rows_times<kChunk / 16, kDim / 8, 8, 16>(acc, ts, warp * 16, which == 0 ? qs : vs, lane);
+    bf16* dst = which == 0 ? ws.w : ws.u;
+#pragma unroll
+    for (int n = 0; n < kDim / 8; ++n) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = warp * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
+        if (i < len) store_bf16x2(dst + (int64_t{t0 + i} * hv + h) * kDim + j, acc[n][2 * half], acc[n][2 * half + 1]);
+      }
+    }
+  }
+}
+
+// The scan's shared memory: two stages of a chunk's operands, then the per-chunk tiles.
+struct ScanStage {
+  static constexpr int kW = 0, kQ = kW + kChunk * kDim * 2, kK = kQ + kChunk * kDim * 2,
+                       kU = kK + kChunk * kDim * 2, kP = kU + kChunk * kVBlock * 2,
+                       kBytes = kP + kChunk * kChunk * 2;
+};
+constexpr int kScanSb = 2 * ScanStage::kBytes;        // [128][64] bf16 copy of the state slice
+constexpr int kScanKd = kScanSb + kDim * kVBlock * 2;  // [64][128] exp(G_last - G) k
+constexpr int kScanKs = kScanKd + kChunk * kDim * 2;   // [64][128] the same for a snapshot row
+constexpr int kScanVp = kScanKs + kChunk * kDim * 2;   // [64][64] this chunk's deltas D
+constexpr int kScanG = kScanVp + kChunk * kVBlock * 2; // [64] G
+constexpr int kScanBytes = kScanG + kChunk * 4;
+
+// Issues the cp.async loads of chunk [t0, t0 + len)'s W, q, k, U (this CTA's columns) and P rows
+// into `stage` (zeros past len), one group.
+__device__ __forceinline__ void load_scan_stage(const ChunkWorkspace& ws, uint8_t* stage, int t0, int len,
+                                                int h, int kh, int hk, int hv, int v0) {
+  constexpr int kRowChunks = kDim / 8;
+  for (int e = threadIdx.x; e < kChunk * kRowChunks; e += kChunkThreads) {
+    const int i = e / kRowChunks, c = e % kRowChunks, t = t0 + min(i, len - 1);
+    const int off = swizzle<16>(i, c);
+    cp_async_16(stage + ScanStage::kW + off, ws.w + (int64_t{t} * hv + h) * kDim + c * 8, i < len);
+    cp_async_16(stage + ScanStage::kQ + off, ws.qn + (int64_t{t} * hk + kh) * kDim + c * 8, i < len);
+    cp_async_16(stage + ScanStage::kK + off, ws.kn + (int64_t{t} * hk + kh) * kDim + c * 8, i < len);
+  }
+  for (int e = threadIdx.x; e < kChunk * 8; e += kChunkThreads) {
+    const int i = e / 8, c = e % 8, t = t0 + min(i, len - 1);
+    const int off = swizzle<8>(i, c);
+    cp_async_16(stage + ScanStage::kU + off, ws.u + (int64_t{t} * hv + h) * kDim + v0 + c * 8, i < len);
+    cp_async_16(stage + ScanStage::kP + off, ws.pm + (int64_t{t} * hv + h) * kChunk + c * 8, i < len);
+  }
+  cp_async_commit();
+}
+
+// acc += Kd^T D for this warp's 32 state rows (key dims 32 warp..): Kd a swizzled [64][128] tile
+// of decayed k rows, D the swizzled [64][64] deltas (the key dims are Kd^T's rows: ldmatrix.trans).
+__device__ __forceinline__ void add_kd_times_d(float (&acc)[2][kVBlock / 8][4], const uint8_t* kd,
+                                               const uint8_t* d, int warp, int lane) {
+#pragma unroll
+  for (int kt = 0; kt < kChunk / 16; ++kt) {
+    uint32_t a[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int r = kt * 16 + (lane & 7) + ((lane >> 4) << 3);
+      ldmatrix_x4_trans(a[mt], kd + swizzle<16>(r, (warp * 32 + mt * 16) / 8 + ((lane >> 3) & 1)));
+    }
+#pragma unroll
+    for (int nd = 0; nd < kVBlock / 16; ++nd) {
+      uint32_t b[4];
+      const int r = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+      ldmatrix_x4_trans(b, d + swizzle<8>(r, nd * 2 + (lane >> 4)));
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        mma_bf16_16816(acc[mt][2 * nd], a[mt], b);
+        mma_bf16_16816(acc[mt][2 * nd + 1], a[mt], b + 2);
+      }
+    }
+  }
+}
+
+// Rows i <= last of k, times exp(G_last - G_i), into the swizzled tile `dst` (zeros past last).
+__device__ __forceinline__ void decay_k_rows(uint8_t* dst, const uint8_t* k, const float* gs, int last) {
+  const float g_last = gs[last];
+  for (int e = threadIdx.x; e < kChunk * kDim / 8; e += kChunkThreads) {
+    const int i = e / (kDim / 8), off = swizzle<16>(i, e % (kDim / 8));
+    const float f = i <= last ? __expf(g_last - gs[i]) : 0.0f;
+    uint4 raw = *reinterpret_cast<const uint4*>(k + off);
+    __nv_bfloat162* kp = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) kp[m] = __floats2bfloat162_rn(__low2float(kp[m]) * f, __high2float(kp[m]) * f);
+    *reinterpret_cast<uint4*>(dst + off) = raw;
+  }
+}
+
+// Per (chunked sequence, value head, kVBlock value columns): the chunks in order, the state slice
+// [128 key dims, 64 value columns] in mma C order across the 4 warps (warp w: key dims 32w..32w+31).
+__global__ void __launch_bounds__(kChunkThreads)
+    gdn_chunk_scan_kernel(GatedDeltaRuleParams<bf16> p, ChunkWorkspace ws) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  constexpr int kBlocks = kDim / kVBlock;
+  const int s = blockIdx.x / (p.num_v_heads * kBlocks), h = blockIdx.x / kBlocks % p.num_v_heads;
+  const int v0 = blockIdx.x % kBlocks * kVBlock;
+  if (!takes_chunks(p, s)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int hk = p.num_k_heads, hv = p.num_v_heads, kh = h / (hv / hk);
+  const int start = p.query_starts[s], end = p.query_starts[s + 1];
+  uint8_t* sb = smem + kScanSb;
+  uint8_t* kd = smem + kScanKd;
+  uint8_t* ksnap = smem + kScanKs;
+  uint8_t* vp = smem + kScanVp;
+  float* gs = reinterpret_cast<float*>(smem + kScanG);
+  __shared__ uint32_t snap_mask[2];
+
+  // Element e of C tile (mt, n): key dim warp*32 + mt*16 + lane/4 + 8 (e/2), value column
+  // v0 + 8n + 2 (lane%4) + e%2.
+  const bool keeps = p.state_slots[s] >= 0;
+  const bool fresh = !keeps || p.state_fresh[s];
+  float* state = keeps ? head_state(p, p.state_slots[s], h) : nullptr;
+  float st[2][kVBlock / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), j = v0 + n * 8 + (lane & 3) * 2 + (e & 1);
+        st[mt][n][e] = fresh ? 0.0f : state[d * kDim + j];
+      }
+
+  // G and the snapshot slot of row threadIdx.x (< 64) of the chunk at t0, prefetched a chunk ahead.
+  auto row_meta = [&](int t0, int len, float& g, int& snap) {
+    const int i = threadIdx.x;
+    g = i < len ? ws.gcum[int64_t{t0 + i} * hv + h] : 0.0f;
+    snap = i < len && p.snapshot_slots != nullptr ? p.snapshot_slots[t0 + i] : -1;
+  };
+  float g_cur = 0.0f;
+  int snap_cur = -1;
+  if (threadIdx.x < kChunk) row_meta(start, min(kChunk, end - start), g_cur, snap_cur);
+  load_scan_stage(ws, smem, start, min(kChunk, end - start), h, kh, hk, hv, v0);
+
+  for (int c = 0, t0 = start; t0 < end; ++c, t0 += kChunk) {
+    const int len = min(kChunk, end - t0);
+    const uint8_t* stage = smem + (c & 1) * ScanStage::kBytes;
+    float g_next = 0.0f;
+    int snap_next = -1;
+    __syncthreads();  // the other stage's readers (the previous chunk) are done
+    if (t0 + kChunk < end) {
+      const int next_len = min(kChunk, end - t0 - kChunk);
+      if (threadIdx.x < kChunk) row_meta(t0 + kChunk, next_len, g_next, snap_next);
+      load_scan_stage(ws, smem + ((c + 1) & 1) * ScanStage::kBytes, t0 + kChunk, next_len, h, kh, hk, hv, v0);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    if (threadIdx.x < kChunk) {
+      gs[threadIdx.x] = g_cur;
+      const unsigned m = __ballot_sync(0xffffffffu, snap_cur >= 0);
+      if (lane == 0) snap_mask[warp] = m;
+    }
+    // The state slice as bf16 (the B operand of W S0 and Q S0).
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
+          store_bf16x2(sb + tile_offset<8>(d, j), st[mt][n][2 * half], st[mt][n][2 * half + 1]);
+        }
+    __syncthreads();
+    decay_k_rows(kd, stage + ScanStage::kK, gs, len - 1);
+
+    // D = U - W S0 and O = diag(exp G) Q S0 for this warp's 16 rows.
+    float dv[kVBlock / 8][4] = {}, o[kVBlock / 8][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < kDim / 16; ++kt) {
+      uint32_t aw[4], aq[4];
+      ldmatrix_x4(aw, stage + ScanStage::kW + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
+      ldmatrix_x4(aq, stage + ScanStage::kQ + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
+#pragma unroll
+      for (int nd = 0; nd < kVBlock / 16; ++nd) {
+        uint32_t b[4];
+        const int r = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        ldmatrix_x4_trans(b, sb + swizzle<8>(r, nd * 2 + (lane >> 4)));
+        mma_bf16_16816(dv[2 * nd], aw, b);
+        mma_bf16_16816(dv[2 * nd + 1], aw, b + 2);
+        mma_bf16_16816(o[2 * nd], aq, b);
+        mma_bf16_16816(o[2 * nd + 1], aq, b + 2);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = warp * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
+        const float2 u = __bfloat1622float2(
+            *reinterpret_cast<const __nv_bfloat162*>(stage + ScanStage::kU + tile_offset<8>(i, j)));
+        store_bf16x2(vp + tile_offset<8>(i, j), u.x - dv[n][2 * half], u.y - dv[n][2 * half + 1]);
+        const float decay = __expf(gs[i]);
+        o[n][2 * half] *= decay;
+        o[n][2 * half + 1] *= decay;
+      }
+    __syncthreads();
+
+    // O += P D, out.
+    warp_rows_times<kChunk / 16, kVBlock / 8, 8, 8>(o, stage + ScanStage::kP, warp * 16, vp, lane);
+#pragma unroll
+    for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = warp * 16 + (lane >> 2) + 8 * half, j = v0 + n * 8 + (lane & 3) * 2;
+        if (i < len) store_bf16x2(p.out + (int64_t{t0 + i} * hv + h) * kDim + j, o[n][2 * half], o[n][2 * half + 1]);
+      }
+
+    // Snapshot rows: exp(G_r) S0 + sum_{i <= r} exp(G_r - G_i) k_i D_i^T into their slots.
+    uint64_t snaps = snap_mask[0] | uint64_t{snap_mask[1]} << 32;
+    while (snaps != 0) {
+      const int r = __ffsll(static_cast<long long>(snaps)) - 1;
+      snaps &= snaps - 1;
+      const int slot = p.snapshot_slots[t0 + r];
+      float* snap = head_state(p, slot, h);
+      decay_k_rows(ksnap, stage + ScanStage::kK, gs, r);
+      __syncthreads();
+      float acc[2][kVBlock / 8][4];
+      const float decay = __expf(gs[r]);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][n][e] = decay * st[mt][n][e];
+      add_kd_times_d(acc, ksnap, vp, warp, lane);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), j = v0 + n * 8 + (lane & 3) * 2 + (e & 1);
+            snap[d * kDim + j] = acc[mt][n][e];
+          }
+      __syncthreads();  // ksnap is rewritten for the next snapshot row
+    }
+
+    // The state after the chunk.
+    const float decay = __expf(gs[len - 1]);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[mt][n][e] *= decay;
+    add_kd_times_d(st, kd, vp, warp, lane);
+    g_cur = g_next;
+    snap_cur = snap_next;
+  }
+  if (state == nullptr) return;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), j = v0 + n * 8 + (lane & 3) * 2 + (e & 1);
+        state[d * kDim + j] = st[mt][n][e];
+      }
+}
+
 // One warp per (token, head) row.
 __global__ void gated_rms_norm_kernel(GatedRmsNormParams<bf16> p) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -218,6 +777,14 @@ void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
   RELAY_CUDA_CHECK_LAUNCH("causal_conv1d_kernel");
 }
 
+bool gated_delta_rule_chunks(int key_dim, int value_dim) { return key_dim == kDim && value_dim == kDim; }
+
+size_t gated_delta_rule_workspace_bytes(int num_tokens, int num_k_heads, int num_v_heads) {
+  size_t bytes = 0;
+  carve_workspace(nullptr, num_tokens, num_k_heads, num_v_heads, &bytes);
+  return bytes;
+}
+
 void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.num_k_heads > 0 && p.num_v_heads % p.num_k_heads == 0,
               "gated_delta_rule: num_v_heads ", p.num_v_heads,
@@ -226,6 +793,29 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
               "gated_delta_rule: key_dim ", p.key_dim, " (1 to 128) and value_dim ", p.value_dim,
               " (1 to 1024)");
   if (p.num_seqs == 0 || p.num_tokens == 0) return;
+  // Some sequence can reach kGatedDeltaChunkedMinTokens only when the batch has that many more
+  // tokens than sequences, less one.
+  if (p.chunk_workspace != nullptr && p.num_tokens - p.num_seqs + 1 >= kGatedDeltaChunkedMinTokens) {
+    RELAY_CHECK(gated_delta_rule_chunks(p.key_dim, p.value_dim),
+                "gated_delta_rule: the chunked form takes key_dim and value_dim ", kDim, ", not ",
+                p.key_dim, " and ", p.value_dim);
+    const ChunkWorkspace ws =
+        carve_workspace(p.chunk_workspace, p.num_tokens, p.num_k_heads, p.num_v_heads, nullptr);
+    static const bool configured = [] {
+      RELAY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_prepare_kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kPrepareBytes));
+      RELAY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kScanBytes));
+      return true;
+    }();
+    (void)configured;
+    // Chunks: at most one partial one per sequence besides num_tokens / kChunk full ones.
+    const dim3 chunks(static_cast<unsigned>(ceil_div(p.num_tokens, kChunk) + p.num_seqs), p.num_v_heads);
+    gdn_chunk_prepare_kernel<<<chunks, kChunkThreads, kPrepareBytes, s>>>(p, ws);
+    RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_prepare_kernel");
+    gdn_chunk_scan_kernel<<<p.num_seqs * p.num_v_heads * (kDim / kVBlock), kChunkThreads, kScanBytes, s>>>(p, ws);
+    RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_scan_kernel");
+  }
   const int ctas = p.num_seqs * p.num_v_heads;
   const int threads = static_cast<int>(ceil_div(std::max(p.key_dim, p.value_dim), 32)) * 32;
   if (p.key_dim <= 32) {

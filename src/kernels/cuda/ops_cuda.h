@@ -157,9 +157,13 @@ struct SampleParams {
 };
 void launch_sample(const SampleParams& p, cudaStream_t s);
 
-// Gated DeltaNet and the sigmoid gate (linear_attention.cu): the CPU references' token-by-token
-// order, fp32 states (the conv state in bf16, as the activations it holds). The conv takes
-// kernel_size up to 8, the recurrence key_dim up to 128 and value_dim up to 1024.
+// Gated DeltaNet and the sigmoid gate (linear_attention.cu), fp32 states. The conv (kernel_size
+// up to 8) and the recurrence's decode form (key_dim up to 128, value_dim up to 1024) keep the CPU
+// references' token-by-token order; the recurrence's chunked form (key_dim = value_dim = 128, the
+// released models' heads) takes the sequences of a prefill with a chunk_workspace.
+constexpr int kGatedDeltaChunkedMinTokens = 16;
+bool gated_delta_rule_chunks(int key_dim, int value_dim);
+size_t gated_delta_rule_workspace_bytes(int num_tokens, int num_k_heads, int num_v_heads);
 void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s);
 void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s);
 void launch_gated_rms_norm(const GatedRmsNormParams<bf16>& p, cudaStream_t s);
