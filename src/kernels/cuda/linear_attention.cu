@@ -324,50 +324,68 @@ __global__ void __launch_bounds__(kChunkThreads)
   const float a_rate = expf(p.a_log[h]);
   const float dt_bias = __bfloat162float(p.dt_bias[h]);
 
-  // Rows: q and k normalised (q also divided by sqrt(key_dim), as the decode form), v, the gates;
-  // zeros past the chunk's end (beta 0 and g 0 there make those rows inert).
-  for (int i = warp; i < kChunk; i += kChunkThreads / 32) {
-    const int col = lane * 4;
-    float q[4] = {}, k[4] = {}, v[4] = {};
-    if (i < len) {
-      const bf16* in = p.qkv + (t0 + i) * row_width;
-      const bf16* srcs[3] = {in + kh * kDim + col, in + (hk + kh) * kDim + col,
-                             in + 2 * hk * kDim + h * kDim + col};
-      float* dsts[3] = {q, k, v};
+  // The chunk's q, k and v rows by cp.async (zeros past its end), the gates meanwhile (beta 0 and
+  // g 0 past the end make those rows inert): every load in flight at once.
+  for (int e = threadIdx.x; e < kChunk * kDim / 8; e += kChunkThreads) {
+    const int i = e / (kDim / 8), c = e % (kDim / 8);
+    const bf16* in = p.qkv + int64_t{t0 + min(i, len - 1)} * row_width + c * 8;
+    const int off = swizzle<16>(i, c);
+    cp_async_16(qs + off, in + kh * kDim, i < len);
+    cp_async_16(ks + off, in + (hk + kh) * kDim, i < len);
+    cp_async_16(vs + off, in + (2 * hk + h) * kDim, i < len);
+  }
+  cp_async_commit();
+  if (threadIdx.x < kChunk) {
+    const int i = threadIdx.x;
+    const int64_t t = t0 + i;
+    gs[i] = i < len ? -a_rate * softplus(__bfloat162float(p.a[t * p.gate_stride + h]) + dt_bias) : 0.0f;
+    bs[i] = i < len ? 1.0f / (1.0f + expf(-__bfloat162float(p.b[t * p.gate_stride + h]))) : 0.0f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // q and k l2-normalised in place (q also divided by sqrt(key_dim), as the decode form), eight
+  // lanes per row, each with two of its 16-byte pieces.
+  for (int i = warp * 16 + (lane >> 3); i < warp * 16 + 16; i += 4) {
+    const int c0 = lane & 7;
+    uint4 raw[2][2];  // [q, k][piece]
+    float ss[2] = {0.0f, 0.0f};
 #pragma unroll
-      for (int m = 0; m < 3; ++m) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(srcs[m]);
-        const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw);
-        dsts[m][0] = __low2float(pair[0]), dsts[m][1] = __high2float(pair[0]);
-        dsts[m][2] = __low2float(pair[1]), dsts[m][3] = __high2float(pair[1]);
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        raw[m][half] = *reinterpret_cast<const uint4*>((m == 0 ? qs : ks) + swizzle<16>(i, c0 + 8 * half));
+        const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&raw[m][half]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(x[e]);
+          ss[m] += f.x * f.x + f.y * f.y;
+        }
       }
-    }
-    const float q_mul = rsqrtf(warp_sum(q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3]) + 1e-6f);
-    const float k_mul = rsqrtf(warp_sum(k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3]) + 1e-6f);
-    const float q_scale = sqrtf(static_cast<float>(kDim));
-    uint2 qb, kb, vb;
-    __nv_bfloat162* qp = reinterpret_cast<__nv_bfloat162*>(&qb);
-    __nv_bfloat162* kp = reinterpret_cast<__nv_bfloat162*>(&kb);
-    __nv_bfloat162* vp = reinterpret_cast<__nv_bfloat162*>(&vb);
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      qp[e] = __floats2bfloat162_rn((q[2 * e] * q_mul) / q_scale, (q[2 * e + 1] * q_mul) / q_scale);
-      kp[e] = __floats2bfloat162_rn(k[2 * e] * k_mul, k[2 * e + 1] * k_mul);
-      vp[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+    for (int o = 4; o > 0; o >>= 1) {
+      ss[0] += __shfl_xor_sync(0xffffffffu, ss[0], o);
+      ss[1] += __shfl_xor_sync(0xffffffffu, ss[1], o);
     }
-    const int off = tile_offset<16>(i, col);
-    *reinterpret_cast<uint2*>(qs + off) = qb;
-    *reinterpret_cast<uint2*>(ks + off) = kb;
-    *reinterpret_cast<uint2*>(vs + off) = vb;
-    if (writes_qk && i < len) {
-      *reinterpret_cast<uint2*>(ws.qn + (int64_t{t0 + i} * hk + kh) * kDim + col) = qb;
-      *reinterpret_cast<uint2*>(ws.kn + (int64_t{t0 + i} * hk + kh) * kDim + col) = kb;
-    }
-    if (lane == 0) {
-      const int64_t t = t0 + i;
-      gs[i] = i < len ? -a_rate * softplus(__bfloat162float(p.a[t * p.gate_stride + h]) + dt_bias) : 0.0f;
-      bs[i] = i < len ? 1.0f / (1.0f + expf(-__bfloat162float(p.b[t * p.gate_stride + h]))) : 0.0f;
-    }
+    const float q_scale = sqrtf(static_cast<float>(kDim));
+    const float mul[2] = {rsqrtf(ss[0] + 1e-6f), rsqrtf(ss[1] + 1e-6f)};
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(&raw[m][half]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(x[e]);
+          x[e] = m == 0 ? __floats2bfloat162_rn((f.x * mul[0]) / q_scale, (f.y * mul[0]) / q_scale)
+                        : __floats2bfloat162_rn(f.x * mul[1], f.y * mul[1]);
+        }
+        const int c = c0 + 8 * half;
+        *reinterpret_cast<uint4*>((m == 0 ? qs : ks) + swizzle<16>(i, c)) = raw[m][half];
+        if (writes_qk && i < len) {
+          bf16* dst = (m == 0 ? ws.qn : ws.kn) + (int64_t{t0 + i} * hk + kh) * kDim + c * 8;
+          *reinterpret_cast<uint4*>(dst) = raw[m][half];
+        }
+      }
   }
   __syncthreads();
   if (warp == 0) {  // G: the inclusive scan of g, two rows per lane
