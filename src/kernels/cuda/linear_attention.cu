@@ -5,10 +5,11 @@
 // The conv runs a thread per (sequence, channel) with its window in registers, token by token.
 //
 // The recurrence has two forms. The decode form walks each sequence's tokens one at a time, in the
-// CPU reference's order: a CTA per (sequence, value head), thread j holding column j of the head's
-// fp32 state S [key_dim, value_dim] in registers; per token the CTA normalises q and k into shared
-// memory, then each thread decays its column, forms its entry of S^T k, adds k delta_j and its
-// entry of S^T q. It suits decode steps; on a long prompt it is a serial chain of tiny steps.
+// CPU reference's order: a CTA per (sequence, value head, 32 columns of the head's fp32 state S
+// [key_dim, value_dim]), four threads per column each holding a quarter of its rows in registers;
+// per token the CTA normalises q and k into shared memory, then each column decays, forms its
+// entry of S^T k (a sum over its four threads), adds k delta_j and forms its entry of S^T q. It
+// suits decode steps; on a long prompt it is a serial chain of tiny steps.
 //
 // The chunked (WY) form takes a prefill's long sequences 64 tokens at a time on tensor cores
 // (mma.sync, bf16 operands, fp32 accumulators; the state itself stays fp32). Within a chunk, with
@@ -97,29 +98,34 @@ __device__ __forceinline__ float* head_state(const GatedDeltaRuleParams<bf16>& p
   return p.states + slot * p.state_stride + static_cast<int64_t>(h) * p.key_dim * p.value_dim;
 }
 
-// Thread j's column of sequence s's value-head-h state (zeros when it starts fresh or has no slot,
-// and for threads past value_dim), and where it is kept (null without a slot: graph padding).
+// The decode form's threads per state column.
+constexpr int kParts = 4;
+
+// This thread's rows (part + kParts r, r < MaxDk / kParts) of column j of sequence s's value-head-h
+// state (zeros when it starts fresh or has no slot, and past value_dim or key_dim), and where it
+// is kept (null without a slot: graph padding).
 template <int MaxDk>
-__device__ __forceinline__ float* load_state_column(const GatedDeltaRuleParams<bf16>& p, int s,
-                                                    int h, int j, float (&col)[MaxDk]) {
+__device__ __forceinline__ float* load_state_column(const GatedDeltaRuleParams<bf16>& p, int s, int h,
+                                                    int j, int part, float (&col)[MaxDk / kParts]) {
   const bool keeps = p.state_slots[s] >= 0;
   float* state = keeps ? head_state(p, p.state_slots[s], h) : nullptr;
   const bool fresh = !keeps || p.state_fresh[s];
 #pragma unroll
-  for (int i = 0; i < MaxDk; ++i) {
-    col[i] = j < p.value_dim && i < p.key_dim && !fresh ? state[static_cast<int64_t>(i) * p.value_dim + j]
-                                                        : 0.0f;
+  for (int r = 0; r < MaxDk / kParts; ++r) {
+    const int i = part + kParts * r;
+    col[r] = j < p.value_dim && i < p.key_dim && !fresh ? state[static_cast<int64_t>(i) * p.value_dim + j] : 0.0f;
   }
   return state;
 }
 
-// Thread j's column into a head's state (its sequence's, or a snapshot's).
+// This thread's rows of column j into a head's state (its sequence's, or a snapshot's).
 template <int MaxDk>
-__device__ __forceinline__ void store_state_column(const GatedDeltaRuleParams<bf16>& p, float* at,
-                                                   int j, const float (&col)[MaxDk]) {
+__device__ __forceinline__ void store_state_column(const GatedDeltaRuleParams<bf16>& p, float* at, int j,
+                                                   int part, const float (&col)[MaxDk / kParts]) {
 #pragma unroll
-  for (int i = 0; i < MaxDk; ++i) {
-    if (i < p.key_dim) at[static_cast<int64_t>(i) * p.value_dim + j] = col[i];
+  for (int r = 0; r < MaxDk / kParts; ++r) {
+    const int i = part + kParts * r;
+    if (i < p.key_dim) at[static_cast<int64_t>(i) * p.value_dim + j] = col[r];
   }
 }
 
@@ -128,20 +134,35 @@ __device__ __forceinline__ bool takes_chunks(const GatedDeltaRuleParams<bf16>& p
   return p.query_starts[s + 1] - p.query_starts[s] >= kGatedDeltaChunkedMinTokens;
 }
 
-// The decode form: one CTA per (sequence, value head); blockDim.x >= max(key_dim, value_dim), a
-// multiple of 32.
+// The sum of v over the kParts consecutive lanes that share a column.
+__device__ __forceinline__ float column_sum(float v) {
+#pragma unroll
+  for (int o = kParts / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The decode form: one CTA per (sequence, value head, kWalkColumns state columns), kParts
+// consecutive threads per column (thread t: column t / kParts, rows t % kParts + kParts r), so a
+// thread holds MaxDk / kParts floats of the state, a warp's loads of one r fill whole 32-byte
+// sectors, and a decode step's many small CTAs keep the SM's loads in flight.
+constexpr int kWalkColumns = 32;
+constexpr int kWalkThreads = kParts * kWalkColumns;  // >= key_dim: each loads one q and k element
+
 template <int MaxDk>
-__global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
+__global__ void __launch_bounds__(kWalkThreads, 4) gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
+  constexpr int kRows = MaxDk / kParts;
   __shared__ float q[MaxDk], k[MaxDk];
   __shared__ float scratch[32];
-  const int s = blockIdx.x / p.num_v_heads, h = blockIdx.x % p.num_v_heads;
+  const int column_blocks = (p.value_dim + kWalkColumns - 1) / kWalkColumns;
+  const int s = blockIdx.x / column_blocks / p.num_v_heads, h = blockIdx.x / column_blocks % p.num_v_heads;
   if (p.chunk_workspace != nullptr && takes_chunks(p, s)) return;
   const int dk = p.key_dim, dv = p.value_dim;
   const int kh = h / (p.num_v_heads / p.num_k_heads);
-  const int j = threadIdx.x;
+  const int e = threadIdx.x;  // the q and k element this thread loads
+  const int j = blockIdx.x % column_blocks * kWalkColumns + threadIdx.x / kParts, part = threadIdx.x % kParts;
   const bool owns = j < dv;
-  float col[MaxDk];  // S[:, j]
-  float* state = load_state_column(p, s, h, j, col);
+  float col[kRows];
+  float* state = load_state_column<MaxDk>(p, s, h, j, part, col);
   const int64_t row = 2 * static_cast<int64_t>(p.num_k_heads) * dk + static_cast<int64_t>(p.num_v_heads) * dv;
   // NOTE: transformers divides by the Python float dk ** 0.5, which torch rounds to fp32.
   const float q_scale = sqrtf(static_cast<float>(dk));
@@ -149,47 +170,43 @@ __global__ void gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
   const float dt_bias = __bfloat162float(p.dt_bias[h]);
   for (int t = p.query_starts[s]; t < p.query_starts[s + 1]; ++t) {
     const bf16* in = p.qkv + t * row;
-    const float qi = j < dk ? __bfloat162float(in[static_cast<int64_t>(kh) * dk + j]) : 0.0f;
-    const float ki =
-        j < dk ? __bfloat162float(in[static_cast<int64_t>(p.num_k_heads + kh) * dk + j]) : 0.0f;
-    const float q_inv = rsqrtf(block_sum(qi * qi, scratch) + 1e-6f);
-    const float k_inv = rsqrtf(block_sum(ki * ki, scratch) + 1e-6f);
-    if (j < dk) {
-      q[j] = (qi * q_inv) / q_scale;
-      k[j] = ki * k_inv;
-    }
-    __syncthreads();
+    const float qi = e < dk ? __bfloat162float(in[static_cast<int64_t>(kh) * dk + e]) : 0.0f;
+    const float ki = e < dk ? __bfloat162float(in[static_cast<int64_t>(p.num_k_heads + kh) * dk + e]) : 0.0f;
+    const float v = owns ? __bfloat162float(in[2 * static_cast<int64_t>(p.num_k_heads) * dk +
+                                               static_cast<int64_t>(h) * dv + j])
+                         : 0.0f;
     const float beta = 1.0f / (1.0f + expf(-__bfloat162float(p.b[t * p.gate_stride + h])));
     const float g = -a_rate * softplus(__bfloat162float(p.a[t * p.gate_stride + h]) + dt_bias);
+    const float q_inv = rsqrtf(block_sum(qi * qi, scratch) + 1e-6f);
+    const float k_inv = rsqrtf(block_sum(ki * ki, scratch) + 1e-6f);
+    if (e < MaxDk) {  // zeros past key_dim
+      q[e] = e < dk ? (qi * q_inv) / q_scale : 0.0f;
+      k[e] = e < dk ? ki * k_inv : 0.0f;
+    }
+    __syncthreads();
+    // Every lane takes part in the column sums; rows past key_dim hold zeros.
     const float decay = expf(g);
-    if (owns) {
-      float kv = 0.0f;
+    float kv = 0.0f;
 #pragma unroll
-      for (int i = 0; i < MaxDk; ++i) {
-        if (i < dk) {
-          col[i] *= decay;
-          kv += col[i] * k[i];
-        }
-      }
-      const float v = __bfloat162float(in[2 * static_cast<int64_t>(p.num_k_heads) * dk +
-                                          static_cast<int64_t>(h) * dv + j]);
-      const float delta = (v - kv) * beta;
-      float o = 0.0f;
+    for (int r = 0; r < kRows; ++r) {
+      col[r] *= decay;
+      kv += col[r] * k[part + kParts * r];
+    }
+    const float delta = (v - column_sum(kv)) * beta;
+    float o = 0.0f;
 #pragma unroll
-      for (int i = 0; i < MaxDk; ++i) {
-        if (i < dk) {
-          col[i] += k[i] * delta;
-          o += col[i] * q[i];
-        }
-      }
-      p.out[(static_cast<int64_t>(t) * p.num_v_heads + h) * dv + j] = __float2bfloat16(o);
-      if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
-        store_state_column(p, head_state(p, p.snapshot_slots[t], h), j, col);
-      }
+    for (int r = 0; r < kRows; ++r) {
+      col[r] += k[part + kParts * r] * delta;
+      o += col[r] * q[part + kParts * r];
+    }
+    o = column_sum(o);
+    if (owns && part == 0) p.out[(static_cast<int64_t>(t) * p.num_v_heads + h) * dv + j] = __float2bfloat16(o);
+    if (owns && p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
+      store_state_column<MaxDk>(p, head_state(p, p.snapshot_slots[t], h), j, part, col);
     }
     __syncthreads();  // q and k are rewritten for the next token
   }
-  if (owns && state != nullptr) store_state_column(p, state, j, col);
+  if (owns && state != nullptr) store_state_column<MaxDk>(p, state, j, part, col);
 }
 
 // ---------------------------------------------------------------- the chunked (WY) form
@@ -807,9 +824,9 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
   RELAY_CHECK(p.num_k_heads > 0 && p.num_v_heads % p.num_k_heads == 0,
               "gated_delta_rule: num_v_heads ", p.num_v_heads,
               " must be a multiple of num_k_heads ", p.num_k_heads);
-  RELAY_CHECK(p.key_dim > 0 && p.key_dim <= 128 && p.value_dim > 0 && p.value_dim <= 1024,
+  RELAY_CHECK(p.key_dim > 0 && p.key_dim <= 128 && p.value_dim > 0,
               "gated_delta_rule: key_dim ", p.key_dim, " (1 to 128) and value_dim ", p.value_dim,
-              " (1 to 1024)");
+              " (positive)");
   if (p.num_seqs == 0 || p.num_tokens == 0) return;
   // Some sequence can reach kGatedDeltaChunkedMinTokens only when the batch has that many more
   // tokens than sequences, less one.
@@ -834,14 +851,13 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
     gdn_chunk_scan_kernel<<<p.num_seqs * p.num_v_heads * (kDim / kVBlock), kChunkThreads, kScanBytes, s>>>(p, ws);
     RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_scan_kernel");
   }
-  const int ctas = p.num_seqs * p.num_v_heads;
-  const int threads = static_cast<int>(ceil_div(std::max(p.key_dim, p.value_dim), 32)) * 32;
+  const int64_t ctas = int64_t{p.num_seqs} * p.num_v_heads * ceil_div(p.value_dim, kWalkColumns);
   if (p.key_dim <= 32) {
-    gated_delta_rule_kernel<32><<<ctas, threads, 0, s>>>(p);
+    gated_delta_rule_kernel<32><<<ctas, kWalkThreads, 0, s>>>(p);
   } else if (p.key_dim <= 64) {
-    gated_delta_rule_kernel<64><<<ctas, threads, 0, s>>>(p);
+    gated_delta_rule_kernel<64><<<ctas, kWalkThreads, 0, s>>>(p);
   } else {
-    gated_delta_rule_kernel<128><<<ctas, threads, 0, s>>>(p);
+    gated_delta_rule_kernel<128><<<ctas, kWalkThreads, 0, s>>>(p);
   }
   RELAY_CUDA_CHECK_LAUNCH("gated_delta_rule_kernel");
 }

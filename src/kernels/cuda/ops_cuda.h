@@ -158,7 +158,7 @@ struct SampleParams {
 void launch_sample(const SampleParams& p, cudaStream_t s);
 
 // Gated DeltaNet and the sigmoid gate (linear_attention.cu), fp32 states. The conv (kernel_size
-// up to 8) and the recurrence's decode form (key_dim up to 128, value_dim up to 1024) keep the CPU
+// up to 8) and the recurrence's decode form (key_dim up to 128, any value_dim) keep the CPU
 // references' token-by-token order; the recurrence's chunked form (key_dim = value_dim = 128, the
 // released models' heads) takes the sequences of a prefill with a chunk_workspace.
 constexpr int kGatedDeltaChunkedMinTokens = 16;
