@@ -593,6 +593,20 @@ __device__ __forceinline__ void decay_k_rows(uint8_t* dst, const uint8_t* k, con
   }
 }
 
+// f(mt, n, e, d, j) for each element of a scan CTA's state slice this thread holds in mma C order:
+// element e of tile (mt, n), key dim d = 32 warp + 16 mt + lane / 4 + 8 (e / 2), value column
+// j = v0 + 8 n + 2 (lane % 4) + e % 2.
+template <class F>
+__device__ __forceinline__ void for_state_slice(int warp, int lane, int v0, F f) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int n = 0; n < kVBlock / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        f(mt, n, e, warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), v0 + n * 8 + (lane & 3) * 2 + (e & 1));
+}
+
 // Per (chunked sequence, value head, kVBlock value columns): the chunks in order, the state slice
 // [128 key dims, 64 value columns] in mma C order across the 4 warps (warp w: key dims 32w..32w+31).
 __global__ void __launch_bounds__(kChunkThreads)
@@ -612,21 +626,13 @@ __global__ void __launch_bounds__(kChunkThreads)
   float* gs = reinterpret_cast<float*>(smem + kScanG);
   __shared__ uint32_t snap_mask[2];
 
-  // Element e of C tile (mt, n): key dim warp*32 + mt*16 + lane/4 + 8 (e/2), value column
-  // v0 + 8n + 2 (lane%4) + e%2.
   const bool keeps = p.state_slots[s] >= 0;
   const bool fresh = !keeps || p.state_fresh[s];
   float* state = keeps ? head_state(p, p.state_slots[s], h) : nullptr;
   float st[2][kVBlock / 8][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int n = 0; n < kVBlock / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), j = v0 + n * 8 + (lane & 3) * 2 + (e & 1);
-        st[mt][n][e] = fresh ? 0.0f : state[d * kDim + j];
-      }
+  for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int d, int j) {
+    st[mt][n][e] = fresh ? 0.0f : state[d * kDim + j];
+  });
 
   // G and the snapshot slot of row threadIdx.x (< 64) of the chunk at t0, prefetched a chunk ahead.
   auto row_meta = [&](int t0, int len, float& g, int& snap) {
@@ -724,47 +730,21 @@ __global__ void __launch_bounds__(kChunkThreads)
       __syncthreads();
       float acc[2][kVBlock / 8][4];
       const float decay = __expf(gs[r]);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int n = 0; n < kVBlock / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mt][n][e] = decay * st[mt][n][e];
+      for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int, int) { acc[mt][n][e] = decay * st[mt][n][e]; });
       add_kd_times_d(acc, ksnap, vp, warp, lane);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int n = 0; n < kVBlock / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), j = v0 + n * 8 + (lane & 3) * 2 + (e & 1);
-            snap[d * kDim + j] = acc[mt][n][e];
-          }
+      for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { snap[d * kDim + j] = acc[mt][n][e]; });
       __syncthreads();  // ksnap is rewritten for the next snapshot row
     }
 
     // The state after the chunk.
     const float decay = __expf(gs[len - 1]);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int n = 0; n < kVBlock / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[mt][n][e] *= decay;
+    for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int, int) { st[mt][n][e] *= decay; });
     add_kd_times_d(st, kd, vp, warp, lane);
     g_cur = g_next;
     snap_cur = snap_next;
   }
   if (state == nullptr) return;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int n = 0; n < kVBlock / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), j = v0 + n * 8 + (lane & 3) * 2 + (e & 1);
-        state[d * kDim + j] = st[mt][n][e];
-      }
+  for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { state[d * kDim + j] = st[mt][n][e]; });
 }
 
 // One warp per (token, head) row.
