@@ -58,7 +58,8 @@ class CorpusTest : public ::testing::Test {
   static void SetUpTestSuite() {
     tokenizer_ = new Tokenizer(Tokenizer::from_file(kTokenizerPath));
     std::ifstream in(std::string(RELAY_FIXTURES_DIR) + "/tokenizer/corpus.json");
-    ASSERT_TRUE(in.good()) << "missing tests/fixtures/tokenizer/corpus.json";
+    ASSERT_TRUE(in.good()) << "missing tests/fixtures/tokenizer/corpus.json (scripts/unpack-models.sh "
+                              "unpacks it from corpus.json.xz)";
     std::stringstream buffer;
     buffer << in.rdbuf();
     corpus_ = new json(json::parse(buffer.str()));
