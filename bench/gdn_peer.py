@@ -5,33 +5,20 @@ value heads, as transformers does before calling FLA; head dim 128), one layer.
 
     python3 bench/gdn_peer.py [--out FILE]
 
-Needs torch with CUDA and the flash-linear-attention + fla-core wheels (pure Python over Triton);
-prints one JSON line per shape, as the bench does: chunk_gated_delta_rule on prompts of one 4096-
-and one 16384-token sequence and eight of 512 (varlen), and fused_recurrent_gated_delta_rule on
-decode steps of 1, 64 and 256 sequences with their fp32 states.
+Needs torch with CUDA and fla-core (+ einops; pure Python over Triton); prints one JSON line per
+shape, as bench/torch_peers.py does (its emit and median_ms): chunk_gated_delta_rule on prompts of
+one 4096- and one 16384-token sequence and eight of 512 (varlen), and
+fused_recurrent_gated_delta_rule on decode steps of 1, 64 and 256 sequences with their fp32 states.
 """
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
+from torch_peers import emit, median_ms  # beside this script
+
 HK, HV, D = 16, 32, 128
-
-
-def time_ms(fn, reps=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def inputs(seqs, length):
@@ -51,29 +38,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="append the JSON lines to this file too")
     args = ap.parse_args()
-    lines = []
+    out = open(args.out, "a") if args.out else None
     for seqs, length in [(1, 4096), (1, 16384), (8, 512)]:
         q, k, v, g, beta, h0, cu = inputs(seqs, length)
-        ms = time_ms(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
-                                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu))
-        lines.append({"peer": "fla", "kernel": "chunk_gated_delta_rule", "seqs": seqs, "tokens_per_seq": length,
-                      "ms": ms, "tok_per_s": seqs * length / (ms * 1e-3)})
+        ms = median_ms(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
+                                                      output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu))
+        emit(out, peer="fla", kernel="chunk_gated_delta_rule", seqs=seqs, tokens_per_seq=length, ms=ms,
+             tok_per_s=seqs * length / (ms * 1e-3))
     for batch in [1, 64, 256]:
         q, k, v, g, beta, h0, _ = inputs(batch, 1)
         q, k, v, g, beta = (x.transpose(0, 1).contiguous() for x in (q, k, v, g, beta))  # [batch, 1, ...]
-        ms = time_ms(lambda: fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
-                                                              output_final_state=True,
-                                                              use_qk_l2norm_in_kernel=True), reps=30)
-        gbps = 2.0 * batch * HV * D * D * 4 / (ms * 1e6)
-        lines.append({"peer": "fla", "kernel": "fused_recurrent_gated_delta_rule", "seqs": batch,
-                      "tokens_per_seq": 1, "ms": ms, "gbps": gbps})
-    for line in lines:
-        line["device"] = torch.cuda.get_device_name()
-        text = json.dumps(line)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n")
+        ms = median_ms(lambda: fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
+                                                                output_final_state=True,
+                                                                use_qk_l2norm_in_kernel=True))
+        emit(out, peer="fla", kernel="fused_recurrent_gated_delta_rule", seqs=batch, tokens_per_seq=1, ms=ms,
+             gbps=2.0 * batch * HV * D * D * 4 / (ms * 1e6))
 
 
 if __name__ == "__main__":
