@@ -55,6 +55,10 @@ struct LLMEngine::Request {
   // What a decode with drafts computes (its StepSequence::tokens): its last token, then the drafts.
   std::vector<int32_t> step_tokens;
   std::vector<int32_t> proposed_drafts;  // from the backend's draft head (MTP), for the next step
+  // With min_draft_acceptance: how many drafts its steps carry, and this step's choice for the
+  // next (the MTP head's proposals are cut to it).
+  std::optional<DraftLength> draft_length;
+  int num_next_drafts = 0;
   std::string text;     // the output text so far
   size_t num_sent = 0;  // bytes of `text` already returned
   size_t max_stop_len = 0;
@@ -180,6 +184,9 @@ std::unique_ptr<LLMEngine::Request> LLMEngine::make_request(int64_t id,
                                      request.sampling.num_logprobs >= 0);
   r->hold_kv = request.hold_kv;
   r->logit_bias = std::move(request.logit_bias);
+  if (speculative_.min_draft_acceptance > 0) {
+    r->draft_length.emplace(speculative_.num_speculative_tokens, speculative_.min_draft_acceptance);
+  }
   r->reasoning = request.reasoning;
   if (request.grammar) {
     r->matcher.emplace(*request.grammar);
@@ -327,9 +334,10 @@ void LLMEngine::propose_drafts() {
     // through set_drafts for this step come first.
     if (static_cast<int>(seq->tokens.size()) - seq->num_computed != 1) continue;
     if (!seq->draft_tokens.empty()) continue;
+    const int k = next_drafts(*requests_.at(seq->id));
+    if (k == 0) continue;
     const std::vector<int32_t> drafts =
-        propose_ngram(seq->tokens, speculative_.prompt_lookup_min, speculative_.prompt_lookup_max,
-                      speculative_.num_speculative_tokens);
+        propose_ngram(seq->tokens, speculative_.prompt_lookup_min, speculative_.prompt_lookup_max, k);
     set_drafts(seq->id, drafts);
   }
 }
@@ -398,7 +406,8 @@ std::vector<RequestOutput> LLMEngine::step() {
     }
     if (c.sample && backend_->num_proposed_drafts() > 0) {
       r.proposed_drafts.clear();
-      s.proposed_drafts = &r.proposed_drafts;
+      r.num_next_drafts = next_drafts(r);
+      if (r.num_next_drafts > 0) s.proposed_drafts = &r.proposed_drafts;
     }
     if (c.sample) {
       // NOTE: set_drafts kept only drafts the grammar allows, from the state it is still in.
@@ -429,7 +438,10 @@ std::vector<RequestOutput> LLMEngine::step() {
     Request& r = *requests_.at(sampled[i].seq_id);
     size_t n = 1;
     while (i + n < sampled.size() && sampled[i + n].seq_id == r.id) ++n;
-    if (const int k = drafts_verified.at(r.id); k > 0) count_drafts(k, static_cast<int>(n) - 1);
+    if (const int k = drafts_verified.at(r.id); k > 0) {
+      count_drafts(k, static_cast<int>(n) - 1);
+      if (r.draft_length) r.draft_length->observe(k, static_cast<int>(n) - 1);
+    }
     const int num_outputs = scheduler_.find(r.id)->num_output_tokens();
     RequestOutput out;
     out.id = r.id;
@@ -481,10 +493,16 @@ std::vector<RequestOutput> LLMEngine::step() {
     if (s.proposed_drafts == nullptr) continue;
     const auto it = requests_.find(s.seq_id);
     if (it == requests_.end() || it->second->proposed_drafts.empty()) continue;
-    set_drafts(s.seq_id, it->second->proposed_drafts);
+    const Request& r = *it->second;
+    set_drafts(s.seq_id, std::span<const int32_t>(r.proposed_drafts)
+                             .first(std::min<size_t>(r.proposed_drafts.size(), r.num_next_drafts)));
   }
   last_step_.outputs_s = std::chrono::duration<double>(Clock::now() - forward_end).count();
   return outputs;
+}
+
+int LLMEngine::next_drafts(Request& r) {
+  return r.draft_length ? r.draft_length->next() : speculative_.num_speculative_tokens;
 }
 
 void LLMEngine::count_drafts(int num_drafts, int num_accepted) {

@@ -260,6 +260,9 @@ class LLMEngine {
   // Whether the coming step may carry drafts (a proposer's or set_drafts'): the running batch is
   // within speculative decoding's disable_by_batch_size, when one is set.
   bool drafting() const;
+  // How many drafts the request's next step may carry (num_speculative_tokens, or fewer with
+  // min_draft_acceptance); call once per step that could give it drafts.
+  int next_drafts(Request& r);
   // Records a verified step of `num_drafts` drafts, `num_accepted` of them accepted.
   void count_drafts(int num_drafts, int num_accepted);
   // Advances the request's grammar past a token; false (and no change) when the grammar refuses it.

@@ -43,13 +43,20 @@ SpeculativeConfig SpeculativeConfig::parse(std::string_view json_text) {
               "'prompt_lookup_min' (", c.prompt_lookup_min, ") exceeds 'prompt_lookup_max' (",
               c.prompt_lookup_max, ")");
   c.disable_by_batch_size = integer("disable_by_batch_size", 2, 1 << 20, 0);
+  if (const auto r = j.find("min_draft_acceptance"); r != j.end() && !r->is_null()) {
+    RELAY_CHECK(r->is_number() && r->get<double>() > 0.0 && r->get<double>() < 1.0,
+                "--speculative-config: 'min_draft_acceptance' must be a number between 0 and 1 "
+                "(exclusive), got ", r->dump());
+    c.min_draft_acceptance = r->get<double>();
+  }
   if (const auto m = j.find("model"); m != j.end() && !m->is_null()) {
     RELAY_CHECK(m->is_string(), "--speculative-config: 'model' must be a directory");
     c.model = m->get<std::string>();
   }
   for (const auto& [key, value] : j.items()) {
     static const char* const kKnown[] = {"method", "num_speculative_tokens", "prompt_lookup_max",
-                                         "prompt_lookup_min", "model", "disable_by_batch_size"};
+                                         "prompt_lookup_min", "model", "disable_by_batch_size",
+                                         "min_draft_acceptance"};
     RELAY_CHECK(std::find(std::begin(kKnown), std::end(kKnown), key) != std::end(kKnown),
                 "--speculative-config: unknown field '", key, "'");
     RELAY_CHECK(c.method == Method::kNgram || (key != "prompt_lookup_max" && key != "prompt_lookup_min"),
@@ -62,7 +69,8 @@ SpeculativeConfig SpeculativeConfig::parse(std::string_view json_text) {
 
 std::string SpeculativeConfig::describe() const {
   const std::string off_above =
-      disable_by_batch_size > 0 ? str(", off above ", disable_by_batch_size, " running") : "";
+      (disable_by_batch_size > 0 ? str(", off above ", disable_by_batch_size, " running") : "") +
+      (min_draft_acceptance > 0 ? str(", drafts landing >= ", min_draft_acceptance) : "");
   switch (method) {
     case Method::kNone:
       return "off";
@@ -96,6 +104,42 @@ SpecDecodeStats SpecDecodeStats::since(const SpecDecodeStats& earlier) const {
   for (size_t i = 0; i < n; ++i)
     d.num_accepted_tokens_per_pos[i] -= earlier.num_accepted_tokens_per_pos[i];
   return d;
+}
+
+DraftLength::DraftLength(int max_drafts, double min_acceptance)
+    : max_drafts_(max_drafts), min_acceptance_(min_acceptance) {
+  RELAY_CHECK(max_drafts >= 1 && min_acceptance > 0.0 && min_acceptance < 1.0,
+              "DraftLength: ", max_drafts, " drafts at acceptance ", min_acceptance);
+}
+
+int DraftLength::landing() const {
+  const double a = acceptance();
+  int n = 0;
+  for (double land = a; n < max_drafts_ && land >= min_acceptance_; land *= a) ++n;
+  return n;
+}
+
+int DraftLength::next() {
+  if (const int n = landing(); n > 0) {
+    steps_off_ = 0;
+    return n;
+  }
+  return ++steps_off_ > backoff_ ? 1 : 0;  // a probe after the back-off
+}
+
+void DraftLength::observe(int num_drafts, int num_accepted) {
+  RELAY_CHECK(num_accepted >= 0 && num_accepted <= num_drafts, "DraftLength: ", num_accepted,
+              " of ", num_drafts, " drafts accepted");
+  if (num_drafts == 0) return;
+  const bool off = landing() == 0;
+  accepted_ = kDecay * accepted_ + num_accepted;
+  tries_ = kDecay * tries_ + num_accepted + (num_accepted < num_drafts ? 1 : 0);
+  if (!off) {
+    backoff_ = kFirstBackoff;
+  } else {  // a probe
+    steps_off_ = 0;
+    backoff_ = num_accepted == 0 ? std::min(2 * backoff_, kMaxBackoff) : kFirstBackoff;
+  }
 }
 
 std::vector<int32_t> propose_ngram(std::span<const int32_t> tokens, int min_n, int max_n, int k) {

@@ -36,11 +36,14 @@ struct SpeculativeConfig {
   // vLLM's disable_by_batch_size: no drafts in a step that starts with more running requests than
   // this (verifying 1 + k rows per sequence stops paying once the batch is compute-bound); 0: off.
   int disable_by_batch_size = 0;
+  // Relay's own: per request, draft only the tokens likely enough to be accepted (DraftLength
+  // below: each of them lands with probability >= this); 0: always num_speculative_tokens.
+  double min_draft_acceptance = 0.0;
 
   bool enabled() const { return method != Method::kNone; }
   // vLLM's JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
   // "prompt_lookup_min": M} or {"method": "mtp", "num_speculative_tokens": K, "model": DIR}, either
-  // with "disable_by_batch_size": B (at least 2, as vLLM).
+  // with "disable_by_batch_size": B (at least 2, as vLLM) and "min_draft_acceptance": R (0 < R < 1).
   // Throws relay::Error naming the field on anything else (unknown method or field, K outside
   // [1, kMaxSpeculativeTokens], min > max, ...).
   static SpeculativeConfig parse(std::string_view json_text);
@@ -63,6 +66,40 @@ struct SpecDecodeStats {
   double mean_acceptance_length() const;
   // The counts since `earlier` (the same counters read before).
   SpecDecodeStats since(const SpecDecodeStats& earlier) const;
+};
+
+// How many drafts one request's next step carries, from how its own drafts fared (the engine keeps
+// one per request when min_draft_acceptance is set). A step verifies draft j only when drafts
+// 0..j-1 were accepted, so with a per-token acceptance a draft j lands (is accepted) with
+// probability a^(j+1). `a` is estimated from the request's recent steps: accepted drafts over
+// accepted drafts plus rejections (a step that rejects one stops there), each step's counts
+// weighted by kDecay per step since, starting from one accepted draft so that a request drafts
+// from its first step. A request drafts the j that land with probability >= min_acceptance, up to
+// max_drafts. When not even the first does, it stops drafting and probes with one draft after
+// kFirstBackoff steps without, doubling the wait (up to kMaxBackoff) while probes fail: a draft
+// the target rejects costs a verified row (and an MTP head's forwards) and saves nothing.
+class DraftLength {
+ public:
+  static constexpr double kDecay = 0.8;
+  static constexpr int kFirstBackoff = 4;
+  static constexpr int kMaxBackoff = 64;
+
+  DraftLength(int max_drafts, double min_acceptance);
+  // The drafts for the next step; call once per step that could carry drafts (it counts the
+  // steps without while the request is off).
+  int next();
+  // A verified step's outcome: num_accepted of its num_drafts drafts were accepted.
+  void observe(int num_drafts, int num_accepted);
+  double acceptance() const { return accepted_ / tries_; }
+
+ private:
+  int landing() const;  // the drafts that land with probability >= min_acceptance_
+
+  int max_drafts_;
+  double min_acceptance_;
+  double accepted_ = 1.0, tries_ = 1.0;  // the decayed counts (the prior: one accepted draft)
+  int steps_off_ = 0;
+  int backoff_ = kFirstBackoff;
 };
 
 // The n-gram proposal for `tokens` (a sequence's prompt and output so far): up to `k` tokens, or

@@ -125,6 +125,7 @@ struct RunConfig {
   std::vector<std::vector<std::vector<int32_t>>> waves;
   std::vector<std::vector<int32_t>> reference;  // for forced_drafts: each request's output
   int64_t max_tokens = 0;                       // 0: the reference's length
+  double min_draft_acceptance = 0.0;
 };
 
 struct RunResult {
@@ -148,6 +149,7 @@ RunResult run(const Head& h, const RunConfig& rc) {
   c.enable_prefix_caching = rc.enable_prefix_caching;
   if (rc.k > 0) {
     c.speculative = mtp_config(h, rc.k);
+    c.speculative.min_draft_acceptance = rc.min_draft_acceptance;
     o.mtp = {.enabled = true, .dir = c.speculative.model};
     o.num_mtp_drafts = rc.k;
   }
@@ -271,6 +273,25 @@ TEST_P(MtpEngine, GreedyOutputIsTheOutputWithoutSpeculation) {
     RunConfig whole = config(k);
     whole.max_num_batched_tokens = 512;
     EXPECT_EQ(run(GetParam(), whole).proposed, r.proposed) << what;
+  }
+}
+
+// A random head's drafts are almost never accepted: with min_draft_acceptance each request drafts
+// K at first, then stops (probing with one draft now and then), and the output stays the same.
+TEST_P(MtpEngine, PoorAcceptanceStopsARequestsDraftsLosslessly) {
+  const RunResult always = run(GetParam(), config(3));
+  RunConfig rc = config(3);
+  rc.min_draft_acceptance = 0.3;
+  const RunResult adaptive = run(GetParam(), rc);
+  expect_greedy(adaptive, "adaptive");
+  EXPECT_EQ(adaptive.tokens, always.tokens);
+  expect_counters(adaptive, 3, "adaptive");
+  const SpecDecodeStats& a = adaptive.stats.spec_decode;
+  const SpecDecodeStats& b = always.stats.spec_decode;
+  ASSERT_LT(b.acceptance_rate(), 0.2);
+  EXPECT_LT(a.num_draft_tokens * 3, b.num_draft_tokens);
+  for (const auto& [id, steps] : adaptive.verified) {
+    EXPECT_EQ(steps.front().drafts.size(), 3u) << "request " << id;  // optimistic at first
   }
 }
 

@@ -106,6 +106,22 @@ TEST(SpeculativeEngine, NgramDraftsAreLosslessAndSaveSteps) {
   }
 }
 
+// min_draft_acceptance: each request drafts what its own acceptance says lands; greedy and seeded
+// output stay the output without, and requests whose n-gram drafts miss draft fewer.
+TEST(SpeculativeEngine, MinDraftAcceptanceKeepsTheOutputAndDraftsLess) {
+  SpeculativeConfig ngram = ngram_k4();
+  for (const float temperature : {0.0f, 0.8f}) {
+    const Decoded plain = run({}, temperature);
+    const Decoded all = run(ngram, temperature);
+    SpeculativeConfig adaptive = ngram;
+    adaptive.min_draft_acceptance = 0.5;
+    const Decoded cut = run(adaptive, temperature);
+    EXPECT_EQ(cut.tokens, plain.tokens) << "temperature " << temperature;
+    EXPECT_GT(cut.stats.num_accepted_tokens, 0u);
+    EXPECT_LT(cut.stats.num_draft_tokens, all.stats.num_draft_tokens);
+  }
+}
+
 // vLLM's disable_by_batch_size: with three requests running no step carries drafts above a
 // threshold of 2, and the output stays the output without speculation; once requests finish and
 // the batch is within it again, drafting resumes (the run is longer than the shortest requests).

@@ -34,6 +34,65 @@ TEST(SpeculativeConfig, ParsesVllmsJson) {
   EXPECT_FALSE(SpeculativeConfig{}.enabled());
 }
 
+TEST(SpeculativeConfig, MinDraftAcceptance) {
+  const SpeculativeConfig c = SpeculativeConfig::parse(
+      R"({"method": "mtp", "num_speculative_tokens": 2, "min_draft_acceptance": 0.4})");
+  EXPECT_DOUBLE_EQ(c.min_draft_acceptance, 0.4);
+  EXPECT_EQ(c.describe(), "mtp k=2, drafts landing >= 0.4");
+  for (const char* bad : {"0", "1", "1.5", "-0.2", "\"high\""}) {
+    const std::string json =
+        str(R"({"method": "ngram", "num_speculative_tokens": 2, "min_draft_acceptance": )", bad, "}");
+    EXPECT_NE(test::error_text([&] { SpeculativeConfig::parse(json); })
+                  .find("'min_draft_acceptance' must be a number between 0 and 1"),
+              std::string::npos)
+        << bad;
+  }
+}
+
+// A request starts at K drafts, keeps the drafts likely to land under its recent acceptance, stops
+// when even the first is unlikely, and probes with one draft after 4, 8, 16 ... steps off.
+TEST(DraftLength, FollowsTheRequestsAcceptance) {
+  DraftLength d(4, 0.3);
+  EXPECT_EQ(d.next(), 4);
+  for (int i = 0; i < 20; ++i) d.observe(4, 4);  // everything accepted
+  EXPECT_GT(d.acceptance(), 0.99);
+  EXPECT_EQ(d.next(), 4);
+  // Half of the drafts reached accepted: draft 0 lands 0.5, draft 1 0.25 < 0.3.
+  for (int i = 0; i <= 40; ++i) d.observe(1, i % 2);
+  EXPECT_NEAR(d.acceptance(), 0.5, 0.1);
+  EXPECT_EQ(d.next(), 1);
+  // Rejected every time: off (the step whose next() said 0 is the first without), then a probe
+  // after 4 steps without; a failed probe doubles the wait.
+  int steps = 0;
+  while (d.next() > 0) {
+    d.observe(1, 0);
+    ASSERT_LT(++steps, 10);
+  }
+  int off = 1;
+  for (int wait : {4, 8, 16, 32, 64, 64}) {
+    for (int i = off; i < wait; ++i) EXPECT_EQ(d.next(), 0) << wait;
+    off = 0;
+    EXPECT_EQ(d.next(), 1) << wait;
+    EXPECT_EQ(d.next(), 1) << wait;  // until a probe is verified
+    d.observe(1, 0);
+  }
+  // A probe accepted: the wait drops back to 4, and drafting resumes once acceptance recovers.
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(d.next(), 0);
+  EXPECT_EQ(d.next(), 1);
+  d.observe(1, 1);
+  int probes = 0;
+  for (int step = 0; step < 40 && d.next() < 4; ++step) {
+    if (d.next() > 0) {
+      d.observe(1, 1);
+      ++probes;
+    }
+  }
+  EXPECT_GE(probes, 1);
+  EXPECT_EQ(d.next(), 4);
+  EXPECT_THROW(d.observe(2, 3), Error);
+  EXPECT_THROW(DraftLength(0, 0.5), Error);
+}
+
 TEST(SpeculativeConfig, BadConfigurationsNameTheField) {
   auto error = [](const std::string& json) {
     return test::error_text([&] { SpeculativeConfig::parse(json); });
