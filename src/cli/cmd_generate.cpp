@@ -141,7 +141,8 @@ CommandRegistrar generate_command({
                      "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                      "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}' or "
                      "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's "
-                     "MTP head, or \"model\": DIR for a separate one); lossless: the same "
+                     "MTP head, or \"model\": DIR for a separate one; \"min_draft_acceptance\": "
+                     "R drafts only what lands with probability >= R); lossless: the same "
                      "tokens, in fewer steps when drafts are accepted");
       add_backend_options(sub, o->backend);
       return [o] { return run_generate(*o); };

@@ -353,7 +353,9 @@ CommandRegistrar serve_command({
                      "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 5}' or "
                      "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (the checkpoint's "
                      "MTP head, or \"model\": DIR for a separate one); \"disable_by_batch_size\": B "
-                     "turns drafting off while more than B requests run");
+                     "turns drafting off while more than B requests run; \"min_draft_acceptance\": R "
+                     "drafts per request only what its own recent acceptance says lands with "
+                     "probability >= R");
       sub.add_option("--tool-call-parser", o->tool_call_parser,
                      "how the model writes tool calls, as vLLM names it: hermes (Qwen3) or "
                      "qwen3_coder (Qwen3.5, Qwen3-Coder) (default: the format the chat template "
