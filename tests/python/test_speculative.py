@@ -2,7 +2,8 @@
 n-gram drafts the output is token for token the output without them (greedy and seeded sampling, with chunked
 prefill, a prefix hit and preemption in the run) and the spec-decode metrics count the drafts; with MTP drafts
 from a separate head directory ("model": DIR, a Qwen3-MoE target that ships none) `relay generate` writes the
-same text as without; configurations that cannot run fail at start with a message naming the field or file.
+same text as without; per-request draft lengths (min_draft_acceptance) leave the server's answers unchanged;
+configurations that cannot run fail at start with a message naming the field or file.
 MTP on the hybrid checkpoints' own heads is in test_hybrid_serving.py."""
 import concurrent.futures as cf
 import json
@@ -68,6 +69,10 @@ def test_server_with_ngram_drafts_answers_the_same(relay_bin):
                for p in range(4)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     assert metrics["relay:num_preemptions_total" + label] > 0 or metrics["relay:prefix_cache_hits_total" + label] > 0
+    # Per-request draft lengths (min_draft_acceptance) change how many drafts are verified, never the text.
+    adaptive, _ = serve_outputs(relay_bin, "--speculative-config",
+                                json.dumps({**json.loads(NGRAM), "min_draft_acceptance": 0.5}))
+    assert adaptive == plain
 
 
 def test_bad_configurations_fail_at_start(relay_bin):
@@ -81,6 +86,8 @@ def test_bad_configurations_fail_at_start(relay_bin):
                             (json.dumps({"method": "mtp", "num_speculative_tokens": 1, "model": str(missing)}),
                              f"the MTP head directory {missing} (\"model\" in the speculative config) does not exist"),
                             ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "'model' is an mtp option"),
+                            ('{"method": "ngram", "num_speculative_tokens": 2, "min_draft_acceptance": 1.5}',
+                             "'min_draft_acceptance' must be a number between 0 and 1"),
                             ("not json", "not valid JSON")]:
         r = subprocess.run([str(relay_bin), "generate", "--prompt", "x", "--speculative-config", config],
                            capture_output=True, text=True, timeout=120)
