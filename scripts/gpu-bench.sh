@@ -14,7 +14,7 @@
 # forced acceptance 0.8); decode-curve (bf16 and FP8 decode against batch); gdn-kernels, gdn-model,
 # q35, attn-quick (Qwen3.5 shapes and kernels); q35-mtp, b256, spec-adapt (MTP and
 # min_draft_acceptance through the engine); compare (bin/before/relay against this one);
-# demo-engine, hybrid, hybrid-bench, serve-smoke; tidy (drops tests.log from $OUT). A bin/before
+# demo-engine, hybrid, hybrid-bench; tidy (drops tests.log from $OUT). A bin/before
 # directory in the pack holds an older relay for the before/after modes (SIDES picks the sides;
 # FULL=0 skips gdn-model's full-depth FP8 run).
 set -uo pipefail
@@ -71,10 +71,6 @@ for l in "$@"; do
           grep -v '"profile"' "$OUT/cmp-$side-$round.log" | grep -o '"mode":"[a-z]*"\|"batch":[0-9]*\|"context":[0-9]*\|"ms_per_step":[0-9.]*' | paste -sd' ' | cut -c1-600
         done
       done ;;
-    serve-smoke)
-      bash scripts/unpack-models.sh > /dev/null 2>&1
-      timeout 240 python3 bench/results/2026-12-06-h100-cuda-constraints/serve_smoke.py "$bin/relay" > "$OUT/serve-smoke.log" 2>&1
-      echo "serve-smoke rc $?"; cut -c1-300 "$OUT/serve-smoke.log"; tail -5 /tmp/serve-cuda.log ;;
     hybrid)  # issue 25: the demo hybrid on both devices (greedy text), then through the engine bench
       bash scripts/unpack-models.sh > /dev/null 2>&1
       P="def fibonacci(n):"
