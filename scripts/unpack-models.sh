@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Unpacks the embedded models (their weights, and relay-demo-moe's tokenizer, ship xz-compressed) and
-# the tokenizer conformance corpus (tests/fixtures/tokenizer), and checks each file against its .sha256. Idempotent: files that are already there and correct are left
-# alone. relay-demo-hybrid uses the same tokenizer (Qwen3's), which ships once, with relay-demo-moe.
+# the tokenizer conformance corpus (tests/fixtures/tokenizer), and checks each file against its
+# .sha256. Idempotent: files that are already there and correct are left alone. relay-demo-hybrid
+# uses the same tokenizer (Qwen3's), which ships once, with relay-demo-moe.
 set -euo pipefail
 models="$(cd "$(dirname "$0")/.." && pwd)/models"
 moe="$models/relay-demo-moe"

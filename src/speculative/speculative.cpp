@@ -68,7 +68,7 @@ SpeculativeConfig SpeculativeConfig::parse(std::string_view json_text) {
 }
 
 std::string SpeculativeConfig::describe() const {
-  const std::string off_above =
+  const std::string limits =
       (disable_by_batch_size > 0 ? str(", off above ", disable_by_batch_size, " running") : "") +
       (min_draft_acceptance > 0 ? str(", drafts landing >= ", min_draft_acceptance) : "");
   switch (method) {
@@ -76,10 +76,10 @@ std::string SpeculativeConfig::describe() const {
       return "off";
     case Method::kNgram:
       return str("ngram k=", num_speculative_tokens, " lookup ", prompt_lookup_min, "..",
-                 prompt_lookup_max, off_above);
+                 prompt_lookup_max, limits);
     case Method::kMtp:
       return str("mtp k=", num_speculative_tokens, model.empty() ? "" : str(" head ", model),
-                 off_above);
+                 limits);
   }
   return "";
 }
