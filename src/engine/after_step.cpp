@@ -1,6 +1,8 @@
 // See after_step.h.
 #include "engine/after_step.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace relay {
@@ -35,17 +37,27 @@ std::vector<StateCopy> draft_state_copies(const StepSequence& s, size_t accepted
 }
 
 std::vector<MtpCatchUp> plan_mtp_catch_up(std::span<const StepSequence> batch,
-                                          std::span<const SampledToken> sampled) {
+                                          std::span<const SampledToken> sampled, int max_drafts,
+                                          int block_size) {
   const std::vector<std::span<const SampledToken>> runs = tokens_per_sequence(batch, sampled);
   std::vector<MtpCatchUp> out(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     const StepSequence& s = batch[i];
     const int t = static_cast<int>(s.tokens.size());
+    out[i].first_position = s.num_computed;
     if (s.sample) {
       const size_t n = runs[i].size();
       if (n == 0) continue;  // sampled on another node, which drafts for it
       // Its rows up to the last accepted draft's; after that comes the token sampled last.
-      out[i] = {t - s.num_draft_tokens + static_cast<int>(n) - 1, runs[i].back().token};
+      out[i].rows = t - s.num_draft_tokens + static_cast<int>(n) - 1;
+      out[i].next_token = runs[i].back().token;
+      if (s.proposed_drafts == nullptr) continue;
+      // Chain row k writes its K/V at chain_position(k): the chain stops where the table ends.
+      const int64_t room = static_cast<int64_t>(s.block_table.size()) * block_size;
+      const int cap = std::min(max_drafts, s.max_proposed_drafts);
+      int& drafts = out[i].drafts;
+      drafts = cap > 0 ? 1 : 0;
+      while (drafts < cap && out[i].chain_position(drafts) < room) ++drafts;
       continue;
     }
     // A prompt chunk: the token after its last row is the sequence's next one (the prompt's, or an
@@ -53,11 +65,11 @@ std::vector<MtpCatchUp> plan_mtp_catch_up(std::span<const StepSequence> batch,
     // row gets no MTP row, and the row before it pairs with its last token.
     const size_t next = static_cast<size_t>(s.num_computed) + static_cast<size_t>(t);
     if (next < s.prompt_tokens.size()) {
-      out[i] = {t, s.prompt_tokens[next]};
+      out[i].rows = t, out[i].next_token = s.prompt_tokens[next];
     } else if (next - s.prompt_tokens.size() < s.output_tokens.size()) {
-      out[i] = {t, s.output_tokens[next - s.prompt_tokens.size()]};
+      out[i].rows = t, out[i].next_token = s.output_tokens[next - s.prompt_tokens.size()];
     } else {
-      out[i] = {t - 1, s.tokens[static_cast<size_t>(t) - 1]};
+      out[i].rows = t - 1, out[i].next_token = s.tokens[static_cast<size_t>(t) - 1];
     }
   }
   return out;

@@ -43,12 +43,23 @@ std::vector<StateCopy> draft_state_copies(const StepSequence& s, size_t accepted
 struct MtpCatchUp {
   int rows = 0;             // of the step's chunk (0: none)
   int32_t next_token = -1;  // the token after the last of them
+  // The drafts the head proposes for the sequence (0: it wants none): the catch-up's last row
+  // gives the first, chain row k (1 <= k < drafts) the next.
+  int drafts = 0;
+  int32_t first_position = 0;  // the catch-up's first row's position (the step's num_computed)
+  // The position chain row k computes at: right after the catch-up's last row, then one further
+  // per row.
+  int32_t chain_position(int k) const { return first_position + rows + k - 1; }
 };
 
 // A sampling sequence catches up over its rows up to its last accepted draft's (none when another
 // node sampled it: that node drafts for it); a prompt chunk over all its rows when the token after
 // it is known (the prompt's next, or an output's in a recompute), else over all but its last.
+// A sequence that wants drafts (proposed_drafts set, this node sampled it) gets at most
+// max_drafts, at most its max_proposed_drafts, and only chain rows inside its block table
+// (block_size positions a block; the scheduler's lookahead blocks make room for max_drafts - 1).
 std::vector<MtpCatchUp> plan_mtp_catch_up(std::span<const StepSequence> batch,
-                                          std::span<const SampledToken> sampled);
+                                          std::span<const SampledToken> sampled, int max_drafts,
+                                          int block_size);
 
 }  // namespace relay

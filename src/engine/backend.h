@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -99,9 +100,12 @@ struct StepSequence {
   int32_t restore_state_snapshot = -1;
   std::span<const SnapshotSave> save_state_snapshots;
   // When the backend drafts itself (num_proposed_drafts() > 0, an MTP head): the drafts for the
-  // sequence's next step, replaced by a step that samples it (at most num_proposed_drafts(); fewer
-  // when its KV blocks end first); null when none are wanted.
+  // sequence's next step, replaced by a step that samples it (at most num_proposed_drafts() and
+  // max_proposed_drafts; fewer when its KV blocks end first); null when none are wanted.
   std::vector<int32_t>* proposed_drafts = nullptr;
+  // The engine's draft-length control (min_draft_acceptance) asks for fewer: the head's chain
+  // stops there instead of computing rows nobody verifies.
+  int32_t max_proposed_drafts = std::numeric_limits<int32_t>::max();
 
   // How many rows of `tokens` prompt logprobs score (0 unless asked).
   size_t num_prompt_logprob_rows() const {

@@ -319,7 +319,7 @@ int32_t CpuBackend::local_snapshot_slot(const Rank& r, const StepSequence& s, in
 std::vector<std::vector<int32_t>> CpuBackend::propose_mtp_drafts(
     std::span<const StepSequence> batch, std::span<const SampledToken> sampled) {
   // Per sequence: its catch-up rows and the token after them (engine/after_step.h).
-  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled);
+  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled, num_mtp_drafts_, block_size());
   const int bs = block_size();
   const size_t hidden = static_cast<size_t>(config().hidden_size);
   // Under DP attention + EP the head's MoE exchanges every rank's rows: each rank runs all
@@ -335,8 +335,6 @@ std::vector<std::vector<int32_t>> CpuBackend::propose_mtp_drafts(
     m.reset(r.batch.max_blocks_per_seq);
     FlatBatch& f = m.flat;
     const std::span<const float> target_hidden = r.model->last_hidden();
-    // Where each member's chain goes on: the position of its next chained row (-1: no chain).
-    std::vector<int32_t> chain_at(r.members.size(), -1);
     for (size_t mi = 0; mi < r.members.size(); ++mi) {
       const size_t i = r.members[mi];
       const StepSequence& s = batch[i];
@@ -349,10 +347,9 @@ std::vector<std::vector<int32_t>> CpuBackend::propose_mtp_drafts(
       f.append(next, s.num_computed, member_table(r, mi), bs);
       const auto rows_begin = target_hidden.begin() + static_cast<ptrdiff_t>(first * hidden);
       m.hidden.insert(m.hidden.end(), rows_begin, rows_begin + static_cast<ptrdiff_t>(rows * hidden));
-      if (s.sample && s.proposed_drafts != nullptr) {
+      if (catch_up[i].drafts > 0) {
         f.logit_rows.push_back(static_cast<int32_t>(f.token_ids.size()) - 1);
         m.logit_member.push_back(mi);
-        chain_at[mi] = s.num_computed + rows;
       }
     }
     // NOTE: the ranks of one DP group build the same batches, so they stop together.
@@ -365,7 +362,7 @@ std::vector<std::vector<int32_t>> CpuBackend::propose_mtp_drafts(
     run_mtp_step(r);
     for (int step = 1; step < num_mtp_drafts_; ++step) {
       // Each chaining member's next row: its last draft at the next position, on the MTP
-      // output of its previous row; it stops where its blocks (with the lookahead) end.
+      // output of its previous row, until it has its plan's drafts.
       const std::vector<int32_t> prev_rows = f.logit_rows;
       const std::vector<size_t> prev_members = m.logit_member;
       const std::span<const float> prev_hidden = r.model->last_hidden();
@@ -373,15 +370,14 @@ std::vector<std::vector<int32_t>> CpuBackend::propose_mtp_drafts(
       m.reset(r.batch.max_blocks_per_seq);
       for (size_t x = 0; x < prev_members.size(); ++x) {
         const size_t mi = prev_members[x];
-        const int32_t pos = chain_at[mi];
-        const StepSequence& s = batch[r.members[mi]];
-        if (pos >= static_cast<int64_t>(s.block_table.size()) * bs) continue;
-        f.append(std::span<const int32_t>(&r.drafts[mi].back(), 1), pos, member_table(r, mi), bs);
+        const MtpCatchUp& plan = catch_up[r.members[mi]];
+        if (step >= plan.drafts) continue;
+        f.append(std::span<const int32_t>(&r.drafts[mi].back(), 1), plan.chain_position(step),
+                 member_table(r, mi), bs);
         const auto row = prev_hidden.begin() + static_cast<ptrdiff_t>(prev_rows[x] * hidden);
         chained_hidden.insert(chained_hidden.end(), row, row + static_cast<ptrdiff_t>(hidden));
         f.logit_rows.push_back(static_cast<int32_t>(f.token_ids.size()) - 1);
         m.logit_member.push_back(mi);
-        chain_at[mi] = pos + 1;
       }
       if (f.token_ids.empty()) {
         if (!exchange) break;

@@ -361,6 +361,18 @@ void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
                 {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
     }
   }
+  // Qwen3.5-35B-A3B's gated attention: 16 q heads, 2 KV heads, head_dim 256.
+  for (int len : quick ? std::vector<int>{4096} : std::vector<int>{4096, 16384}) {
+    AttnSetup a({{len, len}}, 16, 2, 256, 16, rng);
+    const double flops = 4.0 * 16 * 256 * (double(len) * len / 2);
+    for (auto kind : {kernels::PrefillAttentionKind::Wgmma, kernels::PrefillAttentionKind::MmaSync}) {
+      const double ms =
+          time_ms([&](int) { kernels::launch_paged_attention(a.p, kind, nullptr); }, quick ? 3 : 10);
+      rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"variant", kernels::prefill_attention_kind_name(kind)},
+                {"tokens", len}, {"q_heads", 16}, {"kv_heads", 2}, {"head_dim", 256}, {"ms", ms},
+                {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+    }
+  }
   // Batch 1 at three contexts separates the kernel's fixed cost from its streaming rate.
   for (auto [batch, ctx] : quick ? std::vector<std::pair<int, int>>{{1, 512}, {1, 4096}, {1, 32768}, {64, 4096}}
                                  : std::vector<std::pair<int, int>>{{1, 512}, {1, 4096}, {1, 32768}, {64, 4096},

@@ -55,10 +55,9 @@ struct LLMEngine::Request {
   // What a decode with drafts computes (its StepSequence::tokens): its last token, then the drafts.
   std::vector<int32_t> step_tokens;
   std::vector<int32_t> proposed_drafts;  // from the backend's draft head (MTP), for the next step
-  // With min_draft_acceptance: how many drafts its steps carry, and this step's choice for the
-  // next (the MTP head's proposals are cut to it).
+  // With min_draft_acceptance: how many drafts its steps carry (the MTP head proposes at most
+  // that many: StepSequence::max_proposed_drafts).
   std::optional<DraftLength> draft_length;
-  int num_next_drafts = 0;
   std::string text;     // the output text so far
   size_t num_sent = 0;  // bytes of `text` already returned
   size_t max_stop_len = 0;
@@ -406,8 +405,8 @@ std::vector<RequestOutput> LLMEngine::step() {
     }
     if (c.sample && backend_->num_proposed_drafts() > 0) {
       r.proposed_drafts.clear();
-      r.num_next_drafts = next_drafts(r);
-      if (r.num_next_drafts > 0) s.proposed_drafts = &r.proposed_drafts;
+      s.max_proposed_drafts = next_drafts(r);
+      if (s.max_proposed_drafts > 0) s.proposed_drafts = &r.proposed_drafts;
     }
     if (c.sample) {
       // NOTE: set_drafts kept only drafts the grammar allows, from the state it is still in.
@@ -493,9 +492,7 @@ std::vector<RequestOutput> LLMEngine::step() {
     if (s.proposed_drafts == nullptr) continue;
     const auto it = requests_.find(s.seq_id);
     if (it == requests_.end() || it->second->proposed_drafts.empty()) continue;
-    const Request& r = *it->second;
-    set_drafts(s.seq_id, std::span<const int32_t>(r.proposed_drafts)
-                             .first(std::min<size_t>(r.proposed_drafts.size(), r.num_next_drafts)));
+    set_drafts(s.seq_id, it->second->proposed_drafts);
   }
   last_step_.outputs_s = std::chrono::duration<double>(Clock::now() - forward_end).count();
   return outputs;

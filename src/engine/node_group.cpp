@@ -144,6 +144,7 @@ std::vector<uint8_t> encode_step(NodeCommand command, std::span<const StepSequen
       w.put(s.sample_index);
       w.put(s.num_draft_tokens);
       w.put(static_cast<uint8_t>(s.proposed_drafts != nullptr));
+      w.put(s.max_proposed_drafts);
       history = reads_history(*s.sampling);
       w.put_array(s.allowed_tokens);
       std::vector<int32_t> bias_tokens;
@@ -222,6 +223,7 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
           "node message: sequence ", s.seq_id, " has ", s.num_draft_tokens, " drafts among its ",
           s.tokens.size(), " tokens");
       if (r.get<uint8_t>() != 0) s.proposed_drafts = &step.proposed_drafts[i];
+      s.max_proposed_drafts = r.get<int32_t>();
       step.allowed_tokens[i] = r.get_array<uint32_t>();
       RELAY_CHECK(
           step.allowed_tokens[i].size() % (1 + static_cast<size_t>(s.num_draft_tokens)) == 0,

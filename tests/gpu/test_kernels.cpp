@@ -245,7 +245,7 @@ TEST(GpuKernels, PagedAttentionPrefill) {
 // Every prefill kernel over the shapes that stress its tiling: one-token and odd-length sequences,
 // a tile's rows spanning sequences' ends, chunked prefill over earlier context, several sequences
 // with decodes mixed in, block sizes from 4 (a 128-position tile spans 32 blocks) to 128, long
-// prompts (many KV tiles, the heaviest-first order) and both GQA groups of the targets.
+// prompts (many KV tiles, the heaviest-first order), both GQA groups of the targets and head_dim 256.
 TEST(GpuKernels, PagedAttentionPrefillKernels) {
   using kernels::PrefillAttentionKind;
   std::mt19937 rng(17);
@@ -259,6 +259,10 @@ TEST(GpuKernels, PagedAttentionPrefillKernels) {
     check_attention({{1000, 1000}}, 32, 4, 128, 16, rng, kind);
     check_attention({{65, 65}, {300, 500}}, 64, 4, 128, 16, rng, kind);
     check_attention({{31, 31}}, 16, 16, 128, 16, rng, kind);  // group 1: a tile holds 64 tokens
+    // Qwen3.5's gated attention: head_dim 256, GQA 16/2 (the wgmma kernel's 64-position tiles).
+    check_attention({{1, 1}, {70, 70}}, 16, 2, 256, 16, rng, kind);
+    check_attention({{100, 260}, {5, 5}}, 16, 2, 256, 4, rng, kind);
+    check_attention({{700, 700}}, 16, 2, 256, 32, rng, kind);
   }
 }
 
@@ -763,7 +767,8 @@ TEST(GpuKernels, MoeGroupedMatmul) {
 // sequences (one token, a short chunk, a long one of 150 tokens; one fresh, two continuing random
 // states in scattered slots, one taking snapshots mid-chunk, the long one at its tokens 55 and 70;
 // and graph padding without a slot), then one token each, then four with three long ones (one
-// exactly a 64-token chunk, fresh, with snapshots at its rows 3, 6 and 63; one without a slot), at
+// exactly a 64-token chunk, fresh, with snapshots at its rows 3, 6 and 63; one without a slot),
+// then continuing sequences starting just before the conv's 16-token tile boundary, at
 // the released shapes' head dims and small odd ones; at the released dims the recurrence also in
 // its chunked form; then the sigmoid gate, per element and per row with accumulation.
 TEST(GpuKernels, GatedDeltaNetOps) {
@@ -773,7 +778,7 @@ TEST(GpuKernels, GatedDeltaNetOps) {
   for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 3, 24, 40}})
   for (const std::vector<int32_t>& starts :
        {std::vector<int32_t>{0, 1, 8, 158, 162}, std::vector<int32_t>{0, 1, 2, 3, 4},
-        std::vector<int32_t>{0, 64, 65, 200, 330}}) {
+        std::vector<int32_t>{0, 64, 65, 200, 330}, std::vector<int32_t>{0, 13, 14, 60, 100}}) {
     SCOPED_TRACE(::testing::Message() << "key_dim " << sh.key_dim << " value_dim " << sh.value_dim
                                       << ", " << starts.back() << " tokens");
     std::mt19937 rng(31 + sh.key_dim);

@@ -50,14 +50,13 @@ void RankEngine::mtp_idle() {
 void RankEngine::propose_mtp(std::span<const StepSequence> batch,
                              std::span<const SampledToken> sampled, bool lead) {
   if (mtp_graphable()) return propose_mtp_graphed(batch, sampled, lead);
-  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled);
+  const std::vector<MtpCatchUp> catch_up =
+      plan_mtp_catch_up(batch, sampled, opt.num_mtp_drafts, opt.block_size);
   // The step's token rows (a graph step's include its fillers): where each sequence's hidden rows
   // are in `normed`. upload_batch below replaces `flat`.
   const std::vector<int32_t> step_starts = flat.query_starts;
   const int step_rows = step_starts.back();
-  const int bs = opt.block_size;
   std::vector<std::vector<int32_t>> drafts(batch.size()), tokens(batch.size());
-  std::vector<int32_t> chain_at(batch.size(), -1);  // the position of each chain's next row
   std::vector<StepSequence> rows;  // the head's batch
   std::vector<int32_t> logit_rows, hidden_rows;
   std::vector<size_t> logit_member;
@@ -75,10 +74,9 @@ void RankEngine::propose_mtp(std::span<const StepSequence> batch,
     r.num_computed = s.num_computed;
     r.block_table = s.block_table;
     rows.push_back(r);
-    if (s.sample && s.proposed_drafts != nullptr) {
+    if (catch_up[i].drafts > 0) {
       logit_rows.push_back(static_cast<int32_t>(hidden_rows.size()) - 1);
       logit_member.push_back(i);
-      chain_at[i] = s.num_computed + n;
     }
   }
   const bf16* hidden_in = normed;
@@ -104,8 +102,7 @@ void RankEngine::propose_mtp(std::span<const StepSequence> batch,
     RELAY_CUDA_CHECK(cudaStreamSynchronize(stream));
     for (int x = 0; x < n; ++x) drafts[logit_member[x]].push_back(tokens_host[x]);
     // The next chained row of each drafting sequence: its last draft at the next position, on
-    // the head's output at its last row; a chain stops where its blocks (with the scheduler's
-    // lookahead) end.
+    // the head's output at its last row, until it has its plan's drafts.
     const std::vector<int32_t> prev_rows = logit_rows;
     const std::vector<size_t> prev_members = logit_member;
     rows.clear();
@@ -115,18 +112,18 @@ void RankEngine::propose_mtp(std::span<const StepSequence> batch,
     for (size_t x = 0; x < prev_members.size(); ++x) {
       const size_t i = prev_members[x];
       const StepSequence& s = batch[i];
-      if (chain_at[i] >= static_cast<int64_t>(s.block_table.size()) * bs) continue;
+      const int k = step + 1;  // the chain row this forward computes
+      if (k >= catch_up[i].drafts) continue;
       tokens[i] = {drafts[i].back()};
       StepSequence r;
       r.seq_id = s.seq_id;
       r.tokens = tokens[i];
-      r.num_computed = chain_at[i];
+      r.num_computed = catch_up[i].chain_position(k);
       r.block_table = s.block_table;
       rows.push_back(r);
       hidden_rows.push_back(prev_rows[x]);
       logit_rows.push_back(static_cast<int32_t>(hidden_rows.size()) - 1);
       logit_member.push_back(i);
-      chain_at[i] += 1;
     }
     hidden_in = normed;
     hidden_count = sh.tokens;
@@ -149,7 +146,7 @@ void RankEngine::propose_mtp_graphed(std::span<const StepSequence> batch,
   const Shape target = last_shape;
   const int P = target.seqs, q = target.per_seq, W = target.width, K = opt.num_mtp_drafts;
   const int bs = opt.block_size, B = static_cast<int>(batch.size());
-  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled);
+  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled, K, bs);
   // The catch-up in the target step's shape. Row j of a sequence reads the token after row j:
   // the next of its tokens while they were accepted, the token sampled after its last accepted
   // one there, and past it (rows whose outputs nobody reads) its rejected drafts.
@@ -183,21 +180,17 @@ void RankEngine::propose_mtp_graphed(std::span<const StepSequence> batch,
   std::iota(mtp_rows_host + T + P, mtp_rows_host + T + 2 * P, 0);
   RELAY_CUDA_CHECK(cudaMemcpyAsync(mtp_rows_dev, mtp_rows_host, (T + 2 * P) * sizeof(int32_t),
                                    cudaMemcpyHostToDevice, stream));
-  // The chain's metadata: chain step s computes each sequence's row at position num_computed +
-  // accepted + s, while that is inside its blocks; past them, a row clamped into the table's
-  // width that writes nothing.
+  // The chain's metadata: every sequence computes all K - 1 chain rows (one graph), a row of its
+  // plan's chain where it has one; past it, a row clamped into the table's width that writes
+  // nothing, its draft dropped below.
   const MtpChainMeta c = MtpChainMeta::make(P, W);
-  auto position = [&](int i, int step) { return batch[i].num_computed + accepted[i] + step; };
-  auto inside = [&](int i, int step) {
-    return position(i, step) < static_cast<int64_t>(batch[i].block_table.size()) * bs;
-  };
   auto fill_rows = [&](int step, int64_t* slots, int32_t* positions, int32_t* contexts) {
     for (int x = 0; x < P; ++x) {
       int32_t pos = 0;
       int64_t slot = -1;
       if (x < B) {
-        pos = std::min(position(x, step), W * bs - 1);
-        if (inside(x, step)) slot = int64_t{batch[x].block_table[pos / bs]} * bs + pos % bs;
+        pos = std::min(catch_up[x].chain_position(step), W * bs - 1);
+        if (step < catch_up[x].drafts) slot = int64_t{batch[x].block_table[pos / bs]} * bs + pos % bs;
       }
       slots[x] = slot;
       positions[x] = pos;
@@ -267,8 +260,8 @@ void RankEngine::propose_mtp_graphed(std::span<const StepSequence> batch,
   for (int i = 0; i < B; ++i) {
     if (batch[i].proposed_drafts == nullptr) continue;
     std::vector<int32_t>& d = *batch[i].proposed_drafts;
-    d.assign(1, mtp_drafts_host[i]);
-    for (int step = 1; step < K && inside(i, step); ++step) d.push_back(mtp_drafts_host[step * P + i]);
+    d.clear();
+    for (int step = 0; step < catch_up[i].drafts; ++step) d.push_back(mtp_drafts_host[step * P + i]);
   }
 }
 

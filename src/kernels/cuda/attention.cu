@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   store_rows(p, o, l, q_start, num_rows, row0 + warp_row, kv_head, group);
 }
 
-// Prefill attention on Hopper's warp-group MMA (sm_90a), head_dim 128. A CTA owns 2 x 64
+// Prefill attention on Hopper's warp-group MMA (sm_90a), head_dim 128 or 256. A CTA owns 2 x 64
 // rows of one sequence and KV head (the same rows as the mma.sync kernel), every warp group reading
 // the shared K/V tile: S = Q K^T with Q and K both from shared memory (K-major), the online softmax
 // in registers (the accumulator layout is mma.sync's per warp, so the softmax code is shared), then
@@ -342,16 +342,26 @@ __global__ void __launch_bounds__(kWarps * 32)
 // block table, two K/V stages. CTAs take the row tiles heaviest first: under causality a
 // sequence's later tiles see the most context, so starting them first shortens the last wave.
 //
-// Tile shape measured on the H200 (8k causal, GQA 32/4): 128 rows x 128 positions (2 warp groups,
-// one CTA per SM, 200 registers) 334 TFLOP/s; 128 x 64 301; 64 x 64 (1 warp group, 2 CTAs per SM)
-// 281; the mma.sync kernel 179.
+// Tile shape measured on the H200 (8k causal, GQA 32/4, head_dim 128): 128 rows x 128 positions
+// (2 warp groups, one CTA per SM, 200 registers) 334 TFLOP/s; 128 x 64 301; 64 x 64 (1 warp group,
+// 2 CTAs per SM) 281; the mma.sync kernel 179. Head_dim 256 (Qwen3.5's gated attention) doubles
+// the O accumulators, so its K/V tiles are 64 positions: 128 fp32 of O, 32 of S and 16 of P per
+// thread fit the 255 registers one CTA per SM allows (212, no spills), and Q plus two stages of K
+// and V take 193 KiB of shared memory. Its P V runs as two n128 halves (wgmma's n stops at 256,
+// and one n256 instruction would name all 128 accumulators at once).
 constexpr int kWgmmaWarpGroups = 2;
-constexpr int kWgmmaBn = 128;
 
+template <int kHeadDim>
+__host__ __device__ constexpr int wgmma_bn() {
+  static_assert(kHeadDim == 128 || kHeadDim == 256, "the wgmma kernel is built for head_dim 128 and 256");
+  return kHeadDim == 256 ? 64 : 128;
+}
+
+template <int kHeadDim>
 __global__ void __launch_bounds__(kWgmmaWarpGroups * 128, 1)
     prefill_attention_wgmma_kernel(PagedAttentionParams<bf16> p, int log2_block_size) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kHeadDim = 128, kBn = kWgmmaBn;
+  constexpr int kBn = wgmma_bn<kHeadDim>();
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kBm = 64 * kWgmmaWarpGroups;
   constexpr int kThreads = 128 * kWgmmaWarpGroups;
@@ -429,7 +439,7 @@ __global__ void __launch_bounds__(kWgmmaWarpGroups * 128, 1)
     fence_proxy_async_shared();
     __syncthreads();
 
-    // S = Q K^T: 8 k16 steps over head_dim, 4 per 64-column atom.
+    // S = Q K^T: a k16 step per 16 of head_dim, 4 per 64-column atom.
     wgmma_fence_operands(s);
     wgmma_fence();
 #pragma unroll
@@ -447,8 +457,9 @@ __global__ void __launch_bounds__(kWgmmaWarpGroups * 128, 1)
     online_softmax_tile(s, tile * kBn, limit, kv_end, scale_log2, m, l, alpha);
     rescale_rows(o, alpha);
 
-    // O += P V: one k16 step per 16 cache positions; V's two 64-column atoms are kTileBytes / 2 apart.
-    // P is packed before the batch so no register write lands between its wgmmas.
+    // O += P V: one k16 step per 16 cache positions, for each 128 columns of O (two of V's 64-column
+    // atoms, which lie kBn * 128 bytes apart). P is packed before the batch so no register write
+    // lands between its wgmmas.
     uint32_t pa[kBn / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kBn / 16; ++kk) {
@@ -461,8 +472,12 @@ __global__ void __launch_bounds__(kWgmmaWarpGroups * 128, 1)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBn / 16; ++kk) {
-      const uint64_t b = gmma_desc_sw128(v_base + stage * kTileBytes + kk * 2048, kBn * 128, 1024);
-      wgmma_rs_n128_mn_major_b(&o[0][0], pa[kk], b);
+#pragma unroll
+      for (int half = 0; half < kHeadDim / 128; ++half) {
+        const uint64_t b =
+            gmma_desc_sw128(v_base + stage * kTileBytes + half * 2 * kBn * 128 + kk * 2048, kBn * 128, 1024);
+        wgmma_rs_n128_mn_major_b(&o[half * 16][0], pa[kk], b);
+      }
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -682,27 +697,20 @@ void run_mma_sync(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
   const int64_t max_tiles = (static_cast<int64_t>(p.num_tokens) * group + kBm - 1) / kBm + p.num_seqs;
   const int smem_bytes = (kBm + 4 * kBn) * kHeadDim * 2;
   auto kernel = paged_attention_kernel<kHeadDim, kWarps, kBn>;
-  static bool configured = false;  // one attribute call per instantiation
-  if (!configured) {
-    RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    configured = true;
-  }
+  allow_dynamic_smem(kernel, smem_bytes);
   dim3 grid(static_cast<unsigned>(max_tiles), p.num_kv_heads, 1);
   kernel<<<grid, kWarps * 32, smem_bytes, s>>>(p, __builtin_ctz(p.block_size));
   RELAY_CUDA_CHECK_LAUNCH("paged_attention_kernel");
 }
 
+template <int kHeadDim>
 void run_wgmma(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
-  constexpr int kBm = 64 * kWgmmaWarpGroups, kBn = kWgmmaBn;
+  constexpr int kBm = 64 * kWgmmaWarpGroups, kBn = wgmma_bn<kHeadDim>();
   const int group = p.num_q_heads / p.num_kv_heads;
   const int64_t max_tiles = (static_cast<int64_t>(p.num_tokens) * group + kBm - 1) / kBm + p.num_seqs;
-  const int smem_bytes = (kBm + 4 * kBn) * 128 * 2 + 1024;
-  auto kernel = prefill_attention_wgmma_kernel;
-  static bool configured = false;
-  if (!configured) {
-    RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    configured = true;
-  }
+  const int smem_bytes = (kBm + 4 * kBn) * kHeadDim * 2 + 1024;
+  auto kernel = prefill_attention_wgmma_kernel<kHeadDim>;
+  allow_dynamic_smem(kernel, smem_bytes);
   dim3 grid(static_cast<unsigned>(max_tiles), p.num_kv_heads, 1);
   kernel<<<grid, kWgmmaWarpGroups * 128, smem_bytes, s>>>(p, __builtin_ctz(p.block_size));
   RELAY_CUDA_CHECK_LAUNCH("prefill_attention_wgmma_kernel");
@@ -746,10 +754,9 @@ void run_decode(const PagedAttentionParams<bf16>& p, int forced_splits, cudaStre
   constexpr int kWarps = 4, kBn = 16;
   const int smem_bytes = (16 + kWarps * 4 * kBn) * kHeadDim * 2;
   auto kernel = decode_attention_kernel<kHeadDim, kWarps, kBn>;
-  static const int64_t slots = [&] {  // resident CTAs on the whole device
-    RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    return resident_ctas(kernel, kWarps * 32, smem_bytes);
-  }();
+  allow_dynamic_smem(kernel, smem_bytes);
+  // Resident CTAs on the whole device (the devices of one process are one model).
+  static const int64_t slots = resident_ctas(kernel, kWarps * 32, smem_bytes);
   const int group = p.num_q_heads / p.num_kv_heads;
   const int row_tiles = (group + 15) / 16;
   const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * row_tiles;
@@ -779,16 +786,17 @@ void dispatch_config(const PagedAttentionParams<bf16>& p, PrefillAttentionKind k
     run_decode<kHeadDim>(p, decode_splits, s);
     return;
   }
+  constexpr bool kWgmmaBuilt = kHeadDim == 128 || kHeadDim == 256;
   if (kind == PrefillAttentionKind::Auto) {
-    kind = kHeadDim == 128 && device_has_wgmma() ? PrefillAttentionKind::Wgmma : PrefillAttentionKind::MmaSync;
+    kind = kWgmmaBuilt && device_has_wgmma() ? PrefillAttentionKind::Wgmma : PrefillAttentionKind::MmaSync;
   }
   if (kind == PrefillAttentionKind::MmaSync) {
     run_mma_sync<kHeadDim>(p, s);
     return;
   }
-  RELAY_CHECK(kHeadDim == 128 && device_has_wgmma(), "paged_attention: the ", prefill_attention_kind_name(kind),
-              " kernel needs head_dim 128 on an sm_90 GPU (got head_dim ", kHeadDim, ")");
-  if constexpr (kHeadDim == 128) run_wgmma(p, s);
+  RELAY_CHECK(kWgmmaBuilt && device_has_wgmma(), "paged_attention: the ", prefill_attention_kind_name(kind),
+              " kernel needs head_dim 128 or 256 on an sm_90 GPU (got head_dim ", kHeadDim, ")");
+  if constexpr (kWgmmaBuilt) run_wgmma<kHeadDim>(p, s);
 }
 
 void launch_attention(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, int decode_splits,

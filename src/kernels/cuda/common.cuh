@@ -14,7 +14,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include "core/error.h"
@@ -209,6 +211,24 @@ void launch_dependent(const char* name, void (*kernel)(Params...), dim3 grid, di
   config.numAttrs = pdl_enabled() ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   RELAY_CHECK(err == cudaSuccess, "launch of ", name, " failed: ", cudaGetErrorString(err));
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory (past the 48 KiB default) on the current
+// device. The attribute holds per device, so a process driving several GPUs (a rank per device)
+// must set it on each: once per (kernel, device, size), on the kernel's first eager launch there,
+// before a CUDA graph captures it. A per-process flag set it on the first device only, and every
+// other rank's launch failed.
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, int bytes) {
+  static std::mutex mutex;
+  static std::set<std::tuple<const void*, int, int>> done;
+  int device = 0;
+  RELAY_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, bytes);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (done.count(key) != 0) return;
+  RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.insert(key);
 }
 
 // CTAs of `kernel` resident on the current device at once (SMs x occupancy at this block size and

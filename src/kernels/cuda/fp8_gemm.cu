@@ -455,12 +455,7 @@ template <int kBm, ScaleFormat kFormat, int kVecBytes>
 void run_tiled(const Fp8GemmArgs& a, int num_tiles, cudaStream_t s) {
   constexpr int kSmem = tiled_smem_bytes<kBm>();
   auto* kernel = fp8_gemm_tiled_kernel<kBm, kFormat, kVecBytes>;
-  static bool configured = false;  // one attribute call per instantiation, before any capture
-  if (!configured) {
-    RELAY_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    configured = true;
-  }
+  allow_dynamic_smem(kernel, kSmem);
   dim3 grid(ceil_div(a.n, kBn), num_tiles);
   kernel<<<grid, kThreads, kSmem, s>>>(a);
   RELAY_CUDA_CHECK_LAUNCH("fp8_gemm_tiled_kernel");

@@ -181,11 +181,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) grouped_gemm_tiled_kernel(Moe
 template <int kBm>
 void run_tiled(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
   constexpr int kSmem = kStages * (kBm + kBn) * kBk * 2;
-  static bool configured = false;  // one attribute call per instantiation
-  if (!configured) {
-    RELAY_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tiled_kernel<kBm>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    configured = true;
-  }
+  allow_dynamic_smem(grouped_gemm_tiled_kernel<kBm>, kSmem);
   dim3 grid(ceil_div(p.n, kBn), ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts));
   grouped_gemm_tiled_kernel<kBm><<<grid, kGemmThreads, kSmem, s>>>(p);
   RELAY_CUDA_CHECK_LAUNCH("grouped_gemm_tiled_kernel");

@@ -2,7 +2,7 @@
 // attention and the shared expert, on the GPU (semantics in kernels/ops.h; CPU references in
 // kernels/cpu/linear_attention.cpp and norm_embed.cpp).
 //
-// The conv runs a thread per (sequence, channel) with its window in registers, token by token.
+// The conv runs a thread per (channel, 16 batch tokens) with its window in registers.
 //
 // The recurrence has two forms. The decode form walks each sequence's tokens one at a time, in the
 // CPU reference's order: a CTA per (sequence, value head, 32 columns of the head's fp32 state S
@@ -45,51 +45,103 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 // torch.nn.functional.softplus with its defaults (beta 1, threshold 20).
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
+// The conv's tokens per thread: at least kMaxConvWidth, so only the tile holding a sequence's first
+// token reads the sequence's carried state (below).
+constexpr int kConvTileTokens = 16;
+
+// Token t's output: silu of the taps against the window of the `width` inputs before it, then x.
+template <int N>
+__device__ __forceinline__ float conv_step(const float (&taps)[N + 1], float (&w)[N], int width, float x) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    if (j < width) acc += taps[j] * w[j];
+  }
+  acc += taps[width] * x;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    if (j + 1 < width) w[j] = w[j + 1];
+    else if (j + 1 == width) w[j] = x;
+  }
+  return silu(acc);
+}
+
+// A thread per (channel, tile of kConvTileTokens batch tokens), so a long prompt spreads over many
+// CTAs instead of one thread walking its thousands of tokens (13.6 ms for a 4096-token prompt of
+// Qwen3.5-35B-A3B's 8 first layers). A tile takes each sequence it overlaps in turn, its window
+// starting from the inputs before its first token. Who touches a sequence's slot: the tile holding
+// the sequence's first token, alone. It reads the carried state, takes the tokens whose window
+// reaches into it (the first `width`, even past the tile's end; the next tile starts after
+// them), and writes the state the sequence ends with (its last `width` inputs, from x and, for a
+// sequence shorter than that, the old state), so no other CTA reads a slot while it changes.
+// Snapshots go to other slots, by whichever tile holds their token.
 __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
-  const int s = blockIdx.y;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= p.conv_dim) return;
   const int width = p.kernel_size - 1;
-  const bool keeps = p.state_slots[s] >= 0;  // -1: padding, no state
-  float* state = keeps ? p.conv_states + p.state_slots[s] * p.state_stride + static_cast<int64_t>(c) * width
-                       : nullptr;
-  float w[kMaxConvWidth];  // the channel's last `width` inputs, oldest first
+  const int t0 = blockIdx.y * kConvTileTokens, t1 = min(t0 + kConvTileTokens, p.num_tokens);
   float taps[kMaxConvWidth + 1];
-#pragma unroll
-  for (int j = 0; j < kMaxConvWidth; ++j) {
-    w[j] = j < width && keeps && !p.state_fresh[s] ? state[j] : 0.0f;
-  }
 #pragma unroll
   for (int j = 0; j <= kMaxConvWidth; ++j) {
     taps[j] = j <= width ? __bfloat162float(p.weight[static_cast<int64_t>(c) * p.kernel_size + j]) : 0.0f;
   }
-  for (int t = p.query_starts[s]; t < p.query_starts[s + 1]; ++t) {
-    const float x = __bfloat162float(p.x[t * p.x_stride + c]);
-    float acc = 0.0f;
+  auto input = [&](int t) { return __bfloat162float(p.x[static_cast<int64_t>(t) * p.x_stride + c]); };
+  // The first sequence that ends past t0 or starts at it or later (a token-less sequence belongs
+  // to the tile holding its start, the last tile's end included).
+  int lo = 0, hi = p.num_seqs;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (p.query_starts[mid + 1] > t0 || p.query_starts[mid] >= t0) hi = mid;
+    else lo = mid + 1;
+  }
+  for (int s = lo; s < p.num_seqs; ++s) {
+    const int start = p.query_starts[s], end = p.query_starts[s + 1];
+    if (start >= t1 && !(start == t1 && t1 == p.num_tokens && start == end)) break;
+    float w[kMaxConvWidth];  // the inputs before token t, oldest first
+    int t = start;
+    const bool owns_state = start >= t0;
+    float* state = nullptr;
+    if (owns_state) {
+      const bool keeps = p.state_slots[s] >= 0;  // -1: padding, no state
+      state = keeps ? p.conv_states + p.state_slots[s] * p.state_stride + static_cast<int64_t>(c) * width : nullptr;
 #pragma unroll
-    for (int j = 0; j < kMaxConvWidth; ++j) {
-      if (j < width) acc += taps[j] * w[j];
+      for (int j = 0; j < kMaxConvWidth; ++j) w[j] = j < width && keeps && !p.state_fresh[s] ? state[j] : 0.0f;
+    } else {
+      t = max(t0, start + width);  // the first tile took the tokens before
+#pragma unroll
+      for (int j = 0; j < kMaxConvWidth; ++j) w[j] = j < width ? input(t - width + j) : 0.0f;
     }
-    acc += taps[width] * x;
+    float old[kMaxConvWidth];  // the carried state, for the state a short sequence ends with
 #pragma unroll
-    for (int j = 0; j < kMaxConvWidth; ++j) {
-      if (j + 1 < width) w[j] = w[j + 1];
-      else if (j + 1 == width) w[j] = x;
-    }
-    p.out[static_cast<int64_t>(t) * p.conv_dim + c] = __float2bfloat16(silu(acc));
-    if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
-      float* snap =
-          p.conv_states + p.snapshot_slots[t] * p.state_stride + static_cast<int64_t>(c) * width;
+    for (int j = 0; j < kMaxConvWidth; ++j) old[j] = w[j];
+    const int stop = min(end, owns_state ? max(t1, start + width) : t1);
+    for (; t < stop; ++t) {
+      p.out[static_cast<int64_t>(t) * p.conv_dim + c] = __float2bfloat16(conv_step(taps, w, width, input(t)));
+      if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
+        float* snap = p.conv_states + p.snapshot_slots[t] * p.state_stride + static_cast<int64_t>(c) * width;
 #pragma unroll
-      for (int j = 0; j < kMaxConvWidth; ++j) {
-        if (j < width) snap[j] = w[j];
+        for (int j = 0; j < kMaxConvWidth; ++j) {
+          if (j < width) snap[j] = w[j];
+        }
       }
     }
-  }
-  if (!keeps) return;
+    if (state == nullptr) continue;
+    // Input end - width + j, which for a sequence of len < width - j tokens is old[j + len].
+    const int len = end - start;
 #pragma unroll
-  for (int j = 0; j < kMaxConvWidth; ++j) {
-    if (j < width) state[j] = w[j];
+    for (int j = 0; j < kMaxConvWidth; ++j) {
+      if (j >= width) continue;
+      float v = 0.0f;
+      if (j + len >= width) {
+        v = input(end - width + j);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kMaxConvWidth; ++i) {
+          if (i == j + len) v = old[i];
+        }
+      }
+      state[j] = v;
+    }
   }
 }
 
@@ -788,7 +840,8 @@ void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
               ") and conv_dim ", p.conv_dim, " (positive)");
   if (p.num_seqs == 0 || p.num_tokens == 0) return;
   constexpr int kThreads = 128;
-  causal_conv1d_kernel<<<dim3(ceil_div(p.conv_dim, kThreads), p.num_seqs), kThreads, 0, s>>>(p);
+  const dim3 grid(ceil_div(p.conv_dim, kThreads), ceil_div(p.num_tokens, kConvTileTokens));
+  causal_conv1d_kernel<<<grid, kThreads, 0, s>>>(p);
   RELAY_CUDA_CHECK_LAUNCH("causal_conv1d_kernel");
 }
 
@@ -816,14 +869,8 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
                 p.key_dim, " and ", p.value_dim);
     const ChunkWorkspace ws =
         carve_workspace(p.chunk_workspace, p.num_tokens, p.num_k_heads, p.num_v_heads, nullptr);
-    static const bool configured = [] {
-      RELAY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_prepare_kernel,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kPrepareBytes));
-      RELAY_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_scan_kernel,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kScanBytes));
-      return true;
-    }();
-    (void)configured;
+    allow_dynamic_smem(gdn_chunk_prepare_kernel, kPrepareBytes);
+    allow_dynamic_smem(gdn_chunk_scan_kernel, kScanBytes);
     // Chunks: at most one partial one per sequence besides num_tokens / kChunk full ones.
     const dim3 chunks(static_cast<unsigned>(ceil_div(p.num_tokens, kChunk) + p.num_seqs), p.num_v_heads);
     gdn_chunk_prepare_kernel<<<chunks, kChunkThreads, kPrepareBytes, s>>>(p, ws);

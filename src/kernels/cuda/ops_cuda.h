@@ -55,7 +55,8 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<bf16>& p, cudaSt
 void launch_paged_attention(const PagedAttentionParams<bf16>& p, cudaStream_t s);
 // Which kernel serves batches with a multi-token sequence (exposed so tests and the benchmark can
 // force each): the mma.sync kernel (any head_dim, any GPU since sm_80) or the wgmma kernel
-// (head_dim 128 on sm_90, 128 rows x 128 cache positions per tile). Auto takes wgmma where it
+// (head_dim 128 or 256 on sm_90; 128 rows x 128 cache positions per tile, x 64 at 256). Auto
+// takes wgmma where it
 // exists. Decode batches always take the split-K mma.sync kernel.
 enum class PrefillAttentionKind { Auto, MmaSync, Wgmma };
 void launch_paged_attention(const PagedAttentionParams<bf16>& p, PrefillAttentionKind kind, cudaStream_t s);

@@ -98,13 +98,18 @@ class Recorder : public Backend {
     }
     std::vector<SampledToken> out = b_->step(batch);
     for (const StepSequence& s : batch) {
-      if (s.proposed_drafts != nullptr) proposed[s.seq_id].push_back(*s.proposed_drafts);
+      if (s.proposed_drafts == nullptr) continue;
+      proposed[s.seq_id].push_back(*s.proposed_drafts);
+      // The head stops its chain at the engine's cap instead of computing rows nobody verifies.
+      EXPECT_LE(s.proposed_drafts->size(), static_cast<size_t>(s.max_proposed_drafts));
+      if (s.max_proposed_drafts < b_->num_proposed_drafts()) ++num_capped;
     }
     return out;
   }
 
   std::map<int64_t, std::vector<Verified>> verified;
   std::map<int64_t, std::vector<std::vector<int32_t>>> proposed;
+  int num_capped = 0;  // proposals asked for fewer than K drafts
 
  private:
   std::unique_ptr<CpuBackend> b_;
@@ -133,6 +138,7 @@ struct RunResult {
   EngineStats stats;
   std::map<int64_t, std::vector<Recorder::Verified>> verified;
   std::map<int64_t, std::vector<std::vector<int32_t>>> proposed;
+  int num_capped = 0;
 };
 
 RunResult run(const Head& h, const RunConfig& rc) {
@@ -193,6 +199,7 @@ RunResult run(const Head& h, const RunConfig& rc) {
   out.stats = engine.stats();
   out.verified = rec.verified;
   out.proposed = rec.proposed;
+  out.num_capped = rec.num_capped;
   return out;
 }
 
@@ -290,6 +297,7 @@ TEST_P(MtpEngine, PoorAcceptanceStopsARequestsDraftsLosslessly) {
   const SpecDecodeStats& b = always.stats.spec_decode;
   ASSERT_LT(b.acceptance_rate(), 0.2);
   EXPECT_LT(a.num_draft_tokens * 3, b.num_draft_tokens);
+  EXPECT_GT(adaptive.num_capped, 0);  // the head proposed fewer (the recorder checks at most the cap)
   for (const auto& [id, steps] : adaptive.verified) {
     EXPECT_EQ(steps.front().drafts.size(), 3u) << "request " << id;  // optimistic at first
   }
