@@ -224,6 +224,8 @@ NodeStep decode_step(std::span<const uint8_t> bytes) {
           s.tokens.size(), " tokens");
       if (r.get<uint8_t>() != 0) s.proposed_drafts = &step.proposed_drafts[i];
       s.max_proposed_drafts = r.get<int32_t>();
+      RELAY_CHECK(s.max_proposed_drafts >= 0, "node message: sequence ", s.seq_id, " asks for ",
+                  s.max_proposed_drafts, " proposed drafts");
       step.allowed_tokens[i] = r.get_array<uint32_t>();
       RELAY_CHECK(
           step.allowed_tokens[i].size() % (1 + static_cast<size_t>(s.num_draft_tokens)) == 0,

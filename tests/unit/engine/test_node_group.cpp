@@ -185,9 +185,16 @@ TEST(NodeMessages, DraftsTravelWithinTheirBounds) {
   EXPECT_EQ(got.batch[0].proposed_drafts, nullptr);
   std::vector<int32_t> proposed;
   batch[0].proposed_drafts = &proposed;
+  batch[0].max_proposed_drafts = 2;  // min_draft_acceptance's cap travels with it
   const NodeStep wants = decode_step(encode_step(NodeCommand::kStep, batch));
   ASSERT_NE(wants.batch[0].proposed_drafts, nullptr);
   EXPECT_EQ(wants.batch[0].proposed_drafts, &wants.proposed_drafts[0]);
+  EXPECT_EQ(wants.batch[0].max_proposed_drafts, 2);
+  batch[0].max_proposed_drafts = -1;
+  EXPECT_NE(test::error_text([&] { decode_step(encode_step(NodeCommand::kStep, batch)); })
+                .find("asks for -1 proposed drafts"),
+            std::string::npos);
+  batch[0].max_proposed_drafts = 2;
   batch[0].proposed_drafts = nullptr;
   auto error_of = [&](int32_t num_drafts, std::span<const uint32_t> mask) {
     batch[0].num_draft_tokens = num_drafts;
