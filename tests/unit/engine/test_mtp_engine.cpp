@@ -303,6 +303,21 @@ TEST_P(MtpEngine, PoorAcceptanceStopsARequestsDraftsLosslessly) {
   }
 }
 
+// The same under DP attention (two ranks, each drafting for its own requests and capping their
+// chains) and, where the model has experts, EP: every rank still runs K head forwards, idle ones
+// where its chains stopped early, so the head's MoE exchanges pair up.
+TEST_P(MtpEngine, PoorAcceptanceUnderDpAndEpStaysLossless) {
+  RunConfig rc = config(3);
+  rc.min_draft_acceptance = 0.3;
+  const bool moe = GetParam().name != "qwen3_5_dense";
+  rc.parallel = moe ? parallel::ParallelConfig{.ep = 2, .dp = 2} : parallel::ParallelConfig{.dp = 2};
+  const std::string what = rc.parallel.describe();
+  const RunResult adaptive = run(GetParam(), rc);
+  expect_greedy(adaptive, what);
+  expect_counters(adaptive, 3, what);
+  EXPECT_GT(adaptive.num_capped, 0) << what;
+}
+
 TEST_P(MtpEngine, SeededSamplingIsTheOutputWithoutSpeculation) {
   RunConfig rc = config(0);
   rc.temperature = 0.8f;
