@@ -319,8 +319,8 @@ int32_t CpuBackend::local_snapshot_slot(const Rank& r, const StepSequence& s, in
 std::vector<std::vector<int32_t>> CpuBackend::propose_mtp_drafts(
     std::span<const StepSequence> batch, std::span<const SampledToken> sampled) {
   // Per sequence: its catch-up rows and the token after them (engine/after_step.h).
-  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled, num_mtp_drafts_, block_size());
   const int bs = block_size();
+  const std::vector<MtpCatchUp> catch_up = plan_mtp_catch_up(batch, sampled, num_mtp_drafts_, bs);
   const size_t hidden = static_cast<size_t>(config().hidden_size);
   // Under DP attention + EP the head's MoE exchanges every rank's rows: each rank runs all
   // num_mtp_drafts_ forwards, idle ones (forward_mtp_idle) where it has no rows left.

@@ -335,9 +335,8 @@ void LLMEngine::propose_drafts() {
     if (!seq->draft_tokens.empty()) continue;
     const int k = next_drafts(*requests_.at(seq->id));
     if (k == 0) continue;
-    const std::vector<int32_t> drafts =
-        propose_ngram(seq->tokens, speculative_.prompt_lookup_min, speculative_.prompt_lookup_max, k);
-    set_drafts(seq->id, drafts);
+    set_drafts(seq->id, propose_ngram(seq->tokens, speculative_.prompt_lookup_min,
+                                      speculative_.prompt_lookup_max, k));
   }
 }
 

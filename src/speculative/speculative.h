@@ -43,7 +43,8 @@ struct SpeculativeConfig {
   bool enabled() const { return method != Method::kNone; }
   // vLLM's JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
   // "prompt_lookup_min": M} or {"method": "mtp", "num_speculative_tokens": K, "model": DIR}, either
-  // with "disable_by_batch_size": B (at least 2, as vLLM) and "min_draft_acceptance": R (0 < R < 1).
+  // with "disable_by_batch_size": B (at least 2, as vLLM) and "min_draft_acceptance": R
+  // (0 < R < 1).
   // Throws relay::Error naming the field on anything else (unknown method or field, K outside
   // [1, kMaxSpeculativeTokens], min > max, ...).
   static SpeculativeConfig parse(std::string_view json_text);

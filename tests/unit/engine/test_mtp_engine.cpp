@@ -297,7 +297,8 @@ TEST_P(MtpEngine, PoorAcceptanceStopsARequestsDraftsLosslessly) {
   const SpecDecodeStats& b = always.stats.spec_decode;
   ASSERT_LT(b.acceptance_rate(), 0.2);
   EXPECT_LT(a.num_draft_tokens * 3, b.num_draft_tokens);
-  EXPECT_GT(adaptive.num_capped, 0);  // the head proposed fewer (the recorder checks at most the cap)
+  // The head proposed fewer (the recorder checks that it proposed at most the cap).
+  EXPECT_GT(adaptive.num_capped, 0);
   for (const auto& [id, steps] : adaptive.verified) {
     EXPECT_EQ(steps.front().drafts.size(), 3u) << "request " << id;  // optimistic at first
   }
@@ -310,7 +311,8 @@ TEST_P(MtpEngine, PoorAcceptanceUnderDpAndEpStaysLossless) {
   RunConfig rc = config(3);
   rc.min_draft_acceptance = 0.3;
   const bool moe = GetParam().name != "qwen3_5_dense";
-  rc.parallel = moe ? parallel::ParallelConfig{.ep = 2, .dp = 2} : parallel::ParallelConfig{.dp = 2};
+  rc.parallel =
+      moe ? parallel::ParallelConfig{.ep = 2, .dp = 2} : parallel::ParallelConfig{.dp = 2};
   const std::string what = rc.parallel.describe();
   const RunResult adaptive = run(GetParam(), rc);
   expect_greedy(adaptive, what);
