@@ -350,27 +350,25 @@ void bench_launch_floor(Reporter& rep, bool quick) {
 
 void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
   std::mt19937 rng(6);
-  for (int len : quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}) {
-    AttnSetup a({{len, len}}, 32, 4, 128, 16, rng);
-    const double flops = 4.0 * 32 * 128 * (double(len) * len / 2);  // causal: half the square
-    for (auto kind : {kernels::PrefillAttentionKind::Wgmma, kernels::PrefillAttentionKind::MmaSync}) {
-      const double ms =
-          time_ms([&](int) { kernels::launch_paged_attention(a.p, kind, nullptr); }, quick ? 3 : 10);
-      rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"variant", kernels::prefill_attention_kind_name(kind)},
-                {"tokens", len}, {"q_heads", 32}, {"kv_heads", 4}, {"head_dim", 128}, {"ms", ms},
-                {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
-    }
-  }
-  // Qwen3.5-35B-A3B's gated attention: 16 q heads, 2 KV heads, head_dim 256.
-  for (int len : quick ? std::vector<int>{4096} : std::vector<int>{4096, 16384}) {
-    AttnSetup a({{len, len}}, 16, 2, 256, 16, rng);
-    const double flops = 4.0 * 16 * 256 * (double(len) * len / 2);
-    for (auto kind : {kernels::PrefillAttentionKind::Wgmma, kernels::PrefillAttentionKind::MmaSync}) {
-      const double ms =
-          time_ms([&](int) { kernels::launch_paged_attention(a.p, kind, nullptr); }, quick ? 3 : 10);
-      rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"variant", kernels::prefill_attention_kind_name(kind)},
-                {"tokens", len}, {"q_heads", 16}, {"kv_heads", 2}, {"head_dim", 256}, {"ms", ms},
-                {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+  // Causal prefill at Qwen3-30B-A3B's attention shape (32 q heads, 4 KV heads, head_dim 128) and
+  // Qwen3.5-35B-A3B's gated attention (16, 2, 256), on both kernels.
+  struct Shape {
+    int q_heads, kv_heads, head_dim;
+    std::vector<int> lengths;
+  };
+  const std::vector<Shape> shapes{{32, 4, 128, quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}},
+                                  {16, 2, 256, quick ? std::vector<int>{4096} : std::vector<int>{4096, 16384}}};
+  for (const Shape& sh : shapes) {
+    for (int len : sh.lengths) {
+      AttnSetup a({{len, len}}, sh.q_heads, sh.kv_heads, sh.head_dim, 16, rng);
+      const double flops = 4.0 * sh.q_heads * sh.head_dim * (double(len) * len / 2);  // causal: half the square
+      for (auto kind : {kernels::PrefillAttentionKind::Wgmma, kernels::PrefillAttentionKind::MmaSync}) {
+        const double ms =
+            time_ms([&](int) { kernels::launch_paged_attention(a.p, kind, nullptr); }, quick ? 3 : 10);
+        rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"variant", kernels::prefill_attention_kind_name(kind)},
+                  {"tokens", len}, {"q_heads", sh.q_heads}, {"kv_heads", sh.kv_heads}, {"head_dim", sh.head_dim},
+                  {"ms", ms}, {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+      }
     }
   }
   // Batch 1 at three contexts separates the kernel's fixed cost from its streaming rate.

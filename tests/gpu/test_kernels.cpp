@@ -768,7 +768,9 @@ TEST(GpuKernels, MoeGroupedMatmul) {
 // states in scattered slots, one taking snapshots mid-chunk, the long one at its tokens 55 and 70;
 // and graph padding without a slot), then one token each, then four with three long ones (one
 // exactly a 64-token chunk, fresh, with snapshots at its rows 3, 6 and 63; one without a slot),
-// then continuing sequences starting just before the conv's 16-token tile boundary, at
+// then continuing sequences starting just before the conv's 16-token tile boundary, then a
+// verify-like batch of 4-token sequences (the conv's one-token tiles, a sequence's first tokens
+// taken by the tile holding its start), at
 // the released shapes' head dims and small odd ones; at the released dims the recurrence also in
 // its chunked form; then the sigmoid gate, per element and per row with accumulation.
 TEST(GpuKernels, GatedDeltaNetOps) {
@@ -778,7 +780,8 @@ TEST(GpuKernels, GatedDeltaNetOps) {
   for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 3, 24, 40}})
   for (const std::vector<int32_t>& starts :
        {std::vector<int32_t>{0, 1, 8, 158, 162}, std::vector<int32_t>{0, 1, 2, 3, 4},
-        std::vector<int32_t>{0, 64, 65, 200, 330}, std::vector<int32_t>{0, 13, 14, 60, 100}}) {
+        std::vector<int32_t>{0, 64, 65, 200, 330}, std::vector<int32_t>{0, 13, 14, 60, 100},
+        std::vector<int32_t>{0, 4, 8, 9, 13}}) {
     SCOPED_TRACE(::testing::Message() << "key_dim " << sh.key_dim << " value_dim " << sh.value_dim
                                       << ", " << starts.back() << " tokens");
     std::mt19937 rng(31 + sh.key_dim);
@@ -786,7 +789,9 @@ TEST(GpuKernels, GatedDeltaNetOps) {
     const std::vector<uint8_t> fresh{0, 1, 0, 0};
     const int seqs = 4, T = starts.back(), num_slots = 7, K = 4, width = K - 1;
     std::vector<int32_t> snapshots(T, -1);
-    if (T > 8) snapshots[3] = 1, snapshots[6] = 4, snapshots[63] = 6, snapshots[78] = 5;
+    for (auto [row, slot] : {std::pair{3, 1}, {6, 4}, {63, 6}, {78, 5}}) {
+      if (T > 8 && row < T) snapshots[row] = slot;
+    }
     const int conv_dim = 2 * sh.k_heads * sh.key_dim + sh.v_heads * sh.value_dim;
     const int x_stride = conv_dim + 8;
 

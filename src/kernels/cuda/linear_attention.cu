@@ -2,7 +2,8 @@
 // attention and the shared expert, on the GPU (semantics in kernels/ops.h; CPU references in
 // kernels/cpu/linear_attention.cpp and norm_embed.cpp).
 //
-// The conv runs a thread per (channel, 16 batch tokens) with its window in registers.
+// The conv runs a thread per (channel, 16 batch tokens; 1 in decode batches) with its window in
+// registers.
 //
 // The recurrence has two forms. The decode form walks each sequence's tokens one at a time, in the
 // CPU reference's order: a CTA per (sequence, value head, 32 columns of the head's fp32 state S
@@ -45,9 +46,15 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 // torch.nn.functional.softplus with its defaults (beta 1, threshold 20).
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
-// The conv's tokens per thread: at least kMaxConvWidth, so only the tile holding a sequence's first
-// token reads the sequence's carried state (below).
-constexpr int kConvTileTokens = 16;
+// The conv's batch tokens per thread (conv_tile_tokens): 16 where sequences are long (prefill), 1
+// where they are a few tokens each (decode, draft verification), so each thread there starts from
+// one sequence's state as a thread per (sequence, channel) would. Inputs load kConvBatch at a time,
+// all in flight before the outputs that need them.
+constexpr int kConvLongTile = 16;
+constexpr int kConvBatch = 8;
+int conv_tile_tokens(const CausalConv1dParams<bf16>& p) {
+  return p.num_tokens > 8 * p.num_seqs ? kConvLongTile : 1;
+}
 
 // Token t's output: silu of the taps against the window of the `width` inputs before it, then x.
 template <int N>
@@ -66,20 +73,20 @@ __device__ __forceinline__ float conv_step(const float (&taps)[N + 1], float (&w
   return silu(acc);
 }
 
-// A thread per (channel, tile of kConvTileTokens batch tokens), so a long prompt spreads over many
-// CTAs instead of one thread walking its thousands of tokens (13.6 ms for a 4096-token prompt of
+// A thread per (channel, tile of `tile` batch tokens), so a long prompt spreads over many CTAs
+// instead of one thread walking its thousands of tokens (13.6 ms for a 4096-token prompt of
 // Qwen3.5-35B-A3B's 8 first layers). A tile takes each sequence it overlaps in turn, its window
 // starting from the inputs before its first token. Who touches a sequence's slot: the tile holding
 // the sequence's first token, alone. It reads the carried state, takes the tokens whose window
-// reaches into it (the first `width`, even past the tile's end; the next tile starts after
-// them), and writes the state the sequence ends with (its last `width` inputs, from x and, for a
-// sequence shorter than that, the old state), so no other CTA reads a slot while it changes.
-// Snapshots go to other slots, by whichever tile holds their token.
-__global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+// reaches into it (the first `width`, even past the tile's end; later tiles start after them),
+// and writes the state the sequence ends with (its last `width` inputs, from x and, for a sequence
+// shorter than that, the old state), so no other CTA reads a slot while it changes. Snapshots go
+// to other slots, by whichever tile takes their token.
+__global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p, int tile) {
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= p.conv_dim) return;
   const int width = p.kernel_size - 1;
-  const int t0 = blockIdx.y * kConvTileTokens, t1 = min(t0 + kConvTileTokens, p.num_tokens);
+  const int t0 = blockIdx.x * tile, t1 = min(t0 + tile, p.num_tokens);
   float taps[kMaxConvWidth + 1];
 #pragma unroll
   for (int j = 0; j <= kMaxConvWidth; ++j) {
@@ -115,13 +122,20 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
 #pragma unroll
     for (int j = 0; j < kMaxConvWidth; ++j) old[j] = w[j];
     const int stop = min(end, owns_state ? max(t1, start + width) : t1);
-    for (; t < stop; ++t) {
-      p.out[static_cast<int64_t>(t) * p.conv_dim + c] = __float2bfloat16(conv_step(taps, w, width, input(t)));
-      if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
-        float* snap = p.conv_states + p.snapshot_slots[t] * p.state_stride + static_cast<int64_t>(c) * width;
+    for (; t < stop; t += kConvBatch) {
+      float xs[kConvBatch];
 #pragma unroll
-        for (int j = 0; j < kMaxConvWidth; ++j) {
-          if (j < width) snap[j] = w[j];
+      for (int i = 0; i < kConvBatch; ++i) xs[i] = t + i < stop ? input(t + i) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < kConvBatch; ++i) {
+        if (t + i >= stop) break;
+        p.out[static_cast<int64_t>(t + i) * p.conv_dim + c] = __float2bfloat16(conv_step(taps, w, width, xs[i]));
+        if (p.snapshot_slots != nullptr && p.snapshot_slots[t + i] >= 0) {
+          float* snap = p.conv_states + p.snapshot_slots[t + i] * p.state_stride + static_cast<int64_t>(c) * width;
+#pragma unroll
+          for (int j = 0; j < kMaxConvWidth; ++j) {
+            if (j < width) snap[j] = w[j];
+          }
         }
       }
     }
@@ -840,8 +854,10 @@ void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
               ") and conv_dim ", p.conv_dim, " (positive)");
   if (p.num_seqs == 0 || p.num_tokens == 0) return;
   constexpr int kThreads = 128;
-  const dim3 grid(ceil_div(p.conv_dim, kThreads), ceil_div(p.num_tokens, kConvTileTokens));
-  causal_conv1d_kernel<<<grid, kThreads, 0, s>>>(p);
+  const int tile = conv_tile_tokens(p);
+  // Tiles on x: a batch may hold more than gridDim.y's 65535.
+  const dim3 grid(ceil_div(p.num_tokens, tile), ceil_div(p.conv_dim, kThreads));
+  causal_conv1d_kernel<<<grid, kThreads, 0, s>>>(p, tile);
   RELAY_CUDA_CHECK_LAUNCH("causal_conv1d_kernel");
 }
 
