@@ -495,6 +495,64 @@ void bench_gated_delta_rule(Reporter& rep, const Ceilings& c, bool quick) {
   }
 }
 
+// Gated DeltaNet's decode step at Qwen3.5-35B-A3B's heads, one layer: the fused kernel (conv,
+// recurrence and gated norm) against the three ops it replaces, at batch 1, 64 and 256. The floor
+// is reading and writing each sequence's fp32 states, recurrent and conv.
+void bench_gated_delta_net_step(Reporter& rep, const Ceilings& c, bool quick) {
+  constexpr int hk = 16, hv = 32, dim = 128, kernel = 4;
+  constexpr int conv_dim = (2 * hk + hv) * dim, v_dim = hv * dim, proj_stride = conv_dim + v_dim + 2 * hv;
+  constexpr int64_t conv_elems = int64_t{conv_dim} * (kernel - 1), state_stride = conv_elems + int64_t{hv} * dim * dim;
+  std::vector<float> a_log(hv);
+  for (int h = 0; h < hv; ++h) a_log[h] = std::log(1.0f + 0.25f * h);
+  DevBuf<float> a_log_d(hv);
+  DevBuf<bf16> dt_bias(hv), conv_w(size_t(conv_dim) * kernel), norm_w(dim);
+  upload(a_log_d, a_log);
+  fill_random(dt_bias.p, hv, 41);
+  fill_random(conv_w.p, size_t(conv_dim) * kernel, 42, 0.5f);
+  fill_random(norm_w.p, dim, 43);
+  for (const int batch : {1, 64, 256}) {
+    DevBuf<bf16> proj(size_t(batch) * proj_stride), conv_out(size_t(batch) * conv_dim), out(size_t(batch) * v_dim);
+    DevBuf<float> states(size_t(batch) * state_stride);
+    std::vector<int32_t> starts(batch + 1), slots(batch);
+    std::iota(starts.begin(), starts.end(), 0);
+    std::iota(slots.begin(), slots.end(), 0);
+    DevBuf<int32_t> starts_d(batch + 1), slots_d(batch);
+    DevBuf<uint8_t> fresh_d(batch);
+    upload(starts_d, starts);
+    upload(slots_d, slots);
+    RELAY_CUDA_CHECK(cudaMemset(fresh_d.p, 0, batch));
+    RELAY_CUDA_CHECK(cudaMemset(states.p, 0, size_t(batch) * state_stride * 4));
+    fill_random(proj.p, size_t(batch) * proj_stride, 44);
+    float* ssm = states.p + conv_elems;
+    const bf16* b = proj.p + conv_dim + v_dim;
+    auto fused = [&](int) {
+      kernels::launch_gated_delta_net_step({proj.p, proj_stride, conv_w.p, a_log_d.p, dt_bias.p, norm_w.p, states.p,
+                                            ssm, state_stride, starts_d.p, slots_d.p, fresh_d.p, nullptr, out.p,
+                                            batch, batch, hk, hv, dim, dim, kernel, 1e-6f},
+                                           nullptr);
+    };
+    auto split = [&](int) {
+      kernels::launch_causal_conv1d({proj.p, proj_stride, conv_w.p, states.p, state_stride, starts_d.p, slots_d.p,
+                                     fresh_d.p, nullptr, conv_out.p, batch, batch, conv_dim, kernel},
+                                    nullptr);
+      kernels::launch_gated_delta_rule({conv_out.p, b, b + hv, proj_stride, a_log_d.p, dt_bias.p, ssm, state_stride,
+                                        starts_d.p, slots_d.p, fresh_d.p, nullptr, out.p, batch, batch, hk, hv,
+                                        dim, dim, nullptr},
+                                       nullptr);
+      kernels::launch_gated_rms_norm({out.p, proj.p + conv_dim, proj_stride, norm_w.p, out.p, batch, hv, dim, 1e-6f},
+                                     nullptr);
+    };
+    const double bytes = 2.0 * batch * state_stride * 4;  // each state read and written
+    for (const bool one_kernel : {true, false}) {
+      const double ms = one_kernel ? time_ms(fused, quick ? 5 : 20) : time_ms(split, quick ? 5 : 20);
+      rep.emit({{"mode", "kernel"}, {"kernel", "gated_delta_net_step"},
+                {"form", one_kernel ? "fused" : "conv + recurrence + norm"}, {"seqs", batch},
+                {"k_heads", hk}, {"v_heads", hv}, {"head_dim", dim}, {"us", ms * 1e3},
+                {"gbps", bytes / (ms * 1e6)}, {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
+    }
+  }
+}
+
 // ---------------------------------------------------------------- end to end
 struct ModelCosts {
   double attn_weight_bytes = 0;   // per step, all layers: every weight but the routed experts'
@@ -934,6 +992,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     bench_decode_splits(rep, c, o.quick);
     bench_moe_routing(rep, c, o.quick);
     bench_gated_delta_rule(rep, c, o.quick);
+    bench_gated_delta_net_step(rep, c, o.quick);
     for (auto& j : run_fp8_kernel_bench(c.copy_gbps, c.fp8_gemm_tflops, o.quick)) rep.emit(std::move(j));
   }
   if (o.mode == "accuracy") bench_accuracy(rep, o);

@@ -464,6 +464,45 @@ struct GatedRmsNormParams {
   float eps = 1e-6f;
 };
 
+// Gated DeltaNet's whole recurrent step in one op: the causal conv1d (+ SiLU) on q | k | v, the
+// gated delta rule walking each sequence's tokens, and the gated output norm, exactly as
+// launch_causal_conv1d, launch_gated_delta_rule (without a chunk workspace) and
+// launch_gated_rms_norm in turn, with the conv's and the recurrence's outputs rounded to T between
+// them as those ops store them. Decode and draft verification take it on the GPU in one kernel; a
+// prefill's long sequences take the three ops (the conv and the recurrence in their prefill forms).
+// Every pointer and count means what it means in those three ops.
+template <typename T>
+struct GatedDeltaNetStepParams {
+  // [num_tokens, proj_stride], in_proj's rows: q | k | v (conv_dim = 2 * num_k_heads * key_dim +
+  // num_v_heads * value_dim) | z (num_v_heads * value_dim) | b (num_v_heads) | a (num_v_heads)
+  const T* proj = nullptr;
+  int64_t proj_stride = 0;
+  const T* conv_weight = nullptr;  // [conv_dim, kernel_size]
+  const float* a_log = nullptr;    // [num_v_heads]
+  const T* dt_bias = nullptr;      // [num_v_heads]
+  const T* norm_weight = nullptr;  // [value_dim]
+  // Slot i's conv state at conv_states + i * state_stride ([conv_dim, kernel_size - 1]) and its
+  // recurrent state at states + i * state_stride ([num_v_heads, key_dim, value_dim]): one pool.
+  float* conv_states = nullptr;
+  float* states = nullptr;
+  int64_t state_stride = 0;
+  const int32_t* query_starts = nullptr;    // [num_seqs + 1]
+  const int32_t* state_slots = nullptr;     // [num_seqs]
+  const uint8_t* state_fresh = nullptr;     // [num_seqs]
+  const int32_t* snapshot_slots = nullptr;  // [num_tokens] or null
+  T* out = nullptr;                         // [num_tokens, num_v_heads, value_dim]
+  int num_seqs = 0;
+  int num_tokens = 0;
+  int num_k_heads = 0;
+  int num_v_heads = 0;
+  int key_dim = 0;
+  int value_dim = 0;
+  int kernel_size = 0;
+  float eps = 1e-6f;
+
+  RELAY_HOST_DEVICE int conv_dim() const { return 2 * num_k_heads * key_dim + num_v_heads * value_dim; }
+};
+
 // CPU reference implementations (fp32), src/kernels/cpu/*.cpp.
 void launch_embedding(const EmbeddingParams<float>& p, ThreadPool& pool);
 void launch_rms_norm(const RmsNormParams<float>& p, ThreadPool& pool);
@@ -482,5 +521,6 @@ void launch_sigmoid_gate(const SigmoidGateParams<float>& p, ThreadPool& pool);
 void launch_causal_conv1d(const CausalConv1dParams<float>& p, ThreadPool& pool);
 void launch_gated_delta_rule(const GatedDeltaRuleParams<float>& p, ThreadPool& pool);
 void launch_gated_rms_norm(const GatedRmsNormParams<float>& p, ThreadPool& pool);
+void launch_gated_delta_net_step(const GatedDeltaNetStepParams<float>& p, ThreadPool& pool);
 
 }  // namespace relay::kernels

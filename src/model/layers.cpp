@@ -274,7 +274,6 @@ GatedDeltaNet::GatedDeltaNet(const ModelConfig& c, const Checkpoint& ckpt, const
       num_v_heads_(shard.num_local_v_heads),
       key_dim_(static_cast<int>(c.linear_key_head_dim)),
       value_dim_(static_cast<int>(c.linear_value_head_dim)),
-      conv_dim_(2 * num_k_heads_ * key_dim_ + num_v_heads_ * value_dim_),
       kernel_size_(static_cast<int>(c.linear_conv_kernel_dim)),
       eps_(static_cast<float>(c.rms_norm_eps)),
       tp_comm_(shard.tp_comm) {
@@ -310,64 +309,33 @@ void GatedDeltaNet::forward(const float* x, const ForwardBatch& b, KvPool& /*kv*
   const int64_t width = in_proj_.out_features;
   const int v_dim = num_v_heads_ * value_dim_;
   proj_.resize(static_cast<size_t>(t) * width);
-  conv_out_.resize(static_cast<size_t>(t) * conv_dim_);
   core_.resize(static_cast<size_t>(t) * v_dim);
   in_proj_.forward(x, t, proj_.data(), pool);
   RecurrentStatePool& state = *b.recurrent_state;
-  const int64_t slot_stride = state.layout().slot_stride();
-
-  kernels::CausalConv1dParams<float> conv;
-  conv.x = proj_.data();
-  conv.x_stride = width;
-  conv.weight = conv_weight_.data();
-  conv.conv_states = state.conv(state_layer_);
-  conv.state_stride = slot_stride;
-  conv.query_starts = b.query_starts.data();
-  conv.state_slots = b.state_slots.data();
-  conv.state_fresh = b.state_fresh.data();
-  conv.snapshot_slots = b.state_snapshot_slots.empty() ? nullptr : b.state_snapshot_slots.data();
-  conv.out = conv_out_.data();
-  conv.num_seqs = b.num_seqs();
-  conv.num_tokens = t;
-  conv.conv_dim = conv_dim_;
-  conv.kernel_size = kernel_size_;
-  kernels::launch_causal_conv1d(conv, pool);
-
-  // in_proj's row: q | k | v (conv_dim_) | z (v_dim) | b (v heads) | a (v heads).
-  const float* z = proj_.data() + conv_dim_;
-  kernels::GatedDeltaRuleParams<float> d;
-  d.qkv = conv_out_.data();
-  d.b = z + v_dim;
-  d.a = d.b + num_v_heads_;
-  d.gate_stride = width;
-  d.a_log = a_log_.data();
-  d.dt_bias = dt_bias_.data();
-  d.states = state.ssm(state_layer_);
-  d.state_stride = slot_stride;
-  d.query_starts = b.query_starts.data();
-  d.state_slots = b.state_slots.data();
-  d.state_fresh = b.state_fresh.data();
-  d.snapshot_slots = conv.snapshot_slots;
-  d.out = core_.data();
-  d.num_seqs = b.num_seqs();
-  d.num_tokens = t;
-  d.num_k_heads = num_k_heads_;
-  d.num_v_heads = num_v_heads_;
-  d.key_dim = key_dim_;
-  d.value_dim = value_dim_;
-  kernels::launch_gated_delta_rule(d, pool);
-
-  kernels::GatedRmsNormParams<float> n;
-  n.x = core_.data();
-  n.gate = z;
-  n.gate_stride = width;
-  n.weight = norm_weight_.data();
-  n.out = core_.data();
-  n.num_tokens = t;
-  n.num_heads = num_v_heads_;
-  n.head_dim = value_dim_;
-  n.eps = eps_;
-  kernels::launch_gated_rms_norm(n, pool);
+  kernels::GatedDeltaNetStepParams<float> p;
+  p.proj = proj_.data();
+  p.proj_stride = width;
+  p.conv_weight = conv_weight_.data();
+  p.a_log = a_log_.data();
+  p.dt_bias = dt_bias_.data();
+  p.norm_weight = norm_weight_.data();
+  p.conv_states = state.conv(state_layer_);
+  p.states = state.ssm(state_layer_);
+  p.state_stride = state.layout().slot_stride();
+  p.query_starts = b.query_starts.data();
+  p.state_slots = b.state_slots.data();
+  p.state_fresh = b.state_fresh.data();
+  p.snapshot_slots = b.state_snapshot_slots.empty() ? nullptr : b.state_snapshot_slots.data();
+  p.out = core_.data();
+  p.num_seqs = b.num_seqs();
+  p.num_tokens = t;
+  p.num_k_heads = num_k_heads_;
+  p.num_v_heads = num_v_heads_;
+  p.key_dim = key_dim_;
+  p.value_dim = value_dim_;
+  p.kernel_size = kernel_size_;
+  p.eps = eps_;
+  kernels::launch_gated_delta_net_step(p, pool);
   out_proj_.forward(core_.data(), t, out, pool);
   if (tp_comm_ != nullptr)
     tp_comm_->all_reduce_sum(out, static_cast<size_t>(t) * out_proj_.out_features);

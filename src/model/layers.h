@@ -129,7 +129,7 @@ class GatedDeltaNet : public TokenMixer {
  private:
   int state_layer_;
   int num_k_heads_, num_v_heads_, key_dim_, value_dim_;  // per head dims
-  int conv_dim_, kernel_size_;    // this rank's channels
+  int kernel_size_;
   float eps_;
   parallel::Communicator* tp_comm_;
   Linear in_proj_;                  // [conv_dim + v_heads * value_dim + 2 * v_heads, hidden]
@@ -138,7 +138,7 @@ class GatedDeltaNet : public TokenMixer {
   std::vector<float> a_log_;        // [v_heads], as stored (F32 in the releases)
   std::vector<float> dt_bias_;      // [v_heads]
   std::vector<float> norm_weight_;  // [value_dim], plain (not zero-centred)
-  std::vector<float> proj_, conv_out_, core_;  // scratch
+  std::vector<float> proj_, core_;  // scratch
 };
 
 // Position-wise feed-forward.

@@ -99,28 +99,41 @@ void RankEngine::enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh,
   const int T = sh.tokens, v_dim = gdn_heads_v * gdn_value_dim;
   linear("gdn_in_proj", normed, w.in_proj, {}, nullptr, gdn_proj, T, gdn_in_width, hidden);
   const int64_t slot_stride = state_layout.slot_stride();
-  mark("gdn_conv1d");
-  kernels::launch_causal_conv1d(
-      {gdn_proj, gdn_in_width, w.conv, state_pool + state_layout.conv_offset(0, w.state_layer),
-       slot_stride, m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots, gdn_conv_out,
-       sh.seqs, T, gdn_conv_dim, gdn_kernel},
-      stream);
+  float* conv_states = state_pool + state_layout.conv_offset(0, w.state_layer);
+  float* ssm_states = state_pool + state_layout.ssm_offset(0, w.state_layer);
   // in_proj's row: q | k | v (conv_dim) | z (v_dim) | b (v heads) | a (v heads).
   const bf16* z = gdn_proj + gdn_conv_dim;
   const bf16* b = z + v_dim;
-  mark("gdn_delta_rule");
-  // A graph step (decode, or verifying a few drafts) walks its tokens; an eager one gives its
-  // prompts' long sequences the chunked form.
-  kernels::launch_gated_delta_rule(
-      {gdn_conv_out, b, b + gdn_heads_v, gdn_in_width, w.a_log, w.dt_bias,
-       state_pool + state_layout.ssm_offset(0, w.state_layer), slot_stride, m.query_starts,
-       m.state_slots, m.state_fresh, m.snapshot_slots, gdn_core, sh.seqs, T, gdn_heads_k,
-       gdn_heads_v, gdn_key_dim, gdn_value_dim, sh.per_seq == 0 ? gdn_chunk_workspace : nullptr},
-      stream);
-  mark("gdn_gated_norm");
-  kernels::launch_gated_rms_norm({gdn_core, z, gdn_in_width, w.gdn_norm, gdn_core, T, gdn_heads_v,
-                                  gdn_value_dim, static_cast<float>(cfg.rms_norm_eps)},
-                                 stream);
+  const float eps = static_cast<float>(cfg.rms_norm_eps);
+  // A step of a few tokens per sequence (decode, verifying drafts: every graph step) takes the
+  // fused kernel; a prompt's takes the three ops, its long sequences the conv's and the
+  // recurrence's prefill forms.
+  const bool few_tokens = sh.per_seq != 0 || T - sh.seqs + 1 < kernels::kGatedDeltaChunkedMinTokens;
+  if (few_tokens && kernels::gated_delta_net_step_fused(gdn_heads_k, gdn_heads_v, gdn_key_dim, gdn_value_dim)) {
+    mark("gdn_step");
+    kernels::launch_gated_delta_net_step(
+        {gdn_proj, gdn_in_width, w.conv, w.a_log, w.dt_bias, w.gdn_norm, conv_states, ssm_states,
+         slot_stride, m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots, gdn_core,
+         sh.seqs, T, gdn_heads_k, gdn_heads_v, gdn_key_dim, gdn_value_dim, gdn_kernel, eps},
+        stream);
+  } else {
+    mark("gdn_conv1d");
+    kernels::launch_causal_conv1d({gdn_proj, gdn_in_width, w.conv, conv_states, slot_stride,
+                                   m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots,
+                                   gdn_conv_out, sh.seqs, T, gdn_conv_dim, gdn_kernel},
+                                  stream);
+    mark("gdn_delta_rule");
+    kernels::launch_gated_delta_rule(
+        {gdn_conv_out, b, b + gdn_heads_v, gdn_in_width, w.a_log, w.dt_bias, ssm_states,
+         slot_stride, m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots, gdn_core,
+         sh.seqs, T, gdn_heads_k, gdn_heads_v, gdn_key_dim, gdn_value_dim,
+         sh.per_seq == 0 ? gdn_chunk_workspace : nullptr},
+        stream);
+    mark("gdn_gated_norm");
+    kernels::launch_gated_rms_norm(
+        {gdn_core, z, gdn_in_width, w.gdn_norm, gdn_core, T, gdn_heads_v, gdn_value_dim, eps},
+        stream);
+  }
   linear("gdn_out_proj", gdn_core, w.out_proj, {}, nullptr, mix, T, hidden, v_dim);
 }
 

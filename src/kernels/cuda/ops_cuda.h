@@ -168,6 +168,10 @@ size_t gated_delta_rule_workspace_bytes(int num_tokens, int num_k_heads, int num
 void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s);
 void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s);
 void launch_gated_rms_norm(const GatedRmsNormParams<bf16>& p, cudaStream_t s);
+// The fused step (one kernel, clusters of the CTAs of a key head) where the shapes allow it:
+// key_dim up to 128 and (num_v_heads / num_k_heads) x value_dim up to 512 columns per key head.
+bool gated_delta_net_step_fused(int num_k_heads, int num_v_heads, int key_dim, int value_dim);
+void launch_gated_delta_net_step(const GatedDeltaNetStepParams<bf16>& p, cudaStream_t s);
 void launch_sigmoid_gate(const SigmoidGateParams<bf16>& p, cudaStream_t s);
 
 }  // namespace relay::kernels
