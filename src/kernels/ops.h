@@ -248,15 +248,23 @@ struct SwigluParams {
 
 // The MoE router after its matmul: probabilities = softmax(logits) in fp32, the top_k largest (ties
 // to the lower expert id, as torch.topk on CPU), optionally renormalised to sum to one.
+//
+// shared_expert_parts > 0: the logits carry one more column, the shared expert's gate logit
+// (Qwen3.5 / Qwen3-Next, their shared expert run as that many more experts of the routed width,
+// ids num_experts and up: a SwiGLU MLP of width n W is the sum of n of width W over its slices),
+// left out of the softmax; every token gets that many more routes after its top_k, each with weight
+// sigmoid(gate logit). Rows of logits, ids and weights are then num_experts + 1 and top_k +
+// shared_expert_parts long.
 template <typename T>
 struct MoeRouterTopkParams {
-  const T* logits = nullptr;      // [num_tokens, num_experts]
-  int32_t* topk_ids = nullptr;    // [num_tokens, top_k], best first
-  float* topk_weights = nullptr;  // [num_tokens, top_k]
+  const T* logits = nullptr;      // [num_tokens, num_experts (+ 1)]
+  int32_t* topk_ids = nullptr;    // [num_tokens, top_k (+ shared_expert_parts)], best first
+  float* topk_weights = nullptr;  // [num_tokens, top_k (+ shared_expert_parts)]
   int num_tokens = 0;
   int num_experts = 0;
   int top_k = 0;
   bool renormalize = false;  // norm_topk_prob
+  int shared_expert_parts = 0;
 };
 
 // Groups the (token, k) assignments by expert: row r = t * top_k + k goes to permuted row

@@ -302,21 +302,28 @@ TEST(GpuKernels, PagedAttentionDecodeAnySplitCount) {
   }
 }
 
+// Plain, and with the shared expert's routes (one and two parts) after the top_k, its gate logit in
+// one more column.
 TEST(GpuKernels, MoeRouterTopk) {
   std::mt19937 rng(9);
   for (int tokens : {1, 100}) {
     for (auto [experts, k] : {std::pair{16, 4}, std::pair{128, 8}}) {
       for (bool renorm : {false, true}) {
-        auto logits = random_bf16(static_cast<size_t>(tokens) * experts, rng, 2.0f);
-        std::vector<int32_t> ids_ref(static_cast<size_t>(tokens) * k);
-        std::vector<float> w_ref(ids_ref.size());
-        kernels::launch_moe_router_topk({logits.f32.data(), ids_ref.data(), w_ref.data(), tokens, experts, k, renorm}, pool());
-        DeviceBuffer<bf16> d_logits(logits.bits);
-        DeviceBuffer<int32_t> d_ids(ids_ref.size());
-        DeviceBuffer<float> d_w(w_ref.size());
-        kernels::launch_moe_router_topk({d_logits.get(), d_ids.get(), d_w.get(), tokens, experts, k, renorm}, nullptr);
-        EXPECT_EQ(d_ids.download(), ids_ref) << "tokens " << tokens << " experts " << experts;
-        EXPECT_LT(rel_error(d_w.download(), w_ref), 1e-5);
+        for (int parts : {0, 1, 2}) {
+          const int columns = experts + (parts > 0), routes = k + parts;
+          auto logits = random_bf16(static_cast<size_t>(tokens) * columns, rng, 2.0f);
+          std::vector<int32_t> ids_ref(static_cast<size_t>(tokens) * routes);
+          std::vector<float> w_ref(ids_ref.size());
+          kernels::launch_moe_router_topk(
+              {logits.f32.data(), ids_ref.data(), w_ref.data(), tokens, experts, k, renorm, parts}, pool());
+          DeviceBuffer<bf16> d_logits(logits.bits);
+          DeviceBuffer<int32_t> d_ids(ids_ref.size());
+          DeviceBuffer<float> d_w(w_ref.size());
+          kernels::launch_moe_router_topk({d_logits.get(), d_ids.get(), d_w.get(), tokens, experts, k, renorm, parts},
+                                          nullptr);
+          EXPECT_EQ(d_ids.download(), ids_ref) << "tokens " << tokens << " experts " << experts << " parts " << parts;
+          EXPECT_LT(rel_error(d_w.download(), w_ref), 1e-5);
+        }
       }
     }
   }

@@ -131,7 +131,13 @@ struct LayerWeights {
   bf16* shared_down = nullptr;     // [hidden, shared_width]
   bf16* shared_gate = nullptr;     // [1, hidden]
   int shared_width = 0;
-  bf16* router = nullptr;   // [experts, hidden]
+  // Folded (shared_parts > 0): the shared expert is instead experts `experts` and up of gate_up
+  // and down, shared_parts of the routed width (a SwiGLU MLP of width n W is the sum of n of width
+  // W over its slices), and its gate row `experts` of the router; the MoE routes every token to
+  // them with weight sigmoid(gate), and the pointers above stay null. Where the MoE runs on the
+  // rank's own tokens whole (one rank for it: no TP or EP) and the experts are bf16.
+  int shared_parts = 0;
+  bf16* router = nullptr;   // [experts (+ 1 folded), hidden]
   bf16* gate_up = nullptr;  // moe: [experts, 2 width, hidden]; dense: [2 width, hidden]
   bf16* down = nullptr;     // moe: [experts, hidden, width]; dense: [hidden, width]
   int width = 0;
@@ -477,7 +483,7 @@ struct RankEngine {
               const bf16* bias, bf16* out, int m, int n, int k, bool quantized = false);
   // The MoE form over permuted rows, for this rank's experts.
   void grouped(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out,
-               int rows, int n, int k, bool quantized = false);
+               int rows, int groups, int n, int k, bool quantized = false);
   // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
   // quantised activation buffer, its scales in the layout the down GEMM reads. Only `live` rows
   // (all by default) are computed.
@@ -493,7 +499,7 @@ struct RankEngine {
   // on the device as a bound (kernels::LiveRows) and touch only the slots the sources filled; under
   // EP the permute's copy and the SwiGLU also skip the absent expert's rows. The grouped GEMMs
   // read expert_offsets on the device and so compute only live rows of this rank's experts anyway.
-  void enqueue_moe(const LayerWeights& w, int T);
+  void enqueue_moe(const LayerWeights& w, int T, int shared_parts = 0);
   // The layer's mixers: (gated) softmax attention over its KV-pool layer, and Gated DeltaNet over
   // its recurrent-state layer (kernels/ops.h has the math); both leave their output in `mix`.
   struct StepMeta {

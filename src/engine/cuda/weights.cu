@@ -534,8 +534,13 @@ void RankEngine::load(const std::filesystem::path& dir) {
     const int64_t copies = w.moe ? local_experts : 1;
     w.width = static_cast<int>(W);
     w.act_width = w.width;
+    const bool has_shared = lp.ffn == FfnKind::kMoeWithSharedExpert;
+    const bool fold = has_shared && shard.tp_size == 1 && shard.ep_size == 1 && !plan.mlp_fp8 &&
+                      shared_w % W == 0 && top_k + shared_w / W <= kernels::kMaxRoutesPerToken;
+    w.shared_parts = fold ? static_cast<int>(shared_w / W) : 0;
+    const int64_t slots = copies + w.shared_parts;  // the routed experts, then the shared one's parts
     if (w.moe) {
-      w.router = weights.take<bf16>(size_t(experts) * H);
+      w.router = weights.take<bf16>(size_t(experts + (fold ? 1 : 0)) * H);
       put(w.router, source(linear_weight(lp.mlp(), "gate"), {experts, H}));
     }
     // Expert e's (or the dense MLP's) gate, up and down parts of this rank's width.
@@ -565,8 +570,8 @@ void RankEngine::load(const std::filesystem::path& dir) {
                    pack(down_src(e), plan.down, 0, q, s, pool);
                  });
     } else {
-      w.gate_up = weights.take<bf16>(size_t(copies) * 2 * W * H);
-      w.down = weights.take<bf16>(size_t(copies) * H * W);
+      w.gate_up = weights.take<bf16>(size_t(slots) * 2 * W * H);
+      w.down = weights.take<bf16>(size_t(slots) * H * W);
       for (int64_t e = 0; e < copies; ++e) {
         bf16* gu = w.gate_up + e * 2 * W * H;
         put(gu, gate_src(e));
@@ -574,17 +579,32 @@ void RankEngine::load(const std::filesystem::path& dir) {
         put(w.down + e * H * W, down_src(e));
       }
     }
-    if (lp.ffn == FfnKind::kMoeWithSharedExpert) {
-      // Whole on every rank (a TP rank too), added after the MoE's reduction or combine.
+    if (has_shared) {
+      // Whole on every rank (a TP rank too), added after the MoE's reduction or combine; or folded:
+      // part i takes the gate and up rows and the down columns [i W, (i + 1) W).
       w.shared_width = static_cast<int>(shared_w);
-      w.shared_gate_up = weights.take<bf16>(size_t(2 * shared_w * H));
-      put(w.shared_gate_up, source(linear_weight(lp.shared_expert(), "gate_proj"), {shared_w, H}));
-      put(w.shared_gate_up + shared_w * H,
-          source(linear_weight(lp.shared_expert(), "up_proj"), {shared_w, H}));
-      w.shared_down = weights.take<bf16>(size_t(H * shared_w));
-      put(w.shared_down, source(linear_weight(lp.shared_expert(), "down_proj"), {H, shared_w}));
-      w.shared_gate = weights.take<bf16>(H);
-      put(w.shared_gate, source(linear_weight(lp.mlp(), "shared_expert_gate"), {1, H}));
+      const std::string gate = linear_weight(lp.shared_expert(), "gate_proj"),
+                        up = linear_weight(lp.shared_expert(), "up_proj"),
+                        down = linear_weight(lp.shared_expert(), "down_proj"),
+                        logit = linear_weight(lp.mlp(), "shared_expert_gate");
+      for (int64_t i = 0; i < w.shared_parts; ++i) {
+        const IndexRange part{i * W, W};
+        bf16* gu = w.gate_up + (copies + i) * 2 * W * H;
+        put(gu, source(gate, {shared_w, H}, part));
+        put(gu + W * H, source(up, {shared_w, H}, part));
+        put(w.down + (copies + i) * H * W, source(down, {H, shared_w}, {}, part));
+      }
+      if (fold) {
+        put(w.router + experts * H, source(logit, {1, H}));
+      } else {
+        w.shared_gate_up = weights.take<bf16>(size_t(2 * shared_w * H));
+        put(w.shared_gate_up, source(gate, {shared_w, H}));
+        put(w.shared_gate_up + shared_w * H, source(up, {shared_w, H}));
+        w.shared_down = weights.take<bf16>(size_t(H * shared_w));
+        put(w.shared_down, source(down, {H, shared_w}));
+        w.shared_gate = weights.take<bf16>(H);
+        put(w.shared_gate, source(logit, {1, H}));
+      }
     }
     max_ffn_width = std::max({max_ffn_width, w.act_width, w.shared_width});
     max_qkv_width = std::max<int64_t>(max_qkv_width, plan.qkv_fp8 ? plan.qkv.rows : qkv_dim);

@@ -18,11 +18,13 @@
 namespace relay::kernels {
 
 void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& pool) {
+  const int columns = p.num_experts + (p.shared_expert_parts > 0 ? 1 : 0);
+  const int routes = p.top_k + p.shared_expert_parts;
   pool.parallel_for(p.num_tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(p.num_experts);
     std::vector<int32_t> order(p.num_experts);
     for (int64_t t = begin; t < end; ++t) {
-      const float* logits = p.logits + t * p.num_experts;
+      const float* logits = p.logits + t * columns;
       float max_logit = *std::max_element(logits, logits + p.num_experts);
       float sum = 0.0f;
       for (int e = 0; e < p.num_experts; ++e) {
@@ -36,9 +38,15 @@ void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& poo
       });
       float top_sum = 0.0f;
       for (int k = 0; k < p.top_k; ++k) top_sum += probs[order[k]];
+      int32_t* ids = p.topk_ids + t * routes;
+      float* weights = p.topk_weights + t * routes;
       for (int k = 0; k < p.top_k; ++k) {
-        p.topk_ids[t * p.top_k + k] = order[k];
-        p.topk_weights[t * p.top_k + k] = p.renormalize ? probs[order[k]] / top_sum : probs[order[k]];
+        ids[k] = order[k];
+        weights[k] = p.renormalize ? probs[order[k]] / top_sum : probs[order[k]];
+      }
+      for (int i = 0; i < p.shared_expert_parts; ++i) {
+        ids[p.top_k + i] = p.num_experts + i;
+        weights[p.top_k + i] = 1.0f / (1.0f + std::exp(-logits[p.num_experts]));
       }
     }
   });

@@ -72,6 +72,8 @@ inline const char* prefill_attention_kind_name(PrefillAttentionKind kind) {
   return "?";
 }
 void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s);
+// A warp per token, a lane per route: top_k plus the shared expert's parts.
+constexpr int kMaxRoutesPerToken = 32;
 void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s);
 void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s);
 // Grouped GEMM over experts: a tensor-core tile kernel when experts hold many rows (prefill), a

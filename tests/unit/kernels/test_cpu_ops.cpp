@@ -311,6 +311,38 @@ TEST_F(CpuOps, RouterTopkSoftmaxAndRenormalisation) {
   }
 }
 
+// The shared expert as more experts: its gate logit in one more column, left out of the softmax,
+// and one route per part (ids num_experts and up, weight sigmoid(logit)) after the top_k the plain
+// router picks from the other columns.
+TEST_F(CpuOps, RouterTopkSharedExpertRoutes) {
+  const int tokens = 5, experts = 9, k = 3;
+  auto logits = random_vec(tokens * (experts + 1), rng, 2.0f);
+  for (int parts : {1, 2}) {
+    for (bool renorm : {false, true}) {
+      const int routes = k + parts;
+      std::vector<float> plain_logits;
+      for (int t = 0; t < tokens; ++t) {
+        plain_logits.insert(plain_logits.end(), &logits[t * (experts + 1)], &logits[t * (experts + 1)] + experts);
+      }
+      std::vector<int32_t> plain_ids(tokens * k), ids(tokens * routes);
+      std::vector<float> plain_w(tokens * k), w(tokens * routes);
+      launch_moe_router_topk({plain_logits.data(), plain_ids.data(), plain_w.data(), tokens, experts, k, renorm},
+                             pool);
+      launch_moe_router_topk({logits.data(), ids.data(), w.data(), tokens, experts, k, renorm, parts}, pool);
+      for (int t = 0; t < tokens; ++t) {
+        for (int j = 0; j < k; ++j) {
+          EXPECT_EQ(ids[t * routes + j], plain_ids[t * k + j]);
+          EXPECT_EQ(w[t * routes + j], plain_w[t * k + j]);
+        }
+        for (int i = 0; i < parts; ++i) {
+          EXPECT_EQ(ids[t * routes + k + i], experts + i);
+          EXPECT_NEAR(w[t * routes + k + i], 1.0 / (1.0 + std::exp(-logits[t * (experts + 1) + experts])), 1e-6);
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CpuOps, MoePermuteGroupedMatmulCombineWithEmptyExperts) {
   const int tokens = 5, hidden = 13, experts = 7, k = 2, n = 11;
   // Experts 0, 4 and 6 get nothing; expert 2 gets a row from every token.
