@@ -972,7 +972,7 @@ TEST(GpuKernels, GatedDeltaNetStep) {
     EXPECT_LT(rel_error(got_pool, want_pool), kBf16Tolerance);  // q, k and v rounded to bf16 on the GPU
     // The same bf16 roundings as the three ops: the same states, the outputs but for the order of
     // the norm's sum.
-    EXPECT_LT(rel_error(got_pool, d_split.download()), 1e-6);
+    EXPECT_LT(rel_error(got_pool, d_split.download()), 1e-5);
     EXPECT_LT(rel_error(got, to_f32(d_split_out.download())), 1e-2);
   }
   // Eight value heads per key head of 128 columns: more CTAs than a portable cluster.
