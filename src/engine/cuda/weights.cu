@@ -177,6 +177,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
   struct Plan {
     bool qkv_fp8 = false, o_fp8 = false, mlp_fp8 = false;
     quant::Fp8PackedShape qkv, o, gate_up, down;  // per expert for MoE layers
+    int shared_parts = 0;  // the shared expert folded into the experts (LayerWeights::shared_parts)
   };
   size_t total = 0;
   auto count = [&](int64_t n, size_t elem = 2) {
@@ -228,8 +229,20 @@ void RankEngine::load(const std::filesystem::path& dir) {
         fused(lp) ? group_fp8({fused_experts_weight(lp.mlp(), "gate_up_proj"),
                                fused_experts_weight(lp.mlp(), "down_proj")})
                   : group_fp8({ffn(lp, 0, "gate_proj"), ffn(lp, 0, "up_proj"), ffn(lp, 0, "down_proj")});
-    const int64_t copies = moe ? local_experts : 1;
-    if (moe) count(int64_t{experts} * H);
+    // The shared expert joins the experts where the MoE is one rank's whole (no TP or EP) and it
+    // splits into whole experts' widths, in the experts' format: an FP8 group takes it only where
+    // its own tensors are FP8 too (or --dtype fp8 asks), and slices of FP8 tensors on whole blocks.
+    if (lp.ffn == FfnKind::kMoeWithSharedExpert && shard.tp_size == 1 && shard.ep_size == 1 &&
+        shared_w % W == 0 && top_k + shared_w / W <= kernels::kMaxRoutesPerToken) {
+      const std::string se = lp.shared_expert();
+      const bool fp8_fits =
+          group_fp8({linear_weight(se, "gate_proj"), linear_weight(se, "up_proj"),
+                     linear_weight(se, "down_proj")}) &&
+          (shared_w == W || W % quant::kFp8BlockSize == 0);
+      if (!plan.mlp_fp8 || fp8_fits) plan.shared_parts = static_cast<int>(shared_w / W);
+    }
+    const int64_t copies = (moe ? local_experts : 1) + plan.shared_parts;
+    if (moe) count(int64_t{experts + (plan.shared_parts > 0 ? 1 : 0)} * H);
     if (plan.mlp_fp8) {
       // gate and up each padded to whole blocks, so silu(gate) * up pairs column j with j + Wp;
       // the padding columns come out 0 and meet zero columns of the padded down projection.
@@ -242,7 +255,9 @@ void RankEngine::load(const std::filesystem::path& dir) {
       count(copies * 2 * W * H);
       count(copies * H * W);
     }
-    if (lp.ffn == FfnKind::kMoeWithSharedExpert) count(2 * shared_w * H), count(H * shared_w), count(H);
+    if (lp.ffn == FfnKind::kMoeWithSharedExpert && plan.shared_parts == 0) {
+      count(2 * shared_w * H), count(H * shared_w), count(H);
+    }
     return plan;
   };
   count(int64_t{vocab} * H);
@@ -535,10 +550,17 @@ void RankEngine::load(const std::filesystem::path& dir) {
     w.width = static_cast<int>(W);
     w.act_width = w.width;
     const bool has_shared = lp.ffn == FfnKind::kMoeWithSharedExpert;
-    const bool fold = has_shared && shard.tp_size == 1 && shard.ep_size == 1 && !plan.mlp_fp8 &&
-                      shared_w % W == 0 && top_k + shared_w / W <= kernels::kMaxRoutesPerToken;
-    w.shared_parts = fold ? static_cast<int>(shared_w / W) : 0;
+    w.shared_parts = plan.shared_parts;
+    const bool fold = w.shared_parts > 0;
     const int64_t slots = copies + w.shared_parts;  // the routed experts, then the shared one's parts
+    const std::string se = has_shared ? lp.shared_expert() : std::string();
+    // The shared expert's part i (i >= 0): its gate and up rows and down columns [i W, (i + 1) W).
+    auto shared_src = [&](const char* name, int64_t i) {
+      const IndexRange part{i * W, W};
+      return std::string_view(name) == "down_proj"
+                 ? source(linear_weight(se, name), {H, shared_w}, {}, part)
+                 : source(linear_weight(se, name), {shared_w, H}, part);
+    };
     if (w.moe) {
       w.router = weights.take<bf16>(size_t(experts + (fold ? 1 : 0)) * H);
       put(w.router, source(linear_weight(lp.mlp(), "gate"), {experts, H}));
@@ -560,14 +582,17 @@ void RankEngine::load(const std::filesystem::path& dir) {
     };
     if (plan.mlp_fp8) {
       w.act_width = static_cast<int>(plan.down.cols);
-      upload_fp8(w.gate_up8, plan.gate_up, copies,
+      upload_fp8(w.gate_up8, plan.gate_up, slots,
                  [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
-                   pack(gate_src(e), plan.gate_up, 0, q, s, pool);
-                   pack(up_src(e), plan.gate_up, w.act_width, q, s, pool);
+                   pack(e < copies ? gate_src(e) : shared_src("gate_proj", e - copies), plan.gate_up, 0, q,
+                        s, pool);
+                   pack(e < copies ? up_src(e) : shared_src("up_proj", e - copies), plan.gate_up,
+                        w.act_width, q, s, pool);
                  });
-      upload_fp8(w.down8, plan.down, copies,
+      upload_fp8(w.down8, plan.down, slots,
                  [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
-                   pack(down_src(e), plan.down, 0, q, s, pool);
+                   pack(e < copies ? down_src(e) : shared_src("down_proj", e - copies), plan.down, 0, q,
+                        s, pool);
                  });
     } else {
       w.gate_up = weights.take<bf16>(size_t(slots) * 2 * W * H);
@@ -580,28 +605,24 @@ void RankEngine::load(const std::filesystem::path& dir) {
       }
     }
     if (has_shared) {
-      // Whole on every rank (a TP rank too), added after the MoE's reduction or combine; or folded:
-      // part i takes the gate and up rows and the down columns [i W, (i + 1) W).
+      // Whole on every rank (a TP rank too), added after the MoE's reduction or combine; or folded
+      // into the experts' last slots (the FP8 ones packed above).
       w.shared_width = static_cast<int>(shared_w);
-      const std::string gate = linear_weight(lp.shared_expert(), "gate_proj"),
-                        up = linear_weight(lp.shared_expert(), "up_proj"),
-                        down = linear_weight(lp.shared_expert(), "down_proj"),
-                        logit = linear_weight(lp.mlp(), "shared_expert_gate");
-      for (int64_t i = 0; i < w.shared_parts; ++i) {
-        const IndexRange part{i * W, W};
+      const std::string logit = linear_weight(lp.mlp(), "shared_expert_gate");
+      for (int64_t i = 0; i < w.shared_parts && !plan.mlp_fp8; ++i) {
         bf16* gu = w.gate_up + (copies + i) * 2 * W * H;
-        put(gu, source(gate, {shared_w, H}, part));
-        put(gu + W * H, source(up, {shared_w, H}, part));
-        put(w.down + (copies + i) * H * W, source(down, {H, shared_w}, {}, part));
+        put(gu, shared_src("gate_proj", i));
+        put(gu + W * H, shared_src("up_proj", i));
+        put(w.down + (copies + i) * H * W, shared_src("down_proj", i));
       }
       if (fold) {
         put(w.router + experts * H, source(logit, {1, H}));
       } else {
         w.shared_gate_up = weights.take<bf16>(size_t(2 * shared_w * H));
-        put(w.shared_gate_up, source(gate, {shared_w, H}));
-        put(w.shared_gate_up + shared_w * H, source(up, {shared_w, H}));
+        put(w.shared_gate_up, source(linear_weight(se, "gate_proj"), {shared_w, H}));
+        put(w.shared_gate_up + shared_w * H, source(linear_weight(se, "up_proj"), {shared_w, H}));
         w.shared_down = weights.take<bf16>(size_t(H * shared_w));
-        put(w.shared_down, source(down, {H, shared_w}));
+        put(w.shared_down, source(linear_weight(se, "down_proj"), {H, shared_w}));
         w.shared_gate = weights.take<bf16>(H);
         put(w.shared_gate, source(logit, {1, H}));
       }

@@ -1,6 +1,7 @@
 // The Gated DeltaNet ops (Qwen3.5 / Qwen3-Next linear attention) and the sigmoid gate of gated
 // attention and the shared expert, on the GPU (semantics in kernels/ops.h; CPU references in
-// kernels/cpu/linear_attention.cpp and norm_embed.cpp).
+// kernels/cpu/linear_attention.cpp and norm_embed.cpp). The three in one kernel for decode steps:
+// gated_delta_net_step.cu; the per-token math both share: gated_delta_net.cuh.
 //
 // The conv runs a thread per (channel, 16 batch tokens; 1 in decode batches) with its window in
 // registers.
@@ -28,26 +29,18 @@
 // than the decode form on H100, 258 against 138 ms for a 4096-token prompt of Qwen3.5-35B-A3B's
 // first 8 layers: it did as many multiply-adds per thread as the walk. The products must be on
 // tensor cores.)
-#include <cooperative_groups.h>
-
 #include <cfloat>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gated_delta_net.cuh"
 #include "kernels/cuda/ops_cuda.h"
 
 namespace relay::kernels {
 
 using namespace cuda;
-namespace cg = cooperative_groups;
+using namespace gdn;
 
 namespace {
-
-constexpr int kMaxConvWidth = 7;  // kernel_size <= 8 (the released models use 4)
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-
-// torch.nn.functional.softplus with its defaults (beta 1, threshold 20).
-__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
 // The conv's batch tokens per thread (conv_tile_tokens): 16 where sequences are long (prefill), 1
 // where they are a few tokens each (decode, draft verification), so each thread there starts from
@@ -57,32 +50,6 @@ constexpr int kConvLongTile = 16;
 constexpr int kConvBatch = 8;
 int conv_tile_tokens(const CausalConv1dParams<bf16>& p) {
   return p.num_tokens > 8 * p.num_seqs ? kConvLongTile : 1;
-}
-
-// Token t's output: silu of the taps against the window of the `width` inputs before it, then x.
-template <int N>
-__device__ __forceinline__ float conv_step(const float (&taps)[N + 1], float (&w)[N], int width, float x) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j < width) acc += taps[j] * w[j];
-  }
-  acc += taps[width] * x;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j + 1 < width) w[j] = w[j + 1];
-    else if (j + 1 == width) w[j] = x;
-  }
-  return silu(acc);
-}
-
-// Channel c's kernel_size taps (zeros after them).
-__device__ __forceinline__ void load_conv_taps(const bf16* weight, int c, int kernel_size,
-                                               float (&taps)[kMaxConvWidth + 1]) {
-#pragma unroll
-  for (int j = 0; j <= kMaxConvWidth; ++j) {
-    taps[j] = j < kernel_size ? __bfloat162float(weight[static_cast<int64_t>(c) * kernel_size + j]) : 0.0f;
-  }
 }
 
 // A thread per (channel, tile of `tile` batch tokens), so a long prompt spreads over many CTAs
@@ -168,100 +135,15 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p, int tile) {
   }
 }
 
-// Value head h of the state in pool slot `slot` of `states`: [dk, dv].
-__device__ __forceinline__ float* head_state(float* states, int64_t stride, int slot, int h, int dk, int dv) {
-  return states + slot * stride + static_cast<int64_t>(h) * dk * dv;
-}
+// Value head h of the state in pool slot `slot` (beside gdn's, not hiding it).
+using gdn::head_state;
 __device__ __forceinline__ float* head_state(const GatedDeltaRuleParams<bf16>& p, int slot, int h) {
   return head_state(p.states, p.state_stride, slot, h, p.key_dim, p.value_dim);
-}
-
-// The decode form's threads per state column.
-constexpr int kParts = 4;
-
-// This thread's rows (part + kParts r, r < MaxDk / kParts) of column j of the value-head state
-// [dk, dv] at `head` (zeros when it starts fresh, and past dv or dk).
-template <int MaxDk>
-__device__ __forceinline__ void load_state_column(const float* head, bool fresh, int dk, int dv, int j,
-                                                  int part, float (&col)[MaxDk / kParts]) {
-  // One pointer stepped row by row: the addresses of all rows held at once would take 2 registers
-  // each.
-  const float* at = head + static_cast<int64_t>(part) * dv + j;
-  const int64_t step = static_cast<int64_t>(kParts) * dv;
-#pragma unroll
-  for (int r = 0; r < MaxDk / kParts; ++r, at += step) {
-    col[r] = j < dv && part + kParts * r < dk && !fresh ? *at : 0.0f;
-  }
-}
-
-// This thread's rows of column j into a head's state (its sequence's, or a snapshot's).
-template <int MaxDk>
-__device__ __forceinline__ void store_state_column(float* head, int dk, int dv, int j, int part,
-                                                   const float (&col)[MaxDk / kParts]) {
-  float* at = head + static_cast<int64_t>(part) * dv + j;
-  const int64_t step = static_cast<int64_t>(kParts) * dv;
-#pragma unroll
-  for (int r = 0; r < MaxDk / kParts; ++r, at += step) {
-    if (part + kParts * r < dk) *at = col[r];
-  }
 }
 
 // Whether sequence s takes the chunked form (given a workspace).
 __device__ __forceinline__ bool takes_chunks(const GatedDeltaRuleParams<bf16>& p, int s) {
   return p.query_starts[s + 1] - p.query_starts[s] >= kGatedDeltaChunkedMinTokens;
-}
-
-// The sum of v over the kParts consecutive lanes that share a column.
-__device__ __forceinline__ float column_sum(float v) {
-#pragma unroll
-  for (int o = kParts / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// beta = sigmoid(b) and the decay exp(g), g = -exp(a_log) softplus(a + dt_bias), of one token and
-// value head (a_rate = exp(a_log)).
-__device__ __forceinline__ float2 delta_rule_gates(float b, float a, float a_rate, float dt_bias) {
-  return {1.0f / (1.0f + expf(-b)), expf(-a_rate * softplus(a + dt_bias))};
-}
-
-// Thread e's q and k elements (zeros past key_dim), l2-normalised (q also divided by
-// sqrt(key_dim)) into q[e] and k[e] for the whole CTA; MaxDk <= blockDim.x.
-template <int MaxDk>
-__device__ __forceinline__ void normalise_qk(float qi, float ki, int dk, float (&q)[MaxDk], float (&k)[MaxDk],
-                                             float* scratch) {
-  // NOTE: transformers divides by the Python float dk ** 0.5, which torch rounds to fp32.
-  const float q_scale = sqrtf(static_cast<float>(dk));
-  const float q_inv = rsqrtf(block_sum(qi * qi, scratch) + 1e-6f);
-  const float k_inv = rsqrtf(block_sum(ki * ki, scratch) + 1e-6f);
-  const int e = threadIdx.x;
-  if (e < MaxDk) {  // zeros past key_dim
-    q[e] = e < dk ? (qi * q_inv) / q_scale : 0.0f;
-    k[e] = e < dk ? ki * k_inv : 0.0f;
-  }
-  __syncthreads();
-}
-
-// One token of a state column (this thread's rows part + kParts r; rows past key_dim hold zeros):
-// decay, delta = beta (v - S^T k), S += k delta, and the column's entry of S^T q, which every lane
-// of the column gets. Every lane takes part in the column sums.
-template <int MaxDk>
-__device__ __forceinline__ float delta_rule_column_step(float (&col)[MaxDk / kParts], const float (&q)[MaxDk],
-                                                        const float (&k)[MaxDk], int part, float v, float2 gates) {
-  constexpr int kRows = MaxDk / kParts;
-  float kv = 0.0f;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    col[r] *= gates.y;
-    kv += col[r] * k[part + kParts * r];
-  }
-  const float delta = (v - column_sum(kv)) * gates.x;
-  float o = 0.0f;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    col[r] += k[part + kParts * r] * delta;
-    o += col[r] * q[part + kParts * r];
-  }
-  return column_sum(o);
 }
 
 // The decode form: one CTA per (sequence, value head, kWalkColumns state columns), kParts
@@ -850,11 +732,6 @@ __global__ void __launch_bounds__(kChunkThreads)
   for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { state[d * kDim + j] = st[mt][n][e]; });
 }
 
-// The gated norm's output for x of a row whose inverse rms is inv_rms.
-__device__ __forceinline__ float gated_norm(float weight, float x, float inv_rms, float gate) {
-  return (weight * (x * inv_rms)) * silu(gate);
-}
-
 // One warp per (token, head) row.
 __global__ void gated_rms_norm_kernel(GatedRmsNormParams<bf16> p) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -872,152 +749,6 @@ __global__ void gated_rms_norm_kernel(GatedRmsNormParams<bf16> p) {
   for (int i = lane; i < p.head_dim; i += 32) {
     p.out[r * p.head_dim + i] = __float2bfloat16(
         gated_norm(__bfloat162float(p.weight[i]), __bfloat162float(x[i]), inv_rms, __bfloat162float(gate[i])));
-  }
-}
-
-// ---------------------------------------------------------------- the fused step
-
-// A decode or verification step's conv, recurrence and gated norm in one kernel. It keeps the
-// decode form's CTA per (sequence, value head, Columns state columns) and makes the CTAs of one
-// (sequence, key head), its value heads' column blocks, a cluster. The conv's q and k channels of
-// the key head feed every CTA of the cluster, so they are split among its CTAs: each convolves
-// its share and stores the results into every CTA's shared memory (DSMEM), and each conv state
-// thus has exactly one reader and writer in the grid, the thread of its channel (a CTA's v
-// channels are its own columns'). The gated norm's sum of squares over a value head's columns
-// adds up the partial sums its CTAs store into one another the same way. Two cluster barriers per
-// token, one after each exchange; both exchanges alternate between two buffers by token parity,
-// so a CTA a token ahead never overwrites what another still reads.
-constexpr int kStepMaxCluster = 8;  // the portable cluster size
-
-struct StepShape {
-  int columns = 0;     // state columns per CTA: 32 or 64
-  int cluster = 0;     // CTAs per (sequence, key head)
-  int qk_per_cta = 0;  // q and k channels each CTA convolves
-};
-
-StepShape step_shape(int num_k_heads, int num_v_heads, int key_dim, int value_dim) {
-  if (num_k_heads <= 0 || num_v_heads % num_k_heads != 0 || key_dim > 128) return {};
-  const int ratio = num_v_heads / num_k_heads;
-  for (const int columns : {32, 64}) {
-    const int cluster = ratio * static_cast<int>(ceil_div(value_dim, columns));
-    const int per = static_cast<int>(ceil_div(2 * key_dim, cluster));
-    // A thread per conv channel: the CTA's q and k share and then its columns' v.
-    if (cluster <= kStepMaxCluster && per + columns <= kParts * columns) return {columns, cluster, per};
-  }
-  return {};
-}
-
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
-
-template <int MaxDk, int Columns>
-__global__ void __launch_bounds__(kParts * Columns)
-    gated_delta_net_step_kernel(GatedDeltaNetStepParams<bf16> p, StepShape shape) {
-  constexpr int kRows = MaxDk / kParts;
-  __shared__ float qk[2][2 * MaxDk];                // the key head's conv'd q | k, by token parity
-  __shared__ float sum_sq[2][kStepMaxCluster];      // the value head's partial sums, by parity
-  __shared__ float v_conv[Columns];                 // the conv'd v of this CTA's columns
-  __shared__ float q[MaxDk], k[MaxDk];              // normalised
-  __shared__ float scratch[32];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int group = blockIdx.x / shape.cluster;  // (sequence, key head)
-  const int s = group / p.num_k_heads, kh = group % p.num_k_heads;
-  const int dk = p.key_dim, dv = p.value_dim, hk = p.num_k_heads, hv = p.num_v_heads;
-  const int column_blocks = (dv + Columns - 1) / Columns;  // CTAs per value head
-  const int h = kh * (hv / hk) + rank / column_blocks;
-  const int head_rank0 = rank - rank % column_blocks;  // the value head's first CTA
-  const int j0 = rank % column_blocks * Columns;
-  const int tid = threadIdx.x, part = tid % kParts, j = j0 + tid / kParts;
-  const bool owns = j < dv;
-  const int conv_dim = p.conv_dim(), width = p.kernel_size - 1;
-  const int slot = p.state_slots[s];  // -1: graph padding, zeros in and nothing kept
-  const bool fresh = slot < 0 || p.state_fresh[s];
-
-  // This thread's conv channel, if any: the CTA's share of the key head's q | k, then its v.
-  int channel = -1, qk_index = -1, v_index = -1;
-  if (tid < shape.qk_per_cta) {
-    const int c = rank * shape.qk_per_cta + tid;
-    if (c < 2 * dk) {
-      qk_index = c;
-      channel = (c < dk ? kh : hk + kh) * dk + c % dk;
-    }
-  } else if (tid - shape.qk_per_cta < Columns) {
-    v_index = tid - shape.qk_per_cta;
-    if (j0 + v_index < dv) channel = 2 * hk * dk + h * dv + j0 + v_index;
-  }
-  float taps[kMaxConvWidth + 1], w[kMaxConvWidth];  // the inputs before the token, oldest first
-  float* conv_state = nullptr;
-  if (channel >= 0) {
-    load_conv_taps(p.conv_weight, channel, p.kernel_size, taps);
-    if (slot >= 0) conv_state = p.conv_states + slot * p.state_stride + static_cast<int64_t>(channel) * width;
-#pragma unroll
-    for (int i = 0; i < kMaxConvWidth; ++i) w[i] = i < width && !fresh ? conv_state[i] : 0.0f;
-  }
-  float* state = slot >= 0 ? head_state(p.states, p.state_stride, slot, h, dk, dv) : nullptr;
-  float col[kRows];
-  load_state_column<MaxDk>(state, fresh, dk, dv, j, part, col);
-  const float a_rate = expf(p.a_log[h]);
-  const float dt_bias = __bfloat162float(p.dt_bias[h]);
-  const float norm_weight = owns ? __bfloat162float(p.norm_weight[j]) : 0.0f;
-  const int64_t z_col = conv_dim + static_cast<int64_t>(h) * dv + j;
-  const int64_t b_col = conv_dim + static_cast<int64_t>(hv) * dv + h;
-  // Every CTA of the cluster runs before any stores into its shared memory.
-  cluster.sync();
-
-  for (int t = p.query_starts[s], n = 0; t < p.query_starts[s + 1]; ++t, ++n) {
-    const int buf = n & 1;
-    const bf16* row = p.proj + t * p.proj_stride;
-    const int snapshot = p.snapshot_slots != nullptr ? p.snapshot_slots[t] : -1;
-    if (channel >= 0) {
-      // Rounded as the separate conv stores its output.
-      const float y = round_bf16(conv_step(taps, w, width, __bfloat162float(row[channel])));
-      if (snapshot >= 0) {
-        float* snap = p.conv_states + snapshot * p.state_stride + static_cast<int64_t>(channel) * width;
-#pragma unroll
-        for (int i = 0; i < kMaxConvWidth; ++i) {
-          if (i < width) snap[i] = w[i];
-        }
-      }
-      if (qk_index >= 0) {
-        for (int r = 0; r < shape.cluster; ++r) *cluster.map_shared_rank(&qk[buf][qk_index], r) = y;
-      } else {
-        v_conv[v_index] = y;
-      }
-    } else if (v_index >= 0) {
-      v_conv[v_index] = 0.0f;
-    }
-    cluster.sync();  // q | k whole in every CTA, and this CTA's v
-
-    normalise_qk<MaxDk>(tid < dk ? qk[buf][tid] : 0.0f, tid < dk ? qk[buf][dk + tid] : 0.0f, dk, q, k, scratch);
-    const float2 gates = delta_rule_gates(__bfloat162float(row[b_col]), __bfloat162float(row[b_col + hv]),
-                                          a_rate, dt_bias);
-    // Rounded as the separate recurrence stores its output.
-    const float o = round_bf16(delta_rule_column_step<MaxDk>(col, q, k, part, owns ? v_conv[j - j0] : 0.0f, gates));
-    if (owns && snapshot >= 0) {
-      store_state_column<MaxDk>(head_state(p.states, p.state_stride, snapshot, h, dk, dv), dk, dv, j, part, col);
-    }
-    const float partial = block_sum(owns && part == 0 ? o * o : 0.0f, scratch);
-    if (tid == 0) {
-      for (int r = 0; r < column_blocks; ++r) {
-        *cluster.map_shared_rank(&sum_sq[buf][rank - head_rank0], head_rank0 + r) = partial;
-      }
-    }
-    cluster.sync();  // the value head's partial sums in each of its CTAs
-
-    float sum = 0.0f;
-    for (int r = 0; r < column_blocks; ++r) sum += sum_sq[buf][r];
-    const float inv_rms = rsqrtf(sum / static_cast<float>(dv) + p.eps);
-    if (owns && part == 0) {
-      p.out[(static_cast<int64_t>(t) * hv + h) * dv + j] =
-          __float2bfloat16(gated_norm(norm_weight, o, inv_rms, __bfloat162float(row[z_col])));
-    }
-  }
-  if (owns && state != nullptr) store_state_column<MaxDk>(state, dk, dv, j, part, col);
-  if (conv_state != nullptr) {
-#pragma unroll
-    for (int i = 0; i < kMaxConvWidth; ++i) {
-      if (i < width) conv_state[i] = w[i];
-    }
   }
 }
 
@@ -1098,42 +829,6 @@ void launch_gated_rms_norm(const GatedRmsNormParams<bf16>& p, cudaStream_t s) {
   constexpr int kWarps = 8;
   gated_rms_norm_kernel<<<ceil_div(rows, kWarps), kWarps * 32, 0, s>>>(p);
   RELAY_CUDA_CHECK_LAUNCH("gated_rms_norm_kernel");
-}
-
-bool gated_delta_net_step_fused(int num_k_heads, int num_v_heads, int key_dim, int value_dim) {
-  return step_shape(num_k_heads, num_v_heads, key_dim, value_dim).columns > 0;
-}
-
-void launch_gated_delta_net_step(const GatedDeltaNetStepParams<bf16>& p, cudaStream_t s) {
-  const StepShape shape = step_shape(p.num_k_heads, p.num_v_heads, p.key_dim, p.value_dim);
-  RELAY_CHECK(shape.columns > 0, "gated_delta_net_step: no fused kernel for ", p.num_k_heads,
-              " key heads, ", p.num_v_heads, " value heads, key_dim ", p.key_dim, " and value_dim ",
-              p.value_dim, " (key_dim up to 128, at most ", kStepMaxCluster,
-              " CTAs of 64 columns per key head); take the three ops");
-  RELAY_CHECK(p.kernel_size >= 1 && p.kernel_size - 1 <= kMaxConvWidth,
-              "gated_delta_net_step: kernel_size ", p.kernel_size, " (1 to ", kMaxConvWidth + 1, ")");
-  if (p.num_seqs == 0 || p.num_tokens == 0) return;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(p.num_seqs * p.num_k_heads * shape.cluster));
-  config.blockDim = dim3(static_cast<unsigned>(kParts * shape.columns));
-  config.stream = s;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned>(shape.cluster);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  auto launch = [&](auto kernel) { RELAY_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, shape)); };
-  const bool wide = shape.columns == 64;
-  if (p.key_dim <= 32) {
-    wide ? launch(gated_delta_net_step_kernel<32, 64>) : launch(gated_delta_net_step_kernel<32, 32>);
-  } else if (p.key_dim <= 64) {
-    wide ? launch(gated_delta_net_step_kernel<64, 64>) : launch(gated_delta_net_step_kernel<64, 32>);
-  } else {
-    wide ? launch(gated_delta_net_step_kernel<128, 64>) : launch(gated_delta_net_step_kernel<128, 32>);
-  }
-  RELAY_CUDA_CHECK_LAUNCH("gated_delta_net_step_kernel");
 }
 
 void launch_sigmoid_gate(const SigmoidGateParams<bf16>& p, cudaStream_t s) {
