@@ -238,7 +238,7 @@ void RankEngine::load(const std::filesystem::path& dir) {
       const bool fp8_fits =
           group_fp8({linear_weight(se, "gate_proj"), linear_weight(se, "up_proj"),
                      linear_weight(se, "down_proj")}) &&
-          (shared_w == W || W % quant::kFp8BlockSize == 0);
+          (shared_w == W || W % kernels::kFp8BlockSize == 0);
       if (!plan.mlp_fp8 || fp8_fits) plan.shared_parts = static_cast<int>(shared_w / W);
     }
     const int64_t copies = (moe ? local_experts : 1) + plan.shared_parts;
