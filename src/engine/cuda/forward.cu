@@ -107,11 +107,12 @@ void RankEngine::enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh,
   const bf16* z = gdn_proj + gdn_conv_dim;
   const bf16* b = z + v_dim;
   const float eps = static_cast<float>(cfg.rms_norm_eps);
-  // A step of a few tokens per sequence (decode, verifying drafts: every graph step) takes the
-  // fused kernel; a prompt's takes the three ops, its long sequences the conv's and the
-  // recurrence's prefill forms.
+  // A step of a few sequences of a few tokens each (decode, verifying drafts) takes the fused
+  // kernel; a larger one the three ops (the walk for every sequence of a graph step), a prompt's
+  // long sequences the conv's and the recurrence's prefill forms.
   const bool few_tokens = sh.per_seq != 0 || T - sh.seqs + 1 < kernels::kGatedDeltaChunkedMinTokens;
-  if (few_tokens && kernels::gated_delta_net_step_fused(gdn_heads_k, gdn_heads_v, gdn_key_dim, gdn_value_dim)) {
+  if (few_tokens && sh.seqs <= kernels::kGatedDeltaNetStepFusedMaxSeqs &&
+      kernels::gated_delta_net_step_fused(gdn_heads_k, gdn_heads_v, gdn_key_dim, gdn_value_dim)) {
     mark("gdn_step");
     kernels::launch_gated_delta_net_step(
         {gdn_proj, gdn_in_width, w.conv, w.a_log, w.dt_bias, w.gdn_norm, conv_states, ssm_states,

@@ -230,16 +230,17 @@ void RankEngine::load(const std::filesystem::path& dir) {
                                fused_experts_weight(lp.mlp(), "down_proj")})
                   : group_fp8({ffn(lp, 0, "gate_proj"), ffn(lp, 0, "up_proj"), ffn(lp, 0, "down_proj")});
     // The shared expert joins the experts where the MoE is one rank's whole (no TP or EP) and it
-    // splits into whole experts' widths, in the experts' format: an FP8 group takes it only where
-    // its own tensors are FP8 too (or --dtype fp8 asks), and slices of FP8 tensors on whole blocks.
+    // is as wide as one of them (every released hybrid), in the experts' format: an FP8 group takes
+    // it only where its own tensors are FP8 too (or --dtype fp8 asks). NOTE: a wider one would fold
+    // as several parts, but each part's down projection is rounded to bf16 apart, and on the tiny
+    // qwen3_5-moe-text fixture (two parts) that moved a near-tie greedy token past the bf16-noise
+    // bound of the GPU tests; those run it apart, as transformers does.
     if (lp.ffn == FfnKind::kMoeWithSharedExpert && shard.tp_size == 1 && shard.ep_size == 1 &&
-        shared_w % W == 0 && top_k + shared_w / W <= kernels::kMaxRoutesPerToken) {
+        shared_w == W && top_k + 1 <= kernels::kMaxRoutesPerToken) {
       const std::string se = lp.shared_expert();
-      const bool fp8_fits =
-          group_fp8({linear_weight(se, "gate_proj"), linear_weight(se, "up_proj"),
-                     linear_weight(se, "down_proj")}) &&
-          (shared_w == W || W % kernels::kFp8BlockSize == 0);
-      if (!plan.mlp_fp8 || fp8_fits) plan.shared_parts = static_cast<int>(shared_w / W);
+      const bool fp8_fits = group_fp8({linear_weight(se, "gate_proj"), linear_weight(se, "up_proj"),
+                                       linear_weight(se, "down_proj")});
+      if (!plan.mlp_fp8 || fp8_fits) plan.shared_parts = 1;
     }
     const int64_t copies = (moe ? local_experts : 1) + plan.shared_parts;
     if (moe) count(int64_t{experts + (plan.shared_parts > 0 ? 1 : 0)} * H);
