@@ -54,10 +54,11 @@ void RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const Ste
                             static_cast<float>(cfg.rms_norm_eps)},
                            stream);
   if (w.moe) {
-    // The shared expert as more experts of the MoE where its weights are folded in
-    // (LayerWeights::shared_parts); else apart, after it.
-    enqueue_moe(w, T, w.shared_parts);
-    if (w.shared_width > 0 && w.shared_parts == 0) enqueue_shared_expert(w, T);
+    // The shared expert as one more expert of the MoE where its weights are folded in
+    // (LayerWeights::shared_parts) and the step is small; else apart, after it.
+    const int shared_parts = T <= kSharedExpertFoldMaxTokens ? w.shared_parts : 0;
+    enqueue_moe(w, T, shared_parts);
+    if (w.shared_width > 0 && shared_parts == 0) enqueue_shared_expert(w, T);
   } else {
     linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width, hidden);
     swiglu(w, T);

@@ -36,9 +36,9 @@ void RankEngine::allocate_activations() {
   const bool gated = std::any_of(layers.begin(), layers.end(), [](const LayerWeights& w) {
     return w.mixer == MixerKind::kGatedAttention;
   });
-  const bool shared = std::any_of(layers.begin(), layers.end(), [](const LayerWeights& w) {
-    return w.shared_width > 0 && w.shared_parts == 0;  // run apart from the experts
-  }) || (mtp.present && mtp.layer.shared_width > 0 && mtp.layer.shared_parts == 0);
+  const bool shared = std::any_of(layers.begin(), layers.end(),
+                                  [](const LayerWeights& w) { return w.shared_width > 0; }) ||
+                      (mtp.present && mtp.layer.shared_width > 0);
   const size_t gdn_v = size_t(gdn_heads_v) * gdn_value_dim;
   if (gated) add(T * q_heads * head_dim, 2);
   if (gdn_in_width > 0) add(T * gdn_in_width, 2), add(T * gdn_conv_dim, 2), add(T * gdn_v, 2);

@@ -256,7 +256,8 @@ void RankEngine::load(const std::filesystem::path& dir) {
       count(copies * 2 * W * H);
       count(copies * H * W);
     }
-    if (lp.ffn == FfnKind::kMoeWithSharedExpert && plan.shared_parts == 0) {
+    // Apart too (a step of many tokens runs it so): folded bf16, a view of its expert slot.
+    if (lp.ffn == FfnKind::kMoeWithSharedExpert && (plan.shared_parts == 0 || plan.mlp_fp8)) {
       count(2 * shared_w * H), count(H * shared_w), count(H);
     }
     return plan;
@@ -555,12 +556,10 @@ void RankEngine::load(const std::filesystem::path& dir) {
     const bool fold = w.shared_parts > 0;
     const int64_t slots = copies + w.shared_parts;  // the routed experts, then the shared one's parts
     const std::string se = has_shared ? lp.shared_expert() : std::string();
-    // The shared expert's part i (i >= 0): its gate and up rows and down columns [i W, (i + 1) W).
-    auto shared_src = [&](const char* name, int64_t i) {
-      const IndexRange part{i * W, W};
-      return std::string_view(name) == "down_proj"
-                 ? source(linear_weight(se, name), {H, shared_w}, {}, part)
-                 : source(linear_weight(se, name), {shared_w, H}, part);
+    // The shared expert's tensors, folded as the experts' last slot.
+    auto shared_src = [&](const char* name) {
+      return std::string_view(name) == "down_proj" ? source(linear_weight(se, name), {H, shared_w})
+                                                   : source(linear_weight(se, name), {shared_w, H});
     };
     if (w.moe) {
       w.router = weights.take<bf16>(size_t(experts + (fold ? 1 : 0)) * H);
@@ -585,14 +584,14 @@ void RankEngine::load(const std::filesystem::path& dir) {
       w.act_width = static_cast<int>(plan.down.cols);
       upload_fp8(w.gate_up8, plan.gate_up, slots,
                  [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
-                   pack(e < copies ? gate_src(e) : shared_src("gate_proj", e - copies), plan.gate_up, 0, q,
+                   pack(e < copies ? gate_src(e) : shared_src("gate_proj"), plan.gate_up, 0, q,
                         s, pool);
-                   pack(e < copies ? up_src(e) : shared_src("up_proj", e - copies), plan.gate_up,
+                   pack(e < copies ? up_src(e) : shared_src("up_proj"), plan.gate_up,
                         w.act_width, q, s, pool);
                  });
       upload_fp8(w.down8, plan.down, slots,
                  [&](int64_t e, uint8_t* q, float* s, ThreadPool* pool) {
-                   pack(e < copies ? down_src(e) : shared_src("down_proj", e - copies), plan.down, 0, q,
+                   pack(e < copies ? down_src(e) : shared_src("down_proj"), plan.down, 0, q,
                         s, pool);
                  });
     } else {
@@ -606,27 +605,19 @@ void RankEngine::load(const std::filesystem::path& dir) {
       }
     }
     if (has_shared) {
-      // Whole on every rank (a TP rank too), added after the MoE's reduction or combine; or folded
-      // into the experts' last slots (the FP8 ones packed above).
+      // Whole on every rank (a TP rank too), added after the MoE's reduction or combine. Folded,
+      // also the experts' last slot and the router's last row: bf16, the pointers view them; FP8
+      // (packed above), a bf16 copy beside them for the steps that run it apart.
       w.shared_width = static_cast<int>(shared_w);
       const std::string logit = linear_weight(lp.mlp(), "shared_expert_gate");
-      for (int64_t i = 0; i < w.shared_parts && !plan.mlp_fp8; ++i) {
-        bf16* gu = w.gate_up + (copies + i) * 2 * W * H;
-        put(gu, shared_src("gate_proj", i));
-        put(gu + W * H, shared_src("up_proj", i));
-        put(w.down + (copies + i) * H * W, shared_src("down_proj", i));
-      }
-      if (fold) {
-        put(w.router + experts * H, source(logit, {1, H}));
-      } else {
-        w.shared_gate_up = weights.take<bf16>(size_t(2 * shared_w * H));
-        put(w.shared_gate_up, source(linear_weight(se, "gate_proj"), {shared_w, H}));
-        put(w.shared_gate_up + shared_w * H, source(linear_weight(se, "up_proj"), {shared_w, H}));
-        w.shared_down = weights.take<bf16>(size_t(H * shared_w));
-        put(w.shared_down, source(linear_weight(se, "down_proj"), {H, shared_w}));
-        w.shared_gate = weights.take<bf16>(H);
-        put(w.shared_gate, source(logit, {1, H}));
-      }
+      const bool view = fold && !plan.mlp_fp8;
+      w.shared_gate_up = view ? w.gate_up + copies * 2 * W * H : weights.take<bf16>(size_t(2 * shared_w * H));
+      put(w.shared_gate_up, source(linear_weight(se, "gate_proj"), {shared_w, H}));
+      put(w.shared_gate_up + shared_w * H, source(linear_weight(se, "up_proj"), {shared_w, H}));
+      w.shared_down = view ? w.down + copies * H * W : weights.take<bf16>(size_t(H * shared_w));
+      put(w.shared_down, source(linear_weight(se, "down_proj"), {H, shared_w}));
+      w.shared_gate = fold ? w.router + experts * H : weights.take<bf16>(H);
+      put(w.shared_gate, source(logit, {1, H}));
     }
     max_ffn_width = std::max({max_ffn_width, w.act_width, w.shared_width});
     max_qkv_width = std::max<int64_t>(max_qkv_width, plan.qkv_fp8 ? plan.qkv.rows : qkv_dim);
