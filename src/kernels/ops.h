@@ -508,7 +508,9 @@ struct GatedDeltaNetStepParams {
   int kernel_size = 0;
   float eps = 1e-6f;
 
-  RELAY_HOST_DEVICE int conv_dim() const { return 2 * num_k_heads * key_dim + num_v_heads * value_dim; }
+  RELAY_HOST_DEVICE int conv_dim() const {
+    return 2 * num_k_heads * key_dim + num_v_heads * value_dim;
+  }
 };
 
 // CPU reference implementations (fp32), src/kernels/cpu/*.cpp.

@@ -183,11 +183,11 @@ void launch_gated_rms_norm(const GatedRmsNormParams<float>& p, ThreadPool& pool)
 
 void launch_gated_delta_net_step(const GatedDeltaNetStepParams<float>& p, ThreadPool& pool) {
   const int conv_dim = p.conv_dim(), v_dim = p.num_v_heads * p.value_dim;
-  // The conv's and the recurrence's outputs, kept between calls on the calling thread (a rank's
-  // forward runs on one thread; a prompt's buffers are large).
-  thread_local std::vector<float> conv_out, core;
+  // The conv's output, kept between calls on the calling thread (a rank's forward runs on one
+  // thread; a prompt's buffer is large). The recurrence writes `out`, which the norm then gates
+  // in place.
+  thread_local std::vector<float> conv_out;
   conv_out.resize(static_cast<size_t>(p.num_tokens) * conv_dim);
-  core.resize(static_cast<size_t>(p.num_tokens) * v_dim);
   launch_causal_conv1d({p.proj, p.proj_stride, p.conv_weight, p.conv_states, p.state_stride,
                         p.query_starts, p.state_slots, p.state_fresh, p.snapshot_slots,
                         conv_out.data(), p.num_seqs, p.num_tokens, conv_dim, p.kernel_size},
@@ -196,10 +196,10 @@ void launch_gated_delta_net_step(const GatedDeltaNetStepParams<float>& p, Thread
   const float* b = z + v_dim;
   launch_gated_delta_rule({conv_out.data(), b, b + p.num_v_heads, p.proj_stride, p.a_log,
                            p.dt_bias, p.states, p.state_stride, p.query_starts, p.state_slots,
-                           p.state_fresh, p.snapshot_slots, core.data(), p.num_seqs, p.num_tokens,
+                           p.state_fresh, p.snapshot_slots, p.out, p.num_seqs, p.num_tokens,
                            p.num_k_heads, p.num_v_heads, p.key_dim, p.value_dim},
                           pool);
-  launch_gated_rms_norm({core.data(), z, p.proj_stride, p.norm_weight, p.out, p.num_tokens,
+  launch_gated_rms_norm({p.out, z, p.proj_stride, p.norm_weight, p.out, p.num_tokens,
                          p.num_v_heads, p.value_dim, p.eps},
                         pool);
 }

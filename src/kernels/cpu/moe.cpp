@@ -44,9 +44,12 @@ void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& poo
         ids[k] = order[k];
         weights[k] = p.renormalize ? probs[order[k]] / top_sum : probs[order[k]];
       }
-      for (int i = 0; i < p.shared_expert_parts; ++i) {
-        ids[p.top_k + i] = p.num_experts + i;
-        weights[p.top_k + i] = 1.0f / (1.0f + std::exp(-logits[p.num_experts]));
+      if (p.shared_expert_parts > 0) {
+        const float gate = 1.0f / (1.0f + std::exp(-logits[p.num_experts]));
+        for (int i = 0; i < p.shared_expert_parts; ++i) {
+          ids[p.top_k + i] = p.num_experts + i;
+          weights[p.top_k + i] = gate;
+        }
       }
     }
   });

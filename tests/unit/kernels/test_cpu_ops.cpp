@@ -322,13 +322,15 @@ TEST_F(CpuOps, RouterTopkSharedExpertRoutes) {
       const int routes = k + parts;
       std::vector<float> plain_logits;
       for (int t = 0; t < tokens; ++t) {
-        plain_logits.insert(plain_logits.end(), &logits[t * (experts + 1)], &logits[t * (experts + 1)] + experts);
+        const float* row = &logits[t * (experts + 1)];
+        plain_logits.insert(plain_logits.end(), row, row + experts);
       }
       std::vector<int32_t> plain_ids(tokens * k), ids(tokens * routes);
       std::vector<float> plain_w(tokens * k), w(tokens * routes);
-      launch_moe_router_topk({plain_logits.data(), plain_ids.data(), plain_w.data(), tokens, experts, k, renorm},
-                             pool);
-      launch_moe_router_topk({logits.data(), ids.data(), w.data(), tokens, experts, k, renorm, parts}, pool);
+      launch_moe_router_topk(
+          {plain_logits.data(), plain_ids.data(), plain_w.data(), tokens, experts, k, renorm}, pool);
+      launch_moe_router_topk(
+          {logits.data(), ids.data(), w.data(), tokens, experts, k, renorm, parts}, pool);
       for (int t = 0; t < tokens; ++t) {
         for (int j = 0; j < k; ++j) {
           EXPECT_EQ(ids[t * routes + j], plain_ids[t * k + j]);
@@ -336,7 +338,8 @@ TEST_F(CpuOps, RouterTopkSharedExpertRoutes) {
         }
         for (int i = 0; i < parts; ++i) {
           EXPECT_EQ(ids[t * routes + k + i], experts + i);
-          EXPECT_NEAR(w[t * routes + k + i], 1.0 / (1.0 + std::exp(-logits[t * (experts + 1) + experts])), 1e-6);
+          const double gate = logits[t * (experts + 1) + experts];
+          EXPECT_NEAR(w[t * routes + k + i], 1.0 / (1.0 + std::exp(-gate)), 1e-6);
         }
       }
     }
