@@ -150,10 +150,12 @@ for l in "$@"; do
       LIMIT=300 run kernels --mode kernels
       grep '"gated_delta_rule"' "$OUT/bench-gdn.log" | cut -c1-330
       unset GROUP ;;
-    attn-quick)  # issues 25 / 27: the kernel lines (--quick), prefill attention at head_dim 128 and 256 on both kernels
+    attn-quick)  # issues 25 / 27: the kernel lines (--quick), prefill attention at head_dim 128 and 256 on both kernels,
+      # and Gated DeltaNet's decode step fused and as three ops
       export GROUP=attn
       LIMIT=150 run kernels-quick --mode kernels --quick
       grep '"prefill_attention"' "$OUT/bench-attn.log" | cut -c1-300
+      grep '"gated_delta_net_step"' "$OUT/bench-attn.log" | cut -c1-300
       unset GROUP ;;
     gdn-model)
       export GROUP=gdn-model

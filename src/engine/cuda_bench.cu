@@ -39,6 +39,7 @@
 #include "core/error.h"
 #include "engine/cuda_backend.h"
 #include "engine/fp8_kernel_bench.h"
+#include "engine/roofline.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
 #include "model/decoder_plan.h"
@@ -350,27 +351,25 @@ void bench_launch_floor(Reporter& rep, bool quick) {
 
 void bench_attention(Reporter& rep, const Ceilings& c, bool quick) {
   std::mt19937 rng(6);
-  for (int len : quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}) {
-    AttnSetup a({{len, len}}, 32, 4, 128, 16, rng);
-    const double flops = 4.0 * 32 * 128 * (double(len) * len / 2);  // causal: half the square
-    for (auto kind : {kernels::PrefillAttentionKind::Wgmma, kernels::PrefillAttentionKind::MmaSync}) {
-      const double ms =
-          time_ms([&](int) { kernels::launch_paged_attention(a.p, kind, nullptr); }, quick ? 3 : 10);
-      rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"variant", kernels::prefill_attention_kind_name(kind)},
-                {"tokens", len}, {"q_heads", 32}, {"kv_heads", 4}, {"head_dim", 128}, {"ms", ms},
-                {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
-    }
-  }
-  // Qwen3.5-35B-A3B's gated attention: 16 q heads, 2 KV heads, head_dim 256.
-  for (int len : quick ? std::vector<int>{4096} : std::vector<int>{4096, 16384}) {
-    AttnSetup a({{len, len}}, 16, 2, 256, 16, rng);
-    const double flops = 4.0 * 16 * 256 * (double(len) * len / 2);
-    for (auto kind : {kernels::PrefillAttentionKind::Wgmma, kernels::PrefillAttentionKind::MmaSync}) {
-      const double ms =
-          time_ms([&](int) { kernels::launch_paged_attention(a.p, kind, nullptr); }, quick ? 3 : 10);
-      rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"variant", kernels::prefill_attention_kind_name(kind)},
-                {"tokens", len}, {"q_heads", 16}, {"kv_heads", 2}, {"head_dim", 256}, {"ms", ms},
-                {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+  // Causal prefill at Qwen3-30B-A3B's attention shape (32 q heads, 4 KV heads, head_dim 128) and
+  // Qwen3.5-35B-A3B's gated attention (16, 2, 256), on both kernels.
+  struct Shape {
+    int q_heads, kv_heads, head_dim;
+    std::vector<int> lengths;
+  };
+  const std::vector<Shape> shapes{{32, 4, 128, quick ? std::vector<int>{8192} : std::vector<int>{4096, 8192, 16384}},
+                                  {16, 2, 256, quick ? std::vector<int>{4096} : std::vector<int>{4096, 16384}}};
+  for (const Shape& sh : shapes) {
+    for (int len : sh.lengths) {
+      AttnSetup a({{len, len}}, sh.q_heads, sh.kv_heads, sh.head_dim, 16, rng);
+      const double flops = 4.0 * sh.q_heads * sh.head_dim * (double(len) * len / 2);  // causal: half the square
+      for (auto kind : {kernels::PrefillAttentionKind::Wgmma, kernels::PrefillAttentionKind::MmaSync}) {
+        const double ms =
+            time_ms([&](int) { kernels::launch_paged_attention(a.p, kind, nullptr); }, quick ? 3 : 10);
+        rep.emit({{"mode", "kernel"}, {"kernel", "prefill_attention"}, {"variant", kernels::prefill_attention_kind_name(kind)},
+                  {"tokens", len}, {"q_heads", sh.q_heads}, {"kv_heads", sh.kv_heads}, {"head_dim", sh.head_dim},
+                  {"ms", ms}, {"tflops", flops / (ms * 1e9)}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
+      }
     }
   }
   // Batch 1 at three contexts separates the kernel's fixed cost from its streaming rate.
@@ -497,71 +496,65 @@ void bench_gated_delta_rule(Reporter& rep, const Ceilings& c, bool quick) {
   }
 }
 
-// ---------------------------------------------------------------- end to end
-struct ModelCosts {
-  double attn_weight_bytes = 0;   // per step, all layers: every weight but the routed experts'
-  double expert_bytes = 0;        // one expert, all MoE layers
-  double lm_head_bytes = 0;
-  double all_weight_bytes = 0;
-  double kv_bytes_per_token = 0;  // all attention layers, K and V
-  double state_bytes = 0;         // one sequence's recurrent state, all Gated DeltaNet layers
-  double matmul_flops_per_token = 0;
-  double attn_flops_per_token_pair = 0;  // per (query, key) pair, all attention layers
-  double delta_rule_flops_per_token = 0;  // the Gated DeltaNet recurrence, all its layers
-  int experts = 0, top_k = 0;
-};
-
-// `linear_bytes`: bytes per weight of the attention projections and experts (2 bf16, 1 FP8; the
-// router, embeddings and lm_head stay bf16, and so do the hybrids' gated attention, Gated
-// DeltaNet and shared expert). Layer by layer, as the decoder plan gives their kinds.
-ModelCosts model_costs(const ModelConfig& c, double linear_bytes) {
-  ModelCosts m;
-  const double H = c.hidden_size, hd = c.head_dim, nq = c.num_attention_heads, nkv = c.num_key_value_heads;
-  const double W = c.moe_intermediate_size, E = c.num_experts;
-  m.experts = static_cast<int>(c.num_experts);
-  m.top_k = static_cast<int>(c.num_experts_per_tok);
-  double params = 0;  // every weight a token's forward multiplies but the routed experts'
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
-    const MixerKind mixer = mixer_kind(c, l);
-    const FfnKind ffn = ffn_kind(c, l);
-    if (mixer == MixerKind::kGatedDeltaNet) {
-      const double hv = c.linear_num_value_heads, conv = c.linear_conv_dim(), v = c.linear_value_dim();
-      const double p = (conv + v + 2 * hv) * H + v * H;  // in_proj, out_proj
-      params += p;
-      m.attn_weight_bytes += (p + conv * c.linear_conv_kernel_dim) * 2;
-      // Per token and value head: decay, S^T k, the rank-1 update and S^T q over dk x dv.
-      m.delta_rule_flops_per_token += 8 * v * c.linear_key_head_dim;
-    } else {
-      const double gate = mixer == MixerKind::kGatedAttention ? nq * hd * H : 0;
-      const double p = (nq + 2 * nkv) * hd * H + nq * hd * H;
-      params += p + gate;
-      m.attn_weight_bytes += p * (gate > 0 ? 2 : linear_bytes) + gate * 2;
-      m.kv_bytes_per_token += 2 * nkv * hd * 2;
-      m.attn_flops_per_token_pair += 4 * nq * hd;
-    }
-    if (ffn == FfnKind::kDenseMlp) {
-      const double p = 3 * double(c.intermediate_size) * H;
-      params += p;
-      m.attn_weight_bytes += p * linear_bytes;
-      continue;
-    }
-    params += E * H;  // the router
-    m.attn_weight_bytes += E * H * 2;
-    m.expert_bytes += 3 * W * H * linear_bytes;
-    m.matmul_flops_per_token += 2 * m.top_k * 3 * W * H;
-    if (ffn == FfnKind::kMoeWithSharedExpert) {
-      const double p = 3 * double(c.shared_expert_intermediate_size) * H + H;
-      params += p;
-      m.attn_weight_bytes += p * 2;
+// Gated DeltaNet's decode step at Qwen3.5-35B-A3B's heads, one layer: the fused kernel (conv,
+// recurrence and gated norm) against the three ops it replaces, at batch 1, 64 and 256. The floor
+// is reading and writing each sequence's fp32 states, recurrent and conv.
+void bench_gated_delta_net_step(Reporter& rep, const Ceilings& c, bool quick) {
+  constexpr int hk = 16, hv = 32, dim = 128, kernel = 4;
+  constexpr int conv_dim = (2 * hk + hv) * dim, v_dim = hv * dim, proj_stride = conv_dim + v_dim + 2 * hv;
+  constexpr int64_t conv_elems = int64_t{conv_dim} * (kernel - 1), state_stride = conv_elems + int64_t{hv} * dim * dim;
+  std::vector<float> a_log(hv);
+  for (int h = 0; h < hv; ++h) a_log[h] = std::log(1.0f + 0.25f * h);
+  DevBuf<float> a_log_d(hv);
+  DevBuf<bf16> dt_bias(hv), conv_w(size_t(conv_dim) * kernel), norm_w(dim);
+  upload(a_log_d, a_log);
+  fill_random(dt_bias.p, hv, 41);
+  fill_random(conv_w.p, size_t(conv_dim) * kernel, 42, 0.5f);
+  fill_random(norm_w.p, dim, 43);
+  for (const int batch : {1, 64, 256}) {
+    DevBuf<bf16> proj(size_t(batch) * proj_stride), conv_out(size_t(batch) * conv_dim), out(size_t(batch) * v_dim);
+    DevBuf<float> states(size_t(batch) * state_stride);
+    std::vector<int32_t> starts(batch + 1), slots(batch);
+    std::iota(starts.begin(), starts.end(), 0);
+    std::iota(slots.begin(), slots.end(), 0);
+    DevBuf<int32_t> starts_d(batch + 1), slots_d(batch);
+    DevBuf<uint8_t> fresh_d(batch);
+    upload(starts_d, starts);
+    upload(slots_d, slots);
+    RELAY_CUDA_CHECK(cudaMemset(fresh_d.p, 0, batch));
+    RELAY_CUDA_CHECK(cudaMemset(states.p, 0, size_t(batch) * state_stride * 4));
+    fill_random(proj.p, size_t(batch) * proj_stride, 44);
+    float* ssm = states.p + conv_elems;
+    const bf16* b = proj.p + conv_dim + v_dim;
+    auto fused = [&](int) {
+      kernels::launch_gated_delta_net_step({proj.p, proj_stride, conv_w.p, a_log_d.p, dt_bias.p, norm_w.p, states.p,
+                                            ssm, state_stride, starts_d.p, slots_d.p, fresh_d.p, nullptr, out.p,
+                                            batch, batch, hk, hv, dim, dim, kernel, 1e-6f},
+                                           nullptr);
+    };
+    auto split = [&](int) {
+      kernels::launch_causal_conv1d({proj.p, proj_stride, conv_w.p, states.p, state_stride, starts_d.p, slots_d.p,
+                                     fresh_d.p, nullptr, conv_out.p, batch, batch, conv_dim, kernel},
+                                    nullptr);
+      kernels::launch_gated_delta_rule({conv_out.p, b, b + hv, proj_stride, a_log_d.p, dt_bias.p, ssm, state_stride,
+                                        starts_d.p, slots_d.p, fresh_d.p, nullptr, out.p, batch, batch, hk, hv,
+                                        dim, dim, nullptr},
+                                       nullptr);
+      kernels::launch_gated_rms_norm({out.p, proj.p + conv_dim, proj_stride, norm_w.p, out.p, batch, hv, dim, 1e-6f},
+                                     nullptr);
+    };
+    const double bytes = 2.0 * batch * state_stride * 4;  // each state read and written
+    for (const bool one_kernel : {true, false}) {
+      const double ms = one_kernel ? time_ms(fused, quick ? 5 : 20) : time_ms(split, quick ? 5 : 20);
+      rep.emit({{"mode", "kernel"}, {"kernel", "gated_delta_net_step"},
+                {"form", one_kernel ? "fused" : "conv + recurrence + norm"}, {"seqs", batch},
+                {"k_heads", hk}, {"v_heads", hv}, {"head_dim", dim}, {"us", ms * 1e3},
+                {"gbps", bytes / (ms * 1e6)}, {"fraction_of_copy", bytes / (ms * 1e6) / c.copy_gbps}});
     }
   }
-  m.matmul_flops_per_token += 2 * params;
-  if (c.has_linear_attention()) m.state_bytes = recurrent_state_layout(c, unsharded(c), 1).bytes_per_slot();
-  m.lm_head_bytes = double(c.vocab_size) * H * 2;
-  m.all_weight_bytes = m.attn_weight_bytes + E * m.expert_bytes + m.lm_head_bytes + double(c.vocab_size) * H * 2;
-  return m;
 }
 
+// ---------------------------------------------------------------- end to end
 // The sharding of a model-mode run, merged into each of its records.
 struct BenchLayout {
   parallel::ParallelConfig parallel;
@@ -936,6 +929,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     bench_decode_splits(rep, c, o.quick);
     bench_moe_routing(rep, c, o.quick);
     bench_gated_delta_rule(rep, c, o.quick);
+    bench_gated_delta_net_step(rep, c, o.quick);
     for (auto& j : run_fp8_kernel_bench(c.copy_gbps, c.fp8_gemm_tflops, o.quick)) rep.emit(std::move(j));
   }
   if (o.mode == "accuracy") bench_accuracy(rep, o);

@@ -476,9 +476,9 @@ struct GatedRmsNormParams {
 // gated delta rule walking each sequence's tokens, and the gated output norm, exactly as
 // launch_causal_conv1d, launch_gated_delta_rule (without a chunk workspace) and
 // launch_gated_rms_norm in turn, with the conv's and the recurrence's outputs rounded to T between
-// them as those ops store them: the CPU model's one call for a layer's recurrent part, and the
-// semantics of a one-kernel GPU form for decode steps. Every pointer and count means what it
-// means in those three ops.
+// them as those ops store them. Decode and draft verification take it on the GPU in one kernel; a
+// prefill's long sequences take the three ops (the conv and the recurrence in their prefill forms).
+// Every pointer and count means what it means in those three ops.
 template <typename T>
 struct GatedDeltaNetStepParams {
   // [num_tokens, proj_stride], in_proj's rows: q | k | v (conv_dim = 2 * num_k_heads * key_dim +

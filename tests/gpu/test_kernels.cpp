@@ -302,21 +302,28 @@ TEST(GpuKernels, PagedAttentionDecodeAnySplitCount) {
   }
 }
 
+// Plain, and with the shared expert's routes (one and two parts) after the top_k, its gate logit in
+// one more column.
 TEST(GpuKernels, MoeRouterTopk) {
   std::mt19937 rng(9);
   for (int tokens : {1, 100}) {
     for (auto [experts, k] : {std::pair{16, 4}, std::pair{128, 8}}) {
       for (bool renorm : {false, true}) {
-        auto logits = random_bf16(static_cast<size_t>(tokens) * experts, rng, 2.0f);
-        std::vector<int32_t> ids_ref(static_cast<size_t>(tokens) * k);
-        std::vector<float> w_ref(ids_ref.size());
-        kernels::launch_moe_router_topk({logits.f32.data(), ids_ref.data(), w_ref.data(), tokens, experts, k, renorm}, pool());
-        DeviceBuffer<bf16> d_logits(logits.bits);
-        DeviceBuffer<int32_t> d_ids(ids_ref.size());
-        DeviceBuffer<float> d_w(w_ref.size());
-        kernels::launch_moe_router_topk({d_logits.get(), d_ids.get(), d_w.get(), tokens, experts, k, renorm}, nullptr);
-        EXPECT_EQ(d_ids.download(), ids_ref) << "tokens " << tokens << " experts " << experts;
-        EXPECT_LT(rel_error(d_w.download(), w_ref), 1e-5);
+        for (int parts : {0, 1, 2}) {
+          const int columns = experts + (parts > 0), routes = k + parts;
+          auto logits = random_bf16(static_cast<size_t>(tokens) * columns, rng, 2.0f);
+          std::vector<int32_t> ids_ref(static_cast<size_t>(tokens) * routes);
+          std::vector<float> w_ref(ids_ref.size());
+          kernels::launch_moe_router_topk(
+              {logits.f32.data(), ids_ref.data(), w_ref.data(), tokens, experts, k, renorm, parts}, pool());
+          DeviceBuffer<bf16> d_logits(logits.bits);
+          DeviceBuffer<int32_t> d_ids(ids_ref.size());
+          DeviceBuffer<float> d_w(w_ref.size());
+          kernels::launch_moe_router_topk({d_logits.get(), d_ids.get(), d_w.get(), tokens, experts, k, renorm, parts},
+                                          nullptr);
+          EXPECT_EQ(d_ids.download(), ids_ref) << "tokens " << tokens << " experts " << experts << " parts " << parts;
+          EXPECT_LT(rel_error(d_w.download(), w_ref), 1e-5);
+        }
       }
     }
   }
@@ -768,7 +775,9 @@ TEST(GpuKernels, MoeGroupedMatmul) {
 // states in scattered slots, one taking snapshots mid-chunk, the long one at its tokens 55 and 70;
 // and graph padding without a slot), then one token each, then four with three long ones (one
 // exactly a 64-token chunk, fresh, with snapshots at its rows 3, 6 and 63; one without a slot),
-// then continuing sequences starting just before the conv's 16-token tile boundary, at
+// then continuing sequences starting just before the conv's 16-token tile boundary, then a
+// verify-like batch of 4-token sequences (the conv's one-token tiles, a sequence's first tokens
+// taken by the tile holding its start), at
 // the released shapes' head dims and small odd ones; at the released dims the recurrence also in
 // its chunked form; then the sigmoid gate, per element and per row with accumulation.
 TEST(GpuKernels, GatedDeltaNetOps) {
@@ -778,7 +787,8 @@ TEST(GpuKernels, GatedDeltaNetOps) {
   for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 3, 24, 40}})
   for (const std::vector<int32_t>& starts :
        {std::vector<int32_t>{0, 1, 8, 158, 162}, std::vector<int32_t>{0, 1, 2, 3, 4},
-        std::vector<int32_t>{0, 64, 65, 200, 330}, std::vector<int32_t>{0, 13, 14, 60, 100}}) {
+        std::vector<int32_t>{0, 64, 65, 200, 330}, std::vector<int32_t>{0, 13, 14, 60, 100},
+        std::vector<int32_t>{0, 4, 8, 9, 13}}) {
     SCOPED_TRACE(::testing::Message() << "key_dim " << sh.key_dim << " value_dim " << sh.value_dim
                                       << ", " << starts.back() << " tokens");
     std::mt19937 rng(31 + sh.key_dim);
@@ -786,7 +796,9 @@ TEST(GpuKernels, GatedDeltaNetOps) {
     const std::vector<uint8_t> fresh{0, 1, 0, 0};
     const int seqs = 4, T = starts.back(), num_slots = 7, K = 4, width = K - 1;
     std::vector<int32_t> snapshots(T, -1);
-    if (T > 8) snapshots[3] = 1, snapshots[6] = 4, snapshots[63] = 6, snapshots[78] = 5;
+    for (auto [row, slot] : {std::pair{3, 1}, {6, 4}, {63, 6}, {78, 5}}) {
+      if (T > 8 && row < T) snapshots[row] = slot;
+    }
     const int conv_dim = 2 * sh.k_heads * sh.key_dim + sh.v_heads * sh.value_dim;
     const int x_stride = conv_dim + 8;
 
@@ -877,6 +889,99 @@ TEST(GpuKernels, GatedDeltaNetOps) {
                                  nullptr);
     EXPECT_LT(rel_error(to_f32(d_gout.download()), want), kBf16Tolerance) << "gate_width " << gate_width;
   }
+}
+
+// Gated DeltaNet's fused step (conv, recurrence and gated norm in one kernel of clusters) against
+// its CPU reference and against the three GPU ops it fuses, on one in_proj row layout: decode
+// batches, verify-like ones (4-token sequences, snapshots after some tokens), one with a token-less
+// sequence; a fresh state, continuing ones in scattered slots and graph padding without a slot; at
+// the released heads with 2 and 4 value heads per key head (8 CTAs of 32 and of 64 columns per
+// cluster) and small odd ones (a cluster of 6, columns past value_dim). A head ratio no cluster
+// holds is refused by name.
+TEST(GpuKernels, GatedDeltaNetStep) {
+  struct Shape {
+    int k_heads, v_heads, key_dim, value_dim;
+  };
+  for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 4, 128, 128}, Shape{1, 3, 24, 40}})
+  for (const std::vector<int32_t>& starts :
+       {std::vector<int32_t>{0, 1, 2, 3, 4}, std::vector<int32_t>{0, 4, 8, 9, 13},
+        std::vector<int32_t>{0, 4, 4, 8, 12}}) {
+    SCOPED_TRACE(::testing::Message() << sh.k_heads << " key heads, " << sh.v_heads << " value heads, key_dim "
+                                      << sh.key_dim << " value_dim " << sh.value_dim << ", "
+                                      << starts.back() << " tokens");
+    ASSERT_TRUE(kernels::gated_delta_net_step_fused(sh.k_heads, sh.v_heads, sh.key_dim, sh.value_dim));
+    std::mt19937 rng(41 + sh.key_dim + sh.v_heads);
+    const std::vector<int32_t> slots{2, 0, 3, -1};
+    const std::vector<uint8_t> fresh{0, 1, 0, 0};
+    const int seqs = 4, T = starts.back(), num_slots = 7, K = 4, width = K - 1;
+    std::vector<int32_t> snapshots(T, -1);
+    if (T > 4) snapshots[1] = 4, snapshots[2] = 5, snapshots[9] = 6;
+    const int conv_dim = 2 * sh.k_heads * sh.key_dim + sh.v_heads * sh.value_dim;
+    const int v_dim = sh.v_heads * sh.value_dim;
+    const int64_t proj_stride = conv_dim + v_dim + 2 * sh.v_heads + 6;
+    const int64_t conv_elems = int64_t{conv_dim} * width;
+    const int64_t state_stride = conv_elems + int64_t{sh.v_heads} * sh.key_dim * sh.value_dim;
+    Bf16Data proj = random_bf16(size_t(T) * proj_stride, rng), w = random_bf16(size_t(conv_dim) * K, rng, 0.5f),
+             dt = random_bf16(sh.v_heads, rng, 0.5f), nw = random_bf16(sh.value_dim, rng);
+    std::vector<float> a_log(sh.v_heads);
+    for (float& v : a_log) v = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
+    // One pool: each slot's conv state, then its recurrent state (bf16-exact conv states).
+    Bf16Data conv0 = random_bf16(size_t(num_slots) * conv_elems, rng);
+    std::vector<float> pool0(size_t(num_slots) * state_stride);
+    for (int i = 0; i < num_slots; ++i) {
+      std::copy_n(conv0.f32.begin() + i * conv_elems, conv_elems, pool0.begin() + i * state_stride);
+      for (int64_t e = conv_elems; e < state_stride; ++e) {
+        pool0[i * state_stride + e] = std::normal_distribution<float>(0.0f, 0.1f)(rng);
+      }
+    }
+    std::vector<float> want_pool = pool0, want(size_t(T) * v_dim);
+    kernels::GatedDeltaNetStepParams<float> cpu{
+        proj.f32.data(), proj_stride, w.f32.data(), a_log.data(), dt.f32.data(), nw.f32.data(),
+        want_pool.data(), want_pool.data() + conv_elems, state_stride, starts.data(), slots.data(),
+        fresh.data(), snapshots.data(), want.data(), seqs, T, sh.k_heads, sh.v_heads, sh.key_dim,
+        sh.value_dim, K, 1e-6f};
+    kernels::launch_gated_delta_net_step(cpu, pool());
+
+    DeviceBuffer<bf16> d_proj(proj.bits), d_w(w.bits), d_dt(dt.bits), d_nw(nw.bits);
+    DeviceBuffer<float> d_a_log(a_log);
+    DeviceBuffer<int32_t> d_starts(starts), d_slots(slots), d_snap(snapshots);
+    DeviceBuffer<uint8_t> d_fresh(fresh);
+    // The fused kernel, then the conv, the recurrence (its decode form) and the norm.
+    DeviceBuffer<float> d_fused(pool0), d_split(pool0);
+    DeviceBuffer<bf16> d_out(want.size()), d_split_out(want.size()), d_conv_out(size_t(T) * conv_dim);
+    kernels::launch_gated_delta_net_step(
+        {d_proj.get(), proj_stride, d_w.get(), d_a_log.get(), d_dt.get(), d_nw.get(), d_fused.get(),
+         d_fused.get() + conv_elems, state_stride, d_starts.get(), d_slots.get(), d_fresh.get(),
+         d_snap.get(), d_out.get(), seqs, T, sh.k_heads, sh.v_heads, sh.key_dim, sh.value_dim, K, 1e-6f},
+        nullptr);
+    kernels::launch_causal_conv1d({d_proj.get(), proj_stride, d_w.get(), d_split.get(), state_stride,
+                                   d_starts.get(), d_slots.get(), d_fresh.get(), d_snap.get(),
+                                   d_conv_out.get(), seqs, T, conv_dim, K},
+                                  nullptr);
+    const bf16* d_b = d_proj.get() + conv_dim + v_dim;
+    kernels::launch_gated_delta_rule({d_conv_out.get(), d_b, d_b + sh.v_heads, proj_stride, d_a_log.get(),
+                                      d_dt.get(), d_split.get() + conv_elems, state_stride, d_starts.get(),
+                                      d_slots.get(), d_fresh.get(), d_snap.get(), d_split_out.get(), seqs, T,
+                                      sh.k_heads, sh.v_heads, sh.key_dim, sh.value_dim, nullptr},
+                                     nullptr);
+    kernels::launch_gated_rms_norm({d_split_out.get(), d_proj.get() + conv_dim, proj_stride, d_nw.get(),
+                                    d_split_out.get(), T, sh.v_heads, sh.value_dim, 1e-6f},
+                                   nullptr);
+    const std::vector<float> got = to_f32(d_out.download()), got_pool = d_fused.download();
+    EXPECT_LT(rel_error(got, want), kBf16Tolerance);
+    EXPECT_LT(rel_error(got_pool, want_pool), kBf16Tolerance);  // q, k and v rounded to bf16 on the GPU
+    // The same bf16 roundings as the three ops: the same states, the outputs but for the order of
+    // the norm's sum.
+    EXPECT_LT(rel_error(got_pool, d_split.download()), 1e-5);
+    EXPECT_LT(rel_error(got, to_f32(d_split_out.download())), 1e-2);
+  }
+  // Eight value heads per key head of 128 columns: more CTAs than a portable cluster.
+  EXPECT_FALSE(kernels::gated_delta_net_step_fused(1, 8, 128, 128));
+  EXPECT_THROW(kernels::launch_gated_delta_net_step({nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                     nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                     1, 1, 1, 8, 128, 128, 4, 1e-6f},
+                                                    nullptr),
+               Error);
 }
 
 // Rows of every kind: greedy and filtered draws, some with a logit_bias and/or a token bitmask

@@ -54,8 +54,11 @@ void RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const Ste
                             static_cast<float>(cfg.rms_norm_eps)},
                            stream);
   if (w.moe) {
-    enqueue_moe(w, T);
-    if (w.shared_width > 0) enqueue_shared_expert(w, T);
+    // The shared expert as one more expert of the MoE where its weights are folded in
+    // (LayerWeights::shared_parts) and the step is small; else apart, after it.
+    const int shared_parts = T <= kSharedExpertFoldMaxTokens ? w.shared_parts : 0;
+    enqueue_moe(w, T, shared_parts);
+    if (w.shared_width > 0 && shared_parts == 0) enqueue_shared_expert(w, T);
   } else {
     linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width, hidden);
     swiglu(w, T);
@@ -99,28 +102,42 @@ void RankEngine::enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh,
   const int T = sh.tokens, v_dim = gdn_heads_v * gdn_value_dim;
   linear("gdn_in_proj", normed, w.in_proj, {}, nullptr, gdn_proj, T, gdn_in_width, hidden);
   const int64_t slot_stride = state_layout.slot_stride();
-  mark("gdn_conv1d");
-  kernels::launch_causal_conv1d(
-      {gdn_proj, gdn_in_width, w.conv, state_pool + state_layout.conv_offset(0, w.state_layer),
-       slot_stride, m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots, gdn_conv_out,
-       sh.seqs, T, gdn_conv_dim, gdn_kernel},
-      stream);
+  float* conv_states = state_pool + state_layout.conv_offset(0, w.state_layer);
+  float* ssm_states = state_pool + state_layout.ssm_offset(0, w.state_layer);
   // in_proj's row: q | k | v (conv_dim) | z (v_dim) | b (v heads) | a (v heads).
   const bf16* z = gdn_proj + gdn_conv_dim;
   const bf16* b = z + v_dim;
-  mark("gdn_delta_rule");
-  // A graph step (decode, or verifying a few drafts) walks its tokens; an eager one gives its
-  // prompts' long sequences the chunked form.
-  kernels::launch_gated_delta_rule(
-      {gdn_conv_out, b, b + gdn_heads_v, gdn_in_width, w.a_log, w.dt_bias,
-       state_pool + state_layout.ssm_offset(0, w.state_layer), slot_stride, m.query_starts,
-       m.state_slots, m.state_fresh, m.snapshot_slots, gdn_core, sh.seqs, T, gdn_heads_k,
-       gdn_heads_v, gdn_key_dim, gdn_value_dim, sh.per_seq == 0 ? gdn_chunk_workspace : nullptr},
-      stream);
-  mark("gdn_gated_norm");
-  kernels::launch_gated_rms_norm({gdn_core, z, gdn_in_width, w.gdn_norm, gdn_core, T, gdn_heads_v,
-                                  gdn_value_dim, static_cast<float>(cfg.rms_norm_eps)},
-                                 stream);
+  const float eps = static_cast<float>(cfg.rms_norm_eps);
+  // A step of a few sequences of a few tokens each (decode, verifying drafts) takes the fused
+  // kernel; a larger one the three ops (the walk for every sequence of a graph step), a prompt's
+  // long sequences the conv's and the recurrence's prefill forms.
+  const bool few_tokens = sh.per_seq != 0 || T - sh.seqs + 1 < kernels::kGatedDeltaChunkedMinTokens;
+  if (few_tokens && sh.seqs <= kernels::kGatedDeltaNetStepFusedMaxSeqs &&
+      kernels::gated_delta_net_step_fused(gdn_heads_k, gdn_heads_v, gdn_key_dim, gdn_value_dim)) {
+    mark("gdn_step");
+    kernels::launch_gated_delta_net_step(
+        {gdn_proj, gdn_in_width, w.conv, w.a_log, w.dt_bias, w.gdn_norm, conv_states, ssm_states,
+         slot_stride, m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots, gdn_core,
+         sh.seqs, T, gdn_heads_k, gdn_heads_v, gdn_key_dim, gdn_value_dim, gdn_kernel, eps},
+        stream);
+  } else {
+    mark("gdn_conv1d");
+    kernels::launch_causal_conv1d({gdn_proj, gdn_in_width, w.conv, conv_states, slot_stride,
+                                   m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots,
+                                   gdn_conv_out, sh.seqs, T, gdn_conv_dim, gdn_kernel},
+                                  stream);
+    mark("gdn_delta_rule");
+    kernels::launch_gated_delta_rule(
+        {gdn_conv_out, b, b + gdn_heads_v, gdn_in_width, w.a_log, w.dt_bias, ssm_states,
+         slot_stride, m.query_starts, m.state_slots, m.state_fresh, m.snapshot_slots, gdn_core,
+         sh.seqs, T, gdn_heads_k, gdn_heads_v, gdn_key_dim, gdn_value_dim,
+         sh.per_seq == 0 ? gdn_chunk_workspace : nullptr},
+        stream);
+    mark("gdn_gated_norm");
+    kernels::launch_gated_rms_norm(
+        {gdn_core, z, gdn_in_width, w.gdn_norm, gdn_core, T, gdn_heads_v, gdn_value_dim, eps},
+        stream);
+  }
   linear("gdn_out_proj", gdn_core, w.out_proj, {}, nullptr, mix, T, hidden, v_dim);
 }
 
@@ -170,11 +187,10 @@ void RankEngine::linear(const char* name, const bf16* x, const bf16* w16, const 
 }
 
 void RankEngine::grouped(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out,
-             int rows, int n, int k, bool quantized) {
+             int rows, int groups, int n, int k, bool quantized) {
   if (!w8.present()) {
     mark(name);
-    kernels::launch_moe_grouped_matmul({x, w16, expert_offsets, out, rows, local_experts, n, k},
-                                       stream);
+    kernels::launch_moe_grouped_matmul({x, w16, expert_offsets, out, rows, groups, n, k}, stream);
     return;
   }
   if (!quantized) {
@@ -183,7 +199,7 @@ void RankEngine::grouped(const char* name, const bf16* x, const bf16* w16, const
   }
   mark(name);
   kernels::launch_fp8_block_grouped_matmul(
-      {act_q, act_scale, w8.q, w8.scale, expert_offsets, out, rows, local_experts,
+      {act_q, act_scale, w8.q, w8.scale, expert_offsets, out, rows, groups,
        static_cast<int>(w8.shape.rows), k},
       stream);
 }
@@ -199,12 +215,19 @@ void RankEngine::swiglu(const LayerWeights& w, int rows, const kernels::LiveRows
   }
 }
 
-void RankEngine::enqueue_moe(const LayerWeights& w, int T) {
+void RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts) {
+  // The shared expert folded in: one more router row (its gate), and its parts as more experts
+  // and routes per token (all of them this rank's: folding needs one rank for the MoE).
+  RELAY_CHECK(shared_parts == 0 || (!dispatch && !moe_reduce && shard.ep_size == 1),
+              "moe: the shared expert folded into the experts needs the MoE on one rank");
+  const int K = top_k + shared_parts, groups = local_experts + shared_parts;
   mark("router_gemm");
-  kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, experts, hidden}, stream);
+  kernels::launch_matmul(
+      {normed, w.router, nullptr, router_logits, T, experts + (shared_parts > 0 ? 1 : 0), hidden}, stream);
   mark("router_topk");
-  kernels::launch_moe_router_topk(
-      {router_logits, topk_ids, topk_weights, T, experts, top_k, cfg.norm_topk_prob}, stream);
+  kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k,
+                                   cfg.norm_topk_prob, shared_parts},
+                                  stream);
   const bf16* x = normed;
   const int32_t* ids = topk_ids;
   const float* weights_in = topk_weights;
@@ -224,18 +247,18 @@ void RankEngine::enqueue_moe(const LayerWeights& w, int T) {
   } else if (shard.ep_size > 1) {
     mark("moe_localize");
     kernels::launch_moe_localize_experts(
-        {topk_ids, topk_weights, T * top_k, shard.expert_begin, local_experts}, stream);
+        {topk_ids, topk_weights, T * K, shard.expert_begin, local_experts}, stream);
   }
-  // Under DP + EP the live rows are the received tokens' routes, at most moe_bound_tokens x top_k
+  // Under DP + EP the live rows are the received tokens' routes, at most moe_bound_tokens x K
   // (see moe_step_tokens); the permute and combine keep the buffer's shape and their device bounds.
-  const int R = (dispatch ? std::min(tokens, moe_bound_tokens) : tokens) * top_k;
+  const int R = (dispatch ? std::min(tokens, moe_bound_tokens) : tokens) * K;
   // The permuted rows of this rank's experts, [0, expert_offsets[local_experts]): under EP the
   // absent id sorts after them and its rows are never computed, so they need not be copied or
   // activated. (With all experts here the bound would be every row.) One region bounds a prefix,
-  // so it must span the largest op it bounds: the permute's copy runs over all tokens x top_k
+  // so it must span the largest op it bounds: the permute's copy runs over all tokens x K
   // rows (under DP + EP the whole receive buffer, beyond R), the SwiGLU over R of them.
   kernels::LiveRows computed_rows;
-  if (shard.ep_size > 1 && R > 0) computed_rows = {expert_offsets + local_experts, tokens * top_k};
+  if (shard.ep_size > 1 && R > 0) computed_rows = {expert_offsets + local_experts, tokens * K};
   // FP8 experts: each token is quantised once and its codes and scales are permuted (the same
   // bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
   const bool fp8_experts = w.gate_up8.present();
@@ -249,38 +272,38 @@ void RankEngine::enqueue_moe(const LayerWeights& w, int T) {
   // gathers the token rows itself and writes silu(gate) * up straight into the down projection's
   // input, so the permute builds only its index (the two fusions are bit-identical to the ops
   // they replace; two launches and two round trips fewer).
-  kernels::MoeGroupedMatmulParams<bf16> gate_up_p{x, w.gate_up, expert_offsets, act, R,
-                                                 local_experts, 2 * w.width, hidden};
+  kernels::MoeGroupedMatmulParams<bf16> gate_up_p{x, w.gate_up, expert_offsets, act, R, groups,
+                                                 2 * w.width, hidden};
   const bool streamed = !fp8_experts && !w.down8.present() && !dispatch && R > 0 &&
                         R <= kernels::kMaxGatheredRows &&
                         kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
                             kernels::GroupedGemmKind::Streaming;
   mark("moe_permute");
   kernels::launch_moe_permute({x, ids, fp8_experts || streamed ? nullptr : permuted_x,
-                               permuted_index, expert_offsets, tokens, hidden, route_experts(),
-                               top_k, live_tokens, computed_rows},
+                               permuted_index, expert_offsets, tokens, hidden,
+                               route_experts() + shared_parts, K, live_tokens, computed_rows},
                               stream);
   if (fp8_experts) {
     kernels::launch_fp8_permute_rows({token_q, token_scale, permuted_index, act_q, act_scale,
-                                      tokens, hidden, top_k, live_tokens, computed_rows},
+                                      tokens, hidden, K, live_tokens, computed_rows},
                                      stream);
   }
   if (streamed) {
     mark("experts_gate_up_swiglu");
     gate_up_p.swiglu = true;
     gate_up_p.permuted_index = permuted_index;
-    gate_up_p.top_k = top_k;
+    gate_up_p.top_k = K;
     kernels::launch_moe_grouped_matmul(gate_up_p, stream);
   } else {
-    grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, 2 * w.width,
-            hidden, fp8_experts);
+    grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, groups,
+            2 * w.width, hidden, fp8_experts);
     swiglu(w, R, computed_rows);
   }
-  grouped("experts_down", act, w.down, w.down8, expert_out, R, hidden, w.act_width,
+  grouped("experts_down", act, w.down, w.down8, expert_out, R, groups, hidden, w.act_width,
           w.down8.present());
   mark("moe_combine");
   kernels::launch_moe_unpermute_combine(
-      {expert_out, permuted_index, weights_in, out, tokens, hidden, top_k, live_tokens}, stream);
+      {expert_out, permuted_index, weights_in, out, tokens, hidden, K, live_tokens}, stream);
   if (dispatch) {
     mark("moe_dispatch_combine");
     group->moe_combine(rank, recv_sum, mix, T, stream);

@@ -5,9 +5,13 @@ namespace relay::cuda_engine {
 
 void RankEngine::allocate_activations() {
   const size_t T = opt.max_num_tokens, S = opt.max_num_seqs;
-  // Expert rows: every (token, k) pair of the token rows the experts run on.
-  const size_t M = moe_tokens, routes = T * std::max(top_k, 1);
-  const size_t rows = std::max(T, M * std::max(top_k, 1));
+  // Expert rows: every (token, k) pair of the token rows the experts run on, k counting the
+  // shared expert's route where a layer folds it in.
+  int shared_parts = mtp.present ? mtp.layer.shared_parts : 0;
+  for (const LayerWeights& w : layers) shared_parts = std::max(shared_parts, w.shared_parts);
+  const size_t routes_per_token = std::max(top_k, 1) + shared_parts;
+  const size_t M = moe_tokens, routes = T * routes_per_token;
+  const size_t rows = std::max(T, M * routes_per_token);
   const int64_t max_context =
       cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
   max_blocks = static_cast<int>((max_context + opt.block_size - 1) / opt.block_size);
@@ -24,7 +28,7 @@ void RankEngine::allocate_activations() {
   if (any_fp8 && experts > 0) add(M * hidden, 1), add(M * ((hidden + 127) / 128), 4);
   if (dispatch) add(M * hidden, 2);
   add(T * q_heads * head_dim, 2), add(T * q_heads * head_dim, 2);
-  add(T * std::max(experts, 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
+  add(T * (experts + 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
       add(rows * hidden, 2);
   add(routes, 4), add(rows, 4), add(local_experts + 2, 4), add(routes, 4);
   // The hybrids' layers (rank_engine.h): gated attention's gate, Gated DeltaNet's buffers, the
@@ -33,7 +37,8 @@ void RankEngine::allocate_activations() {
     return w.mixer == MixerKind::kGatedAttention;
   });
   const bool shared = std::any_of(layers.begin(), layers.end(),
-                                  [](const LayerWeights& w) { return w.shared_width > 0; });
+                                  [](const LayerWeights& w) { return w.shared_width > 0; }) ||
+                      (mtp.present && mtp.layer.shared_width > 0);
   const size_t gdn_v = size_t(gdn_heads_v) * gdn_value_dim;
   if (gated) add(T * q_heads * head_dim, 2);
   if (gdn_in_width > 0) add(T * gdn_in_width, 2), add(T * gdn_conv_dim, 2), add(T * gdn_v, 2);
@@ -71,7 +76,7 @@ void RankEngine::allocate_activations() {
   if (dispatch) recv_sum = acts.take<bf16>(M * hidden);
   q = acts.take<bf16>(T * q_heads * head_dim);
   attn = acts.take<bf16>(T * q_heads * head_dim);
-  router_logits = acts.take<bf16>(T * std::max(experts, 1));
+  router_logits = acts.take<bf16>(T * (experts + 1));  // and the shared expert's gate
   permuted_x = acts.take<bf16>(rows * hidden);
   gate_up = acts.take<bf16>(rows * 2 * W);
   act = acts.take<bf16>(rows * W);

@@ -131,7 +131,14 @@ struct LayerWeights {
   bf16* shared_down = nullptr;     // [hidden, shared_width]
   bf16* shared_gate = nullptr;     // [1, hidden]
   int shared_width = 0;
-  bf16* router = nullptr;   // [experts, hidden]
+  // Folded (shared_parts > 0, 1 today): the shared expert is also expert `experts` of gate_up
+  // and down and its gate row `experts` of the router, and a step of at most
+  // kSharedExpertFoldMaxTokens tokens routes every token to it with weight sigmoid(gate) instead
+  // of running it apart; a larger one runs it apart, through the pointers above (views of those
+  // parts for bf16 experts, a bf16 copy beside FP8 ones). Where the MoE runs on the rank's own
+  // tokens whole (one rank for it: no TP or EP) and the shared expert is as wide as an expert.
+  int shared_parts = 0;
+  bf16* router = nullptr;   // [experts (+ 1 folded), hidden]
   bf16* gate_up = nullptr;  // moe: [experts, 2 width, hidden]; dense: [2 width, hidden]
   bf16* down = nullptr;     // moe: [experts, hidden, width]; dense: [hidden, width]
   int width = 0;
@@ -140,6 +147,13 @@ struct LayerWeights {
   Fp8Weight qkv8, o8, gate_up8, down8;
   int act_width = 0;  // the SwiGLU output width: width, or its FP8 padding
 };
+
+// Steps of at most this many tokens run a folded shared expert as one more expert. On H100 at
+// Qwen3.5-35B-A3B's shapes it paid at decode batch 1 and 64 (its five launches gone for about a
+// ninth more expert rows), and cost 0.5 ms over 8 layers at a 512-token prefill, where the
+// experts' grouped GEMMs took 5.64 ms instead of 4.78 with its rows and the router GEMM an odd
+// width (bench/results/2026-12-07-h100-gdn-step-shared-fold/).
+constexpr int kSharedExpertFoldMaxTokens = 64;
 
 // The MTP draft head (model/mtp.h) on the device: fc as its two column halves (fc(cat([e, h])) =
 // fc_embed(e) + fc_hidden(h)), its three norms (zero-centred ones as 1 + w) and its decoder layer.
@@ -477,7 +491,7 @@ struct RankEngine {
               const bf16* bias, bf16* out, int m, int n, int k, bool quantized = false);
   // The MoE form over permuted rows, for this rank's experts.
   void grouped(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out,
-               int rows, int n, int k, bool quantized = false);
+               int rows, int groups, int n, int k, bool quantized = false);
   // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
   // quantised activation buffer, its scales in the layout the down GEMM reads. Only `live` rows
   // (all by default) are computed.
@@ -493,7 +507,7 @@ struct RankEngine {
   // on the device as a bound (kernels::LiveRows) and touch only the slots the sources filled; under
   // EP the permute's copy and the SwiGLU also skip the absent expert's rows. The grouped GEMMs
   // read expert_offsets on the device and so compute only live rows of this rank's experts anyway.
-  void enqueue_moe(const LayerWeights& w, int T);
+  void enqueue_moe(const LayerWeights& w, int T, int shared_parts = 0);
   // The layer's mixers: (gated) softmax attention over its KV-pool layer, and Gated DeltaNet over
   // its recurrent-state layer (kernels/ops.h has the math); both leave their output in `mix`.
   struct StepMeta {

@@ -1,8 +1,10 @@
 // The Gated DeltaNet ops (Qwen3.5 / Qwen3-Next linear attention) and the sigmoid gate of gated
 // attention and the shared expert, on the GPU (semantics in kernels/ops.h; CPU references in
-// kernels/cpu/linear_attention.cpp and norm_embed.cpp).
+// kernels/cpu/linear_attention.cpp and norm_embed.cpp). The three in one kernel for decode steps:
+// gated_delta_net_step.cu; the per-token math both share: gated_delta_net.cuh.
 //
-// The conv runs a thread per (channel, 16 batch tokens) with its window in registers.
+// The conv runs a thread per (channel, 16 batch tokens; 1 in decode batches) with its window in
+// registers.
 //
 // The recurrence has two forms. The decode form walks each sequence's tokens one at a time, in the
 // CPU reference's order: a CTA per (sequence, value head, 32 columns of the head's fp32 state S
@@ -30,61 +32,42 @@
 #include <cfloat>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gated_delta_net.cuh"
 #include "kernels/cuda/ops_cuda.h"
 
 namespace relay::kernels {
 
 using namespace cuda;
+using namespace gdn;
 
 namespace {
 
-constexpr int kMaxConvWidth = 7;  // kernel_size <= 8 (the released models use 4)
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-
-// torch.nn.functional.softplus with its defaults (beta 1, threshold 20).
-__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
-
-// The conv's tokens per thread: at least kMaxConvWidth, so only the tile holding a sequence's first
-// token reads the sequence's carried state (below).
-constexpr int kConvTileTokens = 16;
-
-// Token t's output: silu of the taps against the window of the `width` inputs before it, then x.
-template <int N>
-__device__ __forceinline__ float conv_step(const float (&taps)[N + 1], float (&w)[N], int width, float x) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j < width) acc += taps[j] * w[j];
-  }
-  acc += taps[width] * x;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j + 1 < width) w[j] = w[j + 1];
-    else if (j + 1 == width) w[j] = x;
-  }
-  return silu(acc);
+// The conv's batch tokens per thread (conv_tile_tokens): 16 where sequences are long (prefill), 1
+// where they are a few tokens each (decode, draft verification), so each thread there starts from
+// one sequence's state as a thread per (sequence, channel) would. Inputs load kConvBatch at a time,
+// all in flight before the outputs that need them.
+constexpr int kConvLongTile = 16;
+constexpr int kConvBatch = 8;
+int conv_tile_tokens(const CausalConv1dParams<bf16>& p) {
+  return p.num_tokens > 8 * p.num_seqs ? kConvLongTile : 1;
 }
 
-// A thread per (channel, tile of kConvTileTokens batch tokens), so a long prompt spreads over many
-// CTAs instead of one thread walking its thousands of tokens (13.6 ms for a 4096-token prompt of
+// A thread per (channel, tile of `tile` batch tokens), so a long prompt spreads over many CTAs
+// instead of one thread walking its thousands of tokens (13.6 ms for a 4096-token prompt of
 // Qwen3.5-35B-A3B's 8 first layers). A tile takes each sequence it overlaps in turn, its window
 // starting from the inputs before its first token. Who touches a sequence's slot: the tile holding
 // the sequence's first token, alone. It reads the carried state, takes the tokens whose window
-// reaches into it (the first `width`, even past the tile's end; the next tile starts after
-// them), and writes the state the sequence ends with (its last `width` inputs, from x and, for a
-// sequence shorter than that, the old state), so no other CTA reads a slot while it changes.
-// Snapshots go to other slots, by whichever tile holds their token.
-__global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+// reaches into it (the first `width`, even past the tile's end; later tiles start after them),
+// and writes the state the sequence ends with (its last `width` inputs, from x and, for a sequence
+// shorter than that, the old state), so no other CTA reads a slot while it changes. Snapshots go
+// to other slots, by whichever tile takes their token.
+__global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p, int tile) {
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= p.conv_dim) return;
   const int width = p.kernel_size - 1;
-  const int t0 = blockIdx.y * kConvTileTokens, t1 = min(t0 + kConvTileTokens, p.num_tokens);
+  const int t0 = blockIdx.x * tile, t1 = min(t0 + tile, p.num_tokens);
   float taps[kMaxConvWidth + 1];
-#pragma unroll
-  for (int j = 0; j <= kMaxConvWidth; ++j) {
-    taps[j] = j <= width ? __bfloat162float(p.weight[static_cast<int64_t>(c) * p.kernel_size + j]) : 0.0f;
-  }
+  load_conv_taps(p.weight, c, p.kernel_size, taps);
   auto input = [&](int t) { return __bfloat162float(p.x[static_cast<int64_t>(t) * p.x_stride + c]); };
   // The first sequence that ends past t0 or starts at it or later (a token-less sequence belongs
   // to the tile holding its start, the last tile's end included).
@@ -115,13 +98,20 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
 #pragma unroll
     for (int j = 0; j < kMaxConvWidth; ++j) old[j] = w[j];
     const int stop = min(end, owns_state ? max(t1, start + width) : t1);
-    for (; t < stop; ++t) {
-      p.out[static_cast<int64_t>(t) * p.conv_dim + c] = __float2bfloat16(conv_step(taps, w, width, input(t)));
-      if (p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
-        float* snap = p.conv_states + p.snapshot_slots[t] * p.state_stride + static_cast<int64_t>(c) * width;
+    for (; t < stop; t += kConvBatch) {
+      float xs[kConvBatch];
 #pragma unroll
-        for (int j = 0; j < kMaxConvWidth; ++j) {
-          if (j < width) snap[j] = w[j];
+      for (int i = 0; i < kConvBatch; ++i) xs[i] = t + i < stop ? input(t + i) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < kConvBatch; ++i) {
+        if (t + i >= stop) break;
+        p.out[static_cast<int64_t>(t + i) * p.conv_dim + c] = __float2bfloat16(conv_step(taps, w, width, xs[i]));
+        if (p.snapshot_slots != nullptr && p.snapshot_slots[t + i] >= 0) {
+          float* snap = p.conv_states + p.snapshot_slots[t + i] * p.state_stride + static_cast<int64_t>(c) * width;
+#pragma unroll
+          for (int j = 0; j < kMaxConvWidth; ++j) {
+            if (j < width) snap[j] = w[j];
+          }
         }
       }
     }
@@ -145,52 +135,15 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p) {
   }
 }
 
-// Value head h of the state in pool slot `slot`: [key_dim, value_dim].
+// Value head h of the state in pool slot `slot` (beside gdn's, not hiding it).
+using gdn::head_state;
 __device__ __forceinline__ float* head_state(const GatedDeltaRuleParams<bf16>& p, int slot, int h) {
-  return p.states + slot * p.state_stride + static_cast<int64_t>(h) * p.key_dim * p.value_dim;
-}
-
-// The decode form's threads per state column.
-constexpr int kParts = 4;
-
-// This thread's rows (part + kParts r, r < MaxDk / kParts) of column j of sequence s's value-head-h
-// state (zeros when it starts fresh or has no slot, and past value_dim or key_dim), and where it
-// is kept (null without a slot: graph padding).
-template <int MaxDk>
-__device__ __forceinline__ float* load_state_column(const GatedDeltaRuleParams<bf16>& p, int s, int h,
-                                                    int j, int part, float (&col)[MaxDk / kParts]) {
-  const bool keeps = p.state_slots[s] >= 0;
-  float* state = keeps ? head_state(p, p.state_slots[s], h) : nullptr;
-  const bool fresh = !keeps || p.state_fresh[s];
-#pragma unroll
-  for (int r = 0; r < MaxDk / kParts; ++r) {
-    const int i = part + kParts * r;
-    col[r] = j < p.value_dim && i < p.key_dim && !fresh ? state[static_cast<int64_t>(i) * p.value_dim + j] : 0.0f;
-  }
-  return state;
-}
-
-// This thread's rows of column j into a head's state (its sequence's, or a snapshot's).
-template <int MaxDk>
-__device__ __forceinline__ void store_state_column(const GatedDeltaRuleParams<bf16>& p, float* at, int j,
-                                                   int part, const float (&col)[MaxDk / kParts]) {
-#pragma unroll
-  for (int r = 0; r < MaxDk / kParts; ++r) {
-    const int i = part + kParts * r;
-    if (i < p.key_dim) at[static_cast<int64_t>(i) * p.value_dim + j] = col[r];
-  }
+  return head_state(p.states, p.state_stride, slot, h, p.key_dim, p.value_dim);
 }
 
 // Whether sequence s takes the chunked form (given a workspace).
 __device__ __forceinline__ bool takes_chunks(const GatedDeltaRuleParams<bf16>& p, int s) {
   return p.query_starts[s + 1] - p.query_starts[s] >= kGatedDeltaChunkedMinTokens;
-}
-
-// The sum of v over the kParts consecutive lanes that share a column.
-__device__ __forceinline__ float column_sum(float v) {
-#pragma unroll
-  for (int o = kParts / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // The decode form: one CTA per (sequence, value head, kWalkColumns state columns), kParts
@@ -213,11 +166,12 @@ __global__ void __launch_bounds__(kWalkThreads, 4) gated_delta_rule_kernel(Gated
   const int e = threadIdx.x;  // the q and k element this thread loads
   const int j = blockIdx.x % column_blocks * kWalkColumns + threadIdx.x / kParts, part = threadIdx.x % kParts;
   const bool owns = j < dv;
+  // Without a slot (graph padding) the state starts from zeros and is not kept.
+  const int slot = p.state_slots[s];
+  float* state = slot >= 0 ? head_state(p, slot, h) : nullptr;
   float col[kRows];
-  float* state = load_state_column<MaxDk>(p, s, h, j, part, col);
+  load_state_column<MaxDk>(state, slot < 0 || p.state_fresh[s], dk, dv, j, part, col);
   const int64_t row = 2 * static_cast<int64_t>(p.num_k_heads) * dk + static_cast<int64_t>(p.num_v_heads) * dv;
-  // NOTE: transformers divides by the Python float dk ** 0.5, which torch rounds to fp32.
-  const float q_scale = sqrtf(static_cast<float>(dk));
   const float a_rate = expf(p.a_log[h]);
   const float dt_bias = __bfloat162float(p.dt_bias[h]);
   for (int t = p.query_starts[s]; t < p.query_starts[s + 1]; ++t) {
@@ -227,38 +181,17 @@ __global__ void __launch_bounds__(kWalkThreads, 4) gated_delta_rule_kernel(Gated
     const float v = owns ? __bfloat162float(in[2 * static_cast<int64_t>(p.num_k_heads) * dk +
                                                static_cast<int64_t>(h) * dv + j])
                          : 0.0f;
-    const float beta = 1.0f / (1.0f + expf(-__bfloat162float(p.b[t * p.gate_stride + h])));
-    const float g = -a_rate * softplus(__bfloat162float(p.a[t * p.gate_stride + h]) + dt_bias);
-    const float q_inv = rsqrtf(block_sum(qi * qi, scratch) + 1e-6f);
-    const float k_inv = rsqrtf(block_sum(ki * ki, scratch) + 1e-6f);
-    if (e < MaxDk) {  // zeros past key_dim
-      q[e] = e < dk ? (qi * q_inv) / q_scale : 0.0f;
-      k[e] = e < dk ? ki * k_inv : 0.0f;
-    }
-    __syncthreads();
-    // Every lane takes part in the column sums; rows past key_dim hold zeros.
-    const float decay = expf(g);
-    float kv = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      col[r] *= decay;
-      kv += col[r] * k[part + kParts * r];
-    }
-    const float delta = (v - column_sum(kv)) * beta;
-    float o = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      col[r] += k[part + kParts * r] * delta;
-      o += col[r] * q[part + kParts * r];
-    }
-    o = column_sum(o);
+    const float2 gates = delta_rule_gates(__bfloat162float(p.b[t * p.gate_stride + h]),
+                                          __bfloat162float(p.a[t * p.gate_stride + h]), a_rate, dt_bias);
+    normalise_qk<MaxDk>(qi, ki, dk, q, k, scratch);
+    const float o = delta_rule_column_step<MaxDk>(col, q, k, part, v, gates);
     if (owns && part == 0) p.out[(static_cast<int64_t>(t) * p.num_v_heads + h) * dv + j] = __float2bfloat16(o);
     if (owns && p.snapshot_slots != nullptr && p.snapshot_slots[t] >= 0) {
-      store_state_column<MaxDk>(p, head_state(p, p.snapshot_slots[t], h), j, part, col);
+      store_state_column<MaxDk>(head_state(p, p.snapshot_slots[t], h), dk, dv, j, part, col);
     }
     __syncthreads();  // q and k are rewritten for the next token
   }
-  if (owns && state != nullptr) store_state_column<MaxDk>(p, state, j, part, col);
+  if (owns && state != nullptr) store_state_column<MaxDk>(state, dk, dv, j, part, col);
 }
 
 // ---------------------------------------------------------------- the chunked (WY) form
@@ -814,9 +747,8 @@ __global__ void gated_rms_norm_kernel(GatedRmsNormParams<bf16> p) {
   }
   const float inv_rms = rsqrtf(warp_sum(ss) / static_cast<float>(p.head_dim) + p.eps);
   for (int i = lane; i < p.head_dim; i += 32) {
-    const float y = (__bfloat162float(p.weight[i]) * (__bfloat162float(x[i]) * inv_rms)) *
-                    silu(__bfloat162float(gate[i]));
-    p.out[r * p.head_dim + i] = __float2bfloat16(y);
+    p.out[r * p.head_dim + i] = __float2bfloat16(
+        gated_norm(__bfloat162float(p.weight[i]), __bfloat162float(x[i]), inv_rms, __bfloat162float(gate[i])));
   }
 }
 
@@ -840,8 +772,10 @@ void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
               ") and conv_dim ", p.conv_dim, " (positive)");
   if (p.num_seqs == 0 || p.num_tokens == 0) return;
   constexpr int kThreads = 128;
-  const dim3 grid(ceil_div(p.conv_dim, kThreads), ceil_div(p.num_tokens, kConvTileTokens));
-  causal_conv1d_kernel<<<grid, kThreads, 0, s>>>(p);
+  const int tile = conv_tile_tokens(p);
+  // Tiles on x: a batch may hold more than gridDim.y's 65535.
+  const dim3 grid(ceil_div(p.num_tokens, tile), ceil_div(p.conv_dim, kThreads));
+  causal_conv1d_kernel<<<grid, kThreads, 0, s>>>(p, tile);
   RELAY_CUDA_CHECK_LAUNCH("causal_conv1d_kernel");
 }
 

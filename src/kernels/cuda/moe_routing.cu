@@ -31,7 +31,8 @@ __global__ void router_topk_kernel(MoeRouterTopkParams<bf16> p) {
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (t >= p.num_tokens) return;
-  const bf16* logits = p.logits + static_cast<int64_t>(t) * p.num_experts;
+  const int routes = p.top_k + p.shared_expert_parts;
+  const bf16* logits = p.logits + static_cast<int64_t>(t) * (p.num_experts + (p.shared_expert_parts > 0 ? 1 : 0));
   float prob[kMaxExpertsPerLane];
   float max_logit = -INFINITY;
 #pragma unroll
@@ -84,8 +85,12 @@ __global__ void router_topk_kernel(MoeRouterTopkParams<bf16> p) {
     }
   }
   if (lane < p.top_k) {
-    p.topk_ids[static_cast<int64_t>(t) * p.top_k + lane] = chosen_id;
-    p.topk_weights[static_cast<int64_t>(t) * p.top_k + lane] = p.renormalize ? chosen_prob / top_sum : chosen_prob;
+    p.topk_ids[static_cast<int64_t>(t) * routes + lane] = chosen_id;
+    p.topk_weights[static_cast<int64_t>(t) * routes + lane] = p.renormalize ? chosen_prob / top_sum : chosen_prob;
+  } else if (lane < routes) {  // the shared expert's parts
+    p.topk_ids[static_cast<int64_t>(t) * routes + lane] = p.num_experts + lane - p.top_k;
+    p.topk_weights[static_cast<int64_t>(t) * routes + lane] =
+        1.0f / (1.0f + expf(-__bfloat162float(logits[p.num_experts])));
   }
 }
 
@@ -302,10 +307,11 @@ void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, cudaStream_t
 }
 
 void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s) {
-  RELAY_CHECK(p.num_experts <= 32 * kMaxExpertsPerLane && p.top_k >= 1 && p.top_k <= 32 &&
-                  p.top_k <= p.num_experts,
-              "moe_router_topk: ", p.num_experts, " experts, top_k ", p.top_k, " (at most ",
-              32 * kMaxExpertsPerLane, " experts, top_k in [1, 32])");
+  RELAY_CHECK(p.num_experts <= 32 * kMaxExpertsPerLane && p.top_k >= 1 && p.shared_expert_parts >= 0 &&
+                  p.top_k + p.shared_expert_parts <= kMaxRoutesPerToken && p.top_k <= p.num_experts,
+              "moe_router_topk: ", p.num_experts, " experts, top_k ", p.top_k, " and ", p.shared_expert_parts,
+              " shared expert parts (at most ", 32 * kMaxExpertsPerLane, " experts, at most ", kMaxRoutesPerToken,
+              " routes a token)");
   if (p.num_tokens == 0) return;
   launch_dependent("router_topk_kernel", router_topk_kernel, dim3(ceil_div(p.num_tokens, 4)), dim3(128), 0, s, p);
 }
