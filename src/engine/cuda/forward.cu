@@ -21,24 +21,30 @@ void RankEngine::enqueue_forward(const Shape& sh) {
   const float eps = static_cast<float>(cfg.rms_norm_eps);
   mark("embedding");
   kernels::launch_embedding({meta.token_ids, embedding, residual, T, hidden, vocab}, stream);
+  bool normed_ahead = false;  // the layer before applied this norm
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
-    mark("input_norm");
     if (l == 0) {
+      mark("input_norm");
       kernels::launch_rms_norm({residual, nullptr, w.input_norm, normed, T, hidden, eps}, stream);
-    } else {
+    } else if (!normed_ahead) {
+      mark("input_norm");
       kernels::launch_rms_norm({mix, residual, w.input_norm, normed, T, hidden, eps}, stream);
     }
-    enqueue_layer(w, sh, meta);
+    normed_ahead =
+        enqueue_layer(w, sh, meta, l + 1 < layers.size() ? layers[l + 1].input_norm : final_norm);
   }
-  mark("final_norm");
-  kernels::launch_rms_norm({mix, residual, final_norm, normed, T, hidden, eps}, stream);
+  if (!normed_ahead) {
+    mark("final_norm");
+    kernels::launch_rms_norm({mix, residual, final_norm, normed, T, hidden, eps}, stream);
+  }
   mark("lm_head");
   kernels::launch_lm_head({normed, meta.logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
   mark("end");
 }
 
-void RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const StepMeta& m) {
+bool RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const StepMeta& m,
+                               const bf16* next_norm) {
   const int T = sh.tokens;
   if (w.mixer == MixerKind::kGatedDeltaNet) {
     enqueue_gated_delta_net(w, sh, m);
@@ -57,8 +63,10 @@ void RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const Ste
     // The shared expert as one more expert of the MoE where its weights are folded in
     // (LayerWeights::shared_parts) and the step is small; else apart, after it.
     const int shared_parts = T <= kSharedExpertFoldMaxTokens ? w.shared_parts : 0;
-    enqueue_moe(w, T, shared_parts);
-    if (w.shared_width > 0 && shared_parts == 0) enqueue_shared_expert(w, T);
+    const bool apart = w.shared_width > 0 && shared_parts == 0;
+    const bool normed_next = enqueue_moe(w, T, shared_parts, apart ? nullptr : next_norm);
+    if (apart) enqueue_shared_expert(w, T);
+    return normed_next;
   } else {
     linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width, hidden);
     swiglu(w, T);
@@ -69,6 +77,7 @@ void RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const Ste
       comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
     }
   }
+  return false;
 }
 
 void RankEngine::enqueue_attention(const LayerWeights& w, const Shape& sh, const StepMeta& m) {
@@ -215,23 +224,54 @@ void RankEngine::swiglu(const LayerWeights& w, int rows, const kernels::LiveRows
   }
 }
 
-void RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts) {
+bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
+                             const bf16* next_norm) {
   // The shared expert folded in: one more router row (its gate), and its parts as more experts
   // and routes per token (all of them this rank's: folding needs one rank for the MoE).
   RELAY_CHECK(shared_parts == 0 || (!dispatch && !moe_reduce && shard.ep_size == 1),
               "moe: the shared expert folded into the experts needs the MoE on one rank");
   const int K = top_k + shared_parts, groups = local_experts + shared_parts;
-  mark("router_gemm");
-  kernels::launch_matmul(
-      {normed, w.router, nullptr, router_logits, T, experts + (shared_parts > 0 ? 1 : 0), hidden}, stream);
-  mark("router_topk");
-  kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k,
-                                   cfg.norm_topk_prob, shared_parts},
-                                  stream);
+  // Under DP + EP the live rows are the received tokens' routes, at most moe_bound_tokens x K
+  // (see moe_step_tokens); the permute and combine keep the buffer's shape and their device bounds.
+  const int tokens = dispatch ? moe_tokens : T;
+  const int R = (dispatch ? std::min(tokens, moe_bound_tokens) : tokens) * K;
+  // FP8 experts: each token is quantised once and its codes and scales are permuted (the same
+  // bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
+  const bool fp8_experts = w.gate_up8.present();
+  // bf16 experts at decode's few rows per expert (and no DP + EP bound): the streaming kernel
+  // gathers the token rows itself and writes silu(gate) * up straight into the down projection's
+  // input, so the permute builds only its index (the two fusions are bit-identical to the ops
+  // they replace; two launches and two round trips fewer).
+  kernels::MoeGroupedMatmulParams<bf16> gate_up_p{normed, w.gate_up, expert_offsets, act, R,
+                                                 groups, 2 * w.width, hidden};
+  const bool streamed = !fp8_experts && !w.down8.present() && !dispatch && R > 0 &&
+                        R <= kernels::kMaxGatheredRows &&
+                        kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
+                            kernels::GroupedGemmKind::Streaming;
+  // A decode step's router GEMV, top-k and permute index in one kernel, where the routes stay on
+  // the rank (no dispatch, no localising); the permute then copies the rows only if need be.
+  const bool fused_route =
+      !dispatch && shard.ep_size == 1 && T > 0 && T <= kernels::kMoeRouteMaxTokens;
+  const bool copy_rows = !fp8_experts && !streamed;
+  const int router_rows = experts + (shared_parts > 0 ? 1 : 0);
+  if (fused_route) {
+    mark("moe_route");
+    kernels::launch_moe_route({normed, w.router, router_logits, topk_ids, topk_weights,
+                               permuted_index, expert_offsets, route_counter, T, hidden, experts,
+                               top_k, cfg.norm_topk_prob, shared_parts},
+                              stream);
+  } else {
+    mark("router_gemm");
+    kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, router_rows, hidden},
+                           stream);
+    mark("router_topk");
+    kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k,
+                                     cfg.norm_topk_prob, shared_parts},
+                                    stream);
+  }
   const bf16* x = normed;
   const int32_t* ids = topk_ids;
   const float* weights_in = topk_weights;
-  int tokens = T;
   bf16* out = mix;
   kernels::LiveRows live_tokens;  // every token, but under DP + EP the ones received
   if (dispatch) {
@@ -240,7 +280,6 @@ void RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts) {
     x = group->recv_hidden(rank);
     ids = group->recv_ids(rank);
     weights_in = group->recv_weights(rank);
-    tokens = moe_tokens;
     out = recv_sum;
     static_assert(kernels::kMaxLiveRegions >= parallel::cuda::kMaxRanks);
     live_tokens = {group->recv_counts(rank), group->moe_layout().max_tokens};
@@ -249,9 +288,6 @@ void RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts) {
     kernels::launch_moe_localize_experts(
         {topk_ids, topk_weights, T * K, shard.expert_begin, local_experts}, stream);
   }
-  // Under DP + EP the live rows are the received tokens' routes, at most moe_bound_tokens x K
-  // (see moe_step_tokens); the permute and combine keep the buffer's shape and their device bounds.
-  const int R = (dispatch ? std::min(tokens, moe_bound_tokens) : tokens) * K;
   // The permuted rows of this rank's experts, [0, expert_offsets[local_experts]): under EP the
   // absent id sorts after them and its rows are never computed, so they need not be copied or
   // activated. (With all experts here the bound would be every row.) One region bounds a prefix,
@@ -259,30 +295,20 @@ void RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts) {
   // rows (under DP + EP the whole receive buffer, beyond R), the SwiGLU over R of them.
   kernels::LiveRows computed_rows;
   if (shard.ep_size > 1 && R > 0) computed_rows = {expert_offsets + local_experts, tokens * K};
-  // FP8 experts: each token is quantised once and its codes and scales are permuted (the same
-  // bytes as quantising the permuted bf16 rows, 1 / top_k of the work).
-  const bool fp8_experts = w.gate_up8.present();
   if (fp8_experts) {
     mark("experts_gate_up.act_quant");
     kernels::Fp8ActQuantParams<bf16> qp{x, token_q, token_scale, tokens, hidden};
     qp.live_tokens = live_tokens;
     kernels::launch_fp8_act_quant(qp, stream);
   }
-  // bf16 experts at decode's few rows per expert (and no DP + EP bound): the streaming kernel
-  // gathers the token rows itself and writes silu(gate) * up straight into the down projection's
-  // input, so the permute builds only its index (the two fusions are bit-identical to the ops
-  // they replace; two launches and two round trips fewer).
-  kernels::MoeGroupedMatmulParams<bf16> gate_up_p{x, w.gate_up, expert_offsets, act, R, groups,
-                                                 2 * w.width, hidden};
-  const bool streamed = !fp8_experts && !w.down8.present() && !dispatch && R > 0 &&
-                        R <= kernels::kMaxGatheredRows &&
-                        kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
-                            kernels::GroupedGemmKind::Streaming;
-  mark("moe_permute");
-  kernels::launch_moe_permute({x, ids, fp8_experts || streamed ? nullptr : permuted_x,
-                               permuted_index, expert_offsets, tokens, hidden,
-                               route_experts() + shared_parts, K, live_tokens, computed_rows},
-                              stream);
+  gate_up_p.x = x;
+  if (!fused_route || copy_rows) {
+    mark("moe_permute");
+    kernels::launch_moe_permute({x, ids, copy_rows ? permuted_x : nullptr, permuted_index,
+                                 expert_offsets, tokens, hidden, route_experts() + shared_parts, K,
+                                 live_tokens, computed_rows, fused_route},
+                                stream);
+  }
   if (fp8_experts) {
     kernels::launch_fp8_permute_rows({token_q, token_scale, permuted_index, act_q, act_scale,
                                       tokens, hidden, K, live_tokens, computed_rows},
@@ -301,9 +327,18 @@ void RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts) {
   }
   grouped("experts_down", act, w.down, w.down8, expert_out, R, groups, hidden, w.act_width,
           w.down8.present());
-  mark("moe_combine");
-  kernels::launch_moe_unpermute_combine(
-      {expert_out, permuted_index, weights_in, out, tokens, hidden, K, live_tokens}, stream);
+  // The norm after the layer rides on the combine where the combine's output is final here.
+  const bool fuse_norm = next_norm != nullptr && !dispatch && !moe_reduce && T > 0;
+  mark(fuse_norm ? "moe_combine_norm" : "moe_combine");
+  kernels::MoeUnpermuteCombineParams<bf16> cp{expert_out, permuted_index, weights_in, out,
+                                              tokens, hidden, K, live_tokens};
+  if (fuse_norm) {
+    cp.residual = residual;
+    cp.norm_weight = next_norm;
+    cp.normed = normed;
+    cp.eps = static_cast<float>(cfg.rms_norm_eps);
+  }
+  kernels::launch_moe_unpermute_combine(cp, stream);
   if (dispatch) {
     mark("moe_dispatch_combine");
     group->moe_combine(rank, recv_sum, mix, T, stream);
@@ -311,6 +346,7 @@ void RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts) {
     mark("moe_all_reduce");
     comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
   }
+  return fuse_norm;
 }
 
 }  // namespace relay::cuda_engine

@@ -26,9 +26,10 @@ void RankEngine::enqueue_mtp(const Shape& sh, const StepMeta& m, const bf16* hid
   linear("mtp_fc_hidden", mtp_hidden, mtp.fc_hidden, {}, nullptr, mix, T, hidden, hidden);
   mark("input_norm");
   kernels::launch_rms_norm({mix, residual, mtp.layer.input_norm, normed, T, hidden, eps}, stream);
-  enqueue_layer(mtp.layer, sh, m);
-  mark("mtp_norm");
-  kernels::launch_rms_norm({mix, residual, mtp.norm, normed, T, hidden, eps}, stream);
+  if (!enqueue_layer(mtp.layer, sh, m, mtp.norm)) {
+    mark("mtp_norm");
+    kernels::launch_rms_norm({mix, residual, mtp.norm, normed, T, hidden, eps}, stream);
+  }
   mark("lm_head");
   kernels::launch_lm_head({normed, m.logit_rows, lm_head, logits, sh.rows, hidden, vocab}, stream);
 }

@@ -316,6 +316,7 @@ struct RankEngine {
   int32_t *mtp_drafts_dev = nullptr, *mtp_drafts_host = nullptr;
   std::map<std::tuple<int, int, int>, cudaGraphExec_t> mtp_graphs;
   int32_t *topk_ids, *permuted_index, *expert_offsets;
+  int32_t* route_counter;  // kernels::MoeRouteParams::counter, zero between launches
   float *topk_weights, *logits;
   bf16* recv_sum = nullptr;  // DP + EP: each received row's weighted expert sum [moe_tokens, H]
   // FP8 GEMM inputs: e4m3 codes and per (row, 128-group) scales of the activation being multiplied.
@@ -507,7 +508,11 @@ struct RankEngine {
   // on the device as a bound (kernels::LiveRows) and touch only the slots the sources filled; under
   // EP the permute's copy and the SwiGLU also skip the absent expert's rows. The grouped GEMMs
   // read expert_offsets on the device and so compute only live rows of this rank's experts anyway.
-  void enqueue_moe(const LayerWeights& w, int T, int shared_parts = 0);
+  //
+  // next_norm: the RMSNorm after the layer (RankEngine::enqueue_layer); the combine applies it
+  // where nothing follows the combine on the rank (no all-reduce or DP + EP return) and says so.
+  bool enqueue_moe(const LayerWeights& w, int T, int shared_parts = 0,
+                   const bf16* next_norm = nullptr);
   // The layer's mixers: (gated) softmax attention over its KV-pool layer, and Gated DeltaNet over
   // its recurrent-state layer (kernels/ops.h has the math); both leave their output in `mix`.
   struct StepMeta {
@@ -520,7 +525,11 @@ struct RankEngine {
   StepMeta step_meta(const Shape& sh, const uint8_t* base = nullptr) const;
   // A decoder layer after its input norm (normed holds it; residual the stream): the mixer, its
   // reduction, the post-attention norm and the feed-forward, whose output is left in `mix`.
-  void enqueue_layer(const LayerWeights& w, const Shape& sh, const StepMeta& m);
+  // next_norm (or null) is the weight of the RMSNorm that follows the layer (the next layer's
+  // input norm, the final or the MTP head's norm): true when the layer's last op applied it
+  // (residual += mix, normed = the norm), so the caller must not.
+  bool enqueue_layer(const LayerWeights& w, const Shape& sh, const StepMeta& m,
+                     const bf16* next_norm = nullptr);
   void enqueue_attention(const LayerWeights& w, const Shape& sh, const StepMeta& m);
   void enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh, const StepMeta& m);
   // mix += sigmoid(x . shared_gate) * shared_expert(x), x = normed (the MoE's input).

@@ -77,6 +77,26 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The residual add of every fused add + RMSNorm: v = residual + v rounded to bf16 (HF's bf16
+// residual stream rounds the sum before the norm), stored back into the residual.
+__device__ __forceinline__ void add_to_residual(float (&v)[8], Bf16x8* residual) {
+  float r[8];
+  bf16x8_to_f32(*residual, r);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(__float2bfloat16(r[e] + v[e]));
+  *residual = f32_to_bf16x8(v);
+}
+
+// RMSNorm's scaling of 8 elements of a row: weight * (v * inv_rms), rounded to bf16.
+__device__ __forceinline__ Bf16x8 rms_scaled(const float (&v)[8], const Bf16x8& weight,
+                                             float inv_rms) {
+  float w[8], o[8];
+  bf16x8_to_f32(weight, w);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = w[e] * (v[e] * inv_rms);
+  return f32_to_bf16x8(o);
+}
+
 // Block-wide sum for blockDim.x a multiple of 32 (<= 1024); `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -39,15 +39,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<bf
     const int i = threadIdx.x + j * kNormThreads;
     if (i < num_vecs) {
       bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x + row)[i], v[j]);
-      if (p.residual) {
-        float r[8];
-        Bf16x8* res = reinterpret_cast<Bf16x8*>(p.residual + row) + i;
-        bf16x8_to_f32(*res, r);
-        // NOTE: the sum is rounded to bf16 before the norm, as HF's bf16 residual stream is.
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[j][e] = __bfloat162float(__float2bfloat16(r[e] + v[j][e]));
-        *res = f32_to_bf16x8(v[j]);
-      }
+      if (p.residual) add_to_residual(v[j], reinterpret_cast<Bf16x8*>(p.residual + row) + i);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum_sq += v[j][e] * v[j][e];
     }
@@ -57,11 +49,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<bf
   for (int j = 0; j < kNormVecsPerThread; ++j) {
     const int i = threadIdx.x + j * kNormThreads;
     if (i < num_vecs) {
-      float w[8];
-      bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.weight)[i], w);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[j][e] = w[e] * (v[j][e] * inv_rms);
-      reinterpret_cast<Bf16x8*>(p.out + row)[i] = f32_to_bf16x8(v[j]);
+      reinterpret_cast<Bf16x8*>(p.out + row)[i] =
+          rms_scaled(v[j], reinterpret_cast<const Bf16x8*>(p.weight)[i], inv_rms);
     }
   }
 }

@@ -346,6 +346,64 @@ TEST_F(CpuOps, RouterTopkSharedExpertRoutes) {
   }
 }
 
+// The fused route's reference: the router matmul, then top-k (the shared expert's route after),
+// then the permute over the experts and the shared expert's part.
+TEST_F(CpuOps, MoeRouteIsRouterTopkThenPermute) {
+  const int tokens = 4, hidden = 16, experts = 6, k = 2, parts = 1, routes = k + parts;
+  auto x = random_vec(tokens * hidden, rng), router = random_vec((experts + 1) * hidden, rng);
+  std::vector<float> logits(tokens * (experts + 1)), w(tokens * routes);
+  std::vector<int32_t> ids(tokens * routes), index(tokens * routes), offsets(experts + parts + 1);
+  launch_moe_route({x.data(), router.data(), logits.data(), ids.data(), w.data(), index.data(),
+                    offsets.data(), nullptr, tokens, hidden, experts, k, true, parts},
+                   pool);
+  std::vector<float> logits_ref(logits.size()), w_ref(w.size());
+  std::vector<int32_t> ids_ref(ids.size()), index_ref(index.size()), offsets_ref(offsets.size());
+  launch_matmul({x.data(), router.data(), nullptr, logits_ref.data(), tokens, experts + 1, hidden},
+                pool);
+  launch_moe_router_topk({logits_ref.data(), ids_ref.data(), w_ref.data(), tokens, experts, k,
+                          true, parts},
+                         pool);
+  MoePermuteParams<float> p;
+  p.topk_ids = ids_ref.data();
+  p.permuted_index = index_ref.data();
+  p.expert_offsets = offsets_ref.data();
+  p.num_tokens = tokens;
+  p.num_experts = experts + parts;
+  p.top_k = routes;
+  launch_moe_permute(p, pool);
+  EXPECT_EQ(logits, logits_ref);
+  EXPECT_EQ(ids, ids_ref);
+  EXPECT_EQ(w, w_ref);
+  EXPECT_EQ(index, index_ref);
+  EXPECT_EQ(offsets, offsets_ref);
+  EXPECT_EQ(offsets.back(), tokens * routes);  // every token reaches the shared expert's part
+}
+
+// The combine with the next norm fused: the combine, then RMSNorm with the residual.
+TEST_F(CpuOps, MoeCombineWithNormIsCombineThenNorm) {
+  const int tokens = 3, hidden = 8, k = 2;
+  auto expert_out = random_vec(tokens * k * hidden, rng), weights = random_vec(tokens * k, rng);
+  auto residual = random_vec(tokens * hidden, rng), norm = random_vec(hidden, rng);
+  std::vector<int32_t> index{5, 0, 1, 4, 3, 2};
+  std::vector<float> out(tokens * hidden), normed(out.size()), fused_residual = residual;
+  MoeUnpermuteCombineParams<float> c{expert_out.data(), index.data(), weights.data(), out.data(),
+                                     tokens, hidden, k};
+  c.residual = fused_residual.data();
+  c.norm_weight = norm.data();
+  c.normed = normed.data();
+  launch_moe_unpermute_combine(c, pool);
+  std::vector<float> out_ref(out.size()), normed_ref(out.size());
+  launch_moe_unpermute_combine({expert_out.data(), index.data(), weights.data(), out_ref.data(),
+                                tokens, hidden, k},
+                               pool);
+  launch_rms_norm({out_ref.data(), residual.data(), norm.data(), normed_ref.data(), tokens, hidden,
+                   1e-6f},
+                  pool);
+  EXPECT_EQ(out, out_ref);
+  EXPECT_EQ(fused_residual, residual);
+  EXPECT_EQ(normed, normed_ref);
+}
+
 TEST_F(CpuOps, MoePermuteGroupedMatmulCombineWithEmptyExperts) {
   const int tokens = 5, hidden = 13, experts = 7, k = 2, n = 11;
   // Experts 0, 4 and 6 get nothing; expert 2 gets a row from every token.

@@ -1,0 +1,189 @@
+// The MoE's fused decode ops against the ops they replace: the one-kernel route (router GEMV,
+// top-k and the permute's index) stage by stage against the CPU references, and the combine with
+// the next RMSNorm against the combine and the norm kernels run apart (the same bits).
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "kernels/cuda/ops_cuda.h"
+#include "kernels/ops.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace relay::gpu_test {
+namespace {
+
+using kernels::bf16;
+
+ThreadPool& pool() {
+  static ThreadPool p(0);
+  return p;
+}
+
+struct RouteShape {
+  int experts, top_k, parts, hidden;
+};
+
+// Each stage against its reference on the GPU's own input to it: the logits against the CPU's
+// matmul (bf16 noise), the routes against the CPU top-k of the GPU's logits (exact ids), the index
+// against the CPU's counting sort of the GPU's ids (exact). Launched three times in a row and
+// through a CUDA graph replayed twice: the CTA counter is back at zero after each.
+TEST(GpuMoeFused, RouteEqualsRouterTopkAndPermute) {
+  std::mt19937 rng(31);
+  const RouteShape shapes[] = {{16, 4, 1, 64}, {128, 8, 0, 2048}, {256, 8, 1, 2048},
+                               {512, 10, 0, 136}, {128, 8, 2, 4096}};
+  for (const RouteShape& sh : shapes) {
+    for (int tokens : {1, 3, kernels::kMoeRouteMaxTokens}) {
+      for (bool renorm : {false, true}) {
+        const int columns = sh.experts + (sh.parts > 0), routes = sh.top_k + sh.parts;
+        const int groups = sh.experts + sh.parts, rows = tokens * routes;
+        auto x = random_bf16(static_cast<size_t>(tokens) * sh.hidden, rng);
+        auto router = random_bf16(static_cast<size_t>(columns) * sh.hidden, rng, 0.05f);
+        DeviceBuffer<bf16> d_x(x.bits), d_router(router.bits), d_logits(tokens * columns);
+        DeviceBuffer<int32_t> d_ids(rows), d_index(rows), d_offsets(groups + 1),
+            d_counter(std::vector<int32_t>{0});
+        DeviceBuffer<float> d_w(rows);
+        const kernels::MoeRouteParams<bf16> p{d_x.get(),     d_router.get(),  d_logits.get(),
+                                              d_ids.get(),   d_w.get(),       d_index.get(),
+                                              d_offsets.get(), d_counter.get(), tokens,
+                                              sh.hidden,     sh.experts,      sh.top_k,
+                                              renorm,        sh.parts};
+        for (int i = 0; i < 3; ++i) kernels::launch_moe_route(p, nullptr);
+        const std::string what = "experts " + std::to_string(sh.experts) + " parts " +
+                                 std::to_string(sh.parts) + " tokens " + std::to_string(tokens);
+
+        std::vector<float> logits_ref(static_cast<size_t>(tokens) * columns);
+        kernels::launch_matmul({x.f32.data(), router.f32.data(), nullptr, logits_ref.data(),
+                                tokens, columns, sh.hidden},
+                               pool());
+        const std::vector<float> logits = to_f32(d_logits.download());
+        EXPECT_LT(rel_error(logits, logits_ref), kBf16Tolerance) << what;
+
+        std::vector<int32_t> ids_ref(rows), index_ref(rows), offsets_ref(groups + 1);
+        std::vector<float> w_ref(rows);
+        kernels::launch_moe_router_topk({logits.data(), ids_ref.data(), w_ref.data(), tokens,
+                                         sh.experts, sh.top_k, renorm, sh.parts},
+                                        pool());
+        const std::vector<int32_t> ids = d_ids.download();
+        EXPECT_EQ(ids, ids_ref) << what;
+        EXPECT_LT(rel_error(d_w.download(), w_ref), 1e-5) << what;
+        kernels::MoePermuteParams<float> pp;
+        pp.topk_ids = ids.data();
+        pp.permuted_index = index_ref.data();
+        pp.expert_offsets = offsets_ref.data();
+        pp.num_tokens = tokens;
+        pp.num_experts = groups;
+        pp.top_k = routes;
+        kernels::launch_moe_permute(pp, pool());
+        EXPECT_EQ(d_index.download(), index_ref) << what;
+        EXPECT_EQ(d_offsets.download(), offsets_ref) << what;
+        EXPECT_EQ(d_counter.download(), std::vector<int32_t>{0}) << what;
+
+        cudaStream_t s;
+        GPU_TEST_CUDA(cudaStreamCreate(&s));
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        d_index.poison();
+        GPU_TEST_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        kernels::launch_moe_route(p, s);
+        kernels::launch_moe_route(p, s);
+        GPU_TEST_CUDA(cudaStreamEndCapture(s, &graph));
+        GPU_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        for (int i = 0; i < 2; ++i) GPU_TEST_CUDA(cudaGraphLaunch(exec, s));
+        GPU_TEST_CUDA(cudaStreamSynchronize(s));
+        EXPECT_EQ(d_index.download(), index_ref) << what << " (graph)";
+        EXPECT_EQ(d_counter.download(), std::vector<int32_t>{0}) << what << " (graph)";
+        GPU_TEST_CUDA(cudaGraphExecDestroy(exec));
+        GPU_TEST_CUDA(cudaGraphDestroy(graph));
+        GPU_TEST_CUDA(cudaStreamDestroy(s));
+      }
+    }
+  }
+}
+
+// The permute's row copy on an index the route built (index_ready): the CPU's rows.
+TEST(GpuMoeFused, PermuteCopiesRowsOnAGivenIndex) {
+  std::mt19937 rng(32);
+  const int tokens = 5, experts = 64, k = 8, hidden = 256, rows = tokens * k;
+  std::vector<int32_t> ids(rows);
+  for (int t = 0; t < tokens; ++t) {
+    for (int j = 0; j < k; ++j) ids[t * k + j] = (t * 7 + j * 5) % experts;
+  }
+  auto x = random_bf16(static_cast<size_t>(tokens) * hidden, rng);
+  std::vector<float> px_ref(static_cast<size_t>(rows) * hidden);
+  std::vector<int32_t> index(rows), offsets(experts + 1);
+  kernels::launch_moe_permute({x.f32.data(), ids.data(), px_ref.data(), index.data(),
+                               offsets.data(), tokens, hidden, experts, k},
+                              pool());
+  DeviceBuffer<bf16> d_x(x.bits), d_px(px_ref.size());
+  DeviceBuffer<int32_t> d_ids(ids), d_index(index), d_offsets(offsets);
+  kernels::MoePermuteParams<bf16> p{d_x.get(), d_ids.get(), d_px.get(), d_index.get(),
+                                    d_offsets.get(), tokens, hidden, experts, k};
+  p.index_ready = true;
+  kernels::launch_moe_permute(p, nullptr);
+  EXPECT_EQ(rel_error(to_f32(d_px.download()), px_ref), 0.0);
+  EXPECT_EQ(d_index.download(), index);
+  EXPECT_EQ(d_offsets.download(), offsets);
+}
+
+// The combine with the norm fused stores what the combine and rms_norm store apart, bit for bit
+// (out, residual and normed), and matches the CPU reference; a route of weight 0 (an absent
+// expert's NaN row) is skipped.
+TEST(GpuMoeFused, CombineWithNormEqualsCombineThenNorm) {
+  std::mt19937 rng(33);
+  for (int tokens : {1, 7, 300}) {
+    for (int hidden : {64, 2048, 4104}) {
+      const int k = 9, rows = tokens * k;
+      std::vector<int32_t> index(rows);
+      for (int r = 0; r < rows; ++r) index[r] = (r * 37) % rows;
+      std::vector<float> weights(rows);
+      for (auto& w : weights) w = static_cast<float>(rng() % 1000) / 1000.0f;
+      weights[k - 1] = 0.0f;
+      auto expert_out = random_bf16(static_cast<size_t>(rows) * hidden, rng);
+      for (int i = 0; i < hidden; ++i) {
+        expert_out.bits[static_cast<size_t>(index[k - 1]) * hidden + i] =
+            __float2bfloat16(NAN);
+      }
+      auto res = random_bf16(static_cast<size_t>(tokens) * hidden, rng, 3.0f);
+      auto norm = random_bf16(hidden, rng);
+      const size_t n = static_cast<size_t>(tokens) * hidden;
+      DeviceBuffer<bf16> d_eo(expert_out.bits), d_norm(norm.bits);
+      DeviceBuffer<int32_t> d_index(index);
+      DeviceBuffer<float> d_w(weights);
+      // Apart: the combine, then rms_norm with the residual.
+      DeviceBuffer<bf16> a_out(n), a_res(res.bits), a_normed(n);
+      kernels::launch_moe_unpermute_combine(
+          {d_eo.get(), d_index.get(), d_w.get(), a_out.get(), tokens, hidden, k}, nullptr);
+      kernels::launch_rms_norm(
+          {a_out.get(), a_res.get(), d_norm.get(), a_normed.get(), tokens, hidden, 1e-6f},
+          nullptr);
+      // Fused.
+      DeviceBuffer<bf16> f_out(n), f_res(res.bits), f_normed(n);
+      kernels::MoeUnpermuteCombineParams<bf16> p{d_eo.get(), d_index.get(), d_w.get(),
+                                                 f_out.get(), tokens, hidden, k};
+      p.residual = f_res.get();
+      p.norm_weight = d_norm.get();
+      p.normed = f_normed.get();
+      p.eps = 1e-6f;
+      kernels::launch_moe_unpermute_combine(p, nullptr);
+      const std::string what = "tokens " + std::to_string(tokens) + " hidden " +
+                               std::to_string(hidden);
+      EXPECT_EQ(rel_error(to_f32(f_out.download()), to_f32(a_out.download())), 0.0) << what;
+      EXPECT_EQ(rel_error(to_f32(f_res.download()), to_f32(a_res.download())), 0.0) << what;
+      EXPECT_EQ(rel_error(to_f32(f_normed.download()), to_f32(a_normed.download())), 0.0)
+          << what;
+
+      std::vector<float> eo_ref = expert_out.f32, out_ref(n), res_ref = res.f32, normed_ref(n);
+      kernels::MoeUnpermuteCombineParams<float> c{eo_ref.data(), index.data(), weights.data(),
+                                                  out_ref.data(), tokens, hidden, k};
+      c.residual = res_ref.data();
+      c.norm_weight = norm.f32.data();
+      c.normed = normed_ref.data();
+      c.eps = 1e-6f;
+      kernels::launch_moe_unpermute_combine(c, pool());
+      EXPECT_LT(rel_error(to_f32(f_normed.download()), normed_ref), kBf16Tolerance) << what;
+      EXPECT_LT(rel_error(to_f32(f_res.download()), res_ref), kBf16Tolerance) << what;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace relay::gpu_test
