@@ -344,6 +344,10 @@ struct MoeGroupedMatmulParams {
   // one.
   const int32_t* permuted_index = nullptr;  // [num_rows]
   int top_k = 0;
+  // expert_offsets (and permuted_index) were written before the kernel launched just before this
+  // one (the down projection after gate_up): on the GPU the weight-streaming kernel then reads
+  // them and starts its weight loads before it waits on that kernel (PDL, kernels/cuda/common.cuh).
+  bool offsets_settled = false;
 };
 
 // An expert-parallel rank's view of the router's choices, in place: ids of the experts it holds,

@@ -700,6 +700,20 @@ TEST(GpuKernels, MoeGroupedMatmul) {
       EXPECT_LT(rel_error(to_f32(d_out.download()), ref), kBf16Tolerance)
           << "tokens " << c.tokens << " n " << c.n << " k " << c.k << " kind " << static_cast<int>(kind);
     }
+    // The streaming kernel with settled offsets (the down projection's: its weight loads issued
+    // before it waits on the kernel before) stores the same bits.
+    {
+      DeviceBuffer<bf16> d_waited(ref.size()), d_settled(ref.size());
+      kernels::MoeGroupedMatmulParams<bf16> sp{d_x.get(), d_w.get(), d_off.get(), d_waited.get(),
+                                               rows, c.experts, c.n, c.k};
+      kernels::launch_moe_grouped_matmul(sp, kernels::GroupedGemmKind::Streaming, nullptr);
+      sp.out = d_settled.get();
+      sp.offsets_settled = true;
+      kernels::launch_moe_grouped_matmul(sp, kernels::GroupedGemmKind::Streaming, nullptr);
+      const std::vector<bf16> waited = d_waited.download(), settled = d_settled.download();
+      EXPECT_EQ(0, std::memcmp(waited.data(), settled.data(), waited.size() * sizeof(bf16)))
+          << "settled offsets, tokens " << c.tokens;
+    }
     // The streaming kernel with the SwiGLU fused: against the CPU's fused form, and bit for bit
     // against the separate GEMM + swiglu on the GPU.
     if (c.n % 16 == 0) {

@@ -196,10 +196,12 @@ void RankEngine::linear(const char* name, const bf16* x, const bf16* w16, const 
 }
 
 void RankEngine::grouped(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out,
-             int rows, int groups, int n, int k, bool quantized) {
+             int rows, int groups, int n, int k, bool quantized, bool offsets_settled) {
   if (!w8.present()) {
     mark(name);
-    kernels::launch_moe_grouped_matmul({x, w16, expert_offsets, out, rows, groups, n, k}, stream);
+    kernels::MoeGroupedMatmulParams<bf16> p{x, w16, expert_offsets, out, rows, groups, n, k};
+    p.offsets_settled = offsets_settled;
+    kernels::launch_moe_grouped_matmul(p, stream);
     return;
   }
   if (!quantized) {
@@ -325,8 +327,9 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
             2 * w.width, hidden, fp8_experts);
     swiglu(w, R, computed_rows);
   }
+  // The offsets came from the permute (or the route) before gate_up: settled for the down.
   grouped("experts_down", act, w.down, w.down8, expert_out, R, groups, hidden, w.act_width,
-          w.down8.present());
+          w.down8.present(), true);
   // The norm after the layer rides on the combine where the combine's output is final here.
   const bool fuse_norm = next_norm != nullptr && !dispatch && !moe_reduce && T > 0;
   mark(fuse_norm ? "moe_combine_norm" : "moe_combine");

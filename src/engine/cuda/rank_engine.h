@@ -490,9 +490,11 @@ struct RankEngine {
   bool fp8_on_cublaslt(const Fp8Weight& w8, int m, int k) const;
   void linear(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8,
               const bf16* bias, bf16* out, int m, int n, int k, bool quantized = false);
-  // The MoE form over permuted rows, for this rank's experts.
+  // The MoE form over permuted rows, for this rank's experts (offsets_settled:
+  // kernels::MoeGroupedMatmulParams's).
   void grouped(const char* name, const bf16* x, const bf16* w16, const Fp8Weight& w8, bf16* out,
-               int rows, int groups, int n, int k, bool quantized = false);
+               int rows, int groups, int n, int k, bool quantized = false,
+               bool offsets_settled = false);
   // silu(gate) * up -> the down projection's input: bf16 `act`, or (FP8 down) straight into the
   // quantised activation buffer, its scales in the layout the down GEMM reads. Only `live` rows
   // (all by default) are computed.

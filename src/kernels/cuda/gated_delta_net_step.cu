@@ -98,6 +98,11 @@ __global__ void __launch_bounds__(kParts * Columns)
   const float norm_weight = owns ? __bfloat162float(p.norm_weight[j]) : 0.0f;
   const int64_t z_col = conv_dim + static_cast<int64_t>(h) * dv + j;
   const int64_t b_col = conv_dim + static_cast<int64_t>(hv) * dv + h;
+  // Launched dependent (common.cuh): the loads above (weights, the step's metadata and the
+  // states, which only this layer's op of an earlier step wrote) ran under in_proj's tail; its
+  // output, the projections, only after the wait.
+  wait_on_prior_grid();
+  release_dependent_grid();
   // Every CTA of the cluster runs before any stores into its shared memory.
   cluster.sync();
 
@@ -177,13 +182,15 @@ void launch_gated_delta_net_step(const GatedDeltaNetStepParams<bf16>& p, cudaStr
   config.gridDim = dim3(static_cast<unsigned>(p.num_seqs * p.num_k_heads * shape.cluster));
   config.blockDim = dim3(static_cast<unsigned>(kParts * shape.columns));
   config.stream = s;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned>(shape.cluster);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attrs[2]{};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = static_cast<unsigned>(shape.cluster);
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attrs;
+  config.numAttrs = pdl_enabled() ? 2 : 1;
   auto launch = [&](auto kernel) { RELAY_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, shape)); };
   const bool wide = shape.columns == 64;
   if (p.key_dim <= 32) {

@@ -4,7 +4,9 @@
 // gated_delta_net_step.cu; the per-token math both share: gated_delta_net.cuh.
 //
 // The conv runs a thread per (channel, 16 batch tokens; 1 in decode batches) with its window in
-// registers.
+// registers. The conv, the decode form, the gated norm and the sigmoid gate are launched dependent
+// (PDL, common.cuh) as the other decode kernels are: a plain launch among them would end each
+// kernel's overlap with the next one's launch.
 //
 // The recurrence has two forms. The decode form walks each sequence's tokens one at a time, in the
 // CPU reference's order: a CTA per (sequence, value head, 32 columns of the head's fp32 state S
@@ -62,6 +64,8 @@ int conv_tile_tokens(const CausalConv1dParams<bf16>& p) {
 // shorter than that, the old state), so no other CTA reads a slot while it changes. Snapshots go
 // to other slots, by whichever tile takes their token.
 __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p, int tile) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= p.conv_dim) return;
   const int width = p.kernel_size - 1;
@@ -155,6 +159,8 @@ constexpr int kWalkThreads = kParts * kWalkColumns;  // >= key_dim: each loads o
 
 template <int MaxDk>
 __global__ void __launch_bounds__(kWalkThreads, 4) gated_delta_rule_kernel(GatedDeltaRuleParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   constexpr int kRows = MaxDk / kParts;
   __shared__ float q[MaxDk], k[MaxDk];
   __shared__ float scratch[32];
@@ -734,6 +740,8 @@ __global__ void __launch_bounds__(kChunkThreads)
 
 // One warp per (token, head) row.
 __global__ void gated_rms_norm_kernel(GatedRmsNormParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (r >= static_cast<int64_t>(p.num_tokens) * p.num_heads) return;
   const int lane = threadIdx.x & 31;
@@ -753,6 +761,8 @@ __global__ void gated_rms_norm_kernel(GatedRmsNormParams<bf16> p) {
 }
 
 __global__ void sigmoid_gate_kernel(SigmoidGateParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
   const int64_t n = static_cast<int64_t>(p.num_rows) * p.width;
   const int per_gate = p.width / p.gate_width;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
@@ -775,8 +785,8 @@ void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
   const int tile = conv_tile_tokens(p);
   // Tiles on x: a batch may hold more than gridDim.y's 65535.
   const dim3 grid(ceil_div(p.num_tokens, tile), ceil_div(p.conv_dim, kThreads));
-  causal_conv1d_kernel<<<grid, kThreads, 0, s>>>(p, tile);
-  RELAY_CUDA_CHECK_LAUNCH("causal_conv1d_kernel");
+  launch_dependent("causal_conv1d_kernel", causal_conv1d_kernel, grid, dim3(kThreads), 0, s, p,
+                   tile);
 }
 
 bool gated_delta_rule_chunks(int key_dim, int value_dim) { return key_dim == kDim && value_dim == kDim; }
@@ -812,23 +822,26 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
     gdn_chunk_scan_kernel<<<p.num_seqs * p.num_v_heads * (kDim / kVBlock), kChunkThreads, kScanBytes, s>>>(p, ws);
     RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_scan_kernel");
   }
-  const int64_t ctas = int64_t{p.num_seqs} * p.num_v_heads * ceil_div(p.value_dim, kWalkColumns);
+  const dim3 ctas(static_cast<unsigned>(int64_t{p.num_seqs} * p.num_v_heads *
+                                         ceil_div(p.value_dim, kWalkColumns)));
+  auto walk = [&](auto kernel) {
+    launch_dependent("gated_delta_rule_kernel", kernel, ctas, dim3(kWalkThreads), 0, s, p);
+  };
   if (p.key_dim <= 32) {
-    gated_delta_rule_kernel<32><<<ctas, kWalkThreads, 0, s>>>(p);
+    walk(gated_delta_rule_kernel<32>);
   } else if (p.key_dim <= 64) {
-    gated_delta_rule_kernel<64><<<ctas, kWalkThreads, 0, s>>>(p);
+    walk(gated_delta_rule_kernel<64>);
   } else {
-    gated_delta_rule_kernel<128><<<ctas, kWalkThreads, 0, s>>>(p);
+    walk(gated_delta_rule_kernel<128>);
   }
-  RELAY_CUDA_CHECK_LAUNCH("gated_delta_rule_kernel");
 }
 
 void launch_gated_rms_norm(const GatedRmsNormParams<bf16>& p, cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   if (rows == 0) return;
   constexpr int kWarps = 8;
-  gated_rms_norm_kernel<<<ceil_div(rows, kWarps), kWarps * 32, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("gated_rms_norm_kernel");
+  launch_dependent("gated_rms_norm_kernel", gated_rms_norm_kernel,
+                   dim3(static_cast<unsigned>(ceil_div(rows, kWarps))), dim3(kWarps * 32), 0, s, p);
 }
 
 void launch_sigmoid_gate(const SigmoidGateParams<bf16>& p, cudaStream_t s) {
@@ -837,8 +850,9 @@ void launch_sigmoid_gate(const SigmoidGateParams<bf16>& p, cudaStream_t s) {
   const int64_t n = static_cast<int64_t>(p.num_rows) * p.width;
   if (n == 0) return;
   constexpr int kThreads = 256;
-  sigmoid_gate_kernel<<<std::min<int64_t>(ceil_div(n, kThreads), 4096), kThreads, 0, s>>>(p);
-  RELAY_CUDA_CHECK_LAUNCH("sigmoid_gate_kernel");
+  launch_dependent("sigmoid_gate_kernel", sigmoid_gate_kernel,
+                   dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 4096))),
+                   dim3(kThreads), 0, s, p);
 }
 
 }  // namespace relay::kernels

@@ -12,8 +12,9 @@
 //
 // The dense kernel is launched with programmatic dependent launch (common.cuh): its first round of
 // weight loads is issued before it waits for the kernel that produces x, so the weight stream
-// starts under that kernel's tail. The grouped kernel must wait first: which experts it streams
-// comes from the permute before it.
+// starts under that kernel's tail. The grouped kernel must wait first when which experts it
+// streams comes from the permute just before it (gate_up); the down projection's offsets were
+// settled a kernel earlier (offsets_settled), so it streams early too.
 //
 // Gathered (MoeGroupedMatmulParams::permuted_index): x is the unpermuted tokens and each CTA
 // inverts the permute's index into shared memory, so decode skips the permute's row copy.
@@ -46,6 +47,7 @@ struct StreamingArgs {
   int num_rows, num_experts, n, k;
   const int32_t* permuted_index;  // or null; set: x holds the unpermuted tokens (gathered rows)
   int top_k;
+  bool offsets_settled;  // MoeGroupedMatmulParams::offsets_settled
 };
 
 // Output columns per unit: a gated unit's kCols weight rows are kCols / 2 gate rows and the up rows
@@ -117,12 +119,18 @@ __global__ void __launch_bounds__(kThreads) streaming_gemm_kernel(StreamingArgs 
   const int tiles = (width + kOut - 1) / kOut;
   const int chunks = (a.num_experts + 31) / 32;
   int units = tiles;
-  if (grouped) {
-    wait_on_prior_grid();  // the offsets come from the permute
+  // Waiting on the kernel before: before the weights' first loads, unless the weights depend on
+  // the offsets and those come from that kernel (the permute).
+  const bool wait_first = grouped && !a.offsets_settled;
+  if (wait_first) {
+    wait_on_prior_grid();
     release_dependent_grid();
-    for (int e = threadIdx.x; e <= a.num_experts; e += kThreads) offsets[e] = a.expert_offsets[e];
+  }
+  if (grouped) {
+    // Through L2: settled offsets may be read while the kernel before still runs.
+    for (int e = threadIdx.x; e <= a.num_experts; e += kThreads) offsets[e] = __ldcg(a.expert_offsets + e);
     if (a.permuted_index != nullptr) {
-      for (int i = threadIdx.x; i < a.num_rows; i += kThreads) token_of[a.permuted_index[i]] = i / a.top_k;
+      for (int i = threadIdx.x; i < a.num_rows; i += kThreads) token_of[__ldcg(a.permuted_index + i)] = i / a.top_k;
     }
     __syncthreads();
     if (warp == 0) {
@@ -144,10 +152,13 @@ __global__ void __launch_bounds__(kThreads) streaming_gemm_kernel(StreamingArgs 
   const int k_vecs = a.k / 8;
   Bf16x8 raw[kInFlight][kCols];
   int u = blockIdx.x;
-  if (u >= units) return;  // grouped only: the dense grid never exceeds its tiles
+  if (u >= units) {  // grouped only: the dense grid never exceeds its tiles
+    if (!wait_first) wait_on_prior_grid();  // every thread waits before it exits (common.cuh)
+    return;
+  }
   StreamingUnit cur = unit_of(a, u, tiles, kOut, chunks, offsets, active_mask, active_before, grouped);
   load_unit<kInFlight, kGated>(raw, a, cur, threadIdx.x);
-  if (!grouped) {
+  if (!wait_first) {
     wait_on_prior_grid();  // x comes from the kernel before; the weights did not
     release_dependent_grid();
   }
@@ -250,7 +261,7 @@ bool streaming_matmul_supported(const MatmulParams<bf16>& p) {
 void launch_streaming_matmul(const MatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(streaming_matmul_supported(p), "streaming matmul: m ", p.m, " (1 to ", kMaxStreamingRows,
               "), k ", p.k, " (a multiple of 8) and 16-byte aligned x and w");
-  const StreamingArgs a{p.x, p.w, p.bias, nullptr, p.out, p.m, 1, p.n, p.k, nullptr, 0};
+  const StreamingArgs a{p.x, p.w, p.bias, nullptr, p.out, p.m, 1, p.n, p.k, nullptr, 0, false};
   // Rows past the first two make the accumulators and in-flight loads compete for registers, so
   // wide k takes twice the loads in flight only at one or two rows.
   const bool wide = p.k / 8 > kThreads * 2;
@@ -275,8 +286,9 @@ void launch_streaming_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, cuda
   RELAY_CHECK(p.permuted_index == nullptr || (p.top_k > 0 && p.num_rows % p.top_k == 0 && p.num_rows <= kMaxGatheredRows),
               "streaming grouped matmul: gathered rows need top_k (", p.top_k, ") dividing num_rows (", p.num_rows,
               ") and at most ", kMaxGatheredRows, " rows");
-  const StreamingArgs a{p.x,         p.w,           nullptr, p.expert_offsets,  p.out, p.num_rows,
-                        p.num_experts, p.n, p.k, p.permuted_index, p.top_k};
+  const StreamingArgs a{p.x,           p.w,   nullptr, p.expert_offsets, p.out,
+                        p.num_rows,    p.num_experts, p.n, p.k, p.permuted_index,
+                        p.top_k,       p.offsets_settled};
   const int experts = std::min(p.num_rows, p.num_experts);
   // Two rows per pass: Auto sends only batches of about one row per active expert here (experts
   // with more are re-streamed from L2, a pass per two rows).
