@@ -312,6 +312,7 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
                                 stream);
   }
   if (fp8_experts) {
+    if (fused_route) mark("moe_permute_rows");
     kernels::launch_fp8_permute_rows({token_q, token_scale, permuted_index, act_q, act_scale,
                                       tokens, hidden, K, live_tokens, computed_rows},
                                      stream);
