@@ -379,6 +379,10 @@ struct MoeUnpermuteCombineParams {
   int hidden = 0;
   int top_k = 0;
   LiveRows live_tokens = {};  // over the num_tokens tokens; none: every token
+  // A gated extra term (the hybrids' shared expert, run apart): out += sigmoid(extra_gate[t]) *
+  // extra[t] after the sum, as SigmoidGateParams' accumulate computes it (gate_width 1).
+  const T* extra = nullptr;       // [num_tokens, hidden] or null
+  const T* extra_gate = nullptr;  // [num_tokens]
   // The next RMSNorm fused (norm_weight set, every token live, residual set): residual += out
   // and normed = RMSNorm(residual) * norm_weight, as RmsNormParams{out, residual, norm_weight,
   // normed} computes them (the same roundings); out is still written.

@@ -888,13 +888,14 @@ TEST(GpuKernels, GatedDeltaNetOps) {
                                    nullptr);
     EXPECT_LT(rel_error(to_f32(d_normed.download()), normed), kBf16Tolerance);
   }
-  // The sigmoid gate: per element (gated attention), then one gate per row added (shared expert).
+  // The sigmoid gate: per element (gated attention), then one gate per row added (shared expert),
+  // then a gate per 8 columns (the vector form) and per 3 (the per-element form), added.
   std::mt19937 rng(77);
   const int rows = 37, width = 96;
   Bf16Data gx = random_bf16(size_t(rows) * width, rng), gg = random_bf16(size_t(rows) * width, rng),
            base = random_bf16(size_t(rows) * width, rng);
-  for (int gate_width : {width, 1}) {
-    const bool acc = gate_width == 1;
+  for (int gate_width : {width, 1, 12, 32}) {
+    const bool acc = gate_width != width;
     std::vector<float> want = acc ? base.f32 : std::vector<float>(gx.f32.size());
     kernels::launch_sigmoid_gate({gx.f32.data(), gg.f32.data(), want.data(), rows, width, gate_width, acc},
                                  pool());

@@ -64,8 +64,13 @@ bool RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const Ste
     // (LayerWeights::shared_parts) and the step is small; else apart, after it.
     const int shared_parts = T <= kSharedExpertFoldMaxTokens ? w.shared_parts : 0;
     const bool apart = w.shared_width > 0 && shared_parts == 0;
-    const bool normed_next = enqueue_moe(w, T, shared_parts, apart ? nullptr : next_norm);
-    if (apart) enqueue_shared_expert(w, T);
+    // Apart, it runs first where the MoE's combine can add it in (its output final on the rank),
+    // and the combine then takes the norm after the layer too; else it adds itself in after.
+    const bool into_combine = apart && !dispatch && !moe_reduce;
+    if (into_combine) enqueue_shared_expert(w, T, false);
+    const bool normed_next =
+        enqueue_moe(w, T, shared_parts, apart && !into_combine ? nullptr : next_norm, into_combine);
+    if (apart && !into_combine) enqueue_shared_expert(w, T, true);
     return normed_next;
   } else {
     linear("mlp_gate_up", normed, w.gate_up, w.gate_up8, nullptr, gate_up, T, 2 * w.width, hidden);
@@ -150,13 +155,14 @@ void RankEngine::enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh,
   linear("gdn_out_proj", gdn_core, w.out_proj, {}, nullptr, mix, T, hidden, v_dim);
 }
 
-void RankEngine::enqueue_shared_expert(const LayerWeights& w, int T) {
+void RankEngine::enqueue_shared_expert(const LayerWeights& w, int T, bool add) {
   linear("shared_gate_up", normed, w.shared_gate_up, {}, nullptr, gate_up, T, 2 * w.shared_width,
          hidden);
   mark("shared_swiglu");
   kernels::launch_swiglu({gate_up, act, T, w.shared_width}, stream);
   linear("shared_down", act, w.shared_down, {}, nullptr, shared_out, T, hidden, w.shared_width);
   linear("shared_gate", normed, w.shared_gate, {}, nullptr, shared_logit, T, 1, hidden);
+  if (!add) return;
   mark("shared_add");
   kernels::launch_sigmoid_gate({shared_out, shared_logit, mix, T, hidden, 1, true}, stream);
 }
@@ -227,7 +233,7 @@ void RankEngine::swiglu(const LayerWeights& w, int rows, const kernels::LiveRows
 }
 
 bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
-                             const bf16* next_norm) {
+                             const bf16* next_norm, bool add_shared) {
   // The shared expert folded in: one more router row (its gate), and its parts as more experts
   // and routes per token (all of them this rank's: folding needs one rank for the MoE).
   RELAY_CHECK(shared_parts == 0 || (!dispatch && !moe_reduce && shard.ep_size == 1),
@@ -336,6 +342,11 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
   mark(fuse_norm ? "moe_combine_norm" : "moe_combine");
   kernels::MoeUnpermuteCombineParams<bf16> cp{expert_out, permuted_index, weights_in, out,
                                               tokens, hidden, K, live_tokens};
+  if (add_shared) {
+    RELAY_CHECK(!dispatch && !moe_reduce, "moe: the shared expert joins the combine on one rank");
+    cp.extra = shared_out;
+    cp.extra_gate = shared_logit;
+  }
   if (fuse_norm) {
     cp.residual = residual;
     cp.norm_weight = next_norm;

@@ -513,8 +513,9 @@ struct RankEngine {
   //
   // next_norm: the RMSNorm after the layer (RankEngine::enqueue_layer); the combine applies it
   // where nothing follows the combine on the rank (no all-reduce or DP + EP return) and says so.
+  // add_shared: the combine adds the shared expert that ran before (enqueue_shared_expert).
   bool enqueue_moe(const LayerWeights& w, int T, int shared_parts = 0,
-                   const bf16* next_norm = nullptr);
+                   const bf16* next_norm = nullptr, bool add_shared = false);
   // The layer's mixers: (gated) softmax attention over its KV-pool layer, and Gated DeltaNet over
   // its recurrent-state layer (kernels/ops.h has the math); both leave their output in `mix`.
   struct StepMeta {
@@ -534,8 +535,9 @@ struct RankEngine {
                      const bf16* next_norm = nullptr);
   void enqueue_attention(const LayerWeights& w, const Shape& sh, const StepMeta& m);
   void enqueue_gated_delta_net(const LayerWeights& w, const Shape& sh, const StepMeta& m);
-  // mix += sigmoid(x . shared_gate) * shared_expert(x), x = normed (the MoE's input).
-  void enqueue_shared_expert(const LayerWeights& w, int T);
+  // mix += sigmoid(x . shared_gate) * shared_expert(x), x = normed (the MoE's input); without
+  // add, only shared_out and shared_logit (for the MoE's combine to add).
+  void enqueue_shared_expert(const LayerWeights& w, int T, bool add);
 
   // Every check of a batch that can fail, made before anything is enqueued: a sharded step checks
   // every rank's part first, so no rank is left spinning in a collective for one that threw.

@@ -115,6 +115,8 @@ void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, Thr
               "moe_unpermute_combine: live_tokens.region_rows ", p.live_tokens.region_rows,
               " must be positive with at most ", kMaxLiveRegions, " regions over ", p.num_tokens,
               " tokens");
+  RELAY_CHECK(p.extra == nullptr || p.live_tokens.counts == nullptr,
+              "moe_unpermute_combine: the extra term needs every token live");
   const LiveRowMap live = live_row_map(p.live_tokens, p.num_tokens);
   pool.parallel_for(live.total(), std::max(1, 16384 / std::max(1, p.hidden * p.top_k)),
                     [&](int64_t begin, int64_t end) {
@@ -130,6 +132,9 @@ void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, Thr
       }
     }
   });
+  if (p.extra != nullptr) {
+    launch_sigmoid_gate({p.extra, p.extra_gate, p.out, p.num_tokens, p.hidden, 1, true}, pool);
+  }
   if (p.norm_weight == nullptr) return;
   RELAY_CHECK(p.live_tokens.counts == nullptr && p.residual != nullptr && p.normed != nullptr,
               "moe_unpermute_combine: the fused norm needs every token live, a residual and an "

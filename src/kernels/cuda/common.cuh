@@ -77,6 +77,12 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// sigmoid(g) as every sigmoid gate on the GPU computes it (the gate kernels and the combine's
+// extra term: one expression, so the fused and the separate forms store the same bits).
+__device__ __forceinline__ float sigmoid_of(float g) { return 1.0f / (1.0f + expf(-g)); }
+// out + x * sigmoid(g) with s = sigmoid_of(g): one rounding, wherever a gated term accumulates.
+__device__ __forceinline__ float add_gated(float out, float x, float s) { return __fmaf_rn(x, s, out); }
+
 // The residual add of every fused add + RMSNorm: v = residual + v rounded to bf16 (HF's bf16
 // residual stream rounds the sum before the norm), stored back into the residual.
 __device__ __forceinline__ void add_to_residual(float (&v)[8], Bf16x8* residual) {

@@ -399,6 +399,30 @@ __device__ __forceinline__ void combine_vector(const MoeUnpermuteCombineParams<b
   }
 }
 
+// Vector i of token t's combined row as the combine stores it (bf16), with the extra term added
+// where there is one (rounded again, as the sigmoid gate's accumulate stores it; extra_scale is
+// sigmoid of the token's extra gate).
+__device__ __forceinline__ Bf16x8 combined_vector(const MoeUnpermuteCombineParams<bf16>& p,
+                                                  const float* weight, const int64_t* row_of,
+                                                  int64_t t, int i, float extra_scale) {
+  float acc[8];
+  combine_vector(p, weight, row_of, i, acc);
+  Bf16x8 mixed = f32_to_bf16x8(acc);
+  if (p.extra != nullptr) {
+    float x[8];
+    bf16x8_to_f32(mixed, acc);
+    bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.extra + t * p.hidden)[i], x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = add_gated(acc[e], x[e], extra_scale);
+    mixed = f32_to_bf16x8(acc);
+  }
+  return mixed;
+}
+
+__device__ __forceinline__ float extra_scale_of(const MoeUnpermuteCombineParams<bf16>& p, int64_t t) {
+  return p.extra != nullptr ? sigmoid_of(__bfloat162float(p.extra_gate[t])) : 0.0f;
+}
+
 // Token t's weights and expert rows into shared memory (thread k < top_k loads route k).
 __device__ __forceinline__ void load_token_routes(const MoeUnpermuteCombineParams<bf16>& p,
                                                   int64_t t, float* weight, int64_t* row_of) {
@@ -422,10 +446,10 @@ __global__ void __launch_bounds__(kCombineThreads) unpermute_combine_kernel(MoeU
     __syncthreads();  // the previous token's weights are read
     load_token_routes(p, t, weight, row_of);
     __syncthreads();
+    const float extra_scale = extra_scale_of(p, t);
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < num_vecs; i += blockDim.x * gridDim.y) {
-      float acc[8];
-      combine_vector(p, weight, row_of, i, acc);
-      reinterpret_cast<Bf16x8*>(p.out + t * p.hidden)[i] = f32_to_bf16x8(acc);
+      reinterpret_cast<Bf16x8*>(p.out + t * p.hidden)[i] =
+          combined_vector(p, weight, row_of, t, i, extra_scale);
     }
   }
 }
@@ -447,14 +471,14 @@ __global__ void __launch_bounds__(kCombineNormThreads)
   load_token_routes(p, t, weight, row_of);
   __syncthreads();
   const int num_vecs = p.hidden / 8;
+  const float extra_scale = extra_scale_of(p, t);
   float v[kCombineNormVecs][8];
   float sum_sq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kCombineNormVecs; ++j) {
     const int i = threadIdx.x + j * kCombineNormThreads;
     if (i < num_vecs) {
-      combine_vector(p, weight, row_of, i, v[j]);
-      const Bf16x8 mixed = f32_to_bf16x8(v[j]);
+      const Bf16x8 mixed = combined_vector(p, weight, row_of, t, i, extra_scale);
       reinterpret_cast<Bf16x8*>(p.out + t * p.hidden)[i] = mixed;
       bf16x8_to_f32(mixed, v[j]);
       add_to_residual(v[j], reinterpret_cast<Bf16x8*>(p.residual + t * p.hidden) + i);
@@ -556,6 +580,8 @@ void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<bf16>& p, cuda
               " tokens");
   RELAY_CHECK(p.top_k >= 1 && p.top_k <= kPermuteMaxTopK, "moe_unpermute_combine: top_k ", p.top_k,
               " must be in [1, ", kPermuteMaxTopK, "]");
+  RELAY_CHECK(p.extra == nullptr || (p.extra_gate != nullptr && p.live_tokens.counts == nullptr),
+              "moe_unpermute_combine: the extra term needs its gate and every token live");
   if (p.num_tokens == 0) return;
   if (p.norm_weight != nullptr) {
     RELAY_CHECK(p.live_tokens.counts == nullptr && p.residual != nullptr && p.normed != nullptr &&

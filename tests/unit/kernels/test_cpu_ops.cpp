@@ -379,15 +379,19 @@ TEST_F(CpuOps, MoeRouteIsRouterTopkThenPermute) {
   EXPECT_EQ(offsets.back(), tokens * routes);  // every token reaches the shared expert's part
 }
 
-// The combine with the next norm fused: the combine, then RMSNorm with the residual.
+// The combine with the gated extra term and the next norm fused: the combine, the sigmoid gate's
+// accumulate, then RMSNorm with the residual.
 TEST_F(CpuOps, MoeCombineWithNormIsCombineThenNorm) {
   const int tokens = 3, hidden = 8, k = 2;
   auto expert_out = random_vec(tokens * k * hidden, rng), weights = random_vec(tokens * k, rng);
   auto residual = random_vec(tokens * hidden, rng), norm = random_vec(hidden, rng);
+  auto extra = random_vec(tokens * hidden, rng), extra_gate = random_vec(tokens, rng);
   std::vector<int32_t> index{5, 0, 1, 4, 3, 2};
   std::vector<float> out(tokens * hidden), normed(out.size()), fused_residual = residual;
   MoeUnpermuteCombineParams<float> c{expert_out.data(), index.data(), weights.data(), out.data(),
                                      tokens, hidden, k};
+  c.extra = extra.data();
+  c.extra_gate = extra_gate.data();
   c.residual = fused_residual.data();
   c.norm_weight = norm.data();
   c.normed = normed.data();
@@ -396,6 +400,8 @@ TEST_F(CpuOps, MoeCombineWithNormIsCombineThenNorm) {
   launch_moe_unpermute_combine({expert_out.data(), index.data(), weights.data(), out_ref.data(),
                                 tokens, hidden, k},
                                pool);
+  launch_sigmoid_gate({extra.data(), extra_gate.data(), out_ref.data(), tokens, hidden, 1, true},
+                      pool);
   launch_rms_norm({out_ref.data(), residual.data(), norm.data(), normed_ref.data(), tokens, hidden,
                    1e-6f},
                   pool);
