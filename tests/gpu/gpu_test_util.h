@@ -18,6 +18,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 
 namespace relay::gpu_test {
 
@@ -110,5 +111,11 @@ inline double rel_error(const std::vector<float>& got, const std::vector<float>&
 }
 
 constexpr double kBf16Tolerance = 1e-2;
+
+// The pool the CPU references run on.
+inline ThreadPool& pool() {
+  static ThreadPool p(0);
+  return p;
+}
 
 }  // namespace relay::gpu_test

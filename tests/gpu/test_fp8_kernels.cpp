@@ -15,7 +15,6 @@
 #include <limits>
 #include <numeric>
 
-#include "core/thread_pool.h"
 #include "kernels/cuda/fp8_cuda.h"
 #include "kernels/ops.h"
 #include "kernels/fp8_ops.h"
@@ -27,11 +26,6 @@ namespace {
 
 using kernels::bf16;
 using kernels::GroupedGemmKind;
-
-ThreadPool& pool() {
-  static ThreadPool p(0);
-  return p;
-}
 
 int groups_of(int k, int g) { return (k + g - 1) / g; }
 

@@ -7,7 +7,6 @@
 #include <numeric>
 #include <string>
 
-#include "core/thread_pool.h"
 #include "engine/sampler.h"
 #include "grammar/grammar.h"
 #include "kernels/cuda/ops_cuda.h"
@@ -18,11 +17,6 @@ namespace relay::gpu_test {
 namespace {
 
 using kernels::bf16;
-
-ThreadPool& pool() {
-  static ThreadPool p(0);
-  return p;
-}
 
 TEST(GpuKernels, Embedding) {
   std::mt19937 rng(1);

@@ -4,7 +4,6 @@
 #include <string>
 #include <vector>
 
-#include "core/thread_pool.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/ops.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -13,11 +12,6 @@ namespace relay::gpu_test {
 namespace {
 
 using kernels::bf16;
-
-ThreadPool& pool() {
-  static ThreadPool p(0);
-  return p;
-}
 
 struct RouteShape {
   int experts, top_k, parts, hidden;
@@ -66,14 +60,9 @@ TEST(GpuMoeFused, RouteEqualsRouterTopkAndPermute) {
         const std::vector<int32_t> ids = d_ids.download();
         EXPECT_EQ(ids, ids_ref) << what;
         EXPECT_LT(rel_error(d_w.download(), w_ref), 1e-5) << what;
-        kernels::MoePermuteParams<float> pp;
-        pp.topk_ids = ids.data();
-        pp.permuted_index = index_ref.data();
-        pp.expert_offsets = offsets_ref.data();
-        pp.num_tokens = tokens;
-        pp.num_experts = groups;
-        pp.top_k = routes;
-        kernels::launch_moe_permute(pp, pool());
+        kernels::launch_moe_permute({nullptr, ids.data(), nullptr, index_ref.data(),
+                                     offsets_ref.data(), tokens, sh.hidden, groups, routes},
+                                    pool());
         EXPECT_EQ(d_index.download(), index_ref) << what;
         EXPECT_EQ(d_offsets.download(), offsets_ref) << what;
         EXPECT_EQ(d_counter.download(), std::vector<int32_t>{0}) << what;

@@ -63,15 +63,9 @@ void launch_moe_route(const MoeRouteParams<float>& p, ThreadPool& pool) {
   launch_moe_router_topk({p.logits, p.topk_ids, p.topk_weights, p.num_tokens, p.num_experts,
                           p.top_k, p.renormalize, p.shared_expert_parts},
                          pool);
-  MoePermuteParams<float> permute;
-  permute.topk_ids = p.topk_ids;
-  permute.permuted_index = p.permuted_index;
-  permute.expert_offsets = p.expert_offsets;
-  permute.num_tokens = p.num_tokens;
-  permute.hidden = p.hidden;
-  permute.num_experts = p.num_experts + p.shared_expert_parts;
-  permute.top_k = routes;
-  launch_moe_permute(permute, pool);
+  launch_moe_permute({nullptr, p.topk_ids, nullptr, p.permuted_index, p.expert_offsets,
+                      p.num_tokens, p.hidden, p.num_experts + p.shared_expert_parts, routes},
+                     pool);
 }
 
 void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool) {

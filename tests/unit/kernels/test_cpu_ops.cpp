@@ -363,14 +363,9 @@ TEST_F(CpuOps, MoeRouteIsRouterTopkThenPermute) {
   launch_moe_router_topk({logits_ref.data(), ids_ref.data(), w_ref.data(), tokens, experts, k,
                           true, parts},
                          pool);
-  MoePermuteParams<float> p;
-  p.topk_ids = ids_ref.data();
-  p.permuted_index = index_ref.data();
-  p.expert_offsets = offsets_ref.data();
-  p.num_tokens = tokens;
-  p.num_experts = experts + parts;
-  p.top_k = routes;
-  launch_moe_permute(p, pool);
+  launch_moe_permute({nullptr, ids_ref.data(), nullptr, index_ref.data(), offsets_ref.data(),
+                      tokens, hidden, experts + parts, routes},
+                     pool);
   EXPECT_EQ(logits, logits_ref);
   EXPECT_EQ(ids, ids_ref);
   EXPECT_EQ(w, w_ref);
