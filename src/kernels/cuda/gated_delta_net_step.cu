@@ -109,6 +109,10 @@ __global__ void __launch_bounds__(kParts * Columns)
   for (int t = p.query_starts[s], n = 0; t < p.query_starts[s + 1]; ++t, ++n) {
     const int buf = n & 1;
     const bf16* row = p.proj + t * p.proj_stride;
+    // The token's gate inputs and its z, loaded with its conv input: each would otherwise be one
+    // more round trip to L2 behind a barrier.
+    const float b_in = __bfloat162float(row[b_col]), a_in = __bfloat162float(row[b_col + hv]);
+    const float z = owns ? __bfloat162float(row[z_col]) : 0.0f;
     const int snapshot = p.snapshot_slots != nullptr ? p.snapshot_slots[t] : -1;
     if (channel >= 0) {
       // Rounded as the separate conv stores its output.
@@ -131,8 +135,7 @@ __global__ void __launch_bounds__(kParts * Columns)
     cluster.sync();  // q | k whole in every CTA, and this CTA's v
 
     normalise_qk<MaxDk>(tid < dk ? qk[buf][tid] : 0.0f, tid < dk ? qk[buf][dk + tid] : 0.0f, dk, q, k, scratch);
-    const float2 gates = delta_rule_gates(__bfloat162float(row[b_col]), __bfloat162float(row[b_col + hv]),
-                                          a_rate, dt_bias);
+    const float2 gates = delta_rule_gates(b_in, a_in, a_rate, dt_bias);
     // Rounded as the separate recurrence stores its output.
     const float o = round_bf16(delta_rule_column_step<MaxDk>(col, q, k, part, owns ? v_conv[j - j0] : 0.0f, gates));
     if (owns && snapshot >= 0) {
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(kParts * Columns)
     const float inv_rms = rsqrtf(sum / static_cast<float>(dv) + p.eps);
     if (owns && part == 0) {
       p.out[(static_cast<int64_t>(t) * hv + h) * dv + j] =
-          __float2bfloat16(gated_norm(norm_weight, o, inv_rms, __bfloat162float(row[z_col])));
+          __float2bfloat16(gated_norm(norm_weight, o, inv_rms, z));
     }
   }
   if (owns && state != nullptr) store_state_column<MaxDk>(state, dk, dv, j, part, col);
