@@ -12,11 +12,11 @@
 # Modes: single dp2ep2 tp2ep2 dp2ep2-default dp4ep4 (sharded layouts on the 12-layer 30B-A3B
 # shape); plain48 trace48 (the 48-layer shape); spec1 spec2 spec3 spec1dp (K-draft verify steps at
 # forced acceptance 0.8); decode-curve (bf16 and FP8 decode against batch); gdn-kernels, gdn-model,
-# q35, attn-quick (Qwen3.5 shapes and kernels); q35-mtp, b256, spec-adapt (MTP and
-# min_draft_acceptance through the engine); compare (bin/before/relay against this one);
-# demo-engine, hybrid, hybrid-bench; tidy (drops tests.log from $OUT). A bin/before
-# directory in the pack holds an older relay for the before/after modes (SIDES picks the sides;
-# FULL=0 skips gdn-model's full-depth FP8 run).
+# q35, attn-quick (Qwen3.5 shapes and kernels); grouped-model (prefill on either grouped GEMM);
+# q35-mtp, b256, spec-adapt (MTP and min_draft_acceptance through the engine); compare
+# (bin/before/relay against this one); demo-engine, hybrid, hybrid-bench; tidy (drops tests.log
+# from $OUT). A bin/before directory in the pack holds an older relay for the before/after modes
+# (SIDES picks the sides; FULL=0 skips gdn-model's full-depth FP8 run).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"; cd "$root"
 pack="${RELAY_GPU_PACK:-.gpupack/c/bin.tar.xz}"
@@ -154,8 +154,22 @@ for l in "$@"; do
       # and Gated DeltaNet's decode step fused and as three ops
       export GROUP=attn
       LIMIT=150 run kernels-quick --mode kernels --quick
+      grep '"moe_grouped_gemm_prefill"' "$OUT/bench-attn.log" | grep -o '"shape":"[a-z0-9_]*"\|"variant":"[a-z_]*"\|"ms":[0-9.]*\|"fraction_of_dense":[0-9.]*' | paste -d' ' - - - -
       grep '"prefill_attention"' "$OUT/bench-attn.log" | cut -c1-300
       grep '"gated_delta_net_step"' "$OUT/bench-attn.log" | cut -c1-300
+      unset GROUP ;;
+    grouped-model)  # issues 25 / 27: prefill with the grouped GEMM on CUTLASS's kernel and on the wgmma
+      # one (RELAY_MOE_PREFILL_GEMM), the 12-layer 30B-A3B shape and Qwen3.5-35B-A3B's first 8 layers
+      "$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 8 --config-only --out /tmp/q35 | tail -1
+      export GROUP=grouped-model
+      for g in cutlass_cooperative wgmma; do
+        RELAY_MOE_PREFILL_GEMM=$g LIMIT=120 run q30-12l-$g --mode model --model /tmp/cfg12 --load-format dummy \
+          --prefill-lengths 512,4096,16384 --decode-batches 1 --decode-contexts 512
+        RELAY_MOE_PREFILL_GEMM=$g LIMIT=120 run q35-8l-$g --mode model --model /tmp/q35 --load-format dummy \
+          --prefill-lengths 512,4096 --decode-batches 1 --decode-contexts 512
+      done
+      grep '"mode":"prefill"\|^== ' "$OUT/bench-grouped-model.log" | grep -o '^== [a-z0-9_-]*\|"tokens":[0-9]*\|"ms_per_step":[0-9.]*\|"roofline_fraction":[0-9.e-]*' \
+        | paste -sd' ' | sed 's/== /\n== /g'
       unset GROUP ;;
     gdn-model)
       export GROUP=gdn-model

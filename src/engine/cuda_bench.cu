@@ -205,11 +205,12 @@ std::vector<int32_t> random_offsets(int tokens, int experts, int top_k, std::mt1
 
 void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
   std::mt19937 rng(5);
-  const int experts = 128;
-  struct Shape { const char* name; int n, k; };
-  // Prefill: 4096 tokens routed top-8 over 128 experts, Qwen3-30B-A3B shapes, vs dense at equal FLOPs.
-  for (Shape s : {Shape{"gate_up", 1536, 2048}, Shape{"down", 2048, 768}}) {
-    const int tokens = 4096, rows = tokens * 8;
+  struct Shape { const char* name; int experts, n, k; };
+  // Prefill: 4096 tokens routed top-8, vs dense at equal FLOPs: Qwen3-30B-A3B's experts (128, about
+  // 256 rows each) and Qwen3.5-35B-A3B's (256, about 128 rows each).
+  for (Shape s : {Shape{"gate_up", 128, 1536, 2048}, Shape{"down", 128, 2048, 768},
+                  Shape{"q35_gate_up", 256, 1024, 2048}, Shape{"q35_down", 256, 2048, 512}}) {
+    const int tokens = 4096, rows = tokens * 8, experts = s.experts;
     auto offsets = random_offsets(tokens, experts, 8, rng);
     DevBuf<bf16> x(size_t(rows) * s.k), w(size_t(experts) * s.n * s.k), out(size_t(rows) * s.n), dense_w(size_t(s.n) * s.k);
     DevBuf<int32_t> off(offsets.size());
@@ -221,14 +222,17 @@ void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
         time_ms([&](int) { kernels::launch_matmul({x.p, dense_w.p, nullptr, out.p, rows, s.n, s.k}, nullptr); }, quick ? 5 : 20);
     const double flops = 2.0 * rows * double(s.n) * s.k;
     for (auto kind : {kernels::GroupedGemmKind::Auto, kernels::GroupedGemmKind::Tiled,
-                      kernels::GroupedGemmKind::CutlassCooperative, kernels::GroupedGemmKind::CutlassPingpong}) {
+                      kernels::GroupedGemmKind::CutlassCooperative, kernels::GroupedGemmKind::CutlassPingpong,
+                      kernels::GroupedGemmKind::Wgmma}) {
       const double ms = time_ms([&](int) { kernels::launch_moe_grouped_matmul(p, kind, nullptr); }, quick ? 5 : 20);
       rep.emit({{"mode", "kernel"}, {"kernel", "moe_grouped_gemm_prefill"}, {"shape", s.name},
-                {"variant", kernels::grouped_gemm_kind_name(kind)}, {"tokens", tokens}, {"rows", rows}, {"n", s.n}, {"k", s.k},
+                {"variant", kernels::grouped_gemm_kind_name(kind)}, {"tokens", tokens}, {"experts", experts},
+                {"rows", rows}, {"n", s.n}, {"k", s.k},
                 {"ms", ms}, {"tflops", flops / (ms * 1e9)}, {"dense_cublas_tflops", flops / (dense_ms * 1e9)},
                 {"fraction_of_dense", dense_ms / ms}, {"fraction_of_peak", flops / (ms * 1e9) / c.gemm_tflops}});
     }
   }
+  const int experts = 128;
   // Decode: a few rows per expert; bytes are the active experts' weights.
   struct Decode { const char* name; int n, k, active, rows_per_expert; };
   for (Decode d : {Decode{"235b_gate_up_128x1", 3072, 4096, 128, 1}, Decode{"235b_gate_up_16x1", 3072, 4096, 16, 1},
@@ -249,7 +253,7 @@ void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
     fill_random(x.p, size_t(rows) * d.k, 6), fill_random(w.p, wn * copies, 7, 0.05f);
     upload(off, offsets);
     for (auto kind : {kernels::GroupedGemmKind::Streaming, kernels::GroupedGemmKind::Tiled,
-                      kernels::GroupedGemmKind::CutlassPingpong}) {
+                      kernels::GroupedGemmKind::CutlassPingpong, kernels::GroupedGemmKind::Wgmma}) {
       const double ms = time_ms(
           [&](int i) {
             kernels::launch_moe_grouped_matmul({x.p, w.p + (i % copies) * wn, off.p, out.p, rows, experts, d.n, d.k}, kind,

@@ -669,10 +669,12 @@ TEST(GpuKernels, MoeGroupedMatmul) {
   std::mt19937 rng(11);
   struct Case { int tokens, experts, k_top, n, k; };
   // {2, 16, 8, 200, 4096}: two rounds of weight loads per streaming CTA and a partial column tile;
-  // {64, 4, 2, 256, 512}: 32 rows per expert, several passes of the streaming kernel over one expert.
+  // {64, 4, 2, 256, 512}: 32 rows per expert, several passes of the streaming kernel over one expert;
+  // {2048, 64, 4, 512, 256}: about 128 rows per expert, so the wgmma kernel's last tiles of an
+  // expert hold one or two live halves, and its CTAs walk several tiles round the stage ring.
   for (Case c : {Case{1, 128, 8, 1536, 2048}, Case{3, 16, 4, 384, 128}, Case{64, 128, 8, 2048, 768},
                  Case{600, 128, 8, 1536, 2048}, Case{257, 8, 2, 264, 136}, Case{2, 16, 8, 200, 4096},
-                 Case{64, 4, 2, 256, 512}}) {
+                 Case{64, 4, 2, 256, 512}, Case{2048, 64, 4, 512, 256}}) {
     auto ids = random_routing(c.tokens, c.experts, c.k_top, rng);
     const int rows = static_cast<int>(ids.size());
     std::vector<int32_t> offsets(c.experts + 1, 0);
@@ -687,7 +689,8 @@ TEST(GpuKernels, MoeGroupedMatmul) {
     DeviceBuffer<int32_t> d_off(offsets);
     // The cases change the expert count between calls, so the CUTLASS adapters re-initialise.
     for (auto kind : {kernels::GroupedGemmKind::Tiled, kernels::GroupedGemmKind::Streaming,
-                      kernels::GroupedGemmKind::CutlassCooperative, kernels::GroupedGemmKind::CutlassPingpong}) {
+                      kernels::GroupedGemmKind::CutlassCooperative, kernels::GroupedGemmKind::CutlassPingpong,
+                      kernels::GroupedGemmKind::Wgmma}) {
       DeviceBuffer<bf16> d_out(ref.size());
       kernels::launch_moe_grouped_matmul({d_x.get(), d_w.get(), d_off.get(), d_out.get(), rows, c.experts, c.n, c.k}, kind,
                                          nullptr);

@@ -193,12 +193,12 @@ GroupedGemmKind prefill_grouped_gemm_kind() {
   static const GroupedGemmKind kind = [] {
     const char* env = std::getenv("RELAY_MOE_PREFILL_GEMM");
     if (env == nullptr || *env == 0) return GroupedGemmKind::CutlassCooperative;
-    for (GroupedGemmKind k :
-         {GroupedGemmKind::Tiled, GroupedGemmKind::CutlassCooperative, GroupedGemmKind::CutlassPingpong}) {
+    for (GroupedGemmKind k : {GroupedGemmKind::Tiled, GroupedGemmKind::CutlassCooperative,
+                              GroupedGemmKind::CutlassPingpong, GroupedGemmKind::Wgmma}) {
       if (std::string_view(env) == grouped_gemm_kind_name(k)) return k;
     }
     throw Error(str("RELAY_MOE_PREFILL_GEMM='", env,
-                    "' is not one of tiled, cutlass_cooperative, cutlass_pingpong"));
+                    "' is not one of tiled, cutlass_cooperative, cutlass_pingpong, wgmma"));
   }();
   return kind;
 }
@@ -225,6 +225,8 @@ void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGem
               " kernel neither fuses SwiGLU nor gathers rows (only streaming does; see moe_grouped_matmul_auto_kind)");
   if (kind == GroupedGemmKind::CutlassCooperative || kind == GroupedGemmKind::CutlassPingpong) {
     launch_moe_grouped_matmul_cutlass(p, kind == GroupedGemmKind::CutlassCooperative, s);
+  } else if (kind == GroupedGemmKind::Wgmma) {
+    launch_moe_grouped_matmul_wgmma(p, s);
   } else if (kind == GroupedGemmKind::Tiled) {
     // 32-row tiles while weights dominate (decode, up to 16 rows per expert on average: 0.8 of copy
     // bandwidth vs 0.66 with 128-row tiles), 128-row tiles once the tensor cores do (prefill).

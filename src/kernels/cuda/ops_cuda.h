@@ -89,10 +89,11 @@ void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, cudaStream_t
 void launch_lm_head(const LmHeadParams<bf16>& p, cudaStream_t s);
 
 // Which grouped GEMM variant launch_moe_grouped_matmul picks (exposed so tests and the benchmark
-// can force each one): Relay's mma.sync tile kernel, its weight-streaming kernel, or CUTLASS's
-// Hopper grouped kernel (wgmma + TMA, grouped_gemm_cutlass.cu) with cooperative 128x256 or
-// ping-pong 64x128 tiles.
-enum class GroupedGemmKind { Auto, Tiled, Streaming, CutlassCooperative, CutlassPingpong };
+// can force each one): Relay's mma.sync tile kernel, its weight-streaming kernel, CUTLASS's Hopper
+// grouped kernel (wgmma + TMA, grouped_gemm_cutlass.cu) with cooperative 128x256 or ping-pong
+// 64x128 tiles, or Relay's warp-specialised wgmma + TMA kernel whose 128-row tiles skip an empty
+// 64-row half (grouped_gemm_wgmma.cu, bf16 only).
+enum class GroupedGemmKind { Auto, Tiled, Streaming, CutlassCooperative, CutlassPingpong, Wgmma };
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGemmKind kind,
                                cudaStream_t s);
 // The variant's name in benchmark records and test messages.
@@ -103,22 +104,25 @@ inline const char* grouped_gemm_kind_name(GroupedGemmKind kind) {
     case GroupedGemmKind::Streaming: return "streaming";
     case GroupedGemmKind::CutlassCooperative: return "cutlass_cooperative";
     case GroupedGemmKind::CutlassPingpong: return "cutlass_pingpong";
+    case GroupedGemmKind::Wgmma: return "wgmma";
   }
   return "?";
 }
 // The kernel the prefill regime (over 16 rows per expert on average) runs, for the bf16 and the FP8
 // block-scaled grouped GEMMs alike: CUTLASS's cooperative kernel unless RELAY_MOE_PREFILL_GEMM
-// names another (tiled, cutlass_cooperative, cutlass_pingpong), which the benchmark uses to time
-// the model with each. Read once per process; an unknown name throws.
+// names another (tiled, cutlass_cooperative, cutlass_pingpong, wgmma), which the benchmark uses to
+// time the model with each (the FP8 grouped GEMM has CUTLASS's cooperative kernel for the two
+// wgmma kinds). Read once per process; an unknown name throws.
 GroupedGemmKind prefill_grouped_gemm_kind();
 // The kind Auto runs for p (by rows per expert on average). Only Streaming takes p.swiglu and
 // p.permuted_index (at most kMaxGatheredRows rows: its row -> token map lives in shared memory), so
 // a caller fusing either asks this first.
 constexpr int kMaxGatheredRows = 1024;
 GroupedGemmKind moe_grouped_matmul_auto_kind(const MoeGroupedMatmulParams<bf16>& p);
-// The CUTLASS variants themselves (called through launch_moe_grouped_matmul).
+// The CUTLASS variants and the wgmma kernel themselves (called through launch_moe_grouped_matmul).
 void launch_moe_grouped_matmul_cutlass(const MoeGroupedMatmulParams<bf16>& p, bool cooperative,
                                        cudaStream_t s);
+void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s);
 
 // Sampling on the GPU with the shared sampler's semantics (engine/sampler.h), one row of fp32 logits
 // per sequence and one CTA per row: the raw log-softmax logprob of the chosen token and the top
