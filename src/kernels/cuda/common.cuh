@@ -222,10 +222,11 @@ inline bool pdl_enabled() {
 // through) — not yet understood, so sharded ranks run without it.
 inline void disable_pdl() { pdl_state().store(0, std::memory_order_relaxed); }
 
-template <typename... Params, typename... Args>
-void launch_dependent(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                      cudaStream_t s, Args&&... args) {
-  cudaLaunchAttribute attr{};
+// A launch that may overlap the kernel before it (PDL), for cudaLaunchKernelEx(C); `attr` must
+// outlive the launch.
+inline cudaLaunchConfig_t dependent_launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                                  cudaLaunchAttribute& attr) {
+  attr = {};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
@@ -235,6 +236,14 @@ void launch_dependent(const char* name, void (*kernel)(Params...), dim3 grid, di
   config.stream = s;
   config.attrs = &attr;
   config.numAttrs = pdl_enabled() ? 1 : 0;
+  return config;
+}
+
+template <typename... Params, typename... Args>
+void launch_dependent(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t s, Args&&... args) {
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t config = dependent_launch_config(grid, block, smem, s, attr);
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   RELAY_CHECK(err == cudaSuccess, "launch of ", name, " failed: ", cudaGetErrorString(err));
 }

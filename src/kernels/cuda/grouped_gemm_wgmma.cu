@@ -305,8 +305,24 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
       (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * ceil_div(p.n, kBn);
   const int grid = static_cast<int>(
       std::min<int64_t>(max_tiles, resident_ctas(grouped_gemm_wgmma_kernel, kThreads, smem)));
-  launch_dependent("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel, dim3(grid),
-                   dim3(kThreads), smem, s, x_map, w_map, p);
+  // NOTE: launched through cudaLaunchKernelExC on these copies rather than launch_dependent, whose
+  // cudaLaunchKernelEx re-copies each argument into a lambda parameter: a CUtensorMap must stay
+  // 128-byte aligned (CUDA 13), which a by-value host parameter need not be.
+  alignas(128) CUtensorMap maps[2] = {x_map, w_map};
+  MoeGroupedMatmulParams<bf16> params = p;
+  void* args[] = {&maps[0], &maps[1], &params};
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t config = dependent_launch_config(dim3(grid), dim3(kThreads), smem, s, attr);
+  const cudaError_t err =
+      cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(grouped_gemm_wgmma_kernel), args);
+  if (err != cudaSuccess) {
+    cudaFuncAttributes fa{};
+    RELAY_CUDA_CHECK(cudaFuncGetAttributes(&fa, grouped_gemm_wgmma_kernel));
+    RELAY_CHECK(false, "launch of grouped_gemm_wgmma_kernel failed: ", cudaGetErrorString(err),
+                " (grid ", grid, ", ", smem, " bytes of shared memory, kernel: ", fa.numRegs,
+                " registers, at most ", fa.maxThreadsPerBlock, " threads, ",
+                fa.maxDynamicSharedSizeBytes, " bytes of dynamic shared memory)");
+  }
 }
 
 }  // namespace relay::kernels
