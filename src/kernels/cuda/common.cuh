@@ -14,9 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string_view>
-#include <tuple>
 #include <utility>
 
 #include "core/error.h"
@@ -250,20 +248,21 @@ void launch_dependent(const char* name, void (*kernel)(Params...), dim3 grid, di
 
 // Lets `kernel` take `bytes` of dynamic shared memory (past the 48 KiB default) on the current
 // device. The attribute holds per device, so a process driving several GPUs (a rank per device)
-// must set it on each: once per (kernel, device, size), on the kernel's first eager launch there,
-// before a CUDA graph captures it. A per-process flag set it on the first device only, and every
-// other rank's launch failed.
+// must set it on each: on the kernel's first eager launch there, before a CUDA graph captures it.
+// A per-process flag set it on the first device only, and every other rank's launch failed. The
+// attribute is one ceiling per (kernel, device) that only ever rises here: setting it to each
+// launch's size let a smaller launch lower it under a larger size already marked as allowed.
 template <typename Kernel>
 void allow_dynamic_smem(Kernel kernel, int bytes) {
   static std::mutex mutex;
-  static std::set<std::tuple<const void*, int, int>> done;
+  static std::map<std::pair<const void*, int>, int> allowed;
   int device = 0;
   RELAY_CUDA_CHECK(cudaGetDevice(&device));
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, bytes);
   std::lock_guard<std::mutex> lock(mutex);
-  if (done.count(key) != 0) return;
+  int& ceiling = allowed[{reinterpret_cast<const void*>(kernel), device}];
+  if (bytes <= ceiling) return;
   RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  done.insert(key);
+  ceiling = bytes;
 }
 
 // CTAs of `kernel` resident on the current device at once (SMs x occupancy at this block size and

@@ -305,9 +305,9 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
       (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * ceil_div(p.n, kBn);
   const int grid = static_cast<int>(
       std::min<int64_t>(max_tiles, resident_ctas(grouped_gemm_wgmma_kernel, kThreads, smem)));
-  // NOTE: launched through cudaLaunchKernelExC on these copies rather than launch_dependent, whose
-  // cudaLaunchKernelEx re-copies each argument into a lambda parameter: a CUtensorMap must stay
-  // 128-byte aligned (CUDA 13), which a by-value host parameter need not be.
+  // Launched through cudaLaunchKernelExC on these copies rather than launch_dependent, whose
+  // cudaLaunchKernelEx re-copies each argument into a by-value lambda parameter, where the 128-byte
+  // alignment CUDA 13 declares for CUtensorMap is left to the host ABI.
   alignas(128) CUtensorMap maps[2] = {x_map, w_map};
   MoeGroupedMatmulParams<bf16> params = p;
   void* args[] = {&maps[0], &maps[1], &params};
