@@ -1,27 +1,30 @@
 // MoE grouped GEMM on Hopper, Relay's own warp-specialised kernel: out[r] = x[r] @ w[e]^T for the
 // rows r of each expert e (bf16 in, fp32 accumulate, bf16 out).
 //
-// Why not only CUTLASS's grouped kernel (grouped_gemm_cutlass.cu): its tiles are 128 rows, and a
-// prefill's experts hold a binomial number of rows (4096 tokens top-8 over 128 experts: 256 +- 16;
-// Qwen3.5's 256 experts: 128 +- 11), so about half of them end in a tile that is mostly empty yet
-// computed in full: ~20% of the 30B shape's tensor-core work and ~33% of Qwen3.5's is padding.
-// Here a 128-row tile is two 64-row halves, one per consumer warp group; a half that holds no row
-// of the expert skips its MMAs and its operand load, so the padding costs at most 63 rows.
+// Why not only CUTLASS's grouped kernel (grouped_gemm_cutlass.cu): its tiles are 128 rows in 2-CTA
+// clusters (the pair shares the weight tile through TMA multicast), so an expert's rows are padded
+// to 256, and a prefill's experts hold a binomial number of rows — Qwen3.5's 256 experts at 4096
+// tokens top-8 about 128 +- 11 — so half of its tensor-core work is padding. Here a tile is 256
+// rows x 128 columns as four 64-row slabs; a slab holding no row of the expert skips its MMAs and
+// its operand load, so the padding costs at most 63 rows. A tile that covers all of an expert's
+// rows reads each weight tile once, without a cluster: the weights then stream from DRAM once.
+// (A first form, 128 x 256 tiles of 64-row halves, re-read weights: the CTAs sharing a weight tile
+// drifted apart and the L2 hit rate fell to 42%, 1.8 GB read from DRAM where CUTLASS read 1.05.)
 //
 // Structure (one persistent CTA per SM, 3 warp groups):
 // - Warp group 0 is the producer: one thread walks the CTA's tiles and, per 64-wide k step, waits
 //   for a free stage of a 4-stage shared-memory ring, then TMA-loads the x rows (one 64-row box per
-//   live half) and the 256 weight rows into it; the TMA's byte count completes the stage's "full"
+//   live slab) and the 128 weight rows into it; the TMA's byte count completes the stage's "full"
 //   mbarrier. x is one 2-D tensor map over the permuted rows and w one over [experts * n, k], so
 //   no per-expert descriptor is written (CUTLASS's ptr-array kernel rewrites descriptors per group).
-// - Warp groups 1 and 2 consume: each owns 64 rows x 256 columns of fp32 accumulators (two
-//   m64n128k16 wgmma per k16 step, both operands from the 128-byte-swizzled stages) and releases a
-//   stage through its "empty" mbarrier once the wgmma reading it has retired; then it stores its
-//   rows (masked to the expert's rows and to n) straight to global memory.
-// Tiles run expert by expert, m tiles fastest: the CTAs resident together share the weight tile
-// (the larger operand) in L2, and one expert's x rows stay there across its n tiles. Each CTA reads
-// expert_offsets into shared memory and builds the tile prefix itself, so the host never reads the
-// routing and the launch can be captured in a CUDA graph.
+// - Warp groups 1 and 2 consume: each owns two slabs, 128 rows x 128 columns of fp32 accumulators
+//   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
+//   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
+//   then stores its rows (masked to the expert's rows and to n) straight to global memory.
+// Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
+// with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
+// Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
+// never reads the routing and the launch can be captured in a CUDA graph.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -35,11 +38,12 @@ using namespace cuda;
 
 namespace {
 
-constexpr int kBm = 128, kHalfRows = 64, kBn = 256, kBk = 64, kStages = 4;
-constexpr int kThreads = 384;                             // producer + 2 consumer warp groups
-constexpr uint32_t kHalfBytes = kHalfRows * kBk * 2;      // one consumer's x rows in a stage
-constexpr uint32_t kWeightBytes = kBn * kBk * 2;          // the weight rows in a stage
-constexpr uint32_t kStageBytes = 2 * kHalfBytes + kWeightBytes;
+constexpr int kSlabRows = 64, kSlabs = 4, kBm = kSlabs * kSlabRows, kBn = 128, kBk = 64;
+constexpr int kStages = 4;
+constexpr int kThreads = 384;                         // producer + 2 consumer warp groups
+constexpr uint32_t kSlabBytes = kSlabRows * kBk * 2;  // one slab of x rows in a stage
+constexpr uint32_t kWeightBytes = kBn * kBk * 2;      // the weight rows in a stage
+constexpr uint32_t kStageBytes = kSlabs * kSlabBytes + kWeightBytes;
 constexpr int kMaxExperts = 4096;  // the tile prefix lives in shared memory
 
 // ---- mbarrier and TMA (sm_90) ------------------------------------------------------------------
@@ -109,6 +113,40 @@ __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int*
   return tile;
 }
 
+// A consumer warp group's k loop over one tile: kLive of its two slabs hold rows. Leaves every
+// wgmma retired and the last stage released.
+template <int kLive>
+__device__ __forceinline__ void consume_tile(float (&acc)[2][64], uint8_t* stages, uint64_t* full,
+                                             uint64_t* empty, int wg, int k_steps, bool signals,
+                                             int& stage, uint32_t& phase) {
+  int prev_stage = -1;
+  for (int ks = 0; ks < k_steps; ++ks) {
+    mbar_wait(&full[stage], phase);
+    const uint32_t st = smem_addr(stages + stage * kStageBytes);
+    const uint32_t a = st + 2 * wg * kSlabBytes, b = st + kSlabs * kSlabBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBk / 16; ++kk) {
+      const uint64_t db = gmma_desc_sw128(b + kk * 32, 16, 1024);
+      const int accumulate = ks > 0 || kk > 0;
+#pragma unroll
+      for (int slab = 0; slab < kLive; ++slab) {
+        wgmma_ss<128>(acc[slab], gmma_desc_sw128(a + slab * kSlabBytes + kk * 32, 16, 1024), db,
+                      accumulate);
+      }
+    }
+    wgmma_commit();
+    // The group before this one has retired: its stage may be refilled.
+    wgmma_wait<1>();
+    if (prev_stage >= 0 && signals) mbar_arrive(&empty[prev_stage]);
+    prev_stage = stage;
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+  wgmma_wait<0>();
+  wgmma_fence_operands(acc);
+  if (signals) mbar_arrive(&empty[prev_stage]);
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map,
                               const __grid_constant__ CUtensorMap w_map,
@@ -170,15 +208,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t phase = 0;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
-      const bool both_halves = tile.row_end - tile.row0 > kHalfRows;
-      const uint32_t bytes = (both_halves ? 2 : 1) * kHalfBytes + kWeightBytes;
+      const int live_slabs = min(kSlabs, (tile.row_end - tile.row0 + kSlabRows - 1) / kSlabRows);
+      const uint32_t bytes = live_slabs * kSlabBytes + kWeightBytes;
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&empty[stage], phase ^ 1);
         uint8_t* st = stages + stage * kStageBytes;
         mbar_arrive_expect_tx(&full[stage], bytes);
-        tma_load_2d(st, &x_map, ks * kBk, tile.row0, &full[stage]);
-        if (both_halves) tma_load_2d(st + kHalfBytes, &x_map, ks * kBk, tile.row0 + kHalfRows, &full[stage]);
-        tma_load_2d(st + 2 * kHalfBytes, &w_map, ks * kBk, tile.w_row0, &full[stage]);
+        for (int slab = 0; slab < live_slabs; ++slab) {
+          tma_load_2d(st + slab * kSlabBytes, &x_map, ks * kBk, tile.row0 + slab * kSlabRows,
+                      &full[stage]);
+        }
+        tma_load_2d(st + kSlabs * kSlabBytes, &w_map, ks * kBk, tile.w_row0, &full[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -187,16 +227,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int half = warp / 4 - 1;             // which 64 rows of the tile
-  const int wg_warp = warp % 4;              // 16 rows each
+  const int wg = warp / 4 - 1;   // slabs 2 wg and 2 wg + 1 of the tile
+  const int wg_warp = warp % 4;  // 16 rows of each slab
   const bool signals = threadIdx.x % 128 == 0;
-  float acc[2][64];  // [n128 half][the thread's accumulators]
+  float acc[2][64];  // [slab][the thread's accumulators]
   int stage = 0;
   uint32_t phase = 0;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
-    const int my_row0 = tile.row0 + half * kHalfRows;
-    if (my_row0 >= tile.row_end) {  // no row of this expert in our half: keep the ring's count
+    const int my_row0 = tile.row0 + 2 * wg * kSlabRows;
+    if (my_row0 >= tile.row_end) {  // no row of this expert in our slabs: keep the ring's count
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&full[stage], phase);
         if (signals) mbar_arrive(&empty[stage]);
@@ -204,44 +244,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       continue;
     }
-    int prev_stage = -1;
-    for (int ks = 0; ks < k_steps; ++ks) {
-      mbar_wait(&full[stage], phase);
-      const uint32_t st = smem_addr(stages + stage * kStageBytes);
-      const uint32_t a = st + half * kHalfBytes, b = st + 2 * kHalfBytes;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBk / 16; ++kk) {
-        const uint64_t da = gmma_desc_sw128(a + kk * 32, 16, 1024);
-        const int accumulate = ks > 0 || kk > 0;
-        wgmma_ss<128>(acc[0], da, gmma_desc_sw128(b + kk * 32, 16, 1024), accumulate);
-        wgmma_ss<128>(acc[1], da, gmma_desc_sw128(b + 128 * 128 + kk * 32, 16, 1024), accumulate);
-      }
-      wgmma_commit();
-      // The group before this one has retired: its stage may be refilled.
-      wgmma_wait<1>();
-      if (prev_stage >= 0 && signals) mbar_arrive(&empty[prev_stage]);
-      prev_stage = stage;
-      if (++stage == kStages) stage = 0, phase ^= 1;
+    // Both slabs, or only the first (the slab count a template argument: a wgmma under a runtime
+    // branch would be serialised).
+    if (my_row0 + kSlabRows < tile.row_end) {
+      consume_tile<2>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
+    } else {
+      consume_tile<1>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
     }
-    wgmma_wait<0>();
-    wgmma_fence_operands(acc);
-    if (signals) mbar_arrive(&empty[prev_stage]);
-    // Accumulator (mma.sync C order per 8 columns): acc[h][4 j + 2 i + c] is row
-    // wg_warp * 16 + lane / 4 + 8 i, column h * 128 + 8 j + 2 (lane % 4) + c.
+    // Accumulator (mma.sync C order per 8 columns): acc[s][4 j + 2 i + c] is row
+    // s * 64 + wg_warp * 16 + lane / 4 + 8 i of our slabs, column 8 j + 2 (lane % 4) + c.
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int row = my_row0 + wg_warp * 16 + lane / 4 + 8 * i;
-      if (row >= tile.row_end) continue;
-      bf16* out = p.out + static_cast<int64_t>(row) * p.n;
+    for (int slab = 0; slab < 2; ++slab) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 2; ++i) {
+        const int row = my_row0 + slab * kSlabRows + wg_warp * 16 + lane / 4 + 8 * i;
+        if (row >= tile.row_end) continue;
+        bf16* out = p.out + static_cast<int64_t>(row) * p.n;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          const int col = tile.col0 + h * 128 + 8 * j + 2 * (lane % 4);
+          const int col = tile.col0 + 8 * j + 2 * (lane % 4);
           if (col < p.n) {
             *reinterpret_cast<__nv_bfloat162*>(out + col) =
-                __floats2bfloat162_rn(acc[h][4 * j + 2 * i], acc[h][4 * j + 2 * i + 1]);
+                __floats2bfloat162_rn(acc[slab][4 * j + 2 * i], acc[slab][4 * j + 2 * i + 1]);
           }
         }
       }
@@ -295,7 +319,7 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   RELAY_CUDA_CHECK(cudaGetDevice(&device));
   RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   RELAY_CHECK(major == 9, "moe_grouped_matmul (wgmma): needs a Hopper GPU (compute capability 9.x)");
-  const CUtensorMap x_map = bf16_tensor_map(p.x, p.num_rows, p.k, kHalfRows);
+  const CUtensorMap x_map = bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows);
   const CUtensorMap w_map = bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn);
   const int smem = 1024 + kStages * kStageBytes + 2 * kStages * sizeof(uint64_t) +
                    2 * (p.num_experts + 1) * sizeof(int);
