@@ -54,8 +54,8 @@ void launch_swiglu_fp8_quant(const SwigluFp8QuantParams& p, cudaStream_t s);
 // instruction with the expert's (up to 8 at a time) rows as the narrow operand (decode).
 // CutlassCooperative: CUTLASS's Hopper block-scaled FP8 grouped kernel (TMA + wgmma, 128x128x128
 // tiles, fp8_grouped_gemm_cutlass.cu). Auto picks streaming up to 8 rows per expert on average,
-// the tiled kernel up to 16, and beyond that (prefill) prefill_grouped_gemm_kind(): CUTLASS by
-// default, the tiled kernel for shapes CUTLASS cannot take (k not a multiple of 16).
+// the tiled kernel up to 16, and beyond that (prefill) CUTLASS unless prefill_grouped_gemm_kind()
+// says tiled, and the tiled kernel for shapes CUTLASS cannot take (k not a multiple of 16).
 void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<bf16>& p,
                                      cudaStream_t s);
 void launch_fp8_block_grouped_matmul(const Fp8BlockGroupedMatmulParams<bf16>& p,

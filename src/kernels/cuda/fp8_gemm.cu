@@ -497,16 +497,15 @@ GroupedGemmKind resolve_block_scaled_kind(const Fp8GemmArgs& a, GroupedGemmKind 
   // share one n8 operand), so it stays at the weight-bandwidth bound; beyond, tensor-core tiles
   // amortise the weights over more rows. Not yet tuned on the H200.
   if (a.num_rows <= kStreamTokens * experts) return GroupedGemmKind::Streaming;
-  // Prefill (grouped, over 16 rows per expert): the kernel RELAY_MOE_PREFILL_GEMM names, as for
-  // bf16 (CUTLASS's cooperative kernel for either wgmma kind, the bf16-only wgmma kernel having no
-  // FP8 form; tiled if it says so); shapes CUTLASS cannot take stay on the tiled kernel.
+  // Prefill (grouped, over 16 rows per expert): CUTLASS's cooperative kernel unless
+  // RELAY_MOE_PREFILL_GEMM says tiled (the bf16-only wgmma kernel has no FP8 form, so that name
+  // too means CUTLASS here); shapes CUTLASS cannot take stay on the tiled kernel.
   if (a.expert_offsets == nullptr || a.num_rows <= 16 * experts) return GroupedGemmKind::Tiled;
   const GroupedGemmKind prefill = prefill_grouped_gemm_kind();
   RELAY_CHECK(prefill != GroupedGemmKind::CutlassPingpong,
               "RELAY_MOE_PREFILL_GEMM=cutlass_pingpong: the FP8 block-scaled grouped GEMM has no "
               "ping-pong variant (tiled or cutlass_cooperative)");
-  return (prefill == GroupedGemmKind::CutlassCooperative || prefill == GroupedGemmKind::Wgmma) &&
-                 fp8_block_grouped_matmul_cutlass_supported(a.n, a.k)
+  return prefill != GroupedGemmKind::Tiled && fp8_block_grouped_matmul_cutlass_supported(a.n, a.k)
              ? GroupedGemmKind::CutlassCooperative
              : GroupedGemmKind::Tiled;
 }

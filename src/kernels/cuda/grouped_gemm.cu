@@ -8,8 +8,9 @@
 // fastest so the CTAs resident together share one x tile in L2.
 // Streaming (decode, a few rows per expert): the weights dominate the bytes; the weight-streaming
 // kernel of streaming_gemm.cu visits only the experts that received rows.
-// Prefill (over 16 rows per expert on average) goes to CUTLASS's Hopper grouped kernel
-// (grouped_gemm_cutlass.cu) by default; the tiled kernel stays for 3-16 rows per expert.
+// Prefill (over 16 rows per expert on average) goes to Relay's warp-specialised wgmma kernel
+// (grouped_gemm_wgmma.cu) up to 192 rows per expert and to CUTLASS's Hopper grouped kernel
+// (grouped_gemm_cutlass.cu) above; the tiled kernel stays for 3-16 rows per expert.
 #include <cstdlib>
 #include <string_view>
 
@@ -192,7 +193,7 @@ void run_tiled(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
 GroupedGemmKind prefill_grouped_gemm_kind() {
   static const GroupedGemmKind kind = [] {
     const char* env = std::getenv("RELAY_MOE_PREFILL_GEMM");
-    if (env == nullptr || *env == 0) return GroupedGemmKind::CutlassCooperative;
+    if (env == nullptr || *env == 0) return GroupedGemmKind::Auto;
     for (GroupedGemmKind k : {GroupedGemmKind::Tiled, GroupedGemmKind::CutlassCooperative,
                               GroupedGemmKind::CutlassPingpong, GroupedGemmKind::Wgmma}) {
       if (std::string_view(env) == grouped_gemm_kind_name(k)) return k;
@@ -211,7 +212,20 @@ GroupedGemmKind moe_grouped_matmul_auto_kind(const MoeGroupedMatmulParams<bf16>&
   // 2,971 tok/s through the streaming kernel against 3,485 through the tiles. So streaming up to
   // one row per four experts (batch 1-4 at top-8 of 128).
   if (p.num_rows * 4 <= p.num_experts) return GroupedGemmKind::Streaming;
-  if (p.num_rows > 16 * p.num_experts) return prefill_grouped_gemm_kind();
+  if (p.num_rows > 16 * p.num_experts) {
+    const GroupedGemmKind forced = prefill_grouped_gemm_kind();
+    if (forced != GroupedGemmKind::Auto) return forced;
+    // NOTE: measured on H100 (bench kernel and model modes, 2026-12-07): the wgmma kernel's
+    // 256-row tiles hold an expert's rows whole up to about 192 rows per expert on average, and it
+    // wins there (Qwen3.5-35B-A3B at 4096 tokens, 128 rows an expert: gate_up 439 vs 479 us, down
+    // 247 vs 281; the 30B-A3B shape at 512 tokens, 32 rows: 12-layer prefill 4.23 vs 4.59 ms).
+    // From about 256 rows an expert needs a second m tile that reads its weights again, and
+    // CUTLASS's cooperative kernel, whose 2-CTA clusters share them, wins (30B-A3B at 4096 tokens:
+    // gate_up 563 vs 468 us).
+    return p.num_rows <= 192 * int64_t{p.num_experts} && moe_grouped_matmul_wgmma_supported(p)
+               ? GroupedGemmKind::Wgmma
+               : GroupedGemmKind::CutlassCooperative;
+  }
   return GroupedGemmKind::Tiled;
 }
 

@@ -307,10 +307,14 @@ CUtensorMap bf16_tensor_map(const bf16* base, int64_t rows, int64_t cols, int bo
 
 }  // namespace
 
+bool moe_grouped_matmul_wgmma_supported(const MoeGroupedMatmulParams<bf16>& p) {
+  return p.num_experts > 0 && p.num_experts <= kMaxExperts;
+}
+
 void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.k % 8 == 0 && p.n % 8 == 0, "moe_grouped_matmul (wgmma): n ", p.n, " and k ", p.k,
               " must be multiples of 8 (16-byte TMA rows)");
-  RELAY_CHECK(p.num_experts > 0 && p.num_experts <= kMaxExperts, "moe_grouped_matmul (wgmma): ",
+  RELAY_CHECK(moe_grouped_matmul_wgmma_supported(p), "moe_grouped_matmul (wgmma): ",
               p.num_experts, " experts (at most ", kMaxExperts, ")");
   RELAY_CHECK(reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0,
               "moe_grouped_matmul (wgmma): x and w must be 16-byte aligned (TMA)");

@@ -108,11 +108,11 @@ inline const char* grouped_gemm_kind_name(GroupedGemmKind kind) {
   }
   return "?";
 }
-// The kernel the prefill regime (over 16 rows per expert on average) runs, for the bf16 and the FP8
-// block-scaled grouped GEMMs alike: CUTLASS's cooperative kernel unless RELAY_MOE_PREFILL_GEMM
-// names another (tiled, cutlass_cooperative, cutlass_pingpong, wgmma), which the benchmark uses to
-// time the model with each (the FP8 grouped GEMM has CUTLASS's cooperative kernel for the two
-// wgmma kinds). Read once per process; an unknown name throws.
+// The kernel RELAY_MOE_PREFILL_GEMM forces on the prefill regime (over 16 rows per expert on
+// average): tiled, cutlass_cooperative, cutlass_pingpong or wgmma, which the benchmark uses to time
+// the model with each; Auto when unset (then the shape decides: moe_grouped_matmul_auto_kind). The
+// FP8 block-scaled grouped GEMM runs CUTLASS's cooperative kernel for Auto and either wgmma kind.
+// Read once per process; an unknown name throws.
 GroupedGemmKind prefill_grouped_gemm_kind();
 // The kind Auto runs for p (by rows per expert on average). Only Streaming takes p.swiglu and
 // p.permuted_index (at most kMaxGatheredRows rows: its row -> token map lives in shared memory), so
@@ -123,6 +123,8 @@ GroupedGemmKind moe_grouped_matmul_auto_kind(const MoeGroupedMatmulParams<bf16>&
 void launch_moe_grouped_matmul_cutlass(const MoeGroupedMatmulParams<bf16>& p, bool cooperative,
                                        cudaStream_t s);
 void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s);
+// Whether the wgmma kernel takes p's expert count (its tile prefix lives in shared memory).
+bool moe_grouped_matmul_wgmma_supported(const MoeGroupedMatmulParams<bf16>& p);
 
 // Sampling on the GPU with the shared sampler's semantics (engine/sampler.h), one row of fp32 logits
 // per sequence and one CTA per row: the raw log-softmax logprob of the chosen token and the top
