@@ -267,30 +267,6 @@ struct MoeRouterTopkParams {
   int shared_expert_parts = 0;
 };
 
-// A small step's whole router in one op: logits = x @ router^T (stored as T, as MatmulParams
-// stores them), MoeRouterTopkParams's top-k on those logits, then MoePermuteParams's index and
-// offsets over the num_experts + shared_expert_parts groups (no row copy, no bounds). On the GPU
-// one launch does the three (decode's few tokens: the router's weights are the bytes, the top-k
-// and the sort a few hundred integers); counter is a device int, zero between launches, on which
-// the kernel's CTAs count themselves so the last one routes (and zeroes it). Unused on the CPU.
-template <typename T>
-struct MoeRouteParams {
-  const T* x = nullptr;               // [num_tokens, hidden]
-  const T* router = nullptr;          // [num_experts (+ 1), hidden]
-  T* logits = nullptr;                // [num_tokens, num_experts (+ 1)]
-  int32_t* topk_ids = nullptr;        // [num_tokens, top_k + shared_expert_parts]
-  float* topk_weights = nullptr;      // [num_tokens, top_k + shared_expert_parts]
-  int32_t* permuted_index = nullptr;  // [num_tokens * (top_k + shared_expert_parts)]
-  int32_t* expert_offsets = nullptr;  // [num_experts + shared_expert_parts + 1]
-  int32_t* counter = nullptr;
-  int num_tokens = 0;
-  int hidden = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  bool renormalize = false;
-  int shared_expert_parts = 0;
-};
-
 // Groups the (token, k) assignments by expert: row r = t * top_k + k goes to permuted row
 // permuted_index[r]; rows of expert e are [expert_offsets[e], expert_offsets[e+1]), in (t, k) order
 // inside an expert. Experts with no tokens get an empty range. Without permuted_x only the index
@@ -317,9 +293,6 @@ struct MoePermuteParams {
   int top_k = 0;
   LiveRows live_tokens = {};  // over the num_tokens tokens
   LiveRows copied_rows = {};  // over the num_tokens * top_k permuted rows
-  // permuted_index and expert_offsets hold the index already (MoeRouteParams built it): only
-  // the rows are copied.
-  bool index_ready = false;
 };
 
 // out[r] = x[r] @ w[e]^T for every permuted row r of expert e (the experts' gate_up or down).
@@ -563,7 +536,6 @@ void launch_qk_norm_rope_kv_write(const QkNormRopeKvWriteParams<float>& p, Threa
 void launch_paged_attention(const PagedAttentionParams<float>& p, ThreadPool& pool);
 void launch_swiglu(const SwigluParams<float>& p, ThreadPool& pool);
 void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& pool);
-void launch_moe_route(const MoeRouteParams<float>& p, ThreadPool& pool);
 void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool);
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<float>& p, ThreadPool& pool);
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, ThreadPool& pool);

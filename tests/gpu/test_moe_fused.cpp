@@ -1,6 +1,5 @@
-// The MoE's fused decode ops against the ops they replace: the one-kernel route (router GEMV,
-// top-k and the permute's index) stage by stage against the CPU references, and the combine with
-// the next RMSNorm against the combine and the norm kernels run apart (the same bits).
+// The MoE's fused decode ops against the ops they replace: the combine with the next RMSNorm
+// against the combine and the norm kernels run apart (the same bits).
 #include <string>
 #include <vector>
 
@@ -12,107 +11,6 @@ namespace relay::gpu_test {
 namespace {
 
 using kernels::bf16;
-
-struct RouteShape {
-  int experts, top_k, parts, hidden;
-};
-
-// Each stage against its reference on the GPU's own input to it: the logits against the CPU's
-// matmul (bf16 noise), the routes against the CPU top-k of the GPU's logits (exact ids), the index
-// against the CPU's counting sort of the GPU's ids (exact). Launched three times in a row and
-// through a CUDA graph replayed twice: the CTA counter is back at zero after each.
-TEST(GpuMoeFused, RouteEqualsRouterTopkAndPermute) {
-  std::mt19937 rng(31);
-  const RouteShape shapes[] = {{16, 4, 1, 64}, {128, 8, 0, 2048}, {256, 8, 1, 2048},
-                               {512, 10, 0, 136}, {128, 8, 2, 4096}};
-  for (const RouteShape& sh : shapes) {
-    for (int tokens : {1, 3, kernels::kMoeRouteMaxTokens}) {
-      for (bool renorm : {false, true}) {
-        const int columns = sh.experts + (sh.parts > 0), routes = sh.top_k + sh.parts;
-        const int groups = sh.experts + sh.parts, rows = tokens * routes;
-        auto x = random_bf16(static_cast<size_t>(tokens) * sh.hidden, rng);
-        auto router = random_bf16(static_cast<size_t>(columns) * sh.hidden, rng, 0.05f);
-        DeviceBuffer<bf16> d_x(x.bits), d_router(router.bits), d_logits(tokens * columns);
-        DeviceBuffer<int32_t> d_ids(rows), d_index(rows), d_offsets(groups + 1),
-            d_counter(std::vector<int32_t>{0});
-        DeviceBuffer<float> d_w(rows);
-        const kernels::MoeRouteParams<bf16> p{d_x.get(),     d_router.get(),  d_logits.get(),
-                                              d_ids.get(),   d_w.get(),       d_index.get(),
-                                              d_offsets.get(), d_counter.get(), tokens,
-                                              sh.hidden,     sh.experts,      sh.top_k,
-                                              renorm,        sh.parts};
-        for (int i = 0; i < 3; ++i) kernels::launch_moe_route(p, nullptr);
-        const std::string what = "experts " + std::to_string(sh.experts) + " parts " +
-                                 std::to_string(sh.parts) + " tokens " + std::to_string(tokens);
-
-        std::vector<float> logits_ref(static_cast<size_t>(tokens) * columns);
-        kernels::launch_matmul({x.f32.data(), router.f32.data(), nullptr, logits_ref.data(),
-                                tokens, columns, sh.hidden},
-                               pool());
-        const std::vector<float> logits = to_f32(d_logits.download());
-        EXPECT_LT(rel_error(logits, logits_ref), kBf16Tolerance) << what;
-
-        std::vector<int32_t> ids_ref(rows), index_ref(rows), offsets_ref(groups + 1);
-        std::vector<float> w_ref(rows);
-        kernels::launch_moe_router_topk({logits.data(), ids_ref.data(), w_ref.data(), tokens,
-                                         sh.experts, sh.top_k, renorm, sh.parts},
-                                        pool());
-        const std::vector<int32_t> ids = d_ids.download();
-        EXPECT_EQ(ids, ids_ref) << what;
-        EXPECT_LT(rel_error(d_w.download(), w_ref), 1e-5) << what;
-        kernels::launch_moe_permute({nullptr, ids.data(), nullptr, index_ref.data(),
-                                     offsets_ref.data(), tokens, sh.hidden, groups, routes},
-                                    pool());
-        EXPECT_EQ(d_index.download(), index_ref) << what;
-        EXPECT_EQ(d_offsets.download(), offsets_ref) << what;
-        EXPECT_EQ(d_counter.download(), std::vector<int32_t>{0}) << what;
-
-        cudaStream_t s;
-        GPU_TEST_CUDA(cudaStreamCreate(&s));
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        d_index.poison();
-        GPU_TEST_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        kernels::launch_moe_route(p, s);
-        kernels::launch_moe_route(p, s);
-        GPU_TEST_CUDA(cudaStreamEndCapture(s, &graph));
-        GPU_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-        for (int i = 0; i < 2; ++i) GPU_TEST_CUDA(cudaGraphLaunch(exec, s));
-        GPU_TEST_CUDA(cudaStreamSynchronize(s));
-        EXPECT_EQ(d_index.download(), index_ref) << what << " (graph)";
-        EXPECT_EQ(d_counter.download(), std::vector<int32_t>{0}) << what << " (graph)";
-        GPU_TEST_CUDA(cudaGraphExecDestroy(exec));
-        GPU_TEST_CUDA(cudaGraphDestroy(graph));
-        GPU_TEST_CUDA(cudaStreamDestroy(s));
-      }
-    }
-  }
-}
-
-// The permute's row copy on an index the route built (index_ready): the CPU's rows.
-TEST(GpuMoeFused, PermuteCopiesRowsOnAGivenIndex) {
-  std::mt19937 rng(32);
-  const int tokens = 5, experts = 64, k = 8, hidden = 256, rows = tokens * k;
-  std::vector<int32_t> ids(rows);
-  for (int t = 0; t < tokens; ++t) {
-    for (int j = 0; j < k; ++j) ids[t * k + j] = (t * 7 + j * 5) % experts;
-  }
-  auto x = random_bf16(static_cast<size_t>(tokens) * hidden, rng);
-  std::vector<float> px_ref(static_cast<size_t>(rows) * hidden);
-  std::vector<int32_t> index(rows), offsets(experts + 1);
-  kernels::launch_moe_permute({x.f32.data(), ids.data(), px_ref.data(), index.data(),
-                               offsets.data(), tokens, hidden, experts, k},
-                              pool());
-  DeviceBuffer<bf16> d_x(x.bits), d_px(px_ref.size());
-  DeviceBuffer<int32_t> d_ids(ids), d_index(index), d_offsets(offsets);
-  kernels::MoePermuteParams<bf16> p{d_x.get(), d_ids.get(), d_px.get(), d_index.get(),
-                                    d_offsets.get(), tokens, hidden, experts, k};
-  p.index_ready = true;
-  kernels::launch_moe_permute(p, nullptr);
-  EXPECT_EQ(rel_error(to_f32(d_px.download()), px_ref), 0.0);
-  EXPECT_EQ(d_index.download(), index);
-  EXPECT_EQ(d_offsets.download(), offsets);
-}
 
 void check_combine_norm(int tokens, int hidden, bool with_extra, std::mt19937& rng) {
   const int k = 9, rows = tokens * k;

@@ -256,27 +256,15 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
                         R <= kernels::kMaxGatheredRows &&
                         kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
                             kernels::GroupedGemmKind::Streaming;
-  // A decode step's router GEMV, top-k and permute index in one kernel, where the routes stay on
-  // the rank (no dispatch, no localising); the permute then copies the rows only if need be.
-  const bool fused_route =
-      !dispatch && shard.ep_size == 1 && T > 0 && T <= kernels::kMoeRouteMaxTokens;
   const bool copy_rows = !fp8_experts && !streamed;
   const int router_rows = experts + (shared_parts > 0 ? 1 : 0);
-  if (fused_route) {
-    mark("moe_route");
-    kernels::launch_moe_route({normed, w.router, router_logits, topk_ids, topk_weights,
-                               permuted_index, expert_offsets, route_counter, T, hidden, experts,
-                               top_k, cfg.norm_topk_prob, shared_parts},
-                              stream);
-  } else {
-    mark("router_gemm");
-    kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, router_rows, hidden},
-                           stream);
-    mark("router_topk");
-    kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k,
-                                     cfg.norm_topk_prob, shared_parts},
-                                    stream);
-  }
+  mark("router_gemm");
+  kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, router_rows, hidden},
+                         stream);
+  mark("router_topk");
+  kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k,
+                                   cfg.norm_topk_prob, shared_parts},
+                                  stream);
   const bf16* x = normed;
   const int32_t* ids = topk_ids;
   const float* weights_in = topk_weights;
@@ -310,15 +298,12 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
     kernels::launch_fp8_act_quant(qp, stream);
   }
   gate_up_p.x = x;
-  if (!fused_route || copy_rows) {
-    mark("moe_permute");
-    kernels::launch_moe_permute({x, ids, copy_rows ? permuted_x : nullptr, permuted_index,
-                                 expert_offsets, tokens, hidden, route_experts() + shared_parts, K,
-                                 live_tokens, computed_rows, fused_route},
-                                stream);
-  }
+  mark("moe_permute");
+  kernels::launch_moe_permute({x, ids, copy_rows ? permuted_x : nullptr, permuted_index,
+                               expert_offsets, tokens, hidden, route_experts() + shared_parts, K,
+                               live_tokens, computed_rows},
+                              stream);
   if (fp8_experts) {
-    if (fused_route) mark("moe_permute_rows");
     kernels::launch_fp8_permute_rows({token_q, token_scale, permuted_index, act_q, act_scale,
                                       tokens, hidden, K, live_tokens, computed_rows},
                                      stream);
@@ -334,7 +319,7 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
             2 * w.width, hidden, fp8_experts);
     swiglu(w, R, computed_rows);
   }
-  // The offsets came from the permute (or the route) before gate_up: settled for the down.
+  // The offsets came from the permute before gate_up: settled for the down.
   grouped("experts_down", act, w.down, w.down8, expert_out, R, groups, hidden, w.act_width,
           w.down8.present(), true);
   // The norm after the layer rides on the combine where the combine's output is final here.

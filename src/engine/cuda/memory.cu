@@ -30,7 +30,7 @@ void RankEngine::allocate_activations() {
   add(T * q_heads * head_dim, 2), add(T * q_heads * head_dim, 2);
   add(T * (experts + 1), 2), add(rows * hidden, 2), add(rows * 2 * W, 2), add(rows * W, 2),
       add(rows * hidden, 2);
-  add(routes, 4), add(rows, 4), add(local_experts + 2, 4), add(1, 4), add(routes, 4);
+  add(routes, 4), add(rows, 4), add(local_experts + 2, 4), add(routes, 4);
   // The hybrids' layers (rank_engine.h): gated attention's gate, Gated DeltaNet's buffers, the
   // shared expert's output and gate logits.
   const bool gated = std::any_of(layers.begin(), layers.end(), [](const LayerWeights& w) {
@@ -84,8 +84,6 @@ void RankEngine::allocate_activations() {
   topk_ids = acts.take<int32_t>(routes);
   permuted_index = acts.take<int32_t>(rows);
   expert_offsets = acts.take<int32_t>(local_experts + 2);
-  route_counter = acts.take<int32_t>(1);
-  RELAY_CUDA_CHECK(cudaMemset(route_counter, 0, sizeof(int32_t)));
   topk_weights = acts.take<float>(routes);
   if (gated) attn_gate_out = acts.take<bf16>(T * q_heads * head_dim);
   if (gdn_in_width > 0) {

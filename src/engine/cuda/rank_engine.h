@@ -316,7 +316,6 @@ struct RankEngine {
   int32_t *mtp_drafts_dev = nullptr, *mtp_drafts_host = nullptr;
   std::map<std::tuple<int, int, int>, cudaGraphExec_t> mtp_graphs;
   int32_t *topk_ids, *permuted_index, *expert_offsets;
-  int32_t* route_counter;  // kernels::MoeRouteParams::counter, zero between launches
   float *topk_weights, *logits;
   bf16* recv_sum = nullptr;  // DP + EP: each received row's weighted expert sum [moe_tokens, H]
   // FP8 GEMM inputs: e4m3 codes and per (row, 128-group) scales of the activation being multiplied.

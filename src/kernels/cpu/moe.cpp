@@ -55,19 +55,6 @@ void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& poo
   });
 }
 
-// The three ops it fuses on the GPU, in turn.
-void launch_moe_route(const MoeRouteParams<float>& p, ThreadPool& pool) {
-  const int columns = p.num_experts + (p.shared_expert_parts > 0 ? 1 : 0);
-  const int routes = p.top_k + p.shared_expert_parts;
-  launch_matmul({p.x, p.router, nullptr, p.logits, p.num_tokens, columns, p.hidden}, pool);
-  launch_moe_router_topk({p.logits, p.topk_ids, p.topk_weights, p.num_tokens, p.num_experts,
-                          p.top_k, p.renormalize, p.shared_expert_parts},
-                         pool);
-  launch_moe_permute({nullptr, p.topk_ids, nullptr, p.permuted_index, p.expert_offsets,
-                      p.num_tokens, p.hidden, p.num_experts + p.shared_expert_parts, routes},
-                     pool);
-}
-
 void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool) {
   const int64_t capacity_rows = static_cast<int64_t>(p.num_tokens) * p.top_k;
   RELAY_CHECK(live_rows_valid(p.live_tokens, p.num_tokens), "moe_permute: live_tokens.region_rows ",
@@ -83,15 +70,13 @@ void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool) {
   auto routed_row = [&](int64_t v) {
     return live.row(static_cast<int>(v / p.top_k)) * p.top_k + v % p.top_k;
   };
-  if (!p.index_ready) {
-    std::fill(p.expert_offsets, p.expert_offsets + p.num_experts + 1, 0);
-    for (int64_t v = 0; v < num_rows; ++v) ++p.expert_offsets[p.topk_ids[routed_row(v)] + 1];
-    for (int e = 0; e < p.num_experts; ++e) p.expert_offsets[e + 1] += p.expert_offsets[e];
-    std::vector<int32_t> next(p.expert_offsets, p.expert_offsets + p.num_experts);
-    for (int64_t v = 0; v < num_rows; ++v) {
-      const int64_t r = routed_row(v);
-      p.permuted_index[r] = next[p.topk_ids[r]]++;
-    }
+  std::fill(p.expert_offsets, p.expert_offsets + p.num_experts + 1, 0);
+  for (int64_t v = 0; v < num_rows; ++v) ++p.expert_offsets[p.topk_ids[routed_row(v)] + 1];
+  for (int e = 0; e < p.num_experts; ++e) p.expert_offsets[e + 1] += p.expert_offsets[e];
+  std::vector<int32_t> next(p.expert_offsets, p.expert_offsets + p.num_experts);
+  for (int64_t v = 0; v < num_rows; ++v) {
+    const int64_t r = routed_row(v);
+    p.permuted_index[r] = next[p.topk_ids[r]]++;
   }
   if (p.permuted_x == nullptr) return;
   pool.parallel_for(num_rows, std::max(1, 16384 / std::max(1, p.hidden)), [&](int64_t begin, int64_t end) {

@@ -2,8 +2,7 @@
 // expert, and the weighted un-permute/combine.
 //
 // Router: one warp per token, experts spread over lanes; softmax in fp32 and k rounds of a warp
-// arg-max (ties to the lower expert id, as the CPU reference and torch.topk). A decode step's
-// router GEMV, top-k and permute index run as one kernel (route_kernel, below).
+// arg-max (ties to the lower expert id, as the CPU reference and torch.topk).
 // Permute: one CTA per expert scans the top-k ids twice — counting the rows of lower experts (its
 // offset) and its own per warp segment, then ranking its own rows in (token, k) order — so the
 // result equals the CPU's stable counting sort exactly and needs no global atomics or second launch
@@ -34,13 +33,11 @@ struct Route {
 };
 
 // Softmax + top-k of one token's logits (num_experts, then the shared expert's gate logit when it
-// has parts) by the calling warp. Logits are read through L2 (ld.global.cg): the fused route
-// kernel reads ones other CTAs of its grid wrote.
+// has parts) by the calling warp.
 __device__ __forceinline__ Route route_token(const bf16* logits, int num_experts, int top_k,
                                              bool renormalize, int shared_expert_parts) {
   const int lane = threadIdx.x & 31;
-  const unsigned short* bits = reinterpret_cast<const unsigned short*>(logits);
-  auto logit = [&](int e) { return __bfloat162float(__ushort_as_bfloat16(__ldcg(bits + e))); };
+  auto logit = [&](int e) { return __bfloat162float(logits[e]); };
   float prob[kMaxExpertsPerLane];
   float max_logit = -INFINITY;
 #pragma unroll
@@ -94,7 +91,7 @@ __device__ __forceinline__ Route route_token(const bf16* logits, int num_experts
   }
   if (lane < top_k) return {chosen_id, renormalize ? chosen_prob / top_sum : chosen_prob};
   // The shared expert's parts (lanes past the routes get one too, unused).
-  return {num_experts + lane - top_k, 1.0f / (1.0f + expf(-logit(num_experts)))};
+  return {num_experts + lane - top_k, sigmoid_of(logit(num_experts))};
 }
 
 __global__ void router_topk_kernel(MoeRouterTopkParams<bf16> p) {
@@ -111,117 +108,6 @@ __global__ void router_topk_kernel(MoeRouterTopkParams<bf16> p) {
     p.topk_ids[static_cast<int64_t>(t) * routes + lane] = r.id;
     p.topk_weights[static_cast<int64_t>(t) * routes + lane] = r.weight;
   }
-}
-
-// The fused route (MoeRouteParams): a warp per router row computes its logits for every token
-// (the row's first weight loads issued before waiting on x's producer), then the grid's last CTA
-// to finish — found by counting CTAs on p.counter, after each made its logits visible — routes
-// every token (a warp each) and sorts the routes by expert in shared memory: counts, a one-warp
-// scan for the offsets, and each route's rank among the earlier routes of its expert (a few
-// hundred routes at most, so the quadratic rank costs less than a second pass's barriers).
-constexpr int kRouteThreads = 128;
-constexpr int kRouteVecsPerLane = 8;  // 16-byte weight loads in flight per lane
-constexpr int kMaxRouteGroups = 32 * kMaxExpertsPerLane + kMaxRoutesPerToken;
-
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(MoeRouteParams<bf16> p) {
-  __shared__ int32_t ids[kMoeRouteMaxTokens * kMaxRoutesPerToken];
-  __shared__ int32_t offsets[kMaxRouteGroups + 1];
-  __shared__ bool last;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int columns = p.num_experts + (p.shared_expert_parts > 0 ? 1 : 0);
-  const int row = blockIdx.x * (kRouteThreads / 32) + warp;
-  const int vecs = p.hidden / 8;
-  const Bf16x8* w = reinterpret_cast<const Bf16x8*>(p.router) +
-                    static_cast<int64_t>(min(row, columns - 1)) * vecs;
-  Bf16x8 raw[kRouteVecsPerLane];
-  auto load = [&](int v0) {
-#pragma unroll
-    for (int i = 0; i < kRouteVecsPerLane; ++i) {
-      load_streaming_16(reinterpret_cast<uint32_t(&)[4]>(raw[i]),
-                        w + min(v0 + i * 32 + lane, vecs - 1));
-    }
-  };
-  load(0);
-  wait_on_prior_grid();  // x comes from the kernel before; the weights did not
-  release_dependent_grid();
-  float acc[kMoeRouteMaxTokens] = {};
-  const uint4* x = reinterpret_cast<const uint4*>(p.x);
-  for (int v0 = 0; v0 < vecs; v0 += 32 * kRouteVecsPerLane) {
-    if (v0 > 0) load(v0);
-#pragma unroll
-    for (int i = 0; i < kRouteVecsPerLane; ++i) {
-      const int v = v0 + i * 32 + lane;
-      if (v >= vecs) break;
-      float wf[8];
-      bf16x8_to_f32(raw[i], wf);
-#pragma unroll
-      for (int t = 0; t < kMoeRouteMaxTokens; ++t) {
-        if (t < p.num_tokens) {
-          const uint4 q = __ldg(x + static_cast<int64_t>(t) * vecs + v);  // re-read by every warp
-          float xf[8];
-          bf16x8_to_f32(reinterpret_cast<const Bf16x8&>(q), xf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t] += xf[e] * wf[e];
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < kMoeRouteMaxTokens; ++t) {
-    if (t < p.num_tokens) {
-      const float sum = warp_sum(acc[t]);
-      if (lane == 0 && row < columns) {
-        p.logits[static_cast<int64_t>(t) * columns + row] = __float2bfloat16(sum);
-      }
-    }
-  }
-  __threadfence();  // this CTA's logits, visible before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(p.counter, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int routes = p.top_k + p.shared_expert_parts;
-  for (int t = warp; t < p.num_tokens; t += kRouteThreads / 32) {
-    const Route r = route_token(p.logits + static_cast<int64_t>(t) * columns, p.num_experts,
-                                p.top_k, p.renormalize, p.shared_expert_parts);
-    if (lane < routes) {
-      ids[t * routes + lane] = r.id;
-      p.topk_ids[t * routes + lane] = r.id;
-      p.topk_weights[t * routes + lane] = r.weight;
-    }
-  }
-  const int groups = p.num_experts + p.shared_expert_parts, rows = p.num_tokens * routes;
-  for (int e = threadIdx.x; e <= groups; e += kRouteThreads) offsets[e] = 0;
-  __syncthreads();
-  for (int r = threadIdx.x; r < rows; r += kRouteThreads) atomicAdd(&offsets[ids[r] + 1], 1);
-  __syncthreads();
-  if (warp == 0) {  // inclusive scan: offsets[e] = the routes of groups below e
-    const int per_lane = (groups + 32) / 32;
-    const int begin = min(lane * per_lane, groups + 1), end = min(begin + per_lane, groups + 1);
-    int sum = 0;
-    for (int e = begin; e < end; ++e) sum += offsets[e];
-    int inclusive = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
-      if (lane >= o) inclusive += v;
-    }
-    int running = inclusive - sum;
-    for (int e = begin; e < end; ++e) {
-      running += offsets[e];
-      offsets[e] = running;
-    }
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e <= groups; e += kRouteThreads) p.expert_offsets[e] = offsets[e];
-  for (int r = threadIdx.x; r < rows; r += kRouteThreads) {
-    const int id = ids[r];
-    int rank = 0;
-    for (int s = 0; s < r; ++s) rank += ids[s] == id;
-    p.permuted_index[r] = offsets[id] + rank;
-  }
-  if (threadIdx.x == 0) *p.counter = 0;  // for the next launch (ordered after this grid)
 }
 
 // NOTE: each warp owns one contiguous segment of the (token, k) rows and each lane 4 consecutive
@@ -529,22 +415,6 @@ void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s) 
   launch_dependent("router_topk_kernel", router_topk_kernel, dim3(ceil_div(p.num_tokens, 4)), dim3(128), 0, s, p);
 }
 
-void launch_moe_route(const MoeRouteParams<bf16>& p, cudaStream_t s) {
-  const int routes = p.top_k + p.shared_expert_parts;
-  RELAY_CHECK(p.num_tokens <= kMoeRouteMaxTokens && p.hidden % 8 == 0 && p.hidden > 0 &&
-                  p.num_experts <= 32 * kMaxExpertsPerLane && p.top_k >= 1 &&
-                  p.top_k <= p.num_experts && p.shared_expert_parts >= 0 &&
-                  routes <= kMaxRoutesPerToken && p.counter != nullptr,
-              "moe_route: ", p.num_tokens, " tokens (at most ", kMoeRouteMaxTokens, "), hidden ",
-              p.hidden, " (a multiple of 8), ", p.num_experts, " experts (at most ",
-              32 * kMaxExpertsPerLane, "), top_k ", p.top_k, " and ", p.shared_expert_parts,
-              " shared expert parts (at most ", kMaxRoutesPerToken, " routes), and a counter");
-  if (p.num_tokens == 0) return;
-  const int columns = p.num_experts + (p.shared_expert_parts > 0 ? 1 : 0);
-  launch_dependent("route_kernel", route_kernel, dim3(ceil_div(columns, kRouteThreads / 32)),
-                   dim3(kRouteThreads), 0, s, p);
-}
-
 // CTAs for `units` units of work, `per_cta` per CTA: all of them unbounded (one pass), capped with
 // a bound (the kernels stride over the live units).
 int live_grid(int64_t units, int per_cta, bool bounded) {
@@ -563,10 +433,8 @@ void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s) {
               "moe_permute: copied_rows.region_rows ", p.copied_rows.region_rows,
               " must be positive with at most ", kMaxLiveRegions, " regions over ",
               int64_t{p.num_tokens} * p.top_k, " rows");
-  if (!p.index_ready) {
-    launch_dependent("permute_index_kernel", permute_index_kernel, dim3(p.num_experts),
-                     dim3(kPermuteThreads), 0, s, p);
-  }
+  launch_dependent("permute_index_kernel", permute_index_kernel, dim3(p.num_experts),
+                   dim3(kPermuteThreads), 0, s, p);
   if (p.num_tokens == 0 || p.permuted_x == nullptr) return;
   const int blocks = live_grid(p.num_tokens, kPermuteRowWarps, p.live_tokens.counts != nullptr);
   launch_dependent("permute_rows_kernel", permute_rows_kernel, dim3(blocks), dim3(kPermuteRowWarps * 32), 0, s, p);

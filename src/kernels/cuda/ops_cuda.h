@@ -75,10 +75,6 @@ void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s);
 // A warp per token, a lane per route: top_k plus the shared expert's parts.
 constexpr int kMaxRoutesPerToken = 32;
 void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s);
-// The fused router of a step of at most kMoeRouteMaxTokens tokens (decode): one launch instead
-// of the router GEMM, the top-k and the permute's index.
-constexpr int kMoeRouteMaxTokens = 16;
-void launch_moe_route(const MoeRouteParams<bf16>& p, cudaStream_t s);
 void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s);
 // Grouped GEMM over experts: a tensor-core tile kernel when experts hold many rows (prefill), a
 // weight-streaming kernel when they hold a few (decode). Both read expert_offsets on the device.

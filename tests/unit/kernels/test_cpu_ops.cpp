@@ -346,34 +346,6 @@ TEST_F(CpuOps, RouterTopkSharedExpertRoutes) {
   }
 }
 
-// The fused route's reference: the router matmul, then top-k (the shared expert's route after),
-// then the permute over the experts and the shared expert's part.
-TEST_F(CpuOps, MoeRouteIsRouterTopkThenPermute) {
-  const int tokens = 4, hidden = 16, experts = 6, k = 2, parts = 1, routes = k + parts;
-  auto x = random_vec(tokens * hidden, rng), router = random_vec((experts + 1) * hidden, rng);
-  std::vector<float> logits(tokens * (experts + 1)), w(tokens * routes);
-  std::vector<int32_t> ids(tokens * routes), index(tokens * routes), offsets(experts + parts + 1);
-  launch_moe_route({x.data(), router.data(), logits.data(), ids.data(), w.data(), index.data(),
-                    offsets.data(), nullptr, tokens, hidden, experts, k, true, parts},
-                   pool);
-  std::vector<float> logits_ref(logits.size()), w_ref(w.size());
-  std::vector<int32_t> ids_ref(ids.size()), index_ref(index.size()), offsets_ref(offsets.size());
-  launch_matmul({x.data(), router.data(), nullptr, logits_ref.data(), tokens, experts + 1, hidden},
-                pool);
-  launch_moe_router_topk({logits_ref.data(), ids_ref.data(), w_ref.data(), tokens, experts, k,
-                          true, parts},
-                         pool);
-  launch_moe_permute({nullptr, ids_ref.data(), nullptr, index_ref.data(), offsets_ref.data(),
-                      tokens, hidden, experts + parts, routes},
-                     pool);
-  EXPECT_EQ(logits, logits_ref);
-  EXPECT_EQ(ids, ids_ref);
-  EXPECT_EQ(w, w_ref);
-  EXPECT_EQ(index, index_ref);
-  EXPECT_EQ(offsets, offsets_ref);
-  EXPECT_EQ(offsets.back(), tokens * routes);  // every token reaches the shared expert's part
-}
-
 // The combine with the gated extra term and the next norm fused: the combine, the sigmoid gate's
 // accumulate, then RMSNorm with the residual.
 TEST_F(CpuOps, MoeCombineWithNormIsCombineThenNorm) {
