@@ -38,11 +38,12 @@ __device__ __forceinline__ float conv_step(const float (&taps)[N + 1], float (&w
   return silu(acc);
 }
 
-// Channel c's kernel_size taps (zeros after them).
+// Channel c's kernel_size taps (zeros after them), kernel_size <= M.
+template <int M>
 __device__ __forceinline__ void load_conv_taps(const bf16* weight, int c, int kernel_size,
-                                               float (&taps)[kMaxConvWidth + 1]) {
+                                               float (&taps)[M]) {
 #pragma unroll
-  for (int j = 0; j <= kMaxConvWidth; ++j) {
+  for (int j = 0; j < M; ++j) {
     taps[j] = j < kernel_size ? __bfloat162float(weight[static_cast<int64_t>(c) * kernel_size + j]) : 0.0f;
   }
 }
