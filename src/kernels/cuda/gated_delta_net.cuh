@@ -38,12 +38,11 @@ __device__ __forceinline__ float conv_step(const float (&taps)[N + 1], float (&w
   return silu(acc);
 }
 
-// Channel c's kernel_size taps (zeros after them), kernel_size <= M.
-template <int M>
+// Channel c's kernel_size taps (zeros after them).
 __device__ __forceinline__ void load_conv_taps(const bf16* weight, int c, int kernel_size,
-                                               float (&taps)[M]) {
+                                               float (&taps)[kMaxConvWidth + 1]) {
 #pragma unroll
-  for (int j = 0; j < M; ++j) {
+  for (int j = 0; j <= kMaxConvWidth; ++j) {
     taps[j] = j < kernel_size ? __bfloat162float(weight[static_cast<int64_t>(c) * kernel_size + j]) : 0.0f;
   }
 }

@@ -46,49 +46,33 @@ namespace {
 
 // The conv's batch tokens per thread (conv_tile_tokens): 16 where sequences are long (prefill), 1
 // where they are a few tokens each (decode, draft verification), so each thread there starts from
-// one sequence's state as a thread per (sequence, channel) would.
+// one sequence's state as a thread per (sequence, channel) would. Inputs load kConvBatch at a time,
+// all in flight before the outputs that need them.
 constexpr int kConvLongTile = 16;
+constexpr int kConvBatch = 8;
 int conv_tile_tokens(const CausalConv1dParams<bf16>& p) {
   return p.num_tokens > 8 * p.num_seqs ? kConvLongTile : 1;
 }
 
-// kV channels of token t's input (kV 8: one 16-byte load) as floats.
-template <int kV>
-__device__ __forceinline__ void load_conv_inputs(const CausalConv1dParams<bf16>& p, int t, int c,
-                                                 float (&x)[kV]) {
-  const bf16* row = p.x + static_cast<int64_t>(t) * p.x_stride + c;
-  if constexpr (kV == 8) {
-    bf16x8_to_f32(*reinterpret_cast<const Bf16x8*>(row), x);
-  } else {
-#pragma unroll
-    for (int v = 0; v < kV; ++v) x[v] = __bfloat162float(row[v]);
-  }
-}
-
-// A thread per (kV channels, tile of `tile` batch tokens), so a long prompt spreads over many CTAs
+// A thread per (channel, tile of `tile` batch tokens), so a long prompt spreads over many CTAs
 // instead of one thread walking its thousands of tokens (13.6 ms for a 4096-token prompt of
-// Qwen3.5-35B-A3B's 8 first layers). kV 8 (16-byte loads and stores) where the kernel is the
-// released models' 4 taps and the rows allow, at 0.94 TB/s a thread per channel; kN bounds the
-// window (kernel_size - 1). A tile takes each sequence it overlaps in turn, its window starting
-// from the inputs before its first token. Who touches a sequence's slot: the tile holding the
-// sequence's first token, alone. It reads the carried state, takes the tokens whose window reaches
-// into it (the first `width`, even past the tile's end; later tiles start after them), and writes
-// the state the sequence ends with (its last `width` inputs, from x and, for a sequence shorter
-// than that, the old state), so no other CTA reads a slot while it changes. Snapshots go to other
-// slots, by whichever tile takes their token.
-template <int kV, int kN>
+// Qwen3.5-35B-A3B's 8 first layers). A tile takes each sequence it overlaps in turn, its window
+// starting from the inputs before its first token. Who touches a sequence's slot: the tile holding
+// the sequence's first token, alone. It reads the carried state, takes the tokens whose window
+// reaches into it (the first `width`, even past the tile's end; later tiles start after them),
+// and writes the state the sequence ends with (its last `width` inputs, from x and, for a sequence
+// shorter than that, the old state), so no other CTA reads a slot while it changes. Snapshots go
+// to other slots, by whichever tile takes their token.
 __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p, int tile) {
   wait_on_prior_grid();  // launched dependent (common.cuh)
   release_dependent_grid();
-  const int c = (blockIdx.y * blockDim.x + threadIdx.x) * kV;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= p.conv_dim) return;
-  // The vector form runs only at kernel_size kN + 1: a constant width keeps taps[width] (in
-  // conv_step) in registers.
-  const int width = kV == 1 ? p.kernel_size - 1 : kN;
+  const int width = p.kernel_size - 1;
   const int t0 = blockIdx.x * tile, t1 = min(t0 + tile, p.num_tokens);
-  float taps[kV][kN + 1];
-#pragma unroll
-  for (int v = 0; v < kV; ++v) load_conv_taps(p.weight, c + v, p.kernel_size, taps[v]);
+  float taps[kMaxConvWidth + 1];
+  load_conv_taps(p.weight, c, p.kernel_size, taps);
+  auto input = [&](int t) { return __bfloat162float(p.x[static_cast<int64_t>(t) * p.x_stride + c]); };
   // The first sequence that ends past t0 or starts at it or later (a token-less sequence belongs
   // to the tile holding its start, the last tile's end included).
   int lo = 0, hi = p.num_seqs;
@@ -100,66 +84,37 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p, int tile) {
   for (int s = lo; s < p.num_seqs; ++s) {
     const int start = p.query_starts[s], end = p.query_starts[s + 1];
     if (start >= t1 && !(start == t1 && t1 == p.num_tokens && start == end)) break;
-    float w[kV][kN];  // each channel's inputs before token t, oldest first
+    float w[kMaxConvWidth];  // the inputs before token t, oldest first
     int t = start;
     const bool owns_state = start >= t0;
-    float* state = nullptr;  // channel c's; channel c + v's at state + v * width
+    float* state = nullptr;
     if (owns_state) {
       const bool keeps = p.state_slots[s] >= 0;  // -1: padding, no state
-      state = keeps ? p.conv_states + p.state_slots[s] * p.state_stride + static_cast<int64_t>(c) * width
-                    : nullptr;
-      const bool carried = keeps && !p.state_fresh[s];
+      state = keeps ? p.conv_states + p.state_slots[s] * p.state_stride + static_cast<int64_t>(c) * width : nullptr;
 #pragma unroll
-      for (int v = 0; v < kV; ++v) {
-#pragma unroll
-        for (int j = 0; j < kN; ++j) w[v][j] = j < width && carried ? state[v * width + j] : 0.0f;
-      }
+      for (int j = 0; j < kMaxConvWidth; ++j) w[j] = j < width && keeps && !p.state_fresh[s] ? state[j] : 0.0f;
     } else {
       t = max(t0, start + width);  // the first tile took the tokens before
 #pragma unroll
-      for (int j = 0; j < kN; ++j) {
-        float x[kV];
-        if (j < width) load_conv_inputs<kV>(p, t - width + j, c, x);
-#pragma unroll
-        for (int v = 0; v < kV; ++v) w[v][j] = j < width ? x[v] : 0.0f;
-      }
+      for (int j = 0; j < kMaxConvWidth; ++j) w[j] = j < width ? input(t - width + j) : 0.0f;
     }
-    float old[kV][kN];  // the carried state, for the state a short sequence ends with
+    float old[kMaxConvWidth];  // the carried state, for the state a short sequence ends with
 #pragma unroll
-    for (int v = 0; v < kV; ++v) {
-#pragma unroll
-      for (int j = 0; j < kN; ++j) old[v][j] = w[v][j];
-    }
+    for (int j = 0; j < kMaxConvWidth; ++j) old[j] = w[j];
     const int stop = min(end, owns_state ? max(t1, start + width) : t1);
-    // Inputs load kBatch tokens at a time, all in flight before the outputs that need them.
-    constexpr int kBatch = kV == 1 ? 8 : 2;
-    for (; t < stop; t += kBatch) {
-      float xs[kBatch][kV];
+    for (; t < stop; t += kConvBatch) {
+      float xs[kConvBatch];
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (t + i < stop) load_conv_inputs<kV>(p, t + i, c, xs[i]);
-      }
+      for (int i = 0; i < kConvBatch; ++i) xs[i] = t + i < stop ? input(t + i) : 0.0f;
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (t + i >= stop) continue;  // not break: the loop must unroll for xs to stay in registers
-        float y[kV];
-#pragma unroll
-        for (int v = 0; v < kV; ++v) y[v] = conv_step(taps[v], w[v], width, xs[i][v]);
-        bf16* out = p.out + static_cast<int64_t>(t + i) * p.conv_dim + c;
-        if constexpr (kV == 8) {
-          *reinterpret_cast<Bf16x8*>(out) = f32_to_bf16x8(y);
-        } else {
-#pragma unroll
-          for (int v = 0; v < kV; ++v) out[v] = __float2bfloat16(y[v]);
-        }
+      for (int i = 0; i < kConvBatch; ++i) {
+        if (t + i >= stop) break;
+        p.out[static_cast<int64_t>(t + i) * p.conv_dim + c] = __float2bfloat16(conv_step(taps, w, width, xs[i]));
         if (p.snapshot_slots != nullptr && p.snapshot_slots[t + i] >= 0) {
           float* snap = p.conv_states + p.snapshot_slots[t + i] * p.state_stride + static_cast<int64_t>(c) * width;
 #pragma unroll
-          for (int v = 0; v < kV; ++v) {
-#pragma unroll
-            for (int j = 0; j < kN; ++j) {
-              if (j < width) snap[v * width + j] = w[v][j];
-            }
+          for (int j = 0; j < kMaxConvWidth; ++j) {
+            if (j < width) snap[j] = w[j];
           }
         }
       }
@@ -168,23 +123,18 @@ __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p, int tile) {
     // Input end - width + j, which for a sequence of len < width - j tokens is old[j + len].
     const int len = end - start;
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
+    for (int j = 0; j < kMaxConvWidth; ++j) {
       if (j >= width) continue;
-      float x[kV];
-      if (j + len >= width) load_conv_inputs<kV>(p, end - width + j, c, x);
+      float v = 0.0f;
+      if (j + len >= width) {
+        v = input(end - width + j);
+      } else {
 #pragma unroll
-      for (int v = 0; v < kV; ++v) {
-        float value = 0.0f;
-        if (j + len >= width) {
-          value = x[v];
-        } else {
-#pragma unroll
-          for (int i = 0; i < kN; ++i) {
-            if (i == j + len) value = old[v][i];
-          }
+        for (int i = 0; i < kMaxConvWidth; ++i) {
+          if (i == j + len) v = old[i];
         }
-        state[v * width + j] = value;
       }
+      state[j] = v;
     }
   }
 }
@@ -863,20 +813,10 @@ void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
   if (p.num_seqs == 0 || p.num_tokens == 0) return;
   constexpr int kThreads = 128;
   const int tile = conv_tile_tokens(p);
-  // Eight channels a thread: the released models' 4 taps, 16-byte rows of x and out.
-  const bool vector = p.kernel_size == 4 && p.conv_dim % 8 == 0 && p.x_stride % 8 == 0 &&
-                      reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
-  const int per_thread = vector ? 8 : 1;
   // Tiles on x: a batch may hold more than gridDim.y's 65535.
-  const dim3 grid(ceil_div(p.num_tokens, tile), ceil_div(p.conv_dim, kThreads * per_thread));
-  if (vector) {
-    launch_dependent("causal_conv1d_kernel", causal_conv1d_kernel<8, 3>, grid, dim3(kThreads), 0,
-                     s, p, tile);
-  } else {
-    launch_dependent("causal_conv1d_kernel", causal_conv1d_kernel<1, kMaxConvWidth>, grid,
-                     dim3(kThreads), 0, s, p, tile);
-  }
+  const dim3 grid(ceil_div(p.num_tokens, tile), ceil_div(p.conv_dim, kThreads));
+  launch_dependent("causal_conv1d_kernel", causal_conv1d_kernel, grid, dim3(kThreads), 0, s, p,
+                   tile);
 }
 
 bool gated_delta_rule_chunks(int key_dim, int value_dim) { return key_dim == kDim && value_dim == kDim; }
