@@ -9,6 +9,12 @@
 #   mkdir -p .gpupack/c && XZ_OPT=-9e tar -C .gpupack -cJf .gpupack/c/bin.tar.xz bin
 #
 # and on the device machine (carry [".gpupack/c"]): scripts/gpu-bench.sh [tests] MODE...
+# The tree (about 59 MiB counted in 4 KiB blocks) plus that pack (about 6 MiB) can pass the 64 MiB;
+# then pack the test binary and relay apart and carry one a call, back to back while the machine
+# is warm: `(cd .gpupack && XZ_OPT=-9e tar -cJf t/tests.tar.xz --exclude=bin/relay bin &&
+# XZ_OPT=-9e tar -cJf r/relay.tar.xz --exclude=bin/test_gpu bin)` after `mkdir -p .gpupack/t
+# .gpupack/r`, then RELAY_GPU_PACK=.gpupack/t/tests.tar.xz scripts/gpu-bench.sh tests (carry
+# [".gpupack/t"]) and RELAY_GPU_PACK=.gpupack/r/relay.tar.xz scripts/gpu-bench.sh MODE...
 # Modes: single dp2ep2 tp2ep2 dp2ep2-default dp4ep4 (sharded layouts on the 12-layer 30B-A3B
 # shape); plain48 trace48 (the 48-layer shape); spec1 spec2 spec3 spec1dp (K-draft verify steps at
 # forced acceptance 0.8); decode-curve (bf16 and FP8 decode against batch); gdn-kernels, gdn-model,
