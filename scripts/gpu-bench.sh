@@ -20,9 +20,10 @@
 # forced acceptance 0.8); decode-curve (bf16 and FP8 decode against batch); gdn-kernels, gdn-model,
 # q35, attn-quick (Qwen3.5 shapes and kernels); grouped-model (prefill on either grouped GEMM);
 # q35-mtp, b256, spec-adapt (MTP and min_draft_acceptance through the engine); compare
-# (bin/before/relay against this one); demo-engine, hybrid, hybrid-bench; tidy (drops tests.log
-# from $OUT). A bin/before directory in the pack holds an older relay for the before/after modes
-# (SIDES picks the sides; FULL=0 skips gdn-model's full-depth FP8 run).
+# (bin/before/relay against this one); demo-engine, hybrid, hybrid-bench; ncu (NCU_KERNEL=REGEX:
+# Nsight Compute sections of those kernels in the kernel bench); tidy (drops tests.log from $OUT).
+# A bin/before directory in the pack holds an older relay for the before/after modes (SIDES picks
+# the sides; FULL=0 skips gdn-model's full-depth FP8 run).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"; cd "$root"
 pack="${RELAY_GPU_PACK:-.gpupack/c/bin.tar.xz}"
@@ -143,6 +144,13 @@ for l in "$@"; do
       run q35m-mtp1 $Q --spec-forced-acceptance 0.8 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
       unset GROUP ;;
     tidy) rm -f "$OUT/tests.log" ;;
+    ncu)  # Nsight Compute on the kernel bench: the first NCU_COUNT (2) launches of the kernels whose
+      # names match NCU_KERNEL (a regex): speed of light, memory, scheduler and warp states
+      timeout 240 /usr/local/cuda/bin/ncu -k "regex:${NCU_KERNEL:?NCU_KERNEL names the kernels}" \
+        -c "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section SchedulerStats --section WarpStateStats "$bin/relay" bench --mode kernels --quick \
+        > "$OUT/ncu.txt" 2>&1
+      echo "ncu rc $?"; grep -v '^{' "$OUT/ncu.txt" | grep -v '^    INF\|^          ' | head -80 | cut -c1-160 ;;
     decode-curve)  # issue 27: decode tok/s against batch, bf16 and FP8, on the 12-layer 30B-A3B shape
       export GROUP=decode-curve
       for dt in bf16 fp8; do
