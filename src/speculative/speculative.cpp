@@ -150,9 +150,17 @@ std::vector<int32_t> propose_ngram(std::span<const int32_t> tokens, int min_n, i
     for (int64_t start = len - n - 1; start >= 0; --start) {
       if (tokens[static_cast<size_t>(start + n - 1)] != suffix.back()) continue;  // quick reject
       if (!std::equal(suffix.begin(), suffix.end(), tokens.begin() + start)) continue;
-      const int64_t from = start + n;
-      const int64_t to = std::min<int64_t>(from + k, len);
-      return {tokens.begin() + from, tokens.begin() + to};
+      // Past the end of the context the copy goes on from its own start, as an LZ77 decoder
+      // copies an overlapping match: the match says the text repeats with period len - from,
+      // so a loop shorter than k (a repeated line, a run of one token) still fills the draft.
+      // vLLM stops at the end (a period-2 loop drafts 2 of K = 3); verification keeps either
+      // lossless, and a draft past a loop's end is rejected as one inside it would be.
+      const int64_t from = start + n, period = len - from;
+      std::vector<int32_t> draft(static_cast<size_t>(std::max(k, 0)));
+      for (size_t i = 0; i < draft.size(); ++i) {
+        draft[i] = tokens[static_cast<size_t>(from + static_cast<int64_t>(i) % period)];
+      }
+      return draft;
     }
   }
   return {};

@@ -103,8 +103,9 @@ class DraftLength {
   int backoff_ = kFirstBackoff;
 };
 
-// The n-gram proposal for `tokens` (a sequence's prompt and output so far): up to `k` tokens, or
-// none when no suffix of min_n..max_n tokens occurred earlier.
+// The n-gram proposal for `tokens` (a sequence's prompt and output so far): the `k` tokens that
+// followed the latest earlier occurrence of its longest suffix of min_n..max_n tokens (repeating
+// them periodically where the context ends first), or none when no such suffix occurred earlier.
 std::vector<int32_t> propose_ngram(std::span<const int32_t> tokens, int min_n, int max_n, int k);
 
 }  // namespace relay

@@ -121,7 +121,11 @@ TEST(NgramProposer, TheLongestSuffixAtItsLatestEarlierOccurrence) {
   // ... 1 2 3 | 7 8 9 ... 1 2 3 | 4 5 ... 1 2 3: the 3-gram "1 2 3" last occurred before "4 5".
   const Tokens t = {1, 2, 3, 7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 1, 2, 3};
   EXPECT_EQ(propose_ngram(t, 1, 3, 2), (Tokens{4, 5}));
-  EXPECT_EQ(propose_ngram(t, 1, 3, 10), (Tokens{4, 5, 6, 1, 2, 3}));  // up to the end
+  // Past the end the match repeats with its period (6 here): an overlapping copy.
+  EXPECT_EQ(propose_ngram(t, 1, 3, 10), (Tokens{4, 5, 6, 1, 2, 3, 4, 5, 6, 1}));
+  // A short loop fills the draft: "a b a b" drafts "a b a", a run of one token "7 7 7".
+  EXPECT_EQ(propose_ngram(Tokens{3, 1, 2, 1, 2}, 1, 3, 3), (Tokens{1, 2, 1}));
+  EXPECT_EQ(propose_ngram(Tokens{5, 7, 7}, 1, 3, 3), (Tokens{7, 7, 7}));
   // A longer suffix wins over a more recent shorter one: "9 0" occurred once, "0" twice.
   const Tokens u = {9, 0, 5, 5, 0, 6, 9, 0};
   EXPECT_EQ(propose_ngram(u, 1, 2, 1), Tokens{5});
