@@ -239,7 +239,8 @@ void bench_grouped_gemm(Reporter& rep, const Ceilings& c, bool quick) {
                    Decode{"235b_gate_up_8x1", 3072, 4096, 8, 1}, Decode{"30b_gate_up_8x1", 1536, 2048, 8, 1},
                    Decode{"30b_down_8x1", 2048, 768, 8, 1}, Decode{"30b_gate_up_56x1", 1536, 2048, 56, 1},
                    Decode{"30b_gate_up_128x4", 1536, 2048, 128, 4}, Decode{"30b_gate_up_128x16", 1536, 2048, 128, 16},
-                   Decode{"30b_down_128x16", 2048, 768, 128, 16}}) {
+                   Decode{"30b_down_128x16", 2048, 768, 128, 16}, Decode{"q35_gate_up_8x1", 1024, 2048, 8, 1},
+                   Decode{"q35_down_8x1", 2048, 512, 8, 1}}) {
     std::vector<int32_t> offsets(experts + 1, 0);
     // The active experts spread evenly over the ids.
     for (int i = 0; i < d.active; ++i) offsets[i * (experts / d.active) + 1] = d.rows_per_expert;

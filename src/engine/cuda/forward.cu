@@ -68,8 +68,7 @@ bool RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const Ste
     // and the combine then takes the norm after the layer too; else it adds itself in after.
     const bool into_combine = apart && !dispatch && !moe_reduce;
     if (into_combine) enqueue_shared_expert(w, T, false);
-    const bool normed_next =
-        enqueue_moe(w, T, shared_parts, apart && !into_combine ? nullptr : next_norm, into_combine);
+    const bool normed_next = enqueue_moe(w, T, shared_parts, next_norm, into_combine);
     if (apart && !into_combine) enqueue_shared_expert(w, T, true);
     return normed_next;
   } else {

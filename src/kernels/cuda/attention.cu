@@ -716,18 +716,6 @@ void run_wgmma(const PagedAttentionParams<bf16>& p, cudaStream_t s) {
   RELAY_CUDA_CHECK_LAUNCH("prefill_attention_wgmma_kernel");
 }
 
-// wgmma exists on compute capability 9.0 only (Blackwell has its own tensor-core instructions).
-bool device_has_wgmma() {
-  static const bool has = [] {
-    int device = 0, major = 0, minor = 0;
-    RELAY_CUDA_CHECK(cudaGetDevice(&device));
-    RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    return major == 9 && minor == 0;
-  }();
-  return has;
-}
-
 // The decode split count: the CTAs of all splits should fill whole waves of the chip, and every
 // warp should get a few KV tiles. Only host-known shapes enter (graph-safe): the table width bounds
 // the contexts, and graphs are keyed on a power-of-two width, so a context is assumed ~3/4 of it.

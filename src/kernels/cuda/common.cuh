@@ -220,11 +220,11 @@ inline bool pdl_enabled() {
 // through) — not yet understood, so sharded ranks run without it.
 inline void disable_pdl() { pdl_state().store(0, std::memory_order_relaxed); }
 
-// A launch that may overlap the kernel before it (PDL), for cudaLaunchKernelEx(C); `attr` must
-// outlive the launch.
-inline cudaLaunchConfig_t dependent_launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                                                  cudaLaunchAttribute& attr) {
-  attr = {};
+// A launch that may overlap the kernel before it (PDL).
+template <typename... Params, typename... Args>
+void launch_dependent(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t s, Args&&... args) {
+  cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
@@ -234,14 +234,6 @@ inline cudaLaunchConfig_t dependent_launch_config(dim3 grid, dim3 block, size_t 
   config.stream = s;
   config.attrs = &attr;
   config.numAttrs = pdl_enabled() ? 1 : 0;
-  return config;
-}
-
-template <typename... Params, typename... Args>
-void launch_dependent(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                      cudaStream_t s, Args&&... args) {
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t config = dependent_launch_config(grid, block, smem, s, attr);
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   RELAY_CHECK(err == cudaSuccess, "launch of ", name, " failed: ", cudaGetErrorString(err));
 }
@@ -263,6 +255,35 @@ void allow_dynamic_smem(Kernel kernel, int bytes) {
   if (bytes <= ceiling) return;
   RELAY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   ceiling = bytes;
+}
+
+// wgmma exists on compute capability 9.0 only (Blackwell has its own tensor-core instructions).
+// Read once per process, on the first caller's device (a process drives GPUs of one kind).
+inline bool device_has_wgmma() {
+  static const bool has = [] {
+    int device = 0, major = 0, minor = 0;
+    RELAY_CUDA_CHECK(cudaGetDevice(&device));
+    RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return major == 9 && minor == 0;
+  }();
+  return has;
+}
+
+// SMs of the current device, queried once per device: the grid of a persistent kernel that holds
+// one CTA per SM, without a device query on every launch.
+inline int device_sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices] = {};
+  int device = 0;
+  RELAY_CUDA_CHECK(cudaGetDevice(&device));
+  RELAY_CHECK(device >= 0 && device < kMaxDevices, "device ", device, " past ", kMaxDevices);
+  int sms = counts[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    counts[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
 }
 
 // CTAs of `kernel` resident on the current device at once (SMs x occupancy at this block size and

@@ -319,38 +319,18 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   RELAY_CHECK(reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0,
               "moe_grouped_matmul (wgmma): x and w must be 16-byte aligned (TMA)");
   if (p.num_rows == 0) return;
-  int device = 0, major = 0;
-  RELAY_CUDA_CHECK(cudaGetDevice(&device));
-  RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  RELAY_CHECK(major == 9, "moe_grouped_matmul (wgmma): needs a Hopper GPU (compute capability 9.x)");
-  const CUtensorMap x_map = bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows);
-  const CUtensorMap w_map = bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn);
+  RELAY_CHECK(device_has_wgmma(), "moe_grouped_matmul (wgmma): needs a compute capability 9.0 GPU");
   const int smem = 1024 + kStages * kStageBytes + 2 * kStages * sizeof(uint64_t) +
                    2 * (p.num_experts + 1) * sizeof(int);
   allow_dynamic_smem(grouped_gemm_wgmma_kernel, smem);
-  // Tiles at most: every expert may add one partial m tile.
+  // Tiles at most: every expert may add one partial m tile. The stages hold one CTA per SM
+  // (__launch_bounds__(kThreads, 1)), so the persistent grid is the SM count.
   const int64_t max_tiles =
       (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * ceil_div(p.n, kBn);
-  const int grid = static_cast<int>(
-      std::min<int64_t>(max_tiles, resident_ctas(grouped_gemm_wgmma_kernel, kThreads, smem)));
-  // Launched through cudaLaunchKernelExC on these copies rather than launch_dependent, whose
-  // cudaLaunchKernelEx re-copies each argument into a by-value lambda parameter, where the 128-byte
-  // alignment CUDA 13 declares for CUtensorMap is left to the host ABI.
-  alignas(128) CUtensorMap maps[2] = {x_map, w_map};
-  MoeGroupedMatmulParams<bf16> params = p;
-  void* args[] = {&maps[0], &maps[1], &params};
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t config = dependent_launch_config(dim3(grid), dim3(kThreads), smem, s, attr);
-  const cudaError_t err =
-      cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(grouped_gemm_wgmma_kernel), args);
-  if (err != cudaSuccess) {
-    cudaFuncAttributes fa{};
-    RELAY_CUDA_CHECK(cudaFuncGetAttributes(&fa, grouped_gemm_wgmma_kernel));
-    RELAY_CHECK(false, "launch of grouped_gemm_wgmma_kernel failed: ", cudaGetErrorString(err),
-                " (grid ", grid, ", ", smem, " bytes of shared memory, kernel: ", fa.numRegs,
-                " registers, at most ", fa.maxThreadsPerBlock, " threads, ",
-                fa.maxDynamicSharedSizeBytes, " bytes of dynamic shared memory)");
-  }
+  const int grid = static_cast<int>(std::min<int64_t>(max_tiles, device_sm_count()));
+  launch_dependent("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel, dim3(grid),
+                   dim3(kThreads), smem, s, bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows),
+                   bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn), p);
 }
 
 }  // namespace relay::kernels

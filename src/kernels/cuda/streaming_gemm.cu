@@ -3,11 +3,11 @@
 // at a few rows per active expert).
 //
 // With one to eight rows the weights are all the bytes, so the kernel is a bandwidth stream: a CTA
-// owns kCols output columns (weight rows) and its 128 threads cover k together, 16-byte loads of
-// all kCols weight rows at once, kInFlight per row and thread issued before any is used. Splitting
-// k over the whole CTA rather than giving each warp its own columns keeps every CTA short (one or
-// two rounds of loads), so a launch is thousands of small CTAs that fill the chip in one wave; the
-// four warps' partial dot products meet in shared memory. x is read through the read-only cache:
+// owns kCols output columns (weight rows) and its 128 threads (64 for a short k) cover k
+// together, 16-byte loads of all kCols weight rows at once, kInFlight per row and thread issued
+// before any is used. Splitting k over the whole CTA rather than giving each warp its own columns
+// keeps every CTA short (one or two rounds of loads), so a launch is thousands of small CTAs that
+// fill the chip in one wave; the warps' partial dot products meet in shared memory. x is read through the read-only cache:
 // every CTA reads the same few rows.
 //
 // The dense kernel is launched with programmatic dependent launch (common.cuh): its first round of
@@ -35,7 +35,10 @@ using namespace cuda;
 
 namespace {
 
-constexpr int kThreads = 128;
+// Threads per CTA: 128, or 64 where k is short (k / 8 <= kNarrowMaxVecs vectors: an MoE down
+// projection), whose 128 threads would find one vector each or none, so that half of them issued
+// no load of their own while they held the registers of more CTAs.
+constexpr int kWideThreads = 128, kNarrowThreads = 64, kNarrowMaxVecs = 128;
 constexpr int kCols = 8;         // output columns per CTA
 
 struct StreamingArgs {
@@ -80,7 +83,7 @@ __device__ __forceinline__ StreamingUnit unit_of(const StreamingArgs& a, int u, 
 // The weight vectors [v0, v0 + kInFlight * kThreads) of a unit's kCols weight rows; columns past
 // the output re-read its last one and vectors past k the last vector (valid addresses, results
 // unused).
-template <int kInFlight, bool kGated>
+template <int kThreads, int kInFlight, bool kGated>
 __device__ __forceinline__ void load_unit(Bf16x8 (&raw)[kInFlight][kCols], const StreamingArgs& a,
                                           const StreamingUnit& un, int v0) {
   const int k_vecs = a.k / 8;
@@ -104,7 +107,7 @@ __device__ __forceinline__ void load_unit(Bf16x8 (&raw)[kInFlight][kCols], const
 // every SM keeps loads in flight from its first unit to its last instead of draining at each end
 // (one tile per CTA ran at a third of the copy bandwidth; a fixed share of CTAs per possible
 // expert left most of the chip idle when a batch's tokens picked the same experts).
-template <int kRows, int kInFlight, bool kGated>
+template <int kRows, int kInFlight, bool kGated, int kThreads>
 __global__ void __launch_bounds__(kThreads) streaming_gemm_kernel(StreamingArgs a) {
   constexpr int kOut = kOutCols<kGated>;
   __shared__ float partial[kThreads / 32][kRows][kCols];
@@ -157,7 +160,7 @@ __global__ void __launch_bounds__(kThreads) streaming_gemm_kernel(StreamingArgs 
     return;
   }
   StreamingUnit cur = unit_of(a, u, tiles, kOut, chunks, offsets, active_mask, active_before, grouped);
-  load_unit<kInFlight, kGated>(raw, a, cur, threadIdx.x);
+  load_unit<kThreads, kInFlight, kGated>(raw, a, cur, threadIdx.x);
   if (!wait_first) {
     wait_on_prior_grid();  // x comes from the kernel before; the weights did not
     release_dependent_grid();
@@ -170,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) streaming_gemm_kernel(StreamingArgs 
       const int rows = min(kRows, cur.end - row0);
       float acc[kRows][kCols] = {};
       for (int v0 = threadIdx.x; v0 < k_vecs; v0 += kThreads * kInFlight) {
-        if (!loaded) load_unit<kInFlight, kGated>(raw, a, cur, v0);
+        if (!loaded) load_unit<kThreads, kInFlight, kGated>(raw, a, cur, v0);
         loaded = false;
 #pragma unroll
         for (int i = 0; i < kInFlight; ++i) {
@@ -203,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) streaming_gemm_kernel(StreamingArgs 
       // The next unit's first loads go out before this one's reduction.
       if (row0 + kRows >= cur.end && u + static_cast<int>(gridDim.x) < units) {
         next = unit_of(a, u + gridDim.x, tiles, kOut, chunks, offsets, active_mask, active_before, grouped);
-        load_unit<kInFlight, kGated>(raw, a, next, threadIdx.x);
+        load_unit<kThreads, kInFlight, kGated>(raw, a, next, threadIdx.x);
         loaded = true;
       }
 #pragma unroll
@@ -242,14 +245,14 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // The grid: the CTAs resident on the device at once, or fewer when there are fewer units (at most
 // `experts` active experts x column tiles).
-template <int kRows, int kInFlight, bool kGated = false>
+template <int kRows, int kInFlight, bool kGated = false, int kThreads = kWideThreads>
 void run(const StreamingArgs& a, int experts, cudaStream_t s) {
   const int width = kGated ? a.n / 2 : a.n;
   const int64_t units = static_cast<int64_t>(experts) * ceil_div(width, kOutCols<kGated>);
-  static const int resident = resident_ctas(streaming_gemm_kernel<kRows, kInFlight, kGated>, kThreads, 0);
+  const auto kernel = streaming_gemm_kernel<kRows, kInFlight, kGated, kThreads>;
+  static const int resident = resident_ctas(kernel, kThreads, 0);
   const int grid = static_cast<int>(std::min<int64_t>(resident, units));
-  launch_dependent("streaming_gemm_kernel", streaming_gemm_kernel<kRows, kInFlight, kGated>, dim3(grid),
-                   dim3(kThreads), 0, s, a);
+  launch_dependent("streaming_gemm_kernel", kernel, dim3(grid), dim3(kThreads), 0, s, a);
 }
 
 }  // namespace
@@ -264,7 +267,7 @@ void launch_streaming_matmul(const MatmulParams<bf16>& p, cudaStream_t s) {
   const StreamingArgs a{p.x, p.w, p.bias, nullptr, p.out, p.m, 1, p.n, p.k, nullptr, 0, false};
   // Rows past the first two make the accumulators and in-flight loads compete for registers, so
   // wide k takes twice the loads in flight only at one or two rows.
-  const bool wide = p.k / 8 > kThreads * 2;
+  const bool wide = p.k / 8 > kWideThreads * 2;
   if (p.m == 1) {
     wide ? run<1, 4>(a, 1, s) : run<1, 2>(a, 1, s);
   } else if (p.m == 2) {
@@ -292,7 +295,13 @@ void launch_streaming_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, cuda
   const int experts = std::min(p.num_rows, p.num_experts);
   // Two rows per pass: Auto sends only batches of about one row per active expert here (experts
   // with more are re-streamed from L2, a pass per two rows).
-  p.swiglu ? run<2, 2, true>(a, experts, s) : run<2, 2>(a, experts, s);
+  if (p.swiglu) {
+    run<2, 2, true>(a, experts, s);
+  } else if (p.k / 8 <= kNarrowMaxVecs) {
+    run<2, 2, false, kNarrowThreads>(a, experts, s);
+  } else {
+    run<2, 2>(a, experts, s);
+  }
 }
 
 }  // namespace relay::kernels
