@@ -340,7 +340,9 @@ std::vector<int32_t> random_routing(int tokens, int experts, int k, std::mt19937
 
 TEST(GpuKernels, MoePermuteAndCombine) {
   std::mt19937 rng(10);
-  for (auto [tokens, hidden] : {std::pair{1, 64}, std::pair{5, 64}, std::pair{1000, 64}, std::pair{300, 2056}}) {
+  // Up to 32 tokens (256 rows) one CTA ranks the rows, past it a CTA per expert.
+  for (auto [tokens, hidden] : {std::pair{1, 64}, std::pair{5, 64}, std::pair{32, 64}, std::pair{33, 64},
+                                std::pair{1000, 64}, std::pair{300, 2056}}) {
     const int experts = 128, k = 8;
     auto ids = random_routing(tokens, experts, k, rng);
     auto x = random_bf16(static_cast<size_t>(tokens) * hidden, rng);

@@ -6,7 +6,7 @@
 // Permute: one CTA per expert scans the top-k ids twice — counting the rows of lower experts (its
 // offset) and its own per warp segment, then ranking its own rows in (token, k) order — so the
 // result equals the CPU's stable counting sort exactly and needs no global atomics or second launch
-// for the offsets. A second kernel copies each token's row to its top_k places. Both read only
+// for the offsets; a decode step's few rows are ranked by one CTA instead. A second kernel copies each token's row to its top_k places. Both read only
 // device data, so a decode step that routes on the GPU can be captured in a graph.
 //
 // LiveRows bounds (ops.h): every kernel builds the bound's LiveRowMap once per CTA in shared memory
@@ -204,6 +204,34 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermu
                                          p.top_k)] = place++;
     }
     rank += __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+}
+
+// The index of a decode step's few rows (at most kOneCtaPermuteRows, every row live) in one CTA:
+// the multi-CTA kernel above launches a 1024-thread CTA per expert (257 for Qwen3.5) to rank a
+// batch-1 step's 9 rows. Each expert's offset counts the rows of lower experts and each row's
+// place adds the earlier rows of its own expert: the same stable counting sort, in O(rows^2 +
+// experts x rows) compares spread over the CTA.
+constexpr int kOneCtaPermuteRows = 256;
+
+__global__ void __launch_bounds__(kPermuteThreads) permute_index_one_cta_kernel(MoePermuteParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
+  __shared__ int32_t ids[kOneCtaPermuteRows];
+  const int rows = p.num_tokens * p.top_k;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) ids[r] = p.topk_ids[r];
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
+    int below = 0;
+    for (int r = 0; r < rows; ++r) below += ids[r] < e;
+    p.expert_offsets[e] = below;
+  }
+  if (threadIdx.x == 0) p.expert_offsets[p.num_experts] = rows;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const int id = ids[r];
+    int place = 0;
+    for (int q = 0; q < rows; ++q) place += ids[q] < id || (q < r && ids[q] == id);
+    p.permuted_index[r] = place;
   }
 }
 
@@ -433,8 +461,13 @@ void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s) {
               "moe_permute: copied_rows.region_rows ", p.copied_rows.region_rows,
               " must be positive with at most ", kMaxLiveRegions, " regions over ",
               int64_t{p.num_tokens} * p.top_k, " rows");
-  launch_dependent("permute_index_kernel", permute_index_kernel, dim3(p.num_experts),
-                   dim3(kPermuteThreads), 0, s, p);
+  if (p.live_tokens.counts == nullptr && int64_t{p.num_tokens} * p.top_k <= kOneCtaPermuteRows) {
+    launch_dependent("permute_index_one_cta_kernel", permute_index_one_cta_kernel, dim3(1),
+                     dim3(kPermuteThreads), 0, s, p);
+  } else {
+    launch_dependent("permute_index_kernel", permute_index_kernel, dim3(p.num_experts),
+                     dim3(kPermuteThreads), 0, s, p);
+  }
   if (p.num_tokens == 0 || p.permuted_x == nullptr) return;
   const int blocks = live_grid(p.num_tokens, kPermuteRowWarps, p.live_tokens.counts != nullptr);
   launch_dependent("permute_rows_kernel", permute_rows_kernel, dim3(blocks), dim3(kPermuteRowWarps * 32), 0, s, p);
