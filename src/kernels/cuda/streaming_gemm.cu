@@ -295,12 +295,13 @@ void launch_streaming_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, cuda
   const int experts = std::min(p.num_rows, p.num_experts);
   // Two rows per pass: Auto sends only batches of about one row per active expert here (experts
   // with more are re-streamed from L2, a pass per two rows).
+  // The gated form takes the CTA size the plain one takes at this k: the same sums in the same
+  // order, so the fused SwiGLU stays bit-identical to the GEMM + swiglu.
+  const bool narrow = p.k / 8 <= kNarrowMaxVecs;
   if (p.swiglu) {
-    run<2, 2, true>(a, experts, s);
-  } else if (p.k / 8 <= kNarrowMaxVecs) {
-    run<2, 2, false, kNarrowThreads>(a, experts, s);
+    narrow ? run<2, 2, true, kNarrowThreads>(a, experts, s) : run<2, 2, true>(a, experts, s);
   } else {
-    run<2, 2>(a, experts, s);
+    narrow ? run<2, 2, false, kNarrowThreads>(a, experts, s) : run<2, 2>(a, experts, s);
   }
 }
 
