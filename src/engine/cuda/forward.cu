@@ -255,15 +255,6 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
                         R <= kernels::kMaxGatheredRows &&
                         kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
                             kernels::GroupedGemmKind::Streaming;
-  // bf16 experts on the wgmma kernel (prefill): the SwiGLU rides on its epilogue (bit-identical
-  // to the kernel's products through the swiglu op).
-  kernels::MoeGroupedMatmulParams<bf16> fused_p = gate_up_p;
-  fused_p.x = permuted_x;
-  fused_p.swiglu = true;
-  const bool wgmma_swiglu = !fp8_experts && !w.down8.present() && !streamed && R > 0 &&
-                            kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
-                                kernels::GroupedGemmKind::Wgmma &&
-                            kernels::moe_grouped_matmul_wgmma_supported(fused_p);
   const bool copy_rows = !fp8_experts && !streamed;
   const int router_rows = experts + (shared_parts > 0 ? 1 : 0);
   mark("router_gemm");
@@ -322,9 +313,6 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
     gate_up_p.permuted_index = permuted_index;
     gate_up_p.top_k = K;
     kernels::launch_moe_grouped_matmul(gate_up_p, stream);
-  } else if (wgmma_swiglu) {
-    mark("experts_gate_up_swiglu");
-    kernels::launch_moe_grouped_matmul(fused_p, kernels::GroupedGemmKind::Wgmma, stream);
   } else {
     grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, groups,
             2 * w.width, hidden, fp8_experts);

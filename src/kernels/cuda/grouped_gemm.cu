@@ -10,8 +10,7 @@
 // kernel of streaming_gemm.cu visits only the experts that received rows.
 // Prefill (over 16 rows per expert on average) goes to Relay's warp-specialised wgmma kernel
 // (grouped_gemm_wgmma.cu) up to 192 rows per expert and to CUTLASS's Hopper grouped kernel
-// (grouped_gemm_cutlass.cu) above; the tiled kernel stays for 3-16 rows per expert. Streaming and
-// wgmma can fuse the gate_up's SwiGLU (MoeGroupedMatmulParams::swiglu).
+// (grouped_gemm_cutlass.cu) above; the tiled kernel stays for 3-16 rows per expert.
 #include <cstdlib>
 #include <string_view>
 
@@ -235,12 +234,9 @@ void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGem
               " must be multiples of 8");
   if (p.num_rows == 0) return;
   if (kind == GroupedGemmKind::Auto) kind = moe_grouped_matmul_auto_kind(p);
-  RELAY_CHECK(p.permuted_index == nullptr || kind == GroupedGemmKind::Streaming,
+  RELAY_CHECK((!p.swiglu && p.permuted_index == nullptr) || kind == GroupedGemmKind::Streaming,
               "moe_grouped_matmul: the ", grouped_gemm_kind_name(kind),
-              " kernel does not gather rows (only streaming does; see moe_grouped_matmul_auto_kind)");
-  RELAY_CHECK(!p.swiglu || kind == GroupedGemmKind::Streaming || kind == GroupedGemmKind::Wgmma,
-              "moe_grouped_matmul: the ", grouped_gemm_kind_name(kind),
-              " kernel does not fuse the SwiGLU (streaming and wgmma do)");
+              " kernel neither fuses SwiGLU nor gathers rows (only streaming does; see moe_grouped_matmul_auto_kind)");
   if (kind == GroupedGemmKind::CutlassCooperative || kind == GroupedGemmKind::CutlassPingpong) {
     launch_moe_grouped_matmul_cutlass(p, kind == GroupedGemmKind::CutlassCooperative, s);
   } else if (kind == GroupedGemmKind::Wgmma) {

@@ -21,11 +21,6 @@
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
 //   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
 //   then stores its rows (masked to the expert's rows and to n) straight to global memory.
-// SwiGLU fused (MoeGroupedMatmulParams::swiglu, the experts' gate_up at prefill): a tile's 128
-// weight rows are 64 gate rows and the 64 up rows of the same columns (two 64-row TMA boxes, which
-// land in shared memory exactly as one 128-row box would), so each thread holds both products of
-// its output columns and stores silu(gate) * up; the separate swiglu kernel and the round trip of
-// the [rows, n] products go.
 // Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
 // with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
 // Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
@@ -48,7 +43,6 @@ constexpr int kStages = 4;
 constexpr int kThreads = 384;                         // producer + 2 consumer warp groups
 constexpr uint32_t kSlabBytes = kSlabRows * kBk * 2;  // one slab of x rows in a stage
 constexpr uint32_t kWeightBytes = kBn * kBk * 2;      // the weight rows in a stage
-constexpr int kWeightBoxRows = kBn / 2;               // loaded as two boxes (gate | up with SwiGLU)
 constexpr uint32_t kStageBytes = kSlabs * kSlabBytes + kWeightBytes;
 constexpr int kMaxExperts = 4096;  // the tile prefix lives in shared memory
 
@@ -94,15 +88,11 @@ struct Tile {
   int row0 = 0;     // first permuted row
   int row_end = 0;  // one past the expert's last row
   int col0 = 0;     // first output column
-  int w_row0 = 0;   // first weight row of each 64-row box in [experts * n, k]
-  int w_row1 = 0;
+  int w_row0 = 0;   // first weight row in [experts * n, k]
 };
 
-// Output columns per tile: 128, or 64 with the SwiGLU fused (their gate and up rows fill it).
-__host__ __device__ __forceinline__ int tile_cols(bool swiglu) { return swiglu ? kBn / 2 : kBn; }
-
 __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int* offsets,
-                                            int num_experts, int n, bool swiglu) {
+                                            int num_experts, int n) {
   int lo = 0, hi = num_experts;  // the expert e with prefix[e] <= t < prefix[e + 1]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
@@ -118,11 +108,8 @@ __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int*
   Tile tile;
   tile.row0 = offsets[e] + (local % m_tiles) * kBm;
   tile.row_end = offsets[e + 1];
-  tile.col0 = (local / m_tiles) * tile_cols(swiglu);
-  // With the SwiGLU, boxes running past the gate half or the expert read rows whose columns are
-  // never stored (or zeros past the last expert).
+  tile.col0 = (local / m_tiles) * kBn;
   tile.w_row0 = e * n + tile.col0;
-  tile.w_row1 = swiglu ? tile.w_row0 + n / 2 : tile.w_row0 + kWeightBoxRows;
   return tile;
 }
 
@@ -173,9 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* offsets = reinterpret_cast<int*>(empty + kStages);  // [num_experts + 1]
   int* prefix = offsets + p.num_experts + 1;               // [num_experts + 1]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int out_n = p.swiglu ? p.n / 2 : p.n;
-  const int n_tiles = (out_n + tile_cols(p.swiglu) - 1) / tile_cols(p.swiglu);
-  const int k_steps = (p.k + kBk - 1) / kBk;
+  const int n_tiles = (p.n + kBn - 1) / kBn, k_steps = (p.k + kBk - 1) / kBk;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -222,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n, p.swiglu);
+      const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
       const int live_slabs = min(kSlabs, (tile.row_end - tile.row0 + kSlabRows - 1) / kSlabRows);
       const uint32_t bytes = live_slabs * kSlabBytes + kWeightBytes;
       for (int ks = 0; ks < k_steps; ++ks) {
@@ -234,8 +219,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                       &full[stage]);
         }
         tma_load_2d(st + kSlabs * kSlabBytes, &w_map, ks * kBk, tile.w_row0, &full[stage]);
-        tma_load_2d(st + kSlabs * kSlabBytes + kWeightBytes / 2, &w_map, ks * kBk, tile.w_row1,
-                    &full[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -251,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int stage = 0;
   uint32_t phase = 0;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n, p.swiglu);
+    const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
     const int my_row0 = tile.row0 + 2 * wg * kSlabRows;
     if (my_row0 >= tile.row_end) {  // no row of this expert in our slabs: keep the ring's count
       for (int ks = 0; ks < k_steps; ++ks) {
@@ -276,25 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 2; ++i) {
         const int row = my_row0 + slab * kSlabRows + wg_warp * 16 + lane / 4 + 8 * i;
         if (row >= tile.row_end) continue;
-        bf16* out = p.out + static_cast<int64_t>(row) * out_n;
-        if (p.swiglu) {  // columns 8 j + ... of the gate products, 8 (j + 8) + ... of the up ones
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int col = tile.col0 + 8 * j + 2 * (lane % 4);
-            if (col >= out_n) continue;
-            float v[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              // Both products rounded as the separate GEMM stores them, then swiglu's expression.
-              const float g = __bfloat162float(__float2bfloat16(acc[slab][4 * j + 2 * i + c]));
-              const float u =
-                  __bfloat162float(__float2bfloat16(acc[slab][4 * (j + 8) + 2 * i + c]));
-              v[c] = silu_mul(g, u);
-            }
-            *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(v[0], v[1]);
-          }
-          continue;
-        }
+        bf16* out = p.out + static_cast<int64_t>(row) * p.n;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const int col = tile.col0 + 8 * j + 2 * (lane % 4);
@@ -343,16 +308,14 @@ CUtensorMap bf16_tensor_map(const bf16* base, int64_t rows, int64_t cols, int bo
 }  // namespace
 
 bool moe_grouped_matmul_wgmma_supported(const MoeGroupedMatmulParams<bf16>& p) {
-  return p.num_experts > 0 && p.num_experts <= kMaxExperts && p.permuted_index == nullptr &&
-         (!p.swiglu || p.n % 16 == 0);
+  return p.num_experts > 0 && p.num_experts <= kMaxExperts;
 }
 
 void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.k % 8 == 0 && p.n % 8 == 0, "moe_grouped_matmul (wgmma): n ", p.n, " and k ", p.k,
               " must be multiples of 8 (16-byte TMA rows)");
   RELAY_CHECK(moe_grouped_matmul_wgmma_supported(p), "moe_grouped_matmul (wgmma): ",
-              p.num_experts, " experts (at most ", kMaxExperts, "), n ", p.n,
-              " (a multiple of 16 with the SwiGLU) and no gathered rows");
+              p.num_experts, " experts (at most ", kMaxExperts, ")");
   RELAY_CHECK(reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0,
               "moe_grouped_matmul (wgmma): x and w must be 16-byte aligned (TMA)");
   if (p.num_rows == 0) return;
@@ -362,14 +325,12 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   allow_dynamic_smem(grouped_gemm_wgmma_kernel, smem);
   // Tiles at most: every expert may add one partial m tile. The stages hold one CTA per SM
   // (__launch_bounds__(kThreads, 1)), so the persistent grid is the SM count.
-  const int64_t max_tiles = (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) *
-                            ceil_div(p.swiglu ? p.n / 2 : p.n, tile_cols(p.swiglu));
+  const int64_t max_tiles =
+      (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * ceil_div(p.n, kBn);
   const int grid = static_cast<int>(std::min<int64_t>(max_tiles, device_sm_count()));
   launch_dependent("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel, dim3(grid),
                    dim3(kThreads), smem, s, bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows),
-                   bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k,
-                                   kWeightBoxRows),
-                   p);
+                   bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn), p);
 }
 
 }  // namespace relay::kernels

@@ -46,12 +46,10 @@ namespace {
 
 // The conv's batch tokens per thread (conv_tile_tokens): 16 where sequences are long (prefill), 1
 // where they are a few tokens each (decode, draft verification), so each thread there starts from
-// one sequence's state as a thread per (sequence, channel) would. A tile's inputs load at once
-// (kConvBatch), all in flight with its window before the outputs that need them: the conv is a
-// bandwidth stream of 2-byte loads, and with batches of 8 (two round trips a tile, 64 registers)
-// it moved about 1 TB/s in prefill (0.86 ms of Qwen3.5-35B-A3B's 8 layers at 4096 tokens).
+// one sequence's state as a thread per (sequence, channel) would. Inputs load kConvBatch at a time,
+// all in flight before the outputs that need them.
 constexpr int kConvLongTile = 16;
-constexpr int kConvBatch = kConvLongTile;
+constexpr int kConvBatch = 8;
 int conv_tile_tokens(const CausalConv1dParams<bf16>& p) {
   return p.num_tokens > 8 * p.num_seqs ? kConvLongTile : 1;
 }

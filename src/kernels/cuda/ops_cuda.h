@@ -110,17 +110,16 @@ inline const char* grouped_gemm_kind_name(GroupedGemmKind kind) {
 // FP8 block-scaled grouped GEMM runs CUTLASS's cooperative kernel for Auto and either wgmma kind.
 // Read once per process; an unknown name throws.
 GroupedGemmKind prefill_grouped_gemm_kind();
-// The kind Auto runs for p (by rows per expert on average). Only Streaming takes
-// p.permuted_index (at most kMaxGatheredRows rows: its row -> token map lives in shared memory),
-// and Streaming and Wgmma p.swiglu, so a caller fusing either asks this first.
+// The kind Auto runs for p (by rows per expert on average). Only Streaming takes p.swiglu and
+// p.permuted_index (at most kMaxGatheredRows rows: its row -> token map lives in shared memory), so
+// a caller fusing either asks this first.
 constexpr int kMaxGatheredRows = 1024;
 GroupedGemmKind moe_grouped_matmul_auto_kind(const MoeGroupedMatmulParams<bf16>& p);
 // The CUTLASS variants and the wgmma kernel themselves (called through launch_moe_grouped_matmul).
 void launch_moe_grouped_matmul_cutlass(const MoeGroupedMatmulParams<bf16>& p, bool cooperative,
                                        cudaStream_t s);
 void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s);
-// Whether the wgmma kernel takes p: its expert count (its tile prefix lives in shared memory), no
-// gathered rows, and n a multiple of 16 with the SwiGLU.
+// Whether the wgmma kernel takes p's expert count (its tile prefix lives in shared memory).
 bool moe_grouped_matmul_wgmma_supported(const MoeGroupedMatmulParams<bf16>& p);
 
 // Sampling on the GPU with the shared sampler's semantics (engine/sampler.h), one row of fp32 logits
