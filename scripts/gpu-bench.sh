@@ -15,6 +15,12 @@
 # XZ_OPT=-9e tar -cJf r/relay.tar.xz --exclude=bin/test_gpu bin)` after `mkdir -p .gpupack/t
 # .gpupack/r`, then RELAY_GPU_PACK=.gpupack/t/tests.tar.xz scripts/gpu-bench.sh tests (carry
 # [".gpupack/t"]) and RELAY_GPU_PACK=.gpupack/r/relay.tar.xz scripts/gpu-bench.sh MODE...
+# Or carry one pack in one call (no second start to wait for) by moving files the device machine
+# does not read out of the tree for that call: bench/results and tests/unit (sources the packed
+# test binary already holds) are about 2.8 MiB; move them back before the next commit.
+# A same-machine baseline: build relay at the older commit in a worktree (`git worktree add
+# /tmp/before REV`, `.deps` linked from this checkout), pack it alone as .gpupack/b/relay.tar.xz
+# (bin/relay inside) and run the same modes with RELAY_GPU_PACK pointing at it, right after.
 # Modes: single dp2ep2 tp2ep2 dp2ep2-default dp4ep4 (sharded layouts on the 12-layer 30B-A3B
 # shape); plain48 trace48 (the 48-layer shape); spec1 spec2 spec3 spec1dp (K-draft verify steps at
 # forced acceptance 0.8); decode-curve (bf16 and FP8 decode against batch); gdn-kernels, gdn-model,
