@@ -120,6 +120,10 @@ for l in "$@"; do
       run hybrid-engine --mode engine --device cuda --model models/relay-demo-hybrid --decode-batches 1,8,64 --decode-contexts 128 --decode-tokens 128
       run hybrid-engine-ngram --mode engine --device cuda --model models/relay-demo-hybrid --decode-batches 1,8 --decode-contexts 128 --decode-tokens 128 \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
+      for s in '' '--speculative-config {"method":"ngram","num_speculative_tokens":3}'; do  # a code edit
+        run hybrid-engine-code-edit --mode engine --device cuda --model models/relay-demo-hybrid --decode-batches 1 \
+          --prompt-file bench/prompts/code-edit.py --decode-tokens 128 $s
+      done
       for k in 1 3; do
         run hybrid-engine-mtp$k --mode engine --device cuda --model models/relay-demo-hybrid --decode-batches 1,8,64 --decode-contexts 128 \
           --decode-tokens 128 --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}"

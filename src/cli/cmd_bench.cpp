@@ -20,6 +20,7 @@
 // instead of verifying it, so shapes with random weights (make-model presets, --load-format dummy)
 // show the speed of speculation at a chosen acceptance; their outputs are noise either way.
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,6 +64,7 @@ struct BenchArgs {
   std::string speculative_config;     // vLLM's --speculative-config JSON (engine mode)
   std::optional<double> forced_acceptance;  // --spec-forced-acceptance, when given
   int decode_tokens = 0;              // engine mode: timed tokens per sequence (0: the default)
+  std::string prompt_file;            // engine mode: every request's prompt (instead of contexts)
   int threads = 0;                    // cpu device: threads (0: all cores)
   bool enforce_eager = false;         // engine mode, cuda: no CUDA graphs
 };
@@ -94,6 +96,8 @@ SpeculativeConfig check_device(const BenchArgs& a) {
   if (engine) {
     RELAY_CHECK(a.prefill_lengths.empty(), "--prefill-lengths: the engine mode measures decode "
                 "only (--decode-batches, --decode-contexts, --decode-tokens)");
+    RELAY_CHECK(a.prompt_file.empty() || a.decode_contexts.empty(), "--prompt-file ",
+                a.prompt_file, " is the context (its tokens); drop --decode-contexts");
     RELAY_CHECK(!a.quick, "--quick picks the GPU benchmark's shapes; decode through the engine "
                 "takes --decode-batches, --decode-contexts and --decode-tokens");
   } else {
@@ -101,6 +105,8 @@ SpeculativeConfig check_device(const BenchArgs& a) {
                 "decode through the engine (--mode engine, or --device cpu); the cuda model mode "
                 "times single steps");
   }
+  RELAY_CHECK(a.prompt_file.empty() || engine, "--prompt-file gives decode through the engine "
+              "its prompt (--mode engine, or --device cpu)");
   RELAY_CHECK(a.threads == 0 || a.device == "cpu",
               "--threads sizes the cpu device's thread pool (add --device cpu)");
   RELAY_CHECK(!a.enforce_eager || (a.mode == "engine" && a.device == "cuda"),
@@ -161,6 +167,15 @@ int run_engine_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
   DecodeBenchOptions d;
   d.batches = a.decode_batches.empty() ? std::vector<int>{1, 8} : a.decode_batches;
   d.contexts = a.decode_contexts.empty() ? std::vector<int>{128} : a.decode_contexts;
+  Tokenizer tokenizer = Tokenizer::from_model_dir(a.model);
+  if (!a.prompt_file.empty()) {
+    std::ifstream in(a.prompt_file, std::ios::binary);
+    RELAY_CHECK(in.good(), "--prompt-file ", a.prompt_file, ": cannot open it");
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    d.prompt = tokenizer.encode(text);
+    RELAY_CHECK(!d.prompt.empty(), "--prompt-file ", a.prompt_file, ": no tokens (empty file)");
+    d.contexts = {static_cast<int>(d.prompt.size())};
+  }
   d.num_decode_tokens = a.decode_tokens > 0 ? a.decode_tokens : 32;
   d.speculative = spec;
   // The GPU's one-time costs at a shape's first steps (graph captures, GEMM plans) are not decode.
@@ -213,7 +228,7 @@ int run_engine_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
     if (out_file.is_open()) out_file << line << std::endl;
   };
   const Clock::time_point load_start = Clock::now();
-  LLMEngine engine(make(), Tokenizer::from_model_dir(a.model), ec);
+  LLMEngine engine(make(), std::move(tokenizer), ec);
   const ModelConfig& c = engine.model_config();
   emit({{"mode", "load"},
         {"model", a.model},
@@ -279,6 +294,10 @@ CommandRegistrar bench_command({
       sub.add_flag("--enforce-eager", a->enforce_eager,
                    "engine mode, cuda device: every step eagerly, without CUDA graphs (as relay "
                    "serve --enforce-eager)");
+      sub.add_option("--prompt-file", a->prompt_file,
+                     "engine mode: every request's prompt, this file's text tokenized (a code "
+                     "file to edit, say: n-gram drafting on real text), instead of "
+                     "--decode-contexts' synthetic prompts");
       sub.add_option("--decode-tokens", a->decode_tokens,
                      "engine mode: tokens each sequence generates in the timed steps (default 32)")
           ->check(CLI::PositiveNumber);

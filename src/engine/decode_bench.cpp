@@ -42,7 +42,9 @@ void run_decode_bench(LLMEngine& engine, const DecodeBenchOptions& o,
     std::set<int64_t> waiting_first;
     for (int i = 0; i < batch; ++i) {
       EngineRequest r;
-      r.prompt = bench_prompt(next_id, context, engine.model_config().vocab_size);
+      r.prompt = o.prompt.empty()
+                     ? bench_prompt(next_id, context, engine.model_config().vocab_size)
+                     : o.prompt;
       r.sampling.temperature = 0.0f;
       r.stop.ignore_eos = true;
       r.stop.max_tokens = 1 + o.num_decode_tokens;

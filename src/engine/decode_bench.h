@@ -3,7 +3,8 @@
 //
 // Each shape (batch B, context C) adds B requests whose prompts are C tokens, each its own block of
 // 16 pseudo-random ids repeated (so the n-gram proposer finds earlier occurrences, as in code
-// editing; attention does the same work whatever the ids), greedy, ignoring EOS, generating
+// editing; attention does the same work whatever the ids), or all of them the one given prompt
+// (DecodeBenchOptions::prompt: real text, `relay bench --prompt-file`), greedy, ignoring EOS, generating
 // 1 + num_decode_tokens tokens. The engine runs until every request has its first token (the
 // prefill, timed on its own: prompt tokens per second); the steps after that are timed until all
 // finish, and the line reports the tokens they committed per second, with, when the engine drafts,
@@ -27,6 +28,9 @@ namespace relay {
 struct DecodeBenchOptions {
   std::vector<int> batches;   // sequences decoded together, at most engine.max_num_seqs()
   std::vector<int> contexts;  // prompt tokens of each sequence
+  // Every request's prompt instead of the synthetic ones (contexts then holds its length); the
+  // requests share it, so a prefix cache shares its blocks.
+  std::vector<int32_t> prompt;
   int num_decode_tokens = 64;  // tokens each sequence generates in the timed steps
   SpeculativeConfig speculative;  // the engine's (EngineConfig::speculative), for the report
   int warmup_runs = 0;            // untimed runs of each shape first

@@ -4,6 +4,7 @@ naming the flag (or the config field that does not divide) before CUDA starts â€
 the same on the CUDA build CI makes (nvcc present, no GPU) and on a build without CUDA, where a valid
 command line would instead end with "needs the CUDA build" (exit code 2)."""
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -152,6 +153,30 @@ def test_cpu_bench_ngram_on_the_demo_model(relay_bin):
     assert decode[0]["speculative"] == "ngram k=3 lookup 1..5"
     assert decode[0]["num_drafts"] > 0 and 0 < decode[0]["acceptance_rate"] <= 1
     assert decode[0]["mean_acceptance_length"] > 1
+
+
+CODE_EDIT = Path(__file__).resolve().parents[2] / "bench" / "prompts" / "code-edit.py"
+
+
+def test_cpu_bench_prompt_file(relay_bin, tmp_path):
+    """--prompt-file: every request's prompt is the file's text, tokenized (the context it reports);
+    n-gram drafting then copies from real text."""
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3}'
+    _, decode = lines_of(bench(relay_bin, *CPU, "--model", DEMO_MODEL, "--decode-batches", "1,2",
+                               "--decode-tokens", 32, "--prompt-file", CODE_EDIT,
+                               "--speculative-config", ngram))
+    assert [d["batch"] for d in decode] == [1, 2]
+    assert decode[0]["context"] == decode[1]["context"] > 200  # about 240 tokens of Python
+    assert decode[0]["num_drafts"] > 0
+    for args, needle in [(["--prompt-file", tmp_path / "absent.txt"], "cannot open it"),
+                         (["--prompt-file", tmp_path / "empty.txt"], "no tokens (empty file)"),
+                         (["--prompt-file", CODE_EDIT, "--decode-contexts", 64], "drop --decode-contexts")]:
+        (tmp_path / "empty.txt").write_text("")
+        r = bench(relay_bin, *CPU, "--model", DEMO_MODEL, *args)
+        assert r.returncode != 0 and needle in r.stderr, (args, r.stderr)
+        assert r.stdout == ""
+    r = bench(relay_bin, *MODEL, "--prompt-file", CODE_EDIT)
+    assert r.returncode != 0 and "--prompt-file gives decode through the engine" in r.stderr
 
 
 SPEC_REFUSED = [
