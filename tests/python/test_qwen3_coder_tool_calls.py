@@ -140,3 +140,30 @@ def test_an_unknown_parser_is_refused_at_start(relay_bin, qwen35_dir):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "--tool-call-parser" in r.stderr and "qwen3_xml" in r.stderr, r.stderr
+
+
+def test_ngram_drafts_leave_the_tool_calls_unchanged(relay_bin, qwen35_dir, server):
+    """vLLM users saw n-gram speculation corrupt qwen3_coder tool calls while MTP did not (vllm#56077).
+    Here drafts are verified against the target and walked through the request's grammar, so a server
+    drafting with n-gram answers every tool-call request as the server without it does."""
+    def answers(s):
+        out = []
+        for fields in ({"tool_choice": {"type": "function", "function": {"name": "set_level"}}},
+                       {"tool_choice": "required", "parallel_tool_calls": False}, {"tool_choice": "auto"}):
+            choice = chat(s, **fields)
+            message = choice["message"]
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+            out.append((choice["finish_reason"], message["content"], calls))
+            streamed, finish = streamed_calls(s, **fields)
+            out.append((finish, [(c["name"], c["arguments"]) for c in streamed]))
+        return out
+
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    s = RelayServer(relay_bin, "--model", qwen35_dir, "--served-model-name", NAME, "--speculative-config", ngram)
+    s.wait_ready()
+    try:
+        assert answers(s) == answers(server)
+        drafts = s.metrics()[f'relay:spec_decode_num_draft_tokens_total{{model_name="{NAME}"}}']
+        assert drafts > 0
+    finally:
+        assert s.stop() == 0
