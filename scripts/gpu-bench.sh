@@ -155,11 +155,16 @@ for l in "$@"; do
       unset GROUP ;;
     tidy) rm -f "$OUT/tests.log" ;;
     ncu)  # Nsight Compute on the kernel bench: the first NCU_COUNT (2) launches of the kernels whose
-      # names match NCU_KERNEL (a regex): speed of light, memory, scheduler and warp states
+      # names match NCU_KERNEL (a regex): speed of light, memory, scheduler and warp states.
+      # NCU_BENCH replaces the bench's arguments, e.g. the kernels of Qwen3.5's prefill in the model:
+      # NCU_BENCH="--mode model --model /tmp/q35 --load-format dummy --prefill-lengths 4096
+      # --decode-batches 1 --decode-contexts 512" NCU_KERNEL=causal_conv1d (add -s to skip launches)
+      "$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 8 --config-only --out /tmp/q35 | tail -1
+      # shellcheck disable=SC2086  # NCU_BENCH is a list of arguments
       timeout 240 /usr/local/cuda/bin/ncu -k "regex:${NCU_KERNEL:?NCU_KERNEL names the kernels}" \
         -c "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section SchedulerStats --section WarpStateStats "$bin/relay" bench --mode kernels --quick \
-        > "$OUT/ncu.txt" 2>&1
+        --section SchedulerStats --section WarpStateStats --section Occupancy \
+        "$bin/relay" bench ${NCU_BENCH:---mode kernels --quick} > "$OUT/ncu.txt" 2>&1
       echo "ncu rc $?"; grep -v '^{' "$OUT/ncu.txt" | grep -v '^    INF\|^          ' | head -80 | cut -c1-160 ;;
     decode-curve)  # issue 27: decode tok/s against batch, bf16 and FP8, on the 12-layer 30B-A3B shape
       export GROUP=decode-curve
