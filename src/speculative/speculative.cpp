@@ -144,26 +144,37 @@ void DraftLength::observe(int num_drafts, int num_accepted) {
 
 std::vector<int32_t> propose_ngram(std::span<const int32_t> tokens, int min_n, int max_n, int k) {
   const auto len = static_cast<int64_t>(tokens.size());
-  for (int64_t n = std::min<int64_t>(max_n, len - 1); n >= min_n; --n) {
-    const std::span<const int32_t> suffix = tokens.subspan(static_cast<size_t>(len - n));
-    // The latest earlier occurrence: the freshest context is the likeliest to be copied again.
-    for (int64_t start = len - n - 1; start >= 0; --start) {
-      if (tokens[static_cast<size_t>(start + n - 1)] != suffix.back()) continue;  // quick reject
-      if (!std::equal(suffix.begin(), suffix.end(), tokens.begin() + start)) continue;
-      // Past the end of the context the copy goes on from its own start, as an LZ77 decoder
-      // copies an overlapping match: the match says the text repeats with period len - from,
-      // so a loop shorter than k (a repeated line, a run of one token) still fills the draft.
-      // vLLM stops at the end (a period-2 loop drafts 2 of K = 3); verification keeps either
-      // lossless, and a draft past a loop's end is rejected as one inside it would be.
-      const int64_t from = start + n, period = len - from;
-      std::vector<int32_t> draft(static_cast<size_t>(std::max(k, 0)));
-      for (size_t i = 0; i < draft.size(); ++i) {
-        draft[i] = tokens[static_cast<size_t>(from + static_cast<int64_t>(i) % period)];
-      }
-      return draft;
+  const int64_t longest = std::min<int64_t>(max_n, len - 1);
+  if (longest < min_n || k <= 0) return {};
+  // One pass over the earlier positions, latest first: the length of the suffix each one ends
+  // (capped at max_n), keeping the first position that ends a longer one. That is the longest
+  // suffix's latest earlier occurrence (the freshest context is the likeliest to be copied
+  // again), found in one sweep rather than one per suffix length: a long context that drafts
+  // nothing costs one comparison per token, not max_n - min_n + 1.
+  int64_t best_n = 0, best_end = -1;
+  for (int64_t end = len - 2; end >= 0 && best_n < longest; --end) {
+    int64_t n = 0;
+    while (n < longest && n <= end && tokens[static_cast<size_t>(end - n)] ==
+                                          tokens[static_cast<size_t>(len - 1 - n)]) {
+      ++n;
+    }
+    if (n > best_n) {
+      best_n = n;
+      best_end = end;
     }
   }
-  return {};
+  if (best_n < min_n) return {};
+  // Past the end of the context the copy goes on from its own start, as an LZ77 decoder copies an
+  // overlapping match: the match says the text repeats with period len - from, so a loop shorter
+  // than k (a repeated line, a run of one token) still fills the draft. vLLM stops at the end (a
+  // period-2 loop drafts 2 of K = 3); verification keeps either lossless, and a draft past a
+  // loop's end is rejected as one inside it would be.
+  const int64_t from = best_end + 1, period = len - from;
+  std::vector<int32_t> draft(static_cast<size_t>(k));
+  for (size_t i = 0; i < draft.size(); ++i) {
+    draft[i] = tokens[static_cast<size_t>(from + static_cast<int64_t>(i) % period)];
+  }
+  return draft;
 }
 
 }  // namespace relay

@@ -2,6 +2,8 @@
 // the n-gram proposer's choice of suffix and occurrence.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -135,6 +137,33 @@ TEST(NgramProposer, TheLongestSuffixAtItsLatestEarlierOccurrence) {
   EXPECT_TRUE(propose_ngram(u, 3, 5, 2).empty());
   EXPECT_TRUE(propose_ngram(Tokens{7}, 1, 3, 2).empty());
   EXPECT_TRUE(propose_ngram(Tokens{}, 1, 3, 2).empty());
+}
+
+TEST(NgramProposer, EqualsTheDefinitionOnRandomContexts) {
+  // The definition, one suffix length at a time: the longest suffix of min_n..max_n tokens with an
+  // earlier occurrence, its latest one, and the k tokens after it (periodic past the end).
+  auto reference = [](const Tokens& t, int min_n, int max_n, int k) -> Tokens {
+    const int len = static_cast<int>(t.size());
+    for (int n = std::min(max_n, len - 1); n >= min_n; --n) {
+      for (int start = len - n - 1; start >= 0; --start) {
+        if (!std::equal(t.end() - n, t.end(), t.begin() + start)) continue;
+        Tokens draft;
+        for (int i = 0; i < k; ++i) draft.push_back(t[start + n + i % (len - start - n)]);
+        return draft;
+      }
+    }
+    return {};
+  };
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 2000; ++trial) {
+    Tokens t(rng() % 40);
+    const int vocab = 2 + static_cast<int>(rng() % 4);  // few ids: many matches and loops
+    for (int32_t& id : t) id = static_cast<int32_t>(rng() % vocab);
+    const int min_n = 1 + static_cast<int>(rng() % 3), max_n = min_n + static_cast<int>(rng() % 4);
+    const int k = 1 + static_cast<int>(rng() % 6);
+    ASSERT_EQ(propose_ngram(t, min_n, max_n, k), reference(t, min_n, max_n, k))
+        << "trial " << trial << ", " << t.size() << " tokens, lookup " << min_n << ".." << max_n;
+  }
 }
 
 }  // namespace
