@@ -44,6 +44,8 @@ source scripts/gpu-prebuilt.sh; use_prebuilt .gpupack/bin
 "$bin/relay" make-model --preset 30b-a3b --layers 12 --config-only --out /tmp/cfg12 | tail -1
 "$bin/relay" make-model --preset 30b-a3b --config-only --out /tmp/q30 | tail -1
 "$bin/relay" make-model --preset 30b-a3b --layers 24 --config-only --out /tmp/q30h | tail -1
+"$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 8 --config-only --out /tmp/q35 | tail -1
+"$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 16 --config-only --out /tmp/q35m | tail -1
 # run NAME ARGS...: relay bench ARGS, its output appended to $OUT/bench-$GROUP.log (GROUP defaults
 # to NAME; few files come back from $OUT), each run headed by its name and arguments.
 run() {
@@ -134,7 +136,6 @@ for l in "$@"; do
       done; unset GROUP ;;
     q35-mtp)  # issue 26: Qwen3.5-35B-A3B's first 16 layers and its MTP head (dummy weights), through
       # the engine, plain and with MTP K = 1, 3 at a forced acceptance of 0.8
-      "$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 16 --config-only --out /tmp/q35m | tail -1
       export GROUP=q35-mtp
       E="--mode engine --device cuda --model /tmp/q35m --load-format dummy --decode-batches 1,8,64 --decode-contexts 512 --decode-tokens 64"
       LIMIT=150 run q35m-plain $E
@@ -144,7 +145,6 @@ for l in "$@"; do
       done; unset GROUP ;;
     b256)  # issue 26: batch 256, the demo hybrid and Qwen3.5-35B-A3B's first 16 layers, plain and MTP
       bash scripts/unpack-models.sh > /dev/null 2>&1
-      "$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 16 --config-only --out /tmp/q35m | tail -1
       export GROUP=b256
       D="--mode engine --device cuda --model models/relay-demo-hybrid --decode-batches 256 --decode-contexts 128 --decode-tokens 64"
       Q="--mode engine --device cuda --model /tmp/q35m --load-format dummy --decode-batches 256 --decode-contexts 512 --decode-tokens 32"
@@ -156,13 +156,13 @@ for l in "$@"; do
     tidy) rm -f "$OUT/tests.log" ;;
     ncu)  # Nsight Compute on the kernel bench: the first NCU_COUNT (2) launches of the kernels whose
       # names match NCU_KERNEL (a regex): speed of light, memory, scheduler and warp states.
-      # NCU_BENCH replaces the bench's arguments, e.g. the kernels of Qwen3.5's prefill in the model:
-      # NCU_BENCH="--mode model --model /tmp/q35 --load-format dummy --prefill-lengths 4096
-      # --decode-batches 1 --decode-contexts 512" NCU_KERNEL=causal_conv1d (add -s to skip launches)
-      "$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 8 --config-only --out /tmp/q35 | tail -1
+      # NCU_BENCH replaces the bench's arguments, e.g. the kernels of Qwen3.5's prefill in the model
+      # (the models above): NCU_BENCH="--mode model --model /tmp/q35 --load-format dummy
+      # --prefill-lengths 4096 --decode-batches 1 --decode-contexts 512" NCU_KERNEL=causal_conv1d;
+      # NCU_SKIP (0) matching launches are skipped first (the warm-up's).
       # shellcheck disable=SC2086  # NCU_BENCH is a list of arguments
       timeout 240 /usr/local/cuda/bin/ncu -k "regex:${NCU_KERNEL:?NCU_KERNEL names the kernels}" \
-        -c "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        -s "${NCU_SKIP:-0}" -c "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats --section Occupancy \
         "$bin/relay" bench ${NCU_BENCH:---mode kernels --quick} > "$OUT/ncu.txt" 2>&1
       echo "ncu rc $?"; grep -v '^{' "$OUT/ncu.txt" | grep -v '^    INF\|^          ' | head -80 | cut -c1-160 ;;
@@ -189,7 +189,6 @@ for l in "$@"; do
       unset GROUP ;;
     grouped-model)  # issues 25 / 27: prefill with the grouped GEMM on CUTLASS's kernel and on the wgmma
       # one (RELAY_MOE_PREFILL_GEMM), the 12-layer 30B-A3B shape and Qwen3.5-35B-A3B's first 8 layers
-      "$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 8 --config-only --out /tmp/q35 | tail -1
       export GROUP=grouped-model
       for g in cutlass_cooperative wgmma; do
         RELAY_MOE_PREFILL_GEMM=$g LIMIT=120 run q30-12l-$g --mode model --model /tmp/cfg12 --load-format dummy \
@@ -202,7 +201,6 @@ for l in "$@"; do
       unset GROUP ;;
     gdn-model)
       export GROUP=gdn-model
-      "$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 8 --config-only --out /tmp/q35 | tail -1
       for side in ${SIDES:-before after}; do
         RELAY="$bin/relay"; [ $side = before ] && RELAY="$bin/before/relay"
         RELAY=$RELAY LIMIT=150 run q35-8l-$side --mode model --model /tmp/q35 --load-format dummy --prefill-lengths 512,4096 \
@@ -215,7 +213,6 @@ for l in "$@"; do
         --decode-batches 1,64 --decode-contexts 512
       grep -v '"profile"' /tmp/run.log | tail -4 | cut -c1-400; unset GROUP ;;
     q35)  # issue 25: Qwen3.5-35B-A3B shapes (first 8 layers, dummy weights) in the model mode, fractions of the limits
-      "$bin/relay" make-model --preset qwen3.5-35b-a3b --layers 8 --config-only --out /tmp/q35 | tail -1
       export GROUP=q35
       LIMIT=200 run q35-8l --mode model --model /tmp/q35 --load-format dummy --prefill-lengths 512,4096 \
         --decode-batches 1,8,64 --decode-contexts 512
