@@ -20,7 +20,6 @@
 // instead of verifying it, so shapes with random weights (make-model presets, --load-format dummy)
 // show the speed of speculation at a chosen acceptance; their outputs are noise either way.
 #include <iostream>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,6 +33,7 @@
 #include "cli/backend_choice.h"
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/json.h"
 #include "engine/cpu_backend.h"
 #include "engine/decode_bench.h"
 #include "engine/llm_engine.h"
@@ -169,10 +169,7 @@ int run_engine_bench(const BenchArgs& a, const SpeculativeConfig& spec) {
   d.contexts = a.decode_contexts.empty() ? std::vector<int>{128} : a.decode_contexts;
   Tokenizer tokenizer = Tokenizer::from_model_dir(a.model);
   if (!a.prompt_file.empty()) {
-    std::ifstream in(a.prompt_file, std::ios::binary);
-    RELAY_CHECK(in.good(), "--prompt-file ", a.prompt_file, ": cannot open it");
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    d.prompt = tokenizer.encode(text);
+    d.prompt = tokenizer.encode(read_text_file(a.prompt_file));
     RELAY_CHECK(!d.prompt.empty(), "--prompt-file ", a.prompt_file, ": no tokens (empty file)");
     d.contexts = {static_cast<int>(d.prompt.size())};
   }

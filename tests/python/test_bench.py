@@ -168,7 +168,8 @@ def test_cpu_bench_prompt_file(relay_bin, tmp_path):
     assert [d["batch"] for d in decode] == [1, 2]
     assert decode[0]["context"] == decode[1]["context"] > 200  # about 240 tokens of Python
     assert decode[0]["num_drafts"] > 0
-    for args, needle in [(["--prompt-file", tmp_path / "absent.txt"], "cannot open it"),
+    absent = tmp_path / "absent.txt"
+    for args, needle in [(["--prompt-file", absent], f"{absent}: cannot open"),
                          (["--prompt-file", tmp_path / "empty.txt"], "no tokens (empty file)"),
                          (["--prompt-file", CODE_EDIT, "--decode-contexts", 64], "drop --decode-contexts")]:
         (tmp_path / "empty.txt").write_text("")
