@@ -85,7 +85,8 @@ void RankEngine::propose_mtp(std::span<const StepSequence> batch,
   for (int step = 0; step < opt.num_mtp_drafts; ++step) {
     if (rows.empty()) {
       // NOTE: the ranks of one DP group build the same batches, so they stop together; under
-      // DP + EP the others may still be exchanging MoE rows with this one.
+      // DP + EP the others may still be exchanging MoE rows with this one (every head makes
+      // num_mtp_drafts exchanges, mtp_graphable).
       if (!dispatch) break;
       if (mtp.layer.moe) enqueue_moe(mtp.layer, 0);
       continue;
@@ -137,9 +138,11 @@ void RankEngine::propose_mtp(std::span<const StepSequence> batch,
 }
 
 bool RankEngine::mtp_graphable() const {
-  // NOTE: under DP + EP the head's MoE exchanges meet other DP groups' heads, which may run
-  // eagerly or idle: those steps stay eager.
-  return opt.cuda_graphs && !dispatch && last_shape.per_seq > 0 && opt.num_mtp_drafts >= 1;
+  // Under DP + EP the head's MoE exchanges meet the other DP groups' heads, graphed, eager or idle
+  // (mtp_idle): each makes exactly num_mtp_drafts exchanges, and none sends more rows than its
+  // step did, so the graph step's bound (moe_graph_tokens, which the step's moe_step_tokens is
+  // within) bounds every exchange of the head too.
+  return opt.cuda_graphs && last_shape.per_seq > 0 && opt.num_mtp_drafts >= 1;
 }
 
 void RankEngine::propose_mtp_graphed(std::span<const StepSequence> batch,
@@ -171,6 +174,7 @@ void RankEngine::propose_mtp_graphed(std::span<const StepSequence> batch,
     draft_row[i] = i * q + accepted[i];
   }
   const Shape catch_shape = upload_batch(rows, P, W, {}, q, draft_row);
+  moe_bound_tokens = moe_graph_tokens(q);  // as the target step's graph (mtp_graphable)
   RELAY_CHECK(catch_shape.tokens == target.tokens && catch_shape.seqs == P,
               "the MTP catch-up's shape differs from its graph step's");
   // The hidden rows each forward gathers: the target's rows as they are, then the catch-up's

@@ -627,7 +627,7 @@ struct RankEngine {
   void propose_mtp(std::span<const StepSequence> batch, std::span<const SampledToken> sampled,
                    bool lead);
   void mtp_idle();
-  // propose_mtp after a graph step (last_shape.per_seq > 0; not under DP + EP): the head's K
+  // propose_mtp after a graph step (last_shape.per_seq > 0; under DP + EP too): the head's K
   // forwards and their greedy drafts as one graph with one host synchronisation. The catch-up
   // forward takes the target step's padded shape, so its row r reads the target's row r: a
   // sequence's row j reads the token after row j, and the rows past its last accepted one read

@@ -290,11 +290,9 @@ inline int device_sm_count() {
 // dynamic shared memory; at least one per SM): the grid a persistent or wave-sized launch fills.
 template <typename Kernel>
 int resident_ctas(Kernel kernel, int threads, size_t smem_bytes) {
-  int device = 0, sms = 0, per_sm = 0;
-  RELAY_CUDA_CHECK(cudaGetDevice(&device));
-  RELAY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int per_sm = 0;
   RELAY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
-  return sms * std::max(per_sm, 1);
+  return device_sm_count() * std::max(per_sm, 1);
 }
 
 // Whether the calling thread's stream is capturing a CUDA graph (workspaces must not grow then).

@@ -20,7 +20,10 @@
 // - Warp groups 1 and 2 consume: each owns two slabs, 128 rows x 128 columns of fp32 accumulators
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
 //   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
-//   then stores its rows (masked to the expert's rows and to n) straight to global memory.
+//   then stores its rows (masked to the expert's rows and to n) straight to global memory. Group
+//   g owns slabs g and g + 2, so a tile's rows reach both groups' first slabs before either's
+//   second: a tile of up to 128 rows (half of Qwen3.5's experts at 4096 tokens) splits evenly
+//   instead of leaving one group idle while the other does both slabs.
 // Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
 // with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
 // Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
@@ -113,8 +116,8 @@ __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int*
   return tile;
 }
 
-// A consumer warp group's k loop over one tile: kLive of its two slabs hold rows. Leaves every
-// wgmma retired and the last stage released.
+// A consumer warp group's k loop over one tile: kLive of its two slabs (wg and wg + 2) hold rows.
+// Leaves every wgmma retired and the last stage released.
 template <int kLive>
 __device__ __forceinline__ void consume_tile(float (&acc)[2][64], uint8_t* stages, uint64_t* full,
                                              uint64_t* empty, int wg, int k_steps, bool signals,
@@ -123,7 +126,7 @@ __device__ __forceinline__ void consume_tile(float (&acc)[2][64], uint8_t* stage
   for (int ks = 0; ks < k_steps; ++ks) {
     mbar_wait(&full[stage], phase);
     const uint32_t st = smem_addr(stages + stage * kStageBytes);
-    const uint32_t a = st + 2 * wg * kSlabBytes, b = st + kSlabs * kSlabBytes;
+    const uint32_t a = st + wg * kSlabBytes, b = st + kSlabs * kSlabBytes;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBk / 16; ++kk) {
@@ -131,8 +134,8 @@ __device__ __forceinline__ void consume_tile(float (&acc)[2][64], uint8_t* stage
       const int accumulate = ks > 0 || kk > 0;
 #pragma unroll
       for (int slab = 0; slab < kLive; ++slab) {
-        wgmma_ss<128>(acc[slab], gmma_desc_sw128(a + slab * kSlabBytes + kk * 32, 16, 1024), db,
-                      accumulate);
+        wgmma_ss<128>(acc[slab], gmma_desc_sw128(a + 2 * slab * kSlabBytes + kk * 32, 16, 1024),
+                      db, accumulate);
       }
     }
     wgmma_commit();
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int wg = warp / 4 - 1;   // slabs 2 wg and 2 wg + 1 of the tile
+  const int wg = warp / 4 - 1;   // slabs wg and wg + 2 of the tile
   const int wg_warp = warp % 4;  // 16 rows of each slab
   const bool signals = threadIdx.x % 128 == 0;
   float acc[2][64];  // [slab][the thread's accumulators]
@@ -235,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t phase = 0;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
-    const int my_row0 = tile.row0 + 2 * wg * kSlabRows;
+    const int my_row0 = tile.row0 + wg * kSlabRows;  // our first slab's; the second's 128 on
     if (my_row0 >= tile.row_end) {  // no row of this expert in our slabs: keep the ring's count
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&full[stage], phase);
@@ -246,18 +249,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Both slabs, or only the first (the slab count a template argument: a wgmma under a runtime
     // branch would be serialised).
-    if (my_row0 + kSlabRows < tile.row_end) {
+    if (my_row0 + 2 * kSlabRows < tile.row_end) {
       consume_tile<2>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
     } else {
       consume_tile<1>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
     }
     // Accumulator (mma.sync C order per 8 columns): acc[s][4 j + 2 i + c] is row
-    // s * 64 + wg_warp * 16 + lane / 4 + 8 i of our slabs, column 8 j + 2 (lane % 4) + c.
+    // s * 128 + wg_warp * 16 + lane / 4 + 8 i from my_row0, column 8 j + 2 (lane % 4) + c.
 #pragma unroll
     for (int slab = 0; slab < 2; ++slab) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int row = my_row0 + slab * kSlabRows + wg_warp * 16 + lane / 4 + 8 * i;
+        const int row = my_row0 + 2 * slab * kSlabRows + wg_warp * 16 + lane / 4 + 8 * i;
         if (row >= tile.row_end) continue;
         bf16* out = p.out + static_cast<int64_t>(row) * p.n;
 #pragma unroll
