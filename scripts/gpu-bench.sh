@@ -25,7 +25,7 @@
 # shape); plain48 trace48 (the 48-layer shape); spec1 spec2 spec3 spec1dp (K-draft verify steps at
 # forced acceptance 0.8); decode-curve (bf16 and FP8 decode against batch); gdn-kernels, gdn-model,
 # q35, attn-quick (Qwen3.5 shapes and kernels); grouped-model (prefill on either grouped GEMM);
-# q35-mtp, b256, spec-adapt (MTP and min_draft_acceptance through the engine); compare
+# q35-mtp, b256, spec-adapt, hybrid-dpep (MTP and min_draft_acceptance through the engine); compare
 # (bin/before/relay against this one); demo-engine, hybrid, hybrid-bench; ncu (NCU_KERNEL=REGEX:
 # Nsight Compute sections of those kernels in the kernel bench); tidy (drops tests.log from $OUT).
 # A bin/before directory in the pack holds an older relay for the before/after modes (SIDES picks
@@ -133,6 +133,14 @@ for l in "$@"; do
       for s in '' '--speculative-config {"method":"mtp","num_speculative_tokens":1}'; do
         run hybrid-engine-eager --mode engine --device cuda --model models/relay-demo-hybrid --decode-batches 1,8 --decode-contexts 128 \
           --decode-tokens 128 --enforce-eager $s
+      done; unset GROUP ;;
+    hybrid-dpep)  # issue 26: the demo hybrid on DP 2 + EP 2 (both ranks on GPU 0), plain and MTP K = 1, 3
+      bash scripts/unpack-models.sh > /dev/null 2>&1
+      export GROUP=hybrid-dpep
+      D="--mode engine --device cuda --model models/relay-demo-hybrid --dp 2 --ep 2 --gpus 0,0 --decode-batches 2,16 --decode-contexts 128 --decode-tokens 128"
+      run dpep-plain $D
+      for k in 1 3; do
+        run dpep-mtp$k $D --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}"
       done; unset GROUP ;;
     q35-mtp)  # issue 26: Qwen3.5-35B-A3B's first 16 layers and its MTP head (dummy weights), through
       # the engine, plain and with MTP K = 1, 3 at a forced acceptance of 0.8

@@ -20,10 +20,12 @@
 // - Warp groups 1 and 2 consume: each owns two slabs, 128 rows x 128 columns of fp32 accumulators
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
 //   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
-//   then stores its rows (masked to the expert's rows and to n) straight to global memory. Group
-//   g owns slabs g and g + 2, so a tile's rows reach both groups' first slabs before either's
-//   second: a tile of up to 128 rows (half of Qwen3.5's experts at 4096 tokens) splits evenly
-//   instead of leaving one group idle while the other does both slabs.
+//   then stores its rows (masked to the expert's rows and to n) straight to global memory.
+// Wide tiles: an expert of at most 128 rows takes tiles of 128 rows x 256 columns instead, the
+// stage's slabs 2 and 3 holding the second 128 weight rows, and both groups consume slabs 0 and 1,
+// each against its own 128 columns. A tall tile of such an expert left group 2 idle (its slabs
+// empty) while group 1 did both, and its x rows, re-read from L2 for every column tile, were as
+// many bytes a stage as its weights; a wide tile does twice the work for 1.5 times the bytes.
 // Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
 // with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
 // Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
@@ -92,7 +94,17 @@ struct Tile {
   int row_end = 0;  // one past the expert's last row
   int col0 = 0;     // first output column
   int w_row0 = 0;   // first weight row in [experts * n, k]
+  bool wide = false;  // kWideRows x 2 kBn (the expert's rows all in slabs 0 and 1)
 };
+
+// An expert of up to kWideRows rows takes wide tiles where n has more than one column tile.
+constexpr int kWideRows = 2 * kSlabRows;
+__device__ __forceinline__ bool wide_tiles(int rows, int n) { return rows <= kWideRows && n > kBn; }
+__device__ __forceinline__ int expert_tiles(int rows, int n) {
+  if (rows == 0) return 0;
+  if (wide_tiles(rows, n)) return (n + 2 * kBn - 1) / (2 * kBn);
+  return (rows + kBm - 1) / kBm * ((n + kBn - 1) / kBn);
+}
 
 __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int* offsets,
                                             int num_experts, int n) {
@@ -106,27 +118,36 @@ __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int*
     }
   }
   const int e = lo;
-  const int m_tiles = (offsets[e + 1] - offsets[e] + kBm - 1) / kBm;
+  const int rows = offsets[e + 1] - offsets[e];
   const int local = t - prefix[e];
   Tile tile;
-  tile.row0 = offsets[e] + (local % m_tiles) * kBm;
   tile.row_end = offsets[e + 1];
-  tile.col0 = (local / m_tiles) * kBn;
+  tile.wide = wide_tiles(rows, n);
+  if (tile.wide) {
+    tile.row0 = offsets[e];
+    tile.col0 = local * 2 * kBn;
+  } else {
+    const int m_tiles = (rows + kBm - 1) / kBm;
+    tile.row0 = offsets[e] + (local % m_tiles) * kBm;
+    tile.col0 = (local / m_tiles) * kBn;
+  }
   tile.w_row0 = e * n + tile.col0;
   return tile;
 }
 
-// A consumer warp group's k loop over one tile: kLive of its two slabs (wg and wg + 2) hold rows.
-// Leaves every wgmma retired and the last stage released.
+// A consumer warp group's k loop over one tile: kLive of its two slabs (consecutive from a_off
+// bytes into a stage) hold rows, against the 128 weight rows b_off bytes in. Leaves every wgmma
+// retired and the last stage released.
 template <int kLive>
 __device__ __forceinline__ void consume_tile(float (&acc)[2][64], uint8_t* stages, uint64_t* full,
-                                             uint64_t* empty, int wg, int k_steps, bool signals,
-                                             int& stage, uint32_t& phase) {
+                                             uint64_t* empty, uint32_t a_off, uint32_t b_off,
+                                             int k_steps, bool signals, int& stage,
+                                             uint32_t& phase) {
   int prev_stage = -1;
   for (int ks = 0; ks < k_steps; ++ks) {
     mbar_wait(&full[stage], phase);
     const uint32_t st = smem_addr(stages + stage * kStageBytes);
-    const uint32_t a = st + wg * kSlabBytes, b = st + kSlabs * kSlabBytes;
+    const uint32_t a = st + a_off, b = st + b_off;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBk / 16; ++kk) {
@@ -134,8 +155,8 @@ __device__ __forceinline__ void consume_tile(float (&acc)[2][64], uint8_t* stage
       const int accumulate = ks > 0 || kk > 0;
 #pragma unroll
       for (int slab = 0; slab < kLive; ++slab) {
-        wgmma_ss<128>(acc[slab], gmma_desc_sw128(a + 2 * slab * kSlabBytes + kk * 32, 16, 1024),
-                      db, accumulate);
+        wgmma_ss<128>(acc[slab], gmma_desc_sw128(a + slab * kSlabBytes + kk * 32, 16, 1024), db,
+                      accumulate);
       }
     }
     wgmma_commit();
@@ -163,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* offsets = reinterpret_cast<int*>(empty + kStages);  // [num_experts + 1]
   int* prefix = offsets + p.num_experts + 1;               // [num_experts + 1]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n_tiles = (p.n + kBn - 1) / kBn, k_steps = (p.k + kBk - 1) / kBk;
+  const int k_steps = (p.k + kBk - 1) / kBk;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -181,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int e = e0; e < e1; ++e) {
       const int row0 = p.expert_offsets[e], row1 = p.expert_offsets[e + 1];
       offsets[e] = row0;
-      sum += (row1 - row0 + kBm - 1) / kBm * n_tiles;
+      sum += expert_tiles(row1 - row0, p.n);
     }
     int inclusive = sum;
 #pragma unroll
@@ -192,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int run = inclusive - sum;
     for (int e = e0; e < e1; ++e) {
       prefix[e] = run;
-      run += (p.expert_offsets[e + 1] - p.expert_offsets[e] + kBm - 1) / kBm * n_tiles;
+      run += expert_tiles(p.expert_offsets[e + 1] - p.expert_offsets[e], p.n);
     }
     if (lane == 31) {
       prefix[p.num_experts] = inclusive;
@@ -212,7 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
       const int live_slabs = min(kSlabs, (tile.row_end - tile.row0 + kSlabRows - 1) / kSlabRows);
-      const uint32_t bytes = live_slabs * kSlabBytes + kWeightBytes;
+      // A wide tile's second 128 weight rows go where slabs 2 and 3 would.
+      const uint32_t bytes = live_slabs * kSlabBytes + (tile.wide ? 2 : 1) * kWeightBytes;
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&empty[stage], phase ^ 1);
         uint8_t* st = stages + stage * kStageBytes;
@@ -222,6 +244,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                       &full[stage]);
         }
         tma_load_2d(st + kSlabs * kSlabBytes, &w_map, ks * kBk, tile.w_row0, &full[stage]);
+        if (tile.wide) {
+          tma_load_2d(st + 2 * kSlabBytes, &w_map, ks * kBk, tile.w_row0 + kBn, &full[stage]);
+        }
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -230,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int wg = warp / 4 - 1;   // slabs wg and wg + 2 of the tile
+  const int wg = warp / 4 - 1;   // slabs 2 wg and 2 wg + 1 of a tall tile, columns of a wide one
   const int wg_warp = warp % 4;  // 16 rows of each slab
   const bool signals = threadIdx.x % 128 == 0;
   float acc[2][64];  // [slab][the thread's accumulators]
@@ -238,7 +263,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t phase = 0;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
-    const int my_row0 = tile.row0 + wg * kSlabRows;  // our first slab's; the second's 128 on
+    // Our slabs' first row and bytes into a stage, our weight rows' bytes and our first column.
+    const int my_row0 = tile.wide ? tile.row0 : tile.row0 + 2 * wg * kSlabRows;
+    const uint32_t a_off = tile.wide ? 0 : 2 * wg * kSlabBytes;
+    const uint32_t b_off = tile.wide && wg == 1 ? 2 * kSlabBytes : kSlabs * kSlabBytes;
+    const int my_col0 = tile.wide ? tile.col0 + wg * kBn : tile.col0;
     if (my_row0 >= tile.row_end) {  // no row of this expert in our slabs: keep the ring's count
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&full[stage], phase);
@@ -249,23 +278,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Both slabs, or only the first (the slab count a template argument: a wgmma under a runtime
     // branch would be serialised).
-    if (my_row0 + 2 * kSlabRows < tile.row_end) {
-      consume_tile<2>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
+    if (my_row0 + kSlabRows < tile.row_end) {
+      consume_tile<2>(acc, stages, full, empty, a_off, b_off, k_steps, signals, stage, phase);
     } else {
-      consume_tile<1>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
+      consume_tile<1>(acc, stages, full, empty, a_off, b_off, k_steps, signals, stage, phase);
     }
     // Accumulator (mma.sync C order per 8 columns): acc[s][4 j + 2 i + c] is row
-    // s * 128 + wg_warp * 16 + lane / 4 + 8 i from my_row0, column 8 j + 2 (lane % 4) + c.
+    // s * 64 + wg_warp * 16 + lane / 4 + 8 i of our slabs, column 8 j + 2 (lane % 4) + c.
 #pragma unroll
     for (int slab = 0; slab < 2; ++slab) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int row = my_row0 + 2 * slab * kSlabRows + wg_warp * 16 + lane / 4 + 8 * i;
+        const int row = my_row0 + slab * kSlabRows + wg_warp * 16 + lane / 4 + 8 * i;
         if (row >= tile.row_end) continue;
         bf16* out = p.out + static_cast<int64_t>(row) * p.n;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          const int col = tile.col0 + 8 * j + 2 * (lane % 4);
+          const int col = my_col0 + 8 * j + 2 * (lane % 4);
           if (col < p.n) {
             *reinterpret_cast<__nv_bfloat162*>(out + col) =
                 __floats2bfloat162_rn(acc[slab][4 * j + 2 * i], acc[slab][4 * j + 2 * i + 1]);
@@ -326,7 +355,8 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   const int smem = 1024 + kStages * kStageBytes + 2 * kStages * sizeof(uint64_t) +
                    2 * (p.num_experts + 1) * sizeof(int);
   allow_dynamic_smem(grouped_gemm_wgmma_kernel, smem);
-  // Tiles at most: every expert may add one partial m tile. The stages hold one CTA per SM
+  // Tiles at most: every expert may add one partial m tile (a wide tile counts as less than the
+  // two tall ones it replaces). The stages hold one CTA per SM
   // (__launch_bounds__(kThreads, 1)), so the persistent grid is the SM count.
   const int64_t max_tiles =
       (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * ceil_div(p.n, kBn);
