@@ -21,11 +21,13 @@
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
 //   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
 //   then stores its rows (masked to the expert's rows and to n) straight to global memory.
-// Wide tiles: an expert of at most 128 rows takes tiles of 128 rows x 256 columns instead, the
-// stage's slabs 2 and 3 holding the second 128 weight rows, and both groups consume slabs 0 and 1,
-// each against its own 128 columns. A tall tile of such an expert left group 2 idle (its slabs
-// empty) while group 1 did both, and its x rows, re-read from L2 for every column tile, were as
-// many bytes a stage as its weights; a wide tile does twice the work for 1.5 times the bytes.
+// Wide tiles: an expert's rows past its full 256-row tiles (up to 192 of them) take tiles of 128
+// rows x 256 columns instead, the stage's slabs 2 and 3 holding the second 128 weight rows, and
+// both groups consume slabs 0 and 1, each against its own 128 columns. A tall tile of those rows
+// left group 2 idle (its slabs empty) while group 1 did both, and its x rows, re-read from L2 for
+// every column tile, were as many bytes a stage as its weights; a wide tile does twice the work
+// for 1.5 times the bytes. (Qwen3.5's experts hold 128 +- 11 rows at 4096 tokens, the 30B's 256
+// +- 15: the tall tile for 10 rows past 256 was a whole k loop of one group.)
 // Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
 // with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
 // Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
@@ -88,22 +90,40 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
 }
 
 // Where tile `t` of the launch lies: tiles are numbered expert by expert (prefix[e] is the first of
-// expert e), m tiles fastest within an expert.
+// expert e); within an expert its tall tiles, m tiles fastest, then its wide ones, m tiles fastest.
 struct Tile {
   int row0 = 0;     // first permuted row
-  int row_end = 0;  // one past the expert's last row
+  int row_end = 0;  // one past the tile's last row (within its expert's)
   int col0 = 0;     // first output column
   int w_row0 = 0;   // first weight row in [experts * n, k]
-  bool wide = false;  // kWideRows x 2 kBn (the expert's rows all in slabs 0 and 1)
+  bool wide = false;  // kWideRows x 2 kBn (the rows all in slabs 0 and 1)
 };
 
-// An expert of up to kWideRows rows takes wide tiles where n has more than one column tile.
-constexpr int kWideRows = 2 * kSlabRows;
-__device__ __forceinline__ bool wide_tiles(int rows, int n) { return rows <= kWideRows && n > kBn; }
+// How an expert's rows split: tall tiles of kBm rows, and the rows past them in wide tiles of
+// kWideRows, unless more than kTallRest rows are left (four slabs of a tall tile keep both groups
+// busy; three would idle one for as long as two wide tiles take). Where n has one column tile, tall
+// tiles only.
+constexpr int kWideRows = 2 * kSlabRows, kTallRest = 3 * kSlabRows;
+struct ExpertTiles {
+  int tall_m = 0, wide_m = 0;  // m tiles of each shape
+  int tall_rows = 0;           // rows the tall tiles take
+};
+__device__ __forceinline__ ExpertTiles split_expert(int rows, int n) {
+  ExpertTiles x;
+  const int rest = rows % kBm;
+  if (n <= kBn || rest > kTallRest) {
+    x.tall_m = (rows + kBm - 1) / kBm;
+    x.tall_rows = rows;
+  } else {
+    x.tall_m = rows / kBm;
+    x.tall_rows = x.tall_m * kBm;
+    x.wide_m = (rest + kWideRows - 1) / kWideRows;
+  }
+  return x;
+}
 __device__ __forceinline__ int expert_tiles(int rows, int n) {
-  if (rows == 0) return 0;
-  if (wide_tiles(rows, n)) return (n + 2 * kBn - 1) / (2 * kBn);
-  return (rows + kBm - 1) / kBm * ((n + kBn - 1) / kBn);
+  const ExpertTiles x = split_expert(rows, n);
+  return x.tall_m * ((n + kBn - 1) / kBn) + x.wide_m * ((n + 2 * kBn - 1) / (2 * kBn));
 }
 
 __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int* offsets,
@@ -118,18 +138,19 @@ __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int*
     }
   }
   const int e = lo;
-  const int rows = offsets[e + 1] - offsets[e];
-  const int local = t - prefix[e];
+  const ExpertTiles x = split_expert(offsets[e + 1] - offsets[e], n);
+  const int local = t - prefix[e], tall = x.tall_m * ((n + kBn - 1) / kBn);
   Tile tile;
-  tile.row_end = offsets[e + 1];
-  tile.wide = wide_tiles(rows, n);
-  if (tile.wide) {
-    tile.row0 = offsets[e];
-    tile.col0 = local * 2 * kBn;
+  if (local < tall) {
+    tile.row0 = offsets[e] + (local % x.tall_m) * kBm;
+    tile.row_end = min(tile.row0 + kBm, offsets[e] + x.tall_rows);
+    tile.col0 = (local / x.tall_m) * kBn;
   } else {
-    const int m_tiles = (rows + kBm - 1) / kBm;
-    tile.row0 = offsets[e] + (local % m_tiles) * kBm;
-    tile.col0 = (local / m_tiles) * kBn;
+    const int w = local - tall;
+    tile.wide = true;
+    tile.row0 = offsets[e] + x.tall_rows + (w % x.wide_m) * kWideRows;
+    tile.row_end = min(tile.row0 + kWideRows, offsets[e + 1]);
+    tile.col0 = (w / x.wide_m) * 2 * kBn;
   }
   tile.w_row0 = e * n + tile.col0;
   return tile;
@@ -355,11 +376,11 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   const int smem = 1024 + kStages * kStageBytes + 2 * kStages * sizeof(uint64_t) +
                    2 * (p.num_experts + 1) * sizeof(int);
   allow_dynamic_smem(grouped_gemm_wgmma_kernel, smem);
-  // Tiles at most: every expert may add one partial m tile (a wide tile counts as less than the
-  // two tall ones it replaces). The stages hold one CTA per SM
+  // Tiles at most: every expert may add one partial m tile, or two wide ones over ceil(n / 256)
+  // column tiles, at most one more than ceil(n / 128). The stages hold one CTA per SM
   // (__launch_bounds__(kThreads, 1)), so the persistent grid is the SM count.
   const int64_t max_tiles =
-      (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * ceil_div(p.n, kBn);
+      (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * (ceil_div(p.n, kBn) + 1);
   const int grid = static_cast<int>(std::min<int64_t>(max_tiles, device_sm_count()));
   launch_dependent("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel, dim3(grid),
                    dim3(kThreads), smem, s, bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows),
