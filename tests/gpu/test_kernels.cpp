@@ -672,12 +672,10 @@ TEST(GpuKernels, MoeGroupedMatmul) {
   struct Case { int tokens, experts, k_top, n, k; };
   // {2, 16, 8, 200, 4096}: two rounds of weight loads per streaming CTA and a partial column tile;
   // {64, 4, 2, 256, 512}: 32 rows per expert, several passes of the streaming kernel over one expert;
-  // {2048, 64, 4, 512, 256}: about 128 rows per expert, so the wgmma kernel's experts take wide
-  // tiles (up to 128 rows) or tall ones with a partly live last slab, and its CTAs walk several
-  // tiles round the stage ring; {257, 8, 2, 264, 136} and {3, 16, 4, 384, 128}: wide tiles whose
-  // second 128 columns pass n in part or whole; {1100, 16, 4, 384, 128}: about 275 rows per expert,
-  // a full tall tile and the rest in a wide one; {1800, 16, 4, 256, 64}: about 450, the rest past
-  // 256 in a tall tile (over 192 rows) or in two wide ones, one k step.
+  // {2048, 64, 4, 512, 256}: about 128 rows per expert, so the wgmma kernel's last tiles of an
+  // expert hold one or two live halves, and its CTAs walk several tiles round the stage ring;
+  // {1100, 16, 4, 384, 128} and {1800, 16, 4, 256, 64}: about 275 and 450 rows per expert, a full
+  // 256-row tile and a second m tile of one to four live slabs (the latter in one k step).
   for (Case c : {Case{1, 128, 8, 1536, 2048}, Case{3, 16, 4, 384, 128}, Case{64, 128, 8, 2048, 768},
                  Case{600, 128, 8, 1536, 2048}, Case{257, 8, 2, 264, 136}, Case{2, 16, 8, 200, 4096},
                  Case{64, 4, 2, 256, 512}, Case{2048, 64, 4, 512, 256}, Case{1100, 16, 4, 384, 128},

@@ -21,13 +21,6 @@
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
 //   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
 //   then stores its rows (masked to the expert's rows and to n) straight to global memory.
-// Wide tiles: an expert's rows past its full 256-row tiles (up to 192 of them) take tiles of 128
-// rows x 256 columns instead, the stage's slabs 2 and 3 holding the second 128 weight rows, and
-// both groups consume slabs 0 and 1, each against its own 128 columns. A tall tile of those rows
-// left group 2 idle (its slabs empty) while group 1 did both, and its x rows, re-read from L2 for
-// every column tile, were as many bytes a stage as its weights; a wide tile does twice the work
-// for 1.5 times the bytes. (Qwen3.5's experts hold 128 +- 11 rows at 4096 tokens, the 30B's 256
-// +- 15: the tall tile for 10 rows past 256 was a whole k loop of one group.)
 // Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
 // with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
 // Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
@@ -90,41 +83,13 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
 }
 
 // Where tile `t` of the launch lies: tiles are numbered expert by expert (prefix[e] is the first of
-// expert e); within an expert its tall tiles, m tiles fastest, then its wide ones, m tiles fastest.
+// expert e), m tiles fastest within an expert.
 struct Tile {
   int row0 = 0;     // first permuted row
-  int row_end = 0;  // one past the tile's last row (within its expert's)
+  int row_end = 0;  // one past the expert's last row
   int col0 = 0;     // first output column
   int w_row0 = 0;   // first weight row in [experts * n, k]
-  bool wide = false;  // kWideRows x 2 kBn (the rows all in slabs 0 and 1)
 };
-
-// How an expert's rows split: tall tiles of kBm rows, and the rows past them in wide tiles of
-// kWideRows, unless more than kTallRest rows are left (four slabs of a tall tile keep both groups
-// busy; three would idle one for as long as two wide tiles take). Where n has one column tile, tall
-// tiles only.
-constexpr int kWideRows = 2 * kSlabRows, kTallRest = 3 * kSlabRows;
-struct ExpertTiles {
-  int tall_m = 0, wide_m = 0;  // m tiles of each shape
-  int tall_rows = 0;           // rows the tall tiles take
-};
-__device__ __forceinline__ ExpertTiles split_expert(int rows, int n) {
-  ExpertTiles x;
-  const int rest = rows % kBm;
-  if (n <= kBn || rest > kTallRest) {
-    x.tall_m = (rows + kBm - 1) / kBm;
-    x.tall_rows = rows;
-  } else {
-    x.tall_m = rows / kBm;
-    x.tall_rows = x.tall_m * kBm;
-    x.wide_m = (rest + kWideRows - 1) / kWideRows;
-  }
-  return x;
-}
-__device__ __forceinline__ int expert_tiles(int rows, int n) {
-  const ExpertTiles x = split_expert(rows, n);
-  return x.tall_m * ((n + kBn - 1) / kBn) + x.wide_m * ((n + 2 * kBn - 1) / (2 * kBn));
-}
 
 __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int* offsets,
                                             int num_experts, int n) {
@@ -138,37 +103,27 @@ __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int*
     }
   }
   const int e = lo;
-  const ExpertTiles x = split_expert(offsets[e + 1] - offsets[e], n);
-  const int local = t - prefix[e], tall = x.tall_m * ((n + kBn - 1) / kBn);
+  const int m_tiles = (offsets[e + 1] - offsets[e] + kBm - 1) / kBm;
+  const int local = t - prefix[e];
   Tile tile;
-  if (local < tall) {
-    tile.row0 = offsets[e] + (local % x.tall_m) * kBm;
-    tile.row_end = min(tile.row0 + kBm, offsets[e] + x.tall_rows);
-    tile.col0 = (local / x.tall_m) * kBn;
-  } else {
-    const int w = local - tall;
-    tile.wide = true;
-    tile.row0 = offsets[e] + x.tall_rows + (w % x.wide_m) * kWideRows;
-    tile.row_end = min(tile.row0 + kWideRows, offsets[e + 1]);
-    tile.col0 = (w / x.wide_m) * 2 * kBn;
-  }
+  tile.row0 = offsets[e] + (local % m_tiles) * kBm;
+  tile.row_end = offsets[e + 1];
+  tile.col0 = (local / m_tiles) * kBn;
   tile.w_row0 = e * n + tile.col0;
   return tile;
 }
 
-// A consumer warp group's k loop over one tile: kLive of its two slabs (consecutive from a_off
-// bytes into a stage) hold rows, against the 128 weight rows b_off bytes in. Leaves every wgmma
-// retired and the last stage released.
+// A consumer warp group's k loop over one tile: kLive of its two slabs hold rows. Leaves every
+// wgmma retired and the last stage released.
 template <int kLive>
 __device__ __forceinline__ void consume_tile(float (&acc)[2][64], uint8_t* stages, uint64_t* full,
-                                             uint64_t* empty, uint32_t a_off, uint32_t b_off,
-                                             int k_steps, bool signals, int& stage,
-                                             uint32_t& phase) {
+                                             uint64_t* empty, int wg, int k_steps, bool signals,
+                                             int& stage, uint32_t& phase) {
   int prev_stage = -1;
   for (int ks = 0; ks < k_steps; ++ks) {
     mbar_wait(&full[stage], phase);
     const uint32_t st = smem_addr(stages + stage * kStageBytes);
-    const uint32_t a = st + a_off, b = st + b_off;
+    const uint32_t a = st + 2 * wg * kSlabBytes, b = st + kSlabs * kSlabBytes;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBk / 16; ++kk) {
@@ -205,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* offsets = reinterpret_cast<int*>(empty + kStages);  // [num_experts + 1]
   int* prefix = offsets + p.num_experts + 1;               // [num_experts + 1]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int k_steps = (p.k + kBk - 1) / kBk;
+  const int n_tiles = (p.n + kBn - 1) / kBn, k_steps = (p.k + kBk - 1) / kBk;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -223,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int e = e0; e < e1; ++e) {
       const int row0 = p.expert_offsets[e], row1 = p.expert_offsets[e + 1];
       offsets[e] = row0;
-      sum += expert_tiles(row1 - row0, p.n);
+      sum += (row1 - row0 + kBm - 1) / kBm * n_tiles;
     }
     int inclusive = sum;
 #pragma unroll
@@ -234,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int run = inclusive - sum;
     for (int e = e0; e < e1; ++e) {
       prefix[e] = run;
-      run += expert_tiles(p.expert_offsets[e + 1] - p.expert_offsets[e], p.n);
+      run += (p.expert_offsets[e + 1] - p.expert_offsets[e] + kBm - 1) / kBm * n_tiles;
     }
     if (lane == 31) {
       prefix[p.num_experts] = inclusive;
@@ -254,8 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
       const int live_slabs = min(kSlabs, (tile.row_end - tile.row0 + kSlabRows - 1) / kSlabRows);
-      // A wide tile's second 128 weight rows go where slabs 2 and 3 would.
-      const uint32_t bytes = live_slabs * kSlabBytes + (tile.wide ? 2 : 1) * kWeightBytes;
+      const uint32_t bytes = live_slabs * kSlabBytes + kWeightBytes;
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&empty[stage], phase ^ 1);
         uint8_t* st = stages + stage * kStageBytes;
@@ -265,9 +219,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                       &full[stage]);
         }
         tma_load_2d(st + kSlabs * kSlabBytes, &w_map, ks * kBk, tile.w_row0, &full[stage]);
-        if (tile.wide) {
-          tma_load_2d(st + 2 * kSlabBytes, &w_map, ks * kBk, tile.w_row0 + kBn, &full[stage]);
-        }
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -276,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int wg = warp / 4 - 1;   // slabs 2 wg and 2 wg + 1 of a tall tile, columns of a wide one
+  const int wg = warp / 4 - 1;   // slabs 2 wg and 2 wg + 1 of the tile
   const int wg_warp = warp % 4;  // 16 rows of each slab
   const bool signals = threadIdx.x % 128 == 0;
   float acc[2][64];  // [slab][the thread's accumulators]
@@ -284,11 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t phase = 0;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
-    // Our slabs' first row and bytes into a stage, our weight rows' bytes and our first column.
-    const int my_row0 = tile.wide ? tile.row0 : tile.row0 + 2 * wg * kSlabRows;
-    const uint32_t a_off = tile.wide ? 0 : 2 * wg * kSlabBytes;
-    const uint32_t b_off = tile.wide && wg == 1 ? 2 * kSlabBytes : kSlabs * kSlabBytes;
-    const int my_col0 = tile.wide ? tile.col0 + wg * kBn : tile.col0;
+    const int my_row0 = tile.row0 + 2 * wg * kSlabRows;
     if (my_row0 >= tile.row_end) {  // no row of this expert in our slabs: keep the ring's count
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&full[stage], phase);
@@ -300,9 +247,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Both slabs, or only the first (the slab count a template argument: a wgmma under a runtime
     // branch would be serialised).
     if (my_row0 + kSlabRows < tile.row_end) {
-      consume_tile<2>(acc, stages, full, empty, a_off, b_off, k_steps, signals, stage, phase);
+      consume_tile<2>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
     } else {
-      consume_tile<1>(acc, stages, full, empty, a_off, b_off, k_steps, signals, stage, phase);
+      consume_tile<1>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
     }
     // Accumulator (mma.sync C order per 8 columns): acc[s][4 j + 2 i + c] is row
     // s * 64 + wg_warp * 16 + lane / 4 + 8 i of our slabs, column 8 j + 2 (lane % 4) + c.
@@ -315,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         bf16* out = p.out + static_cast<int64_t>(row) * p.n;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          const int col = my_col0 + 8 * j + 2 * (lane % 4);
+          const int col = tile.col0 + 8 * j + 2 * (lane % 4);
           if (col < p.n) {
             *reinterpret_cast<__nv_bfloat162*>(out + col) =
                 __floats2bfloat162_rn(acc[slab][4 * j + 2 * i], acc[slab][4 * j + 2 * i + 1]);
@@ -376,11 +323,10 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   const int smem = 1024 + kStages * kStageBytes + 2 * kStages * sizeof(uint64_t) +
                    2 * (p.num_experts + 1) * sizeof(int);
   allow_dynamic_smem(grouped_gemm_wgmma_kernel, smem);
-  // Tiles at most: every expert may add one partial m tile, or two wide ones over ceil(n / 256)
-  // column tiles, at most one more than ceil(n / 128). The stages hold one CTA per SM
+  // Tiles at most: every expert may add one partial m tile. The stages hold one CTA per SM
   // (__launch_bounds__(kThreads, 1)), so the persistent grid is the SM count.
   const int64_t max_tiles =
-      (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * (ceil_div(p.n, kBn) + 1);
+      (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * ceil_div(p.n, kBn);
   const int grid = static_cast<int>(std::min<int64_t>(max_tiles, device_sm_count()));
   launch_dependent("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel, dim3(grid),
                    dim3(kThreads), smem, s, bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows),

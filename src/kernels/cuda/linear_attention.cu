@@ -66,13 +66,10 @@ int conv_tile_tokens(const CausalConv1dParams<bf16>& p) {
 __global__ void causal_conv1d_kernel(CausalConv1dParams<bf16> p, int tile) {
   wait_on_prior_grid();  // launched dependent (common.cuh)
   release_dependent_grid();
-  // Channel blocks fastest: consecutive CTAs read the same tokens' rows side by side.
-  const int channel_blocks = (p.conv_dim + blockDim.x - 1) / blockDim.x;
-  const int c = static_cast<int>(blockIdx.x % channel_blocks) * blockDim.x + threadIdx.x;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= p.conv_dim) return;
   const int width = p.kernel_size - 1;
-  const int t0 = static_cast<int>(blockIdx.x / channel_blocks) * tile;
-  const int t1 = min(t0 + tile, p.num_tokens);
+  const int t0 = blockIdx.x * tile, t1 = min(t0 + tile, p.num_tokens);
   float taps[kMaxConvWidth + 1];
   load_conv_taps(p.weight, c, p.kernel_size, taps);
   auto input = [&](int t) { return __bfloat162float(p.x[static_cast<int64_t>(t) * p.x_stride + c]); };
@@ -816,13 +813,10 @@ void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
   if (p.num_seqs == 0 || p.num_tokens == 0) return;
   constexpr int kThreads = 128;
   const int tile = conv_tile_tokens(p);
-  // One dimension, (token tile, channel block) with channel blocks fastest: a grid with token tiles
-  // slowest on y read one 256-byte column strip of every token at a time.
-  const int64_t ctas = ceil_div(p.num_tokens, tile) * ceil_div(p.conv_dim, kThreads);
-  RELAY_CHECK(ctas <= INT32_MAX, "causal_conv1d: ", p.num_tokens, " tokens x ", p.conv_dim,
-              " channels pass one grid dimension");
-  launch_dependent("causal_conv1d_kernel", causal_conv1d_kernel, dim3(static_cast<unsigned>(ctas)),
-                   dim3(kThreads), 0, s, p, tile);
+  // Tiles on x: a batch may hold more than gridDim.y's 65535.
+  const dim3 grid(ceil_div(p.num_tokens, tile), ceil_div(p.conv_dim, kThreads));
+  launch_dependent("causal_conv1d_kernel", causal_conv1d_kernel, grid, dim3(kThreads), 0, s, p,
+                   tile);
 }
 
 bool gated_delta_rule_chunks(int key_dim, int value_dim) { return key_dim == kDim && value_dim == kDim; }
