@@ -27,8 +27,7 @@
 # q35, attn-quick (Qwen3.5 shapes and kernels); grouped-model (prefill on either grouped GEMM);
 # q35-mtp, b256, spec-adapt, hybrid-dpep (MTP and min_draft_acceptance through the engine); compare
 # (bin/before/relay against this one); demo-engine, hybrid, hybrid-bench; ncu (NCU_KERNEL=REGEX:
-# Nsight Compute sections of those kernels in the kernel bench); nsys-decode (Nsight Systems: the
-# kernels of a graphed batch-1 decode); tidy (drops tests.log from $OUT).
+# Nsight Compute sections of those kernels in the kernel bench); tidy (drops tests.log from $OUT).
 # A bin/before directory in the pack holds an older relay for the before/after modes (SIDES picks
 # the sides; FULL=0 skips gdn-model's full-depth FP8 run).
 set -uo pipefail
@@ -163,24 +162,14 @@ for l in "$@"; do
       run q35m-mtp1 $Q --spec-forced-acceptance 0.8 --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
       unset GROUP ;;
     tidy) rm -f "$OUT/tests.log" ;;
-    nsys-decode)  # Nsight Systems on Qwen3.5's 8 layers decoding batch 1 through its CUDA graph: each
-      # graph node's kernel time (--cuda-graph-trace node), which the eager profile's marks blur
-      nsys_bin="$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)"
-      [ -n "$nsys_bin" ] || { echo "nsys: not installed"; continue; }
-      timeout 200 "$nsys_bin" profile --cuda-graph-trace=node --trace=cuda -o /tmp/decode -f true \
-        "$bin/relay" bench --mode model --model /tmp/q35 --load-format dummy --prefill-lengths 512 \
-        --decode-batches 1 --decode-contexts 512 --num-kv-blocks 8192 > /tmp/nsys.log 2>&1
-      echo "nsys rc $?"; tail -3 /tmp/nsys.log
-      "$nsys_bin" stats --report cuda_gpu_kern_sum --format csv /tmp/decode.nsys-rep > "$OUT/nsys-kern.csv" 2>&1
-      echo "nsys stats rc $?"; head -30 "$OUT/nsys-kern.csv" | cut -c1-220 ;;
     ncu)  # Nsight Compute on the kernel bench: the first NCU_COUNT (2) launches of the kernels whose
       # names match NCU_KERNEL (a regex): speed of light, memory, scheduler and warp states.
-      # NCU_BENCH replaces the bench's arguments, e.g. the kernels of Qwen3.5's prefill in the model
-      # (the models above): NCU_BENCH="--mode model --model /tmp/q35 --load-format dummy
-      # --prefill-lengths 4096 --decode-batches 1 --decode-contexts 512" NCU_KERNEL=causal_conv1d;
-      # NCU_SKIP (0) matching launches are skipped first (the warm-up's). The model mode's KV pool
-      # takes the memory ncu saves buffers in for its replays ("Failed to profile"): add
-      # --num-kv-blocks 8192 to NCU_BENCH there.
+      # NCU_SKIP (0) matching launches are skipped first (the warm-up's). NCU_BENCH replaces the
+      # bench's arguments, e.g. a 2048-token prefill chunk of Qwen3.5 (the models above) through
+      # the engine: NCU_BENCH="--mode engine --device cuda --model /tmp/q35 --load-format dummy
+      # --decode-batches 1 --decode-contexts 4096 --decode-tokens 4" NCU_KERNEL=causal_conv1d
+      # NCU_SKIP=6. (The model mode's KV pool takes the memory ncu saves buffers in for its
+      # replays: "Failed to profile" there.)
       # shellcheck disable=SC2086  # NCU_BENCH is a list of arguments
       timeout 240 /usr/local/cuda/bin/ncu -k "regex:${NCU_KERNEL:?NCU_KERNEL names the kernels}" \
         -s "${NCU_SKIP:-0}" -c "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
