@@ -4,16 +4,18 @@
 // Each shape (batch B, context C) adds B requests whose prompts are C tokens, each its own block of
 // 16 pseudo-random ids repeated (so the n-gram proposer finds earlier occurrences, as in code
 // editing; attention does the same work whatever the ids), or all of them the one given prompt
-// (DecodeBenchOptions::prompt: real text, `relay bench --prompt-file`), greedy, ignoring EOS, generating
-// 1 + num_decode_tokens tokens. The engine runs until every request has its first token (the
-// prefill, timed on its own: prompt tokens per second); the steps after that are timed until all
-// finish, and the line reports the tokens they committed per second, with, when the engine drafts,
-// speculative decoding's counters over those steps: drafts, acceptance rate and mean acceptance
-// length (SpecDecodeStats). Prefix
-// caching is the engine's choice (EngineConfig); the prompts share no block. With warmup_runs, each
-// shape first runs that many times untimed (other prompts, the same lengths), so the one-time costs
-// a GPU backend pays at a shape's first steps (CUDA graph captures of each batch bucket and, with
-// drafts, of each number of tokens per sequence; GEMM plans) stay out of the timed run.
+// (DecodeBenchOptions::prompt: real text, `relay bench --prompt-file`), greedy, ignoring EOS,
+// generating 1 + num_decode_tokens tokens. The engine runs until every request has its first token
+// (the prefill, timed on its own: prompt tokens per second); the steps after that are timed until
+// all finish, and the line reports the tokens they committed per second, with, when the engine
+// drafts, speculative decoding's counters over those steps: drafts, acceptance rate and mean
+// acceptance length (SpecDecodeStats). Prefix caching is the engine's choice (EngineConfig); the
+// synthetic prompts share no block; a given prompt shares all of its blocks, so past its first
+// request (warm-up included) its prefill is a cache hit and only the decode figures measure the
+// model. With warmup_runs, each shape first runs that many times untimed (other prompts, the same
+// lengths), so the one-time costs a GPU backend pays at a shape's first steps (CUDA graph captures
+// of each batch bucket and, with drafts, of each number of tokens per sequence; GEMM plans) stay
+// out of the timed run.
 #pragma once
 
 #include <functional>

@@ -437,10 +437,10 @@ TEST(CudaHybridSharded, NgramUnderTensorParallelIsTheGreedyOutput) {
 
 // The demo hybrid's own MTP head drafting on the GPU (K = 1 and 3, one rank, with and without
 // graphs; K = 2 on TP 2, graphed, and DP 2 + EP 2 with and without graphs: a graphed head's MoE
-// exchanges meet the other DP rank's graphed, eager or idle head): the output is the plain
-// greedy output (within a near tie), at K = 1 the head is accepted about as often as its teacher-forced drafts
-// hit in torch (0.893; 0.882 on the CPU), and the graphed head (propose_mtp_graphed) is accepted
-// as often as the eager one (their drafts differ only where bf16 shapes flip a near tie).
+// exchanges meet the other DP rank's graphed, eager or idle head): the output is the plain greedy
+// output (within a near tie), at K = 1 the head is accepted about as often as its teacher-forced
+// drafts hit in torch (0.893; 0.882 on the CPU), and the graphed head (propose_mtp_graphed) is
+// accepted as often as the eager one (their drafts differ only where bf16 shapes flip a near tie).
 TEST(CudaHybridDemo, MtpDraftsAreLosslessAndAcceptedAsTheHeadPredicts) {
   const std::filesystem::path dir = test::DemoHybridFixture::model_dir();
   const Tokenizer& tokenizer = demo_tokenizer();

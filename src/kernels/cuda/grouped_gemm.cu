@@ -236,7 +236,8 @@ void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGem
   if (kind == GroupedGemmKind::Auto) kind = moe_grouped_matmul_auto_kind(p);
   RELAY_CHECK((!p.swiglu && p.permuted_index == nullptr) || kind == GroupedGemmKind::Streaming,
               "moe_grouped_matmul: the ", grouped_gemm_kind_name(kind),
-              " kernel neither fuses SwiGLU nor gathers rows (only streaming does; see moe_grouped_matmul_auto_kind)");
+              " kernel neither fuses SwiGLU nor gathers rows (only streaming does; see "
+              "moe_grouped_matmul_auto_kind)");
   if (kind == GroupedGemmKind::CutlassCooperative || kind == GroupedGemmKind::CutlassPingpong) {
     launch_moe_grouped_matmul_cutlass(p, kind == GroupedGemmKind::CutlassCooperative, s);
   } else if (kind == GroupedGemmKind::Wgmma) {

@@ -6,8 +6,9 @@
 // Permute: one CTA per expert scans the top-k ids twice — counting the rows of lower experts (its
 // offset) and its own per warp segment, then ranking its own rows in (token, k) order — so the
 // result equals the CPU's stable counting sort exactly and needs no global atomics or second launch
-// for the offsets; a decode step's few rows are ranked by one CTA instead. A second kernel copies each token's row to its top_k places. Both read only
-// device data, so a decode step that routes on the GPU can be captured in a graph.
+// for the offsets; a decode step's few rows are ranked by one CTA instead. A second kernel copies
+// each token's row to its top_k places. Both read only device data, so a decode step that routes
+// on the GPU can be captured in a graph.
 //
 // LiveRows bounds (ops.h): every kernel builds the bound's LiveRowMap once per CTA in shared memory
 // and walks live rows only. The index kernel's warps split the live routed rows, not the capacity,
@@ -214,7 +215,8 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermu
 // experts x rows) compares spread over the CTA.
 constexpr int kOneCtaPermuteRows = 256;
 
-__global__ void __launch_bounds__(kPermuteThreads) permute_index_one_cta_kernel(MoePermuteParams<bf16> p) {
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_index_one_cta_kernel(MoePermuteParams<bf16> p) {
   wait_on_prior_grid();  // launched dependent (common.cuh)
   release_dependent_grid();
   __shared__ int32_t ids[kOneCtaPermuteRows];
