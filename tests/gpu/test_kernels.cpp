@@ -786,6 +786,44 @@ TEST(GpuKernels, MoeGroupedMatmul) {
   }
 }
 
+// The causal conv1d at every kernel size it takes (each window width is its own kernel instance):
+// against the CPU reference, with sequences across the 16-token tiles, a fresh one, one without a
+// slot and snapshots, then one-token tiles (four tokens a sequence).
+TEST(GpuKernels, CausalConv1dEveryKernelSize) {
+  std::mt19937 rng(7);
+  const int conv_dim = 200, x_stride = conv_dim + 8, seqs = 4, num_slots = 9;
+  const std::vector<int32_t> slots{2, 0, -1, 5};
+  const std::vector<uint8_t> fresh{0, 1, 0, 0};
+  for (const int K : {1, 2, 3, 4, 5, 8})
+  for (const std::vector<int32_t>& starts : {std::vector<int32_t>{0, 2, 40, 57, 90},
+                                             std::vector<int32_t>{0, 4, 8, 12, 16}}) {
+    SCOPED_TRACE(::testing::Message() << "kernel_size " << K << ", " << starts.back() << " tokens");
+    const int T = starts.back(), width = K - 1;
+    std::vector<int32_t> snapshots(T, -1);
+    if (T > 50) snapshots[20] = 7, snapshots[45] = 8;
+    Bf16Data x = random_bf16(size_t(T) * x_stride, rng), w = random_bf16(size_t(conv_dim) * K, rng, 0.5f);
+    Bf16Data conv0 = random_bf16(size_t(num_slots) * conv_dim * std::max(width, 1), rng);
+    std::vector<float> conv_states = conv0.f32, out(size_t(T) * conv_dim);
+    const int64_t conv_stride = int64_t{conv_dim} * width;
+    kernels::CausalConv1dParams<float> cc{x.f32.data(), x_stride, w.f32.data(), conv_states.data(),
+                                          conv_stride, starts.data(), slots.data(), fresh.data(),
+                                          snapshots.data(), out.data(), seqs, T, conv_dim, K};
+    kernels::launch_causal_conv1d(cc, pool());
+    DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits), d_out(out.size());
+    DeviceBuffer<float> d_conv(conv0.f32);
+    DeviceBuffer<int32_t> d_starts(starts), d_slots(slots), d_snap(snapshots);
+    DeviceBuffer<uint8_t> d_fresh(fresh);
+    kernels::launch_causal_conv1d({d_x.get(), x_stride, d_w.get(), d_conv.get(), conv_stride,
+                                   d_starts.get(), d_slots.get(), d_fresh.get(), d_snap.get(),
+                                   d_out.get(), seqs, T, conv_dim, K},
+                                  nullptr);
+    EXPECT_LT(rel_error(to_f32(d_out.download()), out), kBf16Tolerance);
+    if (width > 0) {
+      EXPECT_LT(rel_error(d_conv.download(), conv_states), 1e-6);
+    }
+  }
+}
+
 // Gated DeltaNet's ops against their CPU references on the same bf16-rounded inputs: four
 // sequences (one token, a short chunk, a long one of 150 tokens; one fresh, two continuing random
 // states in scattered slots, one taking snapshots mid-chunk, the long one at its tokens 55 and 70;
