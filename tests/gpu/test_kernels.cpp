@@ -833,12 +833,16 @@ TEST(GpuKernels, CausalConv1dEveryKernelSize) {
 // verify-like batch of 4-token sequences (the conv's one-token tiles, a sequence's first tokens
 // taken by the tile holding its start), at
 // the released shapes' head dims and small odd ones; at the released dims the recurrence also in
-// its chunked form; then the sigmoid gate, per element and per row with accumulation.
+// its chunked form (its scan in 32- and 64-column slices); then the sigmoid gate, per element and
+// per row with accumulation.
 TEST(GpuKernels, GatedDeltaNetOps) {
   struct Shape {
     int k_heads, v_heads, key_dim, value_dim;
   };
-  for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{1, 3, 24, 40}})
+  // 4 sequences x 4 value heads take the chunk scan's 32-column slices, x 48 its 64-column ones.
+  ASSERT_EQ(kernels::gated_delta_rule_scan_columns(4, 4), 32);
+  ASSERT_EQ(kernels::gated_delta_rule_scan_columns(4, 48), 64);
+  for (const Shape sh : {Shape{2, 4, 128, 128}, Shape{4, 48, 128, 128}, Shape{1, 3, 24, 40}})
   for (const std::vector<int32_t>& starts :
        {std::vector<int32_t>{0, 1, 8, 158, 162}, std::vector<int32_t>{0, 1, 2, 3, 4},
         std::vector<int32_t>{0, 64, 65, 200, 330}, std::vector<int32_t>{0, 13, 14, 60, 100},
@@ -912,21 +916,6 @@ TEST(GpuKernels, GatedDeltaNetOps) {
       // operations; the chunked form multiplies bf16-rounded operands on tensor cores.
       EXPECT_LT(rel_error(d_states.download(), states), chunked ? kBf16Tolerance : 1e-4);
     }
-
-    // The output norm, gated by a strided z.
-    const int heads = sh.v_heads, hd = sh.value_dim;
-    const int64_t z_stride = int64_t{heads} * hd + 5;
-    Bf16Data y = random_bf16(size_t(T) * heads * hd, rng), z = random_bf16(size_t(T) * z_stride, rng),
-             nw = random_bf16(hd, rng);
-    std::vector<float> normed(y.f32.size());
-    kernels::launch_gated_rms_norm({y.f32.data(), z.f32.data(), z_stride, nw.f32.data(), normed.data(),
-                                    T, heads, hd, 1e-6f},
-                                   pool());
-    DeviceBuffer<bf16> d_y(y.bits), d_z(z.bits), d_nw(nw.bits), d_normed(normed.size());
-    kernels::launch_gated_rms_norm({d_y.get(), d_z.get(), z_stride, d_nw.get(), d_normed.get(), T,
-                                    heads, hd, 1e-6f},
-                                   nullptr);
-    EXPECT_LT(rel_error(to_f32(d_normed.download()), normed), kBf16Tolerance);
   }
   // The sigmoid gate: per element (gated attention), then one gate per row added (shared expert),
   // then a gate per 8 columns (the vector form) and per 3 (the per-element form), added.
@@ -943,6 +932,30 @@ TEST(GpuKernels, GatedDeltaNetOps) {
     kernels::launch_sigmoid_gate({d_gx.get(), d_gg.get(), d_gout.get(), rows, width, gate_width, acc},
                                  nullptr);
     EXPECT_LT(rel_error(to_f32(d_gout.download()), want), kBf16Tolerance) << "gate_width " << gate_width;
+  }
+}
+
+// Gated DeltaNet's output norm against its CPU reference, gated by a strided z: the 16-byte vector
+// form at head dims 64, 128 and 256 (8, 16 and 32 lanes a row, rows ending mid-warp) with a
+// vector-aligned z stride, the per-element form at an odd stride and at head dim 40.
+TEST(GpuKernels, GatedRmsNormForms) {
+  std::mt19937 rng(53);
+  for (const int hd : {64, 128, 256, 40})
+  for (const int pad : {0, 8, 5}) {
+    SCOPED_TRACE(::testing::Message() << "head_dim " << hd << ", z stride padded by " << pad);
+    const int T = 7, heads = 3;
+    const int64_t z_stride = int64_t{heads} * hd + pad;
+    Bf16Data y = random_bf16(size_t(T) * heads * hd, rng), z = random_bf16(size_t(T) * z_stride, rng),
+             nw = random_bf16(hd, rng);
+    std::vector<float> normed(y.f32.size());
+    kernels::launch_gated_rms_norm({y.f32.data(), z.f32.data(), z_stride, nw.f32.data(), normed.data(),
+                                    T, heads, hd, 1e-6f},
+                                   pool());
+    DeviceBuffer<bf16> d_y(y.bits), d_z(z.bits), d_nw(nw.bits), d_normed(normed.size());
+    kernels::launch_gated_rms_norm({d_y.get(), d_z.get(), z_stride, d_nw.get(), d_normed.get(), T,
+                                    heads, hd, 1e-6f},
+                                   nullptr);
+    EXPECT_LT(rel_error(to_f32(d_normed.download()), normed), kBf16Tolerance);
   }
 }
 

@@ -210,7 +210,6 @@ __global__ void __launch_bounds__(kWalkThreads, 4) gated_delta_rule_kernel(Gated
 
 constexpr int kChunk = 64;     // tokens per chunk
 constexpr int kDim = 128;      // key_dim = value_dim
-constexpr int kVBlock = 64;    // value columns per scan CTA
 constexpr int kAStride = 68;   // floats per row of A in shared memory (16-byte rows, few conflicts)
 constexpr int kChunkThreads = 128;
 
@@ -516,43 +515,52 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
 }
 
-// The scan's shared memory: two stages of a chunk's operands, then the per-chunk tiles.
-struct ScanStage {
+// The scan's shared memory for kV value columns per CTA: two stages of a chunk's operands, then
+// the per-chunk tiles.
+template <int kV>
+struct ScanSmem {
   static constexpr int kW = 0, kQ = kW + kChunk * kDim * 2, kK = kQ + kChunk * kDim * 2,
-                       kU = kK + kChunk * kDim * 2, kP = kU + kChunk * kVBlock * 2,
-                       kBytes = kP + kChunk * kChunk * 2;
+                       kU = kK + kChunk * kDim * 2, kP = kU + kChunk * kV * 2,
+                       kStage = kP + kChunk * kChunk * 2;
+  static constexpr int kSb = 2 * kStage;               // [128][kV] bf16 copy of the state slice
+  static constexpr int kKd = kSb + kDim * kV * 2;      // [64][128] exp(G_last - G) k
+  static constexpr int kKs = kKd + kChunk * kDim * 2;  // [64][128] the same for a snapshot row
+  static constexpr int kVp = kKs + kChunk * kDim * 2;  // [64][kV] this chunk's deltas D
+  static constexpr int kG = kVp + kChunk * kV * 2;     // [64] G
+  static constexpr int kBytes = kG + kChunk * 4;
 };
-constexpr int kScanSb = 2 * ScanStage::kBytes;        // [128][64] bf16 copy of the state slice
-constexpr int kScanKd = kScanSb + kDim * kVBlock * 2;  // [64][128] exp(G_last - G) k
-constexpr int kScanKs = kScanKd + kChunk * kDim * 2;   // [64][128] the same for a snapshot row
-constexpr int kScanVp = kScanKs + kChunk * kDim * 2;   // [64][64] this chunk's deltas D
-constexpr int kScanG = kScanVp + kChunk * kVBlock * 2; // [64] G
-constexpr int kScanBytes = kScanG + kChunk * 4;
 
-// Issues the cp.async loads of chunk [t0, t0 + len)'s W, q, k, U (this CTA's columns) and P rows
-// into `stage` (zeros past len), one group.
+// Issues the cp.async loads of chunk [t0, t0 + len)'s W, q, k, U (this CTA's kV columns from v0)
+// and P rows into `stage` (zeros past len), one group.
+template <int kV>
 __device__ __forceinline__ void load_scan_stage(const ChunkWorkspace& ws, uint8_t* stage, int t0, int len,
                                                 int h, int kh, int hk, int hv, int v0) {
+  using L = ScanSmem<kV>;
   constexpr int kRowChunks = kDim / 8;
   for (int e = threadIdx.x; e < kChunk * kRowChunks; e += kChunkThreads) {
     const int i = e / kRowChunks, c = e % kRowChunks, t = t0 + min(i, len - 1);
     const int off = swizzle<16>(i, c);
-    cp_async_16(stage + ScanStage::kW + off, ws.w + (int64_t{t} * hv + h) * kDim + c * 8, i < len);
-    cp_async_16(stage + ScanStage::kQ + off, ws.qn + (int64_t{t} * hk + kh) * kDim + c * 8, i < len);
-    cp_async_16(stage + ScanStage::kK + off, ws.kn + (int64_t{t} * hk + kh) * kDim + c * 8, i < len);
+    cp_async_16(stage + L::kW + off, ws.w + (int64_t{t} * hv + h) * kDim + c * 8, i < len);
+    cp_async_16(stage + L::kQ + off, ws.qn + (int64_t{t} * hk + kh) * kDim + c * 8, i < len);
+    cp_async_16(stage + L::kK + off, ws.kn + (int64_t{t} * hk + kh) * kDim + c * 8, i < len);
+  }
+  for (int e = threadIdx.x; e < kChunk * (kV / 8); e += kChunkThreads) {
+    const int i = e / (kV / 8), c = e % (kV / 8), t = t0 + min(i, len - 1);
+    cp_async_16(stage + L::kU + swizzle<kV / 8>(i, c), ws.u + (int64_t{t} * hv + h) * kDim + v0 + c * 8,
+                i < len);
   }
   for (int e = threadIdx.x; e < kChunk * 8; e += kChunkThreads) {
     const int i = e / 8, c = e % 8, t = t0 + min(i, len - 1);
-    const int off = swizzle<8>(i, c);
-    cp_async_16(stage + ScanStage::kU + off, ws.u + (int64_t{t} * hv + h) * kDim + v0 + c * 8, i < len);
-    cp_async_16(stage + ScanStage::kP + off, ws.pm + (int64_t{t} * hv + h) * kChunk + c * 8, i < len);
+    cp_async_16(stage + L::kP + swizzle<8>(i, c), ws.pm + (int64_t{t} * hv + h) * kChunk + c * 8, i < len);
   }
   cp_async_commit();
 }
 
 // acc += Kd^T D for this warp's 32 state rows (key dims 32 warp..): Kd a swizzled [64][128] tile
-// of decayed k rows, D the swizzled [64][64] deltas (the key dims are Kd^T's rows: ldmatrix.trans).
-__device__ __forceinline__ void add_kd_times_d(float (&acc)[2][kVBlock / 8][4], const uint8_t* kd,
+// of decayed k rows, D the swizzled [64][8 kN] deltas (the key dims are Kd^T's rows:
+// ldmatrix.trans).
+template <int kN>
+__device__ __forceinline__ void add_kd_times_d(float (&acc)[2][kN][4], const uint8_t* kd,
                                                const uint8_t* d, int warp, int lane) {
 #pragma unroll
   for (int kt = 0; kt < kChunk / 16; ++kt) {
@@ -563,10 +571,10 @@ __device__ __forceinline__ void add_kd_times_d(float (&acc)[2][kVBlock / 8][4], 
       ldmatrix_x4_trans(a[mt], kd + swizzle<16>(r, (warp * 32 + mt * 16) / 8 + ((lane >> 3) & 1)));
     }
 #pragma unroll
-    for (int nd = 0; nd < kVBlock / 16; ++nd) {
+    for (int nd = 0; nd < kN / 2; ++nd) {
       uint32_t b[4];
       const int r = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-      ldmatrix_x4_trans(b, d + swizzle<8>(r, nd * 2 + (lane >> 4)));
+      ldmatrix_x4_trans(b, d + swizzle<kN>(r, nd * 2 + (lane >> 4)));
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         mma_bf16_16816(acc[mt][2 * nd], a[mt], b);
@@ -593,41 +601,46 @@ __device__ __forceinline__ void decay_k_rows(uint8_t* dst, const uint8_t* k, con
 // f(mt, n, e, d, j) for each element of a scan CTA's state slice this thread holds in mma C order:
 // element e of tile (mt, n), key dim d = 32 warp + 16 mt + lane / 4 + 8 (e / 2), value column
 // j = v0 + 8 n + 2 (lane % 4) + e % 2.
-template <class F>
+template <int kV, class F>
 __device__ __forceinline__ void for_state_slice(int warp, int lane, int v0, F f) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int n = 0; n < kVBlock / 8; ++n)
+    for (int n = 0; n < kV / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         f(mt, n, e, warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), v0 + n * 8 + (lane & 3) * 2 + (e & 1));
 }
 
-// Per (chunked sequence, value head, kVBlock value columns): the chunks in order, the state slice
-// [128 key dims, 64 value columns] in mma C order across the 4 warps (warp w: key dims 32w..32w+31).
+// Per (chunked sequence, value head, kV value columns): the chunks in order, the state slice
+// [128 key dims, kV value columns] in mma C order across the 4 warps (warp w: key dims 32w..32w+31).
+// The chunks are sequential, so a CTA's time is the chunk count times one chunk's latency: the
+// narrower slice (kV = 32) halves the tensor-core work on that path when few sequences and heads
+// leave SMs idle (gated_delta_rule_scan_columns).
+template <int kV>
 __global__ void __launch_bounds__(kChunkThreads)
     gdn_chunk_scan_kernel(GatedDeltaRuleParams<bf16> p, ChunkWorkspace ws) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  constexpr int kBlocks = kDim / kVBlock;
+  using L = ScanSmem<kV>;
+  constexpr int kBlocks = kDim / kV;
   const int s = blockIdx.x / (p.num_v_heads * kBlocks), h = blockIdx.x / kBlocks % p.num_v_heads;
-  const int v0 = blockIdx.x % kBlocks * kVBlock;
+  const int v0 = blockIdx.x % kBlocks * kV;
   if (!takes_chunks(p, s)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hk = p.num_k_heads, hv = p.num_v_heads, kh = h / (hv / hk);
   const int start = p.query_starts[s], end = p.query_starts[s + 1];
-  uint8_t* sb = smem + kScanSb;
-  uint8_t* kd = smem + kScanKd;
-  uint8_t* ksnap = smem + kScanKs;
-  uint8_t* vp = smem + kScanVp;
-  float* gs = reinterpret_cast<float*>(smem + kScanG);
+  uint8_t* sb = smem + L::kSb;
+  uint8_t* kd = smem + L::kKd;
+  uint8_t* ksnap = smem + L::kKs;
+  uint8_t* vp = smem + L::kVp;
+  float* gs = reinterpret_cast<float*>(smem + L::kG);
   __shared__ uint32_t snap_mask[2];
 
   const bool keeps = p.state_slots[s] >= 0;
   const bool fresh = !keeps || p.state_fresh[s];
   float* state = keeps ? head_state(p, p.state_slots[s], h) : nullptr;
-  float st[2][kVBlock / 8][4];
-  for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int d, int j) {
+  float st[2][kV / 8][4];
+  for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int d, int j) {
     st[mt][n][e] = fresh ? 0.0f : state[d * kDim + j];
   });
 
@@ -640,18 +653,18 @@ __global__ void __launch_bounds__(kChunkThreads)
   float g_cur = 0.0f;
   int snap_cur = -1;
   if (threadIdx.x < kChunk) row_meta(start, min(kChunk, end - start), g_cur, snap_cur);
-  load_scan_stage(ws, smem, start, min(kChunk, end - start), h, kh, hk, hv, v0);
+  load_scan_stage<kV>(ws, smem, start, min(kChunk, end - start), h, kh, hk, hv, v0);
 
   for (int c = 0, t0 = start; t0 < end; ++c, t0 += kChunk) {
     const int len = min(kChunk, end - t0);
-    const uint8_t* stage = smem + (c & 1) * ScanStage::kBytes;
+    const uint8_t* stage = smem + (c & 1) * L::kStage;
     float g_next = 0.0f;
     int snap_next = -1;
     __syncthreads();  // the other stage's readers (the previous chunk) are done
     if (t0 + kChunk < end) {
       const int next_len = min(kChunk, end - t0 - kChunk);
       if (threadIdx.x < kChunk) row_meta(t0 + kChunk, next_len, g_next, snap_next);
-      load_scan_stage(ws, smem + ((c + 1) & 1) * ScanStage::kBytes, t0 + kChunk, next_len, h, kh, hk, hv, v0);
+      load_scan_stage<kV>(ws, smem + ((c + 1) & 1) * L::kStage, t0 + kChunk, next_len, h, kh, hk, hv, v0);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -665,27 +678,27 @@ __global__ void __launch_bounds__(kChunkThreads)
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int n = 0; n < kVBlock / 8; ++n)
+      for (int n = 0; n < kV / 8; ++n)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
-          store_bf16x2(sb + tile_offset<8>(d, j), st[mt][n][2 * half], st[mt][n][2 * half + 1]);
+          store_bf16x2(sb + tile_offset<kV / 8>(d, j), st[mt][n][2 * half], st[mt][n][2 * half + 1]);
         }
     __syncthreads();
-    decay_k_rows(kd, stage + ScanStage::kK, gs, len - 1);
+    decay_k_rows(kd, stage + L::kK, gs, len - 1);
 
     // D = U - W S0 and O = diag(exp G) Q S0 for this warp's 16 rows.
-    float dv[kVBlock / 8][4] = {}, o[kVBlock / 8][4] = {};
+    float dv[kV / 8][4] = {}, o[kV / 8][4] = {};
 #pragma unroll
     for (int kt = 0; kt < kDim / 16; ++kt) {
       uint32_t aw[4], aq[4];
-      ldmatrix_x4(aw, stage + ScanStage::kW + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
-      ldmatrix_x4(aq, stage + ScanStage::kQ + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
+      ldmatrix_x4(aw, stage + L::kW + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
+      ldmatrix_x4(aq, stage + L::kQ + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
 #pragma unroll
-      for (int nd = 0; nd < kVBlock / 16; ++nd) {
+      for (int nd = 0; nd < kV / 16; ++nd) {
         uint32_t b[4];
         const int r = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        ldmatrix_x4_trans(b, sb + swizzle<8>(r, nd * 2 + (lane >> 4)));
+        ldmatrix_x4_trans(b, sb + swizzle<kV / 8>(r, nd * 2 + (lane >> 4)));
         mma_bf16_16816(dv[2 * nd], aw, b);
         mma_bf16_16816(dv[2 * nd + 1], aw, b + 2);
         mma_bf16_16816(o[2 * nd], aq, b);
@@ -693,13 +706,13 @@ __global__ void __launch_bounds__(kChunkThreads)
       }
     }
 #pragma unroll
-    for (int n = 0; n < kVBlock / 8; ++n)
+    for (int n = 0; n < kV / 8; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = warp * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
         const float2 u = __bfloat1622float2(
-            *reinterpret_cast<const __nv_bfloat162*>(stage + ScanStage::kU + tile_offset<8>(i, j)));
-        store_bf16x2(vp + tile_offset<8>(i, j), u.x - dv[n][2 * half], u.y - dv[n][2 * half + 1]);
+            *reinterpret_cast<const __nv_bfloat162*>(stage + L::kU + tile_offset<kV / 8>(i, j)));
+        store_bf16x2(vp + tile_offset<kV / 8>(i, j), u.x - dv[n][2 * half], u.y - dv[n][2 * half + 1]);
         const float decay = __expf(gs[i]);
         o[n][2 * half] *= decay;
         o[n][2 * half + 1] *= decay;
@@ -707,9 +720,9 @@ __global__ void __launch_bounds__(kChunkThreads)
     __syncthreads();
 
     // O += P D, out.
-    warp_rows_times<kChunk / 16, kVBlock / 8, 8, 8>(o, stage + ScanStage::kP, warp * 16, vp, lane);
+    warp_rows_times<kChunk / 16, kV / 8, 8, kV / 8>(o, stage + L::kP, warp * 16, vp, lane);
 #pragma unroll
-    for (int n = 0; n < kVBlock / 8; ++n)
+    for (int n = 0; n < kV / 8; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = warp * 16 + (lane >> 2) + 8 * half, j = v0 + n * 8 + (lane & 3) * 2;
@@ -723,25 +736,25 @@ __global__ void __launch_bounds__(kChunkThreads)
       snaps &= snaps - 1;
       const int slot = p.snapshot_slots[t0 + r];
       float* snap = head_state(p, slot, h);
-      decay_k_rows(ksnap, stage + ScanStage::kK, gs, r);
+      decay_k_rows(ksnap, stage + L::kK, gs, r);
       __syncthreads();
-      float acc[2][kVBlock / 8][4];
+      float acc[2][kV / 8][4];
       const float decay = __expf(gs[r]);
-      for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int, int) { acc[mt][n][e] = decay * st[mt][n][e]; });
+      for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int, int) { acc[mt][n][e] = decay * st[mt][n][e]; });
       add_kd_times_d(acc, ksnap, vp, warp, lane);
-      for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { snap[d * kDim + j] = acc[mt][n][e]; });
+      for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { snap[d * kDim + j] = acc[mt][n][e]; });
       __syncthreads();  // ksnap is rewritten for the next snapshot row
     }
 
     // The state after the chunk.
     const float decay = __expf(gs[len - 1]);
-    for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int, int) { st[mt][n][e] *= decay; });
+    for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int, int) { st[mt][n][e] *= decay; });
     add_kd_times_d(st, kd, vp, warp, lane);
     g_cur = g_next;
     snap_cur = snap_next;
   }
   if (state == nullptr) return;
-  for_state_slice(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { state[d * kDim + j] = st[mt][n][e]; });
+  for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { state[d * kDim + j] = st[mt][n][e]; });
 }
 
 // One warp per (token, head) row.
@@ -764,6 +777,37 @@ __global__ void gated_rms_norm_kernel(GatedRmsNormParams<bf16> p) {
     p.out[r * p.head_dim + i] = __float2bfloat16(
         gated_norm(__bfloat162float(p.weight[i]), __bfloat162float(x[i]), inv_rms, __bfloat162float(gate[i])));
   }
+}
+
+// The same over 16-byte vectors where a row is kLanes of them (head_dim 8 kLanes): kLanes lanes
+// per row, one vector each, 32 / kLanes rows per warp; a quarter of the load instructions of the
+// per-element form at Qwen3.5's 128.
+template <int kLanes>
+__global__ void gated_rms_norm_vec_kernel(GatedRmsNormParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  // Rows past the end still join the shuffles (every lane of the warp takes part).
+  const bool live = r < static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  float x[8] = {}, gate[8] = {}, w[8];
+  if (live) {
+    const int64_t t = r / p.num_heads, h = r % p.num_heads;
+    bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x + r * kLanes * 8)[lane], x);
+    bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.gate + t * p.gate_stride + h * kLanes * 8)[lane], gate);
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) ss += x[e] * x[e];
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (!live) return;
+  const float inv_rms = rsqrtf(ss / static_cast<float>(kLanes * 8) + p.eps);
+  bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.weight)[lane], w);
+  float o[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = gated_norm(w[e], x[e], inv_rms, gate[e]);
+  reinterpret_cast<Bf16x8*>(p.out + r * kLanes * 8)[lane] = f32_to_bf16x8(o);
 }
 
 __global__ void sigmoid_gate_kernel(SigmoidGateParams<bf16> p) {
@@ -837,6 +881,11 @@ void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
 
 bool gated_delta_rule_chunks(int key_dim, int value_dim) { return key_dim == kDim && value_dim == kDim; }
 
+int gated_delta_rule_scan_columns(int num_seqs, int num_v_heads) {
+  // One scan CTA per SM (its shared memory): the 32-column slices while their CTAs all fit.
+  return int64_t{num_seqs} * num_v_heads * (kDim / 32) <= device_sm_count() ? 32 : 64;
+}
+
 size_t gated_delta_rule_workspace_bytes(int num_tokens, int num_k_heads, int num_v_heads) {
   size_t bytes = 0;
   carve_workspace(nullptr, num_tokens, num_k_heads, num_v_heads, &bytes);
@@ -860,13 +909,22 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
     const ChunkWorkspace ws =
         carve_workspace(p.chunk_workspace, p.num_tokens, p.num_k_heads, p.num_v_heads, nullptr);
     allow_dynamic_smem(gdn_chunk_prepare_kernel, kPrepareBytes);
-    allow_dynamic_smem(gdn_chunk_scan_kernel, kScanBytes);
     // Chunks: at most one partial one per sequence besides num_tokens / kChunk full ones.
     const dim3 chunks(static_cast<unsigned>(ceil_div(p.num_tokens, kChunk) + p.num_seqs), p.num_v_heads);
     gdn_chunk_prepare_kernel<<<chunks, kChunkThreads, kPrepareBytes, s>>>(p, ws);
     RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_prepare_kernel");
-    gdn_chunk_scan_kernel<<<p.num_seqs * p.num_v_heads * (kDim / kVBlock), kChunkThreads, kScanBytes, s>>>(p, ws);
-    RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_scan_kernel");
+    auto scan = [&](auto kernel, int columns, int bytes) {
+      allow_dynamic_smem(kernel, bytes);
+      kernel<<<p.num_seqs * p.num_v_heads * (kDim / columns), kChunkThreads, bytes, s>>>(p, ws);
+      RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_scan_kernel");
+    };
+    const int columns = gated_delta_rule_scan_columns(p.num_seqs, p.num_v_heads);
+    if (columns == 32) {
+      scan(gdn_chunk_scan_kernel<32>, 32, ScanSmem<32>::kBytes);
+    } else {
+      RELAY_CHECK(columns == 64, "gated_delta_rule: no chunk scan of ", columns, " columns");
+      scan(gdn_chunk_scan_kernel<64>, 64, ScanSmem<64>::kBytes);
+    }
   }
   const dim3 ctas(static_cast<unsigned>(int64_t{p.num_seqs} * p.num_v_heads *
                                          ceil_div(p.value_dim, kWalkColumns)));
@@ -886,6 +944,18 @@ void launch_gated_rms_norm(const GatedRmsNormParams<bf16>& p, cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   if (rows == 0) return;
   constexpr int kWarps = 8;
+  const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.gate) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.weight) % 16 == 0 && p.gate_stride % 8 == 0;
+  auto vec = [&](auto kernel, int lanes) {
+    launch_dependent("gated_rms_norm_vec_kernel", kernel,
+                     dim3(static_cast<unsigned>(ceil_div(rows * lanes, kWarps * 32))),
+                     dim3(kWarps * 32), 0, s, p);
+  };
+  if (aligned && p.head_dim == 64) return vec(gated_rms_norm_vec_kernel<8>, 8);
+  if (aligned && p.head_dim == 128) return vec(gated_rms_norm_vec_kernel<16>, 16);
+  if (aligned && p.head_dim == 256) return vec(gated_rms_norm_vec_kernel<32>, 32);
   launch_dependent("gated_rms_norm_kernel", gated_rms_norm_kernel,
                    dim3(static_cast<unsigned>(ceil_div(rows, kWarps))), dim3(kWarps * 32), 0, s, p);
 }

@@ -172,6 +172,9 @@ void launch_sample(const SampleParams& p, cudaStream_t s);
 // released models' heads) takes the sequences of a prefill with a chunk_workspace.
 constexpr int kGatedDeltaChunkedMinTokens = 16;
 bool gated_delta_rule_chunks(int key_dim, int value_dim);
+// Value columns per CTA of the chunked form's sequential scan over a batch's chunks (32 or 64):
+// the narrower slices where num_seqs x num_v_heads would leave SMs idle.
+int gated_delta_rule_scan_columns(int num_seqs, int num_v_heads);
 size_t gated_delta_rule_workspace_bytes(int num_tokens, int num_k_heads, int num_v_heads);
 void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s);
 void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s);
