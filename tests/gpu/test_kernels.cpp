@@ -675,11 +675,12 @@ TEST(GpuKernels, MoeGroupedMatmul) {
   // {2048, 64, 4, 512, 256}: about 128 rows per expert, so the wgmma kernel's last tiles of an
   // expert hold one or two live halves, and its CTAs walk several tiles round the stage ring;
   // {1100, 16, 4, 384, 128} and {1800, 16, 4, 256, 64}: about 275 and 450 rows per expert, a full
-  // 256-row tile and a second m tile of one to four live slabs (the latter in one k step).
+  // 256-row tile and a second m tile of one to four live slabs (the latter in one k step);
+  // {300, 8, 2, 336, 128}: partial last column tiles (80 of 128 columns, 40 of 64 fused SwiGLU's).
   for (Case c : {Case{1, 128, 8, 1536, 2048}, Case{3, 16, 4, 384, 128}, Case{64, 128, 8, 2048, 768},
                  Case{600, 128, 8, 1536, 2048}, Case{257, 8, 2, 264, 136}, Case{2, 16, 8, 200, 4096},
                  Case{64, 4, 2, 256, 512}, Case{2048, 64, 4, 512, 256}, Case{1100, 16, 4, 384, 128},
-                 Case{1800, 16, 4, 256, 64}}) {
+                 Case{1800, 16, 4, 256, 64}, Case{300, 8, 2, 336, 128}}) {
     auto ids = random_routing(c.tokens, c.experts, c.k_top, rng);
     const int rows = static_cast<int>(ids.size());
     std::vector<int32_t> offsets(c.experts + 1, 0);
@@ -716,8 +717,8 @@ TEST(GpuKernels, MoeGroupedMatmul) {
       EXPECT_EQ(0, std::memcmp(waited.data(), settled.data(), waited.size() * sizeof(bf16)))
           << "settled offsets, tokens " << c.tokens;
     }
-    // The streaming kernel with the SwiGLU fused: against the CPU's fused form, and bit for bit
-    // against the separate GEMM + swiglu on the GPU.
+    // The streaming and wgmma kernels with the SwiGLU fused: against the CPU's fused form, and bit
+    // for bit against the same kernel's separate GEMM + swiglu on the GPU.
     if (c.n % 16 == 0) {
       const int width = c.n / 2;
       std::vector<float> fused_ref(static_cast<size_t>(rows) * width);
@@ -736,7 +737,19 @@ TEST(GpuKernels, MoeGroupedMatmul) {
       EXPECT_LT(rel_error(to_f32(fused), fused_ref), kBf16Tolerance) << "swiglu, tokens " << c.tokens << " n " << c.n;
       EXPECT_EQ(0, std::memcmp(fused.data(), separate.data(), fused.size() * sizeof(bf16)))
           << "fused and separate SwiGLU differ, tokens " << c.tokens << " n " << c.n;
-      // Only the streaming kernel fuses it; the others refuse instead of computing something else.
+      // The wgmma kernel's fused form (gate and up halves of one tile): its own GEMM + swiglu's
+      // bits, column tiles past n / 2 included.
+      DeviceBuffer<bf16> d_wsep(fused_ref.size()), d_wfused(fused_ref.size());
+      kernels::launch_moe_grouped_matmul({d_x.get(), d_w.get(), d_off.get(), d_gu.get(), rows, c.experts, c.n, c.k},
+                                         kernels::GroupedGemmKind::Wgmma, nullptr);
+      kernels::launch_swiglu({d_gu.get(), d_wsep.get(), rows, width}, nullptr);
+      gp.out = d_wfused.get();
+      kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Wgmma, nullptr);
+      const std::vector<bf16> wfused = d_wfused.download(), wsep = d_wsep.download();
+      EXPECT_LT(rel_error(to_f32(wfused), fused_ref), kBf16Tolerance) << "wgmma swiglu, tokens " << c.tokens;
+      EXPECT_EQ(0, std::memcmp(wfused.data(), wsep.data(), wfused.size() * sizeof(bf16)))
+          << "wgmma's fused and separate SwiGLU differ, tokens " << c.tokens << " n " << c.n;
+      // The other kernels refuse instead of computing something else.
       EXPECT_THROW(kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Tiled, nullptr), Error);
     }
     // Gathered rows: the unpermuted tokens and the permute's index give the bits the permuted copy

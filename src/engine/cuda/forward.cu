@@ -256,6 +256,13 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
                         kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
                             kernels::GroupedGemmKind::Streaming;
   const bool copy_rows = !fp8_experts && !streamed;
+  // bf16 experts at a prefill's many rows per expert on Relay's wgmma kernel: its tiles pair gate
+  // and up columns, so it stores silu(gate) * up without the [R, 2 width] intermediate (the same
+  // bits as its GEMM and the swiglu kernel after it).
+  const bool tiles_swiglu = !fp8_experts && !w.down8.present() && !streamed && R > 0 &&
+                            (2 * w.width) % 16 == 0 &&
+                            kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
+                                kernels::GroupedGemmKind::Wgmma;
   const int router_rows = experts + (shared_parts > 0 ? 1 : 0);
   mark("router_gemm");
   kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, router_rows, hidden},
@@ -312,6 +319,11 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
     gate_up_p.swiglu = true;
     gate_up_p.permuted_index = permuted_index;
     gate_up_p.top_k = K;
+    kernels::launch_moe_grouped_matmul(gate_up_p, stream);
+  } else if (tiles_swiglu) {
+    mark("experts_gate_up_swiglu");
+    gate_up_p.x = permuted_x;
+    gate_up_p.swiglu = true;
     kernels::launch_moe_grouped_matmul(gate_up_p, stream);
   } else {
     grouped("experts_gate_up", permuted_x, w.gate_up, w.gate_up8, gate_up, R, groups,

@@ -20,7 +20,10 @@
 // - Warp groups 1 and 2 consume: each owns two slabs, 128 rows x 128 columns of fp32 accumulators
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
 //   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
-//   then stores its rows (masked to the expert's rows and to n) straight to global memory.
+//   then stores its rows (masked to the expert's rows and to n) straight to global memory. With
+//   the SwiGLU fused (the experts' gate_up, MoeGroupedMatmulParams::swiglu) a tile's two 64-row
+//   weight boxes are the gate rows and the up rows of the same 64 output columns, so each thread
+//   holds both operands of its outputs and stores silu(gate) * up: no [rows, n] intermediate.
 // Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
 // with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
 // Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
@@ -88,11 +91,16 @@ struct Tile {
   int row0 = 0;     // first permuted row
   int row_end = 0;  // one past the expert's last row
   int col0 = 0;     // first output column
-  int w_row0 = 0;   // first weight row in [experts * n, k]
+  int w_row0 = 0;   // the weight rows in [experts * n, k] of the tile's two 64-column halves
+  int w_row1 = 0;
 };
 
+// Output columns per tile: 128, or with the SwiGLU fused 64 (the halves are the gate rows and the
+// up rows of the same 64 output columns).
+__device__ __forceinline__ int tile_cols(bool swiglu) { return swiglu ? kBn / 2 : kBn; }
+
 __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int* offsets,
-                                            int num_experts, int n) {
+                                            int num_experts, int n, bool swiglu) {
   int lo = 0, hi = num_experts;  // the expert e with prefix[e] <= t < prefix[e + 1]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
@@ -108,8 +116,9 @@ __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int*
   Tile tile;
   tile.row0 = offsets[e] + (local % m_tiles) * kBm;
   tile.row_end = offsets[e + 1];
-  tile.col0 = (local / m_tiles) * kBn;
+  tile.col0 = (local / m_tiles) * tile_cols(swiglu);
   tile.w_row0 = e * n + tile.col0;
+  tile.w_row1 = swiglu ? tile.w_row0 + n / 2 : tile.w_row0 + kBn / 2;
   return tile;
 }
 
@@ -160,7 +169,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* offsets = reinterpret_cast<int*>(empty + kStages);  // [num_experts + 1]
   int* prefix = offsets + p.num_experts + 1;               // [num_experts + 1]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n_tiles = (p.n + kBn - 1) / kBn, k_steps = (p.k + kBk - 1) / kBk;
+  const int out_cols = p.swiglu ? p.n / 2 : p.n;
+  const int n_tiles = (out_cols + tile_cols(p.swiglu) - 1) / tile_cols(p.swiglu);
+  const int k_steps = (p.k + kBk - 1) / kBk;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -207,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
+      const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n, p.swiglu);
       const int live_slabs = min(kSlabs, (tile.row_end - tile.row0 + kSlabRows - 1) / kSlabRows);
       const uint32_t bytes = live_slabs * kSlabBytes + kWeightBytes;
       for (int ks = 0; ks < k_steps; ++ks) {
@@ -218,7 +229,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load_2d(st + slab * kSlabBytes, &x_map, ks * kBk, tile.row0 + slab * kSlabRows,
                       &full[stage]);
         }
+        // The weight tile as two 64-row boxes: with the 128-byte swizzle's 8-row period, the second
+        // lands exactly where a 128-row box would put its rows 64..127.
         tma_load_2d(st + kSlabs * kSlabBytes, &w_map, ks * kBk, tile.w_row0, &full[stage]);
+        tma_load_2d(st + kSlabs * kSlabBytes + kWeightBytes / 2, &w_map, ks * kBk, tile.w_row1,
+                    &full[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -234,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int stage = 0;
   uint32_t phase = 0;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n);
+    const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n, p.swiglu);
     const int my_row0 = tile.row0 + 2 * wg * kSlabRows;
     if (my_row0 >= tile.row_end) {  // no row of this expert in our slabs: keep the ring's count
       for (int ks = 0; ks < k_steps; ++ks) {
@@ -252,14 +267,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       consume_tile<1>(acc, stages, full, empty, wg, k_steps, signals, stage, phase);
     }
     // Accumulator (mma.sync C order per 8 columns): acc[s][4 j + 2 i + c] is row
-    // s * 64 + wg_warp * 16 + lane / 4 + 8 i of our slabs, column 8 j + 2 (lane % 4) + c.
+    // s * 64 + wg_warp * 16 + lane / 4 + 8 i of our slabs, column 8 j + 2 (lane % 4) + c. With
+    // the SwiGLU fused, column 64 + x (up) sits in the same thread as column x (gate): both
+    // rounded to bf16 as the unfused GEMM stores them, then silu_mul as the swiglu kernel.
 #pragma unroll
     for (int slab = 0; slab < 2; ++slab) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int row = my_row0 + slab * kSlabRows + wg_warp * 16 + lane / 4 + 8 * i;
         if (row >= tile.row_end) continue;
-        bf16* out = p.out + static_cast<int64_t>(row) * p.n;
+        bf16* out = p.out + static_cast<int64_t>(row) * out_cols;
+        if (p.swiglu) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int col = tile.col0 + 8 * j + 2 * (lane % 4);
+            if (col < out_cols) {
+              const __nv_bfloat162 g = __floats2bfloat162_rn(acc[slab][4 * j + 2 * i],
+                                                             acc[slab][4 * j + 2 * i + 1]);
+              const __nv_bfloat162 u = __floats2bfloat162_rn(acc[slab][4 * (j + 8) + 2 * i],
+                                                             acc[slab][4 * (j + 8) + 2 * i + 1]);
+              *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(
+                  silu_mul(__low2float(g), __low2float(u)), silu_mul(__high2float(g), __high2float(u)));
+            }
+          }
+          continue;
+        }
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const int col = tile.col0 + 8 * j + 2 * (lane % 4);
@@ -314,6 +346,10 @@ bool moe_grouped_matmul_wgmma_supported(const MoeGroupedMatmulParams<bf16>& p) {
 void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.k % 8 == 0 && p.n % 8 == 0, "moe_grouped_matmul (wgmma): n ", p.n, " and k ", p.k,
               " must be multiples of 8 (16-byte TMA rows)");
+  RELAY_CHECK(!p.swiglu || p.n % 16 == 0, "moe_grouped_matmul (wgmma): the fused SwiGLU needs n ",
+              p.n, " a multiple of 16 (gate | up, each of 16-byte rows)");
+  RELAY_CHECK(p.permuted_index == nullptr,
+              "moe_grouped_matmul (wgmma): its TMA loads read permuted rows, not gathered ones");
   RELAY_CHECK(moe_grouped_matmul_wgmma_supported(p), "moe_grouped_matmul (wgmma): ",
               p.num_experts, " experts (at most ", kMaxExperts, ")");
   RELAY_CHECK(reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0,
@@ -325,12 +361,12 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   allow_dynamic_smem(grouped_gemm_wgmma_kernel, smem);
   // Tiles at most: every expert may add one partial m tile. The stages hold one CTA per SM
   // (__launch_bounds__(kThreads, 1)), so the persistent grid is the SM count.
-  const int64_t max_tiles =
-      (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) * ceil_div(p.n, kBn);
+  const int64_t max_tiles = (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) *
+                            (p.swiglu ? ceil_div(p.n / 2, kBn / 2) : ceil_div(p.n, kBn));
   const int grid = static_cast<int>(std::min<int64_t>(max_tiles, device_sm_count()));
   launch_dependent("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel, dim3(grid),
                    dim3(kThreads), smem, s, bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows),
-                   bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn), p);
+                   bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn / 2), p);
 }
 
 }  // namespace relay::kernels
