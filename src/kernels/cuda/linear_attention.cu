@@ -211,7 +211,8 @@ __global__ void __launch_bounds__(kWalkThreads, 4) gated_delta_rule_kernel(Gated
 constexpr int kChunk = 64;     // tokens per chunk
 constexpr int kDim = 128;      // key_dim = value_dim
 constexpr int kAStride = 68;   // floats per row of A in shared memory (16-byte rows, few conflicts)
-constexpr int kChunkThreads = 128;
+constexpr int kChunkThreads = 128;  // the prepare kernel's
+constexpr int kScanThreads = 256;   // the scan's: 8 warps, see gdn_chunk_scan_kernel
 
 // The chunked form's scratch, carved from chunk_workspace: per token, the normalised q (already
 // divided by sqrt(key_dim)) and k of each key head, and per value head W's and U's rows, the row of
@@ -288,10 +289,10 @@ __device__ __forceinline__ void store_bf16x2(void* at, float lo, float hi) {
 
 // One warp's 16 rows (row0..) of a [16, 8 * kNt] product, k = 16 * kKt: A rows from a swizzled
 // row-major tile (kAChunks per row), B from a swizzled tile holding B's rows (k-major, kBChunks per
-// row; ldmatrix.trans), acc in mma C order.
+// row; ldmatrix.trans) from its 16-byte chunk b_chunk0 on, acc in mma C order.
 template <int kKt, int kNt, int kAChunks, int kBChunks>
 __device__ __forceinline__ void warp_rows_times(float (&acc)[kNt][4], const uint8_t* a_tile, int row0,
-                                                const uint8_t* b_tile, int lane) {
+                                                const uint8_t* b_tile, int b_chunk0, int lane) {
 #pragma unroll
   for (int kt = 0; kt < kKt; ++kt) {
     uint32_t a[4];
@@ -300,7 +301,7 @@ __device__ __forceinline__ void warp_rows_times(float (&acc)[kNt][4], const uint
     for (int nd = 0; nd < kNt / 2; ++nd) {
       uint32_t b[4];
       const int r = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-      ldmatrix_x4_trans(b, b_tile + swizzle<kBChunks>(r, nd * 2 + (lane >> 4)));
+      ldmatrix_x4_trans(b, b_tile + swizzle<kBChunks>(r, b_chunk0 + nd * 2 + (lane >> 4)));
       mma_bf16_16816(acc[2 * nd], a, b);
       mma_bf16_16816(acc[2 * nd + 1], a, b + 2);
     }
@@ -502,7 +503,7 @@ __global__ void __launch_bounds__(kChunkThreads)
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
     float acc[kDim / 8][4] = {};
-    warp_rows_times<kChunk / 16, kDim / 8, 8, 16>(acc, ts, warp * 16, which == 0 ? qs : vs, lane);
+    warp_rows_times<kChunk / 16, kDim / 8, 8, 16>(acc, ts, warp * 16, which == 0 ? qs : vs, 0, lane);
     bf16* dst = which == 0 ? ws.w : ws.u;
 #pragma unroll
     for (int n = 0; n < kDim / 8; ++n) {
@@ -537,44 +538,44 @@ __device__ __forceinline__ void load_scan_stage(const ChunkWorkspace& ws, uint8_
                                                 int h, int kh, int hk, int hv, int v0) {
   using L = ScanSmem<kV>;
   constexpr int kRowChunks = kDim / 8;
-  for (int e = threadIdx.x; e < kChunk * kRowChunks; e += kChunkThreads) {
+  for (int e = threadIdx.x; e < kChunk * kRowChunks; e += kScanThreads) {
     const int i = e / kRowChunks, c = e % kRowChunks, t = t0 + min(i, len - 1);
     const int off = swizzle<16>(i, c);
     cp_async_16(stage + L::kW + off, ws.w + (int64_t{t} * hv + h) * kDim + c * 8, i < len);
     cp_async_16(stage + L::kQ + off, ws.qn + (int64_t{t} * hk + kh) * kDim + c * 8, i < len);
     cp_async_16(stage + L::kK + off, ws.kn + (int64_t{t} * hk + kh) * kDim + c * 8, i < len);
   }
-  for (int e = threadIdx.x; e < kChunk * (kV / 8); e += kChunkThreads) {
+  for (int e = threadIdx.x; e < kChunk * (kV / 8); e += kScanThreads) {
     const int i = e / (kV / 8), c = e % (kV / 8), t = t0 + min(i, len - 1);
     cp_async_16(stage + L::kU + swizzle<kV / 8>(i, c), ws.u + (int64_t{t} * hv + h) * kDim + v0 + c * 8,
                 i < len);
   }
-  for (int e = threadIdx.x; e < kChunk * 8; e += kChunkThreads) {
+  for (int e = threadIdx.x; e < kChunk * 8; e += kScanThreads) {
     const int i = e / 8, c = e % 8, t = t0 + min(i, len - 1);
     cp_async_16(stage + L::kP + swizzle<8>(i, c), ws.pm + (int64_t{t} * hv + h) * kChunk + c * 8, i < len);
   }
   cp_async_commit();
 }
 
-// acc += Kd^T D for this warp's 32 state rows (key dims 32 warp..): Kd a swizzled [64][128] tile
-// of decayed k rows, D the swizzled [64][8 kN] deltas (the key dims are Kd^T's rows:
-// ldmatrix.trans).
-template <int kN>
-__device__ __forceinline__ void add_kd_times_d(float (&acc)[2][kN][4], const uint8_t* kd,
-                                               const uint8_t* d, int warp, int lane) {
+// acc += Kd^T D for a scan warp's part of the state slice, key dims 32 rw.. and the kV / 2 columns
+// from 16-byte chunk cc0: Kd a swizzled [64][128] tile of decayed k rows, D the swizzled [64][kV]
+// deltas (the key dims are Kd^T's rows: ldmatrix.trans).
+template <int kV>
+__device__ __forceinline__ void add_kd_times_d(float (&acc)[2][kV / 16][4], const uint8_t* kd,
+                                               const uint8_t* d, int rw, int cc0, int lane) {
 #pragma unroll
   for (int kt = 0; kt < kChunk / 16; ++kt) {
     uint32_t a[2][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       const int r = kt * 16 + (lane & 7) + ((lane >> 4) << 3);
-      ldmatrix_x4_trans(a[mt], kd + swizzle<16>(r, (warp * 32 + mt * 16) / 8 + ((lane >> 3) & 1)));
+      ldmatrix_x4_trans(a[mt], kd + swizzle<16>(r, (rw * 32 + mt * 16) / 8 + ((lane >> 3) & 1)));
     }
 #pragma unroll
-    for (int nd = 0; nd < kN / 2; ++nd) {
+    for (int nd = 0; nd < kV / 32; ++nd) {
       uint32_t b[4];
       const int r = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-      ldmatrix_x4_trans(b, d + swizzle<kN>(r, nd * 2 + (lane >> 4)));
+      ldmatrix_x4_trans(b, d + swizzle<kV / 8>(r, cc0 + nd * 2 + (lane >> 4)));
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         mma_bf16_16816(acc[mt][2 * nd], a[mt], b);
@@ -587,7 +588,7 @@ __device__ __forceinline__ void add_kd_times_d(float (&acc)[2][kN][4], const uin
 // Rows i <= last of k, times exp(G_last - G_i), into the swizzled tile `dst` (zeros past last).
 __device__ __forceinline__ void decay_k_rows(uint8_t* dst, const uint8_t* k, const float* gs, int last) {
   const float g_last = gs[last];
-  for (int e = threadIdx.x; e < kChunk * kDim / 8; e += kChunkThreads) {
+  for (int e = threadIdx.x; e < kChunk * kDim / 8; e += kScanThreads) {
     const int i = e / (kDim / 8), off = swizzle<16>(i, e % (kDim / 8));
     const float f = i <= last ? __expf(g_last - gs[i]) : 0.0f;
     uint4 raw = *reinterpret_cast<const uint4*>(k + off);
@@ -599,26 +600,30 @@ __device__ __forceinline__ void decay_k_rows(uint8_t* dst, const uint8_t* k, con
 }
 
 // f(mt, n, e, d, j) for each element of a scan CTA's state slice this thread holds in mma C order:
-// element e of tile (mt, n), key dim d = 32 warp + 16 mt + lane / 4 + 8 (e / 2), value column
-// j = v0 + 8 n + 2 (lane % 4) + e % 2.
+// element e of tile (mt, n), key dim d = 32 rw + 16 mt + lane / 4 + 8 (e / 2), value column
+// j = v0 + (kV / 2) cw + 8 n + 2 (lane % 4) + e % 2 (rw, cw: the warp's row and column parts).
 template <int kV, class F>
-__device__ __forceinline__ void for_state_slice(int warp, int lane, int v0, F f) {
+__device__ __forceinline__ void for_state_slice(int rw, int cw, int lane, int v0, F f) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int n = 0; n < kV / 8; ++n)
+    for (int n = 0; n < kV / 16; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        f(mt, n, e, warp * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1), v0 + n * 8 + (lane & 3) * 2 + (e & 1));
+        f(mt, n, e, rw * 32 + mt * 16 + (lane >> 2) + 8 * (e >> 1),
+          v0 + cw * (kV / 2) + n * 8 + (lane & 3) * 2 + (e & 1));
 }
 
 // Per (chunked sequence, value head, kV value columns): the chunks in order, the state slice
-// [128 key dims, kV value columns] in mma C order across the 4 warps (warp w: key dims 32w..32w+31).
-// The chunks are sequential, so a CTA's time is the chunk count times one chunk's latency: the
-// narrower slice (kV = 32) halves the tensor-core work on that path when few sequences and heads
-// leave SMs idle (gated_delta_rule_scan_columns).
+// [128 key dims, kV value columns] in mma C order across 8 warps: warp w holds key dims 32 rw.. of
+// the columns half cw (rw = w % 4, cw = w / 4), and computes a chunk's rows 16 rw.. of D and O in
+// those columns. The chunks are sequential, so a CTA's time is the chunk count times one chunk's
+// latency, and that is instruction latency (Nsight Compute, 4 warps: a warp issued every 3.1
+// cycles, 0.32 a scheduler cycle): two warps per scheduler, each with half the instructions.
+// The narrower slices (kV = 32) spread a batch of few sequences and heads over more SMs
+// (gated_delta_rule_scan_columns).
 template <int kV>
-__global__ void __launch_bounds__(kChunkThreads)
+__global__ void __launch_bounds__(kScanThreads, 1)
     gdn_chunk_scan_kernel(GatedDeltaRuleParams<bf16> p, ChunkWorkspace ws) {
   extern __shared__ __align__(1024) uint8_t smem[];
   using L = ScanSmem<kV>;
@@ -627,6 +632,8 @@ __global__ void __launch_bounds__(kChunkThreads)
   const int v0 = blockIdx.x % kBlocks * kV;
   if (!takes_chunks(p, s)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rw = warp & 3, cw = warp >> 2;
+  const int cc0 = cw * (kV / 16);  // the warp's first 16-byte column chunk of a [rows][kV] tile
   const int hk = p.num_k_heads, hv = p.num_v_heads, kh = h / (hv / hk);
   const int start = p.query_starts[s], end = p.query_starts[s + 1];
   uint8_t* sb = smem + L::kSb;
@@ -639,8 +646,8 @@ __global__ void __launch_bounds__(kChunkThreads)
   const bool keeps = p.state_slots[s] >= 0;
   const bool fresh = !keeps || p.state_fresh[s];
   float* state = keeps ? head_state(p, p.state_slots[s], h) : nullptr;
-  float st[2][kV / 8][4];
-  for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int d, int j) {
+  float st[2][kV / 16][4];
+  for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int d, int j) {
     st[mt][n][e] = fresh ? 0.0f : state[d * kDim + j];
   });
 
@@ -678,27 +685,28 @@ __global__ void __launch_bounds__(kChunkThreads)
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int n = 0; n < kV / 8; ++n)
+      for (int n = 0; n < kV / 16; ++n)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int d = warp * 32 + mt * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
+          const int d = rw * 32 + mt * 16 + (lane >> 2) + 8 * half;
+          const int j = cw * (kV / 2) + n * 8 + (lane & 3) * 2;
           store_bf16x2(sb + tile_offset<kV / 8>(d, j), st[mt][n][2 * half], st[mt][n][2 * half + 1]);
         }
     __syncthreads();
     decay_k_rows(kd, stage + L::kK, gs, len - 1);
 
-    // D = U - W S0 and O = diag(exp G) Q S0 for this warp's 16 rows.
-    float dv[kV / 8][4] = {}, o[kV / 8][4] = {};
+    // D = U - W S0 and O = diag(exp G) Q S0 for this warp's 16 rows and columns.
+    float dv[kV / 16][4] = {}, o[kV / 16][4] = {};
 #pragma unroll
     for (int kt = 0; kt < kDim / 16; ++kt) {
       uint32_t aw[4], aq[4];
-      ldmatrix_x4(aw, stage + L::kW + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
-      ldmatrix_x4(aq, stage + L::kQ + swizzle<16>(warp * 16 + (lane & 15), kt * 2 + (lane >> 4)));
+      ldmatrix_x4(aw, stage + L::kW + swizzle<16>(rw * 16 + (lane & 15), kt * 2 + (lane >> 4)));
+      ldmatrix_x4(aq, stage + L::kQ + swizzle<16>(rw * 16 + (lane & 15), kt * 2 + (lane >> 4)));
 #pragma unroll
-      for (int nd = 0; nd < kV / 16; ++nd) {
+      for (int nd = 0; nd < kV / 32; ++nd) {
         uint32_t b[4];
         const int r = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        ldmatrix_x4_trans(b, sb + swizzle<kV / 8>(r, nd * 2 + (lane >> 4)));
+        ldmatrix_x4_trans(b, sb + swizzle<kV / 8>(r, cc0 + nd * 2 + (lane >> 4)));
         mma_bf16_16816(dv[2 * nd], aw, b);
         mma_bf16_16816(dv[2 * nd + 1], aw, b + 2);
         mma_bf16_16816(o[2 * nd], aq, b);
@@ -706,10 +714,10 @@ __global__ void __launch_bounds__(kChunkThreads)
       }
     }
 #pragma unroll
-    for (int n = 0; n < kV / 8; ++n)
+    for (int n = 0; n < kV / 16; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int i = warp * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
+        const int i = rw * 16 + (lane >> 2) + 8 * half, j = cw * (kV / 2) + n * 8 + (lane & 3) * 2;
         const float2 u = __bfloat1622float2(
             *reinterpret_cast<const __nv_bfloat162*>(stage + L::kU + tile_offset<kV / 8>(i, j)));
         store_bf16x2(vp + tile_offset<kV / 8>(i, j), u.x - dv[n][2 * half], u.y - dv[n][2 * half + 1]);
@@ -720,12 +728,13 @@ __global__ void __launch_bounds__(kChunkThreads)
     __syncthreads();
 
     // O += P D, out.
-    warp_rows_times<kChunk / 16, kV / 8, 8, kV / 8>(o, stage + L::kP, warp * 16, vp, lane);
+    warp_rows_times<kChunk / 16, kV / 16, 8, kV / 8>(o, stage + L::kP, rw * 16, vp, cc0, lane);
 #pragma unroll
-    for (int n = 0; n < kV / 8; ++n)
+    for (int n = 0; n < kV / 16; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int i = warp * 16 + (lane >> 2) + 8 * half, j = v0 + n * 8 + (lane & 3) * 2;
+        const int i = rw * 16 + (lane >> 2) + 8 * half;
+        const int j = v0 + cw * (kV / 2) + n * 8 + (lane & 3) * 2;
         if (i < len) store_bf16x2(p.out + (int64_t{t0 + i} * hv + h) * kDim + j, o[n][2 * half], o[n][2 * half + 1]);
       }
 
@@ -738,23 +747,23 @@ __global__ void __launch_bounds__(kChunkThreads)
       float* snap = head_state(p, slot, h);
       decay_k_rows(ksnap, stage + L::kK, gs, r);
       __syncthreads();
-      float acc[2][kV / 8][4];
+      float acc[2][kV / 16][4];
       const float decay = __expf(gs[r]);
-      for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int, int) { acc[mt][n][e] = decay * st[mt][n][e]; });
-      add_kd_times_d(acc, ksnap, vp, warp, lane);
-      for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { snap[d * kDim + j] = acc[mt][n][e]; });
+      for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int, int) { acc[mt][n][e] = decay * st[mt][n][e]; });
+      add_kd_times_d<kV>(acc, ksnap, vp, rw, cc0, lane);
+      for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int d, int j) { snap[d * kDim + j] = acc[mt][n][e]; });
       __syncthreads();  // ksnap is rewritten for the next snapshot row
     }
 
     // The state after the chunk.
     const float decay = __expf(gs[len - 1]);
-    for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int, int) { st[mt][n][e] *= decay; });
-    add_kd_times_d(st, kd, vp, warp, lane);
+    for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int, int) { st[mt][n][e] *= decay; });
+    add_kd_times_d<kV>(st, kd, vp, rw, cc0, lane);
     g_cur = g_next;
     snap_cur = snap_next;
   }
   if (state == nullptr) return;
-  for_state_slice<kV>(warp, lane, v0, [&](int mt, int n, int e, int d, int j) { state[d * kDim + j] = st[mt][n][e]; });
+  for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int d, int j) { state[d * kDim + j] = st[mt][n][e]; });
 }
 
 // One warp per (token, head) row.
@@ -915,7 +924,7 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
     RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_prepare_kernel");
     auto scan = [&](auto kernel, int columns, int bytes) {
       allow_dynamic_smem(kernel, bytes);
-      kernel<<<p.num_seqs * p.num_v_heads * (kDim / columns), kChunkThreads, bytes, s>>>(p, ws);
+      kernel<<<p.num_seqs * p.num_v_heads * (kDim / columns), kScanThreads, bytes, s>>>(p, ws);
       RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_scan_kernel");
     };
     const int columns = gated_delta_rule_scan_columns(p.num_seqs, p.num_v_heads);
