@@ -457,22 +457,18 @@ __global__ void __launch_bounds__(kChunkThreads)
   __syncthreads();
 
   if (warp < 2) {
-    // T = (I + A)^-1 in 32-row blocks: [[I + A11, 0], [A21, I + A22]]^-1 is [[T11, 0], [T21, T22]]
-    // with T11 = (I + A11)^-1, T22 = (I + A22)^-1 and T21 = -T22 (A21 T11). First the diagonal
-    // blocks at once, warp b's lane j holding column j of block b by forward substitution:
-    // T[i][j] = [i == j] - sum_{m < i} A[i][m] T[m][j] (the terms with m < j vanish, as T is lower
-    // triangular); each written over its block of A once the warp has read that block. (One
-    // warp's forward substitution over all 64 rows was the kernel's longest path.)
-    const int b = warp * 32, j = lane;
-    float tc[32];
+    // T = (I + A)^-1 by forward substitution, thread j holding column j: T[i][j] = [i == j] -
+    // sum_{m < i} A[i][m] T[m][j] (the terms with m < j vanish, as T is lower triangular).
+    const int j = threadIdx.x;
+    float tc[kChunk];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) tc[i] = 0.0f;
+    for (int i = 0; i < kChunk; ++i) tc[i] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < kChunk; ++i) {
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int m = 0; m < i; m += 4) {  // A[i][m..m+3] past i - 1 are zeros, as tc[i..] still are
-        const float4 a4 = *reinterpret_cast<const float4*>(am + (b + i) * kAStride + b + m);
+        const float4 a4 = *reinterpret_cast<const float4*>(am + i * kAStride + m);
         acc[0] += a4.x * tc[m];
         acc[1] += a4.y * tc[m + 1];
         acc[2] += a4.z * tc[m + 2];
@@ -480,9 +476,10 @@ __global__ void __launch_bounds__(kChunkThreads)
       }
       tc[i] = (i == j ? 1.0f : 0.0f) - ((acc[0] + acc[1]) + (acc[2] + acc[3]));
     }
-    __syncwarp();
 #pragma unroll
-    for (int i = 0; i < 32; ++i) am[(b + i) * kAStride + b + j] = tc[i];
+    for (int i = 0; i < kChunk; ++i) {
+      *reinterpret_cast<bf16*>(ts + tile_offset<8>(i, j)) = __float2bfloat16(tc[i]);
+    }
   } else {
     // Meanwhile: beta exp(G) k over q's tile (done with it) and beta v in place.
     for (int e = threadIdx.x - 64; e < kChunk * kDim / 8; e += 64) {
@@ -498,45 +495,6 @@ __global__ void __launch_bounds__(kChunkThreads)
       }
       *reinterpret_cast<uint4*>(qs + off) = kraw;
       *reinterpret_cast<uint4*>(vs + off) = vraw;
-    }
-  }
-  __syncthreads();
-  {
-    // T21 = -T22 X with X = A21 T11 (fp32, in ts's space until T is written there): thread t the
-    // 8 entries of row r = t / 4 from column c0 = 8 (t % 4) of each product.
-    float* xs = reinterpret_cast<float*>(ts);  // [32][32 + 4]
-    constexpr int kXStride = 36;
-    const int r = threadIdx.x / 4, c0 = (threadIdx.x % 4) * 8;
-    float x[8] = {};
-    for (int m = 0; m < 32; ++m) {  // T11[m][c] is 0 for c > m
-      const float a = am[(32 + r) * kAStride + m];
-      const float4 t0 = *reinterpret_cast<const float4*>(am + m * kAStride + c0);
-      const float4 t1 = *reinterpret_cast<const float4*>(am + m * kAStride + c0 + 4);
-      x[0] += a * t0.x, x[1] += a * t0.y, x[2] += a * t0.z, x[3] += a * t0.w;
-      x[4] += a * t1.x, x[5] += a * t1.y, x[6] += a * t1.z, x[7] += a * t1.w;
-    }
-#pragma unroll
-    for (int c = 0; c < 8; ++c) xs[r * kXStride + c0 + c] = x[c];
-    __syncthreads();
-    float t21[8] = {};
-    for (int m = 0; m <= r; ++m) {  // T22[r][m] is 0 for m > r
-      const float t = am[(32 + r) * kAStride + 32 + m];
-      const float4 x0 = *reinterpret_cast<const float4*>(xs + m * kXStride + c0);
-      const float4 x1 = *reinterpret_cast<const float4*>(xs + m * kXStride + c0 + 4);
-      t21[0] -= t * x0.x, t21[1] -= t * x0.y, t21[2] -= t * x0.z, t21[3] -= t * x0.w;
-      t21[4] -= t * x1.x, t21[5] -= t * x1.y, t21[6] -= t * x1.z, t21[7] -= t * x1.w;
-    }
-    __syncthreads();  // X is read: T (bf16) goes where it was
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      *reinterpret_cast<bf16*>(ts + tile_offset<8>(32 + r, c0 + c)) = __float2bfloat16(t21[c]);
-    }
-    // The diagonal blocks and the zero upper right one: the rest of the 64 x 64 tile.
-    for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkThreads) {
-      const int i = e / kChunk, jj = e % kChunk;
-      if (i >= 32 && jj < 32) continue;  // T21, above
-      const float v = (i < 32) == (jj < 32) ? am[i * kAStride + jj] : 0.0f;
-      *reinterpret_cast<bf16*>(ts + tile_offset<8>(i, jj)) = __float2bfloat16(v);
     }
   }
   __syncthreads();
