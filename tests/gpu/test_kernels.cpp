@@ -799,41 +799,50 @@ TEST(GpuKernels, MoeGroupedMatmul) {
   }
 }
 
+// The causal conv1d on the GPU against its CPU reference on the same bf16-rounded random inputs
+// (rows conv_dim + 8 apart, one sequence per slot entry): the outputs within bf16 rounding, the
+// fp32 conv states (where the window has a width) to 1e-6.
+void check_causal_conv1d(int K, int conv_dim, int num_slots, const std::vector<int32_t>& starts,
+                         const std::vector<int32_t>& slots, const std::vector<uint8_t>& fresh,
+                         const std::vector<int32_t>& snapshots, std::mt19937& rng) {
+  const int seqs = static_cast<int>(slots.size()), T = starts.back(), width = K - 1;
+  const int x_stride = conv_dim + 8;
+  Bf16Data x = random_bf16(size_t(T) * x_stride, rng), w = random_bf16(size_t(conv_dim) * K, rng, 0.5f);
+  Bf16Data conv0 = random_bf16(size_t(num_slots) * conv_dim * std::max(width, 1), rng);
+  std::vector<float> conv_states = conv0.f32, out(size_t(T) * conv_dim);
+  const int64_t conv_stride = int64_t{conv_dim} * width;
+  kernels::CausalConv1dParams<float> cc{x.f32.data(), x_stride, w.f32.data(), conv_states.data(),
+                                        conv_stride, starts.data(), slots.data(), fresh.data(),
+                                        snapshots.data(), out.data(), seqs, T, conv_dim, K};
+  kernels::launch_causal_conv1d(cc, pool());
+  DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits), d_out(out.size());
+  DeviceBuffer<float> d_conv(conv0.f32);
+  DeviceBuffer<int32_t> d_starts(starts), d_slots(slots), d_snap(snapshots);
+  DeviceBuffer<uint8_t> d_fresh(fresh);
+  kernels::launch_causal_conv1d({d_x.get(), x_stride, d_w.get(), d_conv.get(), conv_stride,
+                                 d_starts.get(), d_slots.get(), d_fresh.get(), d_snap.get(),
+                                 d_out.get(), seqs, T, conv_dim, K},
+                                nullptr);
+  EXPECT_LT(rel_error(to_f32(d_out.download()), out), kBf16Tolerance);
+  if (width > 0) {
+    EXPECT_LT(rel_error(d_conv.download(), conv_states), 1e-6);
+  }
+}
+
 // The causal conv1d at every kernel size it takes (each window width is its own kernel instance):
 // against the CPU reference, with sequences across the 16-token tiles, a fresh one, one without a
 // slot and snapshots, then one-token tiles (four tokens a sequence).
 TEST(GpuKernels, CausalConv1dEveryKernelSize) {
   std::mt19937 rng(7);
-  const int conv_dim = 200, x_stride = conv_dim + 8, seqs = 4, num_slots = 9;
   const std::vector<int32_t> slots{2, 0, -1, 5};
   const std::vector<uint8_t> fresh{0, 1, 0, 0};
   for (const int K : {1, 2, 3, 4, 5, 8})
   for (const std::vector<int32_t>& starts : {std::vector<int32_t>{0, 2, 40, 57, 90},
                                              std::vector<int32_t>{0, 4, 8, 12, 16}}) {
     SCOPED_TRACE(::testing::Message() << "kernel_size " << K << ", " << starts.back() << " tokens");
-    const int T = starts.back(), width = K - 1;
-    std::vector<int32_t> snapshots(T, -1);
-    if (T > 50) snapshots[20] = 7, snapshots[45] = 8;
-    Bf16Data x = random_bf16(size_t(T) * x_stride, rng), w = random_bf16(size_t(conv_dim) * K, rng, 0.5f);
-    Bf16Data conv0 = random_bf16(size_t(num_slots) * conv_dim * std::max(width, 1), rng);
-    std::vector<float> conv_states = conv0.f32, out(size_t(T) * conv_dim);
-    const int64_t conv_stride = int64_t{conv_dim} * width;
-    kernels::CausalConv1dParams<float> cc{x.f32.data(), x_stride, w.f32.data(), conv_states.data(),
-                                          conv_stride, starts.data(), slots.data(), fresh.data(),
-                                          snapshots.data(), out.data(), seqs, T, conv_dim, K};
-    kernels::launch_causal_conv1d(cc, pool());
-    DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits), d_out(out.size());
-    DeviceBuffer<float> d_conv(conv0.f32);
-    DeviceBuffer<int32_t> d_starts(starts), d_slots(slots), d_snap(snapshots);
-    DeviceBuffer<uint8_t> d_fresh(fresh);
-    kernels::launch_causal_conv1d({d_x.get(), x_stride, d_w.get(), d_conv.get(), conv_stride,
-                                   d_starts.get(), d_slots.get(), d_fresh.get(), d_snap.get(),
-                                   d_out.get(), seqs, T, conv_dim, K},
-                                  nullptr);
-    EXPECT_LT(rel_error(to_f32(d_out.download()), out), kBf16Tolerance);
-    if (width > 0) {
-      EXPECT_LT(rel_error(d_conv.download(), conv_states), 1e-6);
-    }
+    std::vector<int32_t> snapshots(starts.back(), -1);
+    if (starts.back() > 50) snapshots[20] = 7, snapshots[45] = 8;
+    check_causal_conv1d(K, 200, 9, starts, slots, fresh, snapshots, rng);
   }
 }
 
@@ -865,33 +874,15 @@ TEST(GpuKernels, GatedDeltaNetOps) {
     std::mt19937 rng(31 + sh.key_dim);
     const std::vector<int32_t> slots{2, 0, 3, -1};
     const std::vector<uint8_t> fresh{0, 1, 0, 0};
-    const int seqs = 4, T = starts.back(), num_slots = 7, K = 4, width = K - 1;
+    const int seqs = 4, T = starts.back(), num_slots = 7;
     std::vector<int32_t> snapshots(T, -1);
     for (auto [row, slot] : {std::pair{3, 1}, {6, 4}, {63, 6}, {78, 5}}) {
       if (T > 8 && row < T) snapshots[row] = slot;
     }
     const int conv_dim = 2 * sh.k_heads * sh.key_dim + sh.v_heads * sh.value_dim;
-    const int x_stride = conv_dim + 8;
 
-    // The convolution.
-    Bf16Data x = random_bf16(size_t(T) * x_stride, rng), w = random_bf16(size_t(conv_dim) * K, rng, 0.5f);
-    Bf16Data conv0 = random_bf16(size_t(num_slots) * conv_dim * width, rng);
-    std::vector<float> conv_states = conv0.f32, conv_out(size_t(T) * conv_dim);
-    const int64_t conv_stride = int64_t{conv_dim} * width;
-    kernels::CausalConv1dParams<float> cc{x.f32.data(), x_stride, w.f32.data(), conv_states.data(),
-                                          conv_stride, starts.data(), slots.data(), fresh.data(),
-                                          snapshots.data(), conv_out.data(), seqs, T, conv_dim, K};
-    kernels::launch_causal_conv1d(cc, pool());
-    DeviceBuffer<bf16> d_x(x.bits), d_w(w.bits), d_conv_out(size_t(T) * conv_dim);
-    DeviceBuffer<float> d_conv(conv0.f32);
-    DeviceBuffer<int32_t> d_starts(starts), d_slots(slots), d_snap(snapshots);
-    DeviceBuffer<uint8_t> d_fresh(fresh);
-    kernels::launch_causal_conv1d({d_x.get(), x_stride, d_w.get(), d_conv.get(), conv_stride,
-                                   d_starts.get(), d_slots.get(), d_fresh.get(), d_snap.get(),
-                                   d_conv_out.get(), seqs, T, conv_dim, K},
-                                  nullptr);
-    EXPECT_LT(rel_error(to_f32(d_conv_out.download()), conv_out), kBf16Tolerance);
-    EXPECT_LT(rel_error(d_conv.download(), conv_states), 1e-6);
+    // The convolution (Qwen3.5's kernel size 4).
+    check_causal_conv1d(4, conv_dim, num_slots, starts, slots, fresh, snapshots, rng);
 
     // The recurrence.
     const int64_t row = conv_dim, gate_stride = sh.v_heads + 3;
@@ -911,6 +902,8 @@ TEST(GpuKernels, GatedDeltaNetOps) {
     kernels::launch_gated_delta_rule(gd, pool());
     DeviceBuffer<bf16> d_qkv(qkv.bits), d_b(b.bits), d_a(a.bits), d_dt(dt.bits);
     DeviceBuffer<float> d_a_log(a_log);
+    DeviceBuffer<int32_t> d_starts(starts), d_slots(slots), d_snap(snapshots);
+    DeviceBuffer<uint8_t> d_fresh(fresh);
     const bool chunks = kernels::gated_delta_rule_chunks(sh.key_dim, sh.value_dim);
     for (const bool chunked : {false, true}) {
       if (chunked && !chunks) continue;
