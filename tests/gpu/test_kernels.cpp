@@ -740,13 +740,15 @@ TEST(GpuKernels, MoeGroupedMatmul) {
       // The wgmma kernel's fused form (gate and up halves of one tile): its own GEMM + swiglu's
       // bits, column tiles past n / 2 included.
       DeviceBuffer<bf16> d_wsep(fused_ref.size()), d_wfused(fused_ref.size());
-      kernels::launch_moe_grouped_matmul({d_x.get(), d_w.get(), d_off.get(), d_gu.get(), rows, c.experts, c.n, c.k},
-                                         kernels::GroupedGemmKind::Wgmma, nullptr);
+      kernels::launch_moe_grouped_matmul(
+          {d_x.get(), d_w.get(), d_off.get(), d_gu.get(), rows, c.experts, c.n, c.k},
+          kernels::GroupedGemmKind::Wgmma, nullptr);
       kernels::launch_swiglu({d_gu.get(), d_wsep.get(), rows, width}, nullptr);
       gp.out = d_wfused.get();
       kernels::launch_moe_grouped_matmul(gp, kernels::GroupedGemmKind::Wgmma, nullptr);
       const std::vector<bf16> wfused = d_wfused.download(), wsep = d_wsep.download();
-      EXPECT_LT(rel_error(to_f32(wfused), fused_ref), kBf16Tolerance) << "wgmma swiglu, tokens " << c.tokens;
+      EXPECT_LT(rel_error(to_f32(wfused), fused_ref), kBf16Tolerance)
+          << "wgmma swiglu, tokens " << c.tokens;
       EXPECT_EQ(0, std::memcmp(wfused.data(), wsep.data(), wfused.size() * sizeof(bf16)))
           << "wgmma's fused and separate SwiGLU differ, tokens " << c.tokens << " n " << c.n;
       // The other kernels refuse instead of computing something else.
@@ -807,7 +809,8 @@ void check_causal_conv1d(int K, int conv_dim, int num_slots, const std::vector<i
                          const std::vector<int32_t>& snapshots, std::mt19937& rng) {
   const int seqs = static_cast<int>(slots.size()), T = starts.back(), width = K - 1;
   const int x_stride = conv_dim + 8;
-  Bf16Data x = random_bf16(size_t(T) * x_stride, rng), w = random_bf16(size_t(conv_dim) * K, rng, 0.5f);
+  Bf16Data x = random_bf16(size_t(T) * x_stride, rng);
+  Bf16Data w = random_bf16(size_t(conv_dim) * K, rng, 0.5f);
   Bf16Data conv0 = random_bf16(size_t(num_slots) * conv_dim * std::max(width, 1), rng);
   std::vector<float> conv_states = conv0.f32, out(size_t(T) * conv_dim);
   const int64_t conv_stride = int64_t{conv_dim} * width;
@@ -951,11 +954,11 @@ TEST(GpuKernels, GatedRmsNormForms) {
     SCOPED_TRACE(::testing::Message() << "head_dim " << hd << ", z stride padded by " << pad);
     const int T = 7, heads = 3;
     const int64_t z_stride = int64_t{heads} * hd + pad;
-    Bf16Data y = random_bf16(size_t(T) * heads * hd, rng), z = random_bf16(size_t(T) * z_stride, rng),
-             nw = random_bf16(hd, rng);
+    Bf16Data y = random_bf16(size_t(T) * heads * hd, rng);
+    Bf16Data z = random_bf16(size_t(T) * z_stride, rng), nw = random_bf16(hd, rng);
     std::vector<float> normed(y.f32.size());
-    kernels::launch_gated_rms_norm({y.f32.data(), z.f32.data(), z_stride, nw.f32.data(), normed.data(),
-                                    T, heads, hd, 1e-6f},
+    kernels::launch_gated_rms_norm({y.f32.data(), z.f32.data(), z_stride, nw.f32.data(),
+                                    normed.data(), T, heads, hd, 1e-6f},
                                    pool());
     DeviceBuffer<bf16> d_y(y.bits), d_z(z.bits), d_nw(nw.bits), d_normed(normed.size());
     kernels::launch_gated_rms_norm({d_y.get(), d_z.get(), z_stride, d_nw.get(), d_normed.get(), T,

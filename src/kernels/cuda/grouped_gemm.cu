@@ -234,9 +234,10 @@ void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, GroupedGem
               " must be multiples of 8");
   if (p.num_rows == 0) return;
   if (kind == GroupedGemmKind::Auto) kind = moe_grouped_matmul_auto_kind(p);
-  RELAY_CHECK(p.permuted_index == nullptr || kind == GroupedGemmKind::Streaming,
-              "moe_grouped_matmul: the ", grouped_gemm_kind_name(kind),
-              " kernel does not gather rows (only streaming does; see moe_grouped_matmul_auto_kind)");
+  RELAY_CHECK(
+      p.permuted_index == nullptr || kind == GroupedGemmKind::Streaming, "moe_grouped_matmul: the ",
+      grouped_gemm_kind_name(kind),
+      " kernel does not gather rows (only streaming does; see moe_grouped_matmul_auto_kind)");
   RELAY_CHECK(!p.swiglu || kind == GroupedGemmKind::Streaming || kind == GroupedGemmKind::Wgmma,
               "moe_grouped_matmul: the ", grouped_gemm_kind_name(kind),
               " kernel does not fuse SwiGLU (streaming and wgmma do; see "

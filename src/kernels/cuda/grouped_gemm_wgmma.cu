@@ -16,7 +16,8 @@
 //   for a free stage of a 4-stage shared-memory ring, then TMA-loads the x rows (one 64-row box per
 //   live slab) and the 128 weight rows into it; the TMA's byte count completes the stage's "full"
 //   mbarrier. x is one 2-D tensor map over the permuted rows and w one over [experts * n, k], so
-//   no per-expert descriptor is written (CUTLASS's ptr-array kernel rewrites descriptors per group).
+//   no per-expert descriptor is written (CUTLASS's ptr-array kernel rewrites descriptors per
+//   group).
 // - Warp groups 1 and 2 consume: each owns two slabs, 128 rows x 128 columns of fp32 accumulators
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
 //   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
@@ -282,12 +283,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int j = 0; j < 8; ++j) {
             const int col = tile.col0 + 8 * j + 2 * (lane % 4);
             if (col < out_cols) {
-              const __nv_bfloat162 g = __floats2bfloat162_rn(acc[slab][4 * j + 2 * i],
-                                                             acc[slab][4 * j + 2 * i + 1]);
+              const __nv_bfloat162 g =
+                  __floats2bfloat162_rn(acc[slab][4 * j + 2 * i], acc[slab][4 * j + 2 * i + 1]);
               const __nv_bfloat162 u = __floats2bfloat162_rn(acc[slab][4 * (j + 8) + 2 * i],
                                                              acc[slab][4 * (j + 8) + 2 * i + 1]);
-              *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(
-                  silu_mul(__low2float(g), __low2float(u)), silu_mul(__high2float(g), __high2float(u)));
+              *reinterpret_cast<__nv_bfloat162*>(out + col) =
+                  __floats2bfloat162_rn(silu_mul(__low2float(g), __low2float(u)),
+                                        silu_mul(__high2float(g), __high2float(u)));
             }
           }
           continue;
@@ -366,7 +368,8 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   const int grid = static_cast<int>(std::min<int64_t>(max_tiles, device_sm_count()));
   launch_dependent("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel, dim3(grid),
                    dim3(kThreads), smem, s, bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows),
-                   bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn / 2), p);
+                   bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn / 2),
+                   p);
 }
 
 }  // namespace relay::kernels

@@ -291,8 +291,9 @@ __device__ __forceinline__ void store_bf16x2(void* at, float lo, float hi) {
 // row-major tile (kAChunks per row), B from a swizzled tile holding B's rows (k-major, kBChunks per
 // row; ldmatrix.trans) from its 16-byte chunk b_chunk0 on, acc in mma C order.
 template <int kKt, int kNt, int kAChunks, int kBChunks>
-__device__ __forceinline__ void warp_rows_times(float (&acc)[kNt][4], const uint8_t* a_tile, int row0,
-                                                const uint8_t* b_tile, int b_chunk0, int lane) {
+__device__ __forceinline__ void warp_rows_times(float (&acc)[kNt][4], const uint8_t* a_tile,
+                                                int row0, const uint8_t* b_tile, int b_chunk0,
+                                                int lane) {
 #pragma unroll
   for (int kt = 0; kt < kKt; ++kt) {
     uint32_t a[4];
@@ -503,7 +504,8 @@ __global__ void __launch_bounds__(kChunkThreads)
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
     float acc[kDim / 8][4] = {};
-    warp_rows_times<kChunk / 16, kDim / 8, 8, 16>(acc, ts, warp * 16, which == 0 ? qs : vs, 0, lane);
+    warp_rows_times<kChunk / 16, kDim / 8, 8, 16>(acc, ts, warp * 16, which == 0 ? qs : vs, 0,
+                                                  lane);
     bf16* dst = which == 0 ? ws.w : ws.u;
 #pragma unroll
     for (int n = 0; n < kDim / 8; ++n) {
@@ -534,8 +536,8 @@ struct ScanSmem {
 // Issues the cp.async loads of chunk [t0, t0 + len)'s W, q, k, U (this CTA's kV columns from v0)
 // and P rows into `stage` (zeros past len), one group.
 template <int kV>
-__device__ __forceinline__ void load_scan_stage(const ChunkWorkspace& ws, uint8_t* stage, int t0, int len,
-                                                int h, int kh, int hk, int hv, int v0) {
+__device__ __forceinline__ void load_scan_stage(const ChunkWorkspace& ws, uint8_t* stage, int t0,
+                                                int len, int h, int kh, int hk, int hv, int v0) {
   using L = ScanSmem<kV>;
   constexpr int kRowChunks = kDim / 8;
   for (int e = threadIdx.x; e < kChunk * kRowChunks; e += kScanThreads) {
@@ -547,12 +549,13 @@ __device__ __forceinline__ void load_scan_stage(const ChunkWorkspace& ws, uint8_
   }
   for (int e = threadIdx.x; e < kChunk * (kV / 8); e += kScanThreads) {
     const int i = e / (kV / 8), c = e % (kV / 8), t = t0 + min(i, len - 1);
-    cp_async_16(stage + L::kU + swizzle<kV / 8>(i, c), ws.u + (int64_t{t} * hv + h) * kDim + v0 + c * 8,
-                i < len);
+    cp_async_16(stage + L::kU + swizzle<kV / 8>(i, c),
+                ws.u + (int64_t{t} * hv + h) * kDim + v0 + c * 8, i < len);
   }
   for (int e = threadIdx.x; e < kChunk * 8; e += kScanThreads) {
     const int i = e / 8, c = e % 8, t = t0 + min(i, len - 1);
-    cp_async_16(stage + L::kP + swizzle<8>(i, c), ws.pm + (int64_t{t} * hv + h) * kChunk + c * 8, i < len);
+    cp_async_16(stage + L::kP + swizzle<8>(i, c), ws.pm + (int64_t{t} * hv + h) * kChunk + c * 8,
+                i < len);
   }
   cp_async_commit();
 }
@@ -671,7 +674,8 @@ __global__ void __launch_bounds__(kScanThreads, 1)
     if (t0 + kChunk < end) {
       const int next_len = min(kChunk, end - t0 - kChunk);
       if (threadIdx.x < kChunk) row_meta(t0 + kChunk, next_len, g_next, snap_next);
-      load_scan_stage<kV>(ws, smem + ((c + 1) & 1) * L::kStage, t0 + kChunk, next_len, h, kh, hk, hv, v0);
+      load_scan_stage<kV>(ws, smem + ((c + 1) & 1) * L::kStage, t0 + kChunk, next_len, h, kh, hk,
+                          hv, v0);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -690,7 +694,8 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         for (int half = 0; half < 2; ++half) {
           const int d = rw * 32 + mt * 16 + (lane >> 2) + 8 * half;
           const int j = cw * (kV / 2) + n * 8 + (lane & 3) * 2;
-          store_bf16x2(sb + tile_offset<kV / 8>(d, j), st[mt][n][2 * half], st[mt][n][2 * half + 1]);
+          store_bf16x2(sb + tile_offset<kV / 8>(d, j), st[mt][n][2 * half],
+                       st[mt][n][2 * half + 1]);
         }
     __syncthreads();
     decay_k_rows(kd, stage + L::kK, gs, len - 1);
@@ -720,7 +725,8 @@ __global__ void __launch_bounds__(kScanThreads, 1)
         const int i = rw * 16 + (lane >> 2) + 8 * half, j = cw * (kV / 2) + n * 8 + (lane & 3) * 2;
         const float2 u = __bfloat1622float2(
             *reinterpret_cast<const __nv_bfloat162*>(stage + L::kU + tile_offset<kV / 8>(i, j)));
-        store_bf16x2(vp + tile_offset<kV / 8>(i, j), u.x - dv[n][2 * half], u.y - dv[n][2 * half + 1]);
+        store_bf16x2(vp + tile_offset<kV / 8>(i, j), u.x - dv[n][2 * half],
+                     u.y - dv[n][2 * half + 1]);
         const float decay = __expf(gs[i]);
         o[n][2 * half] *= decay;
         o[n][2 * half + 1] *= decay;
@@ -749,21 +755,28 @@ __global__ void __launch_bounds__(kScanThreads, 1)
       __syncthreads();
       float acc[2][kV / 16][4];
       const float decay = __expf(gs[r]);
-      for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int, int) { acc[mt][n][e] = decay * st[mt][n][e]; });
+      for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int, int) {
+        acc[mt][n][e] = decay * st[mt][n][e];
+      });
       add_kd_times_d<kV>(acc, ksnap, vp, rw, cc0, lane);
-      for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int d, int j) { snap[d * kDim + j] = acc[mt][n][e]; });
+      for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int d, int j) {
+        snap[d * kDim + j] = acc[mt][n][e];
+      });
       __syncthreads();  // ksnap is rewritten for the next snapshot row
     }
 
     // The state after the chunk.
     const float decay = __expf(gs[len - 1]);
-    for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int, int) { st[mt][n][e] *= decay; });
+    for_state_slice<kV>(rw, cw, lane, v0,
+                        [&](int mt, int n, int e, int, int) { st[mt][n][e] *= decay; });
     add_kd_times_d<kV>(st, kd, vp, rw, cc0, lane);
     g_cur = g_next;
     snap_cur = snap_next;
   }
   if (state == nullptr) return;
-  for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int d, int j) { state[d * kDim + j] = st[mt][n][e]; });
+  for_state_slice<kV>(rw, cw, lane, v0, [&](int mt, int n, int e, int d, int j) {
+    state[d * kDim + j] = st[mt][n][e];
+  });
 }
 
 // One warp per (token, head) row.
@@ -803,7 +816,8 @@ __global__ void gated_rms_norm_vec_kernel(GatedRmsNormParams<bf16> p) {
   if (live) {
     const int64_t t = r / p.num_heads, h = r % p.num_heads;
     bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x + r * kLanes * 8)[lane], x);
-    bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.gate + t * p.gate_stride + h * kLanes * 8)[lane], gate);
+    bf16x8_to_f32(
+        reinterpret_cast<const Bf16x8*>(p.gate + t * p.gate_stride + h * kLanes * 8)[lane], gate);
   }
   float ss = 0.0f;
 #pragma unroll
@@ -868,7 +882,8 @@ template <int kWidth = 0>
 void launch_conv1d_of_width(const CausalConv1dParams<bf16>& p, dim3 grid, dim3 block, int tile,
                             cudaStream_t s) {
   if constexpr (kWidth <= kMaxConvWidth) {
-    if (p.kernel_size - 1 != kWidth) return launch_conv1d_of_width<kWidth + 1>(p, grid, block, tile, s);
+    if (p.kernel_size - 1 != kWidth)
+      return launch_conv1d_of_width<kWidth + 1>(p, grid, block, tile, s);
     launch_dependent("causal_conv1d_kernel", causal_conv1d_kernel<kWidth>, grid, block, 0, s, p,
                      tile);
   }

@@ -110,9 +110,9 @@ inline const char* grouped_gemm_kind_name(GroupedGemmKind kind) {
 // FP8 block-scaled grouped GEMM runs CUTLASS's cooperative kernel for Auto and either wgmma kind.
 // Read once per process; an unknown name throws.
 GroupedGemmKind prefill_grouped_gemm_kind();
-// The kind Auto runs for p (by rows per expert on average). Streaming and Wgmma take p.swiglu (Wgmma
-// with n a multiple of 16); only Streaming takes p.permuted_index (at most kMaxGatheredRows rows:
-// its row -> token map lives in shared memory), so a caller fusing either asks this first.
+// The kind Auto runs for p (by rows per expert on average). Streaming and Wgmma take p.swiglu
+// (Wgmma with n a multiple of 16); only Streaming takes p.permuted_index (at most kMaxGatheredRows
+// rows: its row -> token map lives in shared memory), so a caller fusing either asks this first.
 constexpr int kMaxGatheredRows = 1024;
 GroupedGemmKind moe_grouped_matmul_auto_kind(const MoeGroupedMatmulParams<bf16>& p);
 // The CUTLASS variants and the wgmma kernel themselves (called through launch_moe_grouped_matmul).

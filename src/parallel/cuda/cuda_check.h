@@ -66,8 +66,9 @@ void ensure_co_resident(Kernel kernel, dim3 grid, int threads, size_t smem_bytes
   }
   const long long blocks = static_cast<long long>(grid.x) * grid.y * grid.z;
   RELAY_CHECK(blocks <= static_cast<long long>(c.per_sm) * c.num_sms, name, ": a grid of ", blocks,
-              " blocks of ", threads, " threads cannot be resident at once on this GPU (", c.num_sms,
-              " SMs x ", c.per_sm, " blocks); its blocks wait on each other, so it would deadlock");
+              " blocks of ", threads, " threads cannot be resident at once on this GPU (",
+              c.num_sms, " SMs x ", c.per_sm,
+              " blocks); its blocks wait on each other, so it would deadlock");
 }
 
 }  // namespace relay::parallel::cuda
