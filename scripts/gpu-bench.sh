@@ -169,13 +169,17 @@ for l in "$@"; do
       # the engine: NCU_BENCH="--mode engine --device cuda --model /tmp/q35 --load-format dummy
       # --decode-batches 1 --decode-contexts 4096 --decode-tokens 4" NCU_KERNEL=causal_conv1d
       # NCU_SKIP=6. (The model mode's KV pool takes the memory ncu saves buffers in for its
-      # replays: "Failed to profile" there.)
-      # shellcheck disable=SC2086  # NCU_BENCH is a list of arguments
+      # replays: "Failed to profile" there.) NCU_ARGS adds ncu options, e.g. "--section
+      # SourceCounters" for the instructions warps stall on (what the Gated DeltaNet prepare
+      # kernel's 0.31 issued a cycle waits for is the open question); NCU_LINES (80) of the report
+      # are printed, all of it is in ncu.txt.
+      # shellcheck disable=SC2086  # NCU_BENCH and NCU_ARGS are lists of arguments
       timeout 240 /usr/local/cuda/bin/ncu -k "regex:${NCU_KERNEL:?NCU_KERNEL names the kernels}" \
         -s "${NCU_SKIP:-0}" -c "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section SchedulerStats --section WarpStateStats --section Occupancy \
+        --section SchedulerStats --section WarpStateStats --section Occupancy ${NCU_ARGS:-} \
         "$bin/relay" bench ${NCU_BENCH:---mode kernels --quick} > "$OUT/ncu.txt" 2>&1
-      echo "ncu rc $?"; grep -v '^{' "$OUT/ncu.txt" | grep -v '^    INF\|^          ' | head -80 | cut -c1-160 ;;
+      echo "ncu rc $?"; grep -v '^{' "$OUT/ncu.txt" | grep -v '^    INF\|^          ' | head -"${NCU_LINES:-80}" |
+        cut -c1-160 ;;
     decode-curve)  # issue 27: decode tok/s against batch, bf16 and FP8, on the 12-layer 30B-A3B shape
       export GROUP=decode-curve
       for dt in bf16 fp8; do
