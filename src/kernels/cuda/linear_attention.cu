@@ -1,12 +1,11 @@
-// The Gated DeltaNet ops (Qwen3.5 / Qwen3-Next linear attention) and the sigmoid gate of gated
-// attention and the shared expert, on the GPU (semantics in kernels/ops.h; CPU references in
-// kernels/cpu/linear_attention.cpp and norm_embed.cpp). The three in one kernel for decode steps:
-// gated_delta_net_step.cu; the per-token math both share: gated_delta_net.cuh.
+// The Gated DeltaNet ops (Qwen3.5 / Qwen3-Next linear attention) on the GPU (semantics in
+// kernels/ops.h; CPU references in kernels/cpu/linear_attention.cpp). The three in one kernel for
+// decode steps: gated_delta_net_step.cu; the per-token math both share: gated_delta_net.cuh.
 //
 // The conv runs a thread per (channel, 16 batch tokens; 1 in decode batches) with its window in
-// registers. The conv, the decode form, the gated norm and the sigmoid gate are launched dependent
-// (PDL, common.cuh) as the other decode kernels are: a plain launch among them would end each
-// kernel's overlap with the next one's launch.
+// registers. The conv, the decode form and the gated norm are launched dependent (PDL,
+// common.cuh) as the other decode kernels are: a plain launch among them would end each kernel's
+// overlap with the next one's launch.
 //
 // The recurrence has two forms. The decode form walks each sequence's tokens one at a time, in the
 // CPU reference's order: a CTA per (sequence, value head, 32 columns of the head's fp32 state S
@@ -833,50 +832,6 @@ __global__ void gated_rms_norm_vec_kernel(GatedRmsNormParams<bf16> p) {
   reinterpret_cast<Bf16x8*>(p.out + r * kLanes * 8)[lane] = f32_to_bf16x8(o);
 }
 
-__global__ void sigmoid_gate_kernel(SigmoidGateParams<bf16> p) {
-  wait_on_prior_grid();  // launched dependent (common.cuh)
-  release_dependent_grid();
-  const int64_t n = static_cast<int64_t>(p.num_rows) * p.width;
-  const int per_gate = p.width / p.gate_width;
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = e / p.width, c = e % p.width;
-    const float s = sigmoid_of(__bfloat162float(p.gate[r * p.gate_width + c / per_gate]));
-    const float x = __bfloat162float(p.x[e]);
-    p.out[e] = __float2bfloat16(p.accumulate ? add_gated(__bfloat162float(p.out[e]), x, s) : x * s);
-  }
-}
-
-// The same over 16-byte vectors, where each vector of 8 columns is under one gate or each of its
-// columns under its own (attention's output gate): the same expression per element.
-__global__ void sigmoid_gate_vec_kernel(SigmoidGateParams<bf16> p) {
-  wait_on_prior_grid();  // launched dependent (common.cuh)
-  release_dependent_grid();
-  const int row_vecs = p.width / 8, per_gate = p.width / p.gate_width;
-  const int64_t n = static_cast<int64_t>(p.num_rows) * row_vecs;
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < n;
-       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = v / row_vecs;
-    const int c = static_cast<int>(v % row_vecs) * 8;
-    const bf16* gate = p.gate + r * p.gate_width;
-    float x[8], g[8], o[8];
-    bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x)[v], x);
-    if (per_gate == 1) {
-      bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(gate)[c / 8], g);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) g[e] = __bfloat162float(gate[c / per_gate]);
-    }
-    if (p.accumulate) bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.out)[v], o);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float s = sigmoid_of(g[e]);
-      o[e] = p.accumulate ? add_gated(o[e], x[e], s) : x[e] * s;
-    }
-    reinterpret_cast<Bf16x8*>(p.out)[v] = f32_to_bf16x8(o);
-  }
-}
-
 // causal_conv1d_kernel<kernel_size - 1>: every width the check below admits has its instance.
 template <int kWidth = 0>
 void launch_conv1d_of_width(const CausalConv1dParams<bf16>& p, dim3 grid, dim3 block, int tile,
@@ -982,29 +937,6 @@ void launch_gated_rms_norm(const GatedRmsNormParams<bf16>& p, cudaStream_t s) {
   if (aligned && p.head_dim == 256) return vec(gated_rms_norm_vec_kernel<32>, 32);
   launch_dependent("gated_rms_norm_kernel", gated_rms_norm_kernel,
                    dim3(static_cast<unsigned>(ceil_div(rows, kWarps))), dim3(kWarps * 32), 0, s, p);
-}
-
-void launch_sigmoid_gate(const SigmoidGateParams<bf16>& p, cudaStream_t s) {
-  RELAY_CHECK(p.gate_width > 0 && p.width % p.gate_width == 0, "sigmoid_gate: gate_width ",
-              p.gate_width, " must divide width ", p.width);
-  const int64_t n = static_cast<int64_t>(p.num_rows) * p.width;
-  if (n == 0) return;
-  constexpr int kThreads = 256;
-  // 16-byte vectors where every vector lies under one gate or under its own 8 (and the rows are
-  // 16-byte aligned): a third of the instructions of the per-element form.
-  const int per_gate = p.width / p.gate_width;
-  const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(p.gate) % 16 == 0;
-  if (aligned && p.width % 8 == 0 && (per_gate % 8 == 0 || (per_gate == 1 && p.gate_width % 8 == 0))) {
-    launch_dependent("sigmoid_gate_vec_kernel", sigmoid_gate_vec_kernel,
-                     dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(n / 8, kThreads), 4096))),
-                     dim3(kThreads), 0, s, p);
-    return;
-  }
-  launch_dependent("sigmoid_gate_kernel", sigmoid_gate_kernel,
-                   dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 4096))),
-                   dim3(kThreads), 0, s, p);
 }
 
 }  // namespace relay::kernels

@@ -1,8 +1,11 @@
-// Row-wise memory-bound ops: embedding gather, RMSNorm (+ fused residual add) and SwiGLU.
+// Row-wise memory-bound ops: embedding gather, RMSNorm (+ fused residual add), SwiGLU and the
+// sigmoid gate (gated attention's per-element gate, the shared expert's per-row one; launched
+// dependent, PDL, as the decode kernels around them are).
 //
-// Each moves its bytes once with 16-byte accesses. RMSNorm runs one CTA per token and keeps the row
-// in registers between the sum of squares and the scaling (hidden <= kMaxHidden), so the row is read
-// once and written once (twice with the residual: residual out and normed out).
+// Each moves its bytes once with 16-byte accesses (the sigmoid gate where its rows allow). RMSNorm
+// runs one CTA per token and keeps the row in registers between the sum of squares and the scaling
+// (hidden <= kMaxHidden), so the row is read once and written once (twice with the residual:
+// residual out and normed out).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
 
@@ -77,6 +80,50 @@ __global__ void swiglu_kernel(SwigluParams<bf16> p) {
   }
 }
 
+__global__ void sigmoid_gate_kernel(SigmoidGateParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
+  const int64_t n = static_cast<int64_t>(p.num_rows) * p.width;
+  const int per_gate = p.width / p.gate_width;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / p.width, c = e % p.width;
+    const float s = sigmoid_of(__bfloat162float(p.gate[r * p.gate_width + c / per_gate]));
+    const float x = __bfloat162float(p.x[e]);
+    p.out[e] = __float2bfloat16(p.accumulate ? add_gated(__bfloat162float(p.out[e]), x, s) : x * s);
+  }
+}
+
+// The same over 16-byte vectors, where each vector of 8 columns is under one gate or each of its
+// columns under its own (attention's output gate): the same expression per element.
+__global__ void sigmoid_gate_vec_kernel(SigmoidGateParams<bf16> p) {
+  wait_on_prior_grid();  // launched dependent (common.cuh)
+  release_dependent_grid();
+  const int row_vecs = p.width / 8, per_gate = p.width / p.gate_width;
+  const int64_t n = static_cast<int64_t>(p.num_rows) * row_vecs;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < n;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = v / row_vecs;
+    const int c = static_cast<int>(v % row_vecs) * 8;
+    const bf16* gate = p.gate + r * p.gate_width;
+    float x[8], g[8], o[8];
+    bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x)[v], x);
+    if (per_gate == 1) {
+      bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(gate)[c / 8], g);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) g[e] = __bfloat162float(gate[c / per_gate]);
+    }
+    if (p.accumulate) bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.out)[v], o);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float s = sigmoid_of(g[e]);
+      o[e] = p.accumulate ? add_gated(o[e], x[e], s) : x[e] * s;
+    }
+    reinterpret_cast<Bf16x8*>(p.out)[v] = f32_to_bf16x8(o);
+  }
+}
+
 }  // namespace
 
 void launch_embedding(const EmbeddingParams<bf16>& p, cudaStream_t s) {
@@ -101,6 +148,29 @@ void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s) {
   const int64_t total = static_cast<int64_t>(p.num_rows) * p.width / 8;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(total, 256), 132 * 16));
   launch_dependent("swiglu_kernel", swiglu_kernel, dim3(blocks), dim3(256), 0, s, p);
+}
+
+void launch_sigmoid_gate(const SigmoidGateParams<bf16>& p, cudaStream_t s) {
+  RELAY_CHECK(p.gate_width > 0 && p.width % p.gate_width == 0, "sigmoid_gate: gate_width ",
+              p.gate_width, " must divide width ", p.width);
+  const int64_t n = static_cast<int64_t>(p.num_rows) * p.width;
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  // 16-byte vectors where every vector lies under one gate or under its own 8 (and the rows are
+  // 16-byte aligned): a third of the instructions of the per-element form.
+  const int per_gate = p.width / p.gate_width;
+  const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.gate) % 16 == 0;
+  if (aligned && p.width % 8 == 0 && (per_gate % 8 == 0 || (per_gate == 1 && p.gate_width % 8 == 0))) {
+    launch_dependent("sigmoid_gate_vec_kernel", sigmoid_gate_vec_kernel,
+                     dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(n / 8, kThreads), 4096))),
+                     dim3(kThreads), 0, s, p);
+    return;
+  }
+  launch_dependent("sigmoid_gate_kernel", sigmoid_gate_kernel,
+                   dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 4096))),
+                   dim3(kThreads), 0, s, p);
 }
 
 }  // namespace relay::kernels
