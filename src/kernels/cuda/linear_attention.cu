@@ -844,6 +844,16 @@ void launch_conv1d_of_width(const CausalConv1dParams<bf16>& p, dim3 grid, dim3 b
   }
 }
 
+// The scan over a batch's chunks in kV-column slices: a CTA per (sequence, value head, slice).
+template <int kV>
+void launch_chunk_scan(const GatedDeltaRuleParams<bf16>& p, const ChunkWorkspace& ws,
+                       cudaStream_t s) {
+  allow_dynamic_smem(gdn_chunk_scan_kernel<kV>, ScanSmem<kV>::kBytes);
+  gdn_chunk_scan_kernel<kV><<<p.num_seqs * p.num_v_heads * (kDim / kV), kScanThreads,
+                              ScanSmem<kV>::kBytes, s>>>(p, ws);
+  RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_scan_kernel");
+}
+
 }  // namespace
 
 void launch_causal_conv1d(const CausalConv1dParams<bf16>& p, cudaStream_t s) {
@@ -892,17 +902,12 @@ void launch_gated_delta_rule(const GatedDeltaRuleParams<bf16>& p, cudaStream_t s
     const dim3 chunks(static_cast<unsigned>(ceil_div(p.num_tokens, kChunk) + p.num_seqs), p.num_v_heads);
     gdn_chunk_prepare_kernel<<<chunks, kChunkThreads, kPrepareBytes, s>>>(p, ws);
     RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_prepare_kernel");
-    auto scan = [&](auto kernel, int columns, int bytes) {
-      allow_dynamic_smem(kernel, bytes);
-      kernel<<<p.num_seqs * p.num_v_heads * (kDim / columns), kScanThreads, bytes, s>>>(p, ws);
-      RELAY_CUDA_CHECK_LAUNCH("gdn_chunk_scan_kernel");
-    };
     const int columns = gated_delta_rule_scan_columns(p.num_seqs, p.num_v_heads);
     if (columns == 32) {
-      scan(gdn_chunk_scan_kernel<32>, 32, ScanSmem<32>::kBytes);
+      launch_chunk_scan<32>(p, ws, s);
     } else {
       RELAY_CHECK(columns == 64, "gated_delta_rule: no chunk scan of ", columns, " columns");
-      scan(gdn_chunk_scan_kernel<64>, 64, ScanSmem<64>::kBytes);
+      launch_chunk_scan<64>(p, ws, s);
     }
   }
   const dim3 ctas(static_cast<unsigned>(int64_t{p.num_seqs} * p.num_v_heads *
@@ -927,14 +932,14 @@ void launch_gated_rms_norm(const GatedRmsNormParams<bf16>& p, cudaStream_t s) {
                        reinterpret_cast<uintptr_t>(p.gate) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.weight) % 16 == 0 && p.gate_stride % 8 == 0;
-  auto vec = [&](auto kernel, int lanes) {
+  auto vec = [&](auto kernel) {  // head_dim / 8 lanes a row
     launch_dependent("gated_rms_norm_vec_kernel", kernel,
-                     dim3(static_cast<unsigned>(ceil_div(rows * lanes, kWarps * 32))),
+                     dim3(static_cast<unsigned>(ceil_div(rows * (p.head_dim / 8), kWarps * 32))),
                      dim3(kWarps * 32), 0, s, p);
   };
-  if (aligned && p.head_dim == 64) return vec(gated_rms_norm_vec_kernel<8>, 8);
-  if (aligned && p.head_dim == 128) return vec(gated_rms_norm_vec_kernel<16>, 16);
-  if (aligned && p.head_dim == 256) return vec(gated_rms_norm_vec_kernel<32>, 32);
+  if (aligned && p.head_dim == 64) return vec(gated_rms_norm_vec_kernel<8>);
+  if (aligned && p.head_dim == 128) return vec(gated_rms_norm_vec_kernel<16>);
+  if (aligned && p.head_dim == 256) return vec(gated_rms_norm_vec_kernel<32>);
   launch_dependent("gated_rms_norm_kernel", gated_rms_norm_kernel,
                    dim3(static_cast<unsigned>(ceil_div(rows, kWarps))), dim3(kWarps * 32), 0, s, p);
 }
