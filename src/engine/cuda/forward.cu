@@ -251,17 +251,17 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
   // they replace; two launches and two round trips fewer).
   kernels::MoeGroupedMatmulParams<bf16> gate_up_p{normed, w.gate_up, expert_offsets, act, R,
                                                  groups, 2 * w.width, hidden};
+  const kernels::GroupedGemmKind gate_up_kind = kernels::moe_grouped_matmul_auto_kind(gate_up_p);
   const bool streamed = !fp8_experts && !w.down8.present() && !dispatch && R > 0 &&
                         R <= kernels::kMaxGatheredRows &&
-                        kernels::moe_grouped_matmul_auto_kind(gate_up_p) ==
-                            kernels::GroupedGemmKind::Streaming;
+                        gate_up_kind == kernels::GroupedGemmKind::Streaming;
   const bool copy_rows = !fp8_experts && !streamed;
   // bf16 experts at a prefill's many rows per expert on Relay's wgmma kernel: its tiles pair gate
   // and up columns, so it stores silu(gate) * up without the [R, 2 width] intermediate (the same
   // bits as its GEMM and the swiglu kernel after it).
-  const bool tiles_swiglu =
-      !fp8_experts && !w.down8.present() && !streamed && R > 0 && (2 * w.width) % 16 == 0 &&
-      kernels::moe_grouped_matmul_auto_kind(gate_up_p) == kernels::GroupedGemmKind::Wgmma;
+  const bool tiles_swiglu = !fp8_experts && !w.down8.present() && R > 0 &&
+                            (2 * w.width) % 16 == 0 &&
+                            gate_up_kind == kernels::GroupedGemmKind::Wgmma;
   const int router_rows = experts + (shared_parts > 0 ? 1 : 0);
   mark("router_gemm");
   kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, router_rows, hidden},
