@@ -172,14 +172,24 @@ for l in "$@"; do
       # replays: "Failed to profile" there.) NCU_ARGS adds ncu options, e.g. "--section
       # SourceCounters" for the instructions warps stall on (what the Gated DeltaNet prepare
       # kernel's 0.31 issued a cycle waits for is the open question); NCU_LINES (80) of the report
-      # are printed, all of it is in ncu.txt.
+      # are printed, all of it is in ncu.txt. NCU_SOURCE=1 also saves the report and exports its
+      # per-instruction page (SASS, with the warp stall samples of each instruction; the
+      # SourceCounters section collects them) as ncu-source.csv.xz: which instructions the
+      # warps wait on, where the summary sections only say how long.
+      report=(); [ "${NCU_SOURCE:-0}" = 1 ] && report=(-f -o /tmp/ncu-report --import-source no)
       # shellcheck disable=SC2086  # NCU_BENCH and NCU_ARGS are lists of arguments
       timeout 240 /usr/local/cuda/bin/ncu -k "regex:${NCU_KERNEL:?NCU_KERNEL names the kernels}" \
         -s "${NCU_SKIP:-0}" -c "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats --section Occupancy ${NCU_ARGS:-} \
-        "$bin/relay" bench ${NCU_BENCH:---mode kernels --quick} > "$OUT/ncu.txt" 2>&1
-      echo "ncu rc $?"; grep -v '^{' "$OUT/ncu.txt" | grep -v '^    INF\|^          ' | head -"${NCU_LINES:-80}" |
-        cut -c1-160 ;;
+        "${report[@]}" "$bin/relay" bench ${NCU_BENCH:---mode kernels --quick} > "$OUT/ncu.txt" 2>&1
+      echo "ncu rc $?"
+      if [ "${NCU_SOURCE:-0}" = 1 ]; then  # with -o the report is not printed: print it from the file
+        /usr/local/cuda/bin/ncu --import /tmp/ncu-report.ncu-rep --page details >> "$OUT/ncu.txt" 2>&1
+        /usr/local/cuda/bin/ncu --import /tmp/ncu-report.ncu-rep --page source --csv --print-source sass \
+          2>&1 | xz -9 > "$OUT/ncu-source.csv.xz"
+        echo "source page rc ${PIPESTATUS[0]}"
+      fi
+      grep -v '^{' "$OUT/ncu.txt" | grep -v '^    INF\|^          ' | head -"${NCU_LINES:-80}" | cut -c1-160 ;;
     decode-curve)  # issue 27: decode tok/s against batch, bf16 and FP8, on the 12-layer 30B-A3B shape
       export GROUP=decode-curve
       for dt in bf16 fp8; do
