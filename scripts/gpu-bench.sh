@@ -176,16 +176,17 @@ for l in "$@"; do
       # per-instruction page (SASS, with the warp stall samples of each instruction; the
       # SourceCounters section collects them) as ncu-source.csv.xz: which instructions the
       # warps wait on, where the summary sections only say how long.
+      ncu=/usr/local/cuda/bin/ncu
       report=(); [ "${NCU_SOURCE:-0}" = 1 ] && report=(-f -o /tmp/ncu-report --import-source no)
       # shellcheck disable=SC2086  # NCU_BENCH and NCU_ARGS are lists of arguments
-      timeout 240 /usr/local/cuda/bin/ncu -k "regex:${NCU_KERNEL:?NCU_KERNEL names the kernels}" \
+      timeout 240 "$ncu" -k "regex:${NCU_KERNEL:?NCU_KERNEL names the kernels}" \
         -s "${NCU_SKIP:-0}" -c "${NCU_COUNT:-2}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats --section Occupancy ${NCU_ARGS:-} \
         "${report[@]}" "$bin/relay" bench ${NCU_BENCH:---mode kernels --quick} > "$OUT/ncu.txt" 2>&1
       echo "ncu rc $?"
       if [ "${NCU_SOURCE:-0}" = 1 ]; then  # with -o the report is not printed: print it from the file
-        /usr/local/cuda/bin/ncu --import /tmp/ncu-report.ncu-rep --page details >> "$OUT/ncu.txt" 2>&1
-        /usr/local/cuda/bin/ncu --import /tmp/ncu-report.ncu-rep --page source --csv --print-source sass \
+        "$ncu" --import /tmp/ncu-report.ncu-rep --page details >> "$OUT/ncu.txt" 2>&1
+        "$ncu" --import /tmp/ncu-report.ncu-rep --page source --csv --print-source sass \
           2>&1 | xz -9 > "$OUT/ncu-source.csv.xz"
         echo "source page rc ${PIPESTATUS[0]}"
       fi
