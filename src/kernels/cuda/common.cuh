@@ -81,11 +81,13 @@ __device__ __forceinline__ float sigmoid_of(float g) { return 1.0f / (1.0f + exp
 // out + x * sigmoid(g) with s = sigmoid_of(g): one rounding, wherever a gated term accumulates.
 __device__ __forceinline__ float add_gated(float out, float x, float s) { return __fmaf_rn(x, s, out); }
 
-// The residual add of every fused add + RMSNorm: v = residual + v rounded to bf16 (HF's bf16
-// residual stream rounds the sum before the norm), stored back into the residual.
-__device__ __forceinline__ void add_to_residual(float (&v)[8], Bf16x8* residual) {
+// The residual add of every fused add + RMSNorm: v = old + v rounded to bf16 (HF's bf16 residual
+// stream rounds the sum before the norm), stored into residual (where old was read: the caller
+// loads it, so it can load it early).
+__device__ __forceinline__ void add_to_residual(float (&v)[8], const Bf16x8& old,
+                                                Bf16x8* residual) {
   float r[8];
-  bf16x8_to_f32(*residual, r);
+  bf16x8_to_f32(old, r);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(__float2bfloat16(r[e] + v[e]));
   *residual = f32_to_bf16x8(v);

@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = warp * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
-        float a2[2], p2[2];
+        float p2[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float decay = j + e <= i ? __expf(gs[i] - gs[j + e]) : 0.0f;

@@ -42,7 +42,10 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<bf
     const int i = threadIdx.x + j * kNormThreads;
     if (i < num_vecs) {
       bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x + row)[i], v[j]);
-      if (p.residual) add_to_residual(v[j], reinterpret_cast<Bf16x8*>(p.residual + row) + i);
+      if (p.residual) {
+        Bf16x8* residual = reinterpret_cast<Bf16x8*>(p.residual + row) + i;
+        add_to_residual(v[j], *residual, residual);
+      }
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum_sq += v[j][e] * v[j][e];
     }
