@@ -139,7 +139,8 @@ void launch_rms_norm(const RmsNormParams<bf16>& p, cudaStream_t s) {
   RELAY_CHECK(p.hidden % 8 == 0 && p.hidden <= kMaxHidden, "rms_norm: hidden ", p.hidden,
               " must be a multiple of 8 and at most ", kMaxHidden);
   if (p.num_tokens == 0) return;
-  launch_dependent("rms_norm_kernel", rms_norm_kernel, dim3(p.num_tokens), dim3(kNormThreads), 0, s, p);
+  launch_dependent("rms_norm_kernel", rms_norm_kernel, dim3(p.num_tokens), dim3(kNormThreads), 0,
+                   s, p);
 }
 
 void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s) {
@@ -165,15 +166,16 @@ void launch_sigmoid_gate(const SigmoidGateParams<bf16>& p, cudaStream_t s) {
   const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.gate) % 16 == 0;
-  if (aligned && p.width % 8 == 0 && (per_gate % 8 == 0 || (per_gate == 1 && p.gate_width % 8 == 0))) {
-    launch_dependent("sigmoid_gate_vec_kernel", sigmoid_gate_vec_kernel,
-                     dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(n / 8, kThreads), 4096))),
-                     dim3(kThreads), 0, s, p);
-    return;
+  const bool vec = aligned && p.width % 8 == 0 &&
+                   (per_gate % 8 == 0 || (per_gate == 1 && p.gate_width % 8 == 0));
+  const int64_t items = vec ? n / 8 : n;  // a thread a 16-byte vector or an element
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ceil_div(items, kThreads), 4096)));
+  if (vec) {
+    launch_dependent("sigmoid_gate_vec_kernel", sigmoid_gate_vec_kernel, grid, dim3(kThreads), 0,
+                     s, p);
+  } else {
+    launch_dependent("sigmoid_gate_kernel", sigmoid_gate_kernel, grid, dim3(kThreads), 0, s, p);
   }
-  launch_dependent("sigmoid_gate_kernel", sigmoid_gate_kernel,
-                   dim3(static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 4096))),
-                   dim3(kThreads), 0, s, p);
 }
 
 }  // namespace relay::kernels
