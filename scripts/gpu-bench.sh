@@ -29,7 +29,8 @@
 # (bin/before/relay against this one); demo-engine, hybrid, hybrid-bench; ncu (NCU_KERNEL=REGEX:
 # Nsight Compute sections of those kernels in the kernel bench); tidy (drops tests.log from $OUT).
 # A bin/before directory in the pack holds an older relay for the before/after modes (SIDES picks
-# the sides; FULL=0 skips gdn-model's full-depth FP8 run).
+# the sides; in gdn-model any other side NAME runs bin/NAME/relay; FULL=0 skips gdn-model's
+# full-depth FP8 run).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"; cd "$root"
 pack="${RELAY_GPU_PACK:-.gpupack/c/bin.tar.xz}"
@@ -227,7 +228,7 @@ for l in "$@"; do
     gdn-model)
       export GROUP=gdn-model
       for side in ${SIDES:-before after}; do
-        RELAY="$bin/relay"; [ $side = before ] && RELAY="$bin/before/relay"
+        RELAY="$bin/relay"; [ "$side" = after ] || RELAY="$bin/$side/relay"  # e.g. bin/before/relay
         RELAY=$RELAY LIMIT=150 run q35-8l-$side --mode model --model /tmp/q35 --load-format dummy --prefill-lengths 512,4096 \
           --decode-batches 1,64 --decode-contexts 512
         grep '"mode":"prefill"' /tmp/run.log | grep -o '"tokens":[0-9]*\|"ms_per_step":[0-9.]*\|"roofline_fraction":[0-9.e-]*' | paste -sd' '
