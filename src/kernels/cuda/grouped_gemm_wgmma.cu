@@ -10,31 +10,24 @@
 // rows reads each weight tile once, without a cluster: the weights then stream from DRAM once.
 // (A first form, 128 x 256 tiles of 64-row halves, re-read weights: the CTAs sharing a weight tile
 // drifted apart and the L2 hit rate fell to 42%, 1.8 GB read from DRAM where CUTLASS read 1.05.)
-// The CTAs run in clusters of two on neighbouring column tiles of one expert's rows, and each loads
-// half of the x boxes into both (TMA multicast): at about 128 rows an expert the GEMM streams its
-// weights, and every tile's x rows come again from L2 — alone, as many bytes as its weight rows
-// (more in the down projection), so the SMs pulled twice the weight bytes through L2; shared,
-// half as many.
 //
 // Structure (one persistent CTA per SM, 3 warp groups):
 // - Warp group 0 is the producer: one thread walks the CTA's tiles and, per 64-wide k step, waits
-//   until both CTAs of the cluster have freed a stage of the 4-stage shared-memory ring, then
-//   TMA-loads its half of the x rows' 64-row boxes (one a live slab: the even slabs in CTA 0, the
-//   odd ones in CTA 1) into the stage of both CTAs and its 128 weight rows into its own; the TMA
-//   byte counts complete each stage's "full" mbarrier. x is one 2-D tensor map over the permuted rows and w one over [experts * n, k], so
+//   for a free stage of a 4-stage shared-memory ring, then TMA-loads the x rows (one 64-row box per
+//   live slab) and the 128 weight rows into it; the TMA's byte count completes the stage's "full"
+//   mbarrier. x is one 2-D tensor map over the permuted rows and w one over [experts * n, k], so
 //   no per-expert descriptor is written (CUTLASS's ptr-array kernel rewrites descriptors per
 //   group).
 // - Warp groups 1 and 2 consume: each owns two slabs, 128 rows x 128 columns of fp32 accumulators
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
-//   stages), releases a stage through the "empty" mbarriers of both CTAs once the wgmma reading it
-//   has retired, then stores its rows (masked to the expert's rows and to n) straight to global memory. With
+//   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
+//   then stores its rows (masked to the expert's rows and to n) straight to global memory. With
 //   the SwiGLU fused (the experts' gate_up, MoeGroupedMatmulParams::swiglu) a tile's two 64-row
 //   weight boxes are the gate rows and the up rows of the same 64 output columns, so each thread
 //   holds both operands of its outputs and stores silu(gate) * up: no [rows, n] intermediate.
-// Tile pairs (a cluster's work) run expert by expert, m tiles fastest: the tiles sharing a weight
-// tile are neighbours, and with one m tile (up to 256 rows an expert) consecutive pairs share the
-// expert's x rows in L2.
-// Each CTA reads expert_offsets into shared memory and builds the tile-pair prefix itself, so the host
+// Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
+// with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
+// Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
 // never reads the routing and the launch can be captured in a CUDA graph.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -55,12 +48,14 @@ constexpr int kThreads = 384;                         // producer + 2 consumer w
 constexpr uint32_t kSlabBytes = kSlabRows * kBk * 2;  // one slab of x rows in a stage
 constexpr uint32_t kWeightBytes = kBn * kBk * 2;      // the weight rows in a stage
 constexpr uint32_t kStageBytes = kSlabs * kSlabBytes + kWeightBytes;
-constexpr int kMaxExperts = 4096;  // the tile-pair prefix lives in shared memory
-constexpr int kCluster = 2;        // CTAs sharing their x rows
+constexpr int kMaxExperts = 4096;  // the tile prefix lives in shared memory
 
 // ---- mbarrier and TMA (sm_90) ------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 // Arrives and announces `bytes` of asynchronous (TMA) writes the phase must also wait for.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
@@ -91,40 +86,8 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
-// The same box into the same shared-memory offset of every CTA of the cluster, completing bytes on
-// each one's barrier at `bar`'s offset.
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int inner,
-                                                      int outer, uint64_t* bar, uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(smem_addr(bar)), "h"(ctas)
-      : "memory");
-}
-// Arrives on the barrier at `bar`'s offset in CTA `cta` of the cluster (this one included).
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(
-          smem_addr(bar)),
-      "r"(cta)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_cta_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// Every thread of the cluster that has not exited arrives and waits: barrier initialisation before
-// the peer's multicasts and remote arrivals, and the end of those before either CTA exits.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
-// Where the tile of CTA `rank` in tile pair `q` lies: pairs are numbered expert by expert (prefix[e]
-// is the first of expert e), m tiles fastest within an expert; the pair's two tiles are
-// neighbouring column tiles of one m tile (the second may lie past n: it loads and stores nothing
-// of its own but still multicasts its half of x).
+// Where tile `t` of the launch lies: tiles are numbered expert by expert (prefix[e] is the first of
+// expert e), m tiles fastest within an expert.
 struct Tile {
   int row0 = 0;     // first permuted row
   int row_end = 0;  // one past the expert's last row
@@ -137,12 +100,12 @@ struct Tile {
 // up rows of the same 64 output columns).
 __device__ __forceinline__ int tile_cols(bool swiglu) { return swiglu ? kBn / 2 : kBn; }
 
-__device__ __forceinline__ Tile locate_tile(int q, int rank, const int* prefix, const int* offsets,
+__device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int* offsets,
                                             int num_experts, int n, bool swiglu) {
-  int lo = 0, hi = num_experts;  // the expert e with prefix[e] <= q < prefix[e + 1]
+  int lo = 0, hi = num_experts;  // the expert e with prefix[e] <= t < prefix[e + 1]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (prefix[mid] <= q) {
+    if (prefix[mid] <= t) {
       lo = mid;
     } else {
       hi = mid;
@@ -150,20 +113,14 @@ __device__ __forceinline__ Tile locate_tile(int q, int rank, const int* prefix, 
   }
   const int e = lo;
   const int m_tiles = (offsets[e + 1] - offsets[e] + kBm - 1) / kBm;
-  const int local = q - prefix[e];
+  const int local = t - prefix[e];
   Tile tile;
   tile.row0 = offsets[e] + (local % m_tiles) * kBm;
   tile.row_end = offsets[e + 1];
-  tile.col0 = ((local / m_tiles) * kCluster + rank) * tile_cols(swiglu);
+  tile.col0 = (local / m_tiles) * tile_cols(swiglu);
   tile.w_row0 = e * n + tile.col0;
   tile.w_row1 = swiglu ? tile.w_row0 + n / 2 : tile.w_row0 + kBn / 2;
   return tile;
-}
-
-// A consumer warp group frees a stage: in both CTAs, as both producers write into both.
-__device__ __forceinline__ void release_stage(uint64_t* empty) {
-#pragma unroll
-  for (uint32_t cta = 0; cta < kCluster; ++cta) mbar_arrive_cluster(empty, cta);
 }
 
 // A consumer warp group's k loop over one tile: kLive of its two slabs hold rows. Leaves every
@@ -191,16 +148,16 @@ __device__ __forceinline__ void consume_tile(float (&acc)[2][64], uint8_t* stage
     wgmma_commit();
     // The group before this one has retired: its stage may be refilled.
     wgmma_wait<1>();
-    if (prev_stage >= 0 && signals) release_stage(&empty[prev_stage]);
+    if (prev_stage >= 0 && signals) mbar_arrive(&empty[prev_stage]);
     prev_stage = stage;
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
   wgmma_wait<0>();
   wgmma_fence_operands(acc);
-  if (signals) release_stage(&empty[prev_stage]);
+  if (signals) mbar_arrive(&empty[prev_stage]);
 }
 
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map,
                               const __grid_constant__ CUtensorMap w_map,
                               MoeGroupedMatmulParams<bf16> p) {
@@ -214,28 +171,26 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1)
   int* prefix = offsets + p.num_experts + 1;               // [num_experts + 1]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int out_cols = p.swiglu ? p.n / 2 : p.n;
-  const int n_pairs = ((out_cols + tile_cols(p.swiglu) - 1) / tile_cols(p.swiglu) + 1) / kCluster;
-  const int rank = static_cast<int>(cluster_cta_rank());
-  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
+  const int n_tiles = (out_cols + tile_cols(p.swiglu) - 1) / tile_cols(p.swiglu);
   const int k_steps = (p.k + kBk - 1) / kBk;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);   // the producer's arrive; the TMA bytes complete it
-      mbar_init(&empty[s], 2 * kCluster);  // one arrive per consumer warp group of either CTA
+      mbar_init(&empty[s], 2);  // one arrive per consumer warp group
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   // The routing comes from the permute before this kernel.
   wait_on_prior_grid();
-  if (warp == 0) {  // tile-pair prefix: each lane sums a run of experts, then a warp scan
+  if (warp == 0) {  // tile prefix: each lane sums a run of experts, then a warp scan
     const int per_lane = (p.num_experts + 31) / 32;
     const int e0 = min(lane * per_lane, p.num_experts), e1 = min(e0 + per_lane, p.num_experts);
     int sum = 0;
     for (int e = e0; e < e1; ++e) {
       const int row0 = p.expert_offsets[e], row1 = p.expert_offsets[e + 1];
       offsets[e] = row0;
-      sum += (row1 - row0 + kBm - 1) / kBm * n_pairs;
+      sum += (row1 - row0 + kBm - 1) / kBm * n_tiles;
     }
     int inclusive = sum;
 #pragma unroll
@@ -246,35 +201,34 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1)
     int run = inclusive - sum;
     for (int e = e0; e < e1; ++e) {
       prefix[e] = run;
-      run += (p.expert_offsets[e + 1] - p.expert_offsets[e] + kBm - 1) / kBm * n_pairs;
+      run += (p.expert_offsets[e + 1] - p.expert_offsets[e] + kBm - 1) / kBm * n_tiles;
     }
     if (lane == 31) {
       prefix[p.num_experts] = inclusive;
       offsets[p.num_experts] = p.expert_offsets[p.num_experts];
     }
   }
-  cluster_sync();  // also the CTA's: the prefix is read by all
-  const int num_pairs = prefix[p.num_experts];
+  __syncthreads();
+  const int num_tiles = prefix[p.num_experts];
 
   if (warp < 4) {  // ---- producer ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x != 0) return;  // (exited threads leave the final cluster_sync)
+    if (threadIdx.x != 0) return;
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&w_map)) : "memory");
     int stage = 0;
     uint32_t phase = 0;
-    for (int q = cluster; q < num_pairs; q += clusters) {
-      const Tile tile = locate_tile(q, rank, prefix, offsets, p.num_experts, p.n, p.swiglu);
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n, p.swiglu);
       const int live_slabs = min(kSlabs, (tile.row_end - tile.row0 + kSlabRows - 1) / kSlabRows);
-      // Every live slab's x box (half of them from the other CTA) and this CTA's weight rows.
       const uint32_t bytes = live_slabs * kSlabBytes + kWeightBytes;
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&empty[stage], phase ^ 1);
         uint8_t* st = stages + stage * kStageBytes;
         mbar_arrive_expect_tx(&full[stage], bytes);
-        for (int slab = rank; slab < live_slabs; slab += kCluster) {
-          tma_load_2d_multicast(st + slab * kSlabBytes, &x_map, ks * kBk,
-                                tile.row0 + slab * kSlabRows, &full[stage], (1u << kCluster) - 1);
+        for (int slab = 0; slab < live_slabs; ++slab) {
+          tma_load_2d(st + slab * kSlabBytes, &x_map, ks * kBk, tile.row0 + slab * kSlabRows,
+                      &full[stage]);
         }
         // The weight tile as two 64-row boxes: with the 128-byte swizzle's 8-row period, the second
         // lands exactly where a 128-row box would put its rows 64..127.
@@ -284,7 +238,6 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1)
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
-    cluster_sync();
     return;
   }
 
@@ -296,13 +249,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1)
   float acc[2][64];  // [slab][the thread's accumulators]
   int stage = 0;
   uint32_t phase = 0;
-  for (int q = cluster; q < num_pairs; q += clusters) {
-    const Tile tile = locate_tile(q, rank, prefix, offsets, p.num_experts, p.n, p.swiglu);
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = locate_tile(t, prefix, offsets, p.num_experts, p.n, p.swiglu);
     const int my_row0 = tile.row0 + 2 * wg * kSlabRows;
     if (my_row0 >= tile.row_end) {  // no row of this expert in our slabs: keep the ring's count
       for (int ks = 0; ks < k_steps; ++ks) {
         mbar_wait(&full[stage], phase);
-        if (signals) release_stage(&empty[stage]);
+        if (signals) mbar_arrive(&empty[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
       continue;
@@ -352,7 +305,6 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kThreads, 1)
       }
     }
   }
-  cluster_sync();
 #endif
 }
 
@@ -409,13 +361,11 @@ void launch_moe_grouped_matmul_wgmma(const MoeGroupedMatmulParams<bf16>& p, cuda
   const int smem = 1024 + kStages * kStageBytes + 2 * kStages * sizeof(uint64_t) +
                    2 * (p.num_experts + 1) * sizeof(int);
   allow_dynamic_smem(grouped_gemm_wgmma_kernel, smem);
-  // Tile pairs at most: every expert may add one partial m tile. The stages hold one CTA per SM
-  // (__launch_bounds__(kThreads, 1)), so the persistent grid is the SM count's clusters.
-  const int64_t n_tiles = p.swiglu ? ceil_div(p.n / 2, kBn / 2) : ceil_div(p.n, kBn);
-  const int64_t max_pairs = (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) *
-                            ceil_div(n_tiles, kCluster);
-  const int grid =
-      kCluster * static_cast<int>(std::min<int64_t>(max_pairs, device_sm_count() / kCluster));
+  // Tiles at most: every expert may add one partial m tile. The stages hold one CTA per SM
+  // (__launch_bounds__(kThreads, 1)), so the persistent grid is the SM count.
+  const int64_t max_tiles = (ceil_div(p.num_rows, kBm) + std::min(p.num_rows, p.num_experts)) *
+                            (p.swiglu ? ceil_div(p.n / 2, kBn / 2) : ceil_div(p.n, kBn));
+  const int grid = static_cast<int>(std::min<int64_t>(max_tiles, device_sm_count()));
   launch_dependent("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel, dim3(grid),
                    dim3(kThreads), smem, s, bf16_tensor_map(p.x, p.num_rows, p.k, kSlabRows),
                    bf16_tensor_map(p.w, static_cast<int64_t>(p.num_experts) * p.n, p.k, kBn / 2),

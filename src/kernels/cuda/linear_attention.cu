@@ -209,6 +209,7 @@ __global__ void __launch_bounds__(kWalkThreads, 4) gated_delta_rule_kernel(Gated
 
 constexpr int kChunk = 64;     // tokens per chunk
 constexpr int kDim = 128;      // key_dim = value_dim
+constexpr int kAStride = 68;   // floats per row of A in shared memory (16-byte rows, few conflicts)
 constexpr int kChunkThreads = 128;  // the prepare kernel's
 constexpr int kScanThreads = 256;   // the scan's: 8 warps, see gdn_chunk_scan_kernel
 
@@ -307,26 +308,19 @@ __device__ __forceinline__ void warp_rows_times(float (&acc)[kNt][4], const uint
   }
 }
 
-constexpr int kPrepareBytes = 3 * kChunk * kDim * 2 + 2 * kChunk * 4;
-constexpr int kPrepareCtas = 4;  // a SM's: 49.5 of its 228 KB of shared memory each, 128 registers
-
-// Float (i, j) of the prepare kernel's A in q's tile: 64 to a row, each row's 16-byte pieces
-// permuted by its index mod 8 so the mma-order stores of 8 rows fall in distinct banks.
-__device__ __forceinline__ int a_index(int i, int j) { return i * kChunk + (j ^ ((i & 7) << 2)); }
+constexpr int kPrepareBytes = 3 * kChunk * kDim * 2 + kChunk * kChunk * 2 + kChunk * kAStride * 4 + 2 * kChunk * 4;
 
 // Per (chunk, value head): q and k normalised, G, A, T = (I + A)^-1, then W, U and P rows into the
-// workspace (q and k by the first value head of each key head). A and then T take q's tile once
-// Q K^T is done, so four CTAs fit a SM (three with A and T apart: 12 warps to hide the latencies
-// of a kernel that is a chain of short dependent phases).
-__global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
+// workspace (q and k by the first value head of each key head).
+__global__ void __launch_bounds__(kChunkThreads)
     gdn_chunk_prepare_kernel(GatedDeltaRuleParams<bf16> p, ChunkWorkspace ws) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  uint8_t* qs = smem;                     // [64][128] q; then A (fp32, a_index); then T [64][64]
-  uint8_t* ks = qs + kChunk * kDim * 2;   // [64][128] k; then beta exp(G) k
+  uint8_t* qs = smem;                     // [64][128] q; then beta exp(G) k
+  uint8_t* ks = qs + kChunk * kDim * 2;   // [64][128] k
   uint8_t* vs = ks + kChunk * kDim * 2;   // [64][128] v; then beta v
-  float* am = reinterpret_cast<float*>(qs);
-  uint8_t* ts = qs;
-  float* gs = reinterpret_cast<float*>(vs + kChunk * kDim * 2);  // [64] G (g before the scan)
+  uint8_t* ts = vs + kChunk * kDim * 2;   // [64][64] T
+  float* am = reinterpret_cast<float*>(ts + kChunk * kChunk * 2);  // [64][kAStride] A
+  float* gs = am + kChunk * kAStride;     // [64] G (g before the scan)
   float* bs = gs + kChunk;                // [64] beta
   __shared__ ChunkPlace place;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -386,9 +380,8 @@ __global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
       ss[0] += __shfl_xor_sync(0xffffffffu, ss[0], o);
       ss[1] += __shfl_xor_sync(0xffffffffu, ss[1], o);
     }
-    // One division a row for q's 1 / sqrt(key_dim): a division an element was 16 a lane.
-    const float mul[2] = {rsqrtf(ss[0] + 1e-6f) / sqrtf(static_cast<float>(kDim)),
-                          rsqrtf(ss[1] + 1e-6f)};
+    const float q_scale = sqrtf(static_cast<float>(kDim));
+    const float mul[2] = {rsqrtf(ss[0] + 1e-6f), rsqrtf(ss[1] + 1e-6f)};
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -397,7 +390,8 @@ __global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float2 f = __bfloat1622float2(x[e]);
-          x[e] = __floats2bfloat162_rn(f.x * mul[m], f.y * mul[m]);
+          x[e] = m == 0 ? __floats2bfloat162_rn((f.x * mul[0]) / q_scale, (f.y * mul[0]) / q_scale)
+                        : __floats2bfloat162_rn(f.x * mul[1], f.y * mul[1]);
         }
         const int c = c0 + 8 * half;
         *reinterpret_cast<uint4*>((m == 0 ? qs : ks) + swizzle<16>(i, c)) = raw[m][half];
@@ -423,8 +417,7 @@ __global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
   if (threadIdx.x < len) ws.gcum[int64_t{t0 + threadIdx.x} * hv + h] = gs[threadIdx.x];
 
   // K K^T and Q K^T for this warp's 16 rows, decayed and masked: A (strictly lower, times beta)
-  // into q's tile once every warp is done reading it, P (lower with the diagonal) into the
-  // workspace.
+  // into shared memory, P (lower with the diagonal) into the workspace.
   {
     float kk[8][4] = {}, qk[8][4] = {};
 #pragma unroll
@@ -448,35 +441,26 @@ __global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = warp * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
-        float p2[2];
+        float a2[2], p2[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float decay = j + e <= i ? __expf(gs[i] - gs[j + e]) : 0.0f;
-          kk[n][2 * half + e] = j + e < i ? bs[i] * decay * kk[n][2 * half + e] : 0.0f;
+          a2[e] = j + e < i ? bs[i] * decay * kk[n][2 * half + e] : 0.0f;
           p2[e] = decay * qk[n][2 * half + e];
         }
+        am[i * kAStride + j] = a2[0];
+        am[i * kAStride + j + 1] = a2[1];
         if (i < len) store_bf16x2(ws.pm + (int64_t{t0 + i} * hv + h) * kChunk + j, p2[0], p2[1]);
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = warp * 16 + (lane >> 2) + 8 * half, j = n * 8 + (lane & 3) * 2;
-        *reinterpret_cast<float2*>(am + a_index(i, j)) =
-            make_float2(kk[n][2 * half], kk[n][2 * half + 1]);
       }
     }
   }
   __syncthreads();
 
-  // T = (I + A)^-1 by forward substitution in the first two warps, thread j holding column j:
-  // T[i][j] = [i == j] - sum_{m < i} A[i][m] T[m][j] (the terms with m < j vanish, as T is lower
-  // triangular). It goes over A in q's tile once every thread is done with A.
-  float tc[kChunk];
   if (warp < 2) {
+    // T = (I + A)^-1 by forward substitution, thread j holding column j: T[i][j] = [i == j] -
+    // sum_{m < i} A[i][m] T[m][j] (the terms with m < j vanish, as T is lower triangular).
     const int j = threadIdx.x;
+    float tc[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) tc[i] = 0.0f;
 #pragma unroll
@@ -484,7 +468,7 @@ __global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int m = 0; m < i; m += 4) {  // A[i][m..m+3] past i - 1 are zeros, as tc[i..] still are
-        const float4 a4 = *reinterpret_cast<const float4*>(am + a_index(i, m));
+        const float4 a4 = *reinterpret_cast<const float4*>(am + i * kAStride + m);
         acc[0] += a4.x * tc[m];
         acc[1] += a4.y * tc[m + 1];
         acc[2] += a4.z * tc[m + 2];
@@ -492,8 +476,12 @@ __global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
       }
       tc[i] = (i == j ? 1.0f : 0.0f) - ((acc[0] + acc[1]) + (acc[2] + acc[3]));
     }
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      *reinterpret_cast<bf16*>(ts + tile_offset<8>(i, j)) = __float2bfloat16(tc[i]);
+    }
   } else {
-    // Meanwhile: beta exp(G) k and beta v in place.
+    // Meanwhile: beta exp(G) k over q's tile (done with it) and beta v in place.
     for (int e = threadIdx.x - 64; e < kChunk * kDim / 8; e += 64) {
       const int i = e / (kDim / 8), off = swizzle<16>(i, e % (kDim / 8));
       const float sk = bs[i] * __expf(gs[i]), sv = bs[i];
@@ -505,24 +493,17 @@ __global__ void __launch_bounds__(kChunkThreads, kPrepareCtas)
         kp[m] = __floats2bfloat162_rn(__low2float(kp[m]) * sk, __high2float(kp[m]) * sk);
         vp[m] = __floats2bfloat162_rn(__low2float(vp[m]) * sv, __high2float(vp[m]) * sv);
       }
-      *reinterpret_cast<uint4*>(ks + off) = kraw;
+      *reinterpret_cast<uint4*>(qs + off) = kraw;
       *reinterpret_cast<uint4*>(vs + off) = vraw;
-    }
-  }
-  __syncthreads();
-  if (warp < 2) {
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      *reinterpret_cast<bf16*>(ts + tile_offset<8>(i, threadIdx.x)) = __float2bfloat16(tc[i]);
     }
   }
   __syncthreads();
 
   // W = T (beta exp(G) k), U = T (beta v): this warp's 16 rows.
-#pragma unroll 1  // one product's 64 accumulators live at a time: 128 registers for four CTAs a SM
+#pragma unroll
   for (int which = 0; which < 2; ++which) {
     float acc[kDim / 8][4] = {};
-    warp_rows_times<kChunk / 16, kDim / 8, 8, 16>(acc, ts, warp * 16, which == 0 ? ks : vs, 0,
+    warp_rows_times<kChunk / 16, kDim / 8, 8, 16>(acc, ts, warp * 16, which == 0 ? qs : vs, 0,
                                                   lane);
     bf16* dst = which == 0 ? ws.w : ws.u;
 #pragma unroll
