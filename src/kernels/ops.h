@@ -295,34 +295,6 @@ struct MoePermuteParams {
   LiveRows copied_rows = {};  // over the num_tokens * top_k permuted rows
 };
 
-// A decode step's MoE routing in one op: the add + RMSNorm before the MoE, the router and its
-// top-k, and the permute's index, as RmsNormParams{x, residual, norm_weight, normed},
-// MatmulParams{normed, router, nullptr, logits}, MoeRouterTopkParams{logits, topk_ids,
-// topk_weights} and MoePermuteParams{normed, topk_ids, nullptr, permuted_index, expert_offsets}
-// (no row copy, every token live, over num_experts + shared_expert_parts experts) compute them in
-// turn. On the GPU it is one launch for a few tokens (at most kMaxRouteTokens): the four kernels
-// cost three dependent-launch boundaries a layer of a batch-1 step that moves a few kilobytes.
-template <typename T>
-struct MoeRouteParams {
-  const T* x = nullptr;            // [num_tokens, hidden]: the mixer's output
-  T* residual = nullptr;           // [num_tokens, hidden] or null; updated to residual + x
-  const T* norm_weight = nullptr;  // [hidden]
-  T* normed = nullptr;             // [num_tokens, hidden]: the experts' input
-  const T* router = nullptr;       // [num_experts (+ 1), hidden] (+ 1: the shared expert's gate)
-  T* logits = nullptr;             // [num_tokens, num_experts (+ 1)]
-  int32_t* topk_ids = nullptr;     // [num_tokens, top_k + shared_expert_parts]
-  float* topk_weights = nullptr;   // [num_tokens, top_k + shared_expert_parts]
-  int32_t* permuted_index = nullptr;  // [num_tokens * (top_k + shared_expert_parts)]
-  int32_t* expert_offsets = nullptr;  // [num_experts + shared_expert_parts + 1]
-  int num_tokens = 0;
-  int hidden = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  bool renormalize = false;  // norm_topk_prob
-  int shared_expert_parts = 0;
-  float eps = 1e-6f;
-};
-
 // out[r] = x[r] @ w[e]^T for every permuted row r of expert e (the experts' gate_up or down).
 template <typename T>
 struct MoeGroupedMatmulParams {
@@ -565,7 +537,6 @@ void launch_paged_attention(const PagedAttentionParams<float>& p, ThreadPool& po
 void launch_swiglu(const SwigluParams<float>& p, ThreadPool& pool);
 void launch_moe_router_topk(const MoeRouterTopkParams<float>& p, ThreadPool& pool);
 void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool);
-void launch_moe_route(const MoeRouteParams<float>& p, ThreadPool& pool);
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<float>& p, ThreadPool& pool);
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, ThreadPool& pool);
 void launch_moe_localize_experts(const MoeLocalizeExpertsParams& p, ThreadPool& pool);

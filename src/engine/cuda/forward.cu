@@ -55,17 +55,14 @@ bool RankEngine::enqueue_layer(const LayerWeights& w, const Shape& sh, const Ste
     mark("attention_all_reduce");
     comm->all_reduce_sum(mix, static_cast<size_t>(T) * hidden, stream);
   }
-  // A fused route takes the norm with it (enqueue_moe).
-  if (!route_fused(w, T)) {
-    mark("post_attention_norm");
-    kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden,
-                              static_cast<float>(cfg.rms_norm_eps)},
-                             stream);
-  }
+  mark("post_attention_norm");
+  kernels::launch_rms_norm({mix, residual, w.post_norm, normed, T, hidden,
+                            static_cast<float>(cfg.rms_norm_eps)},
+                           stream);
   if (w.moe) {
     // The shared expert as one more expert of the MoE where its weights are folded in
     // (LayerWeights::shared_parts) and the step is small; else apart, after it.
-    const int shared_parts = folded_shared_parts(w, T);
+    const int shared_parts = T <= kSharedExpertFoldMaxTokens ? w.shared_parts : 0;
     const bool apart = w.shared_width > 0 && shared_parts == 0;
     // Apart, it runs first where the MoE's combine can add it in (its output final on the rank),
     // and the combine then takes the norm after the layer too; else it adds itself in after.
@@ -234,28 +231,6 @@ void RankEngine::swiglu(const LayerWeights& w, int rows, const kernels::LiveRows
   }
 }
 
-int RankEngine::folded_shared_parts(const LayerWeights& w, int T) const {
-  return T <= kSharedExpertFoldMaxTokens ? w.shared_parts : 0;
-}
-
-bool RankEngine::experts_gather(const LayerWeights& w, int rows, int groups) const {
-  if (w.gate_up8.present()) return true;  // FP8: the tokens are quantised, then permuted
-  if (w.down8.present() || dispatch || rows <= 0 || rows > kernels::kMaxGatheredRows) return false;
-  const kernels::MoeGroupedMatmulParams<bf16> p{normed, w.gate_up, expert_offsets, act, rows,
-                                                groups, 2 * w.width, hidden};
-  return kernels::moe_grouped_matmul_auto_kind(p) == kernels::GroupedGemmKind::Streaming;
-}
-
-bool RankEngine::route_fused(const LayerWeights& w, int T) const {
-  // The whole MoE on this rank (no EP renumbering between the top-k and the permute), the shared
-  // expert folded in or absent (apart it runs before the MoE, on the norm), and experts that need
-  // no permuted row copy (the fused kernel builds only the index).
-  if (!w.moe || T <= 0 || T > kernels::kMaxRouteTokens || dispatch || shard.ep_size > 1) return false;
-  const int shared_parts = folded_shared_parts(w, T);
-  if (w.shared_width > 0 && shared_parts == 0) return false;
-  return experts_gather(w, T * (top_k + shared_parts), local_experts + shared_parts);
-}
-
 bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
                              const bf16* next_norm, bool add_shared) {
   // The shared expert folded in: one more router row (its gate), and its parts as more experts
@@ -277,7 +252,9 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
   kernels::MoeGroupedMatmulParams<bf16> gate_up_p{normed, w.gate_up, expert_offsets, act, R,
                                                  groups, 2 * w.width, hidden};
   const kernels::GroupedGemmKind gate_up_kind = kernels::moe_grouped_matmul_auto_kind(gate_up_p);
-  const bool streamed = !fp8_experts && experts_gather(w, R, groups);
+  const bool streamed = !fp8_experts && !w.down8.present() && !dispatch && R > 0 &&
+                        R <= kernels::kMaxGatheredRows &&
+                        gate_up_kind == kernels::GroupedGemmKind::Streaming;
   const bool copy_rows = !fp8_experts && !streamed;
   // bf16 experts at a prefill's many rows per expert on Relay's wgmma kernel: its tiles pair gate
   // and up columns, so it stores silu(gate) * up without the [R, 2 width] intermediate (the same
@@ -286,26 +263,13 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
                             (2 * w.width) % 16 == 0 &&
                             gate_up_kind == kernels::GroupedGemmKind::Wgmma;
   const int router_rows = experts + (shared_parts > 0 ? 1 : 0);
-  // A decode step's post-attention norm, router, top-k and permute index in one launch.
-  const bool fused = route_fused(w, T);
-  RELAY_CHECK(!fused || shared_parts == folded_shared_parts(w, T),
-              "moe: the fused route folds the shared expert as the layer does");
-  if (fused) {
-    mark("moe_route");
-    kernels::launch_moe_route({mix, residual, w.post_norm, normed, w.router, router_logits,
-                               topk_ids, topk_weights, permuted_index, expert_offsets, T, hidden,
-                               experts, top_k, cfg.norm_topk_prob, shared_parts,
-                               static_cast<float>(cfg.rms_norm_eps)},
-                              stream);
-  } else {
-    mark("router_gemm");
-    kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, router_rows, hidden},
-                           stream);
-    mark("router_topk");
-    kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k,
-                                     cfg.norm_topk_prob, shared_parts},
-                                    stream);
-  }
+  mark("router_gemm");
+  kernels::launch_matmul({normed, w.router, nullptr, router_logits, T, router_rows, hidden},
+                         stream);
+  mark("router_topk");
+  kernels::launch_moe_router_topk({router_logits, topk_ids, topk_weights, T, experts, top_k,
+                                   cfg.norm_topk_prob, shared_parts},
+                                  stream);
   const bf16* x = normed;
   const int32_t* ids = topk_ids;
   const float* weights_in = topk_weights;
@@ -339,13 +303,11 @@ bool RankEngine::enqueue_moe(const LayerWeights& w, int T, int shared_parts,
     kernels::launch_fp8_act_quant(qp, stream);
   }
   gate_up_p.x = x;
-  if (!fused) {
-    mark("moe_permute");
-    kernels::launch_moe_permute({x, ids, copy_rows ? permuted_x : nullptr, permuted_index,
-                                 expert_offsets, tokens, hidden, route_experts() + shared_parts,
-                                 K, live_tokens, computed_rows},
-                                stream);
-  }
+  mark("moe_permute");
+  kernels::launch_moe_permute({x, ids, copy_rows ? permuted_x : nullptr, permuted_index,
+                               expert_offsets, tokens, hidden, route_experts() + shared_parts, K,
+                               live_tokens, computed_rows},
+                              stream);
   if (fp8_experts) {
     kernels::launch_fp8_permute_rows({token_q, token_scale, permuted_index, act_q, act_scale,
                                       tokens, hidden, K, live_tokens, computed_rows},

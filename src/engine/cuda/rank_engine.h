@@ -515,16 +515,6 @@ struct RankEngine {
   // add_shared: the combine adds the shared expert that ran before (enqueue_shared_expert).
   bool enqueue_moe(const LayerWeights& w, int T, int shared_parts = 0,
                    const bf16* next_norm = nullptr, bool add_shared = false);
-  // The shared expert's parts folded into a T-token step's MoE (LayerWeights::shared_parts).
-  int folded_shared_parts(const LayerWeights& w, int T) const;
-  // Whether the experts read the tokens' rows in place, without the permute's row copy: bf16
-  // experts on the weight-streaming kernel (it gathers them) or FP8 ones (the quantised tokens
-  // are permuted instead), for `rows` routed rows over `groups` experts.
-  bool experts_gather(const LayerWeights& w, int rows, int groups) const;
-  // Whether a T-token step routes on the fused decode kernel (kernels::launch_moe_route: the
-  // post-attention norm, the router, its top-k and the permute's index in one launch), which
-  // enqueue_layer then leaves the norm to.
-  bool route_fused(const LayerWeights& w, int T) const;
   // The layer's mixers: (gated) softmax attention over its KV-pool layer, and Gated DeltaNet over
   // its recurrent-state layer (kernels/ops.h has the math); both leave their output in `mix`.
   struct StepMeta {

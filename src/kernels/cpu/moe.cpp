@@ -4,9 +4,8 @@
 // probability (ties to the lower expert id), then optional renormalisation. Permutation is a stable
 // counting sort by expert, so rows inside an expert stay in (token, k) order and the result is
 // deterministic; the GPU version computes the same offsets. The combine sums the k weighted expert
-// outputs of a token in k order (then the next RMSNorm, where fused). The fused decode routing
-// (moe_route) is the norm, the router, the top-k and the permute's index in turn. With LiveRows
-// bounds (ops.h) the permute sorts the live tokens' rows only and each op touches only live rows.
+// outputs of a token in k order (then the next RMSNorm, where fused). With LiveRows bounds (ops.h)
+// the permute sorts the live tokens' rows only and each op touches only live rows.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -88,19 +87,6 @@ void launch_moe_permute(const MoePermuteParams<float>& p, ThreadPool& pool) {
                   sizeof(float) * p.hidden);
     }
   });
-}
-
-void launch_moe_route(const MoeRouteParams<float>& p, ThreadPool& pool) {
-  const int columns = p.num_experts + (p.shared_expert_parts > 0 ? 1 : 0);
-  const int routes = p.top_k + p.shared_expert_parts;
-  launch_rms_norm({p.x, p.residual, p.norm_weight, p.normed, p.num_tokens, p.hidden, p.eps}, pool);
-  launch_matmul({p.normed, p.router, nullptr, p.logits, p.num_tokens, columns, p.hidden}, pool);
-  launch_moe_router_topk({p.logits, p.topk_ids, p.topk_weights, p.num_tokens, p.num_experts,
-                          p.top_k, p.renormalize, p.shared_expert_parts},
-                         pool);
-  launch_moe_permute({p.normed, p.topk_ids, nullptr, p.permuted_index, p.expert_offsets,
-                      p.num_tokens, p.hidden, p.num_experts + p.shared_expert_parts, routes},
-                     pool);
 }
 
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<float>& p, ThreadPool& pool) {

@@ -82,17 +82,14 @@ __device__ __forceinline__ float sigmoid_of(float g) { return 1.0f / (1.0f + exp
 __device__ __forceinline__ float add_gated(float out, float x, float s) { return __fmaf_rn(x, s, out); }
 
 // The residual add of every fused add + RMSNorm: v = old + v rounded to bf16 (HF's bf16 residual
-// stream rounds the sum before the norm); add_to_residual stores it into residual (where old was
-// read: the caller loads it, so it can load it early).
-__device__ __forceinline__ void add_residual(float (&v)[8], const Bf16x8& old) {
+// stream rounds the sum before the norm), stored into residual (where old was read: the caller
+// loads it, so it can load it early).
+__device__ __forceinline__ void add_to_residual(float (&v)[8], const Bf16x8& old,
+                                                Bf16x8* residual) {
   float r[8];
   bf16x8_to_f32(old, r);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(__float2bfloat16(r[e] + v[e]));
-}
-__device__ __forceinline__ void add_to_residual(float (&v)[8], const Bf16x8& old,
-                                                Bf16x8* residual) {
-  add_residual(v, old);
   *residual = f32_to_bf16x8(v);
 }
 
@@ -116,35 +113,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   const int num_warps = blockDim.x >> 5;
   v = lane < num_warps ? scratch[lane] : 0.0f;
   return warp_sum(v);
-}
-
-// The RMSNorm of a row a CTA holds in registers, kVecs 16-byte vectors a thread (vector
-// threadIdx.x + j * blockDim.x of the row, those below hidden / 8): out = rms_scaled(v) with the
-// statistics summed in one order, so every add + norm on the GPU that holds its row this way
-// (rms_norm, the combine's and the routing's fused norms, all at 256 threads) stores the same
-// bits. `scratch` holds 32 floats.
-template <int kVecs>
-__device__ __forceinline__ void store_rms_normed(const float (&v)[kVecs][8], const bf16* weight,
-                                                 bf16* out, int hidden, float eps,
-                                                 float* scratch) {
-  const int num_vecs = hidden / 8;
-  float sum_sq = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    if (threadIdx.x + j * blockDim.x < num_vecs) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum_sq += v[j][e] * v[j][e];
-    }
-  }
-  const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int i = threadIdx.x + j * blockDim.x;
-    if (i < num_vecs) {
-      reinterpret_cast<Bf16x8*>(out)[i] =
-          rms_scaled(v[j], reinterpret_cast<const Bf16x8*>(weight)[i], inv_rms);
-    }
-  }
 }
 
 // 16 bytes read once in a kernel's life (streamed weights): through the read-only path without

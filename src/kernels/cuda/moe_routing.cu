@@ -14,8 +14,7 @@
 // and walks live rows only. The index kernel's warps split the live routed rows, not the capacity,
 // so a DP + EP receive buffer of 2 x 16384 slots holding a few tokens costs a few steps per warp;
 // the row copy and the combine take a capped grid that strides over the live tokens. The combine
-// can take the next RMSNorm with it (one CTA per token then). A decode step's norm, router, top-k
-// and index are one kernel (moe_route_kernel).
+// can take the next RMSNorm with it (one CTA per token then).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops_cuda.h"
 
@@ -216,24 +215,6 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_index_kernel(MoePermu
 // experts x rows) compares spread over the CTA.
 constexpr int kOneCtaPermuteRows = 256;
 
-// The calling CTA ranks `rows` routed rows whose expert ids it holds in shared memory.
-__device__ __forceinline__ void rank_rows_in_cta(const int32_t* ids, int rows, int num_experts,
-                                                 int32_t* expert_offsets,
-                                                 int32_t* permuted_index) {
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int below = 0;
-    for (int r = 0; r < rows; ++r) below += ids[r] < e;
-    expert_offsets[e] = below;
-  }
-  if (threadIdx.x == 0) expert_offsets[num_experts] = rows;
-  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-    const int id = ids[r];
-    int place = 0;
-    for (int q = 0; q < rows; ++q) place += ids[q] < id || (q < r && ids[q] == id);
-    permuted_index[r] = place;
-  }
-}
-
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_index_one_cta_kernel(MoePermuteParams<bf16> p) {
   wait_on_prior_grid();  // launched dependent (common.cuh)
@@ -242,135 +223,18 @@ __global__ void __launch_bounds__(kPermuteThreads)
   const int rows = p.num_tokens * p.top_k;
   for (int r = threadIdx.x; r < rows; r += blockDim.x) ids[r] = p.topk_ids[r];
   __syncthreads();
-  rank_rows_in_cta(ids, rows, p.num_experts, p.expert_offsets, p.permuted_index);
-}
-
-// The fused decode routing (MoeRouteParams): a warp per router row (8 a CTA), every CTA taking
-// the add + norm of all the step's tokens itself (a few kilobytes from L2) into shared memory, so
-// no CTA waits on another before its dot products. The weight rows are loaded before the wait on
-// the kernel before (PDL: they are weights), and the last CTA to finish (a counter, as the split
-// decode attention merges) routes the tokens from the logits the others wrote, ranks the rows and
-// writes the residual back: it alone may, once every CTA has read the old one. CTA 0 stores
-// normed. The norm's 256 threads and vector layout are rms_norm_kernel's, so normed has its bits;
-// the logits' sums run in another order than the streaming GEMM's.
-struct RouteCountTag;
-constexpr int kRouteThreads = 256;
-constexpr int kRouteWarps = kRouteThreads / 32;
-constexpr int kRouteNormVecs = 4;     // a thread's vectors of a row: hidden up to 8192
-constexpr int kRouteWeightVecs = 8;   // a lane's 16-byte weight loads in flight: 2048 columns a warp
-constexpr int kRouteMaxColumns = 32 * kMaxExpertsPerLane + 1;
-static_assert(kMaxRouteTokens <= kRouteWarps, "the last CTA routes a token a warp");
-static_assert(kMaxRouteTokens * kMaxRoutesPerToken <= kOneCtaPermuteRows);
-
-__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(MoeRouteParams<bf16> p, int* done) {
-  extern __shared__ Bf16x8 normed_rows[];  // [num_tokens][hidden / 8]
-  __shared__ float scratch[32];
-  __shared__ bf16 logits[kMaxRouteTokens * kRouteMaxColumns];
-  __shared__ int32_t ids[kOneCtaPermuteRows];
-  __shared__ bool is_last;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int columns = p.num_experts + (p.shared_expert_parts > 0 ? 1 : 0);
-  const int routes = p.top_k + p.shared_expert_parts;
-  const int num_vecs = p.hidden / 8;
-  const int column = blockIdx.x * kRouteWarps + warp;  // this warp's router row
-  const Bf16x8* w_row =
-      reinterpret_cast<const Bf16x8*>(p.router) + static_cast<int64_t>(min(column, columns - 1)) * num_vecs;
-  Bf16x8 w[kRouteWeightVecs];
-  auto load_weights = [&](int v0) {
-#pragma unroll
-    for (int i = 0; i < kRouteWeightVecs; ++i) {
-      const int v = v0 + i * 32 + lane;
-      if (v < num_vecs) load_streaming_16(reinterpret_cast<uint32_t(&)[4]>(w[i]), w_row + v);
-    }
-  };
-  load_weights(0);
-  wait_on_prior_grid();  // x and the residual come from the kernel before
-  release_dependent_grid();
-
-  for (int t = 0; t < p.num_tokens; ++t) {
-    const int64_t row = static_cast<int64_t>(t) * p.hidden;
-    float v[kRouteNormVecs][8];
-#pragma unroll
-    for (int j = 0; j < kRouteNormVecs; ++j) {
-      const int i = threadIdx.x + j * kRouteThreads;
-      if (i < num_vecs) {
-        bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x + row)[i], v[j]);
-        if (p.residual) add_residual(v[j], reinterpret_cast<const Bf16x8*>(p.residual + row)[i]);
-      }
-    }
-    Bf16x8* normed = normed_rows + static_cast<int64_t>(t) * num_vecs;
-    store_rms_normed(v, p.norm_weight, reinterpret_cast<bf16*>(normed), p.hidden, p.eps, scratch);
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
+    int below = 0;
+    for (int r = 0; r < rows; ++r) below += ids[r] < e;
+    p.expert_offsets[e] = below;
   }
-  __syncthreads();
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < p.num_tokens * num_vecs; i += kRouteThreads) {
-      reinterpret_cast<Bf16x8*>(p.normed)[i] = normed_rows[i];
-    }
+  if (threadIdx.x == 0) p.expert_offsets[p.num_experts] = rows;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const int id = ids[r];
+    int place = 0;
+    for (int q = 0; q < rows; ++q) place += ids[q] < id || (q < r && ids[q] == id);
+    p.permuted_index[r] = place;
   }
-
-  float acc[kMaxRouteTokens] = {};
-  for (int v0 = 0; v0 < num_vecs; v0 += 32 * kRouteWeightVecs) {
-    if (v0 > 0) load_weights(v0);
-#pragma unroll
-    for (int i = 0; i < kRouteWeightVecs; ++i) {
-      const int v = v0 + i * 32 + lane;
-      if (v >= num_vecs) break;
-      float wf[8];
-      bf16x8_to_f32(w[i], wf);
-#pragma unroll
-      for (int t = 0; t < kMaxRouteTokens; ++t) {
-        if (t < p.num_tokens) {
-          float xf[8];
-          bf16x8_to_f32(normed_rows[t * num_vecs + v], xf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t] += xf[e] * wf[e];
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < kMaxRouteTokens; ++t) {
-    if (t < p.num_tokens) {
-      const float sum = warp_sum(acc[t]);
-      if (lane == 0 && column < columns) p.logits[t * columns + column] = __float2bfloat16(sum);
-    }
-  }
-
-  // The last CTA: its reads below go to L2 (__ldcg), where the other CTAs' logits are.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    is_last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;
-    if (is_last) *done = 0;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const auto* logit_bits = reinterpret_cast<const unsigned short*>(p.logits);
-  for (int i = threadIdx.x; i < p.num_tokens * columns; i += kRouteThreads) {
-    logits[i] = __ushort_as_bfloat16(__ldcg(logit_bits + i));
-  }
-  if (p.residual) {
-    for (int i = threadIdx.x; i < p.num_tokens * num_vecs; i += kRouteThreads) {
-      float v[8];
-      bf16x8_to_f32(reinterpret_cast<const Bf16x8*>(p.x)[i], v);
-      Bf16x8* residual = reinterpret_cast<Bf16x8*>(p.residual) + i;
-      add_to_residual(v, *residual, residual);
-    }
-  }
-  __syncthreads();
-  if (warp < p.num_tokens) {
-    const Route r = route_token(logits + warp * columns, p.num_experts, p.top_k, p.renormalize,
-                                p.shared_expert_parts);
-    if (lane < routes) {
-      p.topk_ids[warp * routes + lane] = r.id;
-      p.topk_weights[warp * routes + lane] = r.weight;
-      ids[warp * routes + lane] = r.id;
-    }
-  }
-  __syncthreads();
-  rank_rows_in_cta(ids, p.num_tokens * routes, p.num_experts + p.shared_expert_parts,
-                   p.expert_offsets, p.permuted_index);
 }
 
 // One warp per token: the token's row is read once and written to its top_k permuted rows. A CTA
@@ -528,6 +392,7 @@ __global__ void __launch_bounds__(kCombineNormThreads)
   const int num_vecs = p.hidden / 8;
   const float extra_scale = extra_scale_of(p, t);
   float v[kCombineNormVecs][8];
+  float sum_sq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kCombineNormVecs; ++j) {
     const int i = threadIdx.x + j * kCombineNormThreads;
@@ -540,9 +405,19 @@ __global__ void __launch_bounds__(kCombineNormThreads)
       reinterpret_cast<Bf16x8*>(p.out + t * p.hidden)[i] = mixed;
       bf16x8_to_f32(mixed, v[j]);
       add_to_residual(v[j], old_residual, residual);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum_sq += v[j][e] * v[j][e];
     }
   }
-  store_rms_normed(v, p.norm_weight, p.normed + t * p.hidden, p.hidden, p.eps, scratch);
+  const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / p.hidden + p.eps);
+#pragma unroll
+  for (int j = 0; j < kCombineNormVecs; ++j) {
+    const int i = threadIdx.x + j * kCombineNormThreads;
+    if (i < num_vecs) {
+      reinterpret_cast<Bf16x8*>(p.normed + t * p.hidden)[i] =
+          rms_scaled(v[j], reinterpret_cast<const Bf16x8*>(p.norm_weight)[i], inv_rms);
+    }
+  }
 }
 
 __global__ void localize_experts_kernel(MoeLocalizeExpertsParams p) {
@@ -605,32 +480,6 @@ void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s) {
   if (p.num_tokens == 0 || p.permuted_x == nullptr) return;
   const int blocks = live_grid(p.num_tokens, kPermuteRowWarps, p.live_tokens.counts != nullptr);
   launch_dependent("permute_rows_kernel", permute_rows_kernel, dim3(blocks), dim3(kPermuteRowWarps * 32), 0, s, p);
-}
-
-void launch_moe_route(const MoeRouteParams<bf16>& p, cudaStream_t s) {
-  const int routes = p.top_k + p.shared_expert_parts;
-  RELAY_CHECK(p.num_tokens >= 0 && p.num_tokens <= kMaxRouteTokens, "moe_route: ", p.num_tokens,
-              " tokens (at most ", kMaxRouteTokens, ")");
-  RELAY_CHECK(p.hidden % 8 == 0 && p.hidden <= kRouteThreads * kRouteNormVecs * 8, "moe_route: hidden ",
-              p.hidden, " must be a multiple of 8 and at most ", kRouteThreads * kRouteNormVecs * 8);
-  RELAY_CHECK(p.num_experts <= 32 * kMaxExpertsPerLane && p.top_k >= 1 && p.top_k <= p.num_experts &&
-                  p.shared_expert_parts >= 0 && routes <= kMaxRoutesPerToken,
-              "moe_route: ", p.num_experts, " experts, top_k ", p.top_k, " and ", p.shared_expert_parts,
-              " shared expert parts (at most ", 32 * kMaxExpertsPerLane, " experts, at most ",
-              kMaxRoutesPerToken, " routes a token)");
-  for (const void* ptr : {static_cast<const void*>(p.x), static_cast<const void*>(p.residual),
-                          static_cast<const void*>(p.normed), static_cast<const void*>(p.router),
-                          static_cast<const void*>(p.norm_weight)}) {
-    RELAY_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "moe_route: rows must be 16-byte aligned");
-  }
-  if (p.num_tokens == 0) return;
-  const int columns = p.num_experts + (p.shared_expert_parts > 0 ? 1 : 0);
-  int* done = static_cast<int*>(per_stream<DeviceWorkspace, RouteCountTag>(s).get_zeroed(sizeof(int), s,
-                                                                                        "moe_route counter"));
-  const int smem = p.num_tokens * p.hidden * static_cast<int>(sizeof(bf16));
-  allow_dynamic_smem(moe_route_kernel, smem);
-  launch_dependent("moe_route_kernel", moe_route_kernel, dim3(ceil_div(columns, kRouteWarps)),
-                   dim3(kRouteThreads), smem, s, p, done);
 }
 
 void launch_moe_unpermute_combine(const MoeUnpermuteCombineParams<bf16>& p, cudaStream_t s) {

@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<bf
   const int64_t row = static_cast<int64_t>(blockIdx.x) * p.hidden;
   const int num_vecs = p.hidden / 8;
   float v[kNormVecsPerThread][8];
+  float sum_sq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kNormVecsPerThread; ++j) {
     const int i = threadIdx.x + j * kNormThreads;
@@ -45,9 +46,19 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<bf
         Bf16x8* residual = reinterpret_cast<Bf16x8*>(p.residual + row) + i;
         add_to_residual(v[j], *residual, residual);
       }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum_sq += v[j][e] * v[j][e];
     }
   }
-  store_rms_normed(v, p.weight, p.out + row, p.hidden, p.eps, scratch);
+  const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / p.hidden + p.eps);
+#pragma unroll
+  for (int j = 0; j < kNormVecsPerThread; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i < num_vecs) {
+      reinterpret_cast<Bf16x8*>(p.out + row)[i] =
+          rms_scaled(v[j], reinterpret_cast<const Bf16x8*>(p.weight)[i], inv_rms);
+    }
+  }
 }
 
 // Grid-stride over the live rows' 16-byte vectors (every row without a bound).

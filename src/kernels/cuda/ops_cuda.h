@@ -76,9 +76,6 @@ void launch_swiglu(const SwigluParams<bf16>& p, cudaStream_t s);
 constexpr int kMaxRoutesPerToken = 32;
 void launch_moe_router_topk(const MoeRouterTopkParams<bf16>& p, cudaStream_t s);
 void launch_moe_permute(const MoePermuteParams<bf16>& p, cudaStream_t s);
-// The fused decode routing (MoeRouteParams), for up to kMaxRouteTokens tokens.
-constexpr int kMaxRouteTokens = 8;
-void launch_moe_route(const MoeRouteParams<bf16>& p, cudaStream_t s);
 // Grouped GEMM over experts: a tensor-core tile kernel when experts hold many rows (prefill), a
 // weight-streaming kernel when they hold a few (decode). Both read expert_offsets on the device.
 void launch_moe_grouped_matmul(const MoeGroupedMatmulParams<bf16>& p, cudaStream_t s);

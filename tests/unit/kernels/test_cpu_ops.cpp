@@ -377,43 +377,6 @@ TEST_F(CpuOps, MoeCombineWithNormIsCombineThenNorm) {
   EXPECT_EQ(normed, normed_ref);
 }
 
-// The fused decode routing is the norm, the router, the top-k and the permute's index in turn,
-// here with the shared expert folded in (one more router row, one more route a token).
-TEST_F(CpuOps, MoeRouteIsNormRouterTopkPermute) {
-  const int tokens = 3, hidden = 16, experts = 6, top_k = 2, shared = 1;
-  const int columns = experts + 1, routes = top_k + shared, groups = experts + shared;
-  auto x = random_vec(tokens * hidden, rng), residual = random_vec(tokens * hidden, rng);
-  auto norm = random_vec(hidden, rng), router = random_vec(columns * hidden, rng);
-  std::vector<float> res = residual, normed(tokens * hidden), logits(tokens * columns);
-  std::vector<float> weights(tokens * routes);
-  std::vector<int32_t> ids(tokens * routes), index(ids.size()), offsets(groups + 1);
-  launch_moe_route({x.data(), res.data(), norm.data(), normed.data(), router.data(), logits.data(),
-                    ids.data(), weights.data(), index.data(), offsets.data(), tokens, hidden,
-                    experts, top_k, true, shared, 1e-6f},
-                   pool);
-  std::vector<float> normed_ref(normed.size()), logits_ref(logits.size()), weights_ref(weights.size());
-  std::vector<int32_t> ids_ref(ids.size()), index_ref(ids.size()), offsets_ref(offsets.size());
-  launch_rms_norm({x.data(), residual.data(), norm.data(), normed_ref.data(), tokens, hidden, 1e-6f},
-                  pool);
-  launch_matmul({normed_ref.data(), router.data(), nullptr, logits_ref.data(), tokens, columns, hidden},
-                pool);
-  launch_moe_router_topk({logits_ref.data(), ids_ref.data(), weights_ref.data(), tokens, experts,
-                          top_k, true, shared},
-                         pool);
-  launch_moe_permute({normed_ref.data(), ids_ref.data(), nullptr, index_ref.data(),
-                      offsets_ref.data(), tokens, hidden, groups, routes},
-                     pool);
-  EXPECT_EQ(res, residual);
-  EXPECT_EQ(normed, normed_ref);
-  EXPECT_EQ(logits, logits_ref);
-  EXPECT_EQ(ids, ids_ref);
-  EXPECT_EQ(weights, weights_ref);
-  EXPECT_EQ(index, index_ref);
-  EXPECT_EQ(offsets, offsets_ref);
-  EXPECT_EQ(offsets.back(), tokens * routes);
-  for (int t = 0; t < tokens; ++t) EXPECT_EQ(ids[t * routes + top_k], experts);  // the shared part
-}
-
 TEST_F(CpuOps, MoePermuteGroupedMatmulCombineWithEmptyExperts) {
   const int tokens = 5, hidden = 13, experts = 7, k = 2, n = 11;
   // Experts 0, 4 and 6 get nothing; expert 2 gets a row from every token.
